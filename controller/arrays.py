@@ -1,0 +1,56 @@
+"""The table of arrays: where each array's shards live, its state, and who still holds it."""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+
+__all__ = ["ArrayRecord", "ArrayTable", "PENDING", "READY", "FAILED"]
+
+PENDING, READY, FAILED = "pending", "ready", "failed"
+
+
+@dataclasses.dataclass
+class ArrayRecord:
+    """One logical array: shard ``p`` lives on ``executor_ids[p]``."""
+
+    array_id: int
+    executor_ids: tuple[str, ...]
+    state: str = PENDING
+    error: BaseException | None = None
+    landing: int = 0              # put shards not yet acknowledged by their executor
+    released: bool = False        # the client dropped its handle
+    producer_call: int = 0
+    event: threading.Event = dataclasses.field(default_factory=threading.Event)
+
+    def settle(self, state: str, error: BaseException | None = None) -> None:
+        if self.state != PENDING:
+            return  # the earliest outcome is kept
+        self.state, self.error = state, error
+        self.event.set()
+
+
+class ArrayTable:
+    """Array records by id. The controller holds its lock while using it."""
+
+    def __init__(self):
+        self._records: dict[int, ArrayRecord] = {}
+        self._next_id = 1
+
+    def new(self, executor_ids: tuple[str, ...], *, producer_call: int = 0, landing: int = 0) -> ArrayRecord:
+        record = ArrayRecord(self._next_id, executor_ids, producer_call=producer_call, landing=landing)
+        self._records[record.array_id] = record
+        self._next_id += 1
+        return record
+
+    def get(self, array_id: int) -> ArrayRecord | None:
+        return self._records.get(array_id)
+
+    def forget(self, array_id: int) -> None:
+        self._records.pop(array_id, None)
+
+    def __len__(self) -> int:
+        return len(self._records)
+
+    def records(self) -> list[ArrayRecord]:
+        return list(self._records.values())

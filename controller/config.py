@@ -1,0 +1,29 @@
+"""Controller configuration, validated up front."""
+
+from __future__ import annotations
+
+import dataclasses
+
+__all__ = ["ControllerConfig"]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ControllerConfig:
+    """Where the controller listens and how it watches executors.
+
+    ``bind_address`` is loopback unless told otherwise (executors run code the
+    controller sends; see docs/security.md).
+    """
+
+    bind_address: str = "tcp://127.0.0.1:0"
+    heartbeat_interval_s: float = 0.5
+    heartbeat_timeout_s: float = 10.0
+    request_timeout_s: float = 30.0
+
+    def __post_init__(self):
+        if not 0 < self.heartbeat_interval_s < self.heartbeat_timeout_s:
+            raise ValueError(f"heartbeats: expected 0 < interval ({self.heartbeat_interval_s}) "
+                             f"< timeout ({self.heartbeat_timeout_s})")
+        if not self.bind_address.startswith(("tcp://", "ipc://", "inproc://")):
+            raise ValueError(f"bind_address: expected a ZeroMQ endpoint like tcp://127.0.0.1:0, "
+                             f"got {self.bind_address!r}")

@@ -1,0 +1,370 @@
+"""The controller's logic: registration, calls, completion, failure and lifetimes.
+
+`Controller` reacts to messages from executors and to calls from the client; it
+emits messages through an outbox (a socket loop in a real process, a fake in unit
+tests). Every computation gets the island's next sequence number. A call is sent
+to every executor of its mesh at once; inputs that live on other executors are
+pushed there executor→executor (`SendShard`), never through the controller.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import itertools
+import logging
+import threading
+import time
+from typing import Protocol, Sequence
+
+from pathways_torch.errors import ExecutorLostError, RemoteError, ReplicationError
+from pathways_torch.wire import pb
+from pathways_torch.wire.framing import body_name
+
+from .arrays import FAILED, READY, ArrayRecord, ArrayTable
+from .config import ControllerConfig
+from .resources import MeshAllocation, ResourceManager
+
+__all__ = ["Controller", "CallSpec", "ControllerOutbox"]
+
+log = logging.getLogger(__name__)
+
+
+class ControllerOutbox(Protocol):
+    def to_executor(self, executor_id: str, envelope: pb.Envelope, payload: Sequence = ()) -> None: ...
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class CallSpec:
+    """One call of a captured function on a mesh."""
+
+    function_id: int
+    name: str
+    mesh: MeshAllocation
+    inputs: tuple[int, ...]
+    num_outputs: int
+    replicated_outputs: tuple[bool, ...] = ()
+    debug: bool = False
+    call_site: str = ""
+
+
+@dataclasses.dataclass
+class _Call:
+    spec: CallSpec
+    call_id: int
+    seq: int
+    outputs: list[ArrayRecord]
+    waiting: set[str]
+    digests: dict[str, list[bytes]] = dataclasses.field(default_factory=dict)
+    failed: bool = False
+
+
+@dataclasses.dataclass
+class _Function:
+    name: str
+    graph: pb.Graph
+    constants: list
+    loaded_on: set[str] = dataclasses.field(default_factory=set)
+
+
+class Controller:
+    """One island's controller state; thread-safe (client threads and the I/O thread)."""
+
+    def __init__(self, outbox: ControllerOutbox, config: ControllerConfig | None = None, clock=time.monotonic):
+        self.config = config or ControllerConfig()
+        self.outbox = outbox
+        self.clock = clock
+        self.resources = ResourceManager()
+        self.arrays = ArrayTable()
+        self._lock = threading.RLock()
+        self._registered = threading.Condition(self._lock)
+        self._functions: dict[int, _Function] = {}
+        self._calls: dict[int, _Call] = {}
+        self._failures: dict[int, BaseException] = {}   # call id → the error it raised
+        self._failure_holders: dict[int, int] = {}      # call id → its outputs still held
+        self._next_function_id = itertools.count(1)
+        self._next_call_id = itertools.count(1)
+        self._next_seq = itertools.count(1)             # the island's sequence numbers
+        self._next_request_id = itertools.count(1)
+        self._replies: dict[int, dict[str, pb.Envelope]] = {}
+        self._reply_events: dict[int, threading.Event] = {}
+        self._expected: dict[int, int] = {}
+        self.messages_sent: collections.Counter = collections.Counter()
+        self._shut_down = False
+        self.program_constant_bytes = 0   # graph constants are the only tensor bytes we ever send
+
+    # ------------------------------------------------------------ executors
+
+    def on_message(self, executor_id: str, envelope: pb.Envelope, payload: list) -> None:
+        kind = body_name(envelope)
+        with self._lock:
+            info = self.resources.executors.get(executor_id)
+            if info is not None:
+                info.last_heard = self.clock()
+            if kind == "register":
+                self._on_register(executor_id, envelope.register)
+            elif info is None or info.lost:
+                log.warning("controller: %s from unknown or lost executor %r dropped", kind, executor_id)
+            elif kind == "done":
+                self._on_done(executor_id, envelope.done)
+            elif kind in ("stats", "trace_reply"):
+                self._on_reply(executor_id, getattr(envelope, kind).request_id, envelope)
+            elif kind != "heartbeat":
+                log.warning("controller: unexpected %r from %s dropped", kind, executor_id)
+
+    def _on_register(self, executor_id: str, msg: pb.Register) -> None:
+        info = self.resources.register(executor_id, data_address=msg.data_address, device=msg.device,
+                                       backend=msg.backend, pid=msg.pid)
+        self._send(executor_id, pb.Envelope(welcome=pb.Welcome(
+            index=info.index, heartbeat_interval_s=self.config.heartbeat_interval_s,
+            heartbeat_timeout_s=self.config.heartbeat_timeout_s)))
+        self._registered.notify_all()
+
+    def wait_for_executors(self, count: int, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        with self._lock:
+            while len(self.resources.executors) < count:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise ExecutorLostError(
+                        f"expected {count} executors to register within {timeout_s:.0f} s, "
+                        f"got {len(self.resources.executors)}; see the executors' logs")
+                self._registered.wait(left)
+
+    def heartbeat(self) -> None:
+        """Ping every executor; declare lost those silent past the timeout."""
+        now = self.clock()
+        with self._lock:
+            if self._shut_down:
+                return
+            for info in self.resources.ordered():
+                if info.lost:
+                    continue
+                if now - info.last_heard > self.config.heartbeat_timeout_s:
+                    self._lose(info.executor_id, f"silent for {now - info.last_heard:.1f} s")
+                    continue
+                self._send(info.executor_id, pb.Envelope(heartbeat=pb.Heartbeat(sent_at=time.time())))
+
+    def _lose(self, executor_id: str, why: str) -> None:
+        info = self.resources.executors[executor_id]
+        info.lost = True
+        error = ExecutorLostError(f"executor {executor_id} lost: {why}", executor_id=executor_id)
+        for call in list(self._calls.values()):
+            if executor_id in call.spec.mesh.executor_ids:
+                self._fail_call(call, error)
+        for record in self.arrays.records():
+            if executor_id in record.executor_ids:
+                record.settle(FAILED, error)
+
+    # ------------------------------------------------------------ functions and calls
+
+    def register_function(self, name: str, graph: pb.Graph, constants: list) -> int:
+        with self._lock:
+            function_id = next(self._next_function_id)
+            self._functions[function_id] = _Function(name, graph, list(constants))
+            return function_id
+
+    def new_array(self, executor_ids: tuple[str, ...], *, landing: int = 0) -> ArrayRecord:
+        """An array whose shards the client puts itself (``landing`` shards still on their way)."""
+        with self._lock:
+            self._check_live(executor_ids)
+            record = self.arrays.new(executor_ids, landing=landing)
+            if landing == 0:
+                record.settle(READY)
+            return record
+
+    def landed(self, array_id: int) -> None:
+        """One put shard arrived on its executor (the client saw the ack)."""
+        with self._lock:
+            record = self.arrays.get(array_id)
+            if record is None:
+                return
+            record.landing -= 1
+            if record.landing == 0:
+                record.settle(READY)
+            self._maybe_forget(record)
+
+    def call(self, spec: CallSpec) -> list[ArrayRecord]:
+        """Dispatch one call to every executor of its mesh; return its output records at once."""
+        with self._lock:
+            mesh = spec.mesh
+            self._check_live(mesh.executor_ids)
+            call_id, seq = next(self._next_call_id), next(self._next_seq)
+            inputs = [self._input_record(array_id) for array_id in spec.inputs]
+            outputs = [self.arrays.new(mesh.executor_ids, producer_call=call_id) for _ in range(spec.num_outputs)]
+            call = _Call(spec, call_id, seq, outputs, waiting=set(mesh.executor_ids))
+            self._calls[call_id] = call
+            for position, executor_id in enumerate(mesh.executor_ids):
+                self._ensure_loaded(spec.function_id, executor_id)
+                run = pb.Run(seq=seq, call_id=call_id, function_id=spec.function_id,
+                             digest_outputs=spec.debug and any(spec.replicated_outputs))
+                for record in inputs:
+                    run.inputs.append(self._route_input(record, position, executor_id, call_id))
+                for record in outputs:
+                    run.outputs.add(array_id=record.array_id, shard=position)
+                self._send(executor_id, pb.Envelope(run=run))
+            return outputs
+
+    def _input_record(self, array_id: int) -> ArrayRecord:
+        record = self.arrays.get(array_id)
+        if record is None or record.released:
+            raise ValueError(f"array {array_id} was freed; it cannot be used as an input")
+        return record
+
+    def _route_input(self, record: ArrayRecord, position: int, executor_id: str, call_id: int) -> pb.ShardRef:
+        """Where executor ``executor_id`` finds shard ``position`` of ``record`` for this call."""
+        source = record.executor_ids[position]
+        if source == executor_id:
+            return pb.ShardRef(array_id=record.array_id, shard=position)
+        # The shard lives elsewhere: its owner pushes a copy tagged with this call.
+        copy = pb.ShardRef(array_id=record.array_id, shard=position, tag=call_id)
+        request = pb.SendShard(to_address=self.resources.executors[executor_id].data_address, call_id=call_id)
+        request.shard.CopyFrom(pb.ShardRef(array_id=record.array_id, shard=position))
+        request.as_ref.CopyFrom(copy)
+        self._send(source, pb.Envelope(send_shard=request))
+        return copy
+
+    def _ensure_loaded(self, function_id: int, executor_id: str) -> None:
+        function = self._functions[function_id]
+        if executor_id in function.loaded_on:
+            return
+        load = pb.LoadFunction(function_id=function_id, name=function.name)
+        load.graph.CopyFrom(function.graph)
+        self._send(executor_id, pb.Envelope(load_function=load), function.constants)
+        self.program_constant_bytes += sum(memoryview(c).nbytes for c in function.constants)
+        function.loaded_on.add(executor_id)
+
+    def _on_done(self, executor_id: str, done: pb.Done) -> None:
+        call = self._calls.get(done.call_id)
+        if call is None or executor_id not in call.waiting:
+            log.warning("controller: Done for unknown call %s from %s dropped", done.call_id, executor_id)
+            return
+        call.waiting.discard(executor_id)
+        if not done.ok:
+            self._fail_call(call, self._error_for(call, done.failure))
+        elif done.digests:
+            call.digests[executor_id] = list(done.digests)
+        if not call.waiting:
+            del self._calls[call.call_id]
+            if not call.failed:
+                self._complete(call)
+
+    def _complete(self, call: _Call) -> None:
+        for index, record in enumerate(call.outputs):
+            replicated = index < len(call.spec.replicated_outputs) and call.spec.replicated_outputs[index]
+            if replicated and call.digests:
+                digests = {executor: d[index] for executor, d in call.digests.items()}
+                if len(set(digests.values())) > 1:
+                    groups = collections.defaultdict(list)
+                    for executor, digest in digests.items():
+                        groups[digest].append(executor)
+                    record.settle(FAILED, ReplicationError(
+                        f"output {index} of {call.spec.name!r} is declared Replicate() but its shards differ "
+                        f"({len(groups)} distinct values across {', '.join(call.spec.mesh.executor_ids)}); "
+                        f"reduce it with pw.all_reduce first or declare it Shard(...)\ncalled from:\n"
+                        f"{call.spec.call_site.rstrip()}"))
+                    continue
+            record.settle(READY)
+
+    def _fail_call(self, call: _Call, error: BaseException) -> None:
+        if call.failed:
+            return
+        call.failed = True
+        self._failures.setdefault(call.call_id, error)
+        holders = sum(1 for r in call.outputs if not r.released)
+        if holders:
+            self._failure_holders[call.call_id] = holders
+        for record in call.outputs:
+            record.settle(FAILED, error)
+
+    def _error_for(self, call: _Call, failure: pb.RemoteFailure) -> BaseException:
+        origin = failure.origin_call_id
+        if origin and origin != call.call_id and origin in self._failures:
+            return self._failures[origin]  # a dependent call fails with the earliest cause
+        return RemoteError(failure.message, function=call.spec.name, executor_id=failure.executor_id,
+                           remote_type=failure.type, remote_traceback=failure.traceback,
+                           call_site=call.spec.call_site)
+
+    # ------------------------------------------------------------ lifetimes
+
+    def release(self, array_id: int) -> None:
+        """The client dropped its handle; free the shards once nothing else holds them."""
+        with self._lock:
+            record = self.arrays.get(array_id)
+            if record is None or record.released:
+                return
+            record.released = True
+            self._maybe_forget(record)
+
+    def _maybe_forget(self, record: ArrayRecord) -> None:
+        if not record.released or record.landing > 0:
+            return
+        self.arrays.forget(record.array_id)
+        by_executor = collections.defaultdict(list)
+        for position, executor_id in enumerate(record.executor_ids):
+            by_executor[executor_id].append(pb.ShardRef(array_id=record.array_id, shard=position))
+        for executor_id, shards in by_executor.items():
+            if not self.resources.executors[executor_id].lost:
+                self._send(executor_id, pb.Envelope(free=pb.Free(shards=shards)))
+        if record.producer_call in self._failure_holders:
+            self._failure_holders[record.producer_call] -= 1
+            if self._failure_holders[record.producer_call] == 0:
+                # No output of the failed call is left: forget its error.
+                del self._failure_holders[record.producer_call]
+                self._failures.pop(record.producer_call, None)
+
+    # ------------------------------------------------------------ requests to every executor
+
+    def gather(self, kind: str, timeout_s: float | None = None) -> dict[str, pb.Envelope]:
+        """Send a stats or trace request to every live executor; wait for every reply."""
+        timeout_s = timeout_s or self.config.request_timeout_s
+        with self._lock:
+            request_id = next(self._next_request_id)
+            targets = [e.executor_id for e in self.resources.ordered() if not e.lost]
+            self._replies[request_id], self._reply_events[request_id] = {}, threading.Event()
+            self._expected[request_id] = len(targets)
+            for executor_id in targets:
+                if kind == "stats":
+                    envelope = pb.Envelope(stats_request=pb.StatsRequest(request_id=request_id))
+                else:
+                    envelope = pb.Envelope(trace_request=pb.TraceRequest(request_id=request_id))
+                self._send(executor_id, envelope)
+            if not targets:
+                self._reply_events[request_id].set()
+        finished = self._reply_events[request_id].wait(timeout_s)
+        with self._lock:
+            replies = self._replies.pop(request_id)
+            del self._reply_events[request_id], self._expected[request_id]
+        if not finished:
+            missing = sorted(set(targets) - set(replies))
+            raise ExecutorLostError(f"no {kind} reply from {missing} within {timeout_s:.0f} s",
+                                    executor_id=missing[0] if missing else "")
+        return replies
+
+    def _on_reply(self, executor_id: str, request_id: int, envelope: pb.Envelope) -> None:
+        replies = self._replies.get(request_id)
+        if replies is None:
+            return
+        replies[executor_id] = envelope
+        if len(replies) >= self._expected[request_id]:
+            self._reply_events[request_id].set()
+
+    def shutdown_executors(self, reason: str) -> None:
+        with self._lock:
+            self._shut_down = True
+            for info in self.resources.ordered():
+                if not info.lost:
+                    self._send(info.executor_id, pb.Envelope(shutdown=pb.Shutdown(reason=reason)))
+
+    # ------------------------------------------------------------ helpers
+
+    def _check_live(self, executor_ids) -> None:
+        for executor_id in executor_ids:
+            info = self.resources.executors.get(executor_id)
+            if info is not None and info.lost:
+                raise ExecutorLostError(f"executor {executor_id} was lost; a mesh that includes it cannot run",
+                                        executor_id=executor_id)
+
+    def _send(self, executor_id: str, envelope: pb.Envelope, payload: Sequence = ()) -> None:
+        self.messages_sent[body_name(envelope)] += 1
+        self.outbox.to_executor(executor_id, envelope, payload)

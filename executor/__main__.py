@@ -1,0 +1,46 @@
+"""``python -m executor --controller ADDR`` (also the ``pathways-executor`` console script)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import socket
+
+from .config import BACKENDS, ExecutorConfig
+
+__all__ = ["main", "parse_args"]
+
+
+def parse_args(argv=None) -> ExecutorConfig:
+    parser = argparse.ArgumentParser(prog="pathways-executor", description="Run one pathways_torch executor.")
+    parser.add_argument("--controller", required=True, help="controller endpoint, e.g. tcp://127.0.0.1:5555")
+    parser.add_argument("--id", default=f"{socket.gethostname()}-{os.getpid()}", help="executor id")
+    parser.add_argument("--backend", default="eager", choices=BACKENDS)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--bind-host", default="127.0.0.1", help="interface for tensor traffic (loopback by default)")
+    parser.add_argument("--threads", type=int, default=1, help="compute threads (torch.set_num_threads)")
+    parser.add_argument("--parent-pid", type=int, default=0, help="exit when this process is gone")
+    parser.add_argument("--heartbeat-interval-s", type=float, default=0.5)
+    parser.add_argument("--heartbeat-timeout-s", type=float, default=10.0)
+    args = parser.parse_args(argv)
+    return ExecutorConfig(controller_address=args.controller, executor_id=args.id, backend=args.backend,
+                          device=args.device, bind_host=args.bind_host, num_threads=args.threads,
+                          parent_pid=args.parent_pid, heartbeat_interval_s=args.heartbeat_interval_s,
+                          heartbeat_timeout_s=args.heartbeat_timeout_s)
+
+
+def main(argv=None) -> None:
+    logging.basicConfig(level=os.environ.get("PATHWAYS_LOG_LEVEL", "WARNING"),
+                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    config = parse_args(argv)
+    # Ctrl-C in the client's terminal is the client's to handle: it stops us by message.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    from .process import ExecutorProcess
+
+    ExecutorProcess(config).run()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,43 @@
+"""Executor configuration, validated up front."""
+
+from __future__ import annotations
+
+import dataclasses
+
+__all__ = ["ExecutorConfig", "BACKENDS"]
+
+BACKENDS = ("eager",)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ExecutorConfig:
+    """How one executor process runs.
+
+    ``controller_address`` is the controller's ZeroMQ endpoint; ``bind_host`` is
+    where this executor listens for tensor bytes (loopback unless told otherwise).
+    ``parent_pid`` (set by a local launcher) makes the executor exit when that
+    process is gone.
+    """
+
+    controller_address: str
+    executor_id: str
+    backend: str = "eager"
+    device: str = "cpu"
+    bind_host: str = "127.0.0.1"
+    num_threads: int = 1
+    parent_pid: int = 0
+    heartbeat_interval_s: float = 0.5
+    heartbeat_timeout_s: float = 10.0
+    max_trace_events: int = 200_000
+
+    def __post_init__(self):
+        if self.backend not in BACKENDS:
+            raise ValueError(f"backend: expected one of {BACKENDS}, got {self.backend!r}")
+        if self.num_threads < 1:
+            raise ValueError(f"num_threads: expected >= 1, got {self.num_threads}")
+        if not 0 < self.heartbeat_interval_s < self.heartbeat_timeout_s:
+            raise ValueError(
+                f"heartbeats: expected 0 < interval ({self.heartbeat_interval_s}) < timeout ({self.heartbeat_timeout_s})")
+        if not self.controller_address.startswith(("tcp://", "ipc://", "inproc://")):
+            raise ValueError(f"controller_address: expected a ZeroMQ endpoint like tcp://127.0.0.1:5555, "
+                             f"got {self.controller_address!r}")

@@ -1,0 +1,105 @@
+"""The object store: buffers by id, reference counts and byte accounting.
+
+A key is ``(array_id, shard, tag)``: tag 0 is the array's own shard, a non-zero
+tag is a transient copy made for the call with that id. An entry lives while it
+is *owned* (the controller has not freed it) or *pinned* (a queued computation,
+a pending send or a pending fetch still needs it); it may exist before its bytes
+do (a placeholder), and callbacks wait for it to become ready.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+__all__ = ["ObjectStore", "Entry", "Key"]
+
+Key = tuple  # (array_id, shard, tag)
+
+
+class Entry:
+    __slots__ = ("value", "failure", "owned", "pins", "waiters", "nbytes")
+
+    def __init__(self):
+        self.value = None
+        self.failure = None       # a pb.RemoteFailure when the producer failed
+        self.owned = False
+        self.pins = 0
+        self.waiters: list[Callable[["Entry"], None]] = []
+        self.nbytes = 0
+
+    @property
+    def ready(self) -> bool:
+        return self.value is not None or self.failure is not None
+
+
+class ObjectStore:
+    """Buffers of one executor, with the bytes they hold counted."""
+
+    def __init__(self):
+        self._entries: dict[Key, Entry] = {}
+        self.bytes = 0
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __contains__(self, key: Key) -> bool:
+        return key in self._entries
+
+    def get(self, key: Key) -> Entry | None:
+        return self._entries.get(key)
+
+    def claim(self, key: Key, *, owned: bool = False, pin: bool = False) -> Entry:
+        """Return the entry for ``key``, creating a placeholder; optionally own or pin it."""
+        entry = self._entries.get(key)
+        if entry is None:
+            entry = self._entries[key] = Entry()
+        if owned:
+            entry.owned = True
+        if pin:
+            entry.pins += 1
+        return entry
+
+    def fill(self, key: Key, value=None, failure=None, *, owned: bool = True) -> None:
+        """Give ``key`` its bytes (or its failure) and wake whoever waits for it."""
+        entry = self.claim(key, owned=owned)
+        if entry.ready:
+            return  # a duplicate delivery; the first one wins
+        if failure is not None:
+            entry.failure = failure
+        else:
+            entry.value = value
+            entry.nbytes = value.numel() * value.element_size()
+            self.bytes += entry.nbytes
+        waiters, entry.waiters = entry.waiters, []
+        for waiter in waiters:
+            waiter(entry)
+        self._collect(key, entry)
+
+    def when_ready(self, key: Key, callback: Callable[[Entry], None]) -> None:
+        """Call ``callback(entry)`` once ``key`` is ready (now, if it is). The caller pins it."""
+        entry = self.claim(key)
+        if entry.ready:
+            callback(entry)
+        else:
+            entry.waiters.append(callback)
+
+    def unpin(self, key: Key) -> None:
+        entry = self._entries.get(key)
+        if entry is None:
+            return
+        entry.pins = max(0, entry.pins - 1)
+        self._collect(key, entry)
+
+    def free(self, key: Key) -> None:
+        """The controller dropped ``key``: delete it once nothing pins it."""
+        entry = self._entries.get(key)
+        if entry is None:
+            return
+        entry.owned = False
+        self._collect(key, entry)
+
+    def _collect(self, key: Key, entry: Entry) -> None:
+        if entry.owned or entry.pins or not entry.ready:
+            return
+        del self._entries[key]
+        self.bytes -= entry.nbytes

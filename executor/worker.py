@@ -1,0 +1,312 @@
+"""The executor's logic, independent of sockets and threads.
+
+`ExecutorCore` reacts to decoded messages and emits messages through an
+`Outbox`; computations go to a `submit` callable (the compute thread in a real
+process, a synchronous fake in unit tests) and come back through `finish`.
+Everything here runs on one thread (the I/O loop).
+
+Computations run in the order the controller sent them (the island's sequence
+order): the queue's head starts once its inputs are present, and nothing after
+it starts first. Since every dependency points from a lower to a higher sequence
+number and every executor follows the same order, this cannot deadlock.
+"""
+
+from __future__ import annotations
+
+import collections
+import hashlib
+import logging
+import traceback
+from typing import Callable, Protocol, Sequence
+
+from pathways_torch.wire import pb
+from pathways_torch.wire.framing import body_name
+from pathways_torch.wire.graph_schema import decode_graph
+from pathways_torch.wire.tensors import frame_to_tensor, tensor_to_frame
+
+from .store import ObjectStore
+from .trace import TraceRecorder
+
+__all__ = ["ExecutorCore", "Outbox", "ComputeJob"]
+
+log = logging.getLogger(__name__)
+
+
+class Outbox(Protocol):
+    def to_controller(self, envelope: pb.Envelope, payload: Sequence = ()) -> None: ...
+    def to_peer(self, address: str, envelope: pb.Envelope, payload: Sequence = ()) -> None: ...
+    def to_client(self, identity: bytes, envelope: pb.Envelope, payload: Sequence = ()) -> None: ...
+
+
+def _key(ref: pb.ShardRef) -> tuple:
+    return (ref.array_id, ref.shard, ref.tag)
+
+
+class ComputeJob:
+    """One computation handed to the compute thread."""
+
+    __slots__ = ("run", "function", "inputs", "outputs", "failure", "digests")
+
+    def __init__(self, run: pb.Run, function, inputs: list):
+        self.run, self.function, self.inputs = run, function, inputs
+        self.outputs: list | None = None
+        self.failure: pb.RemoteFailure | None = None
+        self.digests: list[bytes] = []
+
+
+class ExecutorCore:
+    """Object store, run queue, transfers and fetches of one executor."""
+
+    def __init__(self, *, executor_id: str, backend, outbox: Outbox,
+                 submit: Callable[[ComputeJob], None], trace: TraceRecorder | None = None):
+        self.executor_id = executor_id
+        self.backend = backend
+        self.outbox = outbox
+        self._submit = submit
+        self.trace = trace or TraceRecorder()
+        self.store = ObjectStore()
+        self.functions: dict[int, object] = {}
+        self.function_names: dict[int, str] = {}
+        self.function_failures: dict[int, pb.RemoteFailure] = {}
+        self._queue: collections.deque[pb.Run] = collections.deque()
+        self._in_compute = 0
+        self.hop_bytes: collections.Counter = collections.Counter()
+        self.num_computations = 0
+        self.num_function_loads = 0
+        self.dropped_messages = 0
+        self.stopped = False
+
+    # ------------------------------------------------------------ control plane
+
+    def on_control(self, envelope: pb.Envelope, payload: list) -> None:
+        kind = body_name(envelope)
+        handler = getattr(self, f"_on_{kind}", None)
+        if handler is None or kind in _DATA_KINDS:
+            self._drop(f"control message of type {kind!r} not expected from the controller")
+            return
+        handler(getattr(envelope, kind), payload)
+
+    def _on_welcome(self, msg: pb.Welcome, payload) -> None:
+        self.trace.record("receive", "welcome", detail=f"index {msg.index}")
+
+    def _on_heartbeat(self, msg: pb.Heartbeat, payload) -> None:
+        pass  # liveness is tracked by the process wrapper on any message
+
+    def _on_shutdown(self, msg: pb.Shutdown, payload) -> None:
+        log.info("%s: shutdown requested (%s)", self.executor_id, msg.reason)
+        self.stopped = True
+
+    def _on_load_function(self, msg: pb.LoadFunction, payload) -> None:
+        self.trace.record("receive", f"load {msg.name}", function_id=msg.function_id)
+        self.function_names[msg.function_id] = msg.name
+        try:
+            graph_module = decode_graph(msg.graph, payload, device=self.backend.device)
+            self.functions[msg.function_id] = self.backend.load(graph_module)
+            self.num_function_loads += 1
+        except Exception as exc:
+            log.warning("%s: function %s refused: %s", self.executor_id, msg.name, exc)
+            self.function_failures[msg.function_id] = self._failure(exc, origin_call_id=0)
+
+    def _on_run(self, run: pb.Run, payload) -> None:
+        self.trace.record("receive", self.function_names.get(run.function_id, "run"), seq=run.seq,
+                          call_id=run.call_id, function_id=run.function_id)
+        for ref in run.inputs:
+            self.store.claim(_key(ref), pin=True)
+        for ref in run.outputs:
+            self.store.claim(_key(ref), owned=True)
+        self._queue.append(run)
+        for ref in run.inputs:
+            self.store.when_ready(_key(ref), lambda _entry: self._pump())
+        self._pump()
+
+    def _on_send_shard(self, msg: pb.SendShard, payload) -> None:
+        key = _key(msg.shard)
+        self.store.claim(key, pin=True)
+        self.store.when_ready(key, lambda entry: self._push(msg, key, entry))
+
+    def _on_free(self, msg: pb.Free, payload) -> None:
+        for ref in msg.shards:
+            self.store.free(_key(ref))
+
+    def _on_stats_request(self, msg: pb.StatsRequest, payload) -> None:
+        stats = pb.Stats(request_id=msg.request_id, executor_id=self.executor_id,
+                         store_bytes=self.store.bytes, store_buffers=len(self.store),
+                         num_computations=self.num_computations, num_function_loads=self.num_function_loads)
+        for hop, count in self.hop_bytes.items():
+            stats.hop_bytes[hop] = count
+        self.outbox.to_controller(pb.Envelope(stats=stats))
+
+    def _on_trace_request(self, msg: pb.TraceRequest, payload) -> None:
+        reply = pb.TraceReply(request_id=msg.request_id, executor_id=self.executor_id)
+        self.trace.fill(reply)
+        self.outbox.to_controller(pb.Envelope(trace_reply=reply))
+
+    # ------------------------------------------------------------ data plane
+
+    def on_data(self, identity: bytes, envelope: pb.Envelope, payload: list) -> None:
+        kind = body_name(envelope)
+        if kind == "put":
+            self._on_put(identity, envelope.put, payload)
+        elif kind == "transfer":
+            self._on_transfer(envelope.transfer, payload)
+        elif kind == "fetch":
+            self._on_fetch(identity, envelope.fetch)
+        else:
+            self._drop(f"data message of type {kind!r} not expected")
+
+    def _on_put(self, identity: bytes, msg: pb.Put, payload) -> None:
+        tensor = frame_to_tensor(msg.tensor, payload)
+        self.hop_bytes["client->executor"] += tensor.numel() * tensor.element_size()
+        self.store.fill(_key(msg.shard), tensor)
+        ack = pb.PutAck(request_id=msg.request_id)
+        ack.shard.CopyFrom(msg.shard)
+        self.outbox.to_client(identity, pb.Envelope(put_ack=ack))
+
+    def _on_transfer(self, msg: pb.Transfer, payload) -> None:
+        key = _key(msg.shard)
+        if msg.failed:
+            self.store.fill(key, failure=msg.failure)
+            return
+        tensor = frame_to_tensor(msg.tensor, payload)
+        self.hop_bytes["executor->executor received"] += tensor.numel() * tensor.element_size()
+        self.trace.record("receive", "transfer", call_id=msg.shard.tag, detail=f"array {msg.shard.array_id}")
+        self.store.fill(key, tensor)
+
+    def _on_fetch(self, identity: bytes, msg: pb.Fetch) -> None:
+        key = _key(msg.shard)
+        if key not in self.store:
+            reply = pb.FetchReply(request_id=msg.request_id, failed=True)
+            reply.failure.CopyFrom(pb.RemoteFailure(
+                type="KeyError", executor_id=self.executor_id,
+                message=f"executor {self.executor_id} holds no shard {msg.shard.shard} of array {msg.shard.array_id}"))
+            self.outbox.to_client(identity, pb.Envelope(fetch_reply=reply))
+            return
+        self.store.claim(key, pin=True)
+        self.store.when_ready(key, lambda entry: self._reply_fetch(identity, msg, key, entry))
+
+    def _reply_fetch(self, identity: bytes, msg: pb.Fetch, key: tuple, entry) -> None:
+        reply = pb.FetchReply(request_id=msg.request_id)
+        payload = []
+        if entry.failure is not None:
+            reply.failed = True
+            reply.failure.CopyFrom(entry.failure)
+        else:
+            payload = [tensor_to_frame(entry.value, reply.tensor, 1)]
+            self.hop_bytes["executor->client"] += entry.nbytes
+        self.outbox.to_client(identity, pb.Envelope(fetch_reply=reply), payload)
+        self.store.unpin(key)
+
+    def _push(self, msg: pb.SendShard, key: tuple, entry) -> None:
+        transfer = pb.Transfer()
+        transfer.shard.CopyFrom(msg.as_ref)
+        payload = []
+        if entry.failure is not None:
+            transfer.failed = True
+            transfer.failure.CopyFrom(entry.failure)
+        else:
+            payload = [tensor_to_frame(entry.value, transfer.tensor, 1)]
+            self.hop_bytes["executor->executor"] += entry.nbytes
+        self.trace.record("send", "transfer", call_id=msg.call_id, detail=f"array {msg.shard.array_id} -> {msg.to_address}")
+        self.outbox.to_peer(msg.to_address, pb.Envelope(transfer=transfer), payload)
+        self.store.unpin(key)
+
+    # ------------------------------------------------------------ computations
+
+    def _pump(self) -> None:
+        """Start queued computations, in order, while the head's inputs are present."""
+        while self._queue:
+            run = self._queue[0]
+            entries = [self.store.get(_key(ref)) for ref in run.inputs]
+            if not all(e is not None and e.ready for e in entries):
+                return
+            self._queue.popleft()
+            self._start(run, entries)
+
+    def _start(self, run: pb.Run, entries: list) -> None:
+        failed_input = next((e.failure for e in entries if e.failure is not None), None)
+        failure = failed_input or self.function_failures.get(run.function_id)
+        function = self.functions.get(run.function_id)
+        if failure is None and function is None:
+            failure = pb.RemoteFailure(type="ProtocolError", executor_id=self.executor_id,
+                                       origin_call_id=run.call_id,
+                                       message=f"function {run.function_id} was never loaded on this executor")
+        job = ComputeJob(run, function, [e.value for e in entries])
+        if failure is not None:
+            if failure.origin_call_id == 0:
+                failure = _with_origin(failure, run.call_id)
+            job.failure = failure
+            self.finish(job)
+            return
+        self._in_compute += 1
+        self._submit(job)
+
+    def compute(self, job: ComputeJob) -> ComputeJob:
+        """Run a job (called on the compute thread); never raises."""
+        name = self.function_names.get(job.run.function_id, "")
+        self.trace.record("start", name, seq=job.run.seq, call_id=job.run.call_id, function_id=job.run.function_id)
+        try:
+            job.outputs = self.backend.run(job.function, job.inputs)
+            if len(job.outputs) != len(job.run.outputs):
+                raise RuntimeError(f"function returned {len(job.outputs)} outputs, the call expects "
+                                   f"{len(job.run.outputs)}")
+            if job.run.digest_outputs:
+                job.digests = [_digest(t) for t in job.outputs]
+        except Exception as exc:
+            job.outputs = None
+            job.failure = self._failure(exc, origin_call_id=job.run.call_id)
+        self.trace.record("end", name, seq=job.run.seq, call_id=job.run.call_id, function_id=job.run.function_id)
+        return job
+
+    def finish(self, job: ComputeJob) -> None:
+        """Store a job's outputs (or its failure), release its inputs, tell the controller."""
+        run = job.run
+        if job.outputs is not None:
+            for ref, value in zip(run.outputs, job.outputs):
+                self.store.fill(_key(ref), value.contiguous())
+            self.num_computations += 1
+        else:
+            for ref in run.outputs:
+                self.store.fill(_key(ref), failure=job.failure)
+        for ref in run.inputs:
+            key = _key(ref)
+            self.store.unpin(key)
+            if ref.tag:  # a transient copy made for this call alone
+                self.store.free(key)
+        done = pb.Done(call_id=run.call_id, seq=run.seq, ok=job.failure is None, digests=job.digests)
+        if job.failure is not None:
+            done.failure.CopyFrom(job.failure)
+        self.outbox.to_controller(pb.Envelope(done=done))
+        self._pump()
+
+    def job_finished(self, job: ComputeJob) -> None:
+        """Called on the I/O thread when the compute thread is done with ``job``."""
+        self._in_compute -= 1
+        self.finish(job)
+
+    # ------------------------------------------------------------ helpers
+
+    def _failure(self, exc: BaseException, *, origin_call_id: int) -> pb.RemoteFailure:
+        return pb.RemoteFailure(type=type(exc).__name__, message=str(exc), executor_id=self.executor_id,
+                                traceback="".join(traceback.format_exception(exc)), origin_call_id=origin_call_id)
+
+    def _drop(self, why: str) -> None:
+        self.dropped_messages += 1
+        log.warning("%s: dropped a message: %s", self.executor_id, why)
+
+
+_DATA_KINDS = {"put", "transfer", "fetch"}
+
+
+def _with_origin(failure: pb.RemoteFailure, call_id: int) -> pb.RemoteFailure:
+    copy = pb.RemoteFailure()
+    copy.CopyFrom(failure)
+    copy.origin_call_id = call_id
+    return copy
+
+
+def _digest(tensor) -> bytes:
+    import torch
+
+    data = tensor.detach().cpu().contiguous()
+    view = data.reshape(-1).view(torch.uint8).numpy() if data.numel() else b""
+    return hashlib.blake2b(view, digest_size=16).digest() + str(tuple(data.shape)).encode()

@@ -1,0 +1,49 @@
+"""pathways_torch: one Python client drives many executors through a single controller.
+
+Importing this package is light: it starts no sockets and imports neither torch_xla
+nor (until a name that needs it is used) torch. Public names are resolved lazily.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+__all__ = [
+    # context and placement
+    "Context", "Mesh", "Shard", "Replicate", "Sharding",
+    # functions and arrays
+    "function", "Function", "Array",
+    # errors
+    "PathwaysError", "RemoteError", "CaptureError", "ExecutorLostError", "ReplicationError",
+    "PlacementError",
+]
+
+_WHERE = {
+    "Context": "pathways_torch.context",
+    "Mesh": "pathways_torch.placement",
+    "Shard": "pathways_torch.placement",
+    "Replicate": "pathways_torch.placement",
+    "Sharding": "pathways_torch.placement",
+    "function": "pathways_torch.function",
+    "Function": "pathways_torch.function",
+    "Array": "pathways_torch.array",
+    "PathwaysError": "pathways_torch.errors",
+    "RemoteError": "pathways_torch.errors",
+    "CaptureError": "pathways_torch.errors",
+    "ExecutorLostError": "pathways_torch.errors",
+    "ReplicationError": "pathways_torch.errors",
+    "PlacementError": "pathways_torch.errors",
+}
+
+
+def __getattr__(name: str):
+    module = _WHERE.get(name)
+    if module is None:
+        raise AttributeError(f"module 'pathways_torch' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted(__all__)

@@ -1,0 +1,63 @@
+"""`Array`: a future for a sharded array with a known global shape, dtype and sharding."""
+
+from __future__ import annotations
+
+import weakref
+
+from .placement import Sharding, assemble_blocks, positions_needed
+
+__all__ = ["Array"]
+
+
+class Array:
+    """A logical array whose shards live on executors; returned at once by calls and ``ctx.put``.
+
+    ``shape``, ``dtype`` and ``sharding`` are known before anything runs. ``result()``
+    waits and assembles the shards into one ``torch.Tensor`` on the client; ``del``
+    (or losing every reference) frees the shards on the executors.
+    """
+
+    def __init__(self, context, record, shape, dtype, sharding: Sharding, block_shape):
+        self._context = context
+        self._record = record
+        self.shape = tuple(shape)
+        self.dtype = dtype
+        self.sharding = sharding
+        self.block_shape = tuple(block_shape)
+        self._finalizer = weakref.finalize(self, context._release, record.array_id)
+
+    @property
+    def array_id(self) -> int:
+        return self._record.array_id
+
+    @property
+    def mesh(self):
+        return self.sharding.mesh
+
+    def done(self) -> bool:
+        """True once the array is computed (or has failed)."""
+        return self._record.event.is_set()
+
+    def exception(self, timeout_s: float | None = None) -> BaseException | None:
+        """Wait for the array; return the error it failed with, or None."""
+        self._wait(timeout_s)
+        return self._record.error
+
+    def result(self, timeout_s: float | None = None):
+        """Wait, then fetch the shards straight from their executors and assemble them."""
+        self._wait(timeout_s)
+        if self._record.error is not None:
+            raise self._record.error
+        positions = positions_needed(self.block_shape, self.sharding.placements, self.mesh)
+        blocks = self._context._fetch_blocks(self, positions, timeout_s)
+        tensor = assemble_blocks(blocks, self.block_shape, self.sharding.placements, self.mesh)
+        # A lone block is a view of a received message; hand back memory the caller owns.
+        return tensor.clone() if len(positions) == 1 else tensor
+
+    def _wait(self, timeout_s: float | None) -> None:
+        if not self._record.event.wait(timeout_s):
+            raise TimeoutError(f"array {self.array_id} not ready within {timeout_s} s")
+
+    def __repr__(self) -> str:
+        state = self._record.state
+        return f"Array(id={self.array_id}, shape={self.shape}, dtype={self.dtype}, {self.sharding}, {state})"

@@ -1,0 +1,102 @@
+"""Capture a per-shard function with torch.fx for one input signature.
+
+The function is traced by ``make_fx`` on fake tensors of the *local block*
+shapes, so nothing runs and nothing is allocated; the output shapes and dtypes
+come from the fake tensors. The aten graph is then encoded in the wire schema.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, Sequence
+
+from .errors import CaptureError
+from .wire import pb
+from .wire.graph_schema import GraphSchemaError, encode_graph
+from .wire.tensors import dtype_name
+
+__all__ = ["CapturedVersion", "InputSpec", "capture"]
+
+
+@dataclasses.dataclass(frozen=True)
+class InputSpec:
+    """What the trace sees of one array argument: its local block shape and dtype."""
+
+    shape: tuple[int, ...]
+    dtype: object
+
+    def __str__(self) -> str:
+        return f"{dtype_name(self.dtype)}{list(self.shape)}"
+
+
+@dataclasses.dataclass
+class CapturedVersion:
+    """One traced version of a function: its graph, wire form and output metadata."""
+
+    name: str
+    inputs: tuple[InputSpec, ...]
+    graph_module: object
+    graph: pb.Graph
+    constants: list
+    outputs: tuple[InputSpec, ...]
+    single_output: bool
+
+    def describe(self) -> str:
+        ins = ", ".join(map(str, self.inputs))
+        outs = ", ".join(map(str, self.outputs))
+        return f"{self.name}({ins}) -> ({outs})"
+
+
+def capture(fn: Callable, name: str, inputs: Sequence[InputSpec], rebuild: Callable) -> CapturedVersion:
+    """Trace ``fn``; ``rebuild(tensors)`` turns the traced tensors into ``fn``'s (args, kwargs)."""
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    shown = ", ".join(map(str, inputs))
+
+    def flat(*tensors):
+        args, kwargs = rebuild(tensors)
+        return fn(*args, **kwargs)
+
+    with FakeTensorMode() as mode:
+        fakes = [torch.empty(spec.shape, dtype=spec.dtype) for spec in inputs]
+    try:
+        graph_module = make_fx(flat, tracing_mode="fake")(*fakes)
+    except Exception as exc:
+        raise CaptureError(
+            f"function {name!r} cannot be captured for local block shapes ({shown}): "
+            f"{type(exc).__name__}: {_first_line(exc)}\n"
+            f"fix: call it with inputs whose local blocks have shapes it accepts; control flow that depends on "
+            f"tensor values cannot be captured") from exc
+    del mode
+    single, outputs = _output_specs(graph_module, name)
+    try:
+        graph, constants = encode_graph(graph_module)
+    except GraphSchemaError as exc:
+        raise CaptureError(f"function {name!r}: {exc}") from exc
+    return CapturedVersion(name, tuple(inputs), graph_module, graph, constants, outputs, single)
+
+
+def _output_specs(graph_module, name: str) -> tuple[bool, tuple[InputSpec, ...]]:
+    import torch
+
+    output = next(n for n in graph_module.graph.nodes if n.op == "output")
+    value = output.args[0]
+    single = not isinstance(value, (list, tuple))
+    nodes = [value] if single else list(value)
+    specs = []
+    for index, node in enumerate(nodes):
+        fake = node.meta.get("val") if isinstance(node, torch.fx.Node) else None
+        if not isinstance(fake, torch.Tensor):
+            raise CaptureError(f"function {name!r}: output {index} is {node!r}, expected a tensor; "
+                               f"return tensors (or a tuple of tensors) only")
+        specs.append(InputSpec(tuple(int(d) for d in fake.shape), fake.dtype))
+    if not specs:
+        raise CaptureError(f"function {name!r} returns nothing; return at least one tensor")
+    return single, tuple(specs)
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__

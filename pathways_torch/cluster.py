@@ -1,0 +1,69 @@
+"""Start executor processes on this machine and make sure none outlives the client."""
+
+from __future__ import annotations
+
+import atexit
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+__all__ = ["LocalCluster"]
+
+
+class LocalCluster:
+    """``num_executors`` executor processes (``python -m executor``) connected to ``controller_address``.
+
+    Each gets ``--parent-pid`` so it exits when this process dies, even by SIGKILL,
+    and its own session so a Ctrl-C in the terminal reaches only the client, which
+    then stops the executors by message.
+    """
+
+    def __init__(self, controller_address: str, num_executors: int, *, backend: str = "eager",
+                 threads: int = 1, heartbeat_interval_s: float = 0.5, heartbeat_timeout_s: float = 10.0,
+                 log_dir: str | None = None, name_prefix: str = "executor"):
+        self.log_dir = log_dir or tempfile.mkdtemp(prefix="pathways-logs-")
+        self.executor_ids = [f"{name_prefix}-{i}" for i in range(num_executors)]
+        self.processes: list[subprocess.Popen] = []
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        for executor_id in self.executor_ids:
+            log_path = os.path.join(self.log_dir, f"{executor_id}.log")
+            with open(log_path, "wb") as log_file:
+                self.processes.append(subprocess.Popen(
+                    [sys.executable, "-m", "executor", "--controller", controller_address, "--id", executor_id,
+                     "--backend", backend, "--threads", str(threads), "--parent-pid", str(os.getpid()),
+                     "--heartbeat-interval-s", str(heartbeat_interval_s),
+                     "--heartbeat-timeout-s", str(heartbeat_timeout_s)],
+                    stdin=subprocess.DEVNULL, stdout=log_file, stderr=subprocess.STDOUT, env=env,
+                    start_new_session=True))
+        atexit.register(self.stop, 2.0)
+
+    @property
+    def pids(self) -> list[int]:
+        return [p.pid for p in self.processes]
+
+    def check_alive(self) -> None:
+        """Raise with the log tail if an executor has already exited."""
+        for executor_id, process in zip(self.executor_ids, self.processes):
+            if process.poll() is not None:
+                raise RuntimeError(f"executor {executor_id} exited with code {process.returncode} during start-up; "
+                                   f"its log ends:\n{self.log_tail(executor_id)}")
+
+    def log_tail(self, executor_id: str, num_lines: int = 30) -> str:
+        try:
+            with open(os.path.join(self.log_dir, f"{executor_id}.log"), errors="replace") as f:
+                return "".join(f.readlines()[-num_lines:])
+        except OSError:
+            return "(no log)"
+
+    def stop(self, grace_s: float = 5.0) -> None:
+        """Wait up to ``grace_s`` for executors told to shut down; kill the rest."""
+        deadline = time.monotonic() + grace_s
+        for process in self.processes:
+            try:
+                process.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait(5)
+        atexit.unregister(self.stop)

@@ -1,0 +1,201 @@
+"""`pw.Context`: the client's handle on a cluster (by default an embedded controller + local executors)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import time
+
+from controller import CallSpec, ControllerConfig, ControllerServer
+
+from .array import Array
+from .cluster import LocalCluster
+from .data_client import DataClient
+from .errors import PathwaysError, PlacementError
+from .placement import Mesh, Sharding, local_shape, normalize_placements, split_blocks
+from .trace_export import chrome_trace
+from .wire import pb
+
+__all__ = ["Context", "ContextConfig"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ContextConfig:
+    """How `Context` starts its embedded cluster."""
+
+    num_executors: int = 4
+    backend: str = "eager"
+    debug: bool = False
+    executor_threads: int = 1
+    start_timeout_s: float = 120.0
+    heartbeat_interval_s: float = 0.5
+    heartbeat_timeout_s: float = 10.0
+    log_dir: str | None = None
+
+    def __post_init__(self):
+        if not isinstance(self.num_executors, int) or self.num_executors < 1:
+            raise ValueError(f"num_executors: expected a positive int, got {self.num_executors!r}")
+
+
+class Context:
+    """Start a controller in this process and ``num_executors`` executor processes; stop them on exit.
+
+    Use as a context manager. ``debug=True`` checks that outputs declared
+    ``Replicate()`` are identical on every shard.
+    """
+
+    def __init__(self, num_executors: int = 4, **options):
+        self.config = ContextConfig(num_executors=num_executors, **options)
+        self._closed = False
+        self._server = ControllerServer(ControllerConfig(
+            heartbeat_interval_s=self.config.heartbeat_interval_s,
+            heartbeat_timeout_s=self.config.heartbeat_timeout_s))
+        self._server.start()
+        self.controller = self._server.controller
+        self._cluster = None
+        self._data = None
+        try:
+            self._cluster = LocalCluster(
+                self._server.address, self.config.num_executors, backend=self.config.backend,
+                threads=self.config.executor_threads, heartbeat_interval_s=self.config.heartbeat_interval_s,
+                heartbeat_timeout_s=self.config.heartbeat_timeout_s, log_dir=self.config.log_dir)
+            self._wait_for_executors()
+            self._data = DataClient(self._server.loop.context)
+            for info in self.controller.resources.ordered():
+                self._data.connect(info.executor_id, info.data_address)
+            self._function_ids: dict[int, tuple] = {}
+        except BaseException:
+            self.close()
+            raise
+
+    def _wait_for_executors(self) -> None:
+        deadline = time.monotonic() + self.config.start_timeout_s
+        while True:
+            self._cluster.check_alive()
+            try:
+                self.controller.wait_for_executors(self.config.num_executors, 0.2)
+                return
+            except PathwaysError:
+                if time.monotonic() > deadline:
+                    raise
+
+    # ------------------------------------------------------------ lifecycle
+
+    def __enter__(self) -> "Context":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Stop every executor and the controller (idempotent)."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self.controller.shutdown_executors("the client closed its context")
+        finally:
+            if self._cluster is not None:
+                self._cluster.stop()
+            if self._data is not None:
+                self._data.close()
+            self._server.stop()
+
+    @property
+    def executor_ids(self) -> list[str]:
+        return [e.executor_id for e in self.controller.resources.ordered()]
+
+    @property
+    def executor_pids(self) -> list[int]:
+        return self._cluster.pids if self._cluster else []
+
+    # ------------------------------------------------------------ meshes and arrays
+
+    def mesh(self, axes: dict[str, int], executors: list[int | str] | None = None) -> Mesh:
+        """A mesh with named axes, e.g. ``{"data": 4}``; ``executors`` picks them (indices or ids)."""
+        ids = None
+        if executors is not None:
+            known = self.executor_ids
+            ids = [known[e] if isinstance(e, int) else e for e in executors]
+        return Mesh(self, self.controller.resources.allocate(dict(axes), ids))
+
+    def put(self, tensor, mesh: Mesh, placements) -> Array:
+        """Place ``tensor`` on ``mesh``: each executor gets its block straight from this client."""
+        import torch
+
+        if not isinstance(tensor, torch.Tensor):
+            raise PlacementError(f"ctx.put: expected a torch.Tensor, got {type(tensor).__name__}")
+        placements = normalize_placements(placements, mesh)
+        block_shape = local_shape(tuple(tensor.shape), placements, mesh)
+        # One private copy, so later in-place changes to `tensor` cannot race the send.
+        blocks = [b.detach().to("cpu", copy=True).contiguous() for b in split_blocks(tensor, placements, mesh)]
+        record = self.controller.new_array(mesh.executor_ids, landing=mesh.size)
+        for position, (executor_id, block) in enumerate(zip(mesh.executor_ids, blocks)):
+            self._data.put(executor_id, pb.ShardRef(array_id=record.array_id, shard=position), block,
+                           lambda aid=record.array_id: self.controller.landed(aid))
+        return Array(self, record, tuple(tensor.shape), tensor.dtype, Sharding(mesh, placements), block_shape)
+
+    # ------------------------------------------------------------ used by Function and Array
+
+    def _call(self, version, mesh: Mesh, inputs, layouts: list, call_site: str) -> list[Array]:
+        self._check_open()
+        replicated = tuple(sharding.is_replicated for _, _, sharding, _ in layouts)
+        spec = CallSpec(function_id=self._function_id(version), name=version.name, mesh=mesh.allocation,
+                        inputs=tuple(a.array_id for a in inputs), num_outputs=len(layouts),
+                        replicated_outputs=replicated, debug=self.config.debug, call_site=call_site)
+        records = self.controller.call(spec)
+        return [Array(self, record, shape, dtype, sharding, block)
+                for record, (shape, dtype, sharding, block) in zip(records, layouts)]
+
+    def _function_id(self, version) -> int:
+        entry = self._function_ids.get(id(version))
+        if entry is None or entry[1] is not version:
+            function_id = self.controller.register_function(version.name, version.graph, version.constants)
+            entry = self._function_ids[id(version)] = (function_id, version)
+        return entry[0]
+
+    def _fetch_blocks(self, array: Array, positions: list[int], timeout_s: float | None) -> dict:
+        futures = {p: self._data.fetch(array.mesh.executor_ids[p], pb.ShardRef(array_id=array.array_id, shard=p))
+                   for p in positions}
+        return {p: f.result(timeout_s) for p, f in futures.items()}
+
+    def _release(self, array_id: int) -> None:
+        if not self._closed:
+            self.controller.release(array_id)
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise PathwaysError("this context is closed; create a new pw.Context")
+
+    # ------------------------------------------------------------ observability
+
+    def stats(self) -> dict:
+        """Object store bytes and bytes per hop, per executor and in total."""
+        replies = self.controller.gather("stats")
+        executors = {}
+        hops = {"client->executor": self._data.bytes_sent, "executor->client": self._data.bytes_received,
+                "executor->executor": 0, "controller relayed": 0}
+        for executor_id, envelope in replies.items():
+            s = envelope.stats
+            executors[executor_id] = {"store_bytes": s.store_bytes, "store_buffers": s.store_buffers,
+                                      "hop_bytes": dict(s.hop_bytes), "num_computations": s.num_computations,
+                                      "num_function_loads": s.num_function_loads}
+            hops["executor->executor"] += s.hop_bytes.get("executor->executor", 0)
+        payload = self._server.payload_bytes
+        hops["controller relayed"] = payload["sent"] + payload["received"] - self.controller.program_constant_bytes
+        return {"executors": executors, "hops": hops,
+                "program_constant_bytes": self.controller.program_constant_bytes,
+                "controller_messages": dict(self.controller.messages_sent)}
+
+    def trace(self, path: str) -> dict:
+        """Collect every executor's events into one Chrome/Perfetto trace JSON file at ``path``."""
+        replies = self.controller.gather("trace")
+        order = {e: i for i, e in enumerate(self.executor_ids)}
+        trace = chrome_trace({executor_id: envelope.trace_reply.events for executor_id, envelope in replies.items()},
+                             order)
+        with open(path, "w") as f:
+            json.dump(trace, f)
+        return trace

@@ -1,0 +1,75 @@
+"""The error families of pathways_torch, under one base `PathwaysError`.
+
+The user's bugs (`RemoteError`, `CaptureError`, `PlacementError`, `ReplicationError`)
+and infrastructure failures (`ExecutorLostError`) are told apart by type. Every
+message says what was expected, what came, and the fix where there is one.
+This module imports nothing heavy: the controller uses it too.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "PathwaysError", "RemoteError", "CaptureError", "PlacementError",
+    "ReplicationError", "ExecutorLostError", "ProtocolError",
+]
+
+
+class PathwaysError(Exception):
+    """Base of every error raised by pathways_torch."""
+
+
+class CaptureError(PathwaysError):
+    """A function could not be captured for the given input shapes; raised on the client before dispatch."""
+
+
+class PlacementError(PathwaysError, ValueError):
+    """A placement, mesh or shape that does not fit (e.g. a dimension not divisible by a mesh axis)."""
+
+
+class RemoteError(PathwaysError):
+    """The user's function raised on an executor.
+
+    ``remote_traceback`` is the executor-side traceback, ``call_site`` the client
+    line that made the call, ``executor_id`` where it happened. Every future that
+    depends on the failed call raises the same `RemoteError` object.
+    """
+
+    def __init__(self, message: str, *, function: str = "", executor_id: str = "",
+                 remote_type: str = "", remote_traceback: str = "", call_site: str = ""):
+        self.function = function
+        self.executor_id = executor_id
+        self.remote_type = remote_type
+        self.remote_traceback = remote_traceback
+        self.call_site = call_site
+        self.remote_message = message
+        super().__init__(self._render())
+
+    def _render(self) -> str:
+        lines = [f"{self.remote_type or 'Error'} in function {self.function!r} on executor {self.executor_id}: "
+                 f"{self.remote_message}"]
+        if self.call_site:
+            lines.append(f"called from:\n{self.call_site.rstrip()}")
+        if self.remote_traceback:
+            lines.append(f"executor traceback:\n{self.remote_traceback.rstrip()}")
+        return "\n".join(lines)
+
+
+class ReplicationError(PathwaysError):
+    """Debug mode found the shards of an output declared ``Replicate()`` to differ.
+
+    The function computes a different value on each shard (for example a sum over
+    a sharded input): reduce it first with ``pw.all_reduce`` or declare the output
+    ``Shard``.
+    """
+
+
+class ExecutorLostError(PathwaysError):
+    """An executor died or stopped answering; names the executor."""
+
+    def __init__(self, message: str, *, executor_id: str = ""):
+        self.executor_id = executor_id
+        super().__init__(message)
+
+
+class ProtocolError(PathwaysError):
+    """A peer sent a message that breaks the protocol (it is logged and dropped)."""

@@ -1,0 +1,168 @@
+"""``@pw.function``: a per-shard (SPMD) function captured once per input signature.
+
+On a mesh, every executor runs the function on its *local* blocks. Outputs are
+placed as declared by ``out=`` or, by default, sharded like the first sharded
+input: ``Shard(0)`` on each mesh axis that input is sharded on (local blocks
+concatenated along dim 0; 0-d blocks stacked), ``Replicate()`` on the others.
+"""
+
+from __future__ import annotations
+
+import functools
+import linecache
+import os
+import sys
+from typing import Callable
+
+from .array import Array
+from .capture import CapturedVersion, InputSpec, capture
+from .errors import CaptureError, PlacementError
+from .placement import Replicate, Shard, Sharding, global_shape, normalize_placements
+
+__all__ = ["function", "Function"]
+
+_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
+
+
+def function(fn: Callable | None = None, *, out=None, name: str | None = None):
+    """Decorate a per-shard function. ``out``: one spec or a tuple (one per output); a spec is
+    ``pw.Shard(d)`` / ``pw.Replicate()`` (every mesh axis) or ``{axis: placement}``."""
+    if fn is None:
+        return lambda f: Function(f, out=out, name=name)
+    return Function(fn, out=out, name=name)
+
+
+class Function:
+    """A captured per-shard function; ``num_traces`` counts the versions traced so far."""
+
+    def __init__(self, fn: Callable, *, out=None, name: str | None = None, mesh=None):
+        self.fn = fn
+        self.out = out
+        self.name = name or getattr(fn, "__name__", "function")
+        self._mesh = mesh
+        self._versions: dict[tuple, CapturedVersion] = {}
+        functools.update_wrapper(self, fn)
+
+    @property
+    def num_traces(self) -> int:
+        return len(self._versions)
+
+    def on(self, mesh) -> "Function":
+        """The same function, run on ``mesh`` (inputs elsewhere are moved executor→executor)."""
+        bound = Function(self.fn, out=self.out, name=self.name, mesh=mesh)
+        bound._versions = self._versions  # one trace cache for every mesh it runs on
+        return bound
+
+    def __call__(self, *args, **kwargs):
+        arrays = [a for a in args if isinstance(a, Array)]
+        if not arrays:
+            raise PlacementError(f"{self.name}: expected at least one pw.Array argument (made by ctx.put or a call), "
+                                 f"got none; put tensors on a mesh with ctx.put first")
+        for value in list(args) + list(kwargs.values()):
+            if _is_tensor(value):
+                raise PlacementError(f"{self.name}: got a torch.Tensor argument; put it on a mesh with "
+                                     f"ctx.put(tensor, mesh, placements) and pass the array")
+            if isinstance(value, Array) and value in kwargs.values():
+                raise PlacementError(f"{self.name}: pass arrays positionally, not as keywords")
+        mesh = self._mesh or arrays[0].mesh
+        context = arrays[0]._context
+        for a in arrays:
+            if a._context is not context:
+                raise PlacementError(f"{self.name}: arrays from different contexts cannot meet in one call")
+            if not a.mesh.same_shape(mesh):
+                raise PlacementError(
+                    f"{self.name}: array {a.array_id} lives on a mesh of shape {a.mesh.axes}, the call runs on "
+                    f"{mesh.axes}; resharding across mesh shapes is not supported yet — put it on a mesh of "
+                    f"the same shape")
+        signature = self._signature(args, kwargs, mesh)
+        version = self._version(signature, args, kwargs)
+        layouts = self._layouts(version, mesh, self._out_placements(arrays, mesh, len(version.outputs)))
+        outputs = context._call(version, mesh, arrays, layouts, _call_site())
+        return outputs[0] if version.single_output else tuple(outputs)
+
+    # ------------------------------------------------------------ capture
+
+    def _signature(self, args, kwargs, mesh) -> tuple:
+        parts = []
+        for a in args:
+            if isinstance(a, Array):
+                parts.append(("array", a.block_shape, a.dtype, a.sharding.placements))
+            else:
+                parts.append(("static", _static_key(a, self.name)))
+        statics = tuple(sorted((k, _static_key(v, self.name)) for k, v in kwargs.items()))
+        return (tuple(parts), statics, tuple(mesh.axes.items()))
+
+    def _version(self, signature, args, kwargs) -> CapturedVersion:
+        cache = self._versions
+        version = cache.get(signature)
+        if version is None:
+            specs = [InputSpec(a.block_shape, a.dtype) for a in args if isinstance(a, Array)]
+            slots = [i for i, a in enumerate(args) if isinstance(a, Array)]
+
+            def rebuild(tensors):
+                rebuilt = list(args)
+                for slot, tensor in zip(slots, tensors):
+                    rebuilt[slot] = tensor
+                return rebuilt, kwargs
+
+            version = capture(self.fn, self.name, specs, rebuild)
+            cache[signature] = version
+        return version
+
+    def _out_placements(self, arrays, mesh, num_outputs: int) -> list[tuple]:
+        if self.out is None:
+            first = next((a for a in arrays if not a.sharding.is_replicated), None)
+            if first is None:
+                spec = tuple(Replicate() for _ in mesh.axes)
+            else:
+                spec = tuple(Shard(0) if isinstance(p, Shard) else Replicate() for p in first.sharding.placements)
+            return [spec] * num_outputs
+        specs = self.out if isinstance(self.out, (tuple, list)) else (self.out,) * num_outputs
+        if len(specs) != num_outputs:
+            raise CaptureError(f"{self.name}: out= gives {len(specs)} placements, the function returns "
+                               f"{num_outputs} outputs")
+        return [normalize_placements(spec, mesh) for spec in specs]
+
+    def _layouts(self, version, mesh, out_placements) -> list[tuple]:
+        """(global shape, dtype, sharding, block shape) of each output; checked before dispatch."""
+        layouts = []
+        for index, (spec, placements) in enumerate(zip(version.outputs, out_placements)):
+            try:
+                shape = global_shape(spec.shape, placements, mesh)
+            except PlacementError as exc:
+                raise CaptureError(f"{self.name}: output {index} has local shape {list(spec.shape)}, "
+                                   f"which placements {list(placements)} cannot take: {exc}") from None
+            layouts.append((shape, spec.dtype, Sharding(mesh, placements), spec.shape))
+        return layouts
+
+    def __repr__(self) -> str:
+        return f"<pw.function {self.name} ({self.num_traces} traced versions)>"
+
+
+def _is_tensor(value) -> bool:
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(value, torch.Tensor)
+
+
+def _static_key(value, name: str):
+    if isinstance(value, (int, float, bool, str, type(None))):
+        return (type(value).__name__, value)
+    if isinstance(value, (tuple, list)):
+        return (type(value).__name__, tuple(_static_key(v, name) for v in value))
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(value, torch.dtype):
+        return ("dtype", str(value))
+    raise CaptureError(f"{name}: argument {value!r} of type {type(value).__name__} is neither a pw.Array nor a "
+                       f"static Python value (int, float, bool, str, None, dtype, tuple of those)")
+
+
+def _call_site() -> str:
+    """The innermost frame outside pathways_torch, formatted like a traceback line."""
+    frame = sys._getframe(1)
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(_PACKAGE_DIR):
+        frame = frame.f_back
+    if frame is None:
+        return ""
+    filename, lineno = frame.f_code.co_filename, frame.f_lineno
+    line = linecache.getline(filename, lineno).strip()
+    return f'  File "{filename}", line {lineno}, in {frame.f_code.co_name}\n    {line}\n'

@@ -1,0 +1,33 @@
+"""Executor trace events → one Chrome/Perfetto trace (``chrome://tracing``, ui.perfetto.dev)."""
+
+from __future__ import annotations
+
+__all__ = ["chrome_trace"]
+
+_COMPUTE_TID, _IO_TID = 0, 1
+
+
+def chrome_trace(events_by_executor: dict, order: dict[str, int]) -> dict:
+    """One process row per executor: computations as complete events, messages as instants."""
+    out = []
+    for executor_id, events in events_by_executor.items():
+        pid = order.get(executor_id, len(order))
+        out.append({"ph": "M", "name": "process_name", "pid": pid, "args": {"name": executor_id}})
+        out.append({"ph": "M", "name": "thread_name", "pid": pid, "tid": _COMPUTE_TID, "args": {"name": "compute"}})
+        out.append({"ph": "M", "name": "thread_name", "pid": pid, "tid": _IO_TID, "args": {"name": "io"}})
+        started = {}
+        for e in events:
+            args = {"seq": e.seq, "call_id": e.call_id, "function_id": e.function_id}
+            if e.detail:
+                args["detail"] = e.detail
+            ts_us = e.time_ns / 1000.0
+            if e.kind == "start":
+                started[(e.call_id, e.seq)] = ts_us
+            elif e.kind == "end" and (e.call_id, e.seq) in started:
+                begin = started.pop((e.call_id, e.seq))
+                out.append({"ph": "X", "name": e.name or "compute", "cat": "compute", "pid": pid,
+                            "tid": _COMPUTE_TID, "ts": begin, "dur": ts_us - begin, "args": args})
+            else:
+                out.append({"ph": "i", "s": "t", "name": f"{e.kind} {e.name}".strip(), "cat": e.kind, "pid": pid,
+                            "tid": _IO_TID, "ts": ts_us, "args": args})
+    return {"traceEvents": out, "displayTimeUnit": "ms"}

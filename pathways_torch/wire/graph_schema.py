@@ -1,0 +1,245 @@
+"""A captured fx graph as a schema message: no Python source, no pickle.
+
+Encoding walks an aten-level ``torch.fx.GraphModule`` (as ``make_fx`` produces) and
+writes each node's op, its target's qualified name and its arguments in a closed
+set of kinds (node refs, ints, floats, bools, None, strings, dtypes, memory
+formats, layouts, devices, lists, tensor constants). Decoding resolves every
+target against ``torch.ops`` (plus ``operator.getitem``) on the receiving side and
+rebuilds a GraphModule; an unknown op or a malformed graph is refused with an
+error that names it.
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import Any
+
+from . import pathways_pb2 as pb
+from .tensors import dtype_from_name, dtype_name, frame_to_tensor, tensor_to_frame
+
+__all__ = ["encode_graph", "decode_graph", "GraphSchemaError", "ALLOWED_NAMESPACES"]
+
+# Op namespaces an executor will resolve. Anything else is refused.
+ALLOWED_NAMESPACES = ("aten", "prims", "pathways", "_c10d_functional")
+
+_NODE_OPS = ("placeholder", "call_function", "output")
+
+
+class GraphSchemaError(ValueError):
+    """A graph that cannot be encoded, or a received graph that is malformed or names an unknown op."""
+
+
+# ---------------------------------------------------------------- encoding
+
+def encode_graph(graph_module) -> tuple[pb.Graph, list]:
+    """Return the schema message for ``graph_module`` and its constant frames (in order)."""
+    message = pb.Graph()
+    index_of: dict[Any, int] = {}
+    constants: list = []
+    for node in graph_module.graph.nodes:
+        if node.op == "get_attr":
+            # Tensor constants that make_fx lifted onto the module travel as frames.
+            value = _resolve_attr(graph_module, node.target)
+            index_of[node] = ("constant", _add_constant(message, constants, value))
+            continue
+        out = message.nodes.add(op=node.op, name=node.name)
+        if node.op == "call_function":
+            out.target = _target_name(node.target, node)
+        elif node.op not in ("placeholder", "output"):
+            raise GraphSchemaError(f"node {node.name}: op {node.op!r} cannot travel; expected one of {_NODE_OPS}")
+        for arg in node.args:
+            _encode_arg(out.args.add(), arg, index_of, message, constants, node)
+        for name, value in node.kwargs.items():
+            named = out.kwargs.add(name=name)
+            _encode_arg(named.value, value, index_of, message, constants, node)
+        index_of[node] = len(message.nodes) - 1
+    return message, constants
+
+
+def _resolve_attr(module, target: str):
+    value = module
+    for part in target.split("."):
+        value = getattr(value, part)
+    return value
+
+
+def _add_constant(message: pb.Graph, constants: list, tensor) -> int:
+    meta = message.constants.add()
+    constants.append(tensor_to_frame(tensor, meta, len(constants) + 1))
+    return len(constants) - 1
+
+
+def _target_name(target, node) -> str:
+    if target is operator.getitem:
+        return "operator.getitem"
+    import torch
+
+    if isinstance(target, torch._ops.OpOverload):
+        namespace = target.namespace
+        if namespace not in ALLOWED_NAMESPACES:
+            raise GraphSchemaError(f"node {node.name}: op namespace {namespace!r} is not one of {ALLOWED_NAMESPACES}")
+        return f"{namespace}.{target._schema.name.split('::')[1]}.{target._overloadname}"
+    raise GraphSchemaError(
+        f"node {node.name}: target {target!r} is not an aten op; capture with make_fx so every call is a torch op")
+
+
+def _encode_arg(out: pb.Arg, value, index_of, message, constants, node) -> None:
+    import torch
+
+    if isinstance(value, torch.fx.Node):
+        ref = index_of[value]
+        if isinstance(ref, tuple):
+            out.constant = ref[1]
+        else:
+            out.node = ref
+    elif isinstance(value, bool):
+        out.bool_value = value
+    elif isinstance(value, int):
+        out.int_value = value
+    elif isinstance(value, float):
+        out.float_value = value
+    elif value is None:
+        out.none = True
+    elif isinstance(value, str):
+        out.str_value = value
+    elif isinstance(value, torch.dtype):
+        out.dtype = dtype_name(value)
+    elif isinstance(value, torch.memory_format):
+        out.memory_format = str(value).removeprefix("torch.")
+    elif isinstance(value, torch.layout):
+        out.layout = str(value).removeprefix("torch.")
+    elif isinstance(value, torch.device):
+        out.device = str(value)
+    elif isinstance(value, (list, tuple)):
+        out.list.is_tuple = isinstance(value, tuple)
+        for item in value:
+            _encode_arg(out.list.items.add(), item, index_of, message, constants, node)
+    elif isinstance(value, torch.Tensor):
+        out.constant = _add_constant(message, constants, value)
+    else:
+        raise GraphSchemaError(
+            f"node {node.name}: argument {value!r} of type {type(value).__name__} cannot travel in the graph schema")
+
+
+# ---------------------------------------------------------------- decoding
+
+def decode_graph(message: pb.Graph, frames: list, device=None):
+    """Rebuild a ``torch.fx.GraphModule`` from ``message`` and its constant ``frames``.
+
+    ``device`` replaces every device argument (the graph was traced on the client's
+    device; it runs on the executor's). Constants are moved to ``device``.
+    """
+    import torch
+
+    constants = [frame_to_tensor(meta, frames) for meta in message.constants]
+    if device is not None:
+        constants = [c.to(device) for c in constants]
+    root = torch.nn.Module()
+    graph = torch.fx.Graph()
+    constant_nodes: dict[int, Any] = {}
+    built: list = []
+    saw_output = False
+    for position, node in enumerate(message.nodes):
+        where = f"node {position} ({node.name or '?'})"
+        if saw_output:
+            raise GraphSchemaError(f"{where}: nodes after the output node")
+        if node.op == "placeholder":
+            built.append(graph.placeholder(_safe_name(node.name, position)))
+            continue
+        decode = _ArgDecoder(graph, root, built, constants, constant_nodes, device, where)
+        args = tuple(decode(a) for a in node.args)
+        kwargs = {k.name: decode(k.value) for k in node.kwargs}
+        if node.op == "call_function":
+            built.append(graph.call_function(resolve_target(node.target, where), args, kwargs))
+        elif node.op == "output":
+            if len(args) != 1:
+                raise GraphSchemaError(f"{where}: output node needs exactly one argument, got {len(args)}")
+            built.append(graph.output(args[0]))
+            saw_output = True
+        else:
+            raise GraphSchemaError(f"{where}: unknown node op {node.op!r}; expected one of {_NODE_OPS}")
+    if not saw_output:
+        raise GraphSchemaError("graph has no output node")
+    try:
+        graph.lint()
+    except Exception as exc:
+        raise GraphSchemaError(f"graph failed validation: {exc}") from None
+    return torch.fx.GraphModule(root, graph)
+
+
+def _safe_name(name: str, position: int) -> str:
+    return name if name.isidentifier() else f"input_{position}"
+
+
+class _ArgDecoder:
+    def __init__(self, graph, root, built, constants, constant_nodes, device, where):
+        self.graph, self.root, self.built = graph, root, built
+        self.constants, self.constant_nodes = constants, constant_nodes
+        self.device, self.where = device, where
+
+    def __call__(self, arg: pb.Arg):
+        import torch
+
+        kind = arg.WhichOneof("kind")
+        if kind == "node":
+            if arg.node >= len(self.built):
+                raise GraphSchemaError(f"{self.where}: refers to node {arg.node}, only {len(self.built)} come before it")
+            return self.built[arg.node]
+        if kind in ("int_value", "float_value", "bool_value", "str_value"):
+            return getattr(arg, kind)
+        if kind == "none":
+            return None
+        if kind == "dtype":
+            return dtype_from_name(arg.dtype)
+        if kind == "memory_format":
+            return _torch_enum(arg.memory_format, torch.memory_format, self.where)
+        if kind == "layout":
+            return _torch_enum(arg.layout, torch.layout, self.where)
+        if kind == "device":
+            return torch.device(self.device) if self.device is not None else torch.device(arg.device)
+        if kind == "list":
+            items = [self(item) for item in arg.list.items]
+            return tuple(items) if arg.list.is_tuple else items
+        if kind == "constant":
+            return self._constant(arg.constant)
+        raise GraphSchemaError(f"{self.where}: argument has no kind")
+
+    def _constant(self, index: int):
+        if index >= len(self.constants):
+            raise GraphSchemaError(f"{self.where}: constant {index} out of range (graph has {len(self.constants)})")
+        if index not in self.constant_nodes:
+            name = f"_constant{index}"
+            self.root.register_buffer(name, self.constants[index])
+            self.constant_nodes[index] = self.graph.get_attr(name)
+        return self.constant_nodes[index]
+
+
+def _torch_enum(name: str, kind, where: str):
+    import torch
+
+    value = getattr(torch, name, None) if name.isidentifier() else None
+    if not isinstance(value, kind):
+        raise GraphSchemaError(f"{where}: {name!r} is not a torch.{kind.__name__}")
+    return value
+
+
+def resolve_target(name: str, where: str = "graph"):
+    """Resolve ``"aten.mm.default"`` against ``torch.ops``; refuse anything else."""
+    if name == "operator.getitem":
+        return operator.getitem
+    import torch
+
+    parts = name.split(".")
+    if len(parts) != 3 or not all(p.isidentifier() for p in parts):
+        raise GraphSchemaError(f"{where}: op name {name!r} is not of the form namespace.op.overload")
+    namespace, op, overload = parts
+    if namespace not in ALLOWED_NAMESPACES:
+        raise GraphSchemaError(f"{where}: op namespace {namespace!r} is not one of {ALLOWED_NAMESPACES}")
+    try:
+        packet = getattr(getattr(torch.ops, namespace), op)
+        target = getattr(packet, overload)
+    except (AttributeError, RuntimeError):
+        raise GraphSchemaError(f"{where}: unknown op {name!r}: this executor's torch has no such operator") from None
+    if not isinstance(target, torch._ops.OpOverload):
+        raise GraphSchemaError(f"{where}: {name!r} is not an operator overload")
+    return target

@@ -1,0 +1,210 @@
+"""One I/O thread that owns every ZeroMQ socket of a process.
+
+ZeroMQ sockets must not be used from two threads at once, so each process
+(client, controller, executor) runs one `SocketLoop`: other threads hand it work
+with `call_soon` / `send`, which wake the loop through an inproc pipe. Handlers
+registered for a socket run on the loop thread. Bytes are counted per socket.
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import logging
+import threading
+import time
+from typing import Callable, Sequence
+
+import zmq
+
+__all__ = ["SocketLoop"]
+
+log = logging.getLogger(__name__)
+
+_loop_ids = itertools.count()
+
+
+class SocketLoop:
+    """Poll a set of sockets on one thread; run timers and callbacks posted by other threads."""
+
+    def __init__(self, name: str, context: zmq.Context | None = None):
+        self.name = name
+        self.context = context or zmq.Context.instance()
+        self._sockets: dict[str, zmq.Socket] = {}
+        self._handlers: dict[zmq.Socket, Callable[[list], None]] = {}
+        self._socket_names: dict[zmq.Socket, str] = {}
+        self._poller = zmq.Poller()
+        self._callbacks: collections.deque = collections.deque()
+        self._timers: list[list] = []  # [next_due, interval_s, fn]
+        self._wake_address = f"inproc://pathways-loop-{name}-{next(_loop_ids)}"
+        self._wake_pull = self.context.socket(zmq.PULL)
+        self._wake_pull.bind(self._wake_address)
+        self._wake_push = self.context.socket(zmq.PUSH)
+        self._wake_push.connect(self._wake_address)
+        self._wake_lock = threading.Lock()
+        self._poller.register(self._wake_pull, zmq.POLLIN)
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        self.bytes_out: collections.Counter = collections.Counter()
+        self.bytes_in: collections.Counter = collections.Counter()
+        self.payload_bytes_out: collections.Counter = collections.Counter()
+        self.payload_bytes_in: collections.Counter = collections.Counter()
+
+    # ------------------------------------------------------------ set-up (any thread, before start)
+
+    def add_socket(self, key: str, socket: zmq.Socket, handler: Callable[[list], None] | None) -> zmq.Socket:
+        """Own ``socket`` under ``key``; ``handler(frames)`` runs for each message received."""
+        self._sockets[key] = socket
+        self._socket_names[socket] = key
+        if handler is not None:
+            self._handlers[socket] = handler
+            self._poller.register(socket, zmq.POLLIN)
+        return socket
+
+    def every(self, interval_s: float, fn: Callable[[], None]) -> None:
+        """Run ``fn`` on the loop thread every ``interval_s`` seconds."""
+        self._timers.append([time.monotonic() + interval_s, interval_s, fn])
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name=f"pathways-io-{self.name}", daemon=True)
+        self._thread.start()
+
+    def run_forever(self) -> None:
+        """Run the loop on the calling thread (executors use their main thread)."""
+        self._thread = threading.current_thread()
+        self._run()
+
+    # ------------------------------------------------------------ any thread
+
+    def on_loop_thread(self) -> bool:
+        return threading.current_thread() is self._thread
+
+    def call_soon(self, fn: Callable[[], None]) -> None:
+        """Run ``fn`` on the loop thread (at once if already there)."""
+        if self.on_loop_thread():
+            fn()
+            return
+        self._callbacks.append(fn)
+        with self._wake_lock:
+            if not self._wake_push.closed:
+                self._wake_push.send(b"", zmq.NOBLOCK)
+
+    def send(self, key: str, frames: Sequence) -> None:
+        """Send a multipart message on the socket named ``key`` (from any thread)."""
+        self.call_soon(lambda: self.send_now(key, frames))
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        self._stopping = True
+        self.call_soon(lambda: None)
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout_s)
+
+    # ------------------------------------------------------------ loop thread
+
+    def socket(self, key: str) -> zmq.Socket | None:
+        return self._sockets.get(key)
+
+    def send_now(self, key: str, frames: Sequence) -> None:
+        socket = self._sockets.get(key)
+        if socket is None:
+            log.warning("%s: no socket %r; dropping a message", self.name, key)
+            return
+        self._count(self.bytes_out, self.payload_bytes_out, key, frames, routed=socket.type == zmq.ROUTER)
+        try:
+            socket.send_multipart(frames, copy=False)
+        except zmq.ZMQError as exc:
+            # A ROUTER with ROUTER_MANDATORY raises for a peer that is gone.
+            log.warning("%s: send on %r failed: %s", self.name, key, exc)
+
+    def close_socket(self, key: str) -> None:
+        socket = self._sockets.pop(key, None)
+        if socket is None:
+            return
+        if socket in self._handlers:
+            self._poller.unregister(socket)
+            del self._handlers[socket]
+        self._socket_names.pop(socket, None)
+        socket.close(linger=0)
+
+    def _count(self, total, payload, key, frames, routed: bool) -> None:
+        sizes = [_nbytes(f) for f in frames]
+        if routed:
+            sizes = sizes[1:]  # the routing identity is not our message
+        total[key] += sum(sizes)
+        payload[key] += sum(sizes[1:])
+
+    def _run(self) -> None:
+        try:
+            while not self._stopping:
+                for socket, _ in self._poller.poll(self._poll_timeout_ms()):
+                    if socket is self._wake_pull:
+                        self._drain_wakeups()
+                    else:
+                        self._receive(socket)
+                self._run_callbacks()
+                self._run_timers()
+        finally:
+            self._close_all()
+
+    def _poll_timeout_ms(self) -> int:
+        if self._callbacks:
+            return 0
+        if not self._timers:
+            return 100
+        due = min(t[0] for t in self._timers) - time.monotonic()
+        return max(0, min(100, int(due * 1000) + 1))
+
+    def _drain_wakeups(self) -> None:
+        while True:
+            try:
+                self._wake_pull.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+
+    def _receive(self, socket: zmq.Socket) -> None:
+        handler = self._handlers.get(socket)
+        key = self._socket_names.get(socket, "?")
+        # Drain what is queued, but yield to other sockets after a batch.
+        for _ in range(64):
+            try:
+                frames = socket.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            self._count(self.bytes_in, self.payload_bytes_in, key, frames, routed=socket.type == zmq.ROUTER)
+            try:
+                handler(frames)
+            except Exception:  # a bad message must not kill the loop
+                log.exception("%s: handler for %r failed; message dropped", self.name, key)
+
+    def _run_callbacks(self) -> None:
+        while self._callbacks:
+            fn = self._callbacks.popleft()
+            try:
+                fn()
+            except Exception:
+                log.exception("%s: callback failed", self.name)
+
+    def _run_timers(self) -> None:
+        now = time.monotonic()
+        for timer in self._timers:
+            if timer[0] <= now:
+                timer[0] = now + timer[1]
+                try:
+                    timer[2]()
+                except Exception:
+                    log.exception("%s: timer failed", self.name)
+
+    def _close_all(self) -> None:
+        for key in list(self._sockets):
+            self.close_socket(key)
+        with self._wake_lock:
+            self._wake_push.close(linger=0)
+        self._wake_pull.close(linger=0)
+
+
+def _nbytes(frame) -> int:
+    if hasattr(frame, "buffer"):
+        return frame.buffer.nbytes
+    if isinstance(frame, memoryview):
+        return frame.nbytes
+    return len(frame)

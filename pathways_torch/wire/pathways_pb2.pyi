@@ -1,0 +1,358 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class TensorMeta(_message.Message):
+    __slots__ = ("dtype", "shape", "frame")
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    FRAME_FIELD_NUMBER: _ClassVar[int]
+    dtype: str
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    frame: int
+    def __init__(self, dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., frame: _Optional[int] = ...) -> None: ...
+
+class ShardRef(_message.Message):
+    __slots__ = ("array_id", "shard", "tag")
+    ARRAY_ID_FIELD_NUMBER: _ClassVar[int]
+    SHARD_FIELD_NUMBER: _ClassVar[int]
+    TAG_FIELD_NUMBER: _ClassVar[int]
+    array_id: int
+    shard: int
+    tag: int
+    def __init__(self, array_id: _Optional[int] = ..., shard: _Optional[int] = ..., tag: _Optional[int] = ...) -> None: ...
+
+class Arg(_message.Message):
+    __slots__ = ("node", "int_value", "float_value", "bool_value", "none", "str_value", "dtype", "memory_format", "device", "layout", "list", "constant")
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    INT_VALUE_FIELD_NUMBER: _ClassVar[int]
+    FLOAT_VALUE_FIELD_NUMBER: _ClassVar[int]
+    BOOL_VALUE_FIELD_NUMBER: _ClassVar[int]
+    NONE_FIELD_NUMBER: _ClassVar[int]
+    STR_VALUE_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_FORMAT_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    LIST_FIELD_NUMBER: _ClassVar[int]
+    CONSTANT_FIELD_NUMBER: _ClassVar[int]
+    node: int
+    int_value: int
+    float_value: float
+    bool_value: bool
+    none: bool
+    str_value: str
+    dtype: str
+    memory_format: str
+    device: str
+    layout: str
+    list: ArgList
+    constant: int
+    def __init__(self, node: _Optional[int] = ..., int_value: _Optional[int] = ..., float_value: _Optional[float] = ..., bool_value: _Optional[bool] = ..., none: _Optional[bool] = ..., str_value: _Optional[str] = ..., dtype: _Optional[str] = ..., memory_format: _Optional[str] = ..., device: _Optional[str] = ..., layout: _Optional[str] = ..., list: _Optional[_Union[ArgList, _Mapping]] = ..., constant: _Optional[int] = ...) -> None: ...
+
+class ArgList(_message.Message):
+    __slots__ = ("items", "is_tuple")
+    ITEMS_FIELD_NUMBER: _ClassVar[int]
+    IS_TUPLE_FIELD_NUMBER: _ClassVar[int]
+    items: _containers.RepeatedCompositeFieldContainer[Arg]
+    is_tuple: bool
+    def __init__(self, items: _Optional[_Iterable[_Union[Arg, _Mapping]]] = ..., is_tuple: _Optional[bool] = ...) -> None: ...
+
+class NamedArg(_message.Message):
+    __slots__ = ("name", "value")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    VALUE_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    value: Arg
+    def __init__(self, name: _Optional[str] = ..., value: _Optional[_Union[Arg, _Mapping]] = ...) -> None: ...
+
+class GraphNode(_message.Message):
+    __slots__ = ("op", "target", "args", "kwargs", "name")
+    OP_FIELD_NUMBER: _ClassVar[int]
+    TARGET_FIELD_NUMBER: _ClassVar[int]
+    ARGS_FIELD_NUMBER: _ClassVar[int]
+    KWARGS_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    op: str
+    target: str
+    args: _containers.RepeatedCompositeFieldContainer[Arg]
+    kwargs: _containers.RepeatedCompositeFieldContainer[NamedArg]
+    name: str
+    def __init__(self, op: _Optional[str] = ..., target: _Optional[str] = ..., args: _Optional[_Iterable[_Union[Arg, _Mapping]]] = ..., kwargs: _Optional[_Iterable[_Union[NamedArg, _Mapping]]] = ..., name: _Optional[str] = ...) -> None: ...
+
+class Graph(_message.Message):
+    __slots__ = ("nodes", "constants")
+    NODES_FIELD_NUMBER: _ClassVar[int]
+    CONSTANTS_FIELD_NUMBER: _ClassVar[int]
+    nodes: _containers.RepeatedCompositeFieldContainer[GraphNode]
+    constants: _containers.RepeatedCompositeFieldContainer[TensorMeta]
+    def __init__(self, nodes: _Optional[_Iterable[_Union[GraphNode, _Mapping]]] = ..., constants: _Optional[_Iterable[_Union[TensorMeta, _Mapping]]] = ...) -> None: ...
+
+class Register(_message.Message):
+    __slots__ = ("executor_id", "data_address", "device", "backend", "pid", "store_bytes")
+    EXECUTOR_ID_FIELD_NUMBER: _ClassVar[int]
+    DATA_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    BACKEND_FIELD_NUMBER: _ClassVar[int]
+    PID_FIELD_NUMBER: _ClassVar[int]
+    STORE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    executor_id: str
+    data_address: str
+    device: str
+    backend: str
+    pid: int
+    store_bytes: int
+    def __init__(self, executor_id: _Optional[str] = ..., data_address: _Optional[str] = ..., device: _Optional[str] = ..., backend: _Optional[str] = ..., pid: _Optional[int] = ..., store_bytes: _Optional[int] = ...) -> None: ...
+
+class Welcome(_message.Message):
+    __slots__ = ("index", "heartbeat_interval_s", "heartbeat_timeout_s")
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    HEARTBEAT_INTERVAL_S_FIELD_NUMBER: _ClassVar[int]
+    HEARTBEAT_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    index: int
+    heartbeat_interval_s: float
+    heartbeat_timeout_s: float
+    def __init__(self, index: _Optional[int] = ..., heartbeat_interval_s: _Optional[float] = ..., heartbeat_timeout_s: _Optional[float] = ...) -> None: ...
+
+class Heartbeat(_message.Message):
+    __slots__ = ("sent_at",)
+    SENT_AT_FIELD_NUMBER: _ClassVar[int]
+    sent_at: float
+    def __init__(self, sent_at: _Optional[float] = ...) -> None: ...
+
+class LoadFunction(_message.Message):
+    __slots__ = ("function_id", "name", "graph")
+    FUNCTION_ID_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    GRAPH_FIELD_NUMBER: _ClassVar[int]
+    function_id: int
+    name: str
+    graph: Graph
+    def __init__(self, function_id: _Optional[int] = ..., name: _Optional[str] = ..., graph: _Optional[_Union[Graph, _Mapping]] = ...) -> None: ...
+
+class Run(_message.Message):
+    __slots__ = ("seq", "call_id", "function_id", "inputs", "outputs", "digest_outputs")
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    CALL_ID_FIELD_NUMBER: _ClassVar[int]
+    FUNCTION_ID_FIELD_NUMBER: _ClassVar[int]
+    INPUTS_FIELD_NUMBER: _ClassVar[int]
+    OUTPUTS_FIELD_NUMBER: _ClassVar[int]
+    DIGEST_OUTPUTS_FIELD_NUMBER: _ClassVar[int]
+    seq: int
+    call_id: int
+    function_id: int
+    inputs: _containers.RepeatedCompositeFieldContainer[ShardRef]
+    outputs: _containers.RepeatedCompositeFieldContainer[ShardRef]
+    digest_outputs: bool
+    def __init__(self, seq: _Optional[int] = ..., call_id: _Optional[int] = ..., function_id: _Optional[int] = ..., inputs: _Optional[_Iterable[_Union[ShardRef, _Mapping]]] = ..., outputs: _Optional[_Iterable[_Union[ShardRef, _Mapping]]] = ..., digest_outputs: _Optional[bool] = ...) -> None: ...
+
+class SendShard(_message.Message):
+    __slots__ = ("shard", "to_address", "as_ref", "call_id")
+    SHARD_FIELD_NUMBER: _ClassVar[int]
+    TO_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    AS_REF_FIELD_NUMBER: _ClassVar[int]
+    CALL_ID_FIELD_NUMBER: _ClassVar[int]
+    shard: ShardRef
+    to_address: str
+    as_ref: ShardRef
+    call_id: int
+    def __init__(self, shard: _Optional[_Union[ShardRef, _Mapping]] = ..., to_address: _Optional[str] = ..., as_ref: _Optional[_Union[ShardRef, _Mapping]] = ..., call_id: _Optional[int] = ...) -> None: ...
+
+class Free(_message.Message):
+    __slots__ = ("shards",)
+    SHARDS_FIELD_NUMBER: _ClassVar[int]
+    shards: _containers.RepeatedCompositeFieldContainer[ShardRef]
+    def __init__(self, shards: _Optional[_Iterable[_Union[ShardRef, _Mapping]]] = ...) -> None: ...
+
+class RemoteFailure(_message.Message):
+    __slots__ = ("type", "message", "traceback", "executor_id", "origin_call_id")
+    TYPE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    TRACEBACK_FIELD_NUMBER: _ClassVar[int]
+    EXECUTOR_ID_FIELD_NUMBER: _ClassVar[int]
+    ORIGIN_CALL_ID_FIELD_NUMBER: _ClassVar[int]
+    type: str
+    message: str
+    traceback: str
+    executor_id: str
+    origin_call_id: int
+    def __init__(self, type: _Optional[str] = ..., message: _Optional[str] = ..., traceback: _Optional[str] = ..., executor_id: _Optional[str] = ..., origin_call_id: _Optional[int] = ...) -> None: ...
+
+class Done(_message.Message):
+    __slots__ = ("call_id", "seq", "ok", "failure", "digests")
+    CALL_ID_FIELD_NUMBER: _ClassVar[int]
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    OK_FIELD_NUMBER: _ClassVar[int]
+    FAILURE_FIELD_NUMBER: _ClassVar[int]
+    DIGESTS_FIELD_NUMBER: _ClassVar[int]
+    call_id: int
+    seq: int
+    ok: bool
+    failure: RemoteFailure
+    digests: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, call_id: _Optional[int] = ..., seq: _Optional[int] = ..., ok: _Optional[bool] = ..., failure: _Optional[_Union[RemoteFailure, _Mapping]] = ..., digests: _Optional[_Iterable[bytes]] = ...) -> None: ...
+
+class StatsRequest(_message.Message):
+    __slots__ = ("request_id",)
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    request_id: int
+    def __init__(self, request_id: _Optional[int] = ...) -> None: ...
+
+class Stats(_message.Message):
+    __slots__ = ("request_id", "executor_id", "store_bytes", "store_buffers", "hop_bytes", "num_computations", "num_function_loads")
+    class HopBytesEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    EXECUTOR_ID_FIELD_NUMBER: _ClassVar[int]
+    STORE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    STORE_BUFFERS_FIELD_NUMBER: _ClassVar[int]
+    HOP_BYTES_FIELD_NUMBER: _ClassVar[int]
+    NUM_COMPUTATIONS_FIELD_NUMBER: _ClassVar[int]
+    NUM_FUNCTION_LOADS_FIELD_NUMBER: _ClassVar[int]
+    request_id: int
+    executor_id: str
+    store_bytes: int
+    store_buffers: int
+    hop_bytes: _containers.ScalarMap[str, int]
+    num_computations: int
+    num_function_loads: int
+    def __init__(self, request_id: _Optional[int] = ..., executor_id: _Optional[str] = ..., store_bytes: _Optional[int] = ..., store_buffers: _Optional[int] = ..., hop_bytes: _Optional[_Mapping[str, int]] = ..., num_computations: _Optional[int] = ..., num_function_loads: _Optional[int] = ...) -> None: ...
+
+class TraceEvent(_message.Message):
+    __slots__ = ("name", "kind", "time_ns", "seq", "call_id", "function_id", "detail")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    TIME_NS_FIELD_NUMBER: _ClassVar[int]
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    CALL_ID_FIELD_NUMBER: _ClassVar[int]
+    FUNCTION_ID_FIELD_NUMBER: _ClassVar[int]
+    DETAIL_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    kind: str
+    time_ns: int
+    seq: int
+    call_id: int
+    function_id: int
+    detail: str
+    def __init__(self, name: _Optional[str] = ..., kind: _Optional[str] = ..., time_ns: _Optional[int] = ..., seq: _Optional[int] = ..., call_id: _Optional[int] = ..., function_id: _Optional[int] = ..., detail: _Optional[str] = ...) -> None: ...
+
+class TraceRequest(_message.Message):
+    __slots__ = ("request_id",)
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    request_id: int
+    def __init__(self, request_id: _Optional[int] = ...) -> None: ...
+
+class TraceReply(_message.Message):
+    __slots__ = ("request_id", "executor_id", "events")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    EXECUTOR_ID_FIELD_NUMBER: _ClassVar[int]
+    EVENTS_FIELD_NUMBER: _ClassVar[int]
+    request_id: int
+    executor_id: str
+    events: _containers.RepeatedCompositeFieldContainer[TraceEvent]
+    def __init__(self, request_id: _Optional[int] = ..., executor_id: _Optional[str] = ..., events: _Optional[_Iterable[_Union[TraceEvent, _Mapping]]] = ...) -> None: ...
+
+class Shutdown(_message.Message):
+    __slots__ = ("reason",)
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    reason: str
+    def __init__(self, reason: _Optional[str] = ...) -> None: ...
+
+class Put(_message.Message):
+    __slots__ = ("shard", "tensor", "request_id")
+    SHARD_FIELD_NUMBER: _ClassVar[int]
+    TENSOR_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    shard: ShardRef
+    tensor: TensorMeta
+    request_id: int
+    def __init__(self, shard: _Optional[_Union[ShardRef, _Mapping]] = ..., tensor: _Optional[_Union[TensorMeta, _Mapping]] = ..., request_id: _Optional[int] = ...) -> None: ...
+
+class PutAck(_message.Message):
+    __slots__ = ("request_id", "shard")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    SHARD_FIELD_NUMBER: _ClassVar[int]
+    request_id: int
+    shard: ShardRef
+    def __init__(self, request_id: _Optional[int] = ..., shard: _Optional[_Union[ShardRef, _Mapping]] = ...) -> None: ...
+
+class Transfer(_message.Message):
+    __slots__ = ("shard", "tensor", "failure", "failed")
+    SHARD_FIELD_NUMBER: _ClassVar[int]
+    TENSOR_FIELD_NUMBER: _ClassVar[int]
+    FAILURE_FIELD_NUMBER: _ClassVar[int]
+    FAILED_FIELD_NUMBER: _ClassVar[int]
+    shard: ShardRef
+    tensor: TensorMeta
+    failure: RemoteFailure
+    failed: bool
+    def __init__(self, shard: _Optional[_Union[ShardRef, _Mapping]] = ..., tensor: _Optional[_Union[TensorMeta, _Mapping]] = ..., failure: _Optional[_Union[RemoteFailure, _Mapping]] = ..., failed: _Optional[bool] = ...) -> None: ...
+
+class Fetch(_message.Message):
+    __slots__ = ("shard", "request_id")
+    SHARD_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    shard: ShardRef
+    request_id: int
+    def __init__(self, shard: _Optional[_Union[ShardRef, _Mapping]] = ..., request_id: _Optional[int] = ...) -> None: ...
+
+class FetchReply(_message.Message):
+    __slots__ = ("request_id", "tensor", "failure", "failed")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    TENSOR_FIELD_NUMBER: _ClassVar[int]
+    FAILURE_FIELD_NUMBER: _ClassVar[int]
+    FAILED_FIELD_NUMBER: _ClassVar[int]
+    request_id: int
+    tensor: TensorMeta
+    failure: RemoteFailure
+    failed: bool
+    def __init__(self, request_id: _Optional[int] = ..., tensor: _Optional[_Union[TensorMeta, _Mapping]] = ..., failure: _Optional[_Union[RemoteFailure, _Mapping]] = ..., failed: _Optional[bool] = ...) -> None: ...
+
+class Envelope(_message.Message):
+    __slots__ = ("register", "welcome", "heartbeat", "load_function", "run", "send_shard", "free", "done", "stats_request", "stats", "trace_request", "trace_reply", "shutdown", "put", "put_ack", "transfer", "fetch", "fetch_reply")
+    REGISTER_FIELD_NUMBER: _ClassVar[int]
+    WELCOME_FIELD_NUMBER: _ClassVar[int]
+    HEARTBEAT_FIELD_NUMBER: _ClassVar[int]
+    LOAD_FUNCTION_FIELD_NUMBER: _ClassVar[int]
+    RUN_FIELD_NUMBER: _ClassVar[int]
+    SEND_SHARD_FIELD_NUMBER: _ClassVar[int]
+    FREE_FIELD_NUMBER: _ClassVar[int]
+    DONE_FIELD_NUMBER: _ClassVar[int]
+    STATS_REQUEST_FIELD_NUMBER: _ClassVar[int]
+    STATS_FIELD_NUMBER: _ClassVar[int]
+    TRACE_REQUEST_FIELD_NUMBER: _ClassVar[int]
+    TRACE_REPLY_FIELD_NUMBER: _ClassVar[int]
+    SHUTDOWN_FIELD_NUMBER: _ClassVar[int]
+    PUT_FIELD_NUMBER: _ClassVar[int]
+    PUT_ACK_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_FIELD_NUMBER: _ClassVar[int]
+    FETCH_FIELD_NUMBER: _ClassVar[int]
+    FETCH_REPLY_FIELD_NUMBER: _ClassVar[int]
+    register: Register
+    welcome: Welcome
+    heartbeat: Heartbeat
+    load_function: LoadFunction
+    run: Run
+    send_shard: SendShard
+    free: Free
+    done: Done
+    stats_request: StatsRequest
+    stats: Stats
+    trace_request: TraceRequest
+    trace_reply: TraceReply
+    shutdown: Shutdown
+    put: Put
+    put_ack: PutAck
+    transfer: Transfer
+    fetch: Fetch
+    fetch_reply: FetchReply
+    def __init__(self, register: _Optional[_Union[Register, _Mapping]] = ..., welcome: _Optional[_Union[Welcome, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., load_function: _Optional[_Union[LoadFunction, _Mapping]] = ..., run: _Optional[_Union[Run, _Mapping]] = ..., send_shard: _Optional[_Union[SendShard, _Mapping]] = ..., free: _Optional[_Union[Free, _Mapping]] = ..., done: _Optional[_Union[Done, _Mapping]] = ..., stats_request: _Optional[_Union[StatsRequest, _Mapping]] = ..., stats: _Optional[_Union[Stats, _Mapping]] = ..., trace_request: _Optional[_Union[TraceRequest, _Mapping]] = ..., trace_reply: _Optional[_Union[TraceReply, _Mapping]] = ..., shutdown: _Optional[_Union[Shutdown, _Mapping]] = ..., put: _Optional[_Union[Put, _Mapping]] = ..., put_ack: _Optional[_Union[PutAck, _Mapping]] = ..., transfer: _Optional[_Union[Transfer, _Mapping]] = ..., fetch: _Optional[_Union[Fetch, _Mapping]] = ..., fetch_reply: _Optional[_Union[FetchReply, _Mapping]] = ...) -> None: ...
