@@ -60,7 +60,11 @@ class ObjectStore:
         return entry
 
     def fill(self, key: Key, value=None, failure=None, *, owned: bool = True) -> None:
-        """Give ``key`` its bytes (or its failure) and wake whoever waits for it."""
+        """Give ``key`` its bytes (or its failure) and wake whoever waits for it.
+
+        ``owned=True`` makes the store own the buffer (a put or a transfer arriving);
+        ``owned=False`` leaves ownership as claimed before (a computation's output).
+        """
         entry = self.claim(key, owned=owned)
         if entry.ready:
             return  # a duplicate delivery; the first one wins

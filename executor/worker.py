@@ -261,12 +261,13 @@ class ExecutorCore:
         """Store a job's outputs (or its failure), release its inputs, tell the controller."""
         run = job.run
         if job.outputs is not None:
+            # Outputs were claimed (owned) when the Run arrived; a Free since then must stand.
             for ref, value in zip(run.outputs, job.outputs):
-                self.store.fill(_key(ref), value.contiguous())
+                self.store.fill(_key(ref), value.contiguous(), owned=False)
             self.num_computations += 1
         else:
             for ref in run.outputs:
-                self.store.fill(_key(ref), failure=job.failure)
+                self.store.fill(_key(ref), failure=job.failure, owned=False)
         for ref in run.inputs:
             key = _key(ref)
             self.store.unpin(key)
