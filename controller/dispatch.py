@@ -114,7 +114,7 @@ class Controller:
 
     def _on_register(self, executor_id: str, msg: pb.Register) -> None:
         info = self.resources.register(executor_id, data_address=msg.data_address, device=msg.device,
-                                       backend=msg.backend, pid=msg.pid)
+                                       backend=msg.backend, pid=msg.pid, last_heard=self.clock())
         self._send(executor_id, pb.Envelope(welcome=pb.Welcome(
             index=info.index, heartbeat_interval_s=self.config.heartbeat_interval_s,
             heartbeat_timeout_s=self.config.heartbeat_timeout_s)))

@@ -1,0 +1,132 @@
+"""The controller's logic with a fake outbox and a fake clock: no sockets, no processes."""
+
+from __future__ import annotations
+
+import pytest
+
+from controller import CallSpec, Controller, ControllerConfig
+from pathways_torch.errors import ExecutorLostError, RemoteError
+from pathways_torch.wire import pb
+
+pytestmark = pytest.mark.timeout(30)
+
+
+class FakeOutbox:
+    def __init__(self):
+        self.sent: list[tuple[str, str, pb.Envelope]] = []
+
+    def to_executor(self, executor_id, envelope, payload=()):
+        self.sent.append((executor_id, envelope.WhichOneof("body"), envelope))
+
+    def of(self, kind):
+        return [(e, env) for e, k, env in self.sent if k == kind]
+
+
+class FakeClock:
+    def __init__(self):
+        self.now = 100.0
+
+    def __call__(self):
+        return self.now
+
+
+@pytest.fixture
+def setup():
+    outbox, clock = FakeOutbox(), FakeClock()
+    controller = Controller(outbox, ControllerConfig(heartbeat_interval_s=0.5, heartbeat_timeout_s=5.0), clock=clock)
+    for i in range(4):
+        register = pb.Register(executor_id=f"e{i}", data_address=f"tcp://127.0.0.1:{7000 + i}", device="cpu",
+                               backend="eager", pid=1000 + i)
+        controller.on_message(f"e{i}", pb.Envelope(register=register), [])
+    function_id = controller.register_function("f", pb.Graph(), [])
+    return controller, outbox, clock, function_id
+
+
+def _done(controller, executor_id, call_id, ok=True, failure=None):
+    done = pb.Done(call_id=call_id, ok=ok)
+    if failure is not None:
+        done.failure.CopyFrom(failure)
+    controller.on_message(executor_id, pb.Envelope(done=done), [])
+
+
+def test_registration_welcomes_each_executor_with_its_index(setup):
+    controller, outbox, _, _ = setup
+    welcomes = outbox.of("welcome")
+    assert [(e, env.welcome.index) for e, env in welcomes] == [("e0", 0), ("e1", 1), ("e2", 2), ("e3", 3)]
+
+
+def test_a_call_reaches_every_executor_of_its_mesh_with_one_sequence_number(setup):
+    controller, outbox, _, function_id = setup
+    mesh = controller.resources.allocate({"data": 2}, ["e1", "e2"])
+    x = controller.new_array(mesh.executor_ids)
+    [y] = controller.call(CallSpec(function_id=function_id, name="f", mesh=mesh, inputs=(x.array_id,), num_outputs=1))
+    runs = outbox.of("run")
+    assert [e for e, _ in runs] == ["e1", "e2"]
+    assert len({env.run.seq for _, env in runs}) == 1
+    assert [env.run.inputs[0].shard for _, env in runs] == [0, 1]
+    assert len(outbox.of("load_function")) == 2
+    assert not y.event.is_set()
+    for executor_id in ("e1", "e2"):
+        _done(controller, executor_id, runs[0][1].run.call_id)
+    assert y.state == "ready"
+    [z] = controller.call(CallSpec(function_id=function_id, name="f", mesh=mesh, inputs=(y.array_id,), num_outputs=1))
+    assert len(outbox.of("load_function")) == 2           # loaded once per executor
+    assert outbox.of("run")[-1][1].run.seq > runs[0][1].run.seq
+
+
+def test_input_on_another_mesh_is_pushed_executor_to_executor(setup):
+    controller, outbox, _, function_id = setup
+    mesh_a = controller.resources.allocate({"data": 2}, ["e0", "e1"])
+    mesh_b = controller.resources.allocate({"data": 2}, ["e2", "e3"])
+    y = controller.new_array(mesh_a.executor_ids)
+    controller.call(CallSpec(function_id=function_id, name="f", mesh=mesh_b, inputs=(y.array_id,), num_outputs=1))
+    sends = outbox.of("send_shard")
+    assert [(e, env.send_shard.to_address) for e, env in sends] == [
+        ("e0", "tcp://127.0.0.1:7002"), ("e1", "tcp://127.0.0.1:7003")]
+    call_id = outbox.of("run")[-1][1].run.call_id
+    assert all(env.send_shard.as_ref.tag == call_id for _, env in sends)
+    assert [env.run.inputs[0].tag for _, env in outbox.of("run")] == [call_id, call_id]
+
+
+def test_failure_reaches_dependents_as_the_same_error_object(setup):
+    controller, outbox, _, function_id = setup
+    mesh = controller.resources.allocate({"data": 2}, ["e0", "e1"])
+    x = controller.new_array(mesh.executor_ids)
+    spec = dict(function_id=function_id, name="f", mesh=mesh, num_outputs=1, call_site="  File 'user.py', line 3\n")
+    [y] = controller.call(CallSpec(inputs=(x.array_id,), **spec))
+    [z] = controller.call(CallSpec(inputs=(y.array_id,), **spec))
+    first, second = [env.run.call_id for _, env in outbox.of("run")][::2]
+    failure = pb.RemoteFailure(type="IndexError", message="index 99 is out of bounds", traceback="Traceback...",
+                               executor_id="e1", origin_call_id=first)
+    _done(controller, "e1", first, ok=False, failure=failure)
+    assert isinstance(y.error, RemoteError) and "user.py" in str(y.error) and "index 99" in str(y.error)
+    _done(controller, "e1", second, ok=False, failure=failure)
+    assert z.error is y.error
+
+
+def test_release_frees_shards_only_after_put_landed(setup):
+    controller, outbox, _, _ = setup
+    mesh = controller.resources.allocate({"data": 2}, ["e0", "e1"])
+    x = controller.new_array(mesh.executor_ids, landing=2)
+    controller.release(x.array_id)
+    assert outbox.of("free") == []
+    controller.landed(x.array_id)
+    controller.landed(x.array_id)
+    frees = outbox.of("free")
+    assert [(e, env.free.shards[0].shard) for e, env in frees] == [("e0", 0), ("e1", 1)]
+    assert len(controller.arrays) == 0
+
+
+def test_silent_executor_is_lost_and_its_futures_fail(setup):
+    controller, outbox, clock, function_id = setup
+    mesh = controller.resources.allocate({"data": 2}, ["e0", "e1"])
+    x = controller.new_array(mesh.executor_ids)
+    [y] = controller.call(CallSpec(function_id=function_id, name="f", mesh=mesh, inputs=(x.array_id,), num_outputs=1))
+    clock.now += 3
+    for executor_id in ("e0", "e2", "e3"):
+        controller.on_message(executor_id, pb.Envelope(heartbeat=pb.Heartbeat()), [])
+    clock.now += 3      # e1 silent for 6 s > 5 s timeout
+    controller.heartbeat()
+    assert isinstance(y.error, ExecutorLostError) and y.error.executor_id == "e1"
+    with pytest.raises(ExecutorLostError, match="e1"):
+        controller.call(CallSpec(function_id=function_id, name="f", mesh=mesh, inputs=(x.array_id,), num_outputs=1))

@@ -1,0 +1,47 @@
+"""Project-level promises: the README's commands, CI, and a light import."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import REPO_ROOT
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def _readme_commands() -> list[str]:
+    with open(f"{REPO_ROOT}/README.md") as f:
+        text = f.read()
+    block = text.split("```bash", 1)[1].split("```", 1)[0]
+    return [line for line in block.strip().splitlines() if not line.startswith("#")]
+
+
+def test_readme_opens_with_two_commands_and_ci_runs_the_second():
+    commands = _readme_commands()
+    assert len(commands) == 2
+    assert "examples/" in commands[0] and "pytest" in commands[1]
+    with open(f"{REPO_ROOT}/.ci/run") as f:
+        ci_lines = [line.strip() for line in f if line.strip() and not line.startswith("#")]
+    assert commands[1] in ci_lines
+
+
+def test_importing_the_package_and_wire_is_light():
+    code = ("import sys, pathways_torch, pathways_torch.wire, pathways_torch.errors; "
+            "heavy = [m for m in ('torch', 'torch_xla', 'controller', 'executor') if m in sys.modules]; "
+            "print(','.join(heavy))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO_ROOT, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == ""
+
+
+def test_public_names_resolve():
+    import pathways_torch as pw
+
+    for name in pw.__all__:
+        assert getattr(pw, name) is not None
+    assert issubclass(pw.RemoteError, pw.PathwaysError)
+    assert issubclass(pw.CaptureError, pw.PathwaysError)
+    assert issubclass(pw.ExecutorLostError, pw.PathwaysError)
