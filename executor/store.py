@@ -103,7 +103,8 @@ class ObjectStore:
         self._collect(key, entry)
 
     def _collect(self, key: Key, entry: Entry) -> None:
-        if entry.owned or entry.pins or not entry.ready:
+        # A waiter may already have released (and deleted) the entry it was woken for.
+        if entry.owned or entry.pins or not entry.ready or self._entries.get(key) is not entry:
             return
         del self._entries[key]
         self.bytes -= entry.nbytes

@@ -115,8 +115,12 @@ class ExecutorCore:
         for ref in run.outputs:
             self.store.claim(_key(ref), owned=True)
         self._queue.append(run)
+        # Wake the queue when a missing input arrives. Only missing ones: a run that
+        # starts (and ends) now frees its transient inputs, which must not be re-claimed.
         for ref in run.inputs:
-            self.store.when_ready(_key(ref), lambda _entry: self._pump())
+            entry = self.store.get(_key(ref))
+            if not entry.ready:
+                entry.waiters.append(lambda _entry: self._pump())
         self._pump()
 
     def _on_send_shard(self, msg: pb.SendShard, payload) -> None:
