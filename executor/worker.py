@@ -69,7 +69,6 @@ class ExecutorCore:
         self.function_names: dict[int, str] = {}
         self.function_failures: dict[int, pb.RemoteFailure] = {}
         self._queue: collections.deque[pb.Run] = collections.deque()
-        self._in_compute = 0
         self.hop_bytes: collections.Counter = collections.Counter()
         self.num_computations = 0
         self.num_function_loads = 0
@@ -241,7 +240,6 @@ class ExecutorCore:
             job.failure = failure
             self.finish(job)
             return
-        self._in_compute += 1
         self._submit(job)
 
     def compute(self, job: ComputeJob) -> ComputeJob:
@@ -285,7 +283,6 @@ class ExecutorCore:
 
     def job_finished(self, job: ComputeJob) -> None:
         """Called on the I/O thread when the compute thread is done with ``job``."""
-        self._in_compute -= 1
         self.finish(job)
 
     # ------------------------------------------------------------ helpers

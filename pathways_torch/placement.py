@@ -12,7 +12,6 @@ per-shard sums of a ``Shard(0)`` array assemble to a vector of one sum per shard
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Sequence
 
 from .errors import PlacementError
@@ -184,7 +183,7 @@ def assemble_blocks(blocks: dict, block_shape: Sequence[int], placements: Sequen
         index = _block_index(position, ndim, placements, mesh)
         if index not in by_index and position in blocks:
             by_index[index] = blocks[position].reshape(1) if stacked else blocks[position]
-    grid = [f for f in _split_factors(ndim, placements, mesh)][:ndim]
+    grid = _split_factors(ndim, placements, mesh)[:ndim]
 
     def join(prefix: tuple):
         dim = len(prefix)
@@ -206,5 +205,4 @@ def positions_needed(block_shape: Sequence[int], placements: Sequence, mesh: Mes
         if index not in seen:
             seen.add(index)
             positions.append(position)
-    assert math.prod(_split_factors(ndim, placements, mesh)[:max(ndim, 1)]) == len(positions) or ndim == 0
     return positions
