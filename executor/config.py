@@ -6,7 +6,7 @@ import dataclasses
 
 __all__ = ["ExecutorConfig", "BACKENDS"]
 
-BACKENDS = ("eager",)
+BACKENDS = ("eager", "xla")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -147,7 +147,7 @@ class ExecutorProcess:
 
     def run(self) -> None:
         register = pb.Register(executor_id=self.config.executor_id, data_address=self.data_address,
-                               device=self.config.device, backend=self.config.backend, pid=os.getpid(),
+                               device=self.backend.device, backend=self.config.backend, pid=os.getpid(),
                                store_bytes=self.core.store.bytes)
         self.loop.send(_CONTROL, encode(pb.Envelope(register=register)))
         threading.Thread(target=self._compute_loop, name="pathways-compute", daemon=True).start()

@@ -134,7 +134,8 @@ class ExecutorCore:
     def _on_stats_request(self, msg: pb.StatsRequest, payload) -> None:
         stats = pb.Stats(request_id=msg.request_id, executor_id=self.executor_id,
                          store_bytes=self.store.bytes, store_buffers=len(self.store),
-                         num_computations=self.num_computations, num_function_loads=self.num_function_loads)
+                         num_computations=self.num_computations, num_function_loads=self.num_function_loads,
+                         num_compiles=self.backend.num_compiles())
         for hop, count in self.hop_bytes.items():
             stats.hop_bytes[hop] = count
         self.outbox.to_controller(pb.Envelope(stats=stats))

@@ -182,7 +182,8 @@ class Context:
             s = envelope.stats
             executors[executor_id] = {"store_bytes": s.store_bytes, "store_buffers": s.store_buffers,
                                       "hop_bytes": dict(s.hop_bytes), "num_computations": s.num_computations,
-                                      "num_function_loads": s.num_function_loads}
+                                      "num_function_loads": s.num_function_loads,
+                                      "num_compiles": s.num_compiles}
             hops["executor->executor"] += s.hop_bytes.get("executor->executor", 0)
         payload = self._server.payload_bytes
         hops["controller relayed"] = payload["sent"] + payload["received"] - self.controller.program_constant_bytes

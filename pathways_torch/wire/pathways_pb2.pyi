@@ -203,7 +203,7 @@ class StatsRequest(_message.Message):
     def __init__(self, request_id: _Optional[int] = ...) -> None: ...
 
 class Stats(_message.Message):
-    __slots__ = ("request_id", "executor_id", "store_bytes", "store_buffers", "hop_bytes", "num_computations", "num_function_loads")
+    __slots__ = ("request_id", "executor_id", "store_bytes", "store_buffers", "hop_bytes", "num_computations", "num_function_loads", "num_compiles")
     class HopBytesEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -218,6 +218,7 @@ class Stats(_message.Message):
     HOP_BYTES_FIELD_NUMBER: _ClassVar[int]
     NUM_COMPUTATIONS_FIELD_NUMBER: _ClassVar[int]
     NUM_FUNCTION_LOADS_FIELD_NUMBER: _ClassVar[int]
+    NUM_COMPILES_FIELD_NUMBER: _ClassVar[int]
     request_id: int
     executor_id: str
     store_bytes: int
@@ -225,7 +226,8 @@ class Stats(_message.Message):
     hop_bytes: _containers.ScalarMap[str, int]
     num_computations: int
     num_function_loads: int
-    def __init__(self, request_id: _Optional[int] = ..., executor_id: _Optional[str] = ..., store_bytes: _Optional[int] = ..., store_buffers: _Optional[int] = ..., hop_bytes: _Optional[_Mapping[str, int]] = ..., num_computations: _Optional[int] = ..., num_function_loads: _Optional[int] = ...) -> None: ...
+    num_compiles: int
+    def __init__(self, request_id: _Optional[int] = ..., executor_id: _Optional[str] = ..., store_bytes: _Optional[int] = ..., store_buffers: _Optional[int] = ..., hop_bytes: _Optional[_Mapping[str, int]] = ..., num_computations: _Optional[int] = ..., num_function_loads: _Optional[int] = ..., num_compiles: _Optional[int] = ...) -> None: ...
 
 class TraceEvent(_message.Message):
     __slots__ = ("name", "kind", "time_ns", "seq", "call_id", "function_id", "detail")
