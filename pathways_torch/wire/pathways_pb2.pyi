@@ -85,28 +85,32 @@ class GraphNode(_message.Message):
     def __init__(self, op: _Optional[str] = ..., target: _Optional[str] = ..., args: _Optional[_Iterable[_Union[Arg, _Mapping]]] = ..., kwargs: _Optional[_Iterable[_Union[NamedArg, _Mapping]]] = ..., name: _Optional[str] = ...) -> None: ...
 
 class Graph(_message.Message):
-    __slots__ = ("nodes", "constants")
+    __slots__ = ("nodes", "constants", "inputs")
     NODES_FIELD_NUMBER: _ClassVar[int]
     CONSTANTS_FIELD_NUMBER: _ClassVar[int]
+    INPUTS_FIELD_NUMBER: _ClassVar[int]
     nodes: _containers.RepeatedCompositeFieldContainer[GraphNode]
     constants: _containers.RepeatedCompositeFieldContainer[TensorMeta]
-    def __init__(self, nodes: _Optional[_Iterable[_Union[GraphNode, _Mapping]]] = ..., constants: _Optional[_Iterable[_Union[TensorMeta, _Mapping]]] = ...) -> None: ...
+    inputs: _containers.RepeatedCompositeFieldContainer[TensorMeta]
+    def __init__(self, nodes: _Optional[_Iterable[_Union[GraphNode, _Mapping]]] = ..., constants: _Optional[_Iterable[_Union[TensorMeta, _Mapping]]] = ..., inputs: _Optional[_Iterable[_Union[TensorMeta, _Mapping]]] = ...) -> None: ...
 
 class Register(_message.Message):
-    __slots__ = ("executor_id", "data_address", "device", "backend", "pid", "store_bytes")
+    __slots__ = ("executor_id", "data_address", "device", "backend", "pid", "store_bytes", "public_key")
     EXECUTOR_ID_FIELD_NUMBER: _ClassVar[int]
     DATA_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     BACKEND_FIELD_NUMBER: _ClassVar[int]
     PID_FIELD_NUMBER: _ClassVar[int]
     STORE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    PUBLIC_KEY_FIELD_NUMBER: _ClassVar[int]
     executor_id: str
     data_address: str
     device: str
     backend: str
     pid: int
     store_bytes: int
-    def __init__(self, executor_id: _Optional[str] = ..., data_address: _Optional[str] = ..., device: _Optional[str] = ..., backend: _Optional[str] = ..., pid: _Optional[int] = ..., store_bytes: _Optional[int] = ...) -> None: ...
+    public_key: bytes
+    def __init__(self, executor_id: _Optional[str] = ..., data_address: _Optional[str] = ..., device: _Optional[str] = ..., backend: _Optional[str] = ..., pid: _Optional[int] = ..., store_bytes: _Optional[int] = ..., public_key: _Optional[bytes] = ...) -> None: ...
 
 class Welcome(_message.Message):
     __slots__ = ("index", "heartbeat_interval_s", "heartbeat_timeout_s")
@@ -151,16 +155,18 @@ class Run(_message.Message):
     def __init__(self, seq: _Optional[int] = ..., call_id: _Optional[int] = ..., function_id: _Optional[int] = ..., inputs: _Optional[_Iterable[_Union[ShardRef, _Mapping]]] = ..., outputs: _Optional[_Iterable[_Union[ShardRef, _Mapping]]] = ..., digest_outputs: _Optional[bool] = ...) -> None: ...
 
 class SendShard(_message.Message):
-    __slots__ = ("shard", "to_address", "as_ref", "call_id")
+    __slots__ = ("shard", "to_address", "as_ref", "call_id", "to_public_key")
     SHARD_FIELD_NUMBER: _ClassVar[int]
     TO_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     AS_REF_FIELD_NUMBER: _ClassVar[int]
     CALL_ID_FIELD_NUMBER: _ClassVar[int]
+    TO_PUBLIC_KEY_FIELD_NUMBER: _ClassVar[int]
     shard: ShardRef
     to_address: str
     as_ref: ShardRef
     call_id: int
-    def __init__(self, shard: _Optional[_Union[ShardRef, _Mapping]] = ..., to_address: _Optional[str] = ..., as_ref: _Optional[_Union[ShardRef, _Mapping]] = ..., call_id: _Optional[int] = ...) -> None: ...
+    to_public_key: bytes
+    def __init__(self, shard: _Optional[_Union[ShardRef, _Mapping]] = ..., to_address: _Optional[str] = ..., as_ref: _Optional[_Union[ShardRef, _Mapping]] = ..., call_id: _Optional[int] = ..., to_public_key: _Optional[bytes] = ...) -> None: ...
 
 class Free(_message.Message):
     __slots__ = ("shards",)
