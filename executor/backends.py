@@ -1,87 +1,155 @@
-"""Device backends: how a decoded graph runs on this executor's device.
+"""Device backends: how a decoded graph is compiled and run on this executor's device.
 
-A backend turns a ``torch.fx.GraphModule`` into something callable on local
-tensors. ``eager`` runs the graph op by op (bit-for-bit with eager PyTorch);
-``xla`` runs it through torch_xla on PJRT (CPU here, TPU by ``PJRT_DEVICE``):
-XLA compiles each distinct graph + shapes once and caches it.
+``compile(graph_module, example_inputs)`` returns a callable on device tensors
+(called once per graph and input signature, possibly on the compile thread);
+``run`` calls it and leaves the outputs on the device, where the object store
+keeps them; ``to_device`` brings an arriving host tensor there.
+
+- ``eager``: no compile; runs the aten graph op by op (bit-for-bit with eager PyTorch).
+- ``xla``: torch_xla on PJRT (CPU here; ``PJRT_DEVICE=TPU`` on a TPU host). The graph
+  is traced lazily and XLA compiles each distinct graph + shapes once; ``compile``
+  runs it once on zeros so that compile happens off the compute thread.
+- ``inductor``: ``torch._inductor.compile`` of the aten graph (for CUDA hosts, where
+  torch_xla has no GPU support; on CPU it works but compiles slowly).
 """
 
 from __future__ import annotations
 
+import logging
+import os
 from typing import Protocol, Sequence
 
-__all__ = ["Backend", "EagerBackend", "XlaBackend", "make_backend"]
+__all__ = ["Backend", "EagerBackend", "XlaBackend", "InductorBackend", "make_backend", "BACKEND_NAMES"]
+
+log = logging.getLogger(__name__)
+
+BACKEND_NAMES = ("eager", "xla", "inductor")
 
 
 class Backend(Protocol):
     name: str
     device: str
+    compiles_in_background: bool
 
-    def load(self, graph_module):
-        """Prepare ``graph_module``; return a callable taking and returning local tensors."""
+    def compile(self, graph_module, example_inputs: Sequence):
+        """Return a callable taking and returning device tensors for this input signature."""
 
     def run(self, compiled, inputs: Sequence) -> list:
-        """Run a prepared function; return its outputs as CPU-reachable tensors."""
+        """Run a compiled function on device tensors; return its outputs (on the device)."""
+
+    def to_device(self, tensor):
+        """Move a host tensor that arrived over the wire to this backend's device."""
 
     def num_compiles(self) -> int:
-        """How many times this backend compiled a graph so far."""
+        """How many graphs this backend compiled so far."""
 
 
 class EagerBackend:
+    """Op by op, as eager PyTorch runs it."""
+
     name = "eager"
+    compiles_in_background = False
 
     def __init__(self, device: str = "cpu"):
-        self.device = device
+        import torch
 
-    def load(self, graph_module):
-        return graph_module
+        self._device = torch.device(device)
+        self.device = str(self._device)
+
+    def compile(self, graph_module, example_inputs):
+        return graph_module.to(self._device)
 
     def run(self, compiled, inputs):
         return _as_list(compiled(*inputs))
+
+    def to_device(self, tensor):
+        return tensor if tensor.device == self._device else tensor.to(self._device)
 
     def num_compiles(self) -> int:
         return 0
 
 
 class XlaBackend:
-    """Runs graphs on the torch_xla device; the only place that imports torch_xla.
+    """torch_xla's lazy tensors on PJRT; the only place that imports torch_xla.
 
-    Inputs are copied to the XLA device, the graph is traced lazily and
-    ``torch_xla.sync()`` compiles (once per graph and shape, cached by XLA) and
-    runs it; outputs are brought back to the host for the object store.
+    Each thread syncs only the tensors it produced (``_xla_sync_multi``), so a
+    background compile never materialises the compute thread's pending work.
     """
 
     name = "xla"
+    compiles_in_background = True
 
     def __init__(self, device: str = "cpu"):
-        import os
-
-        # TPU hosts set PJRT_DEVICE=TPU themselves; everything else here is the CPU client.
+        # TPU hosts set PJRT_DEVICE=TPU themselves; everywhere else this is the CPU client.
         os.environ.setdefault("PJRT_DEVICE", "CPU")
         import torch_xla
         import torch_xla.debug.metrics as metrics
 
-        self._torch_xla, self._metrics = torch_xla, metrics
+        self._xla, self._metrics = torch_xla, metrics
         self._device = torch_xla.device()
         self.device = str(self._device)
 
-    def load(self, graph_module):
-        return graph_module.to(self._device)
+    def compile(self, graph_module, example_inputs):
+        import torch
+
+        module = graph_module.to(self._device)
+        # Device data, as real inputs will be: zeros made on the XLA device would be graph
+        # constants and give a different graph (and a second compile).
+        zeros = [torch.zeros(t.shape, dtype=t.dtype).to(self._device) for t in example_inputs]
+        self._sync(_as_list(module(*zeros)))  # XLA compiles here and caches the executable
+        fallbacks = self._metrics.executed_fallback_ops()
+        if fallbacks:
+            # torch_xla ran these aten ops on the host: correct, but slow. Say so.
+            log.warning("xla: ops executed by CPU fallback, not XLA: %s", ", ".join(sorted(fallbacks)))
+        return module
 
     def run(self, compiled, inputs):
-        outputs = _as_list(compiled(*[t.to(self._device) for t in inputs]))
-        self._torch_xla.sync()
-        return [t.cpu() for t in outputs]
-
-    def on_device(self, compiled, inputs) -> list:
-        """Like `run` but leaves outputs on the XLA device (tests check no silent fallback)."""
-        outputs = _as_list(compiled(*[t.to(self._device) for t in inputs]))
-        self._torch_xla.sync()
+        outputs = _as_list(compiled(*inputs))
+        self._sync(outputs)
         return outputs
+
+    def to_device(self, tensor):
+        return tensor.to(self._device)
 
     def num_compiles(self) -> int:
         data = self._metrics.metric_data("CompileTime")
         return int(data[0]) if data else 0
+
+    def _sync(self, tensors) -> None:
+        self._xla._XLAC._xla_sync_multi(list(tensors), [], wait=True)
+
+
+class InductorBackend:
+    """``torch._inductor.compile`` on the captured aten graph."""
+
+    name = "inductor"
+    compiles_in_background = True
+
+    def __init__(self, device: str = "cpu"):
+        import torch
+
+        self._device = torch.device(device)
+        self.device = str(self._device)
+        self._compiles = 0
+
+    def compile(self, graph_module, example_inputs):
+        import torch
+        import torch._inductor
+
+        module = graph_module.to(self._device)
+        examples = [torch.zeros(t.shape, dtype=t.dtype, device=self._device) for t in example_inputs]
+        compiled = torch._inductor.compile(module, examples)
+        self._compiles += 1
+        return compiled
+
+    def run(self, compiled, inputs):
+        return _as_list(compiled(*inputs))
+
+    def to_device(self, tensor):
+        return tensor if tensor.device == self._device else tensor.to(self._device)
+
+    def num_compiles(self) -> int:
+        return self._compiles
 
 
 def _as_list(out) -> list:
@@ -93,4 +161,6 @@ def make_backend(name: str, device: str = "cpu") -> Backend:
         return EagerBackend(device)
     if name == "xla":
         return XlaBackend(device)
-    raise ValueError(f"backend: expected 'eager' or 'xla', got {name!r}")
+    if name == "inductor":
+        return InductorBackend(device)
+    raise ValueError(f"backend: expected one of {BACKEND_NAMES}, got {name!r}")

@@ -6,7 +6,7 @@ import dataclasses
 
 __all__ = ["ExecutorConfig", "BACKENDS"]
 
-BACKENDS = ("eager", "xla")
+BACKENDS = ("eager", "xla", "inductor")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

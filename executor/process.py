@@ -14,6 +14,7 @@ from pathways_torch.wire import SocketLoop, decode, encode, pb
 from pathways_torch.wire.framing import FramingError
 
 from .backends import make_backend
+from .compile_cache import CompileCache
 from .config import ExecutorConfig
 from .trace import TraceRecorder
 from .worker import ComputeJob, ExecutorCore
@@ -58,9 +59,11 @@ class ExecutorProcess:
         self.config = config
         self.loop = SocketLoop(f"executor-{config.executor_id}")
         self.backend = make_backend(config.backend, config.device)
+        trace = TraceRecorder(config.max_trace_events)
+        self.compiler = CompileCache(self.backend, trace, post=self.loop.call_soon)
         self.core = ExecutorCore(executor_id=config.executor_id, backend=self.backend,
-                                 outbox=_SocketOutbox(self.loop), submit=self._submit,
-                                 trace=TraceRecorder(config.max_trace_events))
+                                 outbox=_SocketOutbox(self.loop), submit=self._submit, trace=trace,
+                                 compiler=self.compiler)
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._last_heard = time.monotonic()
         self._exit_reason = ""
@@ -141,6 +144,7 @@ class ExecutorProcess:
     def _stop(self, reason: str) -> None:
         self._exit_reason = reason
         self._jobs.put(None)
+        self.compiler.stop()
         self.loop.stop()
 
     # ------------------------------------------------------------ main

@@ -5,10 +5,13 @@
 process, a synchronous fake in unit tests) and come back through `finish`.
 Everything here runs on one thread (the I/O loop).
 
-Computations run in the order the controller sent them (the island's sequence
-order): the queue's head starts once its inputs are present, and nothing after
-it starts first. Since every dependency points from a lower to a higher sequence
-number and every executor follows the same order, this cannot deadlock.
+Computations are queued in the order the controller sent them (the island's
+sequence order) and started in that order among those that are *startable*: every
+input present and the function compiled. A computation whose function is still
+compiling (in the background) lets later ready ones pass, so a long compile does
+not stall the executor. None of today's computations waits on another executor
+once started, so this cannot deadlock; collective-bearing computations (a later
+issue) will keep strict sequence order among themselves.
 """
 
 from __future__ import annotations
@@ -21,9 +24,10 @@ from typing import Callable, Protocol, Sequence
 
 from pathways_torch.wire import pb
 from pathways_torch.wire.framing import body_name
-from pathways_torch.wire.graph_schema import decode_graph
+from pathways_torch.wire.graph_schema import decode_graph, input_signature
 from pathways_torch.wire.tensors import frame_to_tensor, tensor_to_frame
 
+from .compile_cache import CompileCache, graph_key
 from .store import ObjectStore
 from .trace import TraceRecorder
 
@@ -54,20 +58,30 @@ class ComputeJob:
         self.digests: list[bytes] = []
 
 
+class _Function:
+    """A loaded function: its traced input signature and, once compiled, the callable."""
+
+    __slots__ = ("name", "signature", "compiled", "failure", "ready")
+
+    def __init__(self, name: str, signature: list):
+        self.name, self.signature = name, signature
+        self.compiled, self.failure, self.ready = None, None, False
+
+
 class ExecutorCore:
     """Object store, run queue, transfers and fetches of one executor."""
 
     def __init__(self, *, executor_id: str, backend, outbox: Outbox,
-                 submit: Callable[[ComputeJob], None], trace: TraceRecorder | None = None):
+                 submit: Callable[[ComputeJob], None], trace: TraceRecorder | None = None,
+                 compiler: CompileCache | None = None):
         self.executor_id = executor_id
         self.backend = backend
         self.outbox = outbox
         self._submit = submit
-        self.trace = trace or TraceRecorder()
+        self.trace = trace if trace is not None else TraceRecorder()  # an empty recorder is falsy
         self.store = ObjectStore()
-        self.functions: dict[int, object] = {}
-        self.function_names: dict[int, str] = {}
-        self.function_failures: dict[int, pb.RemoteFailure] = {}
+        self.compiler = compiler if compiler is not None else CompileCache(backend, self.trace, background=False)
+        self.functions: dict[int, _Function] = {}
         self._queue: collections.deque[pb.Run] = collections.deque()
         self.hop_bytes: collections.Counter = collections.Counter()
         self.num_computations = 0
@@ -97,17 +111,30 @@ class ExecutorCore:
 
     def _on_load_function(self, msg: pb.LoadFunction, payload) -> None:
         self.trace.record("receive", f"load {msg.name}", function_id=msg.function_id)
-        self.function_names[msg.function_id] = msg.name
+        self.num_function_loads += 1
+        function = self.functions[msg.function_id] = _Function(msg.name, [])
         try:
+            function.signature = input_signature(msg.graph)
             graph_module = decode_graph(msg.graph, payload, device=self.backend.device)
-            self.functions[msg.function_id] = self.backend.load(graph_module)
-            self.num_function_loads += 1
         except Exception as exc:
             log.warning("%s: function %s refused: %s", self.executor_id, msg.name, exc)
-            self.function_failures[msg.function_id] = self._failure(exc, origin_call_id=0)
+            self._function_ready(function, None, exc)
+            return
+        import torch
+
+        examples = [torch.empty(shape, dtype=dtype, device="meta") for shape, dtype in function.signature]
+        key = graph_key(msg.graph.SerializeToString(deterministic=True), payload_bytes(payload))
+        self.compiler.request(key, msg.name, graph_module, examples,
+                              lambda compiled, error: self._function_ready(function, compiled, error))
+
+    def _function_ready(self, function: _Function, compiled, error: BaseException | None) -> None:
+        function.compiled, function.ready = compiled, True
+        if error is not None:
+            function.failure = self._failure(error, origin_call_id=0)
+        self._pump()
 
     def _on_run(self, run: pb.Run, payload) -> None:
-        self.trace.record("receive", self.function_names.get(run.function_id, "run"), seq=run.seq,
+        self.trace.record("receive", self._name(run.function_id) or "run", seq=run.seq,
                           call_id=run.call_id, function_id=run.function_id)
         for ref in run.inputs:
             self.store.claim(_key(ref), pin=True)
@@ -161,7 +188,7 @@ class ExecutorCore:
     def _on_put(self, identity: bytes, msg: pb.Put, payload) -> None:
         tensor = frame_to_tensor(msg.tensor, payload)
         self.hop_bytes["client->executor"] += tensor.numel() * tensor.element_size()
-        self.store.fill(_key(msg.shard), tensor)
+        self.store.fill(_key(msg.shard), self.backend.to_device(tensor))
         ack = pb.PutAck(request_id=msg.request_id)
         ack.shard.CopyFrom(msg.shard)
         self.outbox.to_client(identity, pb.Envelope(put_ack=ack))
@@ -174,7 +201,7 @@ class ExecutorCore:
         tensor = frame_to_tensor(msg.tensor, payload)
         self.hop_bytes["executor->executor received"] += tensor.numel() * tensor.element_size()
         self.trace.record("receive", "transfer", call_id=msg.shard.tag, detail=f"array {msg.shard.array_id}")
-        self.store.fill(key, tensor)
+        self.store.fill(key, self.backend.to_device(tensor))
 
     def _on_fetch(self, identity: bytes, msg: pb.Fetch) -> None:
         key = _key(msg.shard)
@@ -217,35 +244,51 @@ class ExecutorCore:
     # ------------------------------------------------------------ computations
 
     def _pump(self) -> None:
-        """Start queued computations, in order, while the head's inputs are present."""
+        """Start, in queue order, every queued computation that can start now."""
+        if not self._queue:
+            return
+        waiting = collections.deque()
         while self._queue:
-            run = self._queue[0]
+            run = self._queue.popleft()
             entries = [self.store.get(_key(ref)) for ref in run.inputs]
-            if not all(e is not None and e.ready for e in entries):
-                return
-            self._queue.popleft()
-            self._start(run, entries)
+            function = self.functions.get(run.function_id)
+            inputs_ready = all(e is not None and e.ready for e in entries)
+            if inputs_ready and (function is None or function.ready):
+                self._start(run, function, entries)
+            else:
+                waiting.append(run)
+        self._queue = waiting
 
-    def _start(self, run: pb.Run, entries: list) -> None:
-        failed_input = next((e.failure for e in entries if e.failure is not None), None)
-        failure = failed_input or self.function_failures.get(run.function_id)
-        function = self.functions.get(run.function_id)
+    def _start(self, run: pb.Run, function: _Function | None, entries: list) -> None:
+        failure = next((e.failure for e in entries if e.failure is not None), None)
         if failure is None and function is None:
             failure = pb.RemoteFailure(type="ProtocolError", executor_id=self.executor_id,
-                                       origin_call_id=run.call_id,
                                        message=f"function {run.function_id} was never loaded on this executor")
-        job = ComputeJob(run, function, [e.value for e in entries])
+        if failure is None:
+            failure = function.failure or self._check_signature(run, function, entries)
+        job = ComputeJob(run, function.compiled if function else None, [e.value for e in entries])
         if failure is not None:
-            if failure.origin_call_id == 0:
-                failure = _with_origin(failure, run.call_id)
-            job.failure = failure
+            job.failure = failure if failure.origin_call_id else _with_origin(failure, run.call_id)
             self.finish(job)
             return
         self._submit(job)
 
+    def _check_signature(self, run: pb.Run, function: _Function, entries: list) -> pb.RemoteFailure | None:
+        """Refuse inputs that do not match the traced signature (a bad put or a hostile peer)."""
+        if len(entries) != len(function.signature):
+            problem = f"expected {len(function.signature)} inputs, got {len(entries)}"
+        else:
+            problem = next((f"input {i}: expected {_spec(shape, dtype)}, got {_spec(tuple(e.value.shape), e.value.dtype)}"
+                            for i, (e, (shape, dtype)) in enumerate(zip(entries, function.signature))
+                            if tuple(e.value.shape) != shape or e.value.dtype != dtype), None)
+        if problem is None:
+            return None
+        return pb.RemoteFailure(type="SignatureError", executor_id=self.executor_id, origin_call_id=run.call_id,
+                                message=f"function {function.name!r}: {problem}")
+
     def compute(self, job: ComputeJob) -> ComputeJob:
         """Run a job (called on the compute thread); never raises."""
-        name = self.function_names.get(job.run.function_id, "")
+        name = self._name(job.run.function_id)
         self.trace.record("start", name, seq=job.run.seq, call_id=job.run.call_id, function_id=job.run.function_id)
         try:
             job.outputs = self.backend.run(job.function, job.inputs)
@@ -288,6 +331,10 @@ class ExecutorCore:
 
     # ------------------------------------------------------------ helpers
 
+    def _name(self, function_id: int) -> str:
+        function = self.functions.get(function_id)
+        return function.name if function else ""
+
     def _failure(self, exc: BaseException, *, origin_call_id: int) -> pb.RemoteFailure:
         return pb.RemoteFailure(type=type(exc).__name__, message=str(exc), executor_id=self.executor_id,
                                 traceback="".join(traceback.format_exception(exc)), origin_call_id=origin_call_id)
@@ -305,6 +352,15 @@ def _with_origin(failure: pb.RemoteFailure, call_id: int) -> pb.RemoteFailure:
     copy.CopyFrom(failure)
     copy.origin_call_id = call_id
     return copy
+
+
+def _spec(shape, dtype) -> str:
+    return f"{str(dtype).removeprefix('torch.')}{list(shape)}"
+
+
+def payload_bytes(payload: list) -> list:
+    """The raw buffers of received frames (for hashing)."""
+    return [f.buffer if hasattr(f, "buffer") else f for f in payload]
 
 
 def _digest(tensor) -> bytes:

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 __all__ = ["chrome_trace"]
 
-_COMPUTE_TID, _IO_TID = 0, 1
+_COMPUTE_TID, _IO_TID, _COMPILE_TID = 0, 1, 2
+# Paired kinds that make complete spans: (start kind, end kind) → (category, thread).
+_SPANS = {"start": ("end", "compute", _COMPUTE_TID), "compile_start": ("compile_end", "compile", _COMPILE_TID)}
+_ENDS = {end: (start, cat, tid) for start, (end, cat, tid) in _SPANS.items()}
 
 
 def chrome_trace(events_by_executor: dict, order: dict[str, int]) -> dict:
@@ -15,18 +18,20 @@ def chrome_trace(events_by_executor: dict, order: dict[str, int]) -> dict:
         out.append({"ph": "M", "name": "process_name", "pid": pid, "args": {"name": executor_id}})
         out.append({"ph": "M", "name": "thread_name", "pid": pid, "tid": _COMPUTE_TID, "args": {"name": "compute"}})
         out.append({"ph": "M", "name": "thread_name", "pid": pid, "tid": _IO_TID, "args": {"name": "io"}})
+        out.append({"ph": "M", "name": "thread_name", "pid": pid, "tid": _COMPILE_TID, "args": {"name": "compile"}})
         started = {}
         for e in events:
             args = {"seq": e.seq, "call_id": e.call_id, "function_id": e.function_id}
             if e.detail:
                 args["detail"] = e.detail
             ts_us = e.time_ns / 1000.0
-            if e.kind == "start":
-                started[(e.call_id, e.seq)] = ts_us
-            elif e.kind == "end" and (e.call_id, e.seq) in started:
-                begin = started.pop((e.call_id, e.seq))
-                out.append({"ph": "X", "name": e.name or "compute", "cat": "compute", "pid": pid,
-                            "tid": _COMPUTE_TID, "ts": begin, "dur": ts_us - begin, "args": args})
+            if e.kind in _SPANS:
+                started[(e.kind, e.name, e.call_id, e.seq)] = ts_us
+            elif e.kind in _ENDS and (_ENDS[e.kind][0], e.name, e.call_id, e.seq) in started:
+                start_kind, category, tid = _ENDS[e.kind]
+                begin = started.pop((start_kind, e.name, e.call_id, e.seq))
+                out.append({"ph": "X", "name": e.name or category, "cat": category, "pid": pid, "tid": tid,
+                            "ts": begin, "dur": ts_us - begin, "args": args})
             else:
                 out.append({"ph": "i", "s": "t", "name": f"{e.kind} {e.name}".strip(), "cat": e.kind, "pid": pid,
                             "tid": _IO_TID, "ts": ts_us, "args": args})

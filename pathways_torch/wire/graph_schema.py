@@ -17,7 +17,7 @@ from typing import Any
 from . import pathways_pb2 as pb
 from .tensors import dtype_from_name, dtype_name, frame_to_tensor, tensor_to_frame
 
-__all__ = ["encode_graph", "decode_graph", "GraphSchemaError", "ALLOWED_NAMESPACES"]
+__all__ = ["encode_graph", "decode_graph", "input_signature", "GraphSchemaError", "ALLOWED_NAMESPACES"]
 
 # Op namespaces an executor will resolve. Anything else is refused.
 ALLOWED_NAMESPACES = ("aten", "prims", "pathways", "_c10d_functional")
@@ -36,6 +36,7 @@ def encode_graph(graph_module) -> tuple[pb.Graph, list]:
     message = pb.Graph()
     index_of: dict[Any, int] = {}
     constants: list = []
+    placeholders = []
     for node in graph_module.graph.nodes:
         if node.op == "get_attr":
             # Tensor constants that make_fx lifted onto the module travel as frames.
@@ -43,6 +44,8 @@ def encode_graph(graph_module) -> tuple[pb.Graph, list]:
             index_of[node] = ("constant", _add_constant(message, constants, value))
             continue
         out = message.nodes.add(op=node.op, name=node.name)
+        if node.op == "placeholder":
+            placeholders.append(node)
         if node.op == "call_function":
             out.target = _target_name(node.target, node)
         elif node.op not in ("placeholder", "output"):
@@ -53,7 +56,16 @@ def encode_graph(graph_module) -> tuple[pb.Graph, list]:
             named = out.kwargs.add(name=name)
             _encode_arg(named.value, value, index_of, message, constants, node)
         index_of[node] = len(message.nodes) - 1
+    for node in placeholders:
+        _add_input_signature(message, node)
     return message, constants
+
+
+def _add_input_signature(message: pb.Graph, node) -> None:
+    value = node.meta.get("val")
+    if value is None or not hasattr(value, "shape"):
+        raise GraphSchemaError(f"placeholder {node.name} has no traced shape; capture with make_fx")
+    message.inputs.add(dtype=dtype_name(value.dtype), shape=[int(d) for d in value.shape])
 
 
 def _resolve_attr(module, target: str):
@@ -160,6 +172,10 @@ def decode_graph(message: pb.Graph, frames: list, device=None):
             raise GraphSchemaError(f"{where}: unknown node op {node.op!r}; expected one of {_NODE_OPS}")
     if not saw_output:
         raise GraphSchemaError("graph has no output node")
+    num_placeholders = sum(1 for n in message.nodes if n.op == "placeholder")
+    if len(message.inputs) != num_placeholders:
+        raise GraphSchemaError(f"graph has {num_placeholders} placeholders but an input signature of "
+                               f"{len(message.inputs)}")
     try:
         graph.lint()
     except Exception as exc:
@@ -243,3 +259,13 @@ def resolve_target(name: str, where: str = "graph"):
     if not isinstance(target, torch._ops.OpOverload):
         raise GraphSchemaError(f"{where}: {name!r} is not an operator overload")
     return target
+
+
+def input_signature(message: pb.Graph) -> list[tuple[tuple[int, ...], object]]:
+    """The (shape, dtype) each placeholder was traced with."""
+    signature = []
+    for index, meta in enumerate(message.inputs):
+        if any(d < 0 for d in meta.shape):
+            raise GraphSchemaError(f"input {index}: negative dimension in {list(meta.shape)}")
+        signature.append((tuple(meta.shape), dtype_from_name(meta.dtype)))
+    return signature

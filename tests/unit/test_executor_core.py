@@ -144,26 +144,27 @@ def test_digest_outputs_reported():
     assert done.ok and len(done.digests) == 1 and len(done.digests[0]) > 16
 
 
-def test_run_before_put_waits_and_runs_in_order():
+def test_run_before_put_waits_while_ready_runs_pass_it():
     core, outbox = make_core()
     load(core, 1, lambda x: x + 1, X)
-    # seq 1 needs array 1 (not yet here); seq 2's input array 3 is here already but must wait behind seq 1.
+    # seq 1 needs array 1 (not yet here); seq 2's input array 3 is here already, so it may pass seq 1
+    # (no computation today waits on another executor once started, so passing cannot deadlock).
     put(core, ref(3), X * 10)
     run(core, seq=1, call_id=11, function_id=1, inputs=[ref(1)], outputs=[ref(2)])
     run(core, seq=2, call_id=12, function_id=1, inputs=[ref(3)], outputs=[ref(4)])
     # seq 3 consumes the output of seq 1.
     run(core, seq=3, call_id=13, function_id=1, inputs=[ref(2)], outputs=[ref(5)])
-    assert outbox.dones() == []
-    assert core.num_computations == 0
+    assert [d.seq for d in outbox.dones()] == [2]
+    assert core.num_computations == 1
     put(core, ref(1), X)
     dones = outbox.dones()
     # With a synchronous submit a run's outputs wake the next runs before its own Done is sent, so
-    # Done order is not seq order; the controller matches Done by call_id. Computations start in seq order.
+    # Done order is not seq order; the controller matches Done by call_id.
     assert sorted(d.seq for d in dones) == [1, 2, 3]
     assert all(d.ok for d in dones)
     reply = pb.TraceReply()
     core.trace.fill(reply)
-    assert [ev.seq for ev in reply.events if ev.kind == "start"] == [1, 2, 3]
+    assert [ev.seq for ev in reply.events if ev.kind == "start"] == [2, 1, 3]
     assert core.num_computations == 3
     assert torch.equal(fetch_tensor(core, outbox, ref(4)), X * 10 + 1)
     assert torch.equal(fetch_tensor(core, outbox, ref(5), request_id=2), X + 2)
@@ -195,18 +196,18 @@ def test_fetch_unknown_shard_fails():
 
 def test_exception_in_function_reports_traceback_and_propagates_origin():
     core, outbox = make_core()
-    load(core, 1, lambda x, w: x @ w, X, W)
-    load(core, 2, lambda y: y * 2, torch.zeros(2, 4))
+    load(core, 1, lambda x, index: x[index], X, torch.tensor([0, 1]))
+    load(core, 2, lambda y: y * 2, torch.zeros(2, 3))
     put(core, ref(1), X)
-    put(core, ref(2), torch.zeros(5, 4))  # does not fit the traced matmul at run time
+    put(core, ref(2), torch.tensor([0, 5]))  # fits the signature; row 5 does not exist: a data-dependent error
     run(core, seq=1, call_id=21, function_id=1, inputs=[ref(1), ref(2)], outputs=[ref(3)])
     run(core, seq=2, call_id=22, function_id=2, inputs=[ref(3)], outputs=[ref(4)])
     first, second = outbox.dones()
     assert first.call_id == 21 and not first.ok
     assert first.failure.origin_call_id == 21
-    assert first.failure.type == "RuntimeError"
+    assert first.failure.type == "IndexError"
     assert first.failure.executor_id == "e0"
-    assert "Traceback" in first.failure.traceback and "RuntimeError" in first.failure.traceback
+    assert "Traceback" in first.failure.traceback and "out of bounds" in first.failure.traceback
     assert first.failure.message
     assert second.call_id == 22 and not second.ok
     assert second.failure.origin_call_id == 21
@@ -226,6 +227,18 @@ def test_wrong_output_count_fails_the_call():
     assert not done.ok and "1 outputs" in done.failure.message and done.failure.origin_call_id == 5
 
 
+def test_input_that_does_not_fit_the_signature_is_refused_before_running():
+    core, outbox = make_core()
+    load(core, 1, lambda x, w: x @ w, X, W)
+    put(core, ref(1), X)
+    put(core, ref(2), torch.zeros(5, 4))
+    run(core, seq=1, call_id=31, function_id=1, inputs=[ref(1), ref(2)], outputs=[ref(3)])
+    done, = outbox.dones()
+    assert not done.ok and done.failure.type == "SignatureError"
+    assert "input 1: expected float32[3, 4], got float32[5, 4]" in done.failure.message
+    assert core.num_computations == 0
+
+
 def test_run_of_unloaded_function_fails():
     core, outbox = make_core()
     put(core, ref(1), X)
@@ -243,7 +256,7 @@ def test_refused_function_load_fails_its_runs():
     graph.nodes.add(op="call_function", target="os.system.default", name="evil").args.add(node=0)
     graph.nodes.add(op="output", name="output").args.add(node=1)
     core.on_control(pb.Envelope(load_function=pb.LoadFunction(function_id=3, name="evil", graph=graph)), [])
-    assert 3 not in core.functions and core.num_function_loads == 0
+    assert core.functions[3].failure is not None and core.functions[3].compiled is None
     put(core, ref(1), X)
     run(core, seq=1, call_id=9, function_id=3, inputs=[ref(1)], outputs=[ref(2)])
     done, = outbox.dones()

@@ -1,0 +1,62 @@
+"""Background compiles (XLA) do not stall other work; the inductor backend runs captured graphs."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import pathways_torch as pw
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
+
+
+def _deep(x):
+    # Enough distinct ops that XLA needs a noticeable time to compile it.
+    for i in range(40):
+        x = torch.tanh(x @ x.T @ x + i)
+    return x
+
+
+def test_a_long_xla_compile_lets_ready_work_run(tmp_path):
+    pytest.importorskip("torch_xla")
+    with pw.Context(num_executors=1, backend="xla") as ctx:
+        mesh = ctx.mesh({"data": 1})
+        small = pw.function(lambda a: a + 1, name="small")
+        deep = pw.function(_deep, name="deep")
+        x = ctx.put(torch.zeros(4, 4), mesh, [pw.Replicate()])
+        big = ctx.put(torch.randn(32, 32) / 32, mesh, [pw.Replicate()])
+        small(x).result(timeout_s=60)                  # compiled and warm
+        slow = deep(big)                              # first call: compiles in the background
+        chain = x
+        for _ in range(20):
+            chain = small(chain)                      # queued after `slow`, ready at once
+        torch.testing.assert_close(chain.result(timeout_s=120), torch.full((4, 4), 20.0))
+        torch.testing.assert_close(slow.result(timeout_s=120), _deep(big.result()), rtol=1e-4, atol=1e-5)
+        trace = ctx.trace(str(tmp_path / "trace.json"))
+    events = trace["traceEvents"]
+    compile_span = next(e for e in events if e.get("ph") == "X" and e.get("cat") == "compile" and e["name"] == "deep")
+    begin, end = compile_span["ts"], compile_span["ts"] + compile_span["dur"]
+    during = [e for e in events if e.get("ph") == "X" and e["name"] == "small" and begin < e["ts"] < end]
+    assert during, f"no 'small' computation ran during the {compile_span['dur'] / 1e3:.0f} ms compile of 'deep'"
+    deep_run = next(e for e in events if e.get("ph") == "X" and e.get("cat") == "compute" and e["name"] == "deep")
+    assert deep_run["ts"] >= end
+    assert json.loads((tmp_path / "trace.json").read_text())["traceEvents"]
+
+
+def test_inductor_backend_matches_eager():
+    with pw.Context(num_executors=1, backend="inductor") as ctx:
+        mesh = ctx.mesh({"data": 1})
+
+        @pw.function
+        def block(a, b):
+            return torch.softmax(torch.relu(a @ b), dim=-1), (a * 2).sum()
+
+        a_host, b_host = torch.randn(8, 16), torch.randn(16, 4)
+        probs, total = block(ctx.put(a_host, mesh, [pw.Replicate()]), ctx.put(b_host, mesh, [pw.Replicate()]))
+        expected = block.fn(a_host, b_host)
+        torch.testing.assert_close(probs.result(timeout_s=200), expected[0], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(total.result(timeout_s=200), expected[1], rtol=1e-5, atol=1e-4)
+        stats = ctx.stats()["executors"]
+        assert [s["num_compiles"] for s in stats.values()] == [1]
