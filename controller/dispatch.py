@@ -278,12 +278,22 @@ class Controller:
             record.settle(FAILED, error)
 
     def _error_for(self, call: _Call, failure: pb.RemoteFailure) -> BaseException:
+        """The error for a failed call: the origin call's own error when the failure came from upstream.
+
+        A dependent's Done can arrive before the origin's (the failure travels
+        executor→executor faster than the origin's Done reaches us), so the origin
+        call is failed here, first, with an error built from the same report.
+        """
         origin = failure.origin_call_id
-        if origin and origin != call.call_id and origin in self._failures:
-            return self._failures[origin]  # a dependent call fails with the earliest cause
-        return RemoteError(failure.message, function=call.spec.name, executor_id=failure.executor_id,
-                           remote_type=failure.type, remote_traceback=failure.traceback,
-                           call_site=call.spec.call_site)
+        if origin and origin != call.call_id:
+            if origin in self._failures:
+                return self._failures[origin]
+            origin_call = self._calls.get(origin)
+            if origin_call is not None:
+                error = _remote_error(origin_call.spec, failure)
+                self._fail_call(origin_call, error)
+                return error
+        return _remote_error(call.spec, failure)
 
     # ------------------------------------------------------------ lifetimes
 
@@ -368,3 +378,8 @@ class Controller:
     def _send(self, executor_id: str, envelope: pb.Envelope, payload: Sequence = ()) -> None:
         self.messages_sent[body_name(envelope)] += 1
         self.outbox.to_executor(executor_id, envelope, payload)
+
+
+def _remote_error(spec: CallSpec, failure: pb.RemoteFailure) -> RemoteError:
+    return RemoteError(failure.message, function=spec.name, executor_id=failure.executor_id,
+                       remote_type=failure.type, remote_traceback=failure.traceback, call_site=spec.call_site)

@@ -1,15 +1,22 @@
 """The quickstart: per-shard functions on 4 local executors, checked against eager PyTorch."""
 
+import argparse
+
 import torch
 
 import pathways_torch as pw
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--backend", default="xla", choices=["xla", "eager", "inductor"])
+    parser.add_argument("--executors", type=int, default=4)
+    args = parser.parse_args()
     torch.manual_seed(0)
     x_host, w_host, v_host = torch.randn(64, 32), torch.randn(32, 16), torch.randn(16, 16)
-    with pw.Context(num_executors=4) as ctx:          # embedded default: controller + 4 local CPU executors
-        mesh = ctx.mesh({"data": 4})
+    # embedded default: controller + local CPU executors (XLA on PJRT CPU unless told otherwise)
+    with pw.Context(num_executors=args.executors, backend=args.backend) as ctx:
+        mesh = ctx.mesh({"data": args.executors})
         x = ctx.put(x_host, mesh, [pw.Shard(0)])      # a global-shape array; shards live on executors
         w = ctx.put(w_host, mesh, [pw.Replicate()])
         v = ctx.put(v_host, mesh, [pw.Replicate()])

@@ -89,7 +89,9 @@ class CompileCache:
             self._compile(*job)
 
     def _compile(self, entry: _Entry, name: str, graph_module, example_inputs) -> None:
-        self.trace.record("compile_start", name, detail=self.backend.name)
+        traced = self.backend.compiles_in_background  # eager "compiles" nothing worth a span
+        if traced:
+            self.trace.record("compile_start", name, detail=self.backend.name)
         began = time.perf_counter()
         try:
             entry.compiled = self.backend.compile(graph_module, example_inputs)
@@ -97,7 +99,8 @@ class CompileCache:
             log.warning("compile of %s on %s failed: %s", name, self.backend.name, exc)
             entry.error = exc
         entry.seconds = time.perf_counter() - began
-        self.trace.record("compile_end", name, detail=f"{self.backend.name} {entry.seconds:.3f} s")
+        if traced:
+            self.trace.record("compile_end", name, detail=f"{self.backend.name} {entry.seconds:.3f} s")
         self._post(lambda: self._finish(entry))
 
     def _finish(self, entry: _Entry) -> None:

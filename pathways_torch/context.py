@@ -27,7 +27,7 @@ class ContextConfig:
     """How `Context` starts its embedded cluster."""
 
     num_executors: int = 4
-    backend: str = "eager"
+    backend: str = "xla"          # "xla" (PJRT CPU/TPU), "eager" (debugging), "inductor" (CUDA hosts)
     debug: bool = False
     executor_threads: int = 1
     start_timeout_s: float = 120.0
@@ -43,8 +43,10 @@ class ContextConfig:
 class Context:
     """Start a controller in this process and ``num_executors`` executor processes; stop them on exit.
 
-    Use as a context manager. ``debug=True`` checks that outputs declared
-    ``Replicate()`` are identical on every shard.
+    Use as a context manager. ``backend`` picks how executors compile and run
+    functions (``"xla"`` by default; ``"eager"`` runs op by op, bit-for-bit with
+    eager PyTorch). ``debug=True`` checks that outputs declared ``Replicate()`` are
+    identical on every shard.
     """
 
     def __init__(self, num_executors: int = 4, **options):

@@ -9,7 +9,7 @@ import torch
 import pathways_torch as pw
 
 how = sys.argv[1]
-with pw.Context(num_executors=2, heartbeat_interval_s=0.2, heartbeat_timeout_s=3.0) as ctx:
+with pw.Context(num_executors=2, backend="eager", heartbeat_interval_s=0.2, heartbeat_timeout_s=3.0) as ctx:
     mesh = ctx.mesh({"data": 2})
     x = ctx.put(torch.ones(4), mesh, [pw.Shard(0)])
     assert x.result(timeout_s=30).sum().item() == 4

@@ -12,7 +12,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 
 @pytest.fixture(scope="module")
 def ctx():
-    with pw.Context(num_executors=2, debug=True) as context:
+    with pw.Context(num_executors=2, debug=True, backend="eager") as context:
         yield context
 
 

@@ -16,7 +16,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 
 @pytest.fixture(scope="module")
 def ctx():
-    with pw.Context(num_executors=4) as context:
+    with pw.Context(num_executors=4, backend="eager") as context:  # eager: data-dependent errors raise
         yield context
 
 
@@ -182,7 +182,7 @@ def test_trace_has_compute_events_with_sequence_numbers(ctx, mesh, tmp_path):
     path = tmp_path / "trace.json"
     ctx.trace(str(path))
     trace = json.loads(path.read_text())
-    computes = [e for e in trace["traceEvents"] if e.get("ph") == "X" and e["name"] == "inc"]
+    computes = [e for e in trace["traceEvents"] if e.get("ph") == "X" and e.get("cat") == "compute" and e["name"] == "inc"]
     assert len(computes) >= 8  # 2 calls × 4 executors
     assert {e["pid"] for e in computes} == {0, 1, 2, 3}
     seqs = sorted({e["args"]["seq"] for e in computes})

@@ -130,3 +130,19 @@ def test_silent_executor_is_lost_and_its_futures_fail(setup):
     assert isinstance(y.error, ExecutorLostError) and y.error.executor_id == "e1"
     with pytest.raises(ExecutorLostError, match="e1"):
         controller.call(CallSpec(function_id=function_id, name="f", mesh=mesh, inputs=(x.array_id,), num_outputs=1))
+
+
+def test_dependent_failure_arriving_first_still_carries_the_origin_error(setup):
+    controller, outbox, _, function_id = setup
+    mesh = controller.resources.allocate({"data": 2}, ["e0", "e1"])
+    x = controller.new_array(mesh.executor_ids)
+    spec = dict(function_id=function_id, mesh=mesh, num_outputs=1)
+    [y] = controller.call(CallSpec(name="origin", inputs=(x.array_id,), call_site="  origin line\n", **spec))
+    [z] = controller.call(CallSpec(name="dependent", inputs=(y.array_id,), call_site="  dependent line\n", **spec))
+    first, second = [env.run.call_id for _, env in outbox.of("run")][::2]
+    failure = pb.RemoteFailure(type="IndexError", message="boom", executor_id="e0", origin_call_id=first)
+    _done(controller, "e0", second, ok=False, failure=failure)   # the dependent reports first
+    assert z.error is y.error
+    assert y.error.function == "origin" and "origin line" in y.error.call_site
+    _done(controller, "e0", first, ok=False, failure=failure)
+    assert z.error is y.error

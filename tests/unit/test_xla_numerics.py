@@ -1,0 +1,78 @@
+"""The round-trip set through the XLA backend in this process: results match eager PyTorch.
+
+Tolerance for float32: rtol = atol = 1e-5. XLA fuses ops and orders reductions
+differently and uses its own vectorised exp/tanh, so results differ from eager by
+a few ulps (float32 eps is 1.2e-7) times the reduction length (≤ 64 here);
+1e-5 covers that with room and still catches any real error (wrong op, wrong
+axis, wrong dtype). float64 must agree to 1e-12, except through erf (exact GELU):
+XLA's CPU erf is accurate to only about 3.5e-7 relative in float64 (measured here),
+so that case gets 1e-6.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.fx.experimental.proxy_tensor import make_fx
+
+from pathways_torch.wire import pb
+from pathways_torch.wire.graph_schema import decode_graph, encode_graph
+
+pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.fixture(scope="module")
+def xla():
+    pytest.importorskip("torch_xla")
+    from executor.backends import XlaBackend
+
+    return XlaBackend()
+
+
+def _attention(q, k, v):
+    scores = (q @ k.transpose(-2, -1)) / q.shape[-1] ** 0.5
+    causal = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool).tril()
+    return torch.softmax(scores.masked_fill(~causal, float("-inf")), dim=-1) @ v
+
+
+CASES = {
+    "matmul_chain": (lambda a, b, c: torch.relu(a @ b) @ c + 1.0, [(8, 16), (16, 32), (32, 4)]),
+    "layer_norm": (lambda x, w, b: torch.nn.functional.layer_norm(x, (32,), w, b), [(8, 32), (32,), (32,)]),
+    "softmax": (lambda x: torch.softmax(x, dim=-1) * torch.log_softmax(x, dim=0), [(8, 64)]),
+    "attention": (_attention, [(2, 8, 16), (2, 8, 16), (2, 8, 16)]),
+    "indexing": (lambda x: x[torch.tensor([3, 0, 2])][:, 1:5] + x[::2].sum(0)[1:5], [(6, 8)]),
+    "reductions": (lambda x: (x.sum(0), x.mean(1), x.amax(1), x.var(0), x.norm()), [(16, 12)]),
+    "dtype_casts": (lambda x: (x.to(torch.float64) * 3, (x * 10).to(torch.int64), x.half().float()), [(5, 7)]),
+    "gelu_mlp": (lambda x, w1, w2: torch.nn.functional.gelu(x @ w1) @ w2, [(8, 16), (16, 64), (64, 16)]),
+}
+
+
+_LOW_PRECISION_F64 = {"gelu_mlp"}  # XLA's erf; see the module docstring
+
+
+def _run_on_xla(xla, fn, inputs):
+    graph, constants = encode_graph(make_fx(fn, tracing_mode="fake")(*inputs))
+    received = pb.Graph.FromString(graph.SerializeToString())
+    module = decode_graph(received, [bytes(memoryview(c)) for c in constants], device=xla.device)
+    compiled = xla.compile(module, [torch.empty(t.shape, dtype=t.dtype, device="meta") for t in inputs])
+    outputs = xla.run(compiled, [xla.to_device(t) for t in inputs])
+    assert all(o.device.type == "xla" for o in outputs)  # computed by XLA, not a silent host fallback
+    return [o.cpu() for o in outputs]
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_xla_matches_eager(xla, name, dtype):
+    fn, shapes = CASES[name]
+    torch.manual_seed(0)
+    inputs = [torch.randn(shape, dtype=dtype) for shape in shapes]
+    expected = fn(*inputs)
+    expected = list(expected) if isinstance(expected, tuple) else [expected]
+    got = _run_on_xla(xla, fn, inputs)
+    tolerance = 1e-5 if dtype == torch.float32 else (1e-6 if name in _LOW_PRECISION_F64 else 1e-12)
+    assert len(got) == len(expected)
+    for g, e in zip(got, expected):
+        assert g.dtype == e.dtype and g.shape == e.shape
+        if e.dtype == torch.float16:
+            tolerance = 1e-3
+        torch.testing.assert_close(g, e, rtol=tolerance, atol=tolerance)
