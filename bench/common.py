@@ -1,0 +1,45 @@
+"""Shared helpers for the benchmarks: tables, JSON results, trace spans."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import time
+
+__all__ = ["write_results", "print_table", "spans", "machine"]
+
+RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+
+
+def machine() -> dict:
+    return {"cpus": os.cpu_count(), "python": platform.python_version(), "platform": platform.platform(),
+            "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
+
+
+def write_results(name: str, payload: dict) -> str:
+    os.makedirs(RESULTS_DIR, exist_ok=True)
+    path = os.path.join(RESULTS_DIR, f"{name}.json")
+    with open(path, "w") as f:
+        json.dump({"machine": machine(), **payload}, f, indent=2)
+    return path
+
+
+def print_table(headers: list[str], rows: list[list]) -> None:
+    cells = [[str(c) for c in row] for row in rows]
+    widths = [max(len(h), *(len(r[i]) for r in cells)) for i, h in enumerate(headers)]
+    print(" | ".join(h.ljust(w) for h, w in zip(headers, widths)))
+    print("-|-".join("-" * w for w in widths))
+    for row in cells:
+        print(" | ".join(c.ljust(w) for c, w in zip(row, widths)))
+
+
+def spans(trace: dict, name: str, category: str) -> list[float]:
+    """Durations (ms) of the complete events named ``name`` in ``category``."""
+    return [e["dur"] / 1000.0 for e in trace["traceEvents"]
+            if e.get("ph") == "X" and e.get("cat") == category and e.get("name") == name]
+
+
+def median(values: list[float]) -> float:
+    return statistics.median(values) if values else float("nan")
