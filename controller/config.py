@@ -19,6 +19,7 @@ class ControllerConfig:
     heartbeat_interval_s: float = 0.5
     heartbeat_timeout_s: float = 10.0
     request_timeout_s: float = 30.0
+    collective_timeout_s: float = 60.0   # gloo groups: a dead peer surfaces as an error after this
 
     def __post_init__(self):
         if not 0 < self.heartbeat_interval_s < self.heartbeat_timeout_s:

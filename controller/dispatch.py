@@ -13,6 +13,7 @@ import collections
 import dataclasses
 import itertools
 import logging
+import tempfile
 import threading
 import time
 from typing import Protocol, Sequence
@@ -46,6 +47,7 @@ class CallSpec:
     replicated_outputs: tuple[bool, ...] = ()
     debug: bool = False
     call_site: str = ""
+    collective_axes: tuple[str, ...] = ()
 
 
 @dataclasses.dataclass
@@ -91,6 +93,10 @@ class Controller:
         self._expected: dict[int, int] = {}
         self.messages_sent: collections.Counter = collections.Counter()
         self._shut_down = False
+        self._groups: dict[tuple[str, ...], int] = {}       # members (in rank order) → group id
+        self._next_group_id = itertools.count(1)
+        self._last_collective: dict[str, int] = collections.defaultdict(int)  # executor → seq
+        self._group_dir = tempfile.mkdtemp(prefix="pathways-groups-")  # private (0700) rendezvous files
         self.program_constant_bytes = 0   # graph constants are the only tensor bytes we ever send
 
     # ------------------------------------------------------------ executors
@@ -189,8 +195,9 @@ class Controller:
         with self._lock:
             mesh = spec.mesh
             self._check_live(mesh.executor_ids)
-            call_id, seq = next(self._next_call_id), next(self._next_seq)
             inputs = [self._input_record(array_id) for array_id in spec.inputs]
+            axis_groups = self._axis_groups(mesh, spec.collective_axes)
+            call_id, seq = next(self._next_call_id), next(self._next_seq)
             outputs = [self.arrays.new(mesh.executor_ids, producer_call=call_id) for _ in range(spec.num_outputs)]
             call = _Call(spec, call_id, seq, outputs, waiting=set(mesh.executor_ids))
             self._calls[call_id] = call
@@ -198,12 +205,38 @@ class Controller:
                 self._ensure_loaded(spec.function_id, executor_id)
                 run = pb.Run(seq=seq, call_id=call_id, function_id=spec.function_id,
                              digest_outputs=spec.debug and any(spec.replicated_outputs))
+                if spec.collective_axes:
+                    run.collective = True
+                    run.prev_collective_seq = self._last_collective[executor_id]
+                    self._last_collective[executor_id] = seq
+                    for axis in spec.collective_axes:
+                        run.axis_groups[axis] = axis_groups[axis][position]
                 for record in inputs:
                     run.inputs.append(self._route_input(record, position, executor_id, call_id))
                 for record in outputs:
                     run.outputs.add(array_id=record.array_id, shard=position)
                 self._send(executor_id, pb.Envelope(run=run))
             return outputs
+
+    def _axis_groups(self, mesh: MeshAllocation, axes) -> dict[str, list[int]]:
+        """For each axis, the group id of every mesh position; forms groups not seen before."""
+        return {axis: [self._group_for(mesh.axis_members(axis, position)) for position in range(mesh.size)]
+                for axis in axes}
+
+    def _group_for(self, members: tuple[str, ...]) -> int:
+        group_id = self._groups.get(members)
+        if group_id is not None:
+            return group_id
+        group_id = self._groups[members] = next(self._next_group_id)
+        seq = next(self._next_seq)   # forming a group is a gang-scheduled action of its own
+        store_path = f"{self._group_dir}/group-{group_id}"
+        for rank, executor_id in enumerate(members):
+            form = pb.FormGroup(seq=seq, prev_collective_seq=self._last_collective[executor_id], group_id=group_id,
+                                rank=rank, size=len(members), store_path=store_path,
+                                timeout_s=self.config.collective_timeout_s)
+            self._last_collective[executor_id] = seq
+            self._send(executor_id, pb.Envelope(form_group=form))
+        return group_id
 
     def _input_record(self, array_id: int) -> ArrayRecord:
         record = self.arrays.get(array_id)

@@ -14,6 +14,7 @@ from pathways_torch.wire import SocketLoop, decode, encode, pb
 from pathways_torch.wire.framing import FramingError
 
 from .backends import make_backend
+from .collectives import CollectiveRuntime
 from .compile_cache import CompileCache
 from .config import ExecutorConfig
 from .trace import TraceRecorder
@@ -61,9 +62,13 @@ class ExecutorProcess:
         self.backend = make_backend(config.backend, config.device)
         trace = TraceRecorder(config.max_trace_events)
         self.compiler = CompileCache(self.backend, trace, post=self.loop.call_soon)
+        self.collectives = CollectiveRuntime(config.bind_host)
+        from pathways_torch.wire import collective_ops
+
+        collective_ops.set_runtime(self.collectives)
         self.core = ExecutorCore(executor_id=config.executor_id, backend=self.backend,
                                  outbox=_SocketOutbox(self.loop), submit=self._submit, trace=trace,
-                                 compiler=self.compiler)
+                                 compiler=self.compiler, collectives=self.collectives)
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._last_heard = time.monotonic()
         self._exit_reason = ""

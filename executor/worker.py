@@ -27,6 +27,7 @@ from pathways_torch.wire.framing import body_name
 from pathways_torch.wire.graph_schema import decode_graph, input_signature
 from pathways_torch.wire.tensors import frame_to_tensor, tensor_to_frame
 
+from .collectives import CollectiveRuntime
 from .compile_cache import CompileCache, graph_key
 from .store import ObjectStore
 from .trace import TraceRecorder
@@ -49,10 +50,10 @@ def _key(ref: pb.ShardRef) -> tuple:
 class ComputeJob:
     """One computation handed to the compute thread."""
 
-    __slots__ = ("run", "function", "inputs", "outputs", "failure", "digests")
+    __slots__ = ("run", "function", "inputs", "outputs", "failure", "digests", "form")
 
-    def __init__(self, run: pb.Run, function, inputs: list):
-        self.run, self.function, self.inputs = run, function, inputs
+    def __init__(self, run: pb.Run, function, inputs: list, form: pb.FormGroup | None = None):
+        self.run, self.function, self.inputs, self.form = run, function, inputs, form
         self.outputs: list | None = None
         self.failure: pb.RemoteFailure | None = None
         self.digests: list[bytes] = []
@@ -73,7 +74,7 @@ class ExecutorCore:
 
     def __init__(self, *, executor_id: str, backend, outbox: Outbox,
                  submit: Callable[[ComputeJob], None], trace: TraceRecorder | None = None,
-                 compiler: CompileCache | None = None):
+                 compiler: CompileCache | None = None, collectives: CollectiveRuntime | None = None):
         self.executor_id = executor_id
         self.backend = backend
         self.outbox = outbox
@@ -82,7 +83,9 @@ class ExecutorCore:
         self.store = ObjectStore()
         self.compiler = compiler if compiler is not None else CompileCache(backend, self.trace, background=False)
         self.functions: dict[int, _Function] = {}
-        self._queue: collections.deque[pb.Run] = collections.deque()
+        self.collectives = collectives if collectives is not None else CollectiveRuntime()
+        self._queue: collections.deque = collections.deque()   # pb.Run and pb.FormGroup, in arrival order
+        self._last_collective_seq = 0   # the last collective action started here (gang order)
         self.hop_bytes: collections.Counter = collections.Counter()
         self.num_computations = 0
         self.num_function_loads = 0
@@ -147,6 +150,11 @@ class ExecutorCore:
             entry = self.store.get(_key(ref))
             if not entry.ready:
                 entry.waiters.append(lambda _entry: self._pump())
+        self._pump()
+
+    def _on_form_group(self, msg: pb.FormGroup, payload) -> None:
+        self.trace.record("receive", "form group", seq=msg.seq, detail=f"group {msg.group_id} rank {msg.rank}")
+        self._queue.append(msg)
         self._pump()
 
     def _on_send_shard(self, msg: pb.SendShard, payload) -> None:
@@ -244,19 +252,33 @@ class ExecutorCore:
     # ------------------------------------------------------------ computations
 
     def _pump(self) -> None:
-        """Start, in queue order, every queued computation that can start now."""
+        """Start, in queue order, every queued action that can start now.
+
+        Collective actions (group formation, computations with collectives) start
+        strictly in the island's order: each names the previous one on this
+        executor, and waits for it, however the messages arrived.
+        """
         if not self._queue:
             return
         waiting = collections.deque()
         while self._queue:
-            run = self._queue.popleft()
-            entries = [self.store.get(_key(ref)) for ref in run.inputs]
-            function = self.functions.get(run.function_id)
-            inputs_ready = all(e is not None and e.ready for e in entries)
-            if inputs_ready and (function is None or function.ready):
-                self._start(run, function, entries)
+            item = self._queue.popleft()
+            collective = isinstance(item, pb.FormGroup) or item.collective
+            if collective and item.prev_collective_seq != self._last_collective_seq:
+                waiting.append(item)   # an earlier collective action has not started here yet
+                continue
+            if isinstance(item, pb.FormGroup):
+                self._last_collective_seq = item.seq
+                self._submit(ComputeJob(pb.Run(seq=item.seq), None, [], form=item))
+                continue
+            entries = [self.store.get(_key(ref)) for ref in item.inputs]
+            function = self.functions.get(item.function_id)
+            if all(e is not None and e.ready for e in entries) and (function is None or function.ready):
+                if collective:
+                    self._last_collective_seq = item.seq
+                self._start(item, function, entries)
             else:
-                waiting.append(run)
+                waiting.append(item)
         self._queue = waiting
 
     def _start(self, run: pb.Run, function: _Function | None, entries: list) -> None:
@@ -288,10 +310,13 @@ class ExecutorCore:
 
     def compute(self, job: ComputeJob) -> ComputeJob:
         """Run a job (called on the compute thread); never raises."""
+        if job.form is not None:
+            return self._form_group(job)
         name = self._name(job.run.function_id)
         self.trace.record("start", name, seq=job.run.seq, call_id=job.run.call_id, function_id=job.run.function_id)
         try:
-            job.outputs = self.backend.run(job.function, job.inputs)
+            with self.collectives.bind(job.run.axis_groups):
+                job.outputs = self.backend.run(job.function, job.inputs)
             if len(job.outputs) != len(job.run.outputs):
                 raise RuntimeError(f"function returned {len(job.outputs)} outputs, the call expects "
                                    f"{len(job.run.outputs)}")
@@ -303,8 +328,21 @@ class ExecutorCore:
         self.trace.record("end", name, seq=job.run.seq, call_id=job.run.call_id, function_id=job.run.function_id)
         return job
 
+    def _form_group(self, job: ComputeJob) -> ComputeJob:
+        form = job.form
+        self.trace.record("start", "form group", seq=form.seq, detail=f"group {form.group_id}")
+        try:
+            self.collectives.form(form.group_id, form.rank, form.size, form.store_path, form.timeout_s)
+        except Exception as exc:  # runs that use the group fail with this reason
+            log.warning("%s: forming group %s failed: %s", self.executor_id, form.group_id, exc)
+        self.trace.record("end", "form group", seq=form.seq, detail=f"group {form.group_id}")
+        return job
+
     def finish(self, job: ComputeJob) -> None:
         """Store a job's outputs (or its failure), release its inputs, tell the controller."""
+        if job.form is not None:
+            self._pump()
+            return
         run = job.run
         if job.outputs is not None:
             # Outputs were claimed (owned) when the Run arrived; a Free since then must stand.

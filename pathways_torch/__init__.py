@@ -13,6 +13,8 @@ __all__ = [
     "Context", "Mesh", "Shard", "Replicate", "Sharding",
     # functions and arrays
     "function", "Function", "Array",
+    # collectives (inside a function)
+    "all_reduce", "all_gather", "reduce_scatter",
     # errors
     "PathwaysError", "RemoteError", "CaptureError", "ExecutorLostError", "ReplicationError",
     "PlacementError",
@@ -27,6 +29,9 @@ _WHERE = {
     "function": "pathways_torch.function",
     "Function": "pathways_torch.function",
     "Array": "pathways_torch.array",
+    "all_reduce": "pathways_torch.collectives",
+    "all_gather": "pathways_torch.collectives",
+    "reduce_scatter": "pathways_torch.collectives",
     "PathwaysError": "pathways_torch.errors",
     "RemoteError": "pathways_torch.errors",
     "CaptureError": "pathways_torch.errors",

@@ -40,6 +40,7 @@ class CapturedVersion:
     constants: list
     outputs: tuple[InputSpec, ...]
     single_output: bool
+    collective_axes: tuple[str, ...] = ()   # mesh axes its collectives communicate over
 
     def describe(self) -> str:
         ins = ", ".join(map(str, self.inputs))
@@ -75,7 +76,17 @@ def capture(fn: Callable, name: str, inputs: Sequence[InputSpec], rebuild: Calla
         graph, constants = encode_graph(graph_module)
     except GraphSchemaError as exc:
         raise CaptureError(f"function {name!r}: {exc}") from exc
-    return CapturedVersion(name, tuple(inputs), graph_module, graph, constants, outputs, single)
+    return CapturedVersion(name, tuple(inputs), graph_module, graph, constants, outputs, single,
+                           _collective_axes(graph_module))
+
+
+def _collective_axes(graph_module) -> tuple[str, ...]:
+    axes = []
+    for node in graph_module.graph.nodes:
+        if node.op == "call_function" and getattr(node.target, "namespace", "") == "pathways":
+            if node.args[1] not in axes:
+                axes.append(node.args[1])
+    return tuple(axes)
 
 
 def _output_specs(graph_module, name: str) -> tuple[bool, tuple[InputSpec, ...]]:

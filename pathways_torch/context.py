@@ -147,7 +147,8 @@ class Context:
         replicated = tuple(sharding.is_replicated for _, _, sharding, _ in layouts)
         spec = CallSpec(function_id=self._function_id(version), name=version.name, mesh=mesh.allocation,
                         inputs=tuple(a.array_id for a in inputs), num_outputs=len(layouts),
-                        replicated_outputs=replicated, debug=self.config.debug, call_site=call_site)
+                        replicated_outputs=replicated, debug=self.config.debug, call_site=call_site,
+                        collective_axes=version.collective_axes)
         records = self.controller.call(spec)
         return [Array(self, record, shape, dtype, sharding, block)
                 for record, (shape, dtype, sharding, block) in zip(records, layouts)]

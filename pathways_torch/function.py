@@ -16,6 +16,7 @@ from typing import Callable
 
 from .array import Array
 from .capture import CapturedVersion, InputSpec, capture
+from .collectives import tracing_mesh
 from .errors import CaptureError, PlacementError
 from .placement import Replicate, Shard, Sharding, global_shape, normalize_placements
 
@@ -75,7 +76,7 @@ class Function:
                     f"{mesh.axes}; resharding across mesh shapes is not supported yet — put it on a mesh of "
                     f"the same shape")
         signature = self._signature(args, kwargs, mesh)
-        version = self._version(signature, args, kwargs)
+        version = self._version(signature, args, kwargs, mesh)
         layouts = self._layouts(version, mesh, self._out_placements(arrays, mesh, len(version.outputs)))
         outputs = context._call(version, mesh, arrays, layouts, _call_site())
         return outputs[0] if version.single_output else tuple(outputs)
@@ -92,7 +93,7 @@ class Function:
         statics = tuple(sorted((k, _static_key(v, self.name)) for k, v in kwargs.items()))
         return (tuple(parts), statics, tuple(mesh.axes.items()))
 
-    def _version(self, signature, args, kwargs) -> CapturedVersion:
+    def _version(self, signature, args, kwargs, mesh) -> CapturedVersion:
         cache = self._versions
         version = cache.get(signature)
         if version is None:
@@ -105,7 +106,8 @@ class Function:
                     rebuilt[slot] = tensor
                 return rebuilt, kwargs
 
-            version = capture(self.fn, self.name, specs, rebuild)
+            with tracing_mesh(mesh.axes):
+                version = capture(self.fn, self.name, specs, rebuild)
             cache[signature] = version
         return version
 

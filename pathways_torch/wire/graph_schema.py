@@ -251,6 +251,8 @@ def resolve_target(name: str, where: str = "graph"):
     namespace, op, overload = parts
     if namespace not in ALLOWED_NAMESPACES:
         raise GraphSchemaError(f"{where}: op namespace {namespace!r} is not one of {ALLOWED_NAMESPACES}")
+    if namespace == "pathways":
+        from . import collective_ops  # noqa: F401  (registers torch.ops.pathways.*)
     try:
         packet = getattr(getattr(torch.ops, namespace), op)
         target = getattr(packet, overload)

@@ -139,20 +139,51 @@ class LoadFunction(_message.Message):
     def __init__(self, function_id: _Optional[int] = ..., name: _Optional[str] = ..., graph: _Optional[_Union[Graph, _Mapping]] = ...) -> None: ...
 
 class Run(_message.Message):
-    __slots__ = ("seq", "call_id", "function_id", "inputs", "outputs", "digest_outputs")
+    __slots__ = ("seq", "call_id", "function_id", "inputs", "outputs", "digest_outputs", "collective", "prev_collective_seq", "axis_groups")
+    class AxisGroupsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
     SEQ_FIELD_NUMBER: _ClassVar[int]
     CALL_ID_FIELD_NUMBER: _ClassVar[int]
     FUNCTION_ID_FIELD_NUMBER: _ClassVar[int]
     INPUTS_FIELD_NUMBER: _ClassVar[int]
     OUTPUTS_FIELD_NUMBER: _ClassVar[int]
     DIGEST_OUTPUTS_FIELD_NUMBER: _ClassVar[int]
+    COLLECTIVE_FIELD_NUMBER: _ClassVar[int]
+    PREV_COLLECTIVE_SEQ_FIELD_NUMBER: _ClassVar[int]
+    AXIS_GROUPS_FIELD_NUMBER: _ClassVar[int]
     seq: int
     call_id: int
     function_id: int
     inputs: _containers.RepeatedCompositeFieldContainer[ShardRef]
     outputs: _containers.RepeatedCompositeFieldContainer[ShardRef]
     digest_outputs: bool
-    def __init__(self, seq: _Optional[int] = ..., call_id: _Optional[int] = ..., function_id: _Optional[int] = ..., inputs: _Optional[_Iterable[_Union[ShardRef, _Mapping]]] = ..., outputs: _Optional[_Iterable[_Union[ShardRef, _Mapping]]] = ..., digest_outputs: _Optional[bool] = ...) -> None: ...
+    collective: bool
+    prev_collective_seq: int
+    axis_groups: _containers.ScalarMap[str, int]
+    def __init__(self, seq: _Optional[int] = ..., call_id: _Optional[int] = ..., function_id: _Optional[int] = ..., inputs: _Optional[_Iterable[_Union[ShardRef, _Mapping]]] = ..., outputs: _Optional[_Iterable[_Union[ShardRef, _Mapping]]] = ..., digest_outputs: _Optional[bool] = ..., collective: _Optional[bool] = ..., prev_collective_seq: _Optional[int] = ..., axis_groups: _Optional[_Mapping[str, int]] = ...) -> None: ...
+
+class FormGroup(_message.Message):
+    __slots__ = ("seq", "prev_collective_seq", "group_id", "rank", "size", "store_path", "timeout_s")
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    PREV_COLLECTIVE_SEQ_FIELD_NUMBER: _ClassVar[int]
+    GROUP_ID_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    STORE_PATH_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    seq: int
+    prev_collective_seq: int
+    group_id: int
+    rank: int
+    size: int
+    store_path: str
+    timeout_s: float
+    def __init__(self, seq: _Optional[int] = ..., prev_collective_seq: _Optional[int] = ..., group_id: _Optional[int] = ..., rank: _Optional[int] = ..., size: _Optional[int] = ..., store_path: _Optional[str] = ..., timeout_s: _Optional[float] = ...) -> None: ...
 
 class SendShard(_message.Message):
     __slots__ = ("shard", "to_address", "as_ref", "call_id", "to_public_key")
@@ -326,7 +357,7 @@ class FetchReply(_message.Message):
     def __init__(self, request_id: _Optional[int] = ..., tensor: _Optional[_Union[TensorMeta, _Mapping]] = ..., failure: _Optional[_Union[RemoteFailure, _Mapping]] = ..., failed: _Optional[bool] = ...) -> None: ...
 
 class Envelope(_message.Message):
-    __slots__ = ("register", "welcome", "heartbeat", "load_function", "run", "send_shard", "free", "done", "stats_request", "stats", "trace_request", "trace_reply", "shutdown", "put", "put_ack", "transfer", "fetch", "fetch_reply")
+    __slots__ = ("register", "welcome", "heartbeat", "load_function", "run", "send_shard", "free", "done", "stats_request", "stats", "trace_request", "trace_reply", "shutdown", "form_group", "put", "put_ack", "transfer", "fetch", "fetch_reply")
     REGISTER_FIELD_NUMBER: _ClassVar[int]
     WELCOME_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_FIELD_NUMBER: _ClassVar[int]
@@ -340,6 +371,7 @@ class Envelope(_message.Message):
     TRACE_REQUEST_FIELD_NUMBER: _ClassVar[int]
     TRACE_REPLY_FIELD_NUMBER: _ClassVar[int]
     SHUTDOWN_FIELD_NUMBER: _ClassVar[int]
+    FORM_GROUP_FIELD_NUMBER: _ClassVar[int]
     PUT_FIELD_NUMBER: _ClassVar[int]
     PUT_ACK_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_FIELD_NUMBER: _ClassVar[int]
@@ -358,9 +390,10 @@ class Envelope(_message.Message):
     trace_request: TraceRequest
     trace_reply: TraceReply
     shutdown: Shutdown
+    form_group: FormGroup
     put: Put
     put_ack: PutAck
     transfer: Transfer
     fetch: Fetch
     fetch_reply: FetchReply
-    def __init__(self, register: _Optional[_Union[Register, _Mapping]] = ..., welcome: _Optional[_Union[Welcome, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., load_function: _Optional[_Union[LoadFunction, _Mapping]] = ..., run: _Optional[_Union[Run, _Mapping]] = ..., send_shard: _Optional[_Union[SendShard, _Mapping]] = ..., free: _Optional[_Union[Free, _Mapping]] = ..., done: _Optional[_Union[Done, _Mapping]] = ..., stats_request: _Optional[_Union[StatsRequest, _Mapping]] = ..., stats: _Optional[_Union[Stats, _Mapping]] = ..., trace_request: _Optional[_Union[TraceRequest, _Mapping]] = ..., trace_reply: _Optional[_Union[TraceReply, _Mapping]] = ..., shutdown: _Optional[_Union[Shutdown, _Mapping]] = ..., put: _Optional[_Union[Put, _Mapping]] = ..., put_ack: _Optional[_Union[PutAck, _Mapping]] = ..., transfer: _Optional[_Union[Transfer, _Mapping]] = ..., fetch: _Optional[_Union[Fetch, _Mapping]] = ..., fetch_reply: _Optional[_Union[FetchReply, _Mapping]] = ...) -> None: ...
+    def __init__(self, register: _Optional[_Union[Register, _Mapping]] = ..., welcome: _Optional[_Union[Welcome, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., load_function: _Optional[_Union[LoadFunction, _Mapping]] = ..., run: _Optional[_Union[Run, _Mapping]] = ..., send_shard: _Optional[_Union[SendShard, _Mapping]] = ..., free: _Optional[_Union[Free, _Mapping]] = ..., done: _Optional[_Union[Done, _Mapping]] = ..., stats_request: _Optional[_Union[StatsRequest, _Mapping]] = ..., stats: _Optional[_Union[Stats, _Mapping]] = ..., trace_request: _Optional[_Union[TraceRequest, _Mapping]] = ..., trace_reply: _Optional[_Union[TraceReply, _Mapping]] = ..., shutdown: _Optional[_Union[Shutdown, _Mapping]] = ..., form_group: _Optional[_Union[FormGroup, _Mapping]] = ..., put: _Optional[_Union[Put, _Mapping]] = ..., put_ack: _Optional[_Union[PutAck, _Mapping]] = ..., transfer: _Optional[_Union[Transfer, _Mapping]] = ..., fetch: _Optional[_Union[Fetch, _Mapping]] = ..., fetch_reply: _Optional[_Union[FetchReply, _Mapping]] = ...) -> None: ...

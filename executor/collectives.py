@@ -1,0 +1,109 @@
+"""Collectives on an executor: process groups per mesh axis, bound while a function runs.
+
+Groups are gloo ``ProcessGroupGloo`` objects made directly from a ``FileStore`` in a
+private directory on this host (no default world group, no TCPStore listening on
+every interface), with a short timeout so a dead peer surfaces as an error. The
+gloo device binds to the executor's own interface (loopback unless told
+otherwise). The ``pathways::`` ops call `CollectiveRuntime.run`; while the compute
+thread runs a function, each mesh axis it names is bound to a group. A call with
+no binding on the calling thread is a dry run (the background compile's warm-up),
+which returns correctly shaped zeros and communicates nothing.
+"""
+
+from __future__ import annotations
+
+import datetime
+import threading
+
+__all__ = ["CollectiveRuntime"]
+
+
+class CollectiveRuntime:
+    """This executor's process groups and the axis bindings of the running computation."""
+
+    def __init__(self, bind_host: str = "127.0.0.1"):
+        self.bind_host = bind_host
+        self._groups: dict[int, object] = {}
+        self._sizes: dict[int, int] = {}
+        self._failures: dict[int, str] = {}
+        self._local = threading.local()
+
+    # ------------------------------------------------------------ groups
+
+    def form(self, group_id: int, rank: int, size: int, store_path: str, timeout_s: float) -> None:
+        """Join group ``group_id`` (blocks until every member has joined, or the timeout)."""
+        import torch.distributed as dist
+
+        try:
+            store = dist.PrefixStore(f"group-{group_id}", dist.FileStore(store_path, size))
+            options = dist.ProcessGroupGloo._Options()
+            options._timeout = datetime.timedelta(seconds=timeout_s)
+            options._devices = [dist.ProcessGroupGloo.create_device(hostname=self.bind_host)]
+            self._groups[group_id] = dist.ProcessGroupGloo(store, rank, size, options)
+            self._sizes[group_id] = size
+        except Exception as exc:
+            self._failures[group_id] = f"{type(exc).__name__}: {exc}"
+            raise
+
+    def bind(self, axis_groups):
+        """A context manager binding mesh axes to group ids on this thread."""
+        return _Binding(self, dict(axis_groups))
+
+    # ------------------------------------------------------------ the ops
+
+    def run(self, name: str, x, axis: str, **kwargs):
+        binding = getattr(self._local, "binding", None)
+        if binding is None:
+            return _dry_run(name, x, **kwargs)
+        group_id = binding.get(axis)
+        if group_id is None:
+            raise RuntimeError(f"{name}: axis {axis!r} has no process group on this executor "
+                               f"(bound axes: {sorted(binding)})")
+        group = self._groups.get(group_id)
+        if group is None:
+            why = self._failures.get(group_id, "it was never formed")
+            raise RuntimeError(f"{name}: process group {group_id} for axis {axis!r} is unusable: {why}")
+        kwargs.pop("size", None)  # the traced axis size; the group's own size is authoritative
+        return getattr(self, f"_{name}")(group, self._sizes[group_id], x.contiguous(), **kwargs)
+
+    def _all_reduce(self, group, size, x, op):
+        import torch.distributed as dist
+
+        out = x.clone()
+        options = dist.AllreduceOptions()
+        options.reduceOp = dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM
+        group.allreduce([out], options).wait()
+        return out / size if op == "mean" else out
+
+    def _all_gather(self, group, size, x, dim):
+        import torch
+
+        parts = [torch.empty_like(x) for _ in range(size)]
+        group.allgather([parts], [x]).wait()
+        return torch.cat(parts, dim=dim)
+
+    def _reduce_scatter(self, group, size, x, op, dim):
+        # gloo's reduce_scatter is not available for every dtype on CPU: all-reduce, keep our slice.
+        reduced = self._all_reduce(group, size, x, op)
+        return reduced.chunk(size, dim=dim)[group.rank()].contiguous()
+
+
+class _Binding:
+    def __init__(self, runtime: CollectiveRuntime, axis_groups: dict):
+        self._runtime, self._axis_groups = runtime, axis_groups
+
+    def __enter__(self):
+        self._runtime._local.binding = self._axis_groups
+
+    def __exit__(self, *exc):
+        self._runtime._local.binding = None
+
+
+def _dry_run(name: str, x, size: int = 1, dim: int = 0, **kwargs):
+    import torch
+
+    if name == "all_gather":
+        return torch.cat([torch.zeros_like(x)] * size, dim=dim)
+    if name == "reduce_scatter":
+        return torch.zeros_like(x).chunk(size, dim=dim)[0].contiguous()
+    return torch.zeros_like(x)

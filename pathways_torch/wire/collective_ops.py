@@ -1,0 +1,86 @@
+"""The ``pathways::`` collective ops: part of the graph schema, defined once for client and executor.
+
+Inside a ``@pw.function`` a collective traces as one opaque node
+(``pathways.all_reduce.default`` …) whose fake implementation gives the output
+shape, so the client needs no process group. On an executor the same op runs
+through a *runtime* the executor installs (``set_runtime``): it binds each mesh
+axis to a real ``torch.distributed`` group. Kernels exist for CPU tensors and for
+XLA tensors; on XLA the kernel brings the tensor to the host, which ends the lazy
+XLA graph there — the XLA-compiled code is cut at every collective.
+
+Importing this module imports torch (it registers ops); the wire package itself does not.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["OPS", "REDUCE_OPS", "set_runtime", "all_reduce", "all_gather", "reduce_scatter"]
+
+REDUCE_OPS = ("sum", "mean", "max")
+OPS = ("all_reduce", "all_gather", "reduce_scatter")
+
+
+class _NoRuntime:
+    def run(self, name, x, axis, **kwargs):
+        from pathways_torch.errors import PathwaysError
+
+        raise PathwaysError(f"pw.{name} runs only inside a @pw.function on executors; "
+                            f"call it from a function you run on a mesh")
+
+
+_runtime = _NoRuntime()
+
+
+def set_runtime(runtime) -> None:
+    """Install the object whose ``run(name, x, axis, **kwargs)`` performs collectives (executors only)."""
+    global _runtime
+    _runtime = runtime
+
+
+@torch.library.custom_op("pathways::all_reduce", mutates_args=())
+def all_reduce(x: torch.Tensor, axis: str, op: str) -> torch.Tensor:
+    return _runtime.run("all_reduce", x, axis, op=op)
+
+
+@all_reduce.register_fake
+def _(x, axis, op):
+    return torch.empty_like(x)
+
+
+@torch.library.custom_op("pathways::all_gather", mutates_args=())
+def all_gather(x: torch.Tensor, axis: str, size: int, dim: int) -> torch.Tensor:
+    return _runtime.run("all_gather", x, axis, size=size, dim=dim)
+
+
+@all_gather.register_fake
+def _(x, axis, size, dim):
+    shape = list(x.shape)
+    shape[dim] *= size
+    return x.new_empty(shape)
+
+
+@torch.library.custom_op("pathways::reduce_scatter", mutates_args=())
+def reduce_scatter(x: torch.Tensor, axis: str, size: int, op: str, dim: int) -> torch.Tensor:
+    return _runtime.run("reduce_scatter", x, axis, size=size, op=op, dim=dim)
+
+
+@reduce_scatter.register_fake
+def _(x, axis, size, op, dim):
+    shape = list(x.shape)
+    shape[dim] //= size
+    return x.new_empty(shape)
+
+
+def _on_host(name):
+    """An XLA kernel: run the collective on a host copy and return to the device (the cut)."""
+
+    def kernel(x, *args):
+        result = getattr(torch.ops.pathways, name).default(x.cpu(), *args)
+        return result.to(x.device)
+
+    return kernel
+
+
+for _name in OPS:
+    torch.library.register_kernel(f"pathways::{_name}", "xla", _on_host(_name))
