@@ -61,3 +61,17 @@ def test_float64_runs_on_xla(ctx):
     assert out.dtype == torch.float64
     expected = torch.cat([b @ b.T for b in host.chunk(2)])
     torch.testing.assert_close(out.result(timeout_s=120), expected, rtol=1e-12, atol=1e-12)
+
+
+def test_collective_cuts_the_xla_graph_and_matches_eager(ctx):
+    mesh = ctx.mesh({"data": 2})
+    host = torch.randn(8, 4)
+
+    @pw.function(out=pw.Replicate())
+    def normalized(a):
+        total = pw.all_reduce((a * a).sum(), axis="data")     # XLA segment, gloo on the host, XLA segment
+        return pw.all_reduce(a.sum(0), axis="data") / total.sqrt()
+
+    out = normalized(ctx.put(host, mesh, [pw.Shard(0)]))
+    expected = host.sum(0) / (host * host).sum().sqrt()
+    torch.testing.assert_close(out.result(timeout_s=120), expected, rtol=1e-5, atol=1e-5)
