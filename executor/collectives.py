@@ -45,8 +45,8 @@ class CollectiveRuntime:
             self._failures[group_id] = f"{type(exc).__name__}: {exc}"
             raise
 
-    def bind(self, axis_groups):
-        """A context manager binding mesh axes to group ids on this thread."""
+    def bind(self, axis_groups, seq: int = 0):
+        """A context manager binding mesh axes to group ids on this thread (for computation ``seq``)."""
         return _Binding(self, dict(axis_groups))
 
     # ------------------------------------------------------------ the ops

@@ -74,7 +74,8 @@ class ExecutorCore:
 
     def __init__(self, *, executor_id: str, backend, outbox: Outbox,
                  submit: Callable[[ComputeJob], None], trace: TraceRecorder | None = None,
-                 compiler: CompileCache | None = None, collectives: CollectiveRuntime | None = None):
+                 compiler: CompileCache | None = None, collectives: CollectiveRuntime | None = None,
+                 gang_order: bool = True):
         self.executor_id = executor_id
         self.backend = backend
         self.outbox = outbox
@@ -86,6 +87,8 @@ class ExecutorCore:
         self.collectives = collectives if collectives is not None else CollectiveRuntime()
         self._queue: collections.deque = collections.deque()   # pb.Run and pb.FormGroup, in arrival order
         self._last_collective_seq = 0   # the last collective action started here (gang order)
+        # Only tests turn this off, to show that without it collectives deadlock.
+        self._gang_order = gang_order
         self.hop_bytes: collections.Counter = collections.Counter()
         self.num_computations = 0
         self.num_function_loads = 0
@@ -258,28 +261,32 @@ class ExecutorCore:
         strictly in the island's order: each names the previous one on this
         executor, and waits for it, however the messages arrived.
         """
-        if not self._queue:
-            return
-        waiting = collections.deque()
+        while self._queue and self._pump_once():
+            pass  # a collective action started: one held back behind it may start now
+
+    def _pump_once(self) -> bool:
+        """One pass over the queue; True if a collective action started (and another may now be due)."""
+        waiting, collective_started = collections.deque(), False
         while self._queue:
             item = self._queue.popleft()
             collective = isinstance(item, pb.FormGroup) or item.collective
-            if collective and item.prev_collective_seq != self._last_collective_seq:
+            if collective and self._gang_order and item.prev_collective_seq != self._last_collective_seq:
                 waiting.append(item)   # an earlier collective action has not started here yet
                 continue
             if isinstance(item, pb.FormGroup):
-                self._last_collective_seq = item.seq
+                self._last_collective_seq, collective_started = item.seq, True
                 self._submit(ComputeJob(pb.Run(seq=item.seq), None, [], form=item))
                 continue
             entries = [self.store.get(_key(ref)) for ref in item.inputs]
             function = self.functions.get(item.function_id)
             if all(e is not None and e.ready for e in entries) and (function is None or function.ready):
                 if collective:
-                    self._last_collective_seq = item.seq
+                    self._last_collective_seq, collective_started = item.seq, True
                 self._start(item, function, entries)
             else:
                 waiting.append(item)
-        self._queue = waiting
+        self._queue = waiting + self._queue  # a nested pump may have left items behind
+        return collective_started
 
     def _start(self, run: pb.Run, function: _Function | None, entries: list) -> None:
         failure = next((e.failure for e in entries if e.failure is not None), None)
@@ -315,7 +322,7 @@ class ExecutorCore:
         name = self._name(job.run.function_id)
         self.trace.record("start", name, seq=job.run.seq, call_id=job.run.call_id, function_id=job.run.function_id)
         try:
-            with self.collectives.bind(job.run.axis_groups):
+            with self.collectives.bind(job.run.axis_groups, seq=job.run.seq):
                 job.outputs = self.backend.run(job.function, job.inputs)
             if len(job.outputs) != len(job.run.outputs):
                 raise RuntimeError(f"function returned {len(job.outputs)} outputs, the call expects "

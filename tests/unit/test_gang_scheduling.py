@@ -1,0 +1,250 @@
+"""Gang scheduling: collective actions run in the island's order on every executor.
+
+In-process executors (an ExecutorCore each, with its own I/O and compute thread)
+get the controller's messages in a different order each; an in-process fake
+collective blocks like gloo (every member must arrive) and checks that members
+agree on which computation they are in. Two clients submit collective programs
+concurrently on two meshes whose groups are different (ranks reversed), so a
+wrong order is a real deadlock.
+"""
+
+from __future__ import annotations
+
+import queue
+import random
+import threading
+import time
+
+import pytest
+import torch
+
+from controller import CallSpec, Controller
+from executor.backends import EagerBackend
+from executor.worker import ExecutorCore
+from pathways_torch.capture import InputSpec, capture
+from pathways_torch.collectives import all_reduce, tracing_mesh
+from pathways_torch.wire import collective_ops, pb
+from pathways_torch.wire.tensors import tensor_to_frame
+
+pytestmark = pytest.mark.timeout(60)
+
+EXECUTORS = ("a", "b")
+CALLS_PER_CLIENT = 6
+
+
+class FakeGroups:
+    """Rendezvous like gloo: a member blocks until every member calls; members must be in the same computation."""
+
+    def __init__(self, timeout_s: float):
+        self.timeout_s = timeout_s
+        self._lock = threading.Condition()
+        self._sizes: dict[int, int] = {}
+        self._rounds: dict[int, list] = {}
+        self._local = threading.local()
+
+    # the CollectiveRuntime protocol the core uses
+    def form(self, group_id, rank, size, store_path, timeout_s):
+        # Like gloo's rendezvous: blocks until every member has come.
+        with self._lock:
+            self._sizes[group_id] = size
+            joined = self._joined = getattr(self, "_joined", {})
+            joined[group_id] = joined.get(group_id, 0) + 1
+            self._lock.notify_all()
+            if not self._lock.wait_for(lambda: joined[group_id] >= size, self.timeout_s):
+                raise TimeoutError(f"forming group {group_id} timed out: a member never came (deadlock)")
+
+    def bind(self, axis_groups, seq=0):
+        groups = self
+
+        class Binding:
+            def __enter__(self):
+                groups._local.binding, groups._local.seq = dict(axis_groups), seq
+
+            def __exit__(self, *exc):
+                groups._local.binding = None
+
+        return Binding()
+
+    # the op runtime
+    def run(self, name, x, axis, op="sum", **kwargs):
+        binding = getattr(self._local, "binding", None)
+        if binding is None:
+            return torch.zeros_like(x)
+        group_id, seq = binding[axis], self._local.seq
+        with self._lock:
+            joined = getattr(self, "_joined", {})
+            if not self._lock.wait_for(lambda: joined.get(group_id, 0) >= self._sizes.get(group_id, 1 << 30),
+                                       self.timeout_s):
+                raise TimeoutError(f"collective on group {group_id} timed out waiting for the group (deadlock)")
+            current = self._rounds.setdefault(group_id, [])
+            current.append((seq, x))
+            my_round = current
+            if len(current) == self._sizes[group_id]:
+                self._rounds[group_id] = []
+                self._lock.notify_all()
+            elif not self._lock.wait_for(lambda: len(my_round) == self._sizes[group_id], self.timeout_s):
+                raise TimeoutError(f"collective on group {group_id} timed out: a member never came (deadlock)")
+        seqs = {s for s, _ in my_round}
+        if len(seqs) != 1:
+            raise RuntimeError(f"collective mismatch on group {group_id}: members were in computations {seqs}")
+        return sum(t for _, t in my_round)
+
+
+class InProcessExecutor:
+    """One ExecutorCore with an I/O thread (all core calls) and a compute thread."""
+
+    def __init__(self, executor_id, controller, runtime, gang_order):
+        self.io: queue.Queue = queue.Queue()
+        self.jobs: queue.Queue = queue.Queue()
+        outbox = self
+
+        self.controller = controller
+        self.core = ExecutorCore(executor_id=executor_id, backend=EagerBackend(), outbox=outbox,
+                                 submit=self.jobs.put, collectives=runtime, gang_order=gang_order)
+        for target in (self._io_loop, self._compute_loop):
+            threading.Thread(target=target, daemon=True).start()
+
+    def to_controller(self, envelope, payload=()):
+        self.controller.on_message(self.core.executor_id, envelope, [])
+
+    def to_peer(self, *args):
+        raise AssertionError("no transfers expected")
+
+    def to_client(self, *args):
+        pass
+
+    def post(self, fn):
+        self.io.put(fn)
+
+    def _io_loop(self):
+        while True:
+            self.io.get()()
+
+    def _compute_loop(self):
+        while True:
+            job = self.jobs.get()
+            self.core.compute(job)
+            self.post(lambda job=job: self.core.job_finished(job))
+
+
+class FakeOutbox:
+    def __init__(self):
+        self.by_executor = {e: [] for e in EXECUTORS}
+
+    def to_executor(self, executor_id, envelope, payload=()):
+        self.by_executor[executor_id].append((envelope, list(payload)))
+
+
+def _program():
+    def step(x):
+        return all_reduce(x, axis="data") + 1
+
+    with tracing_mesh({"data": 2}):
+        return capture(step, "step", [InputSpec((1,), torch.float32)], lambda t: (t, {}))
+
+
+def _run(gang_order: bool, seed: int = 0):
+    outbox = FakeOutbox()
+    controller = Controller(outbox)
+    for i, executor_id in enumerate(EXECUTORS):
+        controller.on_message(executor_id, pb.Envelope(register=pb.Register(
+            executor_id=executor_id, data_address=f"inproc://{executor_id}")), [])
+    version = _program()
+    function_id = controller.register_function("step", version.graph, version.constants)
+    meshes = [controller.resources.allocate({"data": 2}, ["a", "b"]),
+              controller.resources.allocate({"data": 2}, ["b", "a"])]   # another group: ranks reversed
+    starts = [controller.new_array(mesh.executor_ids) for mesh in meshes]
+    results: dict[int, list] = {0: [], 1: []}
+    barrier = threading.Barrier(2)
+
+    def client(index):
+        barrier.wait()                          # both clients submit at the same time
+        array = starts[index]
+        for _ in range(CALLS_PER_CLIENT):
+            [array] = controller.call(CallSpec(function_id=function_id, name="step", mesh=meshes[index],
+                                               inputs=(array.array_id,), num_outputs=1,
+                                               collective_axes=version.collective_axes))
+            results[index].append(array)
+            time.sleep(0.002)                   # let the other client in between calls
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    seq_of = {env.run.call_id: env.run.seq for env, _ in outbox.by_executor["a"] if env.WhichOneof("body") == "run"}
+    seqs = [[seq_of[r.producer_call] for r in results[i]] for i in range(2)]
+    # Both clients' work was queued at once: their sequence numbers interleave.
+    assert min(seqs[0]) < max(seqs[1]) and min(seqs[1]) < max(seqs[0]), seqs
+    runtime = FakeGroups(timeout_s=1.0)
+    collective_ops.set_runtime(runtime)
+    try:
+        executors = {e: InProcessExecutor(e, controller, runtime, gang_order) for e in EXECUTORS}
+        rng = random.Random(seed)
+        for position, executor_id in enumerate(EXECUTORS):
+            messages = outbox.by_executor[executor_id]
+            loads = [m for m in messages if m[0].WhichOneof("body") == "load_function"]
+            actions = [m for m in messages if m[0].WhichOneof("body") in ("run", "form_group")]
+            assert len(actions) == 2 * CALLS_PER_CLIENT + 2       # every call of both clients, and 2 groups
+            rng.shuffle(actions)
+            if position == 1:
+                actions.reverse()            # a different order on every executor
+            core = executors[executor_id].core
+            for mesh, start in zip(meshes, starts):
+                shard = mesh.executor_ids.index(executor_id)
+                put = pb.Put(request_id=1)
+                put.shard.CopyFrom(pb.ShardRef(array_id=start.array_id, shard=shard))
+                frame = bytes(memoryview(tensor_to_frame(torch.ones(1), put.tensor, 1)))
+                executors[executor_id].post(lambda core=core, put=put, frame=frame: core.on_data(
+                    b"client", pb.Envelope(put=put), [frame]))
+            for envelope, payload in loads + actions:
+                executors[executor_id].post(lambda core=core, e=envelope, p=payload: core.on_control(e, p))
+        finished = all(r.event.wait(10) for rs in results.values() for r in rs)
+        return finished, results, executors
+    finally:
+        collective_ops.set_runtime(collective_ops._NoRuntime())
+
+
+def test_collectives_in_a_random_order_per_executor_still_match_eager():
+    finished, results, executors = _run(gang_order=True)
+    assert finished
+    expected = torch.ones(1)
+    for _ in range(CALLS_PER_CLIENT):
+        expected = expected * 2 + 1          # all_reduce over 2 equal blocks, then + 1
+    for index, records in results.items():
+        assert all(r.error is None for r in records), [r.error for r in records]
+        final = records[-1]
+        for executor_id in EXECUTORS:
+            entry = executors[executor_id].core.store.get((final.array_id, final.executor_ids.index(executor_id), 0))
+            assert torch.equal(entry.value, expected)
+
+
+def test_without_gang_order_the_same_run_deadlocks_or_mismatches():
+    finished, results, _ = _run(gang_order=False)
+    errors = [r.error for rs in results.values() for r in rs if r.error is not None]
+    assert not finished or errors
+    assert any(isinstance(e, Exception) and ("timed out" in str(e) or "mismatch" in str(e)) for e in errors)
+
+
+def test_an_out_of_order_collective_arrival_is_held_back():
+    version = _program()
+    runtime = FakeGroups(timeout_s=1.0)
+    jobs = []
+    sink = type("Sink", (), {"to_controller": lambda *a: None, "to_client": lambda *a: None,
+                             "to_peer": lambda *a: None})()
+    core = ExecutorCore(executor_id="a", backend=EagerBackend(), outbox=sink, submit=jobs.append,
+                        collectives=runtime)
+    load = pb.LoadFunction(function_id=1, name="step")
+    load.graph.CopyFrom(version.graph)
+    core.on_control(pb.Envelope(load_function=load), [])
+    put = pb.Put(request_id=1)
+    put.shard.CopyFrom(pb.ShardRef(array_id=1, shard=0))
+    frame = bytes(memoryview(tensor_to_frame(torch.ones(1), put.tensor, 1)))
+    core.on_data(b"c", pb.Envelope(put=put), [frame])
+    late = pb.Run(seq=5, call_id=2, function_id=1, collective=True, prev_collective_seq=3,
+                  inputs=[pb.ShardRef(array_id=1, shard=0)], outputs=[pb.ShardRef(array_id=2, shard=0)])
+    late.axis_groups["data"] = 1
+    core.on_control(pb.Envelope(run=late), [])
+    assert jobs == []                                   # seq 5 arrived first: held back, inputs notwithstanding
+    core.on_control(pb.Envelope(form_group=pb.FormGroup(seq=3, group_id=1, rank=0, size=2)), [])
+    assert [job.run.seq for job in jobs] == [3, 5]      # the group first, then the computation
