@@ -29,6 +29,12 @@ class ArrayRecord:
         self.state, self.error = state, error
         self.event.set()
 
+    def lose(self, error: BaseException) -> None:
+        """A shard's executor is gone: fail the array even if it was ready (an earlier failure stays)."""
+        if self.state != FAILED:
+            self.state, self.error = FAILED, error
+            self.event.set()
+
 
 class ArrayTable:
     """Array records by id. The controller holds its lock while using it."""
@@ -42,6 +48,12 @@ class ArrayTable:
         self._records[record.array_id] = record
         self._next_id += 1
         return record
+
+    def reserve(self, count: int) -> int:
+        """Skip ``count`` ids (a program run's intermediates); return the first."""
+        first = self._next_id
+        self._next_id += count
+        return first
 
     def get(self, array_id: int) -> ArrayRecord | None:
         return self._records.get(array_id)

@@ -20,6 +20,9 @@ class ControllerConfig:
     heartbeat_timeout_s: float = 10.0
     request_timeout_s: float = 30.0
     collective_timeout_s: float = 60.0   # gloo groups: a dead peer surfaces as an error after this
+    # Tests and benchmarks only: delay every controller→executor message by this much,
+    # to show that parallel dispatch hides control latency.
+    inject_latency_s: float = 0.0
 
     def __post_init__(self):
         if not 0 < self.heartbeat_interval_s < self.heartbeat_timeout_s:

@@ -16,7 +16,7 @@ import logging
 import tempfile
 import threading
 import time
-from typing import Protocol, Sequence
+from typing import Callable, Protocol, Sequence
 
 from pathways_torch.errors import ExecutorLostError, RemoteError, ReplicationError
 from pathways_torch.wire import pb
@@ -24,6 +24,7 @@ from pathways_torch.wire.framing import body_name
 
 from .arrays import FAILED, READY, ArrayRecord, ArrayTable
 from .config import ControllerConfig
+from .program import LoweredProgram, ProgramSpec, lower
 from .resources import MeshAllocation, ResourceManager
 
 __all__ = ["Controller", "CallSpec", "ControllerOutbox"]
@@ -59,6 +60,7 @@ class _Call:
     waiting: set[str]
     digests: dict[str, list[bytes]] = dataclasses.field(default_factory=dict)
     failed: bool = False
+    routes: list[tuple[str, str, pb.ShardRef]] = dataclasses.field(default_factory=list)  # (from, to, copy) pushes
 
 
 @dataclasses.dataclass
@@ -85,14 +87,19 @@ class Controller:
         self._failures: dict[int, BaseException] = {}   # call id → the error it raised
         self._failure_holders: dict[int, int] = {}      # call id → its outputs still held
         self._next_function_id = itertools.count(1)
-        self._next_call_id = itertools.count(1)
-        self._next_seq = itertools.count(1)             # the island's sequence numbers
+        self._last_call_id = 0
+        self._last_seq = 0                              # the island's sequence numbers
+        self._programs: dict[int, LoweredProgram] = {}
+        self._next_program_id = itertools.count(1)
         self._next_request_id = itertools.count(1)
         self._replies: dict[int, dict[str, pb.Envelope]] = {}
         self._reply_events: dict[int, threading.Event] = {}
         self._expected: dict[int, int] = {}
         self.messages_sent: collections.Counter = collections.Counter()
         self._shut_down = False
+        self.dropped_messages = 0
+        # Called (under the lock) when an executor is lost, e.g. to fail the client's fetches from it.
+        self.loss_listeners: list[Callable[[str, ExecutorLostError], None]] = []
         self._groups: dict[tuple[str, ...], int] = {}       # members (in rank order) → group id
         self._next_group_id = itertools.count(1)
         self._last_collective: dict[str, int] = collections.defaultdict(int)  # executor → seq
@@ -110,17 +117,21 @@ class Controller:
             if kind == "register":
                 self._on_register(executor_id, envelope.register)
             elif info is None or info.lost:
-                log.warning("controller: %s from unknown or lost executor %r dropped", kind, executor_id)
+                self._drop(f"{kind} from unknown or lost executor {executor_id!r}")
             elif kind == "done":
                 self._on_done(executor_id, envelope.done)
             elif kind in ("stats", "trace_reply"):
                 self._on_reply(executor_id, getattr(envelope, kind).request_id, envelope)
             elif kind != "heartbeat":
-                log.warning("controller: unexpected %r from %s dropped", kind, executor_id)
+                self._drop(f"unexpected {kind!r} from {executor_id}")
 
     def _on_register(self, executor_id: str, msg: pb.Register) -> None:
+        if msg.executor_id and msg.executor_id != executor_id:
+            self._drop(f"executor {executor_id!r} tried to register as {msg.executor_id!r}")
+            return
         info = self.resources.register(executor_id, data_address=msg.data_address, device=msg.device,
-                                       backend=msg.backend, pid=msg.pid, last_heard=self.clock())
+                                       backend=msg.backend, pid=msg.pid, last_heard=self.clock(),
+                                       public_key=msg.public_key)
         self._send(executor_id, pb.Envelope(welcome=pb.Welcome(
             index=info.index, heartbeat_interval_s=self.config.heartbeat_interval_s,
             heartbeat_timeout_s=self.config.heartbeat_timeout_s)))
@@ -138,29 +149,68 @@ class Controller:
                 self._registered.wait(left)
 
     def heartbeat(self) -> None:
-        """Ping every executor; declare lost those silent past the timeout."""
+        """Declare lost every executor silent past the timeout (run every heartbeat interval).
+
+        Executors ping on a connection of their own (see `ControllerServer`), from a
+        thread of their own, so a long compile or computation never looks like death.
+        """
         now = self.clock()
         with self._lock:
             if self._shut_down:
                 return
             for info in self.resources.ordered():
-                if info.lost:
-                    continue
-                if now - info.last_heard > self.config.heartbeat_timeout_s:
-                    self._lose(info.executor_id, f"silent for {now - info.last_heard:.1f} s")
-                    continue
-                self._send(info.executor_id, pb.Envelope(heartbeat=pb.Heartbeat(sent_at=time.time())))
+                if not info.lost and now - info.last_heard > self.config.heartbeat_timeout_s:
+                    self._lose(info.executor_id, f"silent for {now - info.last_heard:.1f} s "
+                                                 f"(heartbeat timeout {self.config.heartbeat_timeout_s:g} s)")
+
+    def heard_from(self, executor_id: str) -> bool:
+        """An executor's heartbeat arrived: note it; return whether it is a live member."""
+        with self._lock:
+            info = self.resources.executors.get(executor_id)
+            if info is None or info.lost:
+                return False
+            info.last_heard = self.clock()
+            return True
+
+    def declare_lost(self, executor_id: str, why: str) -> None:
+        """The launcher saw the executor's process die: fail what depends on it now, not at the timeout."""
+        with self._lock:
+            info = self.resources.executors.get(executor_id)
+            if info is not None and not info.lost and not self._shut_down:
+                self._lose(executor_id, why)
 
     def _lose(self, executor_id: str, why: str) -> None:
+        """Fail every future that depends on the executor; refuse new work that would."""
         info = self.resources.executors[executor_id]
         info.lost = True
         error = ExecutorLostError(f"executor {executor_id} lost: {why}", executor_id=executor_id)
+        log.warning("controller: %s", error)
         for call in list(self._calls.values()):
-            if executor_id in call.spec.mesh.executor_ids:
+            pushes_from_it = [route for route in call.routes if route[0] == executor_id]
+            if executor_id in call.spec.mesh.executor_ids or pushes_from_it:
                 self._fail_call(call, error)
+                self._unblock(call, pushes_from_it, error)
+                call.waiting.discard(executor_id)
+                if not call.waiting:
+                    del self._calls[call.call_id]
         for record in self.arrays.records():
             if executor_id in record.executor_ids:
-                record.settle(FAILED, error)
+                record.lose(error)
+        for function in self._functions.values():
+            function.loaded_on.discard(executor_id)  # a restarted executor loads afresh
+        for listener in self.loss_listeners:
+            listener(executor_id, error)
+
+    def _unblock(self, call: _Call, pushes, error: ExecutorLostError) -> None:
+        """Fail the copies a lost executor will never push, so their consumers' queues move on."""
+        for _, destination, copy in pushes:
+            if self.resources.executors[destination].lost:
+                continue
+            transfer = pb.Transfer(failed=True)
+            transfer.shard.CopyFrom(copy)
+            transfer.failure.CopyFrom(pb.RemoteFailure(type="ExecutorLostError", message=str(error),
+                                                       executor_id=error.executor_id, origin_call_id=call.call_id))
+            self._send(destination, pb.Envelope(transfer=transfer))
 
     # ------------------------------------------------------------ functions and calls
 
@@ -179,12 +229,14 @@ class Controller:
                 record.settle(READY)
             return record
 
-    def landed(self, array_id: int) -> None:
-        """One put shard arrived on its executor (the client saw the ack)."""
+    def landed(self, array_id: int, error: BaseException | None = None) -> None:
+        """One put shard arrived on its executor (the client saw the ack), or never will (``error``)."""
         with self._lock:
             record = self.arrays.get(array_id)
             if record is None:
                 return
+            if error is not None:
+                record.settle(FAILED, error)
             record.landing -= 1
             if record.landing == 0:
                 record.settle(READY)
@@ -197,7 +249,7 @@ class Controller:
             self._check_live(mesh.executor_ids)
             inputs = [self._input_record(array_id) for array_id in spec.inputs]
             axis_groups = self._axis_groups(mesh, spec.collective_axes)
-            call_id, seq = next(self._next_call_id), next(self._next_seq)
+            call_id, seq = self._take_call_ids(1), self._take_seqs(1)
             outputs = [self.arrays.new(mesh.executor_ids, producer_call=call_id) for _ in range(spec.num_outputs)]
             call = _Call(spec, call_id, seq, outputs, waiting=set(mesh.executor_ids))
             self._calls[call_id] = call
@@ -228,7 +280,7 @@ class Controller:
         if group_id is not None:
             return group_id
         group_id = self._groups[members] = next(self._next_group_id)
-        seq = next(self._next_seq)   # forming a group is a gang-scheduled action of its own
+        seq = self._take_seqs(1)   # forming a group is a gang-scheduled action of its own
         store_path = f"{self._group_dir}/group-{group_id}"
         for rank, executor_id in enumerate(members):
             form = pb.FormGroup(seq=seq, prev_collective_seq=self._last_collective[executor_id], group_id=group_id,
@@ -238,10 +290,79 @@ class Controller:
             self._send(executor_id, pb.Envelope(form_group=form))
         return group_id
 
+    def _take_seqs(self, count: int) -> int:
+        """Reserve ``count`` consecutive island sequence numbers; return the first."""
+        first = self._last_seq + 1
+        self._last_seq += count
+        return first
+
+    def _take_call_ids(self, count: int) -> int:
+        first = self._last_call_id + 1
+        self._last_call_id += count
+        return first
+
+    # ------------------------------------------------------------ programs
+
+    def register_program(self, spec: ProgramSpec, *, debug: bool = False) -> LoweredProgram:
+        """Lower ``spec`` and register it on every executor it uses (once)."""
+        with self._lock:
+            program_id = next(self._next_program_id)
+            axis_groups = {index: self._axis_groups(node.mesh, node.collective_axes)
+                           for index, node in enumerate(spec.nodes) if node.collective_axes}
+            addresses = {e: info.data_address for e, info in self.resources.executors.items()}
+            keys = {e: info.public_key for e, info in self.resources.executors.items()}
+            lowered = lower(spec, program_id, addresses, keys, axis_groups=axis_groups)
+            for executor_id, plan in lowered.plans.items():
+                self._check_live([executor_id])
+                for function_id in {a.run.function_id for a in plan.actions if a.WhichOneof("kind") == "run"}:
+                    self._ensure_loaded(function_id, executor_id)
+                self._send(executor_id, pb.Envelope(register_program=plan))
+            self._programs[program_id] = lowered
+            return lowered
+
+    def run_program(self, program_id: int, input_ids: Sequence[int]) -> list[ArrayRecord]:
+        """One run: one ``RunProgram`` per executor; every node gets its own sequence number."""
+        with self._lock:
+            lowered = self._programs[program_id]
+            spec = lowered.spec
+            self._check_live(list(lowered.plans))
+            for array_id in input_ids:
+                self._input_record(array_id)
+            num_nodes = len(spec.nodes)
+            base_seq, base_call = self._take_seqs(num_nodes), self._take_call_ids(num_nodes)
+            meshes = spec.value_meshes()
+            producer = {v: index for index, node in enumerate(spec.nodes) for v in node.outputs}
+            outputs = [self.arrays.new(meshes[v].executor_ids, producer_call=base_call + producer[v])
+                       for v in spec.output_values]
+            by_value = dict(zip(spec.output_values, outputs))
+            first_intermediate = self.arrays.reserve(1 + max(producer))
+            for index in lowered.reporting_nodes:
+                node = spec.nodes[index]
+                records = [by_value[v] for v in node.outputs if v in by_value]
+                call_spec = CallSpec(function_id=node.function_id, name=node.name, mesh=node.mesh, inputs=(),
+                                     num_outputs=len(records), call_site=node.call_site)
+                self._calls[base_call + index] = _Call(call_spec, base_call + index, base_seq + index, records,
+                                                       waiting=set(node.mesh.executor_ids))
+            for executor_id in lowered.plans:
+                run = pb.RunProgram(program_id=program_id, base_seq=base_seq, base_call_id=base_call,
+                                    input_array_ids=list(input_ids), output_array_ids=[r.array_id for r in outputs],
+                                    first_intermediate_id=first_intermediate,
+                                    prev_collective_seq=self._last_collective[executor_id])
+                last = lowered.last_collective_node.get(executor_id, 0)
+                if last:
+                    self._last_collective[executor_id] = base_seq + last - 1
+                self._send(executor_id, pb.Envelope(run_program=run))
+            return outputs
+
     def _input_record(self, array_id: int) -> ArrayRecord:
         record = self.arrays.get(array_id)
         if record is None or record.released:
             raise ValueError(f"array {array_id} was freed; it cannot be used as an input")
+        for executor_id in record.executor_ids:
+            if self.resources.executors[executor_id].lost:
+                raise ExecutorLostError(f"array {array_id} has a shard on executor {executor_id}, which was lost: "
+                                        f"{record.error}; recompute it (or restore a checkpoint) on live executors",
+                                        executor_id=executor_id)
         return record
 
     def _route_input(self, record: ArrayRecord, position: int, executor_id: str, call_id: int) -> pb.ShardRef:
@@ -251,7 +372,10 @@ class Controller:
             return pb.ShardRef(array_id=record.array_id, shard=position)
         # The shard lives elsewhere: its owner pushes a copy tagged with this call.
         copy = pb.ShardRef(array_id=record.array_id, shard=position, tag=call_id)
-        request = pb.SendShard(to_address=self.resources.executors[executor_id].data_address, call_id=call_id)
+        destination = self.resources.executors[executor_id]
+        request = pb.SendShard(to_address=destination.data_address, to_public_key=destination.public_key,
+                               call_id=call_id)
+        self._calls[call_id].routes.append((source, executor_id, copy))
         request.shard.CopyFrom(pb.ShardRef(array_id=record.array_id, shard=position))
         request.as_ref.CopyFrom(copy)
         self._send(source, pb.Envelope(send_shard=request))
@@ -270,7 +394,7 @@ class Controller:
     def _on_done(self, executor_id: str, done: pb.Done) -> None:
         call = self._calls.get(done.call_id)
         if call is None or executor_id not in call.waiting:
-            log.warning("controller: Done for unknown call %s from %s dropped", done.call_id, executor_id)
+            self._drop(f"Done for unknown call {done.call_id} from {executor_id}")
             return
         call.waiting.discard(executor_id)
         if not done.ok:
@@ -407,6 +531,10 @@ class Controller:
             if info is not None and info.lost:
                 raise ExecutorLostError(f"executor {executor_id} was lost; a mesh that includes it cannot run",
                                         executor_id=executor_id)
+
+    def _drop(self, why: str) -> None:
+        self.dropped_messages += 1
+        log.warning("controller: dropped a message: %s", why)
 
     def _send(self, executor_id: str, envelope: pb.Envelope, payload: Sequence = ()) -> None:
         self.messages_sent[body_name(envelope)] += 1

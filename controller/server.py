@@ -42,7 +42,11 @@ class ControllerServer:
         self.loop.stop()
 
     def to_executor(self, executor_id, envelope, payload=()) -> None:
-        self.loop.send(_ROUTER, [executor_id.encode(), *encode(envelope, payload)])
+        frames = [executor_id.encode(), *encode(envelope, payload)]
+        if self.config.inject_latency_s > 0:
+            self.loop.call_later(self.config.inject_latency_s, lambda: self.loop.send_now(_ROUTER, frames))
+        else:
+            self.loop.send(_ROUTER, frames)
 
     def _on_frames(self, frames) -> None:
         try:

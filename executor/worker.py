@@ -39,7 +39,7 @@ log = logging.getLogger(__name__)
 
 class Outbox(Protocol):
     def to_controller(self, envelope: pb.Envelope, payload: Sequence = ()) -> None: ...
-    def to_peer(self, address: str, envelope: pb.Envelope, payload: Sequence = ()) -> None: ...
+    def to_peer(self, address: str, envelope: pb.Envelope, payload: Sequence = (), public_key: bytes = b"") -> None: ...
     def to_client(self, identity: bytes, envelope: pb.Envelope, payload: Sequence = ()) -> None: ...
 
 
@@ -84,6 +84,7 @@ class ExecutorCore:
         self.store = ObjectStore()
         self.compiler = compiler if compiler is not None else CompileCache(backend, self.trace, background=False)
         self.functions: dict[int, _Function] = {}
+        self.programs: dict[int, pb.RegisterProgram] = {}
         self.collectives = collectives if collectives is not None else CollectiveRuntime()
         self._queue: collections.deque = collections.deque()   # pb.Run and pb.FormGroup, in arrival order
         self._last_collective_seq = 0   # the last collective action started here (gang order)
@@ -93,12 +94,19 @@ class ExecutorCore:
         self.num_computations = 0
         self.num_function_loads = 0
         self.dropped_messages = 0
+        self.counters: collections.Counter = collections.Counter()  # reported with Stats (e.g. refused connections)
+        self._last_run_call_id = 0      # Runs arrive in call-id order: a transfer tagged at or below it is late
+        self._early: set[tuple] = set()  # transfers that arrived before their Run (another connection)
         self.stopped = False
 
     # ------------------------------------------------------------ control plane
 
     def on_control(self, envelope: pb.Envelope, payload: list) -> None:
         kind = body_name(envelope)
+        if kind == "transfer" and envelope.transfer.failed:
+            # The controller fails a copy whose sender was lost: no one else will ever push it.
+            self._on_transfer(envelope.transfer, payload)
+            return
         handler = getattr(self, f"_on_{kind}", None)
         if handler is None or kind in _DATA_KINDS:
             self._drop(f"control message of type {kind!r} not expected from the controller")
@@ -146,6 +154,9 @@ class ExecutorCore:
             self.store.claim(_key(ref), pin=True)
         for ref in run.outputs:
             self.store.claim(_key(ref), owned=True)
+        self._last_run_call_id = max(self._last_run_call_id, run.call_id)
+        if self._early:
+            self._forget_early(run.call_id)
         self._queue.append(run)
         # Wake the queue when a missing input arrives. Only missing ones: a run that
         # starts (and ends) now frees its transient inputs, which must not be re-claimed.
@@ -159,6 +170,33 @@ class ExecutorCore:
         self.trace.record("receive", "form group", seq=msg.seq, detail=f"group {msg.group_id} rank {msg.rank}")
         self._queue.append(msg)
         self._pump()
+
+    def _on_register_program(self, msg: pb.RegisterProgram, payload) -> None:
+        self.trace.record("receive", f"register program {msg.name}", detail=f"{len(msg.actions)} actions")
+        self.programs[msg.program_id] = msg
+
+    def _on_run_program(self, msg: pb.RunProgram, payload) -> None:
+        """Expand one run of a registered program into its runs and sends, all enqueued at once."""
+        plan = self.programs.get(msg.program_id)
+        if plan is None:
+            self._drop(f"run of unknown program {msg.program_id}")
+            return
+        array_id = _value_ids(plan, msg)
+        for action in plan.actions:
+            if action.WhichOneof("kind") == "run":
+                self._on_run(_expand_run(action.run, msg, array_id), ())
+            else:
+                send = action.send
+                request = pb.SendShard(to_address=send.to_address, to_public_key=send.to_public_key,
+                                       call_id=msg.base_call_id + send.to_node)
+                request.shard.CopyFrom(pb.ShardRef(array_id=array_id(send.value), shard=send.shard))
+                request.as_ref.CopyFrom(pb.ShardRef(array_id=array_id(send.value), shard=send.shard,
+                                                    tag=msg.base_call_id + send.to_node))
+                self._on_send_shard(request, ())
+        # Every use is enqueued (and pins its buffer): intermediates can be let go; each is
+        # deleted once produced and used.
+        for ref in plan.local_intermediates:
+            self.store.free((array_id(ref.value), ref.shard, 0))
 
     def _on_send_shard(self, msg: pb.SendShard, payload) -> None:
         key = _key(msg.shard)
@@ -176,6 +214,10 @@ class ExecutorCore:
                          num_compiles=self.backend.num_compiles())
         for hop, count in self.hop_bytes.items():
             stats.hop_bytes[hop] = count
+        # Stats has no fields for these counts yet: they ride in hop_bytes under reserved names.
+        stats.hop_bytes["dropped_messages"] = self.dropped_messages
+        for name, count in self.counters.items():
+            stats.hop_bytes[name] = count
         self.outbox.to_controller(pb.Envelope(stats=stats))
 
     def _on_trace_request(self, msg: pb.TraceRequest, payload) -> None:
@@ -206,6 +248,9 @@ class ExecutorCore:
 
     def _on_transfer(self, msg: pb.Transfer, payload) -> None:
         key = _key(msg.shard)
+        if not self._expects_transfer(key):
+            self._drop(f"transfer of array {key[0]} shard {key[1]} for call {key[2]}: no run waits for it")
+            return
         if msg.failed:
             self.store.fill(key, failure=msg.failure)
             return
@@ -249,8 +294,30 @@ class ExecutorCore:
             payload = [tensor_to_frame(entry.value, transfer.tensor, 1)]
             self.hop_bytes["executor->executor"] += entry.nbytes
         self.trace.record("send", "transfer", call_id=msg.call_id, detail=f"array {msg.shard.array_id} -> {msg.to_address}")
-        self.outbox.to_peer(msg.to_address, pb.Envelope(transfer=transfer), payload)
+        self.outbox.to_peer(msg.to_address, pb.Envelope(transfer=transfer), payload, msg.to_public_key)
         self.store.unpin(key)
+
+    def _expects_transfer(self, key: tuple) -> bool:
+        """Whether a transfer for ``key`` fills a copy a run waits for (or may soon wait for).
+
+        A copy is tagged with its consuming call. Its Run may arrive after it (the
+        copy comes on another connection), but Runs arrive in call-id order: once
+        a later Run has come, an unclaimed copy is late or bogus, and is refused
+        rather than kept forever.
+        """
+        entry = self.store.get(key)
+        if entry is not None:
+            return not entry.ready
+        if key[2] <= self._last_run_call_id or len(self._early) >= _MAX_EARLY_TRANSFERS:
+            return False
+        self._early.add(key)
+        return True
+
+    def _forget_early(self, call_id: int) -> None:
+        """Release early copies for calls up to ``call_id``: their Run has come and pinned what it needs."""
+        for key in [k for k in self._early if k[2] <= call_id]:
+            self._early.discard(key)
+            self.store.free(key)
 
     # ------------------------------------------------------------ computations
 
@@ -364,10 +431,11 @@ class ExecutorCore:
             self.store.unpin(key)
             if ref.tag:  # a transient copy made for this call alone
                 self.store.free(key)
-        done = pb.Done(call_id=run.call_id, seq=run.seq, ok=job.failure is None, digests=job.digests)
-        if job.failure is not None:
-            done.failure.CopyFrom(job.failure)
-        self.outbox.to_controller(pb.Envelope(done=done))
+        if not run.quiet:
+            done = pb.Done(call_id=run.call_id, seq=run.seq, ok=job.failure is None, digests=job.digests)
+            if job.failure is not None:
+                done.failure.CopyFrom(job.failure)
+            self.outbox.to_controller(pb.Envelope(done=done))
         self._pump()
 
     def job_finished(self, job: ComputeJob) -> None:
@@ -390,6 +458,7 @@ class ExecutorCore:
 
 
 _DATA_KINDS = {"put", "transfer", "fetch"}
+_MAX_EARLY_TRANSFERS = 4096
 
 
 def _with_origin(failure: pb.RemoteFailure, call_id: int) -> pb.RemoteFailure:
@@ -397,6 +466,29 @@ def _with_origin(failure: pb.RemoteFailure, call_id: int) -> pb.RemoteFailure:
     copy.CopyFrom(failure)
     copy.origin_call_id = call_id
     return copy
+
+
+def _value_ids(plan: pb.RegisterProgram, run: pb.RunProgram):
+    """Map a program value number to the array id it has in this run."""
+    fixed = dict(zip(plan.input_values, run.input_array_ids))
+    fixed.update(zip(plan.output_values, run.output_array_ids))
+    return lambda value: fixed.get(value, run.first_intermediate_id + value)
+
+
+def _expand_run(node: pb.ProgramNode, run: pb.RunProgram, array_id) -> pb.Run:
+    call_id = run.base_call_id + node.node
+    expanded = pb.Run(seq=run.base_seq + node.node, call_id=call_id, function_id=node.function_id,
+                      collective=node.collective, quiet=not node.report, digest_outputs=node.digest_outputs)
+    for ref in node.inputs:
+        expanded.inputs.add(array_id=array_id(ref.value), shard=ref.shard, tag=call_id if ref.copy else 0)
+    for value in node.outputs:
+        expanded.outputs.add(array_id=array_id(value), shard=node.shard)
+    if node.collective:
+        expanded.prev_collective_seq = (run.base_seq + node.prev_collective_node - 1 if node.prev_collective_node
+                                        else run.prev_collective_seq)
+        for axis, group in node.axis_groups.items():
+            expanded.axis_groups[axis] = group
+    return expanded
 
 
 def _spec(shape, dtype) -> str:

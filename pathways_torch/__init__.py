@@ -12,12 +12,12 @@ __all__ = [
     # context and placement
     "Context", "Mesh", "Shard", "Replicate", "Sharding",
     # functions and arrays
-    "function", "Function", "Array",
+    "function", "Function", "Array", "program", "Program",
     # collectives (inside a function)
     "all_reduce", "all_gather", "reduce_scatter",
     # errors
     "PathwaysError", "RemoteError", "CaptureError", "ExecutorLostError", "ReplicationError",
-    "PlacementError",
+    "PlacementError", "AuthenticationError",
 ]
 
 _WHERE = {
@@ -29,6 +29,8 @@ _WHERE = {
     "function": "pathways_torch.function",
     "Function": "pathways_torch.function",
     "Array": "pathways_torch.array",
+    "program": "pathways_torch.program",
+    "Program": "pathways_torch.program",
     "all_reduce": "pathways_torch.collectives",
     "all_gather": "pathways_torch.collectives",
     "reduce_scatter": "pathways_torch.collectives",
@@ -38,6 +40,7 @@ _WHERE = {
     "ExecutorLostError": "pathways_torch.errors",
     "ReplicationError": "pathways_torch.errors",
     "PlacementError": "pathways_torch.errors",
+    "AuthenticationError": "pathways_torch.errors",
 }
 
 

@@ -8,6 +8,7 @@ import logging
 import time
 
 from controller import CallSpec, ControllerConfig, ControllerServer
+from controller.program import ProgramNodeSpec, ProgramSpec
 
 from .array import Array
 from .cluster import LocalCluster
@@ -34,6 +35,7 @@ class ContextConfig:
     heartbeat_interval_s: float = 0.5
     heartbeat_timeout_s: float = 10.0
     log_dir: str | None = None
+    inject_latency_s: float = 0.0     # tests/benchmarks: delay every controller→executor message
 
     def __post_init__(self):
         if not isinstance(self.num_executors, int) or self.num_executors < 1:
@@ -54,7 +56,7 @@ class Context:
         self._closed = False
         self._server = ControllerServer(ControllerConfig(
             heartbeat_interval_s=self.config.heartbeat_interval_s,
-            heartbeat_timeout_s=self.config.heartbeat_timeout_s))
+            heartbeat_timeout_s=self.config.heartbeat_timeout_s, inject_latency_s=self.config.inject_latency_s))
         self._server.start()
         self.controller = self._server.controller
         self._cluster = None
@@ -69,6 +71,7 @@ class Context:
             for info in self.controller.resources.ordered():
                 self._data.connect(info.executor_id, info.data_address)
             self._function_ids: dict[int, tuple] = {}
+            self._lowered_programs: dict[int, tuple] = {}
         except BaseException:
             self.close()
             raise
@@ -152,6 +155,38 @@ class Context:
         records = self.controller.call(spec)
         return [Array(self, record, shape, dtype, sharding, block)
                 for record, (shape, dtype, sharding, block) in zip(records, layouts)]
+
+    def _run_program(self, program, graph, inputs) -> list[Array]:
+        self._check_open()
+        lowered = self._lowered_programs.get(id(graph))
+        if lowered is None or lowered[1] is not graph:
+            lowered = self._lowered_programs[id(graph)] = (self._register_program(graph), graph)
+        records = self.controller.run_program(lowered[0].spec_program_id, [a.array_id for a in inputs])
+        return [Array(self, record, *graph.layouts[value])
+                for record, value in zip(records, graph.output_values)]
+
+    def _register_program(self, graph):
+        nodes = []
+        for node in graph.nodes:
+            replicated = tuple(sharding.is_replicated for _, _, sharding, _ in node.layouts)
+            nodes.append(ProgramNodeSpec(name=node.version.name, function_id=self._function_id(node.version),
+                                         mesh=node.mesh.allocation, inputs=node.inputs, outputs=node.outputs,
+                                         collective_axes=node.version.collective_axes,
+                                         replicated_outputs=replicated))
+        spec = ProgramSpec(name=graph.name, input_values=graph.input_values,
+                           input_meshes=tuple(graph.layouts[v][2].mesh.allocation for v in graph.input_values),
+                           nodes=tuple(nodes), output_values=graph.output_values)
+        lowered = self.controller.register_program(spec)
+        lowered.spec_program_id = next(iter(lowered.plans.values())).program_id
+        return lowered
+
+    def lowered(self, program, *arrays) -> str:
+        """The lowered form of ``program`` for these inputs, as text (registers it if new)."""
+        graph = program.graph(*arrays)
+        entry = self._lowered_programs.get(id(graph))
+        if entry is None or entry[1] is not graph:
+            entry = self._lowered_programs[id(graph)] = (self._register_program(graph), graph)
+        return entry[0].describe()
 
     def _function_id(self, version) -> int:
         entry = self._function_ids.get(id(version))

@@ -55,6 +55,11 @@ class Function:
         return bound
 
     def __call__(self, *args, **kwargs):
+        from .program import SymbolicArray, current_tracer
+
+        tracer = current_tracer()
+        if tracer is not None:
+            return self._record(tracer, args, kwargs, SymbolicArray)
         arrays = [a for a in args if isinstance(a, Array)]
         if not arrays:
             raise PlacementError(f"{self.name}: expected at least one pw.Array argument (made by ctx.put or a call), "
@@ -81,24 +86,43 @@ class Function:
         outputs = context._call(version, mesh, arrays, layouts, _call_site())
         return outputs[0] if version.single_output else tuple(outputs)
 
+    def _record(self, tracer, args, kwargs, symbolic_type):
+        """Inside ``@pw.program``: add a node instead of dispatching."""
+        arrays = [a for a in args if isinstance(a, symbolic_type)]
+        if any(isinstance(a, Array) for a in list(args) + list(kwargs.values())):
+            raise PlacementError(f"{self.name}: inside @pw.program {tracer.name!r}, pass arrays in as program "
+                                 f"arguments instead of using arrays from outside")
+        if not arrays:
+            raise PlacementError(f"{self.name}: inside @pw.program, expected at least one array argument")
+        mesh = self._mesh or arrays[0].mesh
+        for a in arrays:
+            if not a.mesh.same_shape(mesh):
+                raise PlacementError(f"{self.name}: %{a.value} lives on a mesh of shape {a.mesh.axes}, the call runs "
+                                     f"on {mesh.axes}; resharding across mesh shapes is not supported yet")
+        signature = self._signature(args, kwargs, mesh, symbolic_type)
+        version = self._version(signature, args, kwargs, mesh, symbolic_type)
+        layouts = self._layouts(version, mesh, self._out_placements(arrays, mesh, len(version.outputs)))
+        outputs = tracer.add_node(self, version, mesh, arrays, layouts)
+        return outputs[0] if version.single_output else tuple(outputs)
+
     # ------------------------------------------------------------ capture
 
-    def _signature(self, args, kwargs, mesh) -> tuple:
+    def _signature(self, args, kwargs, mesh, array_type=Array) -> tuple:
         parts = []
         for a in args:
-            if isinstance(a, Array):
+            if isinstance(a, array_type):
                 parts.append(("array", a.block_shape, a.dtype, a.sharding.placements))
             else:
                 parts.append(("static", _static_key(a, self.name)))
         statics = tuple(sorted((k, _static_key(v, self.name)) for k, v in kwargs.items()))
         return (tuple(parts), statics, tuple(mesh.axes.items()))
 
-    def _version(self, signature, args, kwargs, mesh) -> CapturedVersion:
+    def _version(self, signature, args, kwargs, mesh, array_type=Array) -> CapturedVersion:
         cache = self._versions
         version = cache.get(signature)
         if version is None:
-            specs = [InputSpec(a.block_shape, a.dtype) for a in args if isinstance(a, Array)]
-            slots = [i for i, a in enumerate(args) if isinstance(a, Array)]
+            specs = [InputSpec(a.block_shape, a.dtype) for a in args if isinstance(a, array_type)]
+            slots = [i for i, a in enumerate(args) if isinstance(a, array_type)]
 
             def rebuild(tensors):
                 rebuilt = list(args)

@@ -58,7 +58,21 @@ def encode_graph(graph_module) -> tuple[pb.Graph, list]:
         index_of[node] = len(message.nodes) - 1
     for node in placeholders:
         _add_input_signature(message, node)
+    _add_output_signature(message, graph_module)
     return message, constants
+
+
+def _add_output_signature(message: pb.Graph, graph_module) -> None:
+    import torch
+
+    output = next((n for n in graph_module.graph.nodes if n.op == "output"), None)
+    if output is None:
+        return
+    values = output.args[0] if isinstance(output.args[0], (list, tuple)) else [output.args[0]]
+    for value in values:
+        fake = value.meta.get("val") if isinstance(value, torch.fx.Node) else None
+        if isinstance(fake, torch.Tensor):
+            message.outputs.add(dtype=dtype_name(fake.dtype), shape=[int(d) for d in fake.shape])
 
 
 def _add_input_signature(message: pb.Graph, node) -> None:

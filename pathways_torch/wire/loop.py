@@ -4,11 +4,14 @@ ZeroMQ sockets must not be used from two threads at once, so each process
 (client, controller, executor) runs one `SocketLoop`: other threads hand it work
 with `call_soon` / `send`, which wake the loop through an inproc pipe. Handlers
 registered for a socket run on the loop thread. Bytes are counted per socket.
+A socket's connection events (accepted, handshake succeeded or refused, ...) can
+be watched through a ZeroMQ socket monitor, also on the loop thread.
 """
 
 from __future__ import annotations
 
 import collections
+import heapq
 import itertools
 import logging
 import threading
@@ -33,9 +36,13 @@ class SocketLoop:
         self._sockets: dict[str, zmq.Socket] = {}
         self._handlers: dict[zmq.Socket, Callable[[list], None]] = {}
         self._socket_names: dict[zmq.Socket, str] = {}
+        self._monitors: dict[str, zmq.Socket] = {}   # socket key → its monitor's PAIR socket
+        self._uncounted: set[zmq.Socket] = set()     # monitor sockets: their frames are not traffic
         self._poller = zmq.Poller()
         self._callbacks: collections.deque = collections.deque()
         self._timers: list[list] = []  # [next_due, interval_s, fn]
+        self._delayed: list[tuple] = []  # heap of (due, order, fn): one-shot, run in due order
+        self._delayed_order = itertools.count()
         self._wake_address = f"inproc://pathways-loop-{name}-{next(_loop_ids)}"
         self._wake_pull = self.context.socket(zmq.PULL)
         self._wake_pull.bind(self._wake_address)
@@ -62,8 +69,27 @@ class SocketLoop:
         return socket
 
     def every(self, interval_s: float, fn: Callable[[], None]) -> None:
-        """Run ``fn`` on the loop thread every ``interval_s`` seconds."""
-        self._timers.append([time.monotonic() + interval_s, interval_s, fn])
+        """Run ``fn`` on the loop thread every ``interval_s`` seconds (from any thread, also once started)."""
+        timer = [time.monotonic() + interval_s, interval_s, fn]
+        self.call_soon(lambda: self._timers.append(timer))
+
+    def monitor(self, key: str, handler: Callable[[list], None]) -> None:
+        """Pass the monitor events of socket ``key`` (raw frames) to ``handler`` on the loop thread.
+
+        Like `add_socket`, call it before `start` or on the loop thread: a socket
+        must not be touched by two threads.
+        """
+        socket = self._sockets[key]
+        address = f"inproc://pathways-monitor-{self.name}-{next(_loop_ids)}"
+        socket.monitor(address, zmq.EVENT_ALL)
+        pair = self.context.socket(zmq.PAIR)
+        pair.setsockopt(zmq.LINGER, 0)
+        pair.connect(address)
+        self._monitors[key] = pair
+        self._uncounted.add(pair)
+        self._socket_names[pair] = f"{key}#monitor"
+        self._handlers[pair] = handler
+        self._poller.register(pair, zmq.POLLIN)
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._run, name=f"pathways-io-{self.name}", daemon=True)
@@ -88,6 +114,11 @@ class SocketLoop:
         with self._wake_lock:
             if not self._wake_push.closed:
                 self._wake_push.send(b"", zmq.NOBLOCK)
+
+    def call_later(self, delay_s: float, fn: Callable[[], None]) -> None:
+        """Run ``fn`` on the loop thread after ``delay_s`` (calls with equal delays keep their order)."""
+        due = time.monotonic() + delay_s
+        self.call_soon(lambda: heapq.heappush(self._delayed, (due, next(self._delayed_order), fn)))
 
     def send(self, key: str, frames: Sequence) -> None:
         """Send a multipart message on the socket named ``key`` (from any thread)."""
@@ -120,11 +151,18 @@ class SocketLoop:
         socket = self._sockets.pop(key, None)
         if socket is None:
             return
-        if socket in self._handlers:
-            self._poller.unregister(socket)
-            del self._handlers[socket]
-        self._socket_names.pop(socket, None)
-        socket.close(linger=0)
+        monitor = self._monitors.pop(key, None)
+        if monitor is not None:
+            socket.disable_monitor()
+        for sock in (socket, monitor):
+            if sock is None:
+                continue
+            if sock in self._handlers:
+                self._poller.unregister(sock)
+                del self._handlers[sock]
+            self._socket_names.pop(sock, None)
+            self._uncounted.discard(sock)
+            sock.close(linger=0)
 
     def _count(self, total, payload, key, frames, routed: bool) -> None:
         sizes = [_nbytes(f) for f in frames]
@@ -149,9 +187,10 @@ class SocketLoop:
     def _poll_timeout_ms(self) -> int:
         if self._callbacks:
             return 0
-        if not self._timers:
+        dues = [t[0] for t in self._timers] + ([self._delayed[0][0]] if self._delayed else [])
+        if not dues:
             return 100
-        due = min(t[0] for t in self._timers) - time.monotonic()
+        due = min(dues) - time.monotonic()
         return max(0, min(100, int(due * 1000) + 1))
 
     def _drain_wakeups(self) -> None:
@@ -170,7 +209,8 @@ class SocketLoop:
                 frames = socket.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return
-            self._count(self.bytes_in, self.payload_bytes_in, key, frames, routed=socket.type == zmq.ROUTER)
+            if socket not in self._uncounted:
+                self._count(self.bytes_in, self.payload_bytes_in, key, frames, routed=socket.type == zmq.ROUTER)
             try:
                 handler(frames)
             except Exception:  # a bad message must not kill the loop
@@ -186,6 +226,12 @@ class SocketLoop:
 
     def _run_timers(self) -> None:
         now = time.monotonic()
+        while self._delayed and self._delayed[0][0] <= now:
+            _, _, fn = heapq.heappop(self._delayed)
+            try:
+                fn()
+            except Exception:
+                log.exception("%s: delayed call failed", self.name)
         for timer in self._timers:
             if timer[0] <= now:
                 timer[0] = now + timer[1]

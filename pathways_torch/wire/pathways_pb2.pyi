@@ -85,14 +85,16 @@ class GraphNode(_message.Message):
     def __init__(self, op: _Optional[str] = ..., target: _Optional[str] = ..., args: _Optional[_Iterable[_Union[Arg, _Mapping]]] = ..., kwargs: _Optional[_Iterable[_Union[NamedArg, _Mapping]]] = ..., name: _Optional[str] = ...) -> None: ...
 
 class Graph(_message.Message):
-    __slots__ = ("nodes", "constants", "inputs")
+    __slots__ = ("nodes", "constants", "inputs", "outputs")
     NODES_FIELD_NUMBER: _ClassVar[int]
     CONSTANTS_FIELD_NUMBER: _ClassVar[int]
     INPUTS_FIELD_NUMBER: _ClassVar[int]
+    OUTPUTS_FIELD_NUMBER: _ClassVar[int]
     nodes: _containers.RepeatedCompositeFieldContainer[GraphNode]
     constants: _containers.RepeatedCompositeFieldContainer[TensorMeta]
     inputs: _containers.RepeatedCompositeFieldContainer[TensorMeta]
-    def __init__(self, nodes: _Optional[_Iterable[_Union[GraphNode, _Mapping]]] = ..., constants: _Optional[_Iterable[_Union[TensorMeta, _Mapping]]] = ..., inputs: _Optional[_Iterable[_Union[TensorMeta, _Mapping]]] = ...) -> None: ...
+    outputs: _containers.RepeatedCompositeFieldContainer[TensorMeta]
+    def __init__(self, nodes: _Optional[_Iterable[_Union[GraphNode, _Mapping]]] = ..., constants: _Optional[_Iterable[_Union[TensorMeta, _Mapping]]] = ..., inputs: _Optional[_Iterable[_Union[TensorMeta, _Mapping]]] = ..., outputs: _Optional[_Iterable[_Union[TensorMeta, _Mapping]]] = ...) -> None: ...
 
 class Register(_message.Message):
     __slots__ = ("executor_id", "data_address", "device", "backend", "pid", "store_bytes", "public_key")
@@ -129,17 +131,118 @@ class Heartbeat(_message.Message):
     def __init__(self, sent_at: _Optional[float] = ...) -> None: ...
 
 class LoadFunction(_message.Message):
-    __slots__ = ("function_id", "name", "graph")
+    __slots__ = ("function_id", "name", "graph", "sim_seconds")
     FUNCTION_ID_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     GRAPH_FIELD_NUMBER: _ClassVar[int]
+    SIM_SECONDS_FIELD_NUMBER: _ClassVar[int]
     function_id: int
     name: str
     graph: Graph
-    def __init__(self, function_id: _Optional[int] = ..., name: _Optional[str] = ..., graph: _Optional[_Union[Graph, _Mapping]] = ...) -> None: ...
+    sim_seconds: float
+    def __init__(self, function_id: _Optional[int] = ..., name: _Optional[str] = ..., graph: _Optional[_Union[Graph, _Mapping]] = ..., sim_seconds: _Optional[float] = ...) -> None: ...
+
+class ValueRef(_message.Message):
+    __slots__ = ("value", "shard", "copy")
+    VALUE_FIELD_NUMBER: _ClassVar[int]
+    SHARD_FIELD_NUMBER: _ClassVar[int]
+    COPY_FIELD_NUMBER: _ClassVar[int]
+    value: int
+    shard: int
+    copy: bool
+    def __init__(self, value: _Optional[int] = ..., shard: _Optional[int] = ..., copy: _Optional[bool] = ...) -> None: ...
+
+class ProgramNode(_message.Message):
+    __slots__ = ("node", "function_id", "inputs", "outputs", "shard", "collective", "prev_collective_node", "axis_groups", "report", "digest_outputs")
+    class AxisGroupsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    FUNCTION_ID_FIELD_NUMBER: _ClassVar[int]
+    INPUTS_FIELD_NUMBER: _ClassVar[int]
+    OUTPUTS_FIELD_NUMBER: _ClassVar[int]
+    SHARD_FIELD_NUMBER: _ClassVar[int]
+    COLLECTIVE_FIELD_NUMBER: _ClassVar[int]
+    PREV_COLLECTIVE_NODE_FIELD_NUMBER: _ClassVar[int]
+    AXIS_GROUPS_FIELD_NUMBER: _ClassVar[int]
+    REPORT_FIELD_NUMBER: _ClassVar[int]
+    DIGEST_OUTPUTS_FIELD_NUMBER: _ClassVar[int]
+    node: int
+    function_id: int
+    inputs: _containers.RepeatedCompositeFieldContainer[ValueRef]
+    outputs: _containers.RepeatedScalarFieldContainer[int]
+    shard: int
+    collective: bool
+    prev_collective_node: int
+    axis_groups: _containers.ScalarMap[str, int]
+    report: bool
+    digest_outputs: bool
+    def __init__(self, node: _Optional[int] = ..., function_id: _Optional[int] = ..., inputs: _Optional[_Iterable[_Union[ValueRef, _Mapping]]] = ..., outputs: _Optional[_Iterable[int]] = ..., shard: _Optional[int] = ..., collective: _Optional[bool] = ..., prev_collective_node: _Optional[int] = ..., axis_groups: _Optional[_Mapping[str, int]] = ..., report: _Optional[bool] = ..., digest_outputs: _Optional[bool] = ...) -> None: ...
+
+class ProgramSend(_message.Message):
+    __slots__ = ("value", "shard", "to_node", "to_address", "to_public_key")
+    VALUE_FIELD_NUMBER: _ClassVar[int]
+    SHARD_FIELD_NUMBER: _ClassVar[int]
+    TO_NODE_FIELD_NUMBER: _ClassVar[int]
+    TO_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    TO_PUBLIC_KEY_FIELD_NUMBER: _ClassVar[int]
+    value: int
+    shard: int
+    to_node: int
+    to_address: str
+    to_public_key: bytes
+    def __init__(self, value: _Optional[int] = ..., shard: _Optional[int] = ..., to_node: _Optional[int] = ..., to_address: _Optional[str] = ..., to_public_key: _Optional[bytes] = ...) -> None: ...
+
+class ProgramAction(_message.Message):
+    __slots__ = ("run", "send")
+    RUN_FIELD_NUMBER: _ClassVar[int]
+    SEND_FIELD_NUMBER: _ClassVar[int]
+    run: ProgramNode
+    send: ProgramSend
+    def __init__(self, run: _Optional[_Union[ProgramNode, _Mapping]] = ..., send: _Optional[_Union[ProgramSend, _Mapping]] = ...) -> None: ...
+
+class RegisterProgram(_message.Message):
+    __slots__ = ("program_id", "name", "actions", "input_values", "output_values", "local_intermediates", "num_nodes")
+    PROGRAM_ID_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    ACTIONS_FIELD_NUMBER: _ClassVar[int]
+    INPUT_VALUES_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_VALUES_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_INTERMEDIATES_FIELD_NUMBER: _ClassVar[int]
+    NUM_NODES_FIELD_NUMBER: _ClassVar[int]
+    program_id: int
+    name: str
+    actions: _containers.RepeatedCompositeFieldContainer[ProgramAction]
+    input_values: _containers.RepeatedScalarFieldContainer[int]
+    output_values: _containers.RepeatedScalarFieldContainer[int]
+    local_intermediates: _containers.RepeatedCompositeFieldContainer[ValueRef]
+    num_nodes: int
+    def __init__(self, program_id: _Optional[int] = ..., name: _Optional[str] = ..., actions: _Optional[_Iterable[_Union[ProgramAction, _Mapping]]] = ..., input_values: _Optional[_Iterable[int]] = ..., output_values: _Optional[_Iterable[int]] = ..., local_intermediates: _Optional[_Iterable[_Union[ValueRef, _Mapping]]] = ..., num_nodes: _Optional[int] = ...) -> None: ...
+
+class RunProgram(_message.Message):
+    __slots__ = ("program_id", "base_seq", "base_call_id", "input_array_ids", "output_array_ids", "first_intermediate_id", "prev_collective_seq")
+    PROGRAM_ID_FIELD_NUMBER: _ClassVar[int]
+    BASE_SEQ_FIELD_NUMBER: _ClassVar[int]
+    BASE_CALL_ID_FIELD_NUMBER: _ClassVar[int]
+    INPUT_ARRAY_IDS_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_ARRAY_IDS_FIELD_NUMBER: _ClassVar[int]
+    FIRST_INTERMEDIATE_ID_FIELD_NUMBER: _ClassVar[int]
+    PREV_COLLECTIVE_SEQ_FIELD_NUMBER: _ClassVar[int]
+    program_id: int
+    base_seq: int
+    base_call_id: int
+    input_array_ids: _containers.RepeatedScalarFieldContainer[int]
+    output_array_ids: _containers.RepeatedScalarFieldContainer[int]
+    first_intermediate_id: int
+    prev_collective_seq: int
+    def __init__(self, program_id: _Optional[int] = ..., base_seq: _Optional[int] = ..., base_call_id: _Optional[int] = ..., input_array_ids: _Optional[_Iterable[int]] = ..., output_array_ids: _Optional[_Iterable[int]] = ..., first_intermediate_id: _Optional[int] = ..., prev_collective_seq: _Optional[int] = ...) -> None: ...
 
 class Run(_message.Message):
-    __slots__ = ("seq", "call_id", "function_id", "inputs", "outputs", "digest_outputs", "collective", "prev_collective_seq", "axis_groups")
+    __slots__ = ("seq", "call_id", "function_id", "inputs", "outputs", "digest_outputs", "collective", "prev_collective_seq", "axis_groups", "quiet")
     class AxisGroupsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -156,6 +259,7 @@ class Run(_message.Message):
     COLLECTIVE_FIELD_NUMBER: _ClassVar[int]
     PREV_COLLECTIVE_SEQ_FIELD_NUMBER: _ClassVar[int]
     AXIS_GROUPS_FIELD_NUMBER: _ClassVar[int]
+    QUIET_FIELD_NUMBER: _ClassVar[int]
     seq: int
     call_id: int
     function_id: int
@@ -165,7 +269,8 @@ class Run(_message.Message):
     collective: bool
     prev_collective_seq: int
     axis_groups: _containers.ScalarMap[str, int]
-    def __init__(self, seq: _Optional[int] = ..., call_id: _Optional[int] = ..., function_id: _Optional[int] = ..., inputs: _Optional[_Iterable[_Union[ShardRef, _Mapping]]] = ..., outputs: _Optional[_Iterable[_Union[ShardRef, _Mapping]]] = ..., digest_outputs: _Optional[bool] = ..., collective: _Optional[bool] = ..., prev_collective_seq: _Optional[int] = ..., axis_groups: _Optional[_Mapping[str, int]] = ...) -> None: ...
+    quiet: bool
+    def __init__(self, seq: _Optional[int] = ..., call_id: _Optional[int] = ..., function_id: _Optional[int] = ..., inputs: _Optional[_Iterable[_Union[ShardRef, _Mapping]]] = ..., outputs: _Optional[_Iterable[_Union[ShardRef, _Mapping]]] = ..., digest_outputs: _Optional[bool] = ..., collective: _Optional[bool] = ..., prev_collective_seq: _Optional[int] = ..., axis_groups: _Optional[_Mapping[str, int]] = ..., quiet: _Optional[bool] = ...) -> None: ...
 
 class FormGroup(_message.Message):
     __slots__ = ("seq", "prev_collective_seq", "group_id", "rank", "size", "store_path", "timeout_s")
@@ -357,7 +462,7 @@ class FetchReply(_message.Message):
     def __init__(self, request_id: _Optional[int] = ..., tensor: _Optional[_Union[TensorMeta, _Mapping]] = ..., failure: _Optional[_Union[RemoteFailure, _Mapping]] = ..., failed: _Optional[bool] = ...) -> None: ...
 
 class Envelope(_message.Message):
-    __slots__ = ("register", "welcome", "heartbeat", "load_function", "run", "send_shard", "free", "done", "stats_request", "stats", "trace_request", "trace_reply", "shutdown", "form_group", "put", "put_ack", "transfer", "fetch", "fetch_reply")
+    __slots__ = ("register", "welcome", "heartbeat", "load_function", "run", "send_shard", "free", "done", "stats_request", "stats", "trace_request", "trace_reply", "shutdown", "form_group", "register_program", "run_program", "put", "put_ack", "transfer", "fetch", "fetch_reply")
     REGISTER_FIELD_NUMBER: _ClassVar[int]
     WELCOME_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_FIELD_NUMBER: _ClassVar[int]
@@ -372,6 +477,8 @@ class Envelope(_message.Message):
     TRACE_REPLY_FIELD_NUMBER: _ClassVar[int]
     SHUTDOWN_FIELD_NUMBER: _ClassVar[int]
     FORM_GROUP_FIELD_NUMBER: _ClassVar[int]
+    REGISTER_PROGRAM_FIELD_NUMBER: _ClassVar[int]
+    RUN_PROGRAM_FIELD_NUMBER: _ClassVar[int]
     PUT_FIELD_NUMBER: _ClassVar[int]
     PUT_ACK_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_FIELD_NUMBER: _ClassVar[int]
@@ -391,9 +498,11 @@ class Envelope(_message.Message):
     trace_reply: TraceReply
     shutdown: Shutdown
     form_group: FormGroup
+    register_program: RegisterProgram
+    run_program: RunProgram
     put: Put
     put_ack: PutAck
     transfer: Transfer
     fetch: Fetch
     fetch_reply: FetchReply
-    def __init__(self, register: _Optional[_Union[Register, _Mapping]] = ..., welcome: _Optional[_Union[Welcome, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., load_function: _Optional[_Union[LoadFunction, _Mapping]] = ..., run: _Optional[_Union[Run, _Mapping]] = ..., send_shard: _Optional[_Union[SendShard, _Mapping]] = ..., free: _Optional[_Union[Free, _Mapping]] = ..., done: _Optional[_Union[Done, _Mapping]] = ..., stats_request: _Optional[_Union[StatsRequest, _Mapping]] = ..., stats: _Optional[_Union[Stats, _Mapping]] = ..., trace_request: _Optional[_Union[TraceRequest, _Mapping]] = ..., trace_reply: _Optional[_Union[TraceReply, _Mapping]] = ..., shutdown: _Optional[_Union[Shutdown, _Mapping]] = ..., form_group: _Optional[_Union[FormGroup, _Mapping]] = ..., put: _Optional[_Union[Put, _Mapping]] = ..., put_ack: _Optional[_Union[PutAck, _Mapping]] = ..., transfer: _Optional[_Union[Transfer, _Mapping]] = ..., fetch: _Optional[_Union[Fetch, _Mapping]] = ..., fetch_reply: _Optional[_Union[FetchReply, _Mapping]] = ...) -> None: ...
+    def __init__(self, register: _Optional[_Union[Register, _Mapping]] = ..., welcome: _Optional[_Union[Welcome, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., load_function: _Optional[_Union[LoadFunction, _Mapping]] = ..., run: _Optional[_Union[Run, _Mapping]] = ..., send_shard: _Optional[_Union[SendShard, _Mapping]] = ..., free: _Optional[_Union[Free, _Mapping]] = ..., done: _Optional[_Union[Done, _Mapping]] = ..., stats_request: _Optional[_Union[StatsRequest, _Mapping]] = ..., stats: _Optional[_Union[Stats, _Mapping]] = ..., trace_request: _Optional[_Union[TraceRequest, _Mapping]] = ..., trace_reply: _Optional[_Union[TraceReply, _Mapping]] = ..., shutdown: _Optional[_Union[Shutdown, _Mapping]] = ..., form_group: _Optional[_Union[FormGroup, _Mapping]] = ..., register_program: _Optional[_Union[RegisterProgram, _Mapping]] = ..., run_program: _Optional[_Union[RunProgram, _Mapping]] = ..., put: _Optional[_Union[Put, _Mapping]] = ..., put_ack: _Optional[_Union[PutAck, _Mapping]] = ..., transfer: _Optional[_Union[Transfer, _Mapping]] = ..., fetch: _Optional[_Union[Fetch, _Mapping]] = ..., fetch_reply: _Optional[_Union[FetchReply, _Mapping]] = ...) -> None: ...

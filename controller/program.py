@@ -1,0 +1,137 @@
+"""Programs on the controller: lowering a traced program into per-executor plans, and its runs.
+
+Lowering passes, each printable:
+1. placement — which executor runs which node, on which shard;
+2. transfers — for every input that lives on another executor, a push from its
+   owner (executor→executor, never through the controller);
+3. buffer plan — which values are program outputs (kept), and which are
+   intermediates each executor frees once their last local use is done;
+plus the gang order of collective nodes on each executor.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+
+from pathways_torch.wire import pb
+
+from .resources import MeshAllocation
+
+__all__ = ["ProgramNodeSpec", "ProgramSpec", "LoweredProgram", "lower"]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ProgramNodeSpec:
+    name: str
+    function_id: int
+    mesh: MeshAllocation
+    inputs: tuple[int, ...]
+    outputs: tuple[int, ...]
+    collective_axes: tuple[str, ...] = ()
+    replicated_outputs: tuple[bool, ...] = ()
+    call_site: str = ""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ProgramSpec:
+    name: str
+    input_values: tuple[int, ...]
+    input_meshes: tuple[MeshAllocation, ...]
+    nodes: tuple[ProgramNodeSpec, ...]
+    output_values: tuple[int, ...]
+
+    def value_meshes(self) -> dict[int, MeshAllocation]:
+        where = dict(zip(self.input_values, self.input_meshes))
+        for node in self.nodes:
+            for value in node.outputs:
+                where[value] = node.mesh
+        return where
+
+
+@dataclasses.dataclass
+class LoweredProgram:
+    """Per-executor plans (``RegisterProgram`` messages) and the text of each pass."""
+
+    spec: ProgramSpec
+    plans: dict[str, pb.RegisterProgram]
+    last_collective_node: dict[str, int]     # executor → 1 + index of its last collective node (0: none)
+    reporting_nodes: list[int]
+
+    def describe(self) -> str:
+        lines = [f"lowered {self.spec.name}: {len(self.spec.nodes)} nodes on {len(self.plans)} executors"]
+        for executor_id, plan in self.plans.items():
+            lines.append(f"executor {executor_id}:")
+            for action in plan.actions:
+                if action.WhichOneof("kind") == "run":
+                    run = action.run
+                    ins = ", ".join(f"%{r.value}[{r.shard}]{' (copy)' if r.copy else ''}" for r in run.inputs)
+                    outs = ", ".join(f"%{v}[{run.shard}]" for v in run.outputs)
+                    flags = []
+                    if run.collective:
+                        prev = (f"after n{run.prev_collective_node - 1}" if run.prev_collective_node
+                                else "first here in the run")
+                        flags.append(f"collective, {prev}")
+                    if run.report:
+                        flags.append("report")
+                    suffix = f"  [{'; '.join(flags)}]" if flags else ""
+                    name = self.spec.nodes[run.node].name
+                    lines.append(f"  n{run.node}: {outs} = {name}({ins}){suffix}")
+                else:
+                    send = action.send
+                    lines.append(f"  send %{send.value}[{send.shard}] -> n{send.to_node} at {send.to_address}")
+            if plan.local_intermediates:
+                freed = ", ".join(f"%{r.value}[{r.shard}]" for r in plan.local_intermediates)
+                lines.append(f"  free after use: {freed}")
+        return "\n".join(lines)
+
+
+def lower(spec: ProgramSpec, program_id: int, addresses: dict[str, str], keys: dict[str, bytes] | None = None,
+          axis_groups: dict[int, dict[str, list[int]]] | None = None, debug: bool = False) -> LoweredProgram:
+    """Lower ``spec``: ``addresses`` gives each executor's data address; ``axis_groups[node][axis][position]``
+    the group of each collective node's shards."""
+    keys = keys or {}
+    axis_groups = axis_groups or {}
+    where = spec.value_meshes()
+    outputs = set(spec.output_values)
+    inputs = set(spec.input_values)
+    plans: dict[str, pb.RegisterProgram] = {}
+    last_collective: dict[str, int] = collections.defaultdict(int)
+    produced_here: dict[str, list[tuple[int, int]]] = collections.defaultdict(list)
+
+    def plan_for(executor_id: str) -> pb.RegisterProgram:
+        if executor_id not in plans:
+            plans[executor_id] = pb.RegisterProgram(program_id=program_id, name=spec.name,
+                                                    input_values=spec.input_values,
+                                                    output_values=spec.output_values, num_nodes=len(spec.nodes))
+        return plans[executor_id]
+
+    reporting = []
+    for index, node in enumerate(spec.nodes):
+        report = any(v in outputs for v in node.outputs)
+        if report:
+            reporting.append(index)
+        for position, executor_id in enumerate(node.mesh.executor_ids):
+            run = pb.ProgramNode(node=index, function_id=node.function_id, shard=position, outputs=node.outputs,
+                                 report=report, digest_outputs=debug and any(node.replicated_outputs))
+            for value in node.inputs:
+                source = where[value].executor_ids[position]
+                run.inputs.add(value=value, shard=position, copy=source != executor_id)
+                if source != executor_id:   # pass 2: the owner pushes its shard here
+                    plan_for(source).actions.add().send.CopyFrom(pb.ProgramSend(
+                        value=value, shard=position, to_node=index, to_address=addresses[executor_id],
+                        to_public_key=keys.get(executor_id, b"")))
+            if node.collective_axes:
+                run.collective = True
+                run.prev_collective_node = last_collective[executor_id]
+                last_collective[executor_id] = index + 1
+                for axis in node.collective_axes:
+                    run.axis_groups[axis] = axis_groups[index][axis][position]
+            plan_for(executor_id).actions.add().run.CopyFrom(run)
+            for value in node.outputs:
+                if value not in outputs and value not in inputs:
+                    produced_here[executor_id].append((value, position))
+    for executor_id, shards in produced_here.items():   # pass 3: the buffer plan
+        for value, position in shards:
+            plans[executor_id].local_intermediates.add(value=value, shard=position)
+    return LoweredProgram(spec, plans, dict(last_collective), reporting)

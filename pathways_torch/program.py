@@ -1,0 +1,194 @@
+"""``@pw.program``: several function calls traced into one program, registered once, run as one.
+
+Calling a program traces its Python body once per input signature: every
+``@pw.function`` call inside records a node (its function, mesh, input values and
+output layouts) instead of dispatching. The result is a dataflow graph of sharded
+nodes that the controller lowers once (placement, transfers between meshes, a
+buffer plan) and registers on the executors. Each later run sends one small
+message per executor, whatever the number of nodes; every node still gets its own
+island sequence number.
+
+Inside a program, arrays are symbolic: their shapes, dtypes and shardings are
+known, their values are not. Python control flow on a value (``if x.result()``,
+``bool(x)``) raises `CaptureError` pointing at the line: make the decision outside
+the program, or express it in tensor ops.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import dataclasses
+import functools
+from typing import Callable
+
+from .array import Array
+from .errors import CaptureError, PlacementError
+from .placement import Sharding
+
+__all__ = ["program", "Program", "SymbolicArray", "ProgramGraph", "current_tracer"]
+
+_TRACER: contextvars.ContextVar["_Tracer | None"] = contextvars.ContextVar("pathways_program_tracer", default=None)
+
+
+def current_tracer() -> "_Tracer | None":
+    return _TRACER.get()
+
+
+class SymbolicArray:
+    """A value inside a program trace: layout known, value not."""
+
+    def __init__(self, tracer: "_Tracer", value: int, shape, dtype, sharding: Sharding, block_shape):
+        self._tracer, self.value = tracer, value
+        self.shape, self.dtype, self.sharding, self.block_shape = tuple(shape), dtype, sharding, tuple(block_shape)
+
+    @property
+    def mesh(self):
+        return self.sharding.mesh
+
+    def _no_value(self, what: str):
+        raise CaptureError(
+            f"{what} needs the value of %{self.value} inside @pw.program {self._tracer.name!r}, which is not known "
+            f"while the program is traced; decide outside the program (run it, then look at the result), or "
+            f"express the choice with tensor ops (torch.where)")
+
+    def result(self, *args, **kwargs):
+        self._no_value("result()")
+
+    def done(self):
+        self._no_value("done()")
+
+    def exception(self, *args, **kwargs):
+        self._no_value("exception()")
+
+    def __bool__(self):
+        self._no_value("bool()")
+
+    def __index__(self):
+        self._no_value("int()")
+
+    def __float__(self):
+        self._no_value("float()")
+
+    def __repr__(self) -> str:
+        return f"%{self.value}"
+
+
+@dataclasses.dataclass(frozen=True)
+class NodeRecord:
+    index: int
+    function: object          # the Function
+    version: object           # its CapturedVersion
+    mesh: object              # the Mesh it runs on
+    inputs: tuple[int, ...]
+    outputs: tuple[int, ...]
+    layouts: tuple            # (shape, dtype, sharding, block) per output
+
+
+@dataclasses.dataclass
+class ProgramGraph:
+    """The traced program: inputs, nodes and outputs, by value number; prints as text."""
+
+    name: str
+    input_values: tuple[int, ...]
+    layouts: dict                 # value → (shape, dtype, sharding, block)
+    nodes: list[NodeRecord]
+    output_values: tuple[int, ...]
+    single_output: bool
+
+    def __str__(self) -> str:
+        def layout(v):
+            shape, dtype, sharding, _ = self.layouts[v]
+            spec = ", ".join(f"{a}: {p!r}" for a, p in zip(sharding.mesh.axis_names, sharding.placements))
+            return f"{str(dtype).removeprefix('torch.')}{list(shape)} {{{spec}}} @mesh{sharding.mesh.allocation.mesh_id}"
+
+        params = ", ".join(f"%{v}: {layout(v)}" for v in self.input_values)
+        lines = [f"program {self.name}({params}) {{"]
+        for node in self.nodes:
+            outs = ", ".join(f"%{v}" for v in node.outputs)
+            ins = ", ".join(f"%{v}" for v in node.inputs)
+            lines.append(f"  {outs} = {node.version.name}({ins}) @mesh{node.mesh.allocation.mesh_id}"
+                         f"  # {'; '.join(layout(v) for v in node.outputs)}")
+        lines.append(f"  return {', '.join(f'%{v}' for v in self.output_values)}")
+        lines.append("}")
+        return "\n".join(lines)
+
+
+class _Tracer:
+    def __init__(self, name: str):
+        self.name = name
+        self.layouts: dict[int, tuple] = {}
+        self.nodes: list[NodeRecord] = []
+        self._next_value = 0
+
+    def new_value(self, layout) -> SymbolicArray:
+        value = self._next_value
+        self._next_value += 1
+        self.layouts[value] = layout
+        return SymbolicArray(self, value, *layout)
+
+    def add_node(self, function, version, mesh, inputs, layouts) -> list[SymbolicArray]:
+        outs = [self.new_value(layout) for layout in layouts]
+        self.nodes.append(NodeRecord(len(self.nodes), function, version, mesh, tuple(a.value for a in inputs),
+                                     tuple(o.value for o in outs), tuple(layouts)))
+        return outs
+
+
+def program(fn: Callable | None = None, *, name: str | None = None):
+    """Decorate a Python function that calls ``@pw.function``s; each call of it runs as one program."""
+    if fn is None:
+        return lambda f: Program(f, name=name)
+    return Program(fn, name=name)
+
+
+class Program:
+    """A traced program; ``graph(*arrays)`` shows what a call would run."""
+
+    def __init__(self, fn: Callable, *, name: str | None = None):
+        self.fn = fn
+        self.name = name or getattr(fn, "__name__", "program")
+        self._graphs: dict[tuple, ProgramGraph] = {}
+        functools.update_wrapper(self, fn)
+
+    @property
+    def num_traces(self) -> int:
+        return len(self._graphs)
+
+    def graph(self, *arrays: Array) -> ProgramGraph:
+        """The traced graph for these inputs (traced now if new)."""
+        self._check_inputs(arrays)
+        key = tuple((a.shape, a.dtype, a.sharding.placements, a.mesh.allocation.mesh_id) for a in arrays)
+        graph = self._graphs.get(key)
+        if graph is None:
+            graph = self._graphs[key] = self._trace(arrays)
+        return graph
+
+    def __call__(self, *arrays: Array):
+        graph = self.graph(*arrays)
+        outputs = arrays[0]._context._run_program(self, graph, arrays)
+        return outputs[0] if graph.single_output else tuple(outputs)
+
+    def _check_inputs(self, arrays) -> None:
+        if not arrays:
+            raise PlacementError(f"program {self.name!r}: expected at least one pw.Array argument")
+        for a in arrays:
+            if not isinstance(a, Array):
+                raise PlacementError(f"program {self.name!r}: every argument must be a pw.Array (made by ctx.put "
+                                     f"or a call), got {type(a).__name__}; bake other values into the functions")
+
+    def _trace(self, arrays) -> ProgramGraph:
+        tracer = _Tracer(self.name)
+        symbols = [tracer.new_value((a.shape, a.dtype, a.sharding, a.block_shape)) for a in arrays]
+        token = _TRACER.set(tracer)
+        try:
+            out = self.fn(*symbols)
+        finally:
+            _TRACER.reset(token)
+        single = not isinstance(out, (tuple, list))
+        outs = [out] if single else list(out)
+        for o in outs:
+            if not isinstance(o, SymbolicArray) or o._tracer is not tracer:
+                raise CaptureError(f"program {self.name!r} must return arrays computed inside it, got {o!r}")
+        if not tracer.nodes:
+            raise CaptureError(f"program {self.name!r} calls no @pw.function; it has nothing to run")
+        return ProgramGraph(self.name, tuple(s.value for s in symbols), tracer.layouts, tracer.nodes,
+                            tuple(o.value for o in outs), single)
