@@ -20,9 +20,9 @@ from typing import Callable, Protocol, Sequence
 
 from pathways_torch.errors import ExecutorLostError, RemoteError, ReplicationError
 from pathways_torch.wire import pb
-from pathways_torch.wire.framing import body_name
+from pathways_torch.wire.framing import body_name, log_dropped
 
-from .arrays import FAILED, READY, ArrayRecord, ArrayTable
+from .arrays import FAILED, PENDING, READY, ArrayRecord, ArrayTable
 from .config import ControllerConfig
 from .program import LoweredProgram, ProgramSpec, lower
 from .resources import MeshAllocation, ResourceManager
@@ -61,6 +61,7 @@ class _Call:
     digests: dict[str, list[bytes]] = dataclasses.field(default_factory=dict)
     failed: bool = False
     routes: list[tuple[str, str, pb.ShardRef]] = dataclasses.field(default_factory=list)  # (from, to, copy) pushes
+    depends_on: frozenset[str] = frozenset()   # executors beyond its mesh it may need (a program's others)
 
 
 @dataclasses.dataclass
@@ -69,6 +70,7 @@ class _Function:
     graph: pb.Graph
     constants: list
     loaded_on: set[str] = dataclasses.field(default_factory=set)
+    sim_seconds: float = 0.0
 
 
 class Controller:
@@ -163,14 +165,16 @@ class Controller:
                     self._lose(info.executor_id, f"silent for {now - info.last_heard:.1f} s "
                                                  f"(heartbeat timeout {self.config.heartbeat_timeout_s:g} s)")
 
-    def heard_from(self, executor_id: str) -> bool:
-        """An executor's heartbeat arrived: note it; return whether it is a live member."""
+    def heard_from(self, executor_id: str) -> str:
+        """An executor's heartbeat arrived: note it; return ``"live"``, ``"lost"`` or ``"unknown"`` (not registered)."""
         with self._lock:
             info = self.resources.executors.get(executor_id)
-            if info is None or info.lost:
-                return False
+            if info is None:
+                return "unknown"
+            if info.lost:
+                return "lost"
             info.last_heard = self.clock()
-            return True
+            return "live"
 
     def declare_lost(self, executor_id: str, why: str) -> None:
         """The launcher saw the executor's process die: fail what depends on it now, not at the timeout."""
@@ -185,24 +189,25 @@ class Controller:
         info.lost = True
         error = ExecutorLostError(f"executor {executor_id} lost: {why}", executor_id=executor_id)
         log.warning("controller: %s", error)
+        # Ready arrays first: a thread woken by a failing future must not see one of them still ready.
+        on_it = [record for record in self.arrays.records() if executor_id in record.executor_ids]
+        for record in sorted(on_it, key=lambda r: r.state == PENDING):
+            record.lose(error)
         for call in list(self._calls.values()):
             pushes_from_it = [route for route in call.routes if route[0] == executor_id]
-            if executor_id in call.spec.mesh.executor_ids or pushes_from_it:
+            if executor_id in call.spec.mesh.executor_ids or executor_id in call.depends_on or pushes_from_it:
                 self._fail_call(call, error)
                 self._unblock(call, pushes_from_it, error)
                 call.waiting.discard(executor_id)
                 if not call.waiting:
                     del self._calls[call.call_id]
-        for record in self.arrays.records():
-            if executor_id in record.executor_ids:
-                record.lose(error)
         for function in self._functions.values():
             function.loaded_on.discard(executor_id)  # a restarted executor loads afresh
         for listener in self.loss_listeners:
             listener(executor_id, error)
 
     def _unblock(self, call: _Call, pushes, error: ExecutorLostError) -> None:
-        """Fail the copies a lost executor will never push, so their consumers' queues move on."""
+        """Fail the copies a lost executor will never push, so the runs waiting for them end instead of hanging."""
         for _, destination, copy in pushes:
             if self.resources.executors[destination].lost:
                 continue
@@ -214,10 +219,10 @@ class Controller:
 
     # ------------------------------------------------------------ functions and calls
 
-    def register_function(self, name: str, graph: pb.Graph, constants: list) -> int:
+    def register_function(self, name: str, graph: pb.Graph, constants: list, *, sim_seconds: float = 0.0) -> int:
         with self._lock:
             function_id = next(self._next_function_id)
-            self._functions[function_id] = _Function(name, graph, list(constants))
+            self._functions[function_id] = _Function(name, graph, list(constants), sim_seconds=sim_seconds)
             return function_id
 
     def new_array(self, executor_ids: tuple[str, ...], *, landing: int = 0) -> ArrayRecord:
@@ -342,7 +347,8 @@ class Controller:
                 call_spec = CallSpec(function_id=node.function_id, name=node.name, mesh=node.mesh, inputs=(),
                                      num_outputs=len(records), call_site=node.call_site)
                 self._calls[base_call + index] = _Call(call_spec, base_call + index, base_seq + index, records,
-                                                       waiting=set(node.mesh.executor_ids))
+                                                       waiting=set(node.mesh.executor_ids),
+                                                       depends_on=frozenset(lowered.plans))
             for executor_id in lowered.plans:
                 run = pb.RunProgram(program_id=program_id, base_seq=base_seq, base_call_id=base_call,
                                     input_array_ids=list(input_ids), output_array_ids=[r.array_id for r in outputs],
@@ -372,10 +378,13 @@ class Controller:
             return pb.ShardRef(array_id=record.array_id, shard=position)
         # The shard lives elsewhere: its owner pushes a copy tagged with this call.
         copy = pb.ShardRef(array_id=record.array_id, shard=position, tag=call_id)
+        routes = self._calls[call_id].routes
+        if (source, executor_id, copy) in routes:
+            return copy   # the same array passed twice: one copy serves both
+        routes.append((source, executor_id, copy))
         destination = self.resources.executors[executor_id]
         request = pb.SendShard(to_address=destination.data_address, to_public_key=destination.public_key,
                                call_id=call_id)
-        self._calls[call_id].routes.append((source, executor_id, copy))
         request.shard.CopyFrom(pb.ShardRef(array_id=record.array_id, shard=position))
         request.as_ref.CopyFrom(copy)
         self._send(source, pb.Envelope(send_shard=request))
@@ -385,7 +394,7 @@ class Controller:
         function = self._functions[function_id]
         if executor_id in function.loaded_on:
             return
-        load = pb.LoadFunction(function_id=function_id, name=function.name)
+        load = pb.LoadFunction(function_id=function_id, name=function.name, sim_seconds=function.sim_seconds)
         load.graph.CopyFrom(function.graph)
         self._send(executor_id, pb.Envelope(load_function=load), function.constants)
         self.program_constant_bytes += sum(memoryview(c).nbytes for c in function.constants)
@@ -534,7 +543,7 @@ class Controller:
 
     def _drop(self, why: str) -> None:
         self.dropped_messages += 1
-        log.warning("controller: dropped a message: %s", why)
+        log_dropped(log, self.dropped_messages, "controller", why)
 
     def _send(self, executor_id: str, envelope: pb.Envelope, payload: Sequence = ()) -> None:
         self.messages_sent[body_name(envelope)] += 1

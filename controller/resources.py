@@ -22,6 +22,7 @@ class ExecutorInfo:
     island: int = 0
     last_heard: float = dataclasses.field(default_factory=time.monotonic)
     lost: bool = False
+    public_key: bytes = b""       # CURVE public key (Z85) of its data socket, checked by the server
 
 
 @dataclasses.dataclass(frozen=True)

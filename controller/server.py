@@ -1,4 +1,14 @@
-"""The controller's sockets: one ROUTER that every executor's DEALER connects to."""
+"""The controller's socket: one CURVE ROUTER that every executor's DEALERs connect to.
+
+Each executor opens two connections: its control DEALER (identity = executor id)
+and a heartbeat DEALER (identity = ``<id>#heartbeat``) driven by a thread of its
+own. The server answers each heartbeat at once, so neither side's view of the
+other's liveness depends on how busy the other's message handling is.
+
+Every message must come over a connection authenticated as the executor it
+names: the role of its CURVE key (`pathways_torch.wire.security`) must equal the
+ROUTER identity, so an executor can speak only as itself.
+"""
 
 from __future__ import annotations
 
@@ -6,8 +16,10 @@ import logging
 
 import zmq
 
-from pathways_torch.wire import SocketLoop, decode, encode
-from pathways_torch.wire.framing import FramingError
+from pathways_torch.wire import SocketLoop, body_name, decode, encode, pb
+from pathways_torch.wire.framing import MAX_ENVELOPE_BYTES, FramingError, log_dropped
+from pathways_torch.wire.security import (CLIENT, CONTROLLER, HEARTBEAT_SUFFIX, ConnectionWatch, Credentials,
+                                          make_server, peer_role)
 
 from .config import ControllerConfig
 from .dispatch import Controller
@@ -20,20 +32,30 @@ _ROUTER = "executors"
 
 
 class ControllerServer:
-    """Runs a `Controller` behind a ZeroMQ ROUTER on its own I/O thread."""
+    """Runs a `Controller` behind a CURVE ROUTER on its own I/O thread.
 
-    def __init__(self, config: ControllerConfig | None = None, context: zmq.Context | None = None):
+    ``context`` must have a running `Gatekeeper` (the allow-list); without one the
+    socket refuses every connection.
+    """
+
+    def __init__(self, config: ControllerConfig | None, credentials: Credentials, context: zmq.Context):
         self.config = config or ControllerConfig()
+        self.credentials = credentials
         self.loop = SocketLoop("controller", context)
         socket = self.loop.context.socket(zmq.ROUTER)
         socket.setsockopt(zmq.LINGER, 0)
         socket.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        # Executors send the controller envelopes, never tensors: a bigger frame is hostile.
+        socket.setsockopt(zmq.MAXMSGSIZE, MAX_ENVELOPE_BYTES)
+        make_server(socket, credentials)
         socket.bind(self.config.bind_address)
         self.address = socket.getsockopt_string(zmq.LAST_ENDPOINT)
         self.loop.add_socket(_ROUTER, socket, self._on_frames)
+        self.connections = ConnectionWatch("controller")
+        self.loop.monitor(_ROUTER, self.connections.on_frames)
         self.controller = Controller(self, self.config)
         self.loop.every(self.config.heartbeat_interval_s, self.controller.heartbeat)
-        self.dropped_messages = 0
+        self.dropped_messages = 0   # refused here; the Controller counts what it refuses itself
 
     def start(self) -> None:
         self.loop.start()
@@ -43,20 +65,51 @@ class ControllerServer:
 
     def to_executor(self, executor_id, envelope, payload=()) -> None:
         frames = [executor_id.encode(), *encode(envelope, payload)]
-        if self.config.inject_latency_s > 0:
+        if self.config.inject_latency_s > 0:   # tests and benchmarks only
             self.loop.call_later(self.config.inject_latency_s, lambda: self.loop.send_now(_ROUTER, frames))
         else:
             self.loop.send(_ROUTER, frames)
 
+    @property
+    def refused_connections(self) -> int:
+        """Connections that never completed the CURVE handshake (see `ConnectionWatch.refused`)."""
+        return self.connections.refused
+
     def _on_frames(self, frames) -> None:
         try:
             identity = frames[0].bytes.decode()
+            role = peer_role(frames[1])
             envelope, payload = decode(frames[1:])
         except (FramingError, UnicodeDecodeError, IndexError) as exc:
-            self.dropped_messages += 1
-            log.warning("controller: dropped a malformed message: %s", exc)
+            self._drop(f"malformed message: {exc}")
             return
-        self.controller.on_message(identity, envelope, payload)
+        executor_id = identity.removesuffix(HEARTBEAT_SUFFIX)
+        if role != executor_id or role in (CONTROLLER, CLIENT):
+            self._drop(f"a peer authenticated as {role!r} spoke as {identity!r}")
+            return
+        if identity.endswith(HEARTBEAT_SUFFIX):
+            self._on_heartbeat(frames[0], executor_id, envelope)
+            return
+        if body_name(envelope) == "register" and envelope.register.public_key != self.credentials.allowed.get(role):
+            self._drop(f"{executor_id} registered a data-socket key that is not its own")
+            return
+        self.controller.on_message(executor_id, envelope, payload)
+
+    def _on_heartbeat(self, identity_frame, executor_id: str, envelope: pb.Envelope) -> None:
+        """Answer at once: the echo keeps the executor running, a Shutdown tells a lost one to stop."""
+        if body_name(envelope) != "heartbeat":
+            self._drop(f"{body_name(envelope)!r} on {executor_id}'s heartbeat connection")
+            return
+        state = self.controller.heard_from(executor_id)
+        if state == "unknown":
+            return  # its Register is still on the way; an executor never registered times out by itself
+        if state == "lost":
+            envelope = pb.Envelope(shutdown=pb.Shutdown(reason=f"the controller declared {executor_id} lost"))
+        self.loop.send_now(_ROUTER, [identity_frame.bytes, envelope.SerializeToString()])
+
+    def _drop(self, why: str) -> None:
+        self.dropped_messages += 1
+        log_dropped(log, self.dropped_messages, "controller socket", why)
 
     @property
     def payload_bytes(self) -> dict[str, int]:

@@ -17,6 +17,8 @@ def parse_args(argv=None) -> ExecutorConfig:
     parser = argparse.ArgumentParser(prog="pathways-executor", description="Run one pathways_torch executor.")
     parser.add_argument("--controller", required=True, help="controller endpoint, e.g. tcp://127.0.0.1:5555")
     parser.add_argument("--id", default=f"{socket.gethostname()}-{os.getpid()}", help="executor id")
+    parser.add_argument("--keys", required=True,
+                        help="key directory made by the launcher: public/*.key (allow-list) and secret/ID.key_secret")
     parser.add_argument("--backend", default="eager", choices=BACKENDS)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--bind-host", default="127.0.0.1", help="interface for tensor traffic (loopback by default)")
@@ -25,7 +27,8 @@ def parse_args(argv=None) -> ExecutorConfig:
     parser.add_argument("--heartbeat-interval-s", type=float, default=0.5)
     parser.add_argument("--heartbeat-timeout-s", type=float, default=10.0)
     args = parser.parse_args(argv)
-    return ExecutorConfig(controller_address=args.controller, executor_id=args.id, backend=args.backend,
+    return ExecutorConfig(controller_address=args.controller, executor_id=args.id, keys_dir=args.keys,
+                          backend=args.backend,
                           device=args.device, bind_host=args.bind_host, num_threads=args.threads,
                           parent_pid=args.parent_pid, heartbeat_interval_s=args.heartbeat_interval_s,
                           heartbeat_timeout_s=args.heartbeat_timeout_s)

@@ -15,21 +15,39 @@ keeps them; ``to_device`` brings an arriving host tensor there.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 from typing import Protocol, Sequence
 
-__all__ = ["Backend", "EagerBackend", "XlaBackend", "InductorBackend", "make_backend", "BACKEND_NAMES"]
+from pathways_torch.wire import pb
+from pathways_torch.wire.graph_schema import decode_graph
+from pathways_torch.wire.tensors import frame_to_tensor, tensor_to_frame
+
+__all__ = ["Backend", "TorchBackend", "EagerBackend", "XlaBackend", "InductorBackend", "make_backend",
+           "BACKEND_NAMES"]
 
 log = logging.getLogger(__name__)
 
-BACKEND_NAMES = ("eager", "xla", "inductor")
+BACKEND_NAMES = ("eager", "xla", "inductor", "sim")
 
 
 class Backend(Protocol):
     name: str
     device: str
     compiles_in_background: bool
+
+    def prepare(self, load: pb.LoadFunction, payload: list) -> tuple:
+        """Decode a received function: (what to compile, example inputs for the compile)."""
+
+    def from_frame(self, meta: pb.TensorMeta, frames: list):
+        """A received tensor frame as this backend's value (on its device)."""
+
+    def to_frame(self, value, meta: pb.TensorMeta, frame_index: int):
+        """A stored value as a frame to send (fills ``meta``)."""
+
+    def digest(self, value) -> bytes:
+        """A digest of a value's bytes and shape (debug mode's replication check)."""
 
     def compile(self, graph_module, example_inputs: Sequence):
         """Return a callable taking and returning device tensors for this input signature."""
@@ -44,7 +62,37 @@ class Backend(Protocol):
         """How many graphs this backend compiled so far."""
 
 
-class EagerBackend:
+class TorchBackend:
+    """What every torch-based backend shares: graphs decoded from the schema, tensors from frames."""
+
+    device = "cpu"
+
+    def prepare(self, load, payload):
+        import torch
+
+        graph_module = decode_graph(load.graph, payload, device=self.device)
+        examples = [torch.empty(tuple(m.shape), dtype=getattr(torch, m.dtype), device="meta")
+                    for m in load.graph.inputs]
+        return graph_module, examples
+
+    def from_frame(self, meta, frames):
+        return self.to_device(frame_to_tensor(meta, frames))
+
+    def to_frame(self, value, meta, frame_index):
+        return tensor_to_frame(value, meta, frame_index)
+
+    def digest(self, value) -> bytes:
+        import torch
+
+        data = value.detach().cpu().contiguous()
+        view = data.reshape(-1).view(torch.uint8).numpy() if data.numel() else b""
+        return hashlib.blake2b(view, digest_size=16).digest() + str(tuple(data.shape)).encode()
+
+    def to_device(self, tensor):
+        return tensor
+
+
+class EagerBackend(TorchBackend):
     """Op by op, as eager PyTorch runs it."""
 
     name = "eager"
@@ -69,7 +117,7 @@ class EagerBackend:
         return 0
 
 
-class XlaBackend:
+class XlaBackend(TorchBackend):
     """torch_xla's lazy tensors on PJRT; the only place that imports torch_xla.
 
     Each thread syncs only the tensors it produced (``_xla_sync_multi``), so a
@@ -119,7 +167,7 @@ class XlaBackend:
         self._xla._XLAC._xla_sync_multi(list(tensors), [], wait=True)
 
 
-class InductorBackend:
+class InductorBackend(TorchBackend):
     """``torch._inductor.compile`` on the captured aten graph."""
 
     name = "inductor"
@@ -163,4 +211,8 @@ def make_backend(name: str, device: str = "cpu") -> Backend:
         return XlaBackend(device)
     if name == "inductor":
         return InductorBackend(device)
+    if name == "sim":
+        from .sim import SimBackend
+
+        return SimBackend(device)
     raise ValueError(f"backend: expected one of {BACKEND_NAMES}, got {name!r}")

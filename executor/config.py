@@ -6,7 +6,7 @@ import dataclasses
 
 __all__ = ["ExecutorConfig", "BACKENDS"]
 
-BACKENDS = ("eager", "xla", "inductor")
+BACKENDS = ("eager", "xla", "inductor", "sim")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -21,6 +21,7 @@ class ExecutorConfig:
 
     controller_address: str
     executor_id: str
+    keys_dir: str                 # the launcher's key directory (see pathways_torch.wire.security)
     backend: str = "eager"
     device: str = "cpu"
     bind_host: str = "127.0.0.1"
@@ -33,6 +34,9 @@ class ExecutorConfig:
     def __post_init__(self):
         if self.backend not in BACKENDS:
             raise ValueError(f"backend: expected one of {BACKENDS}, got {self.backend!r}")
+        if not self.keys_dir:
+            raise ValueError("keys_dir: expected the launcher's key directory (--keys DIR), got none; every "
+                             "connection is authenticated, see docs/security.md")
         if self.num_threads < 1:
             raise ValueError(f"num_threads: expected >= 1, got {self.num_threads}")
         if not 0 < self.heartbeat_interval_s < self.heartbeat_timeout_s:

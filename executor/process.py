@@ -1,4 +1,9 @@
-"""An executor process: sockets, the compute thread and the liveness watch around `ExecutorCore`."""
+"""An executor process: sockets, the compute thread and the liveness watch around `ExecutorCore`.
+
+Every socket speaks CURVE (`pathways_torch.wire.security`): the data ROUTER admits
+only allow-listed keys; the control and heartbeat DEALERs accept only the
+controller's key, and a peer DEALER only the key the controller gave for that peer.
+"""
 
 from __future__ import annotations
 
@@ -10,8 +15,11 @@ import time
 
 import zmq
 
-from pathways_torch.wire import SocketLoop, decode, encode, pb
+from pathways_torch.wire import SocketLoop, body_name, decode, encode, pb
 from pathways_torch.wire.framing import FramingError
+from pathways_torch.wire.security import (CONTROLLER, HANDSHAKE_FAILURES, HEARTBEAT_SUFFIX, ConnectionWatch,
+                                          Credentials, Gatekeeper, KeyDirectory, SecurityError, make_client,
+                                          make_server)
 
 from .backends import make_backend
 from .collectives import CollectiveRuntime
@@ -29,8 +37,9 @@ _DATA = "data"
 
 
 class _SocketOutbox:
-    def __init__(self, loop: SocketLoop):
+    def __init__(self, loop: SocketLoop, credentials: Credentials):
         self._loop = loop
+        self._credentials = credentials
 
     def to_controller(self, envelope, payload=()):
         self._loop.send(_CONTROL, encode(envelope, payload))
@@ -38,7 +47,7 @@ class _SocketOutbox:
     def to_client(self, identity, envelope, payload=()):
         self._loop.send(_DATA, [identity, *encode(envelope, payload)])
 
-    def to_peer(self, address, envelope, payload=()):
+    def to_peer(self, address, envelope, payload=(), public_key=b""):
         frames = encode(envelope, payload)
 
         def send():
@@ -46,6 +55,12 @@ class _SocketOutbox:
             if self._loop.socket(key) is None:
                 socket = self._loop.context.socket(zmq.DEALER)
                 socket.setsockopt(zmq.LINGER, 0)
+                try:
+                    make_client(socket, self._credentials, public_key)
+                except SecurityError as exc:
+                    socket.close()
+                    log.error("transfer to %s dropped: %s (the controller must send the peer's key)", address, exc)
+                    return
                 socket.connect(address)
                 self._loop.add_socket(key, socket, None)
             self._loop.send_now(key, frames)
@@ -58,19 +73,22 @@ class ExecutorProcess:
 
     def __init__(self, config: ExecutorConfig):
         self.config = config
-        self.loop = SocketLoop(f"executor-{config.executor_id}")
+        self.credentials = KeyDirectory(config.keys_dir).credentials(config.executor_id)
+        self.zmq = zmq.Context()
+        self.gatekeeper = Gatekeeper(self.zmq, self.credentials.allowed)
+        self.loop = SocketLoop(f"executor-{config.executor_id}", self.zmq)
         self.backend = make_backend(config.backend, config.device)
         trace = TraceRecorder(config.max_trace_events)
         self.compiler = CompileCache(self.backend, trace, post=self.loop.call_soon)
         self.collectives = CollectiveRuntime(config.bind_host)
-        from pathways_torch.wire import collective_ops
+        if config.backend != "sim":   # the simulated device imports no torch
+            from pathways_torch.wire import collective_ops
 
-        collective_ops.set_runtime(self.collectives)
+            collective_ops.set_runtime(self.collectives)
         self.core = ExecutorCore(executor_id=config.executor_id, backend=self.backend,
-                                 outbox=_SocketOutbox(self.loop), submit=self._submit, trace=trace,
+                                 outbox=_SocketOutbox(self.loop, self.credentials), submit=self._submit, trace=trace,
                                  compiler=self.compiler, collectives=self.collectives)
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
-        self._last_heard = time.monotonic()
         self._exit_reason = ""
         self.data_address = self._bind_data()
         self._connect_control()
@@ -80,19 +98,33 @@ class ExecutorProcess:
     def _bind_data(self) -> str:
         socket = self.loop.context.socket(zmq.ROUTER)
         socket.setsockopt(zmq.LINGER, 0)
+        make_server(socket, self.credentials)
         socket.bind(f"tcp://{self.config.bind_host}:0")
         self.loop.add_socket(_DATA, socket, self._on_data)
+        self._data_watch = ConnectionWatch(f"executor {self.config.executor_id} data socket", self._on_data_event)
+        self.loop.monitor(_DATA, self._data_watch.on_frames)
         return socket.getsockopt_string(zmq.LAST_ENDPOINT)
+
+    def _on_data_event(self, event: str, watch: ConnectionWatch) -> None:
+        self.core.counters["refused_connections"] = watch.refused
 
     def _connect_control(self) -> None:
         socket = self.loop.context.socket(zmq.DEALER)
         socket.setsockopt(zmq.LINGER, 0)
         socket.setsockopt(zmq.IDENTITY, self.config.executor_id.encode())
+        make_client(socket, self.credentials, self.credentials.public_key(CONTROLLER))
         socket.connect(self.config.controller_address)
         self.loop.add_socket(_CONTROL, socket, self._on_control)
+        self.loop.monitor(_CONTROL, ConnectionWatch("control socket", self._on_control_event).on_frames)
+
+    def _on_control_event(self, event: str, watch: ConnectionWatch) -> None:
+        if event in HANDSHAKE_FAILURES and watch.rejected:
+            # The keys do not match: fail now, visibly, instead of waiting unheard.
+            self._exit(f"could not authenticate with the controller at {self.config.controller_address} ({event}): "
+                       f"its key in {self.config.keys_dir} is not the controller's, or this executor's key is "
+                       f"not on its allow-list; use the key directory the launcher made for this cluster")
 
     def _on_control(self, frames) -> None:
-        self._last_heard = time.monotonic()
         try:
             envelope, payload = decode(frames)
         except FramingError as exc:
@@ -118,9 +150,10 @@ class ExecutorProcess:
         self._jobs.put(job)
 
     def _compute_loop(self) -> None:
-        import torch
+        if self.config.backend != "sim":
+            import torch
 
-        torch.set_num_threads(self.config.num_threads)
+            torch.set_num_threads(self.config.num_threads)
         while True:
             job = self._jobs.get()
             if job is None:
@@ -131,16 +164,49 @@ class ExecutorProcess:
     # ------------------------------------------------------------ liveness
 
     def _watch(self) -> None:
-        """Heartbeats on their own thread, so a long computation never looks like death."""
-        interval = self.config.heartbeat_interval_s
+        """Heartbeats on a thread and a connection of their own.
+
+        Neither a long computation (compute thread) nor a long compile or load
+        (I/O thread) delays a ping or its answer, so neither looks like death:
+        the controller answers each ping at once, and this thread exits the
+        process when answers stop for the timeout, or the parent process is gone.
+        """
+        socket = self._heartbeat_socket()
+        interval, timeout = self.config.heartbeat_interval_s, self.config.heartbeat_timeout_s
+        last_answer = next_ping = time.monotonic()
         while not self.loop._stopping:
-            time.sleep(interval)
-            if self.config.parent_pid and not _alive(self.config.parent_pid):
-                self._exit(f"parent process {self.config.parent_pid} is gone")
-            silent_s = time.monotonic() - self._last_heard
-            if silent_s > self.config.heartbeat_timeout_s:
-                self._exit(f"no word from the controller for {silent_s:.1f} s")
-            self.loop.send(_CONTROL, encode(pb.Envelope(heartbeat=pb.Heartbeat(sent_at=time.time()))))
+            now = time.monotonic()
+            if now >= next_ping:
+                if self.config.parent_pid and not _alive(self.config.parent_pid):
+                    self._exit(f"parent process {self.config.parent_pid} is gone")
+                if now - last_answer > timeout:
+                    self._exit(f"no answer from the controller for {now - last_answer:.1f} s (timeout {timeout:g} s)")
+                try:
+                    socket.send(encode(pb.Envelope(heartbeat=pb.Heartbeat(sent_at=time.time())))[0], zmq.NOBLOCK)
+                except zmq.Again:
+                    pass  # not connected yet; the silence check above still runs
+                next_ping = now + interval
+            if socket.poll(max(1, int((next_ping - time.monotonic()) * 1000))):
+                last_answer = time.monotonic()
+                self._on_heartbeat_answer(socket.recv_multipart())
+        socket.close(linger=0)
+
+    def _heartbeat_socket(self) -> zmq.Socket:
+        socket = self.zmq.socket(zmq.DEALER)
+        socket.setsockopt(zmq.LINGER, 0)
+        socket.setsockopt(zmq.IDENTITY, f"{self.config.executor_id}{HEARTBEAT_SUFFIX}".encode())
+        make_client(socket, self.credentials, self.credentials.public_key(CONTROLLER))
+        socket.connect(self.config.controller_address)
+        return socket
+
+    def _on_heartbeat_answer(self, frames) -> None:
+        try:
+            envelope, _ = decode(frames)
+        except FramingError as exc:
+            log.warning("executor %s: bad heartbeat answer dropped: %s", self.config.executor_id, exc)
+            return
+        if body_name(envelope) == "shutdown":
+            self._exit(f"the controller says: {envelope.shutdown.reason}")
 
     def _exit(self, reason: str) -> None:
         log.warning("executor %s exits: %s", self.config.executor_id, reason)
@@ -157,11 +223,12 @@ class ExecutorProcess:
     def run(self) -> None:
         register = pb.Register(executor_id=self.config.executor_id, data_address=self.data_address,
                                device=self.backend.device, backend=self.config.backend, pid=os.getpid(),
-                               store_bytes=self.core.store.bytes)
+                               store_bytes=self.core.store.bytes, public_key=self.credentials.keys.public)
         self.loop.send(_CONTROL, encode(pb.Envelope(register=register)))
         threading.Thread(target=self._compute_loop, name="pathways-compute", daemon=True).start()
         threading.Thread(target=self._watch, name="pathways-heartbeat", daemon=True).start()
         self.loop.run_forever()
+        self.gatekeeper.stop()
         log.info("executor %s stopped: %s", self.config.executor_id, self._exit_reason)
 
 

@@ -17,7 +17,7 @@ Key = tuple  # (array_id, shard, tag)
 
 
 class Entry:
-    __slots__ = ("value", "failure", "owned", "pins", "waiters", "nbytes")
+    __slots__ = ("value", "failure", "owned", "pins", "waiters", "nbytes", "computing", "early", "early_failure")
 
     def __init__(self):
         self.value = None
@@ -26,6 +26,12 @@ class Entry:
         self.pins = 0
         self.waiters: list[Callable[["Entry"], None]] = []
         self.nbytes = 0
+        # Local chaining: the producing job is queued on this executor's compute thread,
+        # which hands its result over in `early` / `early_failure` before the I/O thread
+        # stores it, so a consumer queued behind it can run straight after it.
+        self.computing = False
+        self.early = None
+        self.early_failure = None
 
     @property
     def ready(self) -> bool:
@@ -68,6 +74,7 @@ class ObjectStore:
         entry = self.claim(key, owned=owned)
         if entry.ready:
             return  # a duplicate delivery; the first one wins
+        entry.early = entry.early_failure = None
         if failure is not None:
             entry.failure = failure
         else:

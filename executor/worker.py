@@ -17,15 +17,13 @@ issue) will keep strict sequence order among themselves.
 from __future__ import annotations
 
 import collections
-import hashlib
 import logging
 import traceback
 from typing import Callable, Protocol, Sequence
 
 from pathways_torch.wire import pb
-from pathways_torch.wire.framing import body_name
-from pathways_torch.wire.graph_schema import decode_graph, input_signature
-from pathways_torch.wire.tensors import frame_to_tensor, tensor_to_frame
+from pathways_torch.wire.framing import body_name, log_dropped
+from pathways_torch.wire.tensors import dtype_name
 
 from .collectives import CollectiveRuntime
 from .compile_cache import CompileCache, graph_key
@@ -50,10 +48,14 @@ def _key(ref: pb.ShardRef) -> tuple:
 class ComputeJob:
     """One computation handed to the compute thread."""
 
-    __slots__ = ("run", "function", "inputs", "outputs", "failure", "digests", "form")
+    __slots__ = ("run", "function", "inputs", "outputs", "failure", "digests", "form", "entries", "out_entries",
+                 "signature")
 
     def __init__(self, run: pb.Run, function, inputs: list, form: pb.FormGroup | None = None):
         self.run, self.function, self.inputs, self.form = run, function, inputs, form
+        self.entries: list = []       # input entries, read on the compute thread (local chaining)
+        self.out_entries: list = []
+        self.signature = None
         self.outputs: list | None = None
         self.failure: pb.RemoteFailure | None = None
         self.digests: list[bytes] = []
@@ -128,16 +130,15 @@ class ExecutorCore:
         self.num_function_loads += 1
         function = self.functions[msg.function_id] = _Function(msg.name, [])
         try:
-            function.signature = input_signature(msg.graph)
-            graph_module = decode_graph(msg.graph, payload, device=self.backend.device)
+            function.signature = [(tuple(m.shape), m.dtype) for m in msg.graph.inputs]
+            graph_module, examples = self.backend.prepare(msg, payload)
         except Exception as exc:
             log.warning("%s: function %s refused: %s", self.executor_id, msg.name, exc)
             self._function_ready(function, None, exc)
             return
-        import torch
-
-        examples = [torch.empty(shape, dtype=dtype, device="meta") for shape, dtype in function.signature]
-        key = graph_key(msg.graph.SerializeToString(deterministic=True), payload_bytes(payload))
+        # The declared sim time is part of what the function is (two sim steps may share a graph).
+        key = graph_key(msg.graph.SerializeToString(deterministic=True) + repr(msg.sim_seconds).encode(),
+                        payload_bytes(payload))
         self.compiler.request(key, msg.name, graph_module, examples,
                               lambda compiled, error: self._function_ready(function, compiled, error))
 
@@ -239,9 +240,9 @@ class ExecutorCore:
             self._drop(f"data message of type {kind!r} not expected")
 
     def _on_put(self, identity: bytes, msg: pb.Put, payload) -> None:
-        tensor = frame_to_tensor(msg.tensor, payload)
+        tensor = self.backend.from_frame(msg.tensor, payload)
         self.hop_bytes["client->executor"] += tensor.numel() * tensor.element_size()
-        self.store.fill(_key(msg.shard), self.backend.to_device(tensor))
+        self.store.fill(_key(msg.shard), tensor)
         ack = pb.PutAck(request_id=msg.request_id)
         ack.shard.CopyFrom(msg.shard)
         self.outbox.to_client(identity, pb.Envelope(put_ack=ack))
@@ -254,10 +255,10 @@ class ExecutorCore:
         if msg.failed:
             self.store.fill(key, failure=msg.failure)
             return
-        tensor = frame_to_tensor(msg.tensor, payload)
+        tensor = self.backend.from_frame(msg.tensor, payload)
         self.hop_bytes["executor->executor received"] += tensor.numel() * tensor.element_size()
         self.trace.record("receive", "transfer", call_id=msg.shard.tag, detail=f"array {msg.shard.array_id}")
-        self.store.fill(key, self.backend.to_device(tensor))
+        self.store.fill(key, tensor)
 
     def _on_fetch(self, identity: bytes, msg: pb.Fetch) -> None:
         key = _key(msg.shard)
@@ -278,7 +279,7 @@ class ExecutorCore:
             reply.failed = True
             reply.failure.CopyFrom(entry.failure)
         else:
-            payload = [tensor_to_frame(entry.value, reply.tensor, 1)]
+            payload = [self.backend.to_frame(entry.value, reply.tensor, 1)]
             self.hop_bytes["executor->client"] += entry.nbytes
         self.outbox.to_client(identity, pb.Envelope(fetch_reply=reply), payload)
         self.store.unpin(key)
@@ -291,7 +292,7 @@ class ExecutorCore:
             transfer.failed = True
             transfer.failure.CopyFrom(entry.failure)
         else:
-            payload = [tensor_to_frame(entry.value, transfer.tensor, 1)]
+            payload = [self.backend.to_frame(entry.value, transfer.tensor, 1)]
             self.hop_bytes["executor->executor"] += entry.nbytes
         self.trace.record("send", "transfer", call_id=msg.call_id, detail=f"array {msg.shard.array_id} -> {msg.to_address}")
         self.outbox.to_peer(msg.to_address, pb.Envelope(transfer=transfer), payload, msg.to_public_key)
@@ -346,7 +347,9 @@ class ExecutorCore:
                 continue
             entries = [self.store.get(_key(ref)) for ref in item.inputs]
             function = self.functions.get(item.function_id)
-            if all(e is not None and e.ready for e in entries) and (function is None or function.ready):
+            # An input still being computed here is fine: the compute thread runs jobs in order.
+            if (all(e is not None and (e.ready or e.computing) for e in entries)
+                    and (function is None or function.ready)):
                 if collective:
                     self._last_collective_seq, collective_started = item.seq, True
                 self._start(item, function, entries)
@@ -361,22 +364,36 @@ class ExecutorCore:
             failure = pb.RemoteFailure(type="ProtocolError", executor_id=self.executor_id,
                                        message=f"function {run.function_id} was never loaded on this executor")
         if failure is None:
-            failure = function.failure or self._check_signature(run, function, entries)
-        job = ComputeJob(run, function.compiled if function else None, [e.value for e in entries])
+            failure = function.failure
+        job = ComputeJob(run, function.compiled if function else None, [])
         if failure is not None:
             job.failure = failure if failure.origin_call_id else _with_origin(failure, run.call_id)
             self.finish(job)
             return
+        job.entries, job.signature = entries, function
+        job.out_entries = [self.store.claim(_key(ref)) for ref in run.outputs]
+        for entry in job.out_entries:
+            entry.computing = True
         self._submit(job)
 
-    def _check_signature(self, run: pb.Run, function: _Function, entries: list) -> pb.RemoteFailure | None:
+    def _take_inputs(self, job: ComputeJob) -> pb.RemoteFailure | None:
+        """On the compute thread: the input values (stored, or handed over by a job just run here)."""
+        for entry in job.entries:
+            failure = entry.failure or entry.early_failure
+            if failure is not None:
+                return failure if failure.origin_call_id else _with_origin(failure, job.run.call_id)
+        job.inputs = [e.value if e.value is not None else e.early for e in job.entries]
+        return self._check_signature(job.run, job.signature, job.entries, job.inputs)
+
+    def _check_signature(self, run: pb.Run, function: _Function, entries: list, values: list
+                         ) -> pb.RemoteFailure | None:
         """Refuse inputs that do not match the traced signature (a bad put or a hostile peer)."""
-        if len(entries) != len(function.signature):
-            problem = f"expected {len(function.signature)} inputs, got {len(entries)}"
+        if len(values) != len(function.signature):
+            problem = f"expected {len(function.signature)} inputs, got {len(values)}"
         else:
-            problem = next((f"input {i}: expected {_spec(shape, dtype)}, got {_spec(tuple(e.value.shape), e.value.dtype)}"
-                            for i, (e, (shape, dtype)) in enumerate(zip(entries, function.signature))
-                            if tuple(e.value.shape) != shape or e.value.dtype != dtype), None)
+            problem = next((f"input {i}: expected {_spec(shape, dtype)}, got {_spec(tuple(v.shape), v.dtype)}"
+                            for i, (v, (shape, dtype)) in enumerate(zip(values, function.signature))
+                            if tuple(v.shape) != shape or dtype_name(v.dtype) != dtype), None)
         if problem is None:
             return None
         return pb.RemoteFailure(type="SignatureError", executor_id=self.executor_id, origin_call_id=run.call_id,
@@ -387,6 +404,10 @@ class ExecutorCore:
         if job.form is not None:
             return self._form_group(job)
         name = self._name(job.run.function_id)
+        job.failure = self._take_inputs(job)
+        if job.failure is not None:
+            self._hand_over(job)
+            return job
         self.trace.record("start", name, seq=job.run.seq, call_id=job.run.call_id, function_id=job.run.function_id)
         try:
             with self.collectives.bind(job.run.axis_groups, seq=job.run.seq):
@@ -395,12 +416,22 @@ class ExecutorCore:
                 raise RuntimeError(f"function returned {len(job.outputs)} outputs, the call expects "
                                    f"{len(job.run.outputs)}")
             if job.run.digest_outputs:
-                job.digests = [_digest(t) for t in job.outputs]
+                job.digests = [self.backend.digest(t) for t in job.outputs]
         except Exception as exc:
             job.outputs = None
             job.failure = self._failure(exc, origin_call_id=job.run.call_id)
         self.trace.record("end", name, seq=job.run.seq, call_id=job.run.call_id, function_id=job.run.function_id)
+        self._hand_over(job)
         return job
+
+    def _hand_over(self, job: ComputeJob) -> None:
+        """Give the results to jobs queued behind this one, before the I/O thread stores them."""
+        for index, entry in enumerate(job.out_entries):
+            if job.outputs is not None:
+                entry.early = job.outputs[index]
+            else:
+                entry.early_failure = job.failure
+            entry.computing = False
 
     def _form_group(self, job: ComputeJob) -> ComputeJob:
         form = job.form
@@ -454,7 +485,7 @@ class ExecutorCore:
 
     def _drop(self, why: str) -> None:
         self.dropped_messages += 1
-        log.warning("%s: dropped a message: %s", self.executor_id, why)
+        log_dropped(log, self.dropped_messages, self.executor_id, why)
 
 
 _DATA_KINDS = {"put", "transfer", "fetch"}
@@ -492,17 +523,9 @@ def _expand_run(node: pb.ProgramNode, run: pb.RunProgram, array_id) -> pb.Run:
 
 
 def _spec(shape, dtype) -> str:
-    return f"{str(dtype).removeprefix('torch.')}{list(shape)}"
+    return f"{dtype_name(dtype)}{list(shape)}"
 
 
 def payload_bytes(payload: list) -> list:
     """The raw buffers of received frames (for hashing)."""
     return [f.buffer if hasattr(f, "buffer") else f for f in payload]
-
-
-def _digest(tensor) -> bytes:
-    import torch
-
-    data = tensor.detach().cpu().contiguous()
-    view = data.reshape(-1).view(torch.uint8).numpy() if data.numel() else b""
-    return hashlib.blake2b(view, digest_size=16).digest() + str(tuple(data.shape)).encode()

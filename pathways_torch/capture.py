@@ -41,6 +41,7 @@ class CapturedVersion:
     outputs: tuple[InputSpec, ...]
     single_output: bool
     collective_axes: tuple[str, ...] = ()   # mesh axes its collectives communicate over
+    sim_seconds: float = 0.0                # device time on a simulated executor
 
     def describe(self) -> str:
         ins = ", ".join(map(str, self.inputs))

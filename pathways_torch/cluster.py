@@ -4,36 +4,39 @@ from __future__ import annotations
 
 import atexit
 import os
+import signal
 import subprocess
 import sys
 import tempfile
 import time
 
-__all__ = ["LocalCluster"]
+__all__ = ["LocalCluster", "describe_exit"]
 
 
 class LocalCluster:
-    """``num_executors`` executor processes (``python -m executor``) connected to ``controller_address``.
+    """One executor process (``python -m executor``) per id in ``executor_ids``, connected to ``controller_address``.
 
     Each gets ``--parent-pid`` so it exits when this process dies, even by SIGKILL,
     and its own session so a Ctrl-C in the terminal reaches only the client, which
-    then stops the executors by message.
+    then stops the executors by message. ``keys_dir`` is the launcher's key
+    directory (`pathways_torch.wire.security.KeyDirectory`) with a key pair per id.
     """
 
-    def __init__(self, controller_address: str, num_executors: int, *, backend: str = "eager",
+    def __init__(self, controller_address: str, executor_ids: list[str], *, keys_dir: str, backend: str = "eager",
                  threads: int = 1, heartbeat_interval_s: float = 0.5, heartbeat_timeout_s: float = 10.0,
-                 log_dir: str | None = None, name_prefix: str = "executor"):
+                 log_dir: str | None = None):
         self.log_dir = log_dir or tempfile.mkdtemp(prefix="pathways-logs-")
-        self.executor_ids = [f"{name_prefix}-{i}" for i in range(num_executors)]
+        self.executor_ids = list(executor_ids)
         self.processes: list[subprocess.Popen] = []
+        self._reported: set[str] = set()
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         for executor_id in self.executor_ids:
             log_path = os.path.join(self.log_dir, f"{executor_id}.log")
             with open(log_path, "wb") as log_file:
                 self.processes.append(subprocess.Popen(
                     [sys.executable, "-m", "executor", "--controller", controller_address, "--id", executor_id,
-                     "--backend", backend, "--threads", str(threads), "--parent-pid", str(os.getpid()),
-                     "--heartbeat-interval-s", str(heartbeat_interval_s),
+                     "--keys", keys_dir, "--backend", backend, "--threads", str(threads),
+                     "--parent-pid", str(os.getpid()), "--heartbeat-interval-s", str(heartbeat_interval_s),
                      "--heartbeat-timeout-s", str(heartbeat_timeout_s)],
                     stdin=subprocess.DEVNULL, stdout=log_file, stderr=subprocess.STDOUT, env=env,
                     start_new_session=True))
@@ -49,6 +52,16 @@ class LocalCluster:
             if process.poll() is not None:
                 raise RuntimeError(f"executor {executor_id} exited with code {process.returncode} during start-up; "
                                    f"its log ends:\n{self.log_tail(executor_id)}")
+
+    def newly_exited(self) -> list[tuple[str, str]]:
+        """Executors whose process exited since the last call, each once, with how it ended."""
+        exited = []
+        for executor_id, process in zip(self.executor_ids, self.processes):
+            if executor_id not in self._reported and process.poll() is not None:
+                self._reported.add(executor_id)
+                exited.append((executor_id, f"its process (pid {process.pid}) {describe_exit(process.returncode)}; "
+                                            f"log: {os.path.join(self.log_dir, executor_id + '.log')}"))
+        return exited
 
     def log_tail(self, executor_id: str, num_lines: int = 30) -> str:
         try:
@@ -67,3 +80,13 @@ class LocalCluster:
                 process.kill()
                 process.wait(5)
         atexit.unregister(self.stop)
+
+
+def describe_exit(returncode: int) -> str:
+    """``-9`` → ``"was killed by SIGKILL"``; ``3`` → ``"exited with code 3"``."""
+    if returncode < 0:
+        try:
+            return f"was killed by {signal.Signals(-returncode).name}"
+        except ValueError:
+            return f"was killed by signal {-returncode}"
+    return f"exited with code {returncode}"

@@ -7,6 +7,8 @@ import json
 import logging
 import time
 
+import zmq
+
 from controller import CallSpec, ControllerConfig, ControllerServer
 from controller.program import ProgramNodeSpec, ProgramSpec
 
@@ -17,6 +19,7 @@ from .errors import PathwaysError, PlacementError
 from .placement import Mesh, Sharding, local_shape, normalize_placements, split_blocks
 from .trace_export import chrome_trace
 from .wire import pb
+from .wire.security import CLIENT, CONTROLLER, Gatekeeper, KeyDirectory
 
 __all__ = ["Context", "ContextConfig"]
 
@@ -49,27 +52,43 @@ class Context:
     functions (``"xla"`` by default; ``"eager"`` runs op by op, bit-for-bit with
     eager PyTorch). ``debug=True`` checks that outputs declared ``Replicate()`` are
     identical on every shard.
+
+    Every connection is authenticated with CURVE keys made for this context alone
+    (docs/security.md). An executor that dies or hangs is found within 2x
+    ``heartbeat_timeout_s`` (at once if its process exits); what depends on it
+    fails with `ExecutorLostError`.
     """
 
     def __init__(self, num_executors: int = 4, **options):
         self.config = ContextConfig(num_executors=num_executors, **options)
         self._closed = False
-        self._server = ControllerServer(ControllerConfig(
-            heartbeat_interval_s=self.config.heartbeat_interval_s,
-            heartbeat_timeout_s=self.config.heartbeat_timeout_s, inject_latency_s=self.config.inject_latency_s))
-        self._server.start()
-        self.controller = self._server.controller
-        self._cluster = None
-        self._data = None
+        self._keys = self._gatekeeper = self._server = self._cluster = self._data = None
+        self._zmq = zmq.Context()
+        executor_ids = [f"executor-{i}" for i in range(self.config.num_executors)]
         try:
+            # The launcher's keys: one pair per role; every socket admits exactly these (docs/security.md).
+            self._keys = KeyDirectory.create([CONTROLLER, CLIENT, *executor_ids])
+            self._gatekeeper = Gatekeeper(self._zmq, self._keys.public_keys())
+            self._server = ControllerServer(ControllerConfig(
+                heartbeat_interval_s=self.config.heartbeat_interval_s,
+                heartbeat_timeout_s=self.config.heartbeat_timeout_s, inject_latency_s=self.config.inject_latency_s),
+                self._keys.credentials(CONTROLLER), self._zmq)
+            self._server.start()
+            self.controller = self._server.controller
             self._cluster = LocalCluster(
-                self._server.address, self.config.num_executors, backend=self.config.backend,
+                self._server.address, executor_ids, keys_dir=self._keys.path, backend=self.config.backend,
                 threads=self.config.executor_threads, heartbeat_interval_s=self.config.heartbeat_interval_s,
                 heartbeat_timeout_s=self.config.heartbeat_timeout_s, log_dir=self.config.log_dir)
             self._wait_for_executors()
-            self._data = DataClient(self._server.loop.context)
+            client = self._keys.credentials(CLIENT)
+            # Every process holds its keys in memory now: none stay on disk, not even if this client is killed.
+            self._keys.remove()
+            self._data = DataClient(self._zmq, client)
             for info in self.controller.resources.ordered():
-                self._data.connect(info.executor_id, info.data_address)
+                self._data.connect(info.executor_id, info.data_address, info.public_key)
+            self.controller.loss_listeners.append(self._data.executor_lost)
+            # A dead child is lost at once; the heartbeat timeout catches the hung and the remote.
+            self._server.loop.every(self.config.heartbeat_interval_s, self._reap_exited)
             self._function_ids: dict[int, tuple] = {}
             self._lowered_programs: dict[int, tuple] = {}
         except BaseException:
@@ -87,6 +106,10 @@ class Context:
                 if time.monotonic() > deadline:
                     raise
 
+    def _reap_exited(self) -> None:
+        for executor_id, why in self._cluster.newly_exited():
+            self.controller.declare_lost(executor_id, why)
+
     # ------------------------------------------------------------ lifecycle
 
     def __enter__(self) -> "Context":
@@ -101,13 +124,28 @@ class Context:
             return
         self._closed = True
         try:
-            self.controller.shutdown_executors("the client closed its context")
+            if self._server is not None:
+                self.controller.shutdown_executors("the client closed its context")
         finally:
             if self._cluster is not None:
                 self._cluster.stop()
             if self._data is not None:
                 self._data.close()
-            self._server.stop()
+            if self._server is not None:
+                self._server.stop()
+            if self._gatekeeper is not None:
+                self._gatekeeper.stop()
+            if self._keys is not None:
+                self._keys.remove()
+            self._close_zmq()
+
+    def _close_zmq(self) -> None:
+        # term() waits for every socket of the context: only when both I/O threads are done with theirs.
+        loops = [x.loop for x in (self._server, self._data) if x is not None]
+        if any(loop.running for loop in loops):
+            log.warning("an I/O thread did not stop; leaving its ZeroMQ context open")
+            return
+        self._zmq.term()
 
     @property
     def executor_ids(self) -> list[str]:
@@ -140,7 +178,7 @@ class Context:
         record = self.controller.new_array(mesh.executor_ids, landing=mesh.size)
         for position, (executor_id, block) in enumerate(zip(mesh.executor_ids, blocks)):
             self._data.put(executor_id, pb.ShardRef(array_id=record.array_id, shard=position), block,
-                           lambda aid=record.array_id: self.controller.landed(aid))
+                           lambda error, aid=record.array_id: self.controller.landed(aid, error))
         return Array(self, record, tuple(tensor.shape), tensor.dtype, Sharding(mesh, placements), block_shape)
 
     # ------------------------------------------------------------ used by Function and Array
@@ -191,7 +229,8 @@ class Context:
     def _function_id(self, version) -> int:
         entry = self._function_ids.get(id(version))
         if entry is None or entry[1] is not version:
-            function_id = self.controller.register_function(version.name, version.graph, version.constants)
+            function_id = self.controller.register_function(version.name, version.graph, version.constants,
+                                                            sim_seconds=version.sim_seconds)
             entry = self._function_ids[id(version)] = (function_id, version)
         return entry[0]
 
@@ -218,16 +257,24 @@ class Context:
                 "executor->executor": 0, "controller relayed": 0}
         for executor_id, envelope in replies.items():
             s = envelope.stats
+            hop_bytes = dict(s.hop_bytes)
             executors[executor_id] = {"store_bytes": s.store_bytes, "store_buffers": s.store_buffers,
-                                      "hop_bytes": dict(s.hop_bytes), "num_computations": s.num_computations,
+                                      "hop_bytes": hop_bytes, "num_computations": s.num_computations,
                                       "num_function_loads": s.num_function_loads,
-                                      "num_compiles": s.num_compiles}
+                                      "num_compiles": s.num_compiles,
+                                      # Counts that ride in hop_bytes until Stats has fields for them.
+                                      "dropped_messages": hop_bytes.pop("dropped_messages", 0),
+                                      "refused_connections": hop_bytes.pop("refused_connections", 0)}
             hops["executor->executor"] += s.hop_bytes.get("executor->executor", 0)
         payload = self._server.payload_bytes
         hops["controller relayed"] = payload["sent"] + payload["received"] - self.controller.program_constant_bytes
         return {"executors": executors, "hops": hops,
                 "program_constant_bytes": self.controller.program_constant_bytes,
-                "controller_messages": dict(self.controller.messages_sent)}
+                "controller_messages": dict(self.controller.messages_sent),
+                "controller": {"dropped_messages": self._server.dropped_messages + self.controller.dropped_messages,
+                               "refused_connections": self._server.refused_connections,
+                               "lost_executors": sorted(e.executor_id for e in self.controller.resources.ordered()
+                                                        if e.lost)}}
 
     def trace(self, path: str) -> dict:
         """Collect every executor's events into one Chrome/Perfetto trace JSON file at ``path``."""

@@ -3,11 +3,17 @@
 ``put`` sends a block to the executor that owns it (acknowledged, so the
 controller frees nothing still in flight); ``fetch`` asks the owning executor
 for a block. The controller's sockets never carry these bytes.
+
+Each DEALER is a CURVE client that talks only to the holder of that executor's
+key. A request never hangs on an executor that is gone or that refused us: it
+fails with `ExecutorLostError` (the controller declared the executor lost) or
+`AuthenticationError` (the handshake failed, seen by the socket monitor).
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import itertools
 import logging
 import threading
@@ -15,9 +21,10 @@ from typing import Callable
 
 import zmq
 
-from .errors import ProtocolError, RemoteError
+from .errors import AuthenticationError, ProtocolError, RemoteError
 from .wire import SocketLoop, decode, encode, pb
 from .wire.framing import FramingError
+from .wire.security import HANDSHAKE_FAILURES, ConnectionWatch, Credentials, make_client
 from .wire.tensors import frame_to_tensor, tensor_to_frame
 
 __all__ = ["DataClient"]
@@ -25,41 +32,60 @@ __all__ = ["DataClient"]
 log = logging.getLogger(__name__)
 
 
-class DataClient:
-    """One DEALER socket per executor, on the client's own I/O thread."""
+@dataclasses.dataclass
+class _Request:
+    executor_id: str
+    future: concurrent.futures.Future | None = None           # a fetch
+    on_done: Callable[[BaseException | None], None] | None = None   # a put: called with None once acknowledged
 
-    def __init__(self, context: zmq.Context | None = None):
+
+class DataClient:
+    """One authenticated DEALER socket per executor, on the client's own I/O thread."""
+
+    def __init__(self, context: zmq.Context, credentials: Credentials):
         self.loop = SocketLoop("client-data", context)
-        self._pending: dict[int, tuple[concurrent.futures.Future | None, Callable | None]] = {}
+        self._credentials = credentials
+        self._pending: dict[int, _Request] = {}
+        self._unavailable: dict[str, BaseException] = {}   # executor → why requests to it fail (loop thread)
         self._lock = threading.Lock()
         self._request_ids = itertools.count(1)
         self.loop.start()
 
-    def connect(self, executor_id: str, address: str) -> None:
+    def connect(self, executor_id: str, address: str, public_key: bytes) -> None:
+        """Open the socket to ``executor_id``, which must hold the secret of ``public_key``."""
         def add():
             if self.loop.socket(executor_id) is not None:
                 return
             socket = self.loop.context.socket(zmq.DEALER)
             socket.setsockopt(zmq.LINGER, 0)
+            make_client(socket, self._credentials, public_key)
             socket.connect(address)
             self.loop.add_socket(executor_id, socket, self._on_frames)
+            watch = ConnectionWatch(f"client → {executor_id}",
+                                    lambda event, w: self._on_connection_event(executor_id, event, w))
+            self.loop.monitor(executor_id, watch.on_frames)
 
         self.loop.call_soon(add)
 
-    def put(self, executor_id: str, ref: pb.ShardRef, tensor, on_ack: Callable[[], None]) -> None:
-        request_id = self._register(None, on_ack)
+    def put(self, executor_id: str, ref: pb.ShardRef, tensor, on_done: Callable[[BaseException | None], None]) -> None:
+        """Send ``tensor`` as shard ``ref``; ``on_done(None)`` once it landed, ``on_done(error)`` if it never will."""
+        request_id = self._register(_Request(executor_id, on_done=on_done))
         msg = pb.Put(request_id=request_id)
         msg.shard.CopyFrom(ref)
         frame = tensor_to_frame(tensor, msg.tensor, 1)
-        self.loop.send(executor_id, encode(pb.Envelope(put=msg), [frame]))
+        self._send(executor_id, request_id, encode(pb.Envelope(put=msg), [frame]))
 
     def fetch(self, executor_id: str, ref: pb.ShardRef) -> concurrent.futures.Future:
         future: concurrent.futures.Future = concurrent.futures.Future()
-        request_id = self._register(future, None)
+        request_id = self._register(_Request(executor_id, future=future))
         msg = pb.Fetch(request_id=request_id)
         msg.shard.CopyFrom(ref)
-        self.loop.send(executor_id, encode(pb.Envelope(fetch=msg)))
+        self._send(executor_id, request_id, encode(pb.Envelope(fetch=msg)))
         return future
+
+    def executor_lost(self, executor_id: str, error: BaseException) -> None:
+        """The controller declared ``executor_id`` lost: fail its requests, now and later (any thread)."""
+        self.loop.call_soon(lambda: self._fail_executor(executor_id, error))
 
     def close(self) -> None:
         self.loop.stop()
@@ -72,11 +98,54 @@ class DataClient:
     def bytes_received(self) -> int:
         return sum(self.loop.payload_bytes_in.values())
 
-    def _register(self, future, on_ack) -> int:
+    # ------------------------------------------------------------ loop thread
+
+    def _register(self, request: _Request) -> int:
         with self._lock:
             request_id = next(self._request_ids)
-            self._pending[request_id] = (future, on_ack)
+            self._pending[request_id] = request
         return request_id
+
+    def _send(self, executor_id: str, request_id: int, frames: list) -> None:
+        def send():
+            error = self._unavailable.get(executor_id)
+            if error is not None:
+                self._finish(request_id, error)
+            else:
+                self.loop.send_now(executor_id, frames)
+
+        self.loop.call_soon(send)
+
+    def _on_connection_event(self, executor_id: str, event: str, watch: ConnectionWatch) -> None:
+        if event in HANDSHAKE_FAILURES and watch.rejected:
+            self._fail_executor(executor_id, AuthenticationError(
+                f"executor {executor_id} refused this client's key, or does not hold the key the controller "
+                f"announced for it ({event}); every process must use the launcher's key directory",
+                peer=executor_id))
+        elif event == "HANDSHAKE_SUCCEEDED" and isinstance(self._unavailable.get(executor_id), AuthenticationError):
+            del self._unavailable[executor_id]   # a later handshake worked: the failure was not for good
+
+    def _fail_executor(self, executor_id: str, error: BaseException) -> None:
+        # A loss is final, so it replaces a handshake failure (which a later handshake may clear).
+        current = self._unavailable.get(executor_id)
+        if current is None or (isinstance(current, AuthenticationError) and not isinstance(error, AuthenticationError)):
+            self._unavailable[executor_id] = error
+        with self._lock:
+            doomed = [rid for rid, r in self._pending.items() if r.executor_id == executor_id]
+        for request_id in doomed:
+            self._finish(request_id, error)
+
+    def _finish(self, request_id: int, error: BaseException | None, result=None) -> None:
+        with self._lock:
+            request = self._pending.pop(request_id, None)
+        if request is None:
+            return
+        if request.on_done is not None:
+            request.on_done(error)
+        elif error is not None:
+            request.future.set_exception(error)
+        else:
+            request.future.set_result(result)
 
     def _on_frames(self, frames) -> None:
         try:
@@ -85,19 +154,25 @@ class DataClient:
             log.warning("client: dropped a malformed message: %s", exc)
             return
         kind = envelope.WhichOneof("body")
+        if kind not in ("put_ack", "fetch_reply"):
+            log.warning("client: unexpected %s from an executor dropped", kind)
+            return
         reply = getattr(envelope, kind)
         with self._lock:
-            future, on_ack = self._pending.pop(reply.request_id, (None, None))
-        if kind == "put_ack" and on_ack is not None:
-            on_ack()
-        elif kind == "fetch_reply" and future is not None:
-            if reply.failed:
-                f = reply.failure
-                future.set_exception(RemoteError(f.message, executor_id=f.executor_id, remote_type=f.type,
-                                                 remote_traceback=f.traceback))
-            else:
-                future.set_result(frame_to_tensor(reply.tensor, payload))
+            request = self._pending.get(reply.request_id)
+        if request is None or (kind == "put_ack") != (request.on_done is not None):
+            log.warning("client: %s for unknown request %s dropped", kind, reply.request_id)
+            return
+        if kind == "put_ack":
+            self._finish(reply.request_id, None)
+        elif reply.failed:
+            f = reply.failure
+            self._finish(reply.request_id, RemoteError(f.message, executor_id=f.executor_id, remote_type=f.type,
+                                                       remote_traceback=f.traceback))
         else:
-            log.warning("client: unexpected %s (request %s) dropped", kind, reply.request_id)
-            if future is not None:
-                future.set_exception(ProtocolError(f"unexpected reply {kind}"))
+            try:
+                tensor = frame_to_tensor(reply.tensor, payload)
+            except ValueError as exc:
+                self._finish(reply.request_id, ProtocolError(f"executor sent a bad tensor: {exc}"))
+                return
+            self._finish(reply.request_id, None, tensor)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 __all__ = [
     "PathwaysError", "RemoteError", "CaptureError", "PlacementError",
-    "ReplicationError", "ExecutorLostError", "ProtocolError",
+    "ReplicationError", "ExecutorLostError", "AuthenticationError", "ProtocolError",
 ]
 
 
@@ -68,6 +68,18 @@ class ExecutorLostError(PathwaysError):
 
     def __init__(self, message: str, *, executor_id: str = ""):
         self.executor_id = executor_id
+        super().__init__(message)
+
+
+class AuthenticationError(PathwaysError):
+    """A CURVE handshake failed: a peer refused our key, or does not hold the key we expect of it.
+
+    ``peer`` names the other end (an executor id or ``"controller"``). The usual
+    fix is a consistent key directory: every process must use the launcher's keys.
+    """
+
+    def __init__(self, message: str, *, peer: str = ""):
+        self.peer = peer
         super().__init__(message)
 
 

@@ -6,7 +6,7 @@ from typing import Sequence
 
 from . import pathways_pb2 as pb
 
-__all__ = ["encode", "decode", "body_name", "FramingError", "MAX_ENVELOPE_BYTES"]
+__all__ = ["encode", "decode", "body_name", "log_dropped", "FramingError", "MAX_ENVELOPE_BYTES"]
 
 # A control message is small; anything bigger than this in frame 0 is hostile or a bug.
 MAX_ENVELOPE_BYTES = 64 << 20
@@ -37,6 +37,12 @@ def decode(frames: Sequence) -> tuple[pb.Envelope, list]:
     if envelope.WhichOneof("body") is None:
         raise FramingError("envelope carries no known message type")
     return envelope, list(frames[1:])
+
+
+def log_dropped(logger, count: int, who: str, why: str) -> None:
+    """Log the ``count``-th dropped message: the first ten, then every thousandth (a peer must not flood the log)."""
+    if count <= 10 or count % 1000 == 0:
+        logger.warning("%s: dropped a message (%d so far): %s", who, count, why)
 
 
 def body_name(envelope: pb.Envelope) -> str:

@@ -102,6 +102,11 @@ class SocketLoop:
 
     # ------------------------------------------------------------ any thread
 
+    @property
+    def running(self) -> bool:
+        """True while the loop's thread runs (started and not yet stopped)."""
+        return self._thread is not None and self._thread.is_alive()
+
     def on_loop_thread(self) -> bool:
         return threading.current_thread() is self._thread
 

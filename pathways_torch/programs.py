@@ -46,10 +46,12 @@ class SymbolicArray:
         return self.sharding.mesh
 
     def _no_value(self, what: str):
+        from .functions import _call_site
+
         raise CaptureError(
             f"{what} needs the value of %{self.value} inside @pw.program {self._tracer.name!r}, which is not known "
             f"while the program is traced; decide outside the program (run it, then look at the result), or "
-            f"express the choice with tensor ops (torch.where)")
+            f"express the choice with tensor ops (torch.where)\nat:\n{_call_site()}")
 
     def result(self, *args, **kwargs):
         self._no_value("result()")

@@ -25,20 +25,24 @@ __all__ = ["function", "Function"]
 _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
 
 
-def function(fn: Callable | None = None, *, out=None, name: str | None = None):
+def function(fn: Callable | None = None, *, out=None, name: str | None = None, sim_time_s: float = 0.0):
     """Decorate a per-shard function. ``out``: one spec or a tuple (one per output); a spec is
-    ``pw.Shard(d)`` / ``pw.Replicate()`` (every mesh axis) or ``{axis: placement}``."""
+    ``pw.Shard(d)`` / ``pw.Replicate()`` (every mesh axis) or ``{axis: placement}``.
+    ``sim_time_s``: how long a run occupies a simulated (``backend="sim"``) executor."""
     if fn is None:
-        return lambda f: Function(f, out=out, name=name)
-    return Function(fn, out=out, name=name)
+        return lambda f: Function(f, out=out, name=name, sim_time_s=sim_time_s)
+    return Function(fn, out=out, name=name, sim_time_s=sim_time_s)
 
 
 class Function:
     """A captured per-shard function; ``num_traces`` counts the versions traced so far."""
 
-    def __init__(self, fn: Callable, *, out=None, name: str | None = None, mesh=None):
+    def __init__(self, fn: Callable, *, out=None, name: str | None = None, mesh=None, sim_time_s: float = 0.0):
+        if sim_time_s < 0:
+            raise ValueError(f"sim_time_s: expected >= 0, got {sim_time_s}")
         self.fn = fn
         self.out = out
+        self.sim_time_s = sim_time_s
         self.name = name or getattr(fn, "__name__", "function")
         self._mesh = mesh
         self._versions: dict[tuple, CapturedVersion] = {}
@@ -50,12 +54,12 @@ class Function:
 
     def on(self, mesh) -> "Function":
         """The same function, run on ``mesh`` (inputs elsewhere are moved executor→executor)."""
-        bound = Function(self.fn, out=self.out, name=self.name, mesh=mesh)
+        bound = Function(self.fn, out=self.out, name=self.name, mesh=mesh, sim_time_s=self.sim_time_s)
         bound._versions = self._versions  # one trace cache for every mesh it runs on
         return bound
 
     def __call__(self, *args, **kwargs):
-        from .program import SymbolicArray, current_tracer
+        from .programs import SymbolicArray, current_tracer
 
         tracer = current_tracer()
         if tracer is not None:
@@ -132,6 +136,7 @@ class Function:
 
             with tracing_mesh(mesh.axes):
                 version = capture(self.fn, self.name, specs, rebuild)
+            version.sim_seconds = self.sim_time_s
             cache[signature] = version
         return version
 

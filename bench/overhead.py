@@ -1,0 +1,71 @@
+"""The paper's Figure 6: runtime overhead against computation size, on simulated devices.
+
+N sim executors (no torch) each run a chain of K gang steps, every step occupying
+every device for T. Chained: one client call runs a program of K nodes. The ideal
+is the multi-controller loop on the same simulated device (N processes sleeping to
+the same deadlines). Efficiency = Chained rate / ideal rate; the parity point is the
+smallest T at which efficiency reaches 95%. Prints a table, writes
+bench/results/overhead.json.
+
+    .venv/bin/python -m bench.overhead [--sizes 4,16,64] [--times-ms 0.1,0.3,1,3,10,30] [--steps 32]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+import pathways_torch as pw
+from bench.common import print_table, write_results
+from bench.multicontroller import run_sim_multicontroller
+
+
+def chained_rate(ctx, mesh, step_s: float, steps: int, repeats: int) -> float:
+    step = pw.function(lambda x: x + 1, name=f"step{step_s * 1e3:g}ms", sim_time_s=step_s)
+
+    @pw.program(name=f"chain{steps}")
+    def chain(x):
+        for _ in range(steps):
+            x = step(x)
+        return x
+
+    x = ctx.put(torch.zeros(mesh.size), mesh, [pw.Shard(0)])
+    chain(x).exception(timeout_s=600)      # registration
+    began = time.perf_counter()
+    for _ in range(repeats):
+        chain(x).exception(timeout_s=600)
+    return repeats * steps / (time.perf_counter() - began)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sizes", default="4,16,64")
+    parser.add_argument("--times-ms", default="0.1,0.3,1,3,10,30")
+    parser.add_argument("--steps", type=int, default=32)
+    parser.add_argument("--repeats", type=int, default=2)
+    args = parser.parse_args()
+    times = [float(t) / 1000 for t in args.times_ms.split(",")]
+    rows, table, parity = [], [], {}
+    for size in [int(s) for s in args.sizes.split(",")]:
+        with pw.Context(num_executors=size, backend="sim", start_timeout_s=300) as ctx:
+            mesh = ctx.mesh({"data": size})
+            for step_s in times:
+                print(f"N={size} T={step_s * 1e3:g} ms ...", flush=True)
+                chained = chained_rate(ctx, mesh, step_s, args.steps, args.repeats)
+                ideal = run_sim_multicontroller(size, args.steps * args.repeats, step_s)
+                efficiency = chained / ideal
+                rows.append({"executors": size, "step_ms": step_s * 1e3, "chained_per_s": chained,
+                             "ideal_per_s": ideal, "efficiency": efficiency})
+                table.append([size, f"{step_s * 1e3:g}", f"{chained:,.1f}", f"{ideal:,.1f}", f"{efficiency:.1%}"])
+                if efficiency >= 0.95 and size not in parity:
+                    parity[size] = step_s * 1e3
+    print_table(["N", "T ms", "Chained steps/s", "ideal (multi-controller) steps/s", "efficiency"], table)
+    for size in [int(s) for s in args.sizes.split(",")]:
+        print(f"parity (>= 95%) at N={size}: " + (f"{parity[size]:g} ms" if size in parity else "not reached"))
+    print("written to", write_results("overhead", {"rows": rows, "parity_ms": parity, "steps": args.steps}))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,331 @@
+"""CURVE keys, allow-lists and authenticated sockets for every ZeroMQ connection.
+
+Executors run code the controller sends, so every socket of the controller, the
+executors and the client's data plane speaks CURVE, and a server socket admits a
+peer only if its public key is on an allow-list made by the launcher
+(``CURVE_ALLOW_ANY`` encrypts but admits anyone: not enough). See docs/security.md.
+
+A *key directory* holds one key pair per *role* (``controller``, ``client``,
+each executor id)::
+
+    DIR/            mode 0700
+      public/ROLE.key          every role's public key: the allow-list
+      secret/ROLE.key_secret   each role's key pair (a host needs only its own)
+
+A `Gatekeeper` runs the ZAP handler of one ``zmq.Context``: it admits exactly
+the allow-listed keys and names each admitted connection by its role (the
+``User-Id`` property of every message received on it), so a receiver can check
+that a peer speaks only as itself.
+
+This module imports no torch (the controller and the simulated executor use it).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import logging
+import os
+import re
+import shutil
+import stat
+import tempfile
+from typing import Callable, Iterable, Mapping
+
+import zmq
+import zmq.auth
+import zmq.utils.z85
+from zmq.auth.thread import ThreadAuthenticator
+from zmq.utils.monitor import parse_monitor_message
+
+__all__ = [
+    "CONTROLLER", "CLIENT", "ZAP_DOMAIN", "HEARTBEAT_SUFFIX", "SecurityError", "KeyPair", "Credentials", "KeyDirectory",
+    "Gatekeeper", "make_server", "make_client", "check_role", "peer_role", "ConnectionWatch",
+    "HANDSHAKE_FAILURES",
+]
+
+log = logging.getLogger(__name__)
+
+CONTROLLER = "controller"
+CLIENT = "client"
+ZAP_DOMAIN = "pathways"
+# An executor's heartbeat connection has ROUTER identity "<executor id>#heartbeat"; roles never contain '#'.
+HEARTBEAT_SUFFIX = "#heartbeat"
+
+# Role names become file names and ROUTER identities: keep them plain.
+_ROLE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+_Z85_KEY_LENGTH = 40
+
+# Monitor events that mean a connection was refused during the CURVE handshake.
+HANDSHAKE_FAILURES = frozenset({"HANDSHAKE_FAILED_AUTH", "HANDSHAKE_FAILED_PROTOCOL", "HANDSHAKE_FAILED_NO_DETAIL"})
+
+
+class SecurityError(RuntimeError):
+    """Keys or a key directory that cannot be used as they are; the message names the fix."""
+
+
+def check_role(role: str) -> str:
+    """Return ``role`` if it can name a key (and a ROUTER identity); raise otherwise."""
+    if not isinstance(role, str) or not _ROLE.match(role):
+        raise SecurityError(f"role: expected letters, digits, '_', '.' or '-' (at most 64, not starting with "
+                            f"a symbol), got {role!r}; rename the executor")
+    return role
+
+
+def _check_key(key: bytes, what: str) -> bytes:
+    if not isinstance(key, bytes) or len(key) != _Z85_KEY_LENGTH:
+        raise SecurityError(f"{what}: expected a {_Z85_KEY_LENGTH}-character Z85 CURVE public key, got {key!r}")
+    return key
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class KeyPair:
+    """One CURVE key pair, Z85-encoded. The secret never appears in ``repr``."""
+
+    public: bytes
+    secret: bytes = dataclasses.field(repr=False)
+
+    def __post_init__(self):
+        _check_key(self.public, "public key")
+        if not isinstance(self.secret, bytes) or len(self.secret) != _Z85_KEY_LENGTH:
+            raise SecurityError("secret key: expected a 40-character Z85 CURVE secret key; "
+                                "regenerate the key directory")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Credentials:
+    """What one process needs to speak CURVE: its role, its key pair, and the public keys it admits."""
+
+    role: str
+    keys: KeyPair
+    allowed: Mapping[str, bytes]   # role → public key: the allow-list
+
+    def __post_init__(self):
+        check_role(self.role)
+        for role, key in self.allowed.items():
+            _check_key(key, f"allow-listed key of {role!r}")
+
+    def public_key(self, role: str) -> bytes:
+        """The allow-listed public key of ``role``."""
+        key = self.allowed.get(role)
+        if key is None:
+            raise SecurityError(f"no public key for {role!r} on the allow-list (known: {sorted(self.allowed)}); "
+                                f"the launcher must create one for every role")
+        return key
+
+
+class KeyDirectory:
+    """The launcher's key pairs on disk: ``public/ROLE.key`` and ``secret/ROLE.key_secret``."""
+
+    def __init__(self, path: str):
+        self.path = os.path.abspath(path)
+        self._public = os.path.join(self.path, "public")
+        self._secret = os.path.join(self.path, "secret")
+        for directory in (self.path, self._public, self._secret):
+            _check_private(directory)
+
+    @classmethod
+    def create(cls, roles: Iterable[str], parent: str | None = None) -> "KeyDirectory":
+        """A new private directory (mode 0700) with a fresh key pair for each role."""
+        roles = [check_role(r) for r in roles]
+        if len(set(roles)) != len(roles):
+            raise SecurityError(f"roles: expected distinct names, got {roles}")
+        path = tempfile.mkdtemp(prefix="pathways-keys-", dir=parent)  # mkdtemp makes it 0700
+        for sub in ("public", "secret"):
+            os.mkdir(os.path.join(path, sub), 0o700)
+        keys = cls(path)
+        for role in roles:
+            keys.add(role)
+        return keys
+
+    def add(self, role: str) -> KeyPair:
+        """Create a key pair for ``role`` (a new executor); running processes do not see it."""
+        check_role(role)
+        if os.path.exists(self._public_file(role)):
+            raise SecurityError(f"role {role!r} already has a key in {self.path}")
+        public_file, secret_file = zmq.auth.create_certificates(self._secret, role)
+        os.chmod(secret_file, 0o600)
+        os.replace(public_file, self._public_file(role))
+        return self.keypair(role)
+
+    def keypair(self, role: str) -> KeyPair:
+        """The key pair of ``role``, read from ``secret/ROLE.key_secret``."""
+        path = os.path.join(self._secret, f"{check_role(role)}.key_secret")
+        if not os.path.exists(path):
+            raise SecurityError(f"expected a secret key for {role!r} at {path}, found none; "
+                                f"the launcher must create it (and copy it to this host)")
+        public, secret = zmq.auth.load_certificate(path)
+        if secret is None:
+            raise SecurityError(f"{path} holds no secret key; regenerate the key directory")
+        return KeyPair(public=public, secret=secret)
+
+    def public_keys(self) -> dict[str, bytes]:
+        """Every role's public key (the allow-list), by role."""
+        keys = {}
+        for name in sorted(os.listdir(self._public)):
+            if name.endswith(".key"):
+                role = check_role(name[:-len(".key")])
+                keys[role] = _check_key(zmq.auth.load_certificate(os.path.join(self._public, name))[0],
+                                        f"public key in {name}")
+        return keys
+
+    def credentials(self, role: str) -> Credentials:
+        """``role``'s key pair and the allow-list of every role in this directory."""
+        return Credentials(role=role, keys=self.keypair(role), allowed=self.public_keys())
+
+    def remove(self) -> None:
+        shutil.rmtree(self.path, ignore_errors=True)
+
+    def _public_file(self, role: str) -> str:
+        return os.path.join(self._public, f"{role}.key")
+
+    def __repr__(self) -> str:
+        return f"KeyDirectory({self.path!r})"
+
+
+def _check_private(directory: str) -> None:
+    try:
+        info = os.stat(directory)
+    except FileNotFoundError:
+        raise SecurityError(f"key directory {directory} does not exist; expected the launcher's "
+                            f"directory with public/ and secret/ (pass --keys DIR)") from None
+    if not stat.S_ISDIR(info.st_mode):
+        raise SecurityError(f"key directory {directory} is not a directory")
+    if info.st_mode & 0o077 or info.st_uid != os.getuid():
+        raise SecurityError(f"key directory {directory} has mode {stat.S_IMODE(info.st_mode):04o} and owner "
+                            f"{info.st_uid}; expected 0700 and owner {os.getuid()}: fix with chmod 700 {directory}")
+
+
+# ---------------------------------------------------------------- the ZAP handler
+
+
+class _RoleAuthenticator(ThreadAuthenticator):
+    """pyzmq's ZAP thread, naming each admitted connection by its role instead of its key."""
+
+    def __init__(self, context: zmq.Context, roles: Mapping[bytes, str]):
+        super().__init__(context, log=logging.getLogger(f"{__name__}.zap"))
+        self._roles = roles
+
+    def curve_user_id(self, client_public_key: bytes) -> str:
+        return self._roles[zmq.utils.z85.encode(client_public_key)]
+
+
+class Gatekeeper:
+    """Admits exactly the allow-listed public keys on every CURVE server socket of one ``zmq.Context``.
+
+    There is one ZAP handler per context, so there is one `Gatekeeper` per
+    context; server sockets also set ``ZAP_ENFORCE_DOMAIN``, so if it is not
+    running they refuse everyone rather than admit everyone.
+    """
+
+    def __init__(self, context: zmq.Context, allowed: Mapping[str, bytes]):
+        self._roles = {_check_key(key, f"key of {role!r}"): role for role, key in allowed.items()}
+        self.refused = 0
+        self._auth = _RoleAuthenticator(context, self._roles)
+        self._auth.start()
+        self._auth.configure_curve_callback(ZAP_DOMAIN, self)
+
+    def callback(self, domain: str, key: bytes) -> bool:
+        """Called by the ZAP thread for each CURVE handshake: is ``key`` (Z85) on the allow-list?"""
+        if key in self._roles:
+            return True
+        self.refused += 1
+        if self.refused <= 3 or self.refused % 100 == 0:
+            log.warning("refused a connection with a key that is not on the allow-list (%s; %d refused so far)",
+                        key.decode(errors="replace"), self.refused)
+        return False
+
+    def stop(self) -> None:
+        self._auth.stop()
+
+
+# ---------------------------------------------------------------- sockets
+
+
+def make_server(socket: zmq.Socket, credentials: Credentials) -> zmq.Socket:
+    """Make ``socket`` a CURVE server that admits only what its context's `Gatekeeper` allows."""
+    socket.curve_server = True
+    socket.curve_publickey = credentials.keys.public
+    socket.curve_secretkey = credentials.keys.secret
+    socket.zap_domain = ZAP_DOMAIN.encode()
+    socket.setsockopt(zmq.ZAP_ENFORCE_DOMAIN, 1)  # no ZAP handler → refuse, never admit
+    return socket
+
+
+def make_client(socket: zmq.Socket, credentials: Credentials, server_key: bytes) -> zmq.Socket:
+    """Make ``socket`` a CURVE client that talks only to the holder of ``server_key``'s secret."""
+    socket.curve_serverkey = _check_key(server_key, "server key")
+    socket.curve_publickey = credentials.keys.public
+    socket.curve_secretkey = credentials.keys.secret
+    return socket
+
+
+def peer_role(frame) -> str | None:
+    """The role of the peer that sent a received frame (from its authenticated connection), or None."""
+    try:
+        return frame.get("User-Id")
+    except (AttributeError, zmq.ZMQError):
+        return None
+
+
+# ---------------------------------------------------------------- connection events
+
+
+class ConnectionWatch:
+    """Counts a socket's connection events and logs refused handshakes (rate-limited).
+
+    Fed by a socket monitor (`SocketLoop.monitor`); ``on_event(event, watch)``
+    runs after each event is counted.
+    """
+
+    def __init__(self, name: str, on_event: Callable[[str, "ConnectionWatch"], None] | None = None):
+        self.name = name
+        self.events: collections.Counter = collections.Counter()
+        self._on_event = on_event
+        self._failures_in_a_row = 0
+        self._last_failure = ""
+
+    @property
+    def refused(self) -> int:
+        """Accepted connections (of a bound socket) that never completed a CURVE handshake.
+
+        A key not on the allow-list, the NULL mechanism, or bytes that are not
+        ZMTP at all (libzmq reports the last only as accepted, then disconnected).
+        A connection still in its handshake counts too, for the milliseconds that takes.
+        """
+        return max(0, self.events["ACCEPTED"] - self.events["HANDSHAKE_SUCCEEDED"])
+
+    @property
+    def rejected(self) -> bool:
+        """Whether the other end refused us (connecting side), or is not who we expect.
+
+        A refused key or mechanism counts at once. A failure without detail is
+        what both an impostor (wrong server key) and a peer dying mid-handshake
+        look like, so it counts only three times running, with no success between.
+        """
+        return self._last_failure in ("HANDSHAKE_FAILED_AUTH", "HANDSHAKE_FAILED_PROTOCOL") or \
+            self._failures_in_a_row >= 3
+
+    @property
+    def handshake_failures(self) -> int:
+        """Handshakes that failed, on either end (libzmq does not report junk bytes as one)."""
+        return sum(self.events[e] for e in HANDSHAKE_FAILURES)
+
+    def on_frames(self, frames) -> None:
+        message = parse_monitor_message([f.bytes if hasattr(f, "bytes") else bytes(f) for f in frames])
+        try:
+            name = zmq.Event(message["event"]).name or str(message["event"])
+        except ValueError:
+            name = str(message["event"])
+        self.events[name] += 1
+        if name == "HANDSHAKE_SUCCEEDED":
+            self._failures_in_a_row, self._last_failure = 0, ""
+        if name in HANDSHAKE_FAILURES:
+            self._failures_in_a_row += 1
+            self._last_failure = name
+            failures = self.handshake_failures
+            if failures <= 3 or failures % 100 == 0:
+                log.warning("%s: %s on %s (%d so far)", self.name, name,
+                            message["endpoint"].decode(errors="replace"), failures)
+        if self._on_event is not None:
+            self._on_event(name, self)

@@ -1,0 +1,152 @@
+"""Programs on a real cluster: results, constant messages per run, per-node sequence numbers,
+parallel dispatch hiding control latency, and Python control flow refused."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+import pathways_torch as pw
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
+
+
+@pytest.fixture(scope="module")
+def ctx():
+    with pw.Context(num_executors=4, backend="eager") as context:
+        yield context
+
+
+inc = pw.function(lambda x: x + 1, name="inc")
+
+
+@pw.function(out=pw.Replicate())
+def total(x):
+    return pw.all_reduce(x.sum(), axis="data")
+
+
+def _chain(num_nodes: int):
+    @pw.program(name=f"chain{num_nodes}")
+    def chain(x):
+        for _ in range(num_nodes):
+            x = inc(x)
+        return x
+
+    return chain
+
+
+def _run_messages(ctx) -> dict:
+    return {k: v for k, v in ctx.controller.messages_sent.items() if k != "heartbeat"}
+
+
+def test_program_across_meshes_matches_eager_and_prints(ctx):
+    mesh_a, mesh_b = ctx.mesh({"data": 2}, executors=[0, 1]), ctx.mesh({"data": 2}, executors=[2, 3])
+
+    @pw.program
+    def pipeline(x):
+        y = inc(x)
+        z = inc.on(mesh_b)(y)
+        return z, total(z)
+
+    host = torch.randn(4, 3)
+    x = ctx.put(host, mesh_a, [pw.Shard(0)])
+    text = str(pipeline.graph(x))
+    assert text.splitlines()[0].startswith("program pipeline(%0: float32[4, 3]")
+    assert "%2 = inc(%1) @mesh" in text and "return %2, %3" in text
+    z, t = pipeline(x)
+    torch.testing.assert_close(z.result(timeout_s=60), host + 2)
+    torch.testing.assert_close(t.result(timeout_s=60), (host + 2).sum())
+    assert "(copy)" in ctx.lowered(pipeline, x)            # the hop between meshes is a push
+    z2, t2 = pipeline(x)                                    # a second run reuses the registration
+    assert pipeline.num_traces == 1
+    torch.testing.assert_close(t2.result(timeout_s=60), (host + 2).sum())
+
+
+@pytest.mark.parametrize("num_nodes", [8, 128])
+def test_a_run_costs_one_message_per_executor_whatever_its_size(ctx, num_nodes):
+    mesh = ctx.mesh({"data": 4})
+    chain = _chain(num_nodes)
+    x = ctx.put(torch.zeros(8), mesh, [pw.Shard(0)])
+    chain(x).result(timeout_s=120)                          # first run: registers (LoadFunction etc.)
+    before = _run_messages(ctx)
+    out = chain(x)
+    after = _run_messages(ctx)
+    sent = {k: after[k] - before.get(k, 0) for k in after if after[k] != before.get(k, 0)}
+    assert sent == {"run_program": 4}                       # the same for 8 and 128 nodes
+    torch.testing.assert_close(out.result(timeout_s=120), torch.full((8,), float(num_nodes)))
+
+
+def test_every_node_keeps_its_own_sequence_number(ctx, tmp_path):
+    mesh = ctx.mesh({"data": 4})
+    chain = _chain(8)
+    x = ctx.put(torch.zeros(8), mesh, [pw.Shard(0)])
+    chain(x).result(timeout_s=60)
+    trace = ctx.trace(str(tmp_path / "trace.json"))
+    per_executor = {}
+    for e in trace["traceEvents"]:
+        if e.get("ph") == "X" and e.get("cat") == "compute" and e["name"] == "inc":
+            per_executor.setdefault(e["pid"], []).append(e["args"]["seq"])
+    for seqs in per_executor.values():
+        last_run = sorted(seqs)[-8:]
+        assert last_run == list(range(last_run[0], last_run[0] + 8))
+
+
+def test_python_control_flow_on_a_value_is_refused_at_the_line(ctx):
+    mesh = ctx.mesh({"data": 4})
+
+    @pw.program
+    def branchy(x):
+        y = inc(x)
+        if y:                                               # needs a value: refused
+            return inc(y)
+        return y
+
+    with pytest.raises(pw.CaptureError, match=r"if y:"):
+        branchy(ctx.put(torch.zeros(4), mesh, [pw.Shard(0)]))
+
+
+def test_parallel_dispatch_hides_control_latency():
+    latency_s, num_nodes = 0.05, 6
+    w = torch.randn(384, 384) / 20
+
+    def heavy(x, w):
+        for _ in range(6):
+            x = torch.tanh(x @ w)
+        return x
+
+    with pw.Context(num_executors=2, backend="eager", inject_latency_s=latency_s) as ctx:
+        meshes = [ctx.mesh({"data": 1}, executors=[0]), ctx.mesh({"data": 1}, executors=[1])]
+        step = pw.function(heavy, name="heavy")
+        ws = [ctx.put(w, m, [pw.Replicate()]) for m in meshes]
+        x = ctx.put(torch.randn(384, 384), meshes[0], [pw.Replicate()])
+
+        @pw.program
+        def chain(x, w0, w1):
+            for k in range(num_nodes):            # alternate executors: every hop crosses processes
+                x = step.on(meshes[k % 2])(x, (w0, w1)[k % 2])
+            return x
+
+        chain(x, *ws).result(timeout_s=120)        # registration and warm-up
+        began = time.perf_counter()
+        step(x, ws[0]).result(timeout_s=60)
+        compute_s = time.perf_counter() - began - latency_s   # one node, less its (one-way) control latency
+        began = time.perf_counter()
+        chain(x, *ws).result(timeout_s=120)
+        program_s = time.perf_counter() - began
+        trace = ctx.trace("/dev/null")
+    # One latency for the run message, then the nodes back to back (plus transfers),
+    # instead of one latency per node.
+    sequential_s = num_nodes * (compute_s + latency_s)
+    assert program_s < 0.8 * sequential_s, (program_s, compute_s)
+    assert program_s < num_nodes * compute_s + 2 * latency_s + 0.02 * num_nodes, (program_s, compute_s)
+    events = [e for e in trace["traceEvents"] if e.get("args", {}).get("seq")]
+    last = max(e["args"]["seq"] for e in events)
+    received = {e["args"]["seq"]: e["ts"] for e in events if e.get("cat") == "receive"}
+    started = {e["args"]["seq"]: e["ts"] for e in events if e.get("cat") == "compute"}
+    seqs = list(range(last - num_nodes + 1, last + 1))
+    # The first node starts the moment its run message lands; from then on every node is
+    # already waiting on its executor before its predecessor starts.
+    for k, k_next in zip(seqs[1:], seqs[2:]):
+        assert received[k_next] < started[k], f"node {k_next} was enqueued only after node {k} started"

@@ -1,0 +1,195 @@
+"""Executor loss and hostile messages, in-process: the controller with a fake outbox, the executor core alone."""
+
+from __future__ import annotations
+
+import pytest
+
+from controller import CallSpec, Controller, ControllerConfig
+from pathways_torch.errors import ExecutorLostError
+from pathways_torch.wire import pb
+from pathways_torch.wire.tensors import tensor_to_frame
+from tests.unit.test_controller import FakeClock, FakeOutbox
+from tests.unit.test_executor_core import X, load, make_core, put, ref, run
+
+pytestmark = pytest.mark.timeout(30)
+
+KEYS = {f"e{i}": bytes([ord("a") + i]) * 40 for i in range(4)}
+
+
+@pytest.fixture
+def setup():
+    outbox, clock = FakeOutbox(), FakeClock()
+    controller = Controller(outbox, ControllerConfig(heartbeat_interval_s=0.5, heartbeat_timeout_s=5.0), clock=clock)
+    for executor_id, key in KEYS.items():
+        register = pb.Register(executor_id=executor_id, data_address=f"tcp://127.0.0.1:{7000 + int(executor_id[1])}",
+                               device="cpu", backend="eager", pid=1, public_key=key)
+        controller.on_message(executor_id, pb.Envelope(register=register), [])
+    return controller, outbox, clock, controller.register_function("f", pb.Graph(), [])
+
+
+def _call(controller, function_id, mesh, *inputs):
+    [out] = controller.call(CallSpec(function_id=function_id, name="f", mesh=mesh,
+                                     inputs=tuple(r.array_id for r in inputs), num_outputs=1))
+    return out
+
+
+# ---------------------------------------------------------------- controller
+
+
+def test_a_push_carries_the_receiver_key_and_registration_must_name_itself(setup):
+    controller, outbox, _, function_id = setup
+    a = controller.resources.allocate({"data": 1}, ["e0"])
+    b = controller.resources.allocate({"data": 1}, ["e1"])
+    _call(controller, function_id, b, controller.new_array(a.executor_ids))
+    (_, send), = outbox.of("send_shard")
+    assert send.send_shard.to_public_key == KEYS["e1"]
+    dropped = controller.dropped_messages
+    controller.on_message("e9", pb.Envelope(register=pb.Register(executor_id="e0", data_address="x")), [])
+    assert "e9" not in controller.resources.executors and controller.dropped_messages == dropped + 1
+    assert controller.resources.executors["e0"].data_address == "tcp://127.0.0.1:7000"
+
+
+def test_an_array_passed_twice_is_pushed_once(setup):
+    controller, outbox, _, function_id = setup
+    a = controller.resources.allocate({"data": 1}, ["e0"])
+    b = controller.resources.allocate({"data": 1}, ["e1"])
+    y = controller.new_array(a.executor_ids)
+    controller.call(CallSpec(function_id=function_id, name="f", mesh=b, inputs=(y.array_id, y.array_id),
+                             num_outputs=1))
+    assert len(outbox.of("send_shard")) == 1
+    (_, run), = outbox.of("run")
+    assert run.run.inputs[0] == run.run.inputs[1]   # both read the one copy
+
+
+def test_loss_fails_dependents_frees_waiting_consumers_and_spares_the_rest(setup):
+    controller, outbox, _, function_id = setup
+    on_e2, on_e0 = [controller.resources.allocate({"data": 1}, [e]) for e in ("e2", "e0")]
+    pair = controller.resources.allocate({"data": 2}, ["e0", "e1"])
+    ready_elsewhere = controller.new_array(pair.executor_ids)
+    ready_on_victim = controller.new_array(on_e2.executor_ids)
+    pending_on_victim = _call(controller, function_id, on_e2, ready_on_victim)
+    consumer = _call(controller, function_id, on_e0, pending_on_victim)    # waits for a push from e2
+    unrelated = _call(controller, function_id, pair, ready_elsewhere)
+    lost = []
+    controller.loss_listeners.append(lambda executor_id, error: lost.append((executor_id, error)))
+
+    controller.declare_lost("e2", "its process was killed by SIGKILL")
+
+    for record in (pending_on_victim, consumer, ready_on_victim):
+        assert isinstance(record.error, ExecutorLostError) and record.error.executor_id == "e2"
+        assert "SIGKILL" in str(record.error)
+    assert ready_elsewhere.state == "ready" and unrelated.state == "pending"
+    assert [e for e, _ in lost] == ["e2"]
+    # e0 was told that the copy it waits for will never come, so its queue moves on.
+    (executor_id, envelope), = outbox.of("transfer")
+    assert executor_id == "e0" and envelope.transfer.failed
+    assert envelope.transfer.failure.type == "ExecutorLostError" and envelope.transfer.failure.executor_id == "e2"
+    assert envelope.transfer.shard.tag == outbox.of("run")[1][1].run.call_id
+    # New work that needs e2 fails at once; work that does not, runs.
+    with pytest.raises(ExecutorLostError, match="e2"):
+        _call(controller, function_id, on_e2, controller.new_array(on_e0.executor_ids))
+    with pytest.raises(ExecutorLostError, match="array .* has a shard on executor e2"):
+        _call(controller, function_id, on_e0, ready_on_victim)
+    with pytest.raises(ExecutorLostError, match="e2"):
+        controller.new_array(on_e2.executor_ids, landing=1)
+    assert _call(controller, function_id, on_e0, controller.new_array(on_e0.executor_ids)).state == "pending"
+
+
+def test_heartbeats_decide_liveness_and_loss_is_declared_once(setup):
+    controller, outbox, clock, _ = setup
+    assert controller.heard_from("e1") == "live" and controller.heard_from("nobody") == "unknown"
+    clock.now += 4
+    for executor_id in ("e0", "e2", "e3"):
+        assert controller.heard_from(executor_id) == "live"
+    clock.now += 2
+    controller.heartbeat()
+    assert controller.resources.executors["e1"].lost and controller.heard_from("e1") == "lost"
+    assert not any(controller.resources.executors[e].lost for e in ("e0", "e2", "e3"))
+    assert outbox.of("heartbeat") == []     # executors ping; the controller only answers
+    losses = []
+    controller.loss_listeners.append(lambda *args: losses.append(args))
+    controller.declare_lost("e1", "again")   # already lost: nothing happens twice
+    controller.shutdown_executors("bye")
+    controller.declare_lost("e0", "exited at shutdown")   # expected exits are no loss
+    assert losses == [] and not controller.resources.executors["e0"].lost
+
+
+def test_a_put_that_never_lands_fails_its_array(setup):
+    controller, outbox, _, _ = setup
+    mesh = controller.resources.allocate({"data": 2}, ["e0", "e1"])
+    x = controller.new_array(mesh.executor_ids, landing=2)
+    controller.landed(x.array_id)
+    controller.landed(x.array_id, ExecutorLostError("e1 is gone", executor_id="e1"))
+    assert x.state == "failed" and x.error.executor_id == "e1"
+    controller.release(x.array_id)
+    assert len(controller.arrays) == 0 and len(outbox.of("free")) == 2
+
+
+def test_done_for_an_unknown_call_and_messages_from_strangers_are_counted(setup):
+    controller, outbox, _, _ = setup
+    controller.on_message("e0", pb.Envelope(done=pb.Done(call_id=424242, ok=True)), [])
+    controller.on_message("stranger", pb.Envelope(done=pb.Done(call_id=1, ok=True)), [])
+    controller.on_message("e0", pb.Envelope(put=pb.Put()), [])
+    assert controller.dropped_messages == 3
+
+
+# ---------------------------------------------------------------- executor core
+
+
+def _transfer(core, shard_ref, tensor=None, *, failed=False, channel="data"):
+    msg = pb.Transfer(failed=failed)
+    msg.shard.CopyFrom(shard_ref)
+    frames = []
+    if failed:
+        msg.failure.CopyFrom(pb.RemoteFailure(type="ExecutorLostError", message="e9 lost", executor_id="e9"))
+    else:
+        frames = [bytes(memoryview(tensor_to_frame(tensor, msg.tensor, 1)))]
+    if channel == "data":
+        core.on_data(b"peer", pb.Envelope(transfer=msg), frames)
+    else:
+        core.on_control(pb.Envelope(transfer=msg), frames)
+
+
+def test_a_transfer_no_run_waits_for_is_refused_and_not_stored():
+    core, outbox = make_core()
+    load(core, 1, lambda x: x * 2, X)
+    put(core, ref(1), X)
+    run(core, seq=1, call_id=10, function_id=1, inputs=[ref(1)], outputs=[ref(2)])
+    buffers = len(core.store)
+    for late in (ref(1, tag=10), ref(7, tag=3), ref(8, tag=0)):   # its run is done / never wanted it / not a copy
+        _transfer(core, late, X)
+        _transfer(core, late, failed=True)
+    assert len(core.store) == buffers and core.dropped_messages == 6
+
+
+def test_a_transfer_ahead_of_its_run_is_kept_and_a_bogus_one_let_go():
+    core, outbox = make_core()
+    load(core, 1, lambda x: x * 2, X)
+    _transfer(core, ref(1, tag=20), X)      # arrives before Run 20 (it came on another connection)
+    _transfer(core, ref(5, tag=20), X)      # no Run will want this one
+    assert len(core.store) == 2 and core.dropped_messages == 0
+    run(core, seq=1, call_id=20, function_id=1, inputs=[ref(1, tag=20)], outputs=[ref(2)])
+    assert outbox.dones()[0].ok
+    assert len(core.store) == 1 and (2, 0, 0) in core.store   # both copies gone, the output stays
+
+
+def test_the_controller_can_fail_a_copy_whose_sender_was_lost():
+    core, outbox = make_core()
+    load(core, 1, lambda x: x * 2, X)
+    run(core, seq=1, call_id=30, function_id=1, inputs=[ref(1, tag=30)], outputs=[ref(2)])
+    assert outbox.dones() == []
+    _transfer(core, ref(1, tag=30), failed=True, channel="control")
+    done, = outbox.dones()
+    assert not done.ok and done.failure.type == "ExecutorLostError" and done.failure.executor_id == "e9"
+    assert (1, 0, 30) not in core.store and core.dropped_messages == 0
+    _transfer(core, ref(1, tag=30), failed=True, channel="control")   # late: dropped, not stored
+    assert (1, 0, 30) not in core.store and core.dropped_messages == 1
+
+
+def test_stats_report_drops_and_refused_connections():
+    core, outbox = make_core()
+    core.on_data(b"peer", pb.Envelope(done=pb.Done()), [])
+    core.counters["refused_connections"] = 4
+    core.on_control(pb.Envelope(stats_request=pb.StatsRequest(request_id=1)), [])
+    stats = outbox.controller[-1][0].stats
+    assert stats.hop_bytes["dropped_messages"] == 1 and stats.hop_bytes["refused_connections"] == 4

@@ -1,0 +1,180 @@
+"""Key directories, allow-lists and CURVE sockets in one process (loopback, no cluster)."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+import zmq
+from zmq.utils.monitor import recv_monitor_message
+
+from pathways_torch.wire.security import (CLIENT, CONTROLLER, HANDSHAKE_FAILURES, ConnectionWatch, Credentials,
+                                          Gatekeeper, KeyDirectory, KeyPair, SecurityError, check_role, make_client,
+                                          make_server, peer_role)
+
+pytestmark = pytest.mark.timeout(30)
+
+
+@pytest.fixture
+def keys(tmp_path):
+    return KeyDirectory.create([CONTROLLER, CLIENT, "executor-0"], parent=str(tmp_path))
+
+
+@pytest.fixture
+def zctx():
+    context = zmq.Context()
+    yield context
+    context.destroy(linger=0)
+
+
+def _events(monitor, until: set[str], timeout_s: float = 5.0) -> list[str]:
+    seen, deadline = [], time.monotonic() + timeout_s
+    while (left := deadline - time.monotonic()) > 0 and monitor.poll(int(left * 1000) + 1):
+        seen.append(zmq.Event(recv_monitor_message(monitor)["event"]).name)
+        if seen[-1] in until:
+            break
+    return seen
+
+
+def _server(zctx, credentials):
+    server = make_server(zctx.socket(zmq.ROUTER), credentials)
+    server.linger = 0
+    return server, f"tcp://127.0.0.1:{server.bind_to_random_port('tcp://127.0.0.1')}"
+
+
+def _client(zctx, credentials, server_key, address):
+    dealer = make_client(zctx.socket(zmq.DEALER), credentials, server_key)
+    dealer.linger = 0
+    monitor = dealer.get_monitor_socket()
+    dealer.connect(address)
+    return dealer, monitor
+
+
+def test_key_directory_is_private_and_holds_one_pair_per_role(keys):
+    assert os.stat(keys.path).st_mode & 0o777 == 0o700
+    assert os.stat(os.path.join(keys.path, "secret")).st_mode & 0o777 == 0o700
+    public = keys.public_keys()
+    assert sorted(public) == [CLIENT, CONTROLLER, "executor-0"]
+    assert len(set(public.values())) == 3
+    pair = keys.keypair("executor-0")
+    assert pair.public == public["executor-0"] and len(pair.secret) == 40
+    assert pair.secret.decode() not in repr(pair) and pair.secret.decode() not in repr(keys.credentials(CLIENT))
+    secret_file = os.path.join(keys.path, "secret", "executor-0.key_secret")
+    assert os.stat(secret_file).st_mode & 0o777 == 0o600
+    # The public directory holds no secret.
+    for name in os.listdir(os.path.join(keys.path, "public")):
+        with open(os.path.join(keys.path, "public", name)) as f:
+            assert "secret-key" not in f.read()
+
+
+def test_key_directory_refuses_what_it_cannot_trust(keys, tmp_path):
+    with pytest.raises(SecurityError, match="expected a secret key for 'executor-1'"):
+        keys.keypair("executor-1")
+    with pytest.raises(SecurityError, match="already has a key"):
+        keys.add("executor-0")
+    os.chmod(keys.path, 0o750)
+    with pytest.raises(SecurityError, match=r"mode 0750.*expected 0700.*chmod 700"):
+        KeyDirectory(keys.path)
+    with pytest.raises(SecurityError, match="does not exist"):
+        KeyDirectory(str(tmp_path / "nowhere"))
+    with pytest.raises(SecurityError, match="distinct"):
+        KeyDirectory.create(["a", "a"], parent=str(tmp_path))
+
+
+@pytest.mark.parametrize("role", ["", "a#heartbeat", "../x", "-x", "x" * 65, "a b"])
+def test_role_names_are_plain(role):
+    with pytest.raises(SecurityError, match="role"):
+        check_role(role)
+
+
+def test_key_pairs_and_credentials_are_checked():
+    with pytest.raises(SecurityError, match="40-character"):
+        KeyPair(public=b"short", secret=b"x" * 40)
+    public, secret = zmq.curve_keypair()
+    with pytest.raises(SecurityError, match="no public key for 'controller'"):
+        Credentials(role=CLIENT, keys=KeyPair(public=public, secret=secret), allowed={}).public_key(CONTROLLER)
+
+
+def test_gatekeeper_admits_exactly_the_allow_list_and_names_roles(keys, zctx):
+    gatekeeper = Gatekeeper(zctx, keys.public_keys())
+    try:
+        server, address = _server(zctx, keys.credentials(CONTROLLER))
+        server_key = keys.public_keys()[CONTROLLER]
+        good, good_monitor = _client(zctx, keys.credentials("executor-0"), server_key, address)
+        good.send(b"hello")
+        assert server.poll(5000)
+        frames = server.recv_multipart(copy=False)
+        assert frames[-1].bytes == b"hello" and peer_role(frames[-1]) == "executor-0"
+        assert "HANDSHAKE_SUCCEEDED" in _events(good_monitor, {"HANDSHAKE_SUCCEEDED"})
+
+        public, secret = zmq.curve_keypair()
+        stranger = Credentials(role=CLIENT, keys=KeyPair(public=public, secret=secret), allowed={})
+        bad, bad_monitor = _client(zctx, stranger, server_key, address)
+        bad.send(b"let me in")
+        assert "HANDSHAKE_FAILED_AUTH" in _events(bad_monitor, {"HANDSHAKE_FAILED_AUTH"})
+        assert not server.poll(200)
+        assert gatekeeper.refused == 1
+    finally:
+        gatekeeper.stop()
+
+
+def test_a_server_without_a_gatekeeper_admits_no_one(keys, zctx):
+    """Fail closed: ZAP_ENFORCE_DOMAIN makes a CURVE server with no running allow-list refuse everyone."""
+    server, address = _server(zctx, keys.credentials(CONTROLLER))
+    dealer, monitor = _client(zctx, keys.credentials(CLIENT), keys.public_keys()[CONTROLLER], address)
+    dealer.send(b"hello")
+    seen = _events(monitor, HANDSHAKE_FAILURES | {"HANDSHAKE_SUCCEEDED"})
+    assert seen and seen[-1] in HANDSHAKE_FAILURES, seen
+    assert not server.poll(200)
+
+
+def test_a_client_refuses_a_server_without_the_expected_key(keys, zctx):
+    gatekeeper = Gatekeeper(zctx, keys.public_keys())
+    try:
+        public, secret = zmq.curve_keypair()
+        impostor = Credentials(role=CONTROLLER, keys=KeyPair(public=public, secret=secret), allowed={})
+        server, address = _server(zctx, impostor)
+        dealer, monitor = _client(zctx, keys.credentials(CLIENT), keys.public_keys()[CONTROLLER], address)
+        dealer.send(b"secret plans")
+        seen = _events(monitor, HANDSHAKE_FAILURES)
+        assert seen and seen[-1] in HANDSHAKE_FAILURES, seen
+        assert not server.poll(200)
+    finally:
+        gatekeeper.stop()
+
+
+def test_connection_watch_counts_refusals():
+    seen = []
+    watch = ConnectionWatch("test", lambda event, w: seen.append(event))
+
+    def feed(event):
+        watch.on_frames([int(event).to_bytes(2, "little") + (0).to_bytes(4, "little"), b"tcp://127.0.0.1:1"])
+
+    for event in (zmq.EVENT_ACCEPTED, zmq.EVENT_HANDSHAKE_SUCCEEDED, zmq.EVENT_ACCEPTED,
+                  zmq.EVENT_HANDSHAKE_FAILED_AUTH, zmq.EVENT_ACCEPTED, zmq.EVENT_DISCONNECTED):
+        feed(event)
+    assert watch.refused == 2             # one refused key, one that never spoke ZMTP
+    assert watch.handshake_failures == 1  # libzmq reports junk only as accepted-then-disconnected
+    assert seen[0] == "ACCEPTED" and "HANDSHAKE_FAILED_AUTH" in seen
+
+
+def test_a_failure_without_detail_is_a_rejection_only_when_it_repeats():
+    watch = ConnectionWatch("test")
+
+    def feed(event):
+        watch.on_frames([int(event).to_bytes(2, "little") + (0).to_bytes(4, "little"), b"tcp://127.0.0.1:1"])
+
+    feed(zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
+    feed(zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
+    assert not watch.rejected                # e.g. a peer that died mid-handshake
+    feed(zmq.EVENT_HANDSHAKE_SUCCEEDED)
+    feed(zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
+    feed(zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
+    assert not watch.rejected
+    feed(zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
+    assert watch.rejected                    # e.g. a server without the key we expect
+    feed(zmq.EVENT_HANDSHAKE_SUCCEEDED)
+    assert not watch.rejected
+    feed(zmq.EVENT_HANDSHAKE_FAILED_AUTH)
+    assert watch.rejected                    # our key was refused: at once
