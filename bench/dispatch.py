@@ -53,9 +53,9 @@ def measure_pathways(size: int, steps: int, repeats: int) -> dict:
         x = ctx.put(torch.zeros(()), mesh, [pw.Replicate()])
         for _ in range(3):                       # warm-up: trace, load, form the group
             x = step(x)
-        chained(x).exception(timeout_s=300)
-        fused(x).exception(timeout_s=300)
-        x.exception(timeout_s=300)
+        chained(x).exception(timeout_s=60)
+        fused(x).exception(timeout_s=60)
+        x.exception(timeout_s=60)
 
         began = time.perf_counter()
         y = x
@@ -68,14 +68,14 @@ def measure_pathways(size: int, steps: int, repeats: int) -> dict:
         y = x
         for _ in range(repeats):
             y = chained(y)
-            y.exception(timeout_s=300)
+            y.exception(timeout_s=60)
         chain_rate = repeats * CHAIN / (time.perf_counter() - began)
 
         began = time.perf_counter()
         y = x
         for _ in range(repeats):
             y = fused(y)
-            y.exception(timeout_s=300)
+            y.exception(timeout_s=60)
         fused_rate = repeats * CHAIN / (time.perf_counter() - began)
     return {"OpByOp": op_by_op, "Chained": chain_rate, "Fused": fused_rate}
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import logging
 import os
 import signal
@@ -40,6 +41,8 @@ def main(argv=None) -> None:
     config = parse_args(argv)
     # Ctrl-C in the client's terminal is the client's to handle: it stops us by message.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # `kill -USR1 PID` writes every thread's stack to the executor's log: for a hang, the first look.
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     from .process import ExecutorProcess
 
     ExecutorProcess(config).run()

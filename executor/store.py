@@ -74,13 +74,14 @@ class ObjectStore:
         entry = self.claim(key, owned=owned)
         if entry.ready:
             return  # a duplicate delivery; the first one wins
-        entry.early = entry.early_failure = None
         if failure is not None:
             entry.failure = failure
         else:
             entry.value = value
             entry.nbytes = value.numel() * value.element_size()
             self.bytes += entry.nbytes
+        # Only now: a compute thread that finds `early` gone finds `value` (or `failure`) set.
+        entry.early = entry.early_failure = None
         waiters, entry.waiters = entry.waiters, []
         for waiter in waiters:
             waiter(entry)

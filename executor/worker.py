@@ -379,10 +379,11 @@ class ExecutorCore:
     def _take_inputs(self, job: ComputeJob) -> pb.RemoteFailure | None:
         """On the compute thread: the input values (stored, or handed over by a job just run here)."""
         for entry in job.entries:
-            failure = entry.failure or entry.early_failure
+            # Read order matters: the I/O thread sets value/failure before it clears early.
+            failure = entry.failure or entry.early_failure or entry.failure
             if failure is not None:
                 return failure if failure.origin_call_id else _with_origin(failure, job.run.call_id)
-        job.inputs = [e.value if e.value is not None else e.early for e in job.entries]
+        job.inputs = [_value_of(e) for e in job.entries]
         return self._check_signature(job.run, job.signature, job.entries, job.inputs)
 
     def _check_signature(self, run: pb.Run, function: _Function, entries: list, values: list
@@ -404,7 +405,10 @@ class ExecutorCore:
         if job.form is not None:
             return self._form_group(job)
         name = self._name(job.run.function_id)
-        job.failure = self._take_inputs(job)
+        try:
+            job.failure = self._take_inputs(job)
+        except Exception as exc:  # never let the compute thread die: every later job would hang
+            job.failure = self._failure(exc, origin_call_id=job.run.call_id)
         if job.failure is not None:
             self._hand_over(job)
             return job
@@ -497,6 +501,16 @@ def _with_origin(failure: pb.RemoteFailure, call_id: int) -> pb.RemoteFailure:
     copy.CopyFrom(failure)
     copy.origin_call_id = call_id
     return copy
+
+
+def _value_of(entry):
+    """An input's value: stored, or handed over early by the job that computed it here."""
+    value = entry.value
+    if value is None:
+        value = entry.early
+    if value is None:
+        value = entry.value   # the I/O thread stored it (and cleared early) in between
+    return value
 
 
 def _value_ids(plan: pb.RegisterProgram, run: pb.RunProgram):

@@ -158,7 +158,9 @@ class Program:
     def graph(self, *arrays: Array) -> ProgramGraph:
         """The traced graph for these inputs (traced now if new)."""
         self._check_inputs(arrays)
-        key = tuple((a.shape, a.dtype, a.sharding.placements, a.mesh.allocation.mesh_id) for a in arrays)
+        # The mesh objects themselves (identity): a traced graph names its meshes, which belong
+        # to one context; another context (or mesh) traces anew.
+        key = tuple((a.shape, a.dtype, a.sharding.placements, a.mesh) for a in arrays)
         graph = self._graphs.get(key)
         if graph is None:
             graph = self._graphs[key] = self._trace(arrays)

@@ -150,3 +150,15 @@ def test_parallel_dispatch_hides_control_latency():
     # already waiting on its executor before its predecessor starts.
     for k, k_next in zip(seqs[1:], seqs[2:]):
         assert received[k_next] < started[k], f"node {k_next} was enqueued only after node {k} started"
+
+
+def test_a_program_traced_in_one_context_is_traced_anew_in_the_next():
+    chain = _chain(3)
+    results = []
+    for size in (1, 2):
+        with pw.Context(num_executors=size, backend="eager") as ctx:
+            mesh = ctx.mesh({"data": size})
+            out = chain(ctx.put(torch.zeros(2 * size), mesh, [pw.Shard(0)]))
+            results.append(out.result(timeout_s=60))
+    assert chain.num_traces == 2
+    torch.testing.assert_close(results[1], torch.full((4,), 3.0))
