@@ -47,6 +47,15 @@ def chained(x):
     return x
 
 
+def _rate(run, x, repeats: int) -> float:
+    """Computations per second of ``repeats`` awaited calls of ``run``, each holding CHAIN computations."""
+    began = time.perf_counter()
+    for _ in range(repeats):
+        x = run(x)
+        x.exception(timeout_s=300)
+    return repeats * CHAIN / (time.perf_counter() - began)
+
+
 def measure_pathways(size: int, steps: int, repeats: int) -> dict:
     with pw.Context(num_executors=size, backend="eager") as ctx:
         mesh = ctx.mesh({"data": size})
@@ -64,19 +73,8 @@ def measure_pathways(size: int, steps: int, repeats: int) -> dict:
             y.exception(timeout_s=60)            # awaited: one computation per client call
         op_by_op = steps / (time.perf_counter() - began)
 
-        began = time.perf_counter()
-        y = x
-        for _ in range(repeats):
-            y = chained(y)
-            y.exception(timeout_s=60)
-        chain_rate = repeats * CHAIN / (time.perf_counter() - began)
-
-        began = time.perf_counter()
-        y = x
-        for _ in range(repeats):
-            y = fused(y)
-            y.exception(timeout_s=60)
-        fused_rate = repeats * CHAIN / (time.perf_counter() - began)
+        chain_rate = _rate(chained, x, repeats)
+        fused_rate = _rate(fused, x, repeats)
     return {"OpByOp": op_by_op, "Chained": chain_rate, "Fused": fused_rate}
 
 

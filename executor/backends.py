@@ -88,8 +88,17 @@ class TorchBackend:
         view = data.reshape(-1).view(torch.uint8).numpy() if data.numel() else b""
         return hashlib.blake2b(view, digest_size=16).digest() + str(tuple(data.shape)).encode()
 
+    def _use_device(self, device: str) -> None:
+        import torch
+
+        self._device = torch.device(device)
+        self.device = str(self._device)
+
+    def run(self, compiled, inputs):
+        return _as_list(compiled(*inputs))
+
     def to_device(self, tensor):
-        return tensor
+        return tensor if tensor.device == self._device else tensor.to(self._device)
 
 
 class EagerBackend(TorchBackend):
@@ -99,19 +108,10 @@ class EagerBackend(TorchBackend):
     compiles_in_background = False
 
     def __init__(self, device: str = "cpu"):
-        import torch
-
-        self._device = torch.device(device)
-        self.device = str(self._device)
+        self._use_device(device)
 
     def compile(self, graph_module, example_inputs):
         return graph_module.to(self._device)
-
-    def run(self, compiled, inputs):
-        return _as_list(compiled(*inputs))
-
-    def to_device(self, tensor):
-        return tensor if tensor.device == self._device else tensor.to(self._device)
 
     def num_compiles(self) -> int:
         return 0
@@ -174,10 +174,7 @@ class InductorBackend(TorchBackend):
     compiles_in_background = True
 
     def __init__(self, device: str = "cpu"):
-        import torch
-
-        self._device = torch.device(device)
-        self.device = str(self._device)
+        self._use_device(device)
         self._compiles = 0
 
     def compile(self, graph_module, example_inputs):
@@ -189,12 +186,6 @@ class InductorBackend(TorchBackend):
         compiled = torch._inductor.compile(module, examples)
         self._compiles += 1
         return compiled
-
-    def run(self, compiled, inputs):
-        return _as_list(compiled(*inputs))
-
-    def to_device(self, tensor):
-        return tensor if tensor.device == self._device else tensor.to(self._device)
 
     def num_compiles(self) -> int:
         return self._compiles
