@@ -54,6 +54,7 @@ class LoweredProgram:
     """Per-executor plans (``RegisterProgram`` messages) and the text of each pass."""
 
     spec: ProgramSpec
+    program_id: int
     plans: dict[str, pb.RegisterProgram]
     last_collective_node: dict[str, int]     # executor → 1 + index of its last collective node (0: none)
     reporting_nodes: list[int]
@@ -134,4 +135,4 @@ def lower(spec: ProgramSpec, program_id: int, addresses: dict[str, str], keys: d
     for executor_id, shards in produced_here.items():   # pass 3: the buffer plan
         for value, position in shards:
             plans[executor_id].local_intermediates.add(value=value, shard=position)
-    return LoweredProgram(spec, plans, dict(last_collective), reporting)
+    return LoweredProgram(spec, program_id, plans, dict(last_collective), reporting)

@@ -196,10 +196,7 @@ class Context:
 
     def _run_program(self, program, graph, inputs) -> list[Array]:
         self._check_open()
-        lowered = self._lowered_programs.get(id(graph))
-        if lowered is None or lowered[1] is not graph:
-            lowered = self._lowered_programs[id(graph)] = (self._register_program(graph), graph)
-        records = self.controller.run_program(lowered[0].spec_program_id, [a.array_id for a in inputs])
+        records = self.controller.run_program(self._lowered_for(graph).program_id, [a.array_id for a in inputs])
         return [Array(self, record, *graph.layouts[value])
                 for record, value in zip(records, graph.output_values)]
 
@@ -214,17 +211,18 @@ class Context:
         spec = ProgramSpec(name=graph.name, input_values=graph.input_values,
                            input_meshes=tuple(graph.layouts[v][2].mesh.allocation for v in graph.input_values),
                            nodes=tuple(nodes), output_values=graph.output_values)
-        lowered = self.controller.register_program(spec)
-        lowered.spec_program_id = next(iter(lowered.plans.values())).program_id
-        return lowered
+        return self.controller.register_program(spec)
+
+    def _lowered_for(self, graph):
+        """The lowered, registered form of a traced graph (registered on first use)."""
+        entry = self._lowered_programs.get(id(graph))
+        if entry is None or entry[1] is not graph:   # ids of dead graphs can be reused
+            entry = self._lowered_programs[id(graph)] = (self._register_program(graph), graph)
+        return entry[0]
 
     def lowered(self, program, *arrays) -> str:
         """The lowered form of ``program`` for these inputs, as text (registers it if new)."""
-        graph = program.graph(*arrays)
-        entry = self._lowered_programs.get(id(graph))
-        if entry is None or entry[1] is not graph:
-            entry = self._lowered_programs[id(graph)] = (self._register_program(graph), graph)
-        return entry[0].describe()
+        return self._lowered_for(program.graph(*arrays)).describe()
 
     def _function_id(self, version) -> int:
         entry = self._function_ids.get(id(version))

@@ -141,8 +141,10 @@ def test_the_null_mechanism_is_refused(ctx, mesh, add_one, zctx, target):
     refused_before = _refused(ctx, target)
     dealer, monitor = _dealer(zctx, address, None, None)
     dealer.send_multipart(_ping(target))
-    event, seen = _wait_for_event(monitor, {"HANDSHAKE_FAILED_PROTOCOL"}, BOUND_S)
-    assert event == "HANDSHAKE_FAILED_PROTOCOL", seen   # ZMTP mechanism mismatch
+    # A ZMTP mechanism mismatch; under load libzmq sometimes reports it without detail.
+    failures = {"HANDSHAKE_FAILED_PROTOCOL", "HANDSHAKE_FAILED_NO_DETAIL"}
+    event, seen = _wait_for_event(monitor, failures, BOUND_S)
+    assert event in failures, seen
     assert not dealer.poll(300)
     assert wait_until(lambda: _refused(ctx, target) > refused_before, 5)
     _still_serves(ctx, mesh, add_one)
