@@ -7,7 +7,9 @@ executors, its output feeding the next input. Modes:
 - Fused: one function holding 128 computations (one sequence number).
 Baseline in the same run: multi-controller (N processes running the loop
 themselves with the same gloo all-reduce). Everything eager, one thread per process.
-Ray and Monarch rows are measured when importable (not installed by default).
+Ray: measured in the same run when ``PATHWAYS_RAY_PYTHONPATH`` names a directory where
+Ray is importable (``pip install --target DIR ray msgpack click jsonschema aiosignal
+frozenlist``); it runs `bench/ray_baseline.py` in a subprocess. Monarch: not measured.
 Metric: computations per second. Prints a table, writes bench/results/dispatch.json.
 
     .venv/bin/python -m bench.dispatch [--sizes 1,2,4,8] [--steps 200]
@@ -16,7 +18,10 @@ Metric: computations per second. Prints a table, writes bench/results/dispatch.j
 from __future__ import annotations
 
 import argparse
-import importlib.util
+import json
+import os
+import subprocess
+import sys
 import time
 
 import torch
@@ -78,6 +83,19 @@ def measure_pathways(size: int, steps: int, repeats: int) -> dict:
     return {"OpByOp": op_by_op, "Chained": chain_rate, "Fused": fused_rate}
 
 
+def measure_ray(sizes: str, steps: int, repeats: int) -> dict[int, dict]:
+    """Run the Ray baseline in a subprocess (Ray lives outside the project's environment)."""
+    path = os.environ.get("PATHWAYS_RAY_PYTHONPATH")
+    if not path:
+        return {}
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([path, root]))
+    subprocess.run([sys.executable, "-m", "bench.ray_baseline", "--sizes", sizes, "--steps", str(steps),
+                    "--repeats", str(repeats)], cwd=root, env=env, check=True, capture_output=True, timeout=1200)
+    with open(os.path.join(root, "bench", "results", "ray_baseline.json")) as f:
+        return {row["executors"]: row for row in json.load(f)["rows"]}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", default="1,2,4,8")
@@ -85,20 +103,24 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=4)
     args = parser.parse_args()
     rows, table = [], []
+    print("ray ...", flush=True)
+    ray_rows = measure_ray(args.sizes, args.steps, args.repeats)
     for size in [int(s) for s in args.sizes.split(",")]:
         print(f"N={size}: pathways ...", flush=True)
         rates = measure_pathways(size, args.steps, args.repeats)
         print(f"N={size}: multi-controller ...", flush=True)
         rates["multi-controller"] = run_multicontroller(size, args.repeats * CHAIN * 2)
-        for name in ("ray", "monarch"):
-            rates[name] = None if importlib.util.find_spec(name) is None else float("nan")
+        ray_row = ray_rows.get(size)
+        rates["ray OpByOp"] = ray_row["OpByOp"] if ray_row else None
+        rates["ray Fused"] = ray_row["Fused"] if ray_row else None
         base = rates["multi-controller"]
         rows.append({"executors": size, **rates})
+        ray_cells = ([f"{rates['ray OpByOp']:,.0f}", f"{rates['ray Fused']:,.0f}",
+                      f"{rates['OpByOp'] / rates['ray OpByOp']:.2f}x"] if ray_row else ["not run"] * 3)
         table.append([size, f"{base:,.0f}"] + [f"{rates[m]:,.0f} ({rates[m] / base:.2f}x)"
-                                               for m in ("OpByOp", "Chained", "Fused")]
-                     + ["not installed" if rates[n] is None else "n/a" for n in ("ray", "monarch")])
+                                               for m in ("OpByOp", "Chained", "Fused")] + ray_cells)
     print_table(["N", "multi-controller /s", "OpByOp /s (vs MC)", "Chained /s (vs MC)", "Fused /s (vs MC)",
-                 "Ray", "Monarch"], table)
+                 "Ray OpByOp /s", "Ray Fused /s", "OpByOp / Ray OpByOp"], table)
     print("written to", write_results("dispatch", {"rows": rows, "chain": CHAIN}))
 
 
