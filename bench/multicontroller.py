@@ -7,7 +7,6 @@ simulated device step). Returns steps per second (the slowest process).
 
 from __future__ import annotations
 
-import datetime
 import multiprocessing
 import os
 import tempfile
@@ -20,12 +19,10 @@ def _worker(rank: int, size: int, store_path: str, steps: int, result_queue) -> 
     import torch
     import torch.distributed as dist
 
+    from executor.collectives import make_gloo_group
+
     torch.set_num_threads(1)
-    store = dist.PrefixStore("baseline", dist.FileStore(store_path, size))
-    options = dist.ProcessGroupGloo._Options()
-    options._timeout = datetime.timedelta(seconds=60)
-    options._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
-    group = dist.ProcessGroupGloo(store, rank, size, options)
+    group = make_gloo_group(store_path, "baseline", rank, size, 60.0)
     reduce_max = dist.AllreduceOptions()
     reduce_max.reduceOp = dist.ReduceOp.MAX
     x = torch.zeros(())

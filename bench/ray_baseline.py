@@ -11,7 +11,6 @@ Run it where Ray is importable (a separate environment is fine):
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import tempfile
@@ -27,12 +26,10 @@ def _actor_class(ray):
             import torch
             import torch.distributed as dist
 
+            from executor.collectives import make_gloo_group
+
             torch.set_num_threads(1)
-            store = dist.PrefixStore("ray-baseline", dist.FileStore(store_path, size))
-            options = dist.ProcessGroupGloo._Options()
-            options._timeout = datetime.timedelta(seconds=60)
-            options._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
-            self.group = dist.ProcessGroupGloo(store, rank, size, options)
+            self.group = make_gloo_group(store_path, "ray-baseline", rank, size, 60.0)
             self.reduce_max = dist.AllreduceOptions()
             self.reduce_max.reduceOp = dist.ReduceOp.MAX
             self.x = torch.zeros(())

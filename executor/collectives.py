@@ -15,7 +15,23 @@ from __future__ import annotations
 import datetime
 import threading
 
-__all__ = ["CollectiveRuntime"]
+__all__ = ["CollectiveRuntime", "make_gloo_group"]
+
+
+def make_gloo_group(store_path: str, prefix: str, rank: int, size: int, timeout_s: float,
+                    bind_host: str = "127.0.0.1"):
+    """A gloo group from a FileStore (no TCPStore, no world group), its device bound to ``bind_host``.
+
+    Blocks until all ``size`` members have joined (or ``timeout_s``). The benchmarks'
+    baselines make their groups here too, so both sides of a comparison use the same gloo.
+    """
+    import torch.distributed as dist
+
+    store = dist.PrefixStore(prefix, dist.FileStore(store_path, size))
+    options = dist.ProcessGroupGloo._Options()
+    options._timeout = datetime.timedelta(seconds=timeout_s)
+    options._devices = [dist.ProcessGroupGloo.create_device(hostname=bind_host)]
+    return dist.ProcessGroupGloo(store, rank, size, options)
 
 
 class CollectiveRuntime:
@@ -32,14 +48,9 @@ class CollectiveRuntime:
 
     def form(self, group_id: int, rank: int, size: int, store_path: str, timeout_s: float) -> None:
         """Join group ``group_id`` (blocks until every member has joined, or the timeout)."""
-        import torch.distributed as dist
-
         try:
-            store = dist.PrefixStore(f"group-{group_id}", dist.FileStore(store_path, size))
-            options = dist.ProcessGroupGloo._Options()
-            options._timeout = datetime.timedelta(seconds=timeout_s)
-            options._devices = [dist.ProcessGroupGloo.create_device(hostname=self.bind_host)]
-            self._groups[group_id] = dist.ProcessGroupGloo(store, rank, size, options)
+            self._groups[group_id] = make_gloo_group(store_path, f"group-{group_id}", rank, size, timeout_s,
+                                                     self.bind_host)
             self._sizes[group_id] = size
         except Exception as exc:
             self._failures[group_id] = f"{type(exc).__name__}: {exc}"
