@@ -153,7 +153,8 @@ class Context:
 
     @property
     def executor_pids(self) -> list[int]:
-        return self._cluster.pids if self._cluster else []
+        """Process ids, in the order of `executor_ids` (as each executor registered itself)."""
+        return [info.pid for info in self.controller.resources.ordered()]
 
     # ------------------------------------------------------------ meshes and arrays
 
