@@ -163,7 +163,7 @@ class ExecutorProcess:
             except Exception as exc:  # a bug of ours: fail this job, keep the thread serving the rest
                 log.exception("executor %s: compute failed outside the function", self.config.executor_id)
                 job.outputs, job.failure = None, self.core._failure(exc, origin_call_id=job.run.call_id)
-            self.loop.call_soon(lambda job=job: self.core.job_finished(job))
+            self.loop.call_soon(lambda job=job: self.core.finish(job))
 
     # ------------------------------------------------------------ liveness
 

@@ -384,10 +384,9 @@ class ExecutorCore:
             if failure is not None:
                 return failure if failure.origin_call_id else _with_origin(failure, job.run.call_id)
         job.inputs = [_value_of(e) for e in job.entries]
-        return self._check_signature(job.run, job.signature, job.entries, job.inputs)
+        return self._check_signature(job.run, job.signature, job.inputs)
 
-    def _check_signature(self, run: pb.Run, function: _Function, entries: list, values: list
-                         ) -> pb.RemoteFailure | None:
+    def _check_signature(self, run: pb.Run, function: _Function, values: list) -> pb.RemoteFailure | None:
         """Refuse inputs that do not match the traced signature (a bad put or a hostile peer)."""
         if len(values) != len(function.signature):
             problem = f"expected {len(function.signature)} inputs, got {len(values)}"
@@ -448,7 +447,11 @@ class ExecutorCore:
         return job
 
     def finish(self, job: ComputeJob) -> None:
-        """Store a job's outputs (or its failure), release its inputs, tell the controller."""
+        """Store a job's outputs (or its failure), release its inputs, tell the controller.
+
+        Runs on the I/O thread: after the compute thread is done with ``job``, or at once for a
+        job that failed before it could start.
+        """
         if job.form is not None:
             self._pump()
             return
@@ -472,10 +475,6 @@ class ExecutorCore:
                 done.failure.CopyFrom(job.failure)
             self.outbox.to_controller(pb.Envelope(done=done))
         self._pump()
-
-    def job_finished(self, job: ComputeJob) -> None:
-        """Called on the I/O thread when the compute thread is done with ``job``."""
-        self.finish(job)
 
     # ------------------------------------------------------------ helpers
 

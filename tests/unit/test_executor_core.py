@@ -43,7 +43,7 @@ def make_core():
 
     def submit(job):
         core = holder["core"]
-        core.job_finished(core.compute(job))
+        core.finish(core.compute(job))
 
     core = ExecutorCore(executor_id="e0", backend=EagerBackend(), outbox=outbox, submit=submit)
     holder["core"] = core

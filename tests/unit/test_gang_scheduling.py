@@ -124,7 +124,7 @@ class InProcessExecutor:
         while True:
             job = self.jobs.get()
             self.core.compute(job)
-            self.post(lambda job=job: self.core.job_finished(job))
+            self.post(lambda job=job: self.core.finish(job))
 
 
 class FakeOutbox:
