@@ -140,11 +140,17 @@ def local_shape(shape: Sequence[int], placements: Sequence, mesh: Mesh) -> tuple
     return tuple(out)
 
 
-def global_shape(block_shape: Sequence[int], placements: Sequence, mesh: Mesh) -> tuple[int, ...]:
-    """The global shape whose local blocks have ``block_shape`` (0-d blocks count as ``(1,)``)."""
+def _assembled_block_shape(block_shape: Sequence[int], placements: Sequence) -> tuple[int, ...]:
+    """A block's shape as it is joined into the global array: a 0-d block under a Shard counts as ``(1,)``."""
     block = tuple(block_shape)
     if not block and any(isinstance(p, Shard) for p in placements):
-        block = (1,)
+        return (1,)
+    return block
+
+
+def global_shape(block_shape: Sequence[int], placements: Sequence, mesh: Mesh) -> tuple[int, ...]:
+    """The global shape whose local blocks have ``block_shape`` (0-d blocks count as ``(1,)``)."""
+    block = _assembled_block_shape(block_shape, placements)
     factors = _split_factors(len(block), placements, mesh)
     return tuple(size * factor for size, factor in zip(block, factors)) if block else ()
 
@@ -172,17 +178,22 @@ def split_blocks(tensor, placements: Sequence, mesh: Mesh) -> list:
     return blocks
 
 
+def _block_owners(ndim: int, placements: Sequence, mesh: Mesh) -> dict[tuple[int, ...], int]:
+    """For each distinct block index, the first mesh position that holds it."""
+    owners: dict[tuple[int, ...], int] = {}
+    for position in range(mesh.size):
+        owners.setdefault(_block_index(position, ndim, placements, mesh), position)
+    return owners
+
+
 def assemble_blocks(blocks: dict, block_shape: Sequence[int], placements: Sequence, mesh: Mesh):
     """Join one block per distinct block index (``blocks[position]``) into the global tensor."""
     import torch
 
-    stacked = len(block_shape) == 0 and any(isinstance(p, Shard) for p in placements)
-    ndim = 1 if stacked else len(block_shape)
-    by_index = {}
-    for position in range(mesh.size):
-        index = _block_index(position, ndim, placements, mesh)
-        if index not in by_index and position in blocks:
-            by_index[index] = blocks[position].reshape(1) if stacked else blocks[position]
+    shape = _assembled_block_shape(block_shape, placements)
+    ndim = len(shape)
+    by_index = {index: blocks[position].reshape(shape)
+                for index, position in _block_owners(ndim, placements, mesh).items()}
     grid = _split_factors(ndim, placements, mesh)[:ndim]
 
     def join(prefix: tuple):
@@ -197,12 +208,5 @@ def assemble_blocks(blocks: dict, block_shape: Sequence[int], placements: Sequen
 
 def positions_needed(block_shape: Sequence[int], placements: Sequence, mesh: Mesh) -> list[int]:
     """One mesh position per distinct block: the positions to fetch for ``assemble_blocks``."""
-    stacked = len(block_shape) == 0 and any(isinstance(p, Shard) for p in placements)
-    ndim = 1 if stacked else len(block_shape)
-    seen, positions = set(), []
-    for position in range(mesh.size):
-        index = _block_index(position, ndim, placements, mesh)
-        if index not in seen:
-            seen.add(index)
-            positions.append(position)
-    return positions
+    ndim = len(_assembled_block_shape(block_shape, placements))
+    return list(_block_owners(ndim, placements, mesh).values())

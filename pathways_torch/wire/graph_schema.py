@@ -17,7 +17,7 @@ from typing import Any
 from . import pathways_pb2 as pb
 from .tensors import dtype_from_name, dtype_name, frame_to_tensor, tensor_to_frame
 
-__all__ = ["encode_graph", "decode_graph", "input_signature", "GraphSchemaError", "ALLOWED_NAMESPACES"]
+__all__ = ["encode_graph", "decode_graph", "GraphSchemaError", "ALLOWED_NAMESPACES"]
 
 # Op namespaces an executor will resolve. Anything else is refused.
 ALLOWED_NAMESPACES = ("aten", "prims", "pathways", "_c10d_functional")
@@ -276,12 +276,3 @@ def resolve_target(name: str, where: str = "graph"):
         raise GraphSchemaError(f"{where}: {name!r} is not an operator overload")
     return target
 
-
-def input_signature(message: pb.Graph) -> list[tuple[tuple[int, ...], object]]:
-    """The (shape, dtype) each placeholder was traced with."""
-    signature = []
-    for index, meta in enumerate(message.inputs):
-        if any(d < 0 for d in meta.shape):
-            raise GraphSchemaError(f"input {index}: negative dimension in {list(meta.shape)}")
-        signature.append((tuple(meta.shape), dtype_from_name(meta.dtype)))
-    return signature
