@@ -308,7 +308,7 @@ class Controller:
 
     # ------------------------------------------------------------ programs
 
-    def register_program(self, spec: ProgramSpec, *, debug: bool = False) -> LoweredProgram:
+    def register_program(self, spec: ProgramSpec) -> LoweredProgram:
         """Lower ``spec`` and register it on every executor it uses (once)."""
         with self._lock:
             program_id = next(self._next_program_id)

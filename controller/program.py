@@ -29,7 +29,6 @@ class ProgramNodeSpec:
     inputs: tuple[int, ...]
     outputs: tuple[int, ...]
     collective_axes: tuple[str, ...] = ()
-    replicated_outputs: tuple[bool, ...] = ()
     call_site: str = ""
 
 
@@ -88,7 +87,7 @@ class LoweredProgram:
 
 
 def lower(spec: ProgramSpec, program_id: int, addresses: dict[str, str], keys: dict[str, bytes] | None = None,
-          axis_groups: dict[int, dict[str, list[int]]] | None = None, debug: bool = False) -> LoweredProgram:
+          axis_groups: dict[int, dict[str, list[int]]] | None = None) -> LoweredProgram:
     """Lower ``spec``: ``addresses`` gives each executor's data address; ``axis_groups[node][axis][position]``
     the group of each collective node's shards."""
     keys = keys or {}
@@ -114,7 +113,7 @@ def lower(spec: ProgramSpec, program_id: int, addresses: dict[str, str], keys: d
             reporting.append(index)
         for position, executor_id in enumerate(node.mesh.executor_ids):
             run = pb.ProgramNode(node=index, function_id=node.function_id, shard=position, outputs=node.outputs,
-                                 report=report, digest_outputs=debug and any(node.replicated_outputs))
+                                 report=report)
             for value in node.inputs:
                 source = where[value].executor_ids[position]
                 run.inputs.add(value=value, shard=position, copy=source != executor_id)

@@ -204,11 +204,9 @@ class Context:
     def _register_program(self, graph):
         nodes = []
         for node in graph.nodes:
-            replicated = tuple(sharding.is_replicated for _, _, sharding, _ in node.layouts)
             nodes.append(ProgramNodeSpec(name=node.version.name, function_id=self._function_id(node.version),
                                          mesh=node.mesh.allocation, inputs=node.inputs, outputs=node.outputs,
-                                         collective_axes=node.version.collective_axes,
-                                         replicated_outputs=replicated))
+                                         collective_axes=node.version.collective_axes))
         spec = ProgramSpec(name=graph.name, input_values=graph.input_values,
                            input_meshes=tuple(graph.layouts[v][2].mesh.allocation for v in graph.input_values),
                            nodes=tuple(nodes), output_values=graph.output_values)
