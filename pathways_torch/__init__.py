@@ -15,6 +15,8 @@ __all__ = [
     "function", "Function", "Array", "program", "Program",
     # collectives (inside a function)
     "all_reduce", "all_gather", "reduce_scatter",
+    # training
+    "DataParallel", "ShardedDataParallel", "Trainer",
     # errors
     "PathwaysError", "RemoteError", "CaptureError", "ExecutorLostError", "ReplicationError",
     "PlacementError", "AuthenticationError",
@@ -34,6 +36,9 @@ _WHERE = {
     "all_reduce": "pathways_torch.collectives",
     "all_gather": "pathways_torch.collectives",
     "reduce_scatter": "pathways_torch.collectives",
+    "DataParallel": "pathways_torch.training",
+    "ShardedDataParallel": "pathways_torch.training",
+    "Trainer": "pathways_torch.training",
     "PathwaysError": "pathways_torch.errors",
     "RemoteError": "pathways_torch.errors",
     "CaptureError": "pathways_torch.errors",

@@ -182,6 +182,21 @@ class Context:
                            lambda error, aid=record.array_id: self.controller.landed(aid, error))
         return Array(self, record, tuple(tensor.shape), tensor.dtype, Sharding(mesh, placements), block_shape)
 
+    def wrap(self, model, *, optimizer, mesh: Mesh, loss_fn=None, plan=None, max_grad_norm: float | None = None,
+             seed: int = 0):
+        """Train ``model`` with ``optimizer`` on ``mesh``: returns a `pw.Trainer` (see docs/training.md).
+
+        ``plan``: ``pw.DataParallel(axis)`` (default, on the mesh's first axis) or
+        ``pw.ShardedDataParallel(axis)``. ``loss_fn(output, target)`` reduces to a
+        mean; ``max_grad_norm`` clips gradients by their global L2 norm; ``seed``
+        keys the dropout masks.
+        """
+        from .training import Trainer
+
+        self._check_open()
+        return Trainer(self, model, optimizer=optimizer, loss_fn=loss_fn, mesh=mesh, plan=plan,
+                       max_grad_norm=max_grad_norm, seed=seed)
+
     # ------------------------------------------------------------ used by Function and Array
 
     def _call(self, version, mesh: Mesh, inputs, layouts: list, call_site: str) -> list[Array]:

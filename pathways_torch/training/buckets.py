@@ -1,0 +1,95 @@
+"""Flat parameter buckets: every trained parameter of one optimizer group and dtype in one 1-d buffer.
+
+One buffer per bucket (like DDP's gradient buckets and FSDP's FlatParameter)
+means a training step carries a handful of arrays instead of one per tensor,
+all-reduces each bucket's gradient in one collective, and updates it with one
+run of vector ops. Under a sharded plan the buffer is padded to a multiple of
+the shard count and split evenly.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from ..errors import CaptureError
+
+__all__ = ["Slot", "Bucket", "make_buckets", "flatten", "unflatten"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Slot:
+    """One parameter's place in a bucket."""
+
+    name: str
+    shape: tuple[int, ...]
+    offset: int
+    numel: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Bucket:
+    """The parameters of optimizer group ``group`` with dtype ``dtype``, flattened in model order."""
+
+    group: int
+    dtype: object
+    slots: tuple[Slot, ...]
+
+    @property
+    def numel(self) -> int:
+        return sum(s.numel for s in self.slots)
+
+    def padded_numel(self, num_shards: int) -> int:
+        return -(-self.numel // num_shards) * num_shards
+
+    def describe(self) -> str:
+        names = ", ".join(s.name for s in self.slots)
+        return f"group {self.group} {str(self.dtype).removeprefix('torch.')}[{self.numel}]: {names}"
+
+
+def make_buckets(model, optimizer) -> tuple[list[Bucket], list[str]]:
+    """(buckets of trained parameters, names of the parameters the optimizer does not train)."""
+    named = list(model.named_parameters())
+    name_of = {id(p): n for n, p in named}
+    trained: dict[int, int] = {}
+    for index, group in enumerate(optimizer.param_groups):
+        for p in group["params"]:
+            if id(p) not in name_of:
+                raise CaptureError(f"optimizer param_groups[{index}] holds a tensor of shape {list(p.shape)} that is "
+                                   f"not a parameter of {type(model).__name__}; build the optimizer from "
+                                   f"model.parameters()")
+            if id(p) in trained:
+                raise CaptureError(f"parameter {name_of[id(p)]!r} appears in two optimizer param groups")
+            trained[id(p)] = index
+    by_key: dict[tuple, list] = {}
+    frozen = []
+    for name, p in named:
+        if id(p) not in trained or not p.requires_grad:
+            frozen.append(name)
+            continue
+        by_key.setdefault((trained[id(p)], p.dtype), []).append((name, p))
+    buckets = []
+    for (group, dtype), members in by_key.items():
+        slots, offset = [], 0
+        for name, p in members:
+            slots.append(Slot(name, tuple(p.shape), offset, p.numel()))
+            offset += p.numel()
+        buckets.append(Bucket(group, dtype, tuple(slots)))
+    if not buckets:
+        raise CaptureError(f"{type(model).__name__}: the optimizer trains none of its parameters")
+    return buckets, frozen
+
+
+def flatten(bucket: Bucket, tensors: dict, padded_numel: int | None = None):
+    """The bucket's tensors (by name) as one 1-d buffer, zero-padded to ``padded_numel``."""
+    import torch
+
+    parts = [tensors[s.name].reshape(-1) for s in bucket.slots]
+    pad = (padded_numel or bucket.numel) - bucket.numel
+    if pad:
+        parts.append(parts[0].new_zeros(pad))
+    return torch.cat(parts)
+
+
+def unflatten(bucket: Bucket, flat) -> dict:
+    """Views of a flat buffer as the bucket's named tensors (the padding is ignored)."""
+    return {s.name: flat.narrow(0, s.offset, s.numel).view(s.shape) for s in bucket.slots}

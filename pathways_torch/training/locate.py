@@ -1,0 +1,45 @@
+"""Point a capture failure at the user's code: the module and the line that could not be traced."""
+
+from __future__ import annotations
+
+import linecache
+import os
+import traceback
+
+__all__ = ["user_frame_summary"]
+
+_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _library_dirs() -> tuple[str, ...]:
+    import torch
+
+    dirs = [os.path.dirname(os.path.abspath(torch.__file__)), _PACKAGE_DIR, os.path.dirname(os.__file__)]
+    return tuple(d + os.sep for d in dirs)
+
+
+def user_frame_summary(exc: BaseException, model) -> str | None:
+    """``module 'blocks.0.attn' (Attention), file F, line N: <code>`` for the innermost user frame, or None."""
+    library = _library_dirs()
+    names = {id(m): name for name, m in model.named_modules()}
+    found = None
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        for frame, lineno in traceback.walk_tb(exc.__traceback__):
+            filename = os.path.abspath(frame.f_code.co_filename)
+            if not filename.startswith(library) and not filename.startswith("<"):
+                found = (frame, lineno, filename)
+        exc = exc.__cause__ or exc.__context__
+        if found:
+            break
+    if found is None:
+        return None
+    frame, lineno, filename = found
+    owner = frame.f_locals.get("self")
+    where = ""
+    if id(owner) in names:
+        qualified = names[id(owner)] or "<root>"
+        where = f"module {qualified!r} ({type(owner).__name__}), "
+    code = linecache.getline(filename, lineno).strip()
+    return f"{where}{filename}, line {lineno}, in {frame.f_code.co_name}: {code}"

@@ -1,0 +1,86 @@
+"""Parallelism plans for `ctx.wrap`: where parameters and optimizer state live, how gradients meet.
+
+- `DataParallel(axis)`: every executor on ``axis`` holds the whole flat parameter
+  buffers and optimizer state; the batch is split on ``axis``; each bucket's
+  gradient is averaged with one all-reduce (DDP's bucketing, in-island).
+- `ShardedDataParallel(axis)` (ZeRO-3/FSDP-like): each executor stores 1/N of every
+  flat buffer — parameters, gradients and optimizer state. A step all-gathers the
+  parameters for use, reduce-scatters the gradients, and updates only its slice.
+  The gathered parameters exist only during the step (all buckets at once: there
+  is no per-layer prefetch yet, so peak memory in a step is not reduced, only what
+  is stored between steps).
+
+Both average gradients over the data shards, as DDP does: with a mean-reduced
+loss and equal shards this is the gradient of the global batch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from ..errors import PlacementError
+
+__all__ = ["DataParallel", "ShardedDataParallel", "Plan"]
+
+
+@dataclasses.dataclass(frozen=True)
+class DataParallel:
+    """Replicated parameters and optimizer state, batch sharded on ``axis``, gradients all-reduced."""
+
+    axis: str = "data"
+    sharded_state = False
+
+    def check(self, mesh) -> int:
+        """The number of data shards; refuses a mesh without the axis."""
+        if self.axis not in mesh.axes:
+            raise PlacementError(f"{type(self).__name__}({self.axis!r}): the mesh has axes {list(mesh.axes)}; "
+                                 f"name one of them, e.g. {type(self).__name__}({next(iter(mesh.axes))!r})")
+        return mesh.axes[self.axis]
+
+    def state_placement(self) -> dict:
+        from ..placement import Replicate
+
+        return {self.axis: Replicate()}
+
+    def gather(self, flat, numel: int, num_shards: int):
+        return flat
+
+    def reduce_gradient(self, grad, num_shards: int):
+        from ..collectives import all_reduce
+
+        return all_reduce(grad, self.axis, "mean") if num_shards > 1 else grad
+
+    def global_sum(self, x, num_shards: int):
+        """Sum of a per-shard quantity over the whole (unsharded) state: local here."""
+        return x
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardedDataParallel(DataParallel):
+    """Parameters, gradients and optimizer state sharded on ``axis`` (ZeRO-3-like storage)."""
+
+    sharded_state = True
+
+    def state_placement(self) -> dict:
+        from ..placement import Shard
+
+        return {self.axis: Shard(0)}
+
+    def gather(self, flat, numel: int, num_shards: int):
+        from ..collectives import all_gather
+
+        full = all_gather(flat, self.axis, 0) if num_shards > 1 else flat
+        return full.narrow(0, 0, numel)
+
+    def reduce_gradient(self, grad, num_shards: int):
+        from ..collectives import reduce_scatter
+
+        return reduce_scatter(grad, self.axis, "mean", 0) if num_shards > 1 else grad
+
+    def global_sum(self, x, num_shards: int):
+        from ..collectives import all_reduce
+
+        return all_reduce(x, self.axis, "sum") if num_shards > 1 else x
+
+
+Plan = DataParallel

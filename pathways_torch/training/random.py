@@ -1,0 +1,112 @@
+"""Counter-based dropout: random masks that are a pure function of (seed, step, shard, call site).
+
+A captured step cannot use the executor's global generator: its state would
+differ between XLA and eager, could not be checkpointed from the client, and
+would make a resumed run diverge. Like JAX's keyed PRNG, the mask here is a hash
+of an integer counter — the trainer's seed, the step number, the shard's rank
+on the data axis, the dropout call's position in the step, and the element
+index — computed with int64 tensor ops that every backend evaluates exactly. A
+run stopped at step k and resumed from a checkpoint draws the same masks.
+
+`counter_rng` is a ``TorchFunctionMode`` active while the step is traced: it
+replaces ``F.dropout`` and refuses every other random function by name.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+from ..errors import CaptureError
+
+__all__ = ["counter_rng", "uniform_from_counter", "RANDOM_FUNCTIONS"]
+
+_MASK32 = 0xFFFFFFFF
+_MULTIPLIER = 0x45D9F3B   # a well-mixing 32-bit hash multiplier; products stay below 2**63 in int64
+
+# Random functions the mode refuses (dropout itself is replaced).
+RANDOM_FUNCTIONS = ("rand", "rand_like", "randn", "randn_like", "randint", "randint_like", "randperm",
+                    "bernoulli", "multinomial", "normal", "poisson", "alpha_dropout", "feature_alpha_dropout",
+                    "dropout1d", "dropout2d", "dropout3d", "rrelu")
+
+
+def _hash32(x):
+    """A 32-bit integer mix (values kept in [0, 2**32) inside int64)."""
+    x = ((x >> 16) ^ x) * _MULTIPLIER & _MASK32
+    x = ((x >> 16) ^ x) * _MULTIPLIER & _MASK32
+    return (x >> 16) ^ x
+
+
+def uniform_from_counter(key, shape, dtype):
+    """Uniform [0, 1) values of ``shape``, one per element index, from an int64 0-d ``key``."""
+    import torch
+
+    numel = 1
+    for d in shape:
+        numel *= d
+    index = torch.arange(numel, dtype=torch.int64, device=key.device)
+    bits = _hash32(_hash32(index ^ key) + key & _MASK32)
+    return ((bits >> 8).to(dtype) * (1.0 / (1 << 24))).reshape(shape)
+
+
+class _CounterRng:
+    def __init__(self, seed: int, step, rank):
+        import torch
+
+        # step and rank are traced tensors; the seed and the call counter are graph constants.
+        self._base = (step.to(torch.int64) * 0x2545F491 + rank.to(torch.int64).reshape(()) * 0x9E3779B
+                      + (seed & _MASK32)) & _MASK32
+        self._calls = 0
+
+    def next_key(self):
+        self._calls += 1
+        return _hash32(self._base ^ (self._calls * 0x632BE5AB & _MASK32))
+
+
+def _make_mode(rng: _CounterRng):
+    import torch
+    import torch.nn.functional as F
+    from torch.overrides import TorchFunctionMode
+
+    refused = {getattr(torch, n, None) for n in RANDOM_FUNCTIONS} | {getattr(F, n, None) for n in RANDOM_FUNCTIONS}
+    refused |= {getattr(torch.Tensor, n, None) for n in ("bernoulli_", "uniform_", "normal_", "random_",
+                                                         "exponential_", "geometric_", "cauchy_", "log_normal_")}
+    refused.discard(None)
+
+    class CounterRngMode(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            if func is F.dropout:
+                return _dropout(rng, *args, **kwargs)
+            if func is F.scaled_dot_product_attention and _sdpa_dropout(args, kwargs):
+                raise CaptureError("F.scaled_dot_product_attention with dropout_p > 0 cannot be captured "
+                                   "reproducibly; apply nn.Dropout to the attention weights instead")
+            if func in refused:
+                name = getattr(func, "__name__", str(func))
+                raise CaptureError(f"random function {name!r} cannot be captured in a training step (only "
+                                   f"dropout is supported, with counter-based masks); compute it outside the step")
+            return func(*args, **kwargs)
+
+    return CounterRngMode()
+
+
+def _sdpa_dropout(args, kwargs) -> bool:
+    p = kwargs.get("dropout_p", args[4] if len(args) > 4 else 0.0)
+    return bool(p)
+
+
+def _dropout(rng: _CounterRng, input, p: float = 0.5, training: bool = True, inplace: bool = False):
+    if p < 0 or p > 1:
+        raise CaptureError(f"dropout probability has to be between 0 and 1, got {p}")
+    if not training or p == 0:
+        return input
+    if p == 1:
+        return input * 0
+    keep = uniform_from_counter(rng.next_key(), tuple(input.shape), input.dtype) >= p
+    return input * keep.to(input.dtype) * (1.0 / (1 - p))
+
+
+@contextlib.contextmanager
+def counter_rng(seed: int, step, rank):
+    """Within: ``F.dropout`` draws counter-based masks keyed by (seed, step, rank, call number)."""
+    with _make_mode(_CounterRng(seed, step, rank)):
+        yield

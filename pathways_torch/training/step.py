@@ -1,0 +1,116 @@
+"""The captured training step: forward + loss + backward + gradient reduction + clipping + update.
+
+`make_step` returns a per-shard function over flat tensors, run as one
+``@pw.function`` on the mesh. Its inputs, in order:
+
+    flat parameter buffers (one per bucket) · optimizer state (per bucket, per state name)
+    · module buffers · frozen parameters · scalars = float64[1 + groups] (step number, then
+    each group's learning rate) · rank = int64[1] (this shard's index on the data axis)
+    · the batch tensors
+
+and its outputs: the mean loss over the global batch, then the new parameter
+buffers, optimizer state and module buffers in the same order. The step number
+and learning rates are tensors so that a schedule changes them without a new
+capture; every other hyper-parameter is a graph constant (changing one captures
+a new version).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+from .buckets import Bucket, flatten, unflatten
+from .optimizers import OptimizerSpec, apply_update
+from .random import counter_rng
+
+__all__ = ["StepLayout", "make_step"]
+
+
+@dataclasses.dataclass(frozen=True)
+class StepLayout:
+    """The order and meaning of the step's tensors."""
+
+    buckets: tuple[Bucket, ...]
+    state_names: tuple[str, ...]
+    buffer_names: tuple[str, ...]
+    frozen_names: tuple[str, ...]
+    num_groups: int
+
+    @property
+    def num_state_inputs(self) -> int:
+        return len(self.buckets) * (1 + len(self.state_names)) + len(self.buffer_names)
+
+    def describe(self) -> str:
+        lines = [f"bucket {i}: {b.describe()}" for i, b in enumerate(self.buckets)]
+        lines.append(f"optimizer state per bucket: {list(self.state_names)}")
+        lines.append(f"buffers: {list(self.buffer_names)}; frozen: {list(self.frozen_names)}")
+        return "\n".join(lines)
+
+
+def make_step(model, loss_fn: Callable | None, spec: OptimizerSpec, layout: StepLayout, plan, num_shards: int,
+              seed: int, max_grad_norm: float | None) -> Callable:
+    """The per-shard step function (to be captured); see the module docstring for its signature."""
+    import torch
+    from torch.func import functional_call, grad_and_value
+
+    from ..collectives import all_reduce
+
+    buckets, num_states = layout.buckets, len(layout.state_names)
+
+    def step(*tensors, static_key=None):   # static_key: hyper-parameters, in the trace signature only
+        it = iter(tensors)
+        flats = [next(it) for _ in buckets]
+        states = [tuple(next(it) for _ in range(num_states)) for _ in buckets]
+        buffers = {name: next(it) for name in layout.buffer_names}
+        frozen = {name: next(it) for name in layout.frozen_names}
+        scalars, rank = next(it), next(it)
+        batch = list(it)
+        step_number, lrs = scalars[0], scalars[1:]
+
+        params = {}
+        for bucket, flat in zip(buckets, flats):
+            params.update(unflatten(bucket, plan.gather(flat, bucket.numel, num_shards)))
+
+        def loss_of(params, buffers):
+            # Buffers are inputs of the transformed function so that in-place updates
+            # (e.g. running statistics) are allowed; they act on copies and come back as aux.
+            buffers = {name: b.clone() for name, b in buffers.items()}
+            with counter_rng(seed, step_number, rank):
+                loss = _forward_loss(functional_call, model, loss_fn, {**params, **frozen, **buffers}, batch)
+            return loss, buffers
+
+        grads, (loss, new_buffers) = grad_and_value(loss_of, has_aux=True)(params, buffers)
+        loss = all_reduce(loss.detach(), plan.axis, "mean") if num_shards > 1 else loss.detach()
+        padded = [b.padded_numel(num_shards) if plan.sharded_state else b.numel for b in buckets]
+        grad_flats = [plan.reduce_gradient(flatten(b, grads, n), num_shards) for b, n in zip(buckets, padded)]
+        if max_grad_norm is not None:
+            grad_flats = _clip(grad_flats, max_grad_norm, plan, num_shards)
+        new_flats, new_states = [], []
+        for bucket, flat, grad, state in zip(buckets, flats, grad_flats, states):
+            new_param, new_state = apply_update(spec, bucket.group, flat, grad, state, step_number,
+                                                lrs[bucket.group])
+            new_flats.append(new_param)
+            new_states.extend(new_state)
+        return (loss, *new_flats, *new_states, *[new_buffers[name] for name in layout.buffer_names])
+
+    step.__name__ = f"train_step[{type(model).__name__}]"
+    return step
+
+
+def _forward_loss(functional_call, model, loss_fn, tensors: dict, batch: list):
+    """``loss_fn(model(*inputs), target)`` with batch = (*inputs, target); ``model(*batch)`` if no loss_fn."""
+    if loss_fn is None:
+        return functional_call(model, tensors, tuple(batch))
+    output = functional_call(model, tensors, tuple(batch[:-1]))
+    return loss_fn(output, batch[-1])
+
+
+def _clip(grad_flats: list, max_norm: float, plan, num_shards: int) -> list:
+    """Scale every gradient by min(1, max_norm / (global L2 norm + 1e-6)), as clip_grad_norm_ does."""
+    import torch
+
+    squares = sum((g.to(torch.float64) ** 2).sum() for g in grad_flats)
+    total = plan.global_sum(squares, num_shards).sqrt()
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    return [g * coef.to(g.dtype) for g in grad_flats]

@@ -1,0 +1,243 @@
+"""`Trainer`: a user's ``nn.Module`` + ``torch.optim`` optimizer trained on a mesh (made by ``ctx.wrap``).
+
+Parameters, buffers and optimizer state are put on the executors once and stay
+there; each `step` puts the batch's shards straight onto the executors that use
+them, dispatches one captured step and returns the loss as a future at once, so
+the client runs ahead of the executors.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Callable
+
+from ..errors import CaptureError, PlacementError
+from ..functions import Function
+from ..placement import Replicate, Shard
+from .buckets import flatten, make_buckets, unflatten
+from .checkpoint import read_checkpoint, write_checkpoint
+from .locate import user_frame_summary
+from .optimizers import read_optimizer
+from .plans import DataParallel
+from .step import StepLayout, make_step
+
+__all__ = ["Trainer"]
+
+log = logging.getLogger(__name__)
+
+
+class Trainer:
+    """Train ``model`` with ``optimizer`` under ``plan`` on ``mesh``; see `Context.wrap`."""
+
+    def __init__(self, context, model, *, optimizer, loss_fn: Callable | None, mesh, plan=None,
+                 max_grad_norm: float | None = None, seed: int = 0):
+        import torch
+
+        plan = plan if plan is not None else DataParallel(next(iter(mesh.axes)))
+        if not isinstance(plan, DataParallel):
+            raise PlacementError(f"plan: expected pw.DataParallel(axis) or pw.ShardedDataParallel(axis), got {plan!r}")
+        if max_grad_norm is not None and not max_grad_norm > 0:
+            raise ValueError(f"max_grad_norm: expected a positive number or None, got {max_grad_norm!r}")
+        if not isinstance(model, torch.nn.Module):
+            raise TypeError(f"ctx.wrap: expected an nn.Module, got {type(model).__name__}")
+        self._context, self.model, self.optimizer, self.loss_fn = context, model, optimizer, loss_fn
+        self.mesh, self.plan = mesh, plan
+        self.max_grad_norm, self.seed = max_grad_norm, int(seed)
+        self.num_shards = plan.check(mesh)
+        self._spec = read_optimizer(optimizer)
+        buckets, frozen = make_buckets(model, optimizer)
+        self.layout = StepLayout(buckets=tuple(buckets), state_names=self._spec.state_names,
+                                 buffer_names=tuple(n for n, _ in model.named_buffers()),
+                                 frozen_names=tuple(frozen), num_groups=len(optimizer.param_groups))
+        self.step_count = 0          # steps dispatched (the step number of the last one)
+        self.samples_seen = 0        # batch rows dispatched: the data position a checkpoint records
+        self.step_count = self._optimizer_step_count()
+        self._function = self._make_function()
+        self._rank = context.put(torch.arange(self.num_shards, dtype=torch.int64), mesh, {plan.axis: Shard(0)})
+        self._put_state(self._initial_tensors())
+
+    # ------------------------------------------------------------ set-up
+
+    def _make_function(self) -> Function:
+        state = self.plan.state_placement()
+        outs = ([Replicate()] + [state] * len(self.layout.buckets) * (1 + len(self.layout.state_names))
+                + [Replicate()] * len(self.layout.buffer_names))
+        step = make_step(self.model, self.loss_fn, self._spec, self.layout, self.plan, self.num_shards, self.seed,
+                         self.max_grad_norm)
+        return Function(step, out=tuple(outs), name=step.__name__, mesh=self.mesh)
+
+    def _initial_tensors(self) -> dict:
+        """Named host tensors of the whole training state, from the user's model and optimizer."""
+        import torch
+
+        params = dict(self.model.named_parameters())
+        tensors = {f"model/{n}": t.detach() for n, t in self.model.named_buffers()}
+        tensors.update({f"model/{n}": p.detach() for n, p in params.items()})
+        for name in self.layout.state_names:
+            for bucket in self.layout.buckets:
+                for slot in bucket.slots:
+                    existing = self.optimizer.state.get(params[slot.name], {}).get(name)
+                    value = existing if existing is not None else torch.zeros_like(params[slot.name])
+                    tensors[f"optimizer/{slot.name}/{name}"] = value.detach()
+        return tensors
+
+    def _optimizer_step_count(self) -> int:
+        """The step count of an optimizer that has already stepped (0 for a fresh one)."""
+        steps = {float(s["step"]) for s in self.optimizer.state.values() if "step" in s}
+        if len(steps) > 1:
+            raise CaptureError(f"optimizer state: parameters are at different step counts {sorted(steps)}; "
+                               f"the captured update keeps one step count")
+        return int(steps.pop()) if steps else 0
+
+    def _put_state(self, tensors: dict) -> None:
+        """Put the named training state on the executors (flat buckets under the plan's placement)."""
+        put, mesh, layout = self._context.put, self.mesh, self.layout
+        placement = self.plan.state_placement()
+        padded = [b.padded_numel(self.num_shards) if self.plan.sharded_state else b.numel for b in layout.buckets]
+
+        def bucket_flat(bucket, n, key):
+            return flatten(bucket, {s.name: tensors[key(s.name)].to(bucket.dtype) for s in bucket.slots}, n)
+
+        self._flats = [put(bucket_flat(b, n, lambda s: f"model/{s}"), mesh, placement)
+                       for b, n in zip(layout.buckets, padded)]
+        self._states = [put(bucket_flat(b, n, lambda s, name=name: f"optimizer/{s}/{name}"), mesh, placement)
+                        for name in layout.state_names for b, n in zip(layout.buckets, padded)]
+        self._buffers = [put(tensors[f"model/{n}"], mesh, Replicate()) for n in layout.buffer_names]
+        self._frozen = [put(tensors[f"model/{n}"], mesh, Replicate()) for n in layout.frozen_names]
+
+    # ------------------------------------------------------------ stepping
+
+    def step(self, batch):
+        """Dispatch one training step on ``batch`` and return its loss (a replicated 0-d `pw.Array`) at once.
+
+        ``batch`` is ``(*inputs, target)``: the loss is ``loss_fn(model(*inputs), target)``
+        (``model(*batch)`` when ``loss_fn`` is None). Every tensor is split on dim 0
+        over the plan's axis.
+        """
+        import torch
+
+        tensors = self._batch_tensors(batch)
+        spec = read_optimizer(self.optimizer)   # hyper-parameters may change between steps
+        lrs = [float(group["lr"]) for group in self.optimizer.param_groups]
+        scalars = torch.tensor([self.step_count + 1, *lrs], dtype=torch.float64)
+        ctx, mesh, axis = self._context, self.mesh, self.plan.axis
+        arrays = [*self._flats, *self._states_in_bucket_order(), *self._buffers, *self._frozen,
+                  ctx.put(scalars, mesh, Replicate()), self._rank,
+                  *[ctx.put(t, mesh, {axis: Shard(0)}) for t in tensors]]
+        self._spec = spec
+        try:
+            outputs = self._function(*arrays, static_key=spec.static_key())
+        except CaptureError as exc:
+            raise self._located(exc) from exc.__cause__
+        self._take_outputs(outputs)
+        self.step_count += 1
+        self.samples_seen += int(tensors[0].shape[0])
+        return outputs[0]
+
+    def _states_in_bucket_order(self) -> list:
+        """State arrays ordered bucket-major (the step's input order); stored name-major."""
+        num_buckets, num_states = len(self.layout.buckets), len(self.layout.state_names)
+        return [self._states[s * num_buckets + b] for b in range(num_buckets) for s in range(num_states)]
+
+    def _take_outputs(self, outputs) -> None:
+        num_buckets, num_states = len(self.layout.buckets), len(self.layout.state_names)
+        self._flats = list(outputs[1:1 + num_buckets])
+        by_bucket = outputs[1 + num_buckets:1 + num_buckets * (1 + num_states)]
+        self._states = [by_bucket[b * num_states + s] for s in range(num_states) for b in range(num_buckets)]
+        self._buffers = list(outputs[1 + num_buckets * (1 + num_states):])
+
+    def _batch_tensors(self, batch) -> list:
+        import torch
+
+        tensors = [batch] if isinstance(batch, torch.Tensor) else list(batch)
+        if not tensors or not all(isinstance(t, torch.Tensor) for t in tensors):
+            raise PlacementError(f"trainer.step: expected a tensor or a tuple of tensors (*inputs, target), "
+                                 f"got {type(batch).__name__}")
+        for index, t in enumerate(tensors):
+            if t.dim() == 0 or t.shape[0] % self.num_shards:
+                size = t.shape[0] if t.dim() else "a 0-d tensor"
+                raise PlacementError(
+                    f"trainer.step: batch tensor {index} has {size} rows, not divisible by the {self.num_shards} "
+                    f"shards of mesh axis {self.plan.axis!r}; use a batch size that is a multiple of "
+                    f"{self.num_shards} (or drop the last partial batch)")
+        return tensors
+
+    def _located(self, exc: CaptureError) -> CaptureError:
+        where = user_frame_summary(exc, self.model)
+        if where is None:
+            return exc
+        return CaptureError(f"{type(self.model).__name__}: the training step cannot be captured at {where}\n{exc}")
+
+    # ------------------------------------------------------------ state
+
+    def state_dict(self) -> dict:
+        """The training state as ordinary host tensors: ``{"model": ..., "optimizer": ..., "step": int}``.
+
+        ``model`` is keyed like ``model.state_dict()``; ``optimizer`` maps each trained
+        parameter's name to its state tensors. Waits for the dispatched steps.
+        """
+        tensors = self._named_tensors()
+        model = {k.removeprefix("model/"): v for k, v in tensors.items() if k.startswith("model/")}
+        optimizer: dict = {}
+        for key, value in tensors.items():
+            if key.startswith("optimizer/"):
+                name, state = key.removeprefix("optimizer/").rsplit("/", 1)
+                optimizer.setdefault(name, {})[state] = value
+        return {"model": model, "optimizer": optimizer, "step": self.step_count}
+
+    def _named_tensors(self) -> dict:
+        tensors = {}
+        layout = self.layout
+        for bucket, flat in zip(layout.buckets, self._flats):
+            tensors.update({f"model/{n}": t.clone() for n, t in unflatten(bucket, flat.result()).items()})
+        num_buckets = len(layout.buckets)
+        for s, name in enumerate(layout.state_names):
+            for b, bucket in enumerate(layout.buckets):
+                values = unflatten(bucket, self._states[s * num_buckets + b].result())
+                tensors.update({f"optimizer/{n}/{name}": t.clone() for n, t in values.items()})
+        for name, array in zip(layout.buffer_names, self._buffers):
+            tensors[f"model/{name}"] = array.result()
+        for name, array in zip(layout.frozen_names, self._frozen):
+            tensors[f"model/{name}"] = array.result()
+        return tensors
+
+    def save(self, path: str, *, data_position: dict | None = None) -> str:
+        """Write a checkpoint directory (safetensors + JSON, no pickle); returns the file written.
+
+        Holds parameters, buffers, optimizer state, the step count, the dropout RNG
+        seed, the client's torch RNG state and the data position (``samples_seen``,
+        plus any integers given in ``data_position``).
+        """
+        meta = {"step": self.step_count, "samples_seen": self.samples_seen, "seed": self.seed,
+                "optimizer": self._spec.kind, "plan": type(self.plan).__name__,
+                "data_position": dict(data_position or {})}
+        import torch
+
+        tensors = self._named_tensors()
+        tensors["rng/torch"] = torch.get_rng_state()
+        return write_checkpoint(path, tensors, meta)
+
+    def load(self, path: str) -> dict:
+        """Restore a checkpoint written by `save` (under any plan and mesh size); returns its metadata."""
+        tensors, meta = read_checkpoint(path)
+        expected = set(self._initial_tensors())
+        missing, unexpected = sorted(expected - set(tensors)), sorted(set(tensors) - expected - {"rng/torch"})
+        if missing or unexpected:
+            raise ValueError(f"checkpoint {path}: does not match this model and optimizer; missing {missing[:5]}, "
+                             f"unexpected {unexpected[:5]}; load it into the model it was saved from")
+        if meta.get("optimizer") != self._spec.kind:
+            raise ValueError(f"checkpoint {path}: saved with a {meta.get('optimizer')!r} optimizer, this trainer "
+                             f"uses {self._spec.kind!r}")
+        self._put_state(tensors)
+        self.step_count, self.samples_seen = int(meta["step"]), int(meta["samples_seen"])
+        self.seed = int(meta["seed"])
+        self._function = self._make_function()
+        if "rng/torch" in tensors:
+            import torch
+
+            torch.set_rng_state(tensors["rng/torch"])
+        return meta
+
+    def __repr__(self) -> str:
+        return (f"<Trainer {type(self.model).__name__} {type(self.plan).__name__}({self.plan.axis!r}) on "
+                f"{self.num_shards} shards, {len(self.layout.buckets)} buckets, step {self.step_count}>")
