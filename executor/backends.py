@@ -144,12 +144,42 @@ class XlaBackend(TorchBackend):
         # Device data, as real inputs will be: zeros made on the XLA device would be graph
         # constants and give a different graph (and a second compile).
         zeros = [torch.zeros(t.shape, dtype=t.dtype).to(self._device) for t in example_inputs]
-        self._sync(_as_list(module(*zeros)))  # XLA compiles here and caches the executable
-        fallbacks = self._metrics.executed_fallback_ops()
+        fallbacks = self._fallbacks_of(module, zeros)
         if fallbacks:
-            # torch_xla ran these aten ops on the host: correct, but slow. Say so.
-            log.warning("xla: ops executed by CPU fallback, not XLA: %s", ", ".join(sorted(fallbacks)))
+            module = self._decomposed(module, zeros, fallbacks)
+            fallbacks = self._fallbacks_of(module, zeros)
+            if fallbacks:
+                # torch_xla ran these aten ops on the host: correct, but slow. Say so.
+                log.warning("xla: ops executed by CPU fallback, not XLA: %s", ", ".join(sorted(fallbacks)))
+        module = _sync_before_collectives(module, self._sync)
+        self._sync(_as_list(module(*zeros)))  # XLA compiles here and caches the executable
         return module
+
+    def _fallbacks_of(self, module, zeros) -> set[str]:
+        """Run ``module`` once lazily and return the aten ops torch_xla ran on the host meanwhile."""
+        before = self._fallback_counts()
+        self._sync(_as_list(module(*zeros)))
+        after = self._fallback_counts()
+        return {op for op, count in after.items() if count > before.get(op, 0)}
+
+    def _fallback_counts(self) -> dict[str, int]:
+        return {op: self._metrics.counter_value(op) or 0 for op in self._metrics.executed_fallback_ops()}
+
+    def _decomposed(self, module, zeros, ops: set[str]):
+        """Re-trace ``module`` with torch's decompositions of the ops torch_xla lacks (e.g. LayerNorm's backward).
+
+        The re-trace runs on lazy XLA tensors (nothing executes), so the graph keeps the
+        XLA device; ops without a decomposition stay as they are.
+        """
+        import torch
+        from torch._decomp import get_decompositions
+        from torch.fx.experimental.proxy_tensor import make_fx
+
+        packets = [getattr(torch.ops.aten, op.split("::", 1)[1], None) for op in ops if op.startswith("aten::")]
+        table = get_decompositions([p for p in packets if p is not None])
+        if not table:
+            return module
+        return make_fx(module, decomposition_table=table)(*zeros)
 
     def run(self, compiled, inputs):
         outputs = _as_list(compiled(*inputs))
@@ -189,6 +219,37 @@ class InductorBackend(TorchBackend):
 
     def num_compiles(self) -> int:
         return self._compiles
+
+
+def _sync_before_collectives(graph_module, sync):
+    """Materialise every live lazy value in one execution before each collective.
+
+    A collective's XLA kernel moves its input to the host, which executes only the
+    graph *that tensor* needs. Values computed alongside it (the other gradient
+    buckets, the loss, new buffers) stay pending and their next use re-executes the
+    shared forward and backward. Syncing all values still live at the cut computes
+    the segment once.
+    """
+    import torch
+
+    nodes = list(graph_module.graph.nodes)
+    position = {node: i for i, node in enumerate(nodes)}
+    last_use = {node: max((position[u] for u in node.users), default=-1) for node in nodes}
+    cuts = [n for n in nodes if n.op == "call_function" and getattr(n.target, "namespace", "") == "pathways"]
+    if not cuts:
+        return graph_module
+
+    def sync_tensors(values):
+        tensors = [v for v in values if isinstance(v, torch.Tensor)]
+        if tensors:
+            sync(tensors)
+
+    for cut in cuts:
+        live = [n for n in nodes[:position[cut]] if n.op == "call_function" and last_use[n] >= position[cut]]
+        with graph_module.graph.inserting_before(cut):
+            graph_module.graph.call_function(sync_tensors, (live,))
+    graph_module.recompile()
+    return graph_module
 
 
 def _as_list(out) -> list:
