@@ -43,7 +43,9 @@ class CausalSelfAttention(nn.Module):
         if cfg.width % cfg.heads:
             raise ValueError(f"width {cfg.width} must be divisible by heads {cfg.heads}")
         self.heads = cfg.heads
-        self.qkv = nn.Linear(cfg.width, 3 * cfg.width)
+        # No bias: a key bias gets an exactly-zero gradient (softmax ignores it) that Adam would
+        # turn into float32 noise-driven updates.
+        self.qkv = nn.Linear(cfg.width, 3 * cfg.width, bias=False)
         self.proj = nn.Linear(cfg.width, cfg.width)
         self.drop = nn.Dropout(cfg.dropout)
 

@@ -1,0 +1,290 @@
+"""Training with ctx.wrap on real executors (eager backend), checked against single-process eager
+training from the same weights: numerics for both plans at N = 1, 2, 4, sharded storage, clipping,
+asynchronous steps, checkpoints that resume exactly, and bad input that changes nothing."""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import sys
+
+import pytest
+import torch
+import torch.nn as nn
+
+import pathways_torch as pw
+from tests.conftest import REPO_ROOT, wait_until
+
+sys.path.insert(0, os.path.join(REPO_ROOT, "examples"))
+from transformer import DecoderOnlyTransformer, ReverseTask, TransformerConfig, loss_fn  # noqa: E402
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
+
+CFG = TransformerConfig(vocab=12, length=4, width=16, depth=1, heads=2)
+PLANS = {"dp": pw.DataParallel("data"), "sdp": pw.ShardedDataParallel("data")}
+
+
+@pytest.fixture(scope="module")
+def ctx():
+    with pw.Context(num_executors=4, backend="eager") as context:
+        yield context
+
+
+def _mesh(ctx, n):
+    return ctx.mesh({"data": n}, executors=list(range(n)))
+
+
+def _model(dtype=torch.float64, dropout=0.0, seed=0):
+    torch.manual_seed(seed)
+    return DecoderOnlyTransformer(dataclass_replace(CFG, dropout=dropout)).to(dtype)
+
+
+def dataclass_replace(cfg, **changes):
+    import dataclasses
+
+    return dataclasses.replace(cfg, **changes)
+
+
+def _batches(steps, batch_size=8):
+    task = ReverseTask(CFG, seed=3)
+    return [task.batch(i, batch_size) for i in range(steps)]
+
+
+def _adamw(params):
+    return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.01)
+
+
+def _eager(model, batches, max_grad_norm=None):
+    """The oracle: the same model trained in this process, op by op."""
+    optimizer = _adamw(model.parameters())
+    losses = []
+    for x, y in batches:
+        optimizer.zero_grad()
+        loss = loss_fn(model(x), y)
+        loss.backward()
+        if max_grad_norm is not None:
+            nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
+        optimizer.step()
+        losses.append(loss.item())
+    return torch.tensor(losses, dtype=torch.float64), model.state_dict()
+
+
+def _distributed(ctx, model, batches, plan, n, max_grad_norm=None):
+    trainer = ctx.wrap(model, optimizer=_adamw(model.parameters()), loss_fn=loss_fn, mesh=_mesh(ctx, n), plan=plan,
+                       max_grad_norm=max_grad_norm)
+    futures = [trainer.step(b) for b in batches]
+    losses = torch.tensor([f.result(60).item() for f in futures], dtype=torch.float64)
+    return losses, trainer.state_dict()["model"], trainer
+
+
+def _relative_error(a, b) -> float:
+    return ((a.double() - b.double()).abs().max() / b.double().abs().max().clamp_min(1e-30)).item()
+
+
+@pytest.mark.parametrize("n", [1, 2, 4])
+@pytest.mark.parametrize("plan", sorted(PLANS))
+def test_float64_matches_eager_within_1e_9_over_20_steps(ctx, plan, n):
+    batches = _batches(20)
+    ref_losses, ref_params = _eager(_model(), batches)
+    losses, params, _ = _distributed(ctx, _model(), batches, PLANS[plan], n)
+    assert _relative_error(losses, ref_losses) < 1e-9
+    assert ref_losses[-1] < 0.9 * ref_losses[0]          # it trained: the comparison is not of constants
+    for name, value in ref_params.items():
+        assert _relative_error(params[name], value) < 1e-9, name
+
+
+@pytest.mark.parametrize("n", [1, 2, 4])
+@pytest.mark.parametrize("plan", sorted(PLANS))
+def test_float32_matches_eager_within_1e_4_over_50_steps_without_drift(ctx, plan, n):
+    batches = _batches(50)
+    ref_losses, ref_params = _eager(_model(torch.float32), batches)
+    losses, params, _ = _distributed(ctx, _model(torch.float32), batches, PLANS[plan], n)
+    diffs = ((losses - ref_losses).abs() / ref_losses.abs())
+    assert diffs.max() < 1e-4, diffs.tolist()
+    # No upward drift: the late steps differ no more than the early ones (above float32 noise).
+    assert diffs[-10:].mean() <= max(4 * diffs[:10].mean().item(), 1e-6), diffs.tolist()
+    for name, value in ref_params.items():
+        assert _relative_error(params[name], value) < 1e-4, name
+
+
+def test_sharded_plan_stores_a_1_over_n_share_of_parameters_and_optimizer_state(ctx):
+    n = 4
+    model = _model(torch.float32)
+    total = sum(p.numel() for p in model.parameters())
+
+    def stored():
+        gc.collect()
+        return [e["store_bytes"] for e in ctx.stats()["executors"].values()]
+
+    def added(baseline, low, high):
+        return wait_until(lambda: all(low <= b - b0 <= high for b, b0 in zip(stored(), baseline)), 10)
+
+    baseline = stored()
+    _, _, sharded = _distributed(ctx, model, _batches(2), PLANS["sdp"], n)
+    bucket = sharded.layout.buckets[0]
+    share = 3 * 4 * bucket.padded_numel(n) // n           # params + exp_avg + exp_avg_sq, float32
+    assert bucket.padded_numel(n) - total < n             # padding below one element per shard
+    # Besides the share, a few scalars: the shard's rank and the last loss.
+    assert added(baseline, share, share + 64), (stored(), baseline, share)
+    del sharded
+    assert wait_until(lambda: stored() == baseline, 10), (stored(), baseline)
+    _, _, replicated = _distributed(ctx, _model(torch.float32), _batches(2), PLANS["dp"], n)
+    assert added(baseline, 3 * 4 * total, 3 * 4 * total + 64), (stored(), baseline, total)
+
+
+def test_clipping_that_triggers_gives_the_same_result_under_both_plans(ctx):
+    batches = _batches(5)
+    probe = _model()
+    loss_fn(probe(batches[0][0]), batches[0][1]).backward()
+    norm = torch.sqrt(sum((p.grad ** 2).sum() for p in probe.parameters())).item()
+    limit = norm / 10
+    ref_losses, ref_params = _eager(_model(), batches, max_grad_norm=limit)
+    results = {plan: _distributed(ctx, _model(), batches, PLANS[plan], 2, max_grad_norm=limit) for plan in PLANS}
+    unclipped, _ = _eager(_model(), batches)
+    assert _relative_error(unclipped, ref_losses) > 1e-6   # the limit changed the run
+    for plan, (losses, params, _) in results.items():
+        assert _relative_error(losses, ref_losses) < 1e-9, plan
+        for name, value in ref_params.items():
+            assert _relative_error(params[name], value) < 1e-9, (plan, name)
+
+
+def test_step_returns_before_it_runs_and_the_next_is_enqueued_meanwhile(ctx, tmp_path):
+    model = DecoderOnlyTransformer(dataclass_replace(CFG, width=64, depth=2)).double()
+    trainer = ctx.wrap(model, optimizer=_adamw(model.parameters()), loss_fn=loss_fn, mesh=_mesh(ctx, 2))
+    batches = _batches(8, batch_size=64)
+    trainer.step(batches[0]).result(60)               # capture happens on the first step
+    futures = [trainer.step(b) for b in batches[1:]]
+    assert not futures[-1].done()                    # the client is ahead of the executors
+    futures[-1].result(60)
+    events = ctx.trace(str(tmp_path / "trace.json"))["traceEvents"]
+    name = trainer._function.name
+    runs = sorted((e for e in events if e.get("ph") == "X" and e["name"] == name and e["pid"] == 0),
+                  key=lambda e: e["args"]["seq"])[-7:]
+    received = {e["args"]["seq"]: e["ts"] for e in events
+                if e.get("cat") == "receive" and e["name"] == f"receive {name}" and e["pid"] == 0}
+    overlapped = [k for k in range(len(runs) - 1) if received[runs[k + 1]["args"]["seq"]] < runs[k]["ts"] + runs[k]["dur"]]
+    assert len(overlapped) >= len(runs) - 2, (overlapped, json.dumps(runs[:2]))
+
+
+def test_resumed_run_with_dropout_repeats_the_uninterrupted_losses_exactly(ctx, tmp_path):
+    batches = _batches(6)
+
+    def trainer_for(seed):
+        model = _model(torch.float32, dropout=0.2, seed=seed)
+        return ctx.wrap(model, optimizer=_adamw(model.parameters()), loss_fn=loss_fn, mesh=_mesh(ctx, 2), seed=7)
+
+    whole = trainer_for(0)
+    expected = [whole.step(b).result(60).item() for b in batches]
+    first = trainer_for(0)
+    losses = [first.step(b).result(60).item() for b in batches[:3]]
+    path = first.save(str(tmp_path / "ckpt"), data_position={"epoch": 0})
+    resumed = trainer_for(1)                            # other initial weights: the checkpoint must win
+    meta = resumed.load(str(tmp_path / "ckpt"))
+    assert (meta["step"], meta["samples_seen"], meta["data_position"]) == (3, 24, {"epoch": 0})
+    losses += [resumed.step(b).result(60).item() for b in batches[resumed.step_count:]]
+    assert losses == expected
+    assert len(set(expected)) == len(expected) and path.endswith(".safetensors")
+    state = resumed.state_dict()
+    assert state["step"] == 6 and all(type(t) is torch.Tensor for t in state["model"].values())
+    assert set(state["optimizer"]["head.weight"]) == {"exp_avg", "exp_avg_sq"}
+    # Without dropout masks keyed to the step, a second run would differ: the masks matter.
+    model = _model(torch.float32, dropout=0.2)
+    other_seed = ctx.wrap(model, optimizer=_adamw(model.parameters()), loss_fn=loss_fn, mesh=_mesh(ctx, 2), seed=8)
+    assert other_seed.step(batches[0]).result(60).item() != expected[0]
+
+
+class _Gate(nn.Module):
+    def forward(self, x):
+        if x.sum() > 0:                     # branches on a tensor value: cannot be captured
+            return x
+        return -x
+
+
+class _Branchy(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(4, 2)
+        self.gate = _Gate()
+
+    def forward(self, x):
+        return self.gate(self.proj(x))
+
+
+@torch.library.custom_op("pathways_test::twice", mutates_args=())
+def _twice(x: torch.Tensor) -> torch.Tensor:
+    return x * 2
+
+
+_twice.register_fake(lambda x: torch.empty_like(x))
+
+
+class _Foreign(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(4, 2)
+
+    def forward(self, x):
+        return _twice(self.proj(x))
+
+
+def _state(trainer):
+    return {k: v.clone() for k, v in trainer.state_dict()["model"].items()}
+
+
+def _same(a, b):
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.parametrize("module,match", [
+    (_Branchy, r"module 'gate' \(_Gate\), .*test_training.py, line \d+, in forward: if x.sum\(\) > 0:"),
+    # An op without an autograd formula: named, with the line that calls it.
+    (_Foreign, r"module '<root>' \(_Foreign\), .*line \d+, in forward: return _twice\(self.proj\(x\)\)"),
+])
+def test_a_step_that_cannot_be_captured_is_refused_and_changes_nothing(ctx, module, match):
+    model = module()
+    trainer = ctx.wrap(model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                       loss_fn=nn.functional.mse_loss, mesh=_mesh(ctx, 2))
+    before = _state(trainer)
+    with pytest.raises(pw.CaptureError, match=match):
+        trainer.step((torch.randn(4, 4), torch.randn(4, 2)))
+    assert _same(before, _state(trainer)) and trainer.step_count == 0
+
+
+def test_batch_not_divisible_by_the_data_axis_is_refused_and_changes_nothing(ctx):
+    model = _model()
+    trainer = ctx.wrap(model, optimizer=_adamw(model.parameters()), loss_fn=loss_fn, mesh=_mesh(ctx, 4))
+    trainer.step(_batches(1, batch_size=8)[0]).result(60)
+    before = _state(trainer)
+    with pytest.raises(pw.PlacementError, match=r"6 rows, not divisible by the 4 shards .* multiple of 4"):
+        trainer.step(_batches(1, batch_size=6)[0])
+    assert _same(before, _state(trainer)) and trainer.step_count == 1
+
+
+def test_unsupported_optimizer_option_is_refused_at_wrap(ctx):
+    model = _model()
+    with pytest.raises(pw.CaptureError, match="amsgrad=True"):
+        ctx.wrap(model, optimizer=torch.optim.AdamW(model.parameters(), amsgrad=True), loss_fn=loss_fn,
+                 mesh=_mesh(ctx, 2))
+    with pytest.raises(pw.PlacementError, match="axes \\['data'\\]"):
+        ctx.wrap(model, optimizer=_adamw(model.parameters()), loss_fn=loss_fn, mesh=_mesh(ctx, 2),
+                 plan=pw.DataParallel("batch"))
+
+
+def test_learning_rate_changes_every_step_without_a_new_capture(ctx):
+    model = _model()
+    optimizer = _adamw(model.parameters())
+    trainer = ctx.wrap(model, optimizer=optimizer, loss_fn=loss_fn, mesh=_mesh(ctx, 2))
+    reference = _model()
+    ref_optimizer = _adamw(reference.parameters())
+    for step, (x, y) in enumerate(_batches(4)):
+        for opt in (optimizer, ref_optimizer):
+            opt.param_groups[0]["lr"] = 1e-3 * (step + 1)
+        trainer.step((x, y))
+        ref_optimizer.zero_grad()
+        loss_fn(reference(x), y).backward()
+        ref_optimizer.step()
+    assert trainer._function.num_traces == 1
+    params = trainer.state_dict()["model"]
+    for name, value in reference.state_dict().items():
+        assert _relative_error(params[name], value) < 1e-9, name
