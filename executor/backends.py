@@ -179,7 +179,7 @@ class XlaBackend(TorchBackend):
         table = get_decompositions([p for p in packets if p is not None])
         if not table:
             return module
-        return make_fx(module, decomposition_table=table)(*zeros)
+        return make_fx(module, decomposition_table=table, tracing_mode="fake")(*zeros)
 
     def run(self, compiled, inputs):
         outputs = _as_list(compiled(*inputs))
