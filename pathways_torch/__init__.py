@@ -16,7 +16,7 @@ __all__ = [
     # collectives (inside a function)
     "all_reduce", "all_gather", "reduce_scatter",
     # training
-    "DataParallel", "ShardedDataParallel", "Trainer",
+    "DataParallel", "ShardedDataParallel", "Trainer", "UnsupportedOptimizerError",
     # errors
     "PathwaysError", "RemoteError", "CaptureError", "ExecutorLostError", "ReplicationError",
     "PlacementError", "AuthenticationError",
@@ -39,6 +39,7 @@ _WHERE = {
     "DataParallel": "pathways_torch.training",
     "ShardedDataParallel": "pathways_torch.training",
     "Trainer": "pathways_torch.training",
+    "UnsupportedOptimizerError": "pathways_torch.training",
     "PathwaysError": "pathways_torch.errors",
     "RemoteError": "pathways_torch.errors",
     "CaptureError": "pathways_torch.errors",
