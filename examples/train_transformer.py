@@ -37,6 +37,8 @@ def parse_args(argv=None):
     p.add_argument("--plan", choices=("data", "sharded"), default="data",
                    help="data: pw.DataParallel; sharded: pw.ShardedDataParallel (ZeRO-3-like)")
     p.add_argument("--backend", choices=("xla", "eager", "inductor"), default="xla")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                   help="cuda: one GPU per executor, NCCL collectives (use --backend inductor)")
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--length", type=int, default=12, help="symbols to reverse (context = 2 x length)")
@@ -74,7 +76,7 @@ def main(argv=None) -> int:
     print(f"model: {num_params:,} parameters (width {cfg.width}, depth {cfg.depth}); task: reverse "
           f"{cfg.length} symbols of {cfg.vocab - 2}; {args.executors} {args.backend} executors, plan {args.plan}")
 
-    with pw.Context(num_executors=args.executors, backend=args.backend) as ctx:
+    with pw.Context(num_executors=args.executors, backend=args.backend, device=args.device) as ctx:
         mesh = ctx.mesh({"data": args.executors})
         plan = pw.DataParallel("data") if args.plan == "data" else pw.ShardedDataParallel("data")
         trainer = ctx.wrap(model, optimizer=optimizer, loss_fn=loss_fn, mesh=mesh, plan=plan,

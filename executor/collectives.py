@@ -15,7 +15,7 @@ from __future__ import annotations
 import datetime
 import threading
 
-__all__ = ["CollectiveRuntime", "make_gloo_group"]
+__all__ = ["CollectiveRuntime", "make_gloo_group", "make_nccl_group"]
 
 
 def make_gloo_group(store_path: str, prefix: str, rank: int, size: int, timeout_s: float,
@@ -34,11 +34,28 @@ def make_gloo_group(store_path: str, prefix: str, rank: int, size: int, timeout_
     return dist.ProcessGroupGloo(store, rank, size, options)
 
 
+def make_nccl_group(store_path: str, prefix: str, rank: int, size: int, timeout_s: float, device: str):
+    """An NCCL group for executors on CUDA devices, from the same FileStore rendezvous as gloo.
+
+    ``device`` (``cuda:N``) becomes the current device first: NCCL binds a communicator
+    to it. Untested on this project's CI machines (no GPU); see docs/backends.md.
+    """
+    import torch
+    import torch.distributed as dist
+
+    torch.cuda.set_device(torch.device(device))
+    store = dist.PrefixStore(prefix, dist.FileStore(store_path, size))
+    options = dist.ProcessGroupNCCL.Options()
+    options._timeout = datetime.timedelta(seconds=timeout_s)
+    return dist.ProcessGroupNCCL(store, rank, size, options)
+
+
 class CollectiveRuntime:
     """This executor's process groups and the axis bindings of the running computation."""
 
-    def __init__(self, bind_host: str = "127.0.0.1"):
+    def __init__(self, bind_host: str = "127.0.0.1", device: str = "cpu"):
         self.bind_host = bind_host
+        self.device = device     # NCCL groups on CUDA executors, gloo everywhere else
         self._groups: dict[int, object] = {}
         self._sizes: dict[int, int] = {}
         self._failures: dict[int, str] = {}
@@ -49,8 +66,12 @@ class CollectiveRuntime:
     def form(self, group_id: int, rank: int, size: int, store_path: str, timeout_s: float) -> None:
         """Join group ``group_id`` (blocks until every member has joined, or the timeout)."""
         try:
-            self._groups[group_id] = make_gloo_group(store_path, f"group-{group_id}", rank, size, timeout_s,
-                                                     self.bind_host)
+            if self.device.startswith("cuda"):
+                self._groups[group_id] = make_nccl_group(store_path, f"group-{group_id}", rank, size, timeout_s,
+                                                         self.device)
+            else:
+                self._groups[group_id] = make_gloo_group(store_path, f"group-{group_id}", rank, size, timeout_s,
+                                                         self.bind_host)
             self._sizes[group_id] = size
         except Exception as exc:
             self._failures[group_id] = f"{type(exc).__name__}: {exc}"

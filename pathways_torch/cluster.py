@@ -23,19 +23,21 @@ class LocalCluster:
     """
 
     def __init__(self, controller_address: str, executor_ids: list[str], *, keys_dir: str, backend: str = "eager",
-                 threads: int = 1, heartbeat_interval_s: float = 0.5, heartbeat_timeout_s: float = 10.0,
+                 devices: list[str] | None = None, threads: int = 1, heartbeat_interval_s: float = 0.5,
+                 heartbeat_timeout_s: float = 10.0,
                  log_dir: str | None = None):
         self.log_dir = log_dir or tempfile.mkdtemp(prefix="pathways-logs-")
         self.executor_ids = list(executor_ids)
         self.processes: list[subprocess.Popen] = []
         self._reported: set[str] = set()
         env = dict(os.environ, PYTHONUNBUFFERED="1")
-        for executor_id in self.executor_ids:
+        devices = devices or ["cpu"] * len(self.executor_ids)
+        for executor_id, device in zip(self.executor_ids, devices):
             log_path = os.path.join(self.log_dir, f"{executor_id}.log")
             with open(log_path, "wb") as log_file:
                 self.processes.append(subprocess.Popen(
                     [sys.executable, "-m", "executor", "--controller", controller_address, "--id", executor_id,
-                     "--keys", keys_dir, "--backend", backend, "--threads", str(threads),
+                     "--keys", keys_dir, "--backend", backend, "--device", device, "--threads", str(threads),
                      "--parent-pid", str(os.getpid()), "--heartbeat-interval-s", str(heartbeat_interval_s),
                      "--heartbeat-timeout-s", str(heartbeat_timeout_s)],
                     stdin=subprocess.DEVNULL, stdout=log_file, stderr=subprocess.STDOUT, env=env,

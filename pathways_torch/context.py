@@ -32,6 +32,7 @@ class ContextConfig:
 
     num_executors: int = 4
     backend: str = "xla"          # "xla" (PJRT CPU/TPU), "eager" (debugging), "inductor" (CUDA hosts)
+    device: str = "cpu"           # "cuda": executor i runs on cuda:i, collectives on NCCL
     debug: bool = False
     executor_threads: int = 1
     start_timeout_s: float = 120.0
@@ -43,6 +44,23 @@ class ContextConfig:
     def __post_init__(self):
         if not isinstance(self.num_executors, int) or self.num_executors < 1:
             raise ValueError(f"num_executors: expected a positive int, got {self.num_executors!r}")
+        if self.device not in ("cpu", "cuda"):
+            raise ValueError(f"device: expected 'cpu' or 'cuda', got {self.device!r}")
+        if self.device == "cuda" and self.backend not in ("inductor", "eager"):
+            raise ValueError(f"device='cuda' needs backend='inductor' (or 'eager'), got {self.backend!r}: "
+                             f"torch_xla 2.9 has no GPU support")
+
+    def executor_devices(self) -> list[str]:
+        """The device of each executor: ``cpu``, or one CUDA device each (NCCL needs distinct devices)."""
+        if self.device == "cpu":
+            return ["cpu"] * self.num_executors
+        import torch
+
+        count = torch.cuda.device_count()
+        if count < self.num_executors:
+            raise ValueError(f"device='cuda': {self.num_executors} executors need as many CUDA devices, this host "
+                             f"has {count}; use num_executors <= {count}")
+        return [f"cuda:{i}" for i in range(self.num_executors)]
 
 
 class Context:
@@ -77,6 +95,7 @@ class Context:
             self.controller = self._server.controller
             self._cluster = LocalCluster(
                 self._server.address, executor_ids, keys_dir=self._keys.path, backend=self.config.backend,
+                devices=self.config.executor_devices(),
                 threads=self.config.executor_threads, heartbeat_interval_s=self.config.heartbeat_interval_s,
                 heartbeat_timeout_s=self.config.heartbeat_timeout_s, log_dir=self.config.log_dir)
             self._wait_for_executors()

@@ -141,3 +141,16 @@ def test_captured_step_on_one_shard_matches_eager_training():
                                rtol=1e-10, atol=1e-12)
     assert calls.item() == 3 == reference.calls.item()
     assert "bucket 0: group 0 float64[" in layout.describe() and "buffers: ['calls']" in layout.describe()
+
+
+def test_device_choice_is_checked_before_any_process_starts():
+    from pathways_torch.context import ContextConfig
+
+    assert ContextConfig(num_executors=2).executor_devices() == ["cpu", "cpu"]
+    with pytest.raises(ValueError, match="torch_xla 2.9 has no GPU support"):
+        ContextConfig(device="cuda", backend="xla")
+    with pytest.raises(ValueError, match="'cpu' or 'cuda'"):
+        ContextConfig(device="tpu")
+    if torch.cuda.device_count() < 64:
+        with pytest.raises(ValueError, match="64 executors need as many CUDA devices"):
+            ContextConfig(num_executors=64, device="cuda", backend="inductor").executor_devices()
