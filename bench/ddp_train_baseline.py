@@ -11,13 +11,15 @@ each. Rank 0's times are the result (every rank's are returned too).
 
 from __future__ import annotations
 
+import faulthandler
 import multiprocessing
 import os
 import sys
 import tempfile
 import time
+import traceback
 
-__all__ = ["run_ddp", "status_kib"]
+__all__ = ["run_ddp", "status_field", "process_cpu_s"]
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -26,11 +28,21 @@ def _worker(rank: int, size: int, store_path: str, spec: dict, result_queue) -> 
     # gloo prints "[Gloo] Rank r is connected to ..." on stdout; results travel on the queue.
     devnull = os.open(os.devnull, os.O_WRONLY)
     os.dup2(devnull, 1)
+    faulthandler.dump_traceback_later(spec.get("hang_dump_s", 300), exit=False)   # a hang shows where
     try:
-        result_queue.put((rank, _train(rank, size, store_path, spec)))
+        result = _train(rank, size, store_path, spec)
     except BaseException as exc:  # report, so the parent does not wait for the queue's timeout
-        result_queue.put((rank, {"error": f"{type(exc).__name__}: {exc}"}))
-        raise
+        result = {"error": f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=-4)}"}
+    result_queue.put((rank, result))
+    result_queue.close()
+    result_queue.join_thread()
+    sys.stderr.flush()
+    # Skip the destructors: tearing down the gloo group (DDP's reducer, the backend) at
+    # exit sometimes blocks a rank for good once its peer has gone.
+    os._exit(0 if "error" not in result else 1)
+
+
+_KEEP_ALIVE: list = []   # the group and the DDP module, never destroyed (see _worker)
 
 
 def _train(rank: int, size: int, store_path: str, spec: dict) -> dict:
@@ -47,6 +59,7 @@ def _train(rank: int, size: int, store_path: str, spec: dict) -> dict:
     model = DecoderOnlyTransformer(cfg)
     group = _process_group(make_gloo_group(store_path, "ddp", rank, size, 120.0), rank, size)
     ddp = DistributedDataParallel(model, process_group=group)
+    _KEEP_ALIVE.extend([group, ddp])
     optimizer = torch.optim.AdamW(ddp.parameters(), lr=spec["lr"])
     rows = spec["batch"] // size
     task = ReverseTask(cfg, spec["seed"])
@@ -65,6 +78,7 @@ def _train(rank: int, size: int, store_path: str, spec: dict) -> dict:
         one_step(*batches[i])
     windows = []
     index = spec["warmup"]
+    cpu_began = time.process_time()
     for _ in range(spec["repeats"]):
         group.allreduce([torch.zeros(1)]).wait()   # start together
         began = time.perf_counter()
@@ -72,15 +86,19 @@ def _train(rank: int, size: int, store_path: str, spec: dict) -> dict:
             loss = one_step(*batches[index])
             index += 1
         windows.append(time.perf_counter() - began)
+    cpu_s = time.process_time() - cpu_began   # this process's CPU time (every thread) in the windows
     # The global mean loss of the last step (the runtime and eager report that one).
     last = loss.detach().reshape(1).clone()
     group.allreduce([last]).wait()
-    return {"windows_s": windows, "last_loss": last.item() / size, "pid": os.getpid(),
-            "vmhwm_kib": status_kib(os.getpid(), "VmHWM")}
+    return {"windows_s": windows, "last_loss": last.item() / size, "pid": os.getpid(), "cpu_s": cpu_s,
+            "vmhwm_kib": status_field(os.getpid(), "VmHWM")}
 
 
-def status_kib(pid: int, field: str) -> int | None:
-    """A ``kB`` field of ``/proc/<pid>/status`` (e.g. VmHWM: peak resident set), in KiB; None if unreadable."""
+def status_field(pid: int, field: str) -> int | None:
+    """An integer field of ``/proc/<pid>/status`` (VmHWM: peak resident set in KiB; Threads: a count).
+
+    None if the process or the field is gone.
+    """
     try:
         with open(f"/proc/{pid}/status") as f:
             for line in f:
@@ -108,6 +126,28 @@ def _process_group(backend, rank: int, size: int):
     return group
 
 
+def _collect(procs, results, timeout_s: float) -> dict:
+    """Every rank's result; fails early if a process exits without one (or at ``timeout_s``)."""
+    import queue
+
+    by_rank: dict = {}
+    deadline = time.monotonic() + timeout_s
+    while len(by_rank) < len(procs):
+        try:
+            rank, result = results.get(timeout=1.0)
+            by_rank[rank] = result
+            continue
+        except queue.Empty:
+            pass
+        dead = [(r, p.exitcode) for r, p in enumerate(procs) if p.exitcode not in (None, 0) and r not in by_rank]
+        if dead:
+            raise RuntimeError(f"DDP baseline: rank(s) exited without a result (rank, exit code): {dead}")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"DDP baseline: no result from rank(s) {sorted(set(range(len(procs))) - set(by_rank))} "
+                               f"after {timeout_s:.0f} s")
+    return by_rank
+
+
 def run_ddp(size: int, spec: dict, timeout_s: float = 600.0) -> list[dict]:
     """Run the DDP baseline on ``size`` spawned processes; returns each rank's result, by rank.
 
@@ -122,7 +162,7 @@ def run_ddp(size: int, spec: dict, timeout_s: float = 600.0) -> list[dict]:
         for p in procs:
             p.start()
         try:
-            by_rank = dict(results.get(timeout=timeout_s) for _ in procs)
+            by_rank = _collect(procs, results, timeout_s)
         finally:
             for p in procs:
                 p.join(30)
@@ -132,3 +172,13 @@ def run_ddp(size: int, spec: dict, timeout_s: float = 600.0) -> list[dict]:
     if errors:
         raise RuntimeError(f"DDP baseline failed on N={size}: {errors}")
     return [by_rank[r] for r in range(size)]
+
+
+def process_cpu_s(pid: int) -> float | None:
+    """User + system CPU seconds of process ``pid`` so far (every thread), from ``/proc/<pid>/stat``."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")   # utime, stime (fields 14, 15)

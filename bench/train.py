@@ -13,7 +13,9 @@ compute thread per process (``torch.set_num_threads(1)``; executors run with
    ``{"data": N}``, ``ctx.wrap(..., plan=pw.DataParallel("data"))``. A window dispatches
    its steps back to back (``trainer.step`` returns the loss as a future at once) and
    waits only on the last loss. The executors' compute spans (``ctx.trace``) give
-   their time per step and how busy they were during the windows.
+   their time per step and how busy they were during the windows; CPU time per step
+   of the client process and of each executor (``/proc/<pid>/stat``) shows where the
+   cores went (the same for every DDP rank and the eager process).
 2. DDP: N spawned processes, each a gloo group from a FileStore in a private
    temporary directory, loopback only (`make_gloo_group`, as the executors and
    `bench/dispatch.py`'s baseline make theirs), `DistributedDataParallel`, B/N rows
@@ -53,7 +55,7 @@ import torch  # noqa: E402
 
 import pathways_torch as pw  # noqa: E402
 from bench.common import print_table, write_results  # noqa: E402
-from bench.ddp_train_baseline import run_ddp, status_kib  # noqa: E402
+from bench.ddp_train_baseline import process_cpu_s, run_ddp, status_field  # noqa: E402
 from transformer import DecoderOnlyTransformer, ReverseTask, TransformerConfig, loss_fn  # noqa: E402
 
 LR = 1e-3
@@ -88,7 +90,7 @@ def measure_runtime(size: int, backend: str, plan_name: str, args, cfg, batches)
     plan = pw.DataParallel("data") if plan_name == "DataParallel" else pw.ShardedDataParallel("data")
     with pw.Context(num_executors=size, backend=backend, executor_threads=1) as ctx:
         pids = ctx.executor_pids
-        hwm_start = [status_kib(pid, "VmHWM") for pid in pids]
+        hwm_start = [status_field(pid, "VmHWM") for pid in pids]
         mesh = ctx.mesh({"data": size})
         trainer = ctx.wrap(model, optimizer=optimizer, loss_fn=loss_fn, mesh=mesh, plan=plan)
         began = time.perf_counter()
@@ -101,6 +103,7 @@ def measure_runtime(size: int, backend: str, plan_name: str, args, cfg, batches)
         if args.warmup > 1:
             loss.result()
         index, windows, wall_spans = args.warmup, [], []
+        client_cpu, executor_cpu = time.process_time(), [process_cpu_s(pid) for pid in pids]
         for _ in range(args.repeats):
             wall_began, began = time.time(), time.perf_counter()
             for _ in range(args.steps):
@@ -109,10 +112,13 @@ def measure_runtime(size: int, backend: str, plan_name: str, args, cfg, batches)
             last_loss = loss.result().item()
             windows.append(time.perf_counter() - began)
             wall_spans.append((wall_began, time.time()))
+        client_cpu = time.process_time() - client_cpu
+        executor_cpu = [_delta(process_cpu_s(pid), before) for pid, before in zip(pids, executor_cpu)]
+        threads = [status_field(pid, "Threads") for pid in pids]
         del loss
         stats = ctx.stats()["executors"]
         store_bytes = [stats[e]["store_bytes"] for e in ctx.executor_ids]
-        hwm_end = [status_kib(pid, "VmHWM") for pid in pids]
+        hwm_end = [status_field(pid, "VmHWM") for pid in pids]
         trace_path = os.path.join(args.trace_dir or tempfile.gettempdir(),
                                   f"bench-train-{backend}-{plan_name}-n{size}.json")
         compute = _compute_profile(ctx.trace(trace_path), trainer._function.name, size, wall_spans)
@@ -123,8 +129,22 @@ def measure_runtime(size: int, backend: str, plan_name: str, args, cfg, batches)
             "tokens_per_s": tokens_per_s(args, cfg, median_window), "windows_s": windows,
             "ms_per_step": median_window / args.steps * 1000, "first_step_s": first_step_s,
             "last_loss": last_loss, "pids": pids, "vmhwm_start_kib": hwm_start, "vmhwm_kib": hwm_end,
-            "store_bytes": store_bytes, **compute,
+            "store_bytes": store_bytes, **compute, "threads": threads,
+            **_cpu_summary(client_cpu, executor_cpu, sum(windows), args.repeats * args.steps),
             "trace": trace_path if args.trace_dir else None}
+
+
+def _delta(after, before):
+    return None if after is None or before is None else after - before
+
+
+def _cpu_summary(client_cpu_s: float | None, worker_cpu_s: list, wall_s: float, steps: int) -> dict:
+    """CPU time per step (ms) of the client and of each worker, and each worker's CPU time / wall time."""
+    per_step = [None if c is None else c / steps * 1000 for c in worker_cpu_s]
+    total = sum(c for c in per_step if c is not None) + (client_cpu_s / steps * 1000 if client_cpu_s else 0.0)
+    return {"client_cpu_ms_per_step": None if client_cpu_s is None else client_cpu_s / steps * 1000,
+            "worker_cpu_ms_per_step": per_step, "total_cpu_ms_per_step": total,
+            "worker_cpu_per_wall": [None if c is None else c / wall_s for c in worker_cpu_s]}
 
 
 def _compute_profile(trace: dict, name: str, size: int, wall_spans: list[tuple[float, float]]) -> dict:
@@ -154,7 +174,8 @@ def measure_ddp(size: int, args, cfg) -> dict:
     ranks = run_ddp(size, spec)
     windows = ranks[0]["windows_s"]
     median_window = statistics.median(windows)
-    return {"system": "ddp", "executors": size, "tokens_per_s": tokens_per_s(args, cfg, median_window),
+    cpu = _cpu_summary(None, [r["cpu_s"] for r in ranks], sum(windows), args.repeats * args.steps)
+    return {"system": "ddp", "executors": size, "tokens_per_s": tokens_per_s(args, cfg, median_window), **cpu,
             "windows_s": windows, "ms_per_step": median_window / args.steps * 1000,
             "last_loss": ranks[0]["last_loss"], "vmhwm_kib": [r["vmhwm_kib"] for r in ranks],
             "windows_s_by_rank": [r["windows_s"] for r in ranks]}
@@ -173,6 +194,7 @@ def measure_eager(args, cfg, batches) -> dict:
     for i in range(args.warmup):
         one_step(*batches[i])
     index, windows = args.warmup, []
+    cpu_began = time.process_time()
     for _ in range(args.repeats):
         began = time.perf_counter()
         for _ in range(args.steps):
@@ -181,7 +203,8 @@ def measure_eager(args, cfg, batches) -> dict:
         windows.append(time.perf_counter() - began)
     median_window = statistics.median(windows)
     return {"system": "eager", "executors": 1, "tokens_per_s": tokens_per_s(args, cfg, median_window),
-            "windows_s": windows, "ms_per_step": median_window / args.steps * 1000, "last_loss": loss.item()}
+            "windows_s": windows, "ms_per_step": median_window / args.steps * 1000, "last_loss": loss.item(),
+            **_cpu_summary(None, [time.process_time() - cpu_began], sum(windows), args.repeats * args.steps)}
 
 
 # ------------------------------------------------------------ report
@@ -256,15 +279,24 @@ def main() -> None:
     table = []
     for size in sizes:
         rt, dd = runtime[size], ddp[size]
-        rt["vs_ddp"], rt["vs_eager"] = rt["tokens_per_s"] / dd["tokens_per_s"], rt["tokens_per_s"] / eager["tokens_per_s"]
+        rt["vs_ddp"] = rt["tokens_per_s"] / dd["tokens_per_s"]
+        rt["vs_eager"] = rt["tokens_per_s"] / eager["tokens_per_s"]
         dd["vs_eager"] = dd["tokens_per_s"] / eager["tokens_per_s"]
-        note = f"oversubscribed ({size} procs + client on {cores} cores)" if size + 1 > cores else ""
+        if size > cores:
+            note = f"oversubscribed: {size} processes on {cores} cores (+ the runtime's client)"
+        elif size + 1 > cores:
+            note = f"the runtime's client shares the {cores} cores with its {size} executors"
+        else:
+            note = ""
         table.append([size, f"{rt['tokens_per_s']:,.0f}", f"{dd['tokens_per_s']:,.0f}", f"{eager['tokens_per_s']:,.0f}",
                       f"{rt['vs_ddp']:.2f}", f"{rt['vs_eager']:.2f}", f"{dd['vs_eager']:.2f}",
                       f"{rt['ms_per_step']:.1f} / {dd['ms_per_step']:.1f}",
+                      f"{rt['client_cpu_ms_per_step']:.1f} + {_fmt_list(rt['worker_cpu_ms_per_step'], '.0f')} / "
+                      f"{_fmt_list(dd['worker_cpu_ms_per_step'], '.0f')}",
                       _fmt_list(rt["compute_ms_per_step"], ".1f"), _fmt_list(rt["busy_fraction"], ".0%"), note])
     print_table(["N", "runtime", "DDP", "eager 1-proc", "runtime/DDP", "runtime/eager", "DDP/eager",
-                 "ms/step rt / DDP", "rt exec compute ms/step", "rt exec busy", "note"], table)
+                 "ms/step rt / DDP", "CPU ms/step rt client + executors / DDP ranks", "rt exec compute ms/step",
+                 "rt exec busy", "note"], table)
     print(f"target runtime/DDP >= 0.95: " + ", ".join(
         f"N={n} {'met' if runtime[n]['vs_ddp'] >= 0.95 else 'NOT met'}" for n in sizes))
     losses = [eager["last_loss"]] + [r["last_loss"] for r in (*runtime.values(), *ddp.values(), *xla.values())]
@@ -273,8 +305,10 @@ def main() -> None:
           ", ".join(f"N={n} {ddp[n]['last_loss']:.5f}" for n in sizes) +
           (("; xla " + ", ".join(f"N={n} {xla[n]['last_loss']:.5f}" for n in xla_sizes)) if xla else "") +
           f" (max spread {max(losses) - min(losses):.1e})")
-    print("notes: 'rt exec compute ms/step' = median compute span of the step on each executor (ctx.trace); "
-          "'rt exec busy' = share of the timed windows each executor spent in those spans. "
+    print("notes: 'CPU ms/step' = CPU time (user+system, every thread) per step of the runtime's client "
+          "process (controller included) and of each executor, and of each DDP rank; 'rt exec compute ms/step' = "
+          "median compute span of the step on each executor (ctx.trace, collectives included); 'rt exec busy' = "
+          "share of the timed windows each executor spent in those spans. "
           f"This machine has {cores} cores: sizes whose processes outnumber them time-share the cores "
           "(the runtime also has its client+controller process), so N above the core count measures "
           "contention, not scaling.")
@@ -291,9 +325,15 @@ def main() -> None:
                            f"{x['vs_eager_runtime']:.2f}" if base else "-", f"{x['first_step_s']:.1f}",
                            f"{base['first_step_s']:.1f}" if base else "-",
                            _fmt_list(x["compute_ms_per_step"], ".1f"),
-                           _fmt_list(base["compute_ms_per_step"], ".1f") if base else "-"])
+                           _fmt_list(base["compute_ms_per_step"], ".1f") if base else "-",
+                           _fmt_list(x["worker_cpu_per_wall"], ".2f"),
+                           _fmt_list(base["worker_cpu_per_wall"], ".2f") if base else "-",
+                           _fmt_list(x["threads"], "d")])
         print_table(["N", "xla tokens/s", "eager tokens/s", "xla/eager", "xla first step s", "eager first step s",
-                     "xla compute ms/step", "eager compute ms/step"], xtable)
+                     "xla compute ms/step", "eager compute ms/step", "xla exec CPU/wall", "eager exec CPU/wall",
+                     "xla exec threads"], xtable)
+        print("notes: 'exec CPU/wall' = an executor's CPU seconds per wall second in the timed windows (above 1: "
+              "it computes on more than one core); 'first step' includes loading (and for XLA compiling) the step.")
 
     if memory:
         largest = max(sizes)

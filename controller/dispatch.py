@@ -103,6 +103,9 @@ class Controller:
         # Called (under the lock) when an executor is lost, e.g. to fail the client's fetches from it.
         self.loss_listeners: list[Callable[[str, ExecutorLostError], None]] = []
         self._groups: dict[tuple[str, ...], int] = {}       # members (in rank order) → group id
+        self._axis_group_cache: dict[tuple, dict[str, list[int]]] = {}
+        self._pending_frees: dict[str, list] = collections.defaultdict(list)   # executor → shards to free
+        self._batching_frees = False     # inside release_many (under the lock)
         self._next_group_id = itertools.count(1)
         self._last_collective: dict[str, int] = collections.defaultdict(int)  # executor → seq
         self._group_dir = tempfile.mkdtemp(prefix="pathways-groups-")  # private (0700) rendezvous files
@@ -276,9 +279,18 @@ class Controller:
             return outputs
 
     def _axis_groups(self, mesh: MeshAllocation, axes) -> dict[str, list[int]]:
-        """For each axis, the group id of every mesh position; forms groups not seen before."""
-        return {axis: [self._group_for(mesh.axis_members(axis, position)) for position in range(mesh.size)]
+        """For each axis, the group id of every mesh position; forms groups not seen before.
+
+        Cached per (mesh, axes): groups are never re-formed under the same members, and
+        every call of a training step asks the same question.
+        """
+        key = (mesh, tuple(axes))
+        found = self._axis_group_cache.get(key)
+        if found is None:
+            found = self._axis_group_cache[key] = {
+                axis: [self._group_for(mesh.axis_members(axis, position)) for position in range(mesh.size)]
                 for axis in axes}
+        return found
 
     def _group_for(self, members: tuple[str, ...]) -> int:
         group_id = self._groups.get(members)
@@ -476,18 +488,37 @@ class Controller:
         if not record.released or record.landing > 0:
             return
         self.arrays.forget(record.array_id)
-        by_executor = collections.defaultdict(list)
         for position, executor_id in enumerate(record.executor_ids):
-            by_executor[executor_id].append(pb.ShardRef(array_id=record.array_id, shard=position))
-        for executor_id, shards in by_executor.items():
-            if not self.resources.executors[executor_id].lost:
-                self._send(executor_id, pb.Envelope(free=pb.Free(shards=shards)))
+            self._pending_frees[executor_id].append(pb.ShardRef(array_id=record.array_id, shard=position))
+        if not self._batching_frees:
+            self._flush_frees()
         if record.producer_call in self._failure_holders:
             self._failure_holders[record.producer_call] -= 1
             if self._failure_holders[record.producer_call] == 0:
                 # No output of the failed call is left: forget its error.
                 del self._failure_holders[record.producer_call]
                 self._failures.pop(record.producer_call, None)
+
+    def release_many(self, array_ids) -> None:
+        """`release` several arrays, with one Free message per executor for all of them.
+
+        Sent at once, on the calling thread: a Free must never overtake a Run this thread
+        queued earlier that still reads the array (deferring the send could reorder them).
+        """
+        with self._lock:
+            self._batching_frees = True
+            try:
+                for array_id in array_ids:
+                    self.release(array_id)
+            finally:
+                self._batching_frees = False
+                self._flush_frees()
+
+    def _flush_frees(self) -> None:
+        pending, self._pending_frees = self._pending_frees, collections.defaultdict(list)
+        for executor_id, shards in pending.items():
+            if not self.resources.executors[executor_id].lost:
+                self._send(executor_id, pb.Envelope(free=pb.Free(shards=shards)))
 
     # ------------------------------------------------------------ requests to every executor
 

@@ -127,9 +127,15 @@ class XlaBackend(TorchBackend):
     name = "xla"
     compiles_in_background = True
 
-    def __init__(self, device: str = "cpu"):
+    def __init__(self, device: str = "cpu", threads: int = 1):
         # TPU hosts set PJRT_DEVICE=TPU themselves; everywhere else this is the CPU client.
         os.environ.setdefault("PJRT_DEVICE", "CPU")
+        if threads == 1:
+            # XLA's CPU kernels run on Eigen's own thread pool, whatever torch.set_num_threads
+            # says: one compute thread per executor means turning that pool off.
+            flags = os.environ.get("XLA_FLAGS", "")
+            if "xla_cpu_multi_thread_eigen" not in flags:
+                os.environ["XLA_FLAGS"] = f"{flags} --xla_cpu_multi_thread_eigen=false".strip()
         import torch_xla
         import torch_xla.debug.metrics as metrics
 
@@ -256,11 +262,11 @@ def _as_list(out) -> list:
     return list(out) if isinstance(out, (list, tuple)) else [out]
 
 
-def make_backend(name: str, device: str = "cpu") -> Backend:
+def make_backend(name: str, device: str = "cpu", threads: int = 1) -> Backend:
     if name == "eager":
         return EagerBackend(device)
     if name == "xla":
-        return XlaBackend(device)
+        return XlaBackend(device, threads)
     if name == "inductor":
         return InductorBackend(device)
     if name == "sim":

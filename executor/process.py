@@ -77,7 +77,7 @@ class ExecutorProcess:
         self.zmq = zmq.Context()
         self.gatekeeper = Gatekeeper(self.zmq, self.credentials.allowed)
         self.loop = SocketLoop(f"executor-{config.executor_id}", self.zmq)
-        self.backend = make_backend(config.backend, config.device)
+        self.backend = make_backend(config.backend, config.device, config.num_threads)
         trace = TraceRecorder(config.max_trace_events)
         self.compiler = CompileCache(self.backend, trace, post=self.loop.call_soon)
         self.collectives = CollectiveRuntime(config.bind_host, config.device)

@@ -240,9 +240,10 @@ class ExecutorCore:
             self._drop(f"data message of type {kind!r} not expected")
 
     def _on_put(self, identity: bytes, msg: pb.Put, payload) -> None:
-        tensor = self.backend.from_frame(msg.tensor, payload)
-        self.hop_bytes["client->executor"] += tensor.numel() * tensor.element_size()
-        self.store.fill(_key(msg.shard), tensor)
+        for item in (msg, *msg.more):
+            tensor = self.backend.from_frame(item.tensor, payload)
+            self.hop_bytes["client->executor"] += tensor.numel() * tensor.element_size()
+            self.store.fill(_key(item.shard), tensor)
         ack = pb.PutAck(request_id=msg.request_id)
         ack.shard.CopyFrom(msg.shard)
         self.outbox.to_client(identity, pb.Envelope(put_ack=ack))

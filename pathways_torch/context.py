@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
+import threading
 import time
 
 import zmq
@@ -80,6 +82,7 @@ class Context:
     def __init__(self, num_executors: int = 4, **options):
         self.config = ContextConfig(num_executors=num_executors, **options)
         self._closed = False
+        self._batched = threading.local()    # see _batched_release
         self._keys = self._gatekeeper = self._server = self._cluster = self._data = None
         self._zmq = zmq.Context()
         executor_ids = [f"executor-{i}" for i in range(self.config.num_executors)]
@@ -187,19 +190,34 @@ class Context:
 
     def put(self, tensor, mesh: Mesh, placements) -> Array:
         """Place ``tensor`` on ``mesh``: each executor gets its block straight from this client."""
+        return self.put_many([(tensor, placements)], mesh)[0]
+
+    def put_many(self, items: list, mesh: Mesh) -> list[Array]:
+        """`put` several ``(tensor, placements)`` on one mesh with one message per executor."""
         import torch
 
-        if not isinstance(tensor, torch.Tensor):
-            raise PlacementError(f"ctx.put: expected a torch.Tensor, got {type(tensor).__name__}")
-        placements = normalize_placements(placements, mesh)
-        block_shape = local_shape(tuple(tensor.shape), placements, mesh)
-        # One private copy, so later in-place changes to `tensor` cannot race the send.
-        blocks = [b.detach().to("cpu", copy=True).contiguous() for b in split_blocks(tensor, placements, mesh)]
-        record = self.controller.new_array(mesh.executor_ids, landing=mesh.size)
-        for position, (executor_id, block) in enumerate(zip(mesh.executor_ids, blocks)):
-            self._data.put(executor_id, pb.ShardRef(array_id=record.array_id, shard=position), block,
-                           lambda error, aid=record.array_id: self.controller.landed(aid, error))
-        return Array(self, record, tuple(tensor.shape), tensor.dtype, Sharding(mesh, placements), block_shape)
+        arrays, shards_by_position = [], [[] for _ in range(mesh.size)]
+        for tensor, placements in items:
+            if not isinstance(tensor, torch.Tensor):
+                raise PlacementError(f"ctx.put: expected a torch.Tensor, got {type(tensor).__name__}")
+            placements = normalize_placements(placements, mesh)
+            block_shape = local_shape(tuple(tensor.shape), placements, mesh)
+            # One private copy, so later in-place changes to `tensor` cannot race the send.
+            blocks = [b.detach().to("cpu", copy=True).contiguous() for b in split_blocks(tensor, placements, mesh)]
+            record = self.controller.new_array(mesh.executor_ids, landing=mesh.size)
+            for position, block in enumerate(blocks):
+                shards_by_position[position].append((pb.ShardRef(array_id=record.array_id, shard=position), block))
+            arrays.append(Array(self, record, tuple(tensor.shape), tensor.dtype, Sharding(mesh, placements),
+                                block_shape))
+        ids = [a.array_id for a in arrays]
+
+        def landed(error):
+            for array_id in ids:
+                self.controller.landed(array_id, error)
+
+        for executor_id, shards in zip(mesh.executor_ids, shards_by_position):
+            self._data.put(executor_id, shards, landed)
+        return arrays
 
     def wrap(self, model, *, optimizer, mesh: Mesh, loss_fn=None, plan=None, max_grad_norm: float | None = None,
              seed: int = 0):
@@ -271,8 +289,28 @@ class Context:
         return {p: f.result(timeout_s) for p, f in futures.items()}
 
     def _release(self, array_id: int) -> None:
-        if not self._closed:
+        if self._closed:
+            return
+        batch = getattr(self._batched, "ids", None)
+        if batch is not None:
+            batch.append(array_id)
+        else:
             self.controller.release(array_id)
+
+    @contextlib.contextmanager
+    def _batched_release(self):
+        """Arrays this thread drops inside are freed together: one Free per executor (a training step
+        drops half a dozen at once)."""
+        if getattr(self._batched, "ids", None) is not None:   # nested: the outer scope frees
+            yield
+            return
+        self._batched.ids = []
+        try:
+            yield
+        finally:
+            ids, self._batched.ids = self._batched.ids, None
+            if ids and not self._closed:
+                self.controller.release_many(ids)
 
     def _check_open(self) -> None:
         if self._closed:

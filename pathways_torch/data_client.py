@@ -67,13 +67,17 @@ class DataClient:
 
         self.loop.call_soon(add)
 
-    def put(self, executor_id: str, ref: pb.ShardRef, tensor, on_done: Callable[[BaseException | None], None]) -> None:
-        """Send ``tensor`` as shard ``ref``; ``on_done(None)`` once it landed, ``on_done(error)`` if it never will."""
+    def put(self, executor_id: str, shards: list, on_done: Callable[[BaseException | None], None]) -> None:
+        """Send ``shards`` — (``pb.ShardRef``, tensor) pairs — in one message; ``on_done(None)`` once all
+        landed, ``on_done(error)`` if they never will."""
         request_id = self._register(_Request(executor_id, on_done=on_done))
         msg = pb.Put(request_id=request_id)
-        msg.shard.CopyFrom(ref)
-        frame = tensor_to_frame(tensor, msg.tensor, 1)
-        self._send(executor_id, request_id, encode(pb.Envelope(put=msg), [frame]))
+        frames = []
+        for index, (ref, tensor) in enumerate(shards):
+            item = msg if index == 0 else msg.more.add()
+            item.shard.CopyFrom(ref)
+            frames.append(tensor_to_frame(tensor, item.tensor, index + 1))
+        self._send(executor_id, request_id, encode(pb.Envelope(put=msg), frames))
 
     def fetch(self, executor_id: str, ref: pb.ShardRef) -> concurrent.futures.Future:
         future: concurrent.futures.Future = concurrent.futures.Future()

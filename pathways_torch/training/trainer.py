@@ -91,19 +91,24 @@ class Trainer:
 
     def _put_state(self, tensors: dict) -> None:
         """Put the named training state on the executors (flat buckets under the plan's placement)."""
-        put, mesh, layout = self._context.put, self.mesh, self.layout
+        layout = self.layout
         placement = self.plan.state_placement()
         padded = [b.padded_numel(self.num_shards) if self.plan.sharded_state else b.numel for b in layout.buckets]
 
         def bucket_flat(bucket, n, key):
             return flatten(bucket, {s.name: tensors[key(s.name)].to(bucket.dtype) for s in bucket.slots}, n)
 
-        self._flats = [put(bucket_flat(b, n, lambda s: f"model/{s}"), mesh, placement)
-                       for b, n in zip(layout.buckets, padded)]
-        self._states = [put(bucket_flat(b, n, lambda s, name=name: f"optimizer/{s}/{name}"), mesh, placement)
-                        for name in layout.state_names for b, n in zip(layout.buckets, padded)]
-        self._buffers = [put(tensors[f"model/{n}"], mesh, Replicate()) for n in layout.buffer_names]
-        self._frozen = [put(tensors[f"model/{n}"], mesh, Replicate()) for n in layout.frozen_names]
+        items = [(bucket_flat(b, n, lambda s: f"model/{s}"), placement) for b, n in zip(layout.buckets, padded)]
+        items += [(bucket_flat(b, n, lambda s, name=name: f"optimizer/{s}/{name}"), placement)
+                  for name in layout.state_names for b, n in zip(layout.buckets, padded)]
+        items += [(tensors[f"model/{n}"], Replicate()) for n in layout.buffer_names + layout.frozen_names]
+        arrays = self._context.put_many(items, self.mesh)
+        num_buckets, num_states = len(layout.buckets), len(layout.state_names)
+        self._flats = arrays[:num_buckets]
+        self._states = arrays[num_buckets:num_buckets * (1 + num_states)]
+        rest = arrays[num_buckets * (1 + num_states):]
+        self._buffers = rest[:len(layout.buffer_names)]
+        self._frozen = rest[len(layout.buffer_names):]
 
     # ------------------------------------------------------------ stepping
 
@@ -114,22 +119,28 @@ class Trainer:
         (``model(*batch)`` when ``loss_fn`` is None). Every tensor is split on dim 0
         over the plan's axis.
         """
+        tensors = self._batch_tensors(batch)
+        with self._context._batched_release():
+            return self._dispatch_step(tensors)
+
+    def _dispatch_step(self, tensors: list):
         import torch
 
-        tensors = self._batch_tensors(batch)
         spec = read_optimizer(self.optimizer)   # hyper-parameters may change between steps
         lrs = [float(group["lr"]) for group in self.optimizer.param_groups]
         scalars = torch.tensor([self.step_count + 1, *lrs], dtype=torch.float64)
         ctx, mesh, axis = self._context, self.mesh, self.plan.axis
+        # The step's fresh inputs travel in one message per executor.
+        fresh = ctx.put_many([(scalars, Replicate()), *[(t, {axis: Shard(0)}) for t in tensors]], mesh)
         arrays = [*self._flats, *self._states_in_bucket_order(), *self._buffers, *self._frozen,
-                  ctx.put(scalars, mesh, Replicate()), self._rank,
-                  *[ctx.put(t, mesh, {axis: Shard(0)}) for t in tensors]]
+                  fresh[0], self._rank, *fresh[1:]]
         self._spec = spec
         try:
             outputs = self._function(*arrays, static_key=spec.static_key())
         except CaptureError as exc:
             raise self._located(exc) from exc.__cause__
         self._take_outputs(outputs)
+        del arrays, fresh     # inside the batched release: the step's inputs are freed together
         self.step_count += 1
         self.samples_seen += int(tensors[0].shape[0])
         return outputs[0]

@@ -412,14 +412,24 @@ class Shutdown(_message.Message):
     def __init__(self, reason: _Optional[str] = ...) -> None: ...
 
 class Put(_message.Message):
-    __slots__ = ("shard", "tensor", "request_id")
+    __slots__ = ("shard", "tensor", "request_id", "more")
     SHARD_FIELD_NUMBER: _ClassVar[int]
     TENSOR_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    MORE_FIELD_NUMBER: _ClassVar[int]
     shard: ShardRef
     tensor: TensorMeta
     request_id: int
-    def __init__(self, shard: _Optional[_Union[ShardRef, _Mapping]] = ..., tensor: _Optional[_Union[TensorMeta, _Mapping]] = ..., request_id: _Optional[int] = ...) -> None: ...
+    more: _containers.RepeatedCompositeFieldContainer[PutItem]
+    def __init__(self, shard: _Optional[_Union[ShardRef, _Mapping]] = ..., tensor: _Optional[_Union[TensorMeta, _Mapping]] = ..., request_id: _Optional[int] = ..., more: _Optional[_Iterable[_Union[PutItem, _Mapping]]] = ...) -> None: ...
+
+class PutItem(_message.Message):
+    __slots__ = ("shard", "tensor")
+    SHARD_FIELD_NUMBER: _ClassVar[int]
+    TENSOR_FIELD_NUMBER: _ClassVar[int]
+    shard: ShardRef
+    tensor: TensorMeta
+    def __init__(self, shard: _Optional[_Union[ShardRef, _Mapping]] = ..., tensor: _Optional[_Union[TensorMeta, _Mapping]] = ...) -> None: ...
 
 class PutAck(_message.Message):
     __slots__ = ("request_id", "shard")

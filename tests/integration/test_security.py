@@ -203,7 +203,7 @@ def test_a_client_with_a_foreign_key_gets_an_error_not_a_hang(ctx, mesh, add_one
         with pytest.raises(pw.AuthenticationError):
             client.fetch("executor-0", pb.ShardRef(array_id=x.array_id, shard=0)).result(BOUND_S)
         errors = []
-        client.put("executor-0", pb.ShardRef(array_id=10**9, shard=0), torch.ones(2), errors.append)
+        client.put("executor-0", [(pb.ShardRef(array_id=10**9, shard=0), torch.ones(2))], errors.append)
         assert wait_until(lambda: errors, BOUND_S) and isinstance(errors[0], pw.AuthenticationError)
     finally:
         client.close()

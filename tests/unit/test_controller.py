@@ -146,3 +146,19 @@ def test_dependent_failure_arriving_first_still_carries_the_origin_error(setup):
     assert y.error.function == "origin" and "origin line" in y.error.call_site
     _done(controller, "e0", first, ok=False, failure=failure)
     assert z.error is y.error
+
+
+def test_release_many_sends_one_free_per_executor_after_the_run_that_reads_them(setup):
+    controller, outbox, _, function_id = setup
+    mesh = controller.resources.allocate({"data": 2}, ["e0", "e1"])
+    inputs = [controller.new_array(mesh.executor_ids) for _ in range(3)]
+    controller.call(CallSpec(function_id=function_id, name="f", mesh=mesh,
+                             inputs=tuple(a.array_id for a in inputs), num_outputs=1))
+    controller.release_many([a.array_id for a in inputs])
+    kinds = [(e, k) for e, k, _ in outbox.sent if k in ("run", "free")]
+    assert kinds == [("e0", "run"), ("e1", "run"), ("e0", "free"), ("e1", "free")]
+    for executor_id, envelope in outbox.of("free"):
+        position = mesh.executor_ids.index(executor_id)
+        assert [(s.array_id, s.shard) for s in envelope.free.shards] == [(a.array_id, position) for a in inputs]
+    controller.release(inputs[0].array_id)                 # a second release of the same array: nothing more
+    assert len(outbox.of("free")) == 2
