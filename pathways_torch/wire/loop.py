@@ -49,6 +49,7 @@ class SocketLoop:
         self._wake_push = self.context.socket(zmq.PUSH)
         self._wake_push.connect(self._wake_address)
         self._wake_lock = threading.Lock()
+        self._wake_pending = False   # a wake-up is sent and not yet drained (under _wake_lock)
         self._poller.register(self._wake_pull, zmq.POLLIN)
         self._thread: threading.Thread | None = None
         self._stopping = False
@@ -117,8 +118,13 @@ class SocketLoop:
             return
         self._callbacks.append(fn)
         with self._wake_lock:
-            if not self._wake_push.closed:
-                self._wake_push.send(b"", zmq.NOBLOCK)
+            # One wake-up message per batch of callbacks: a training step queues a dozen, and
+            # each inproc send costs tens of microseconds. The loop clears the flag before it
+            # runs the callbacks, so one appended after that sends a new wake-up.
+            if self._wake_pending or self._wake_push.closed:
+                return
+            self._wake_pending = True
+            self._wake_push.send(b"", zmq.NOBLOCK)
 
     def call_later(self, delay_s: float, fn: Callable[[], None]) -> None:
         """Run ``fn`` on the loop thread after ``delay_s`` (calls with equal delays keep their order)."""
@@ -199,6 +205,8 @@ class SocketLoop:
         return max(0, min(100, int(due * 1000) + 1))
 
     def _drain_wakeups(self) -> None:
+        with self._wake_lock:
+            self._wake_pending = False
         while True:
             try:
                 self._wake_pull.recv(zmq.NOBLOCK)
