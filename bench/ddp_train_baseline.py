@@ -4,9 +4,15 @@ Each process: one compute thread, a gloo group made from a FileStore in a privat
 temporary directory with its device bound to loopback (`make_gloo_group`, as the
 executors make theirs; no TCPStore, no default world group), the same model and
 initial weights (``torch.manual_seed``), the same AdamW, and rows
-``[rank*B/N, (rank+1)*B/N)`` of every global batch. After the warm-up steps, the
-processes line up on an all-reduce and time ``repeats`` windows of ``steps`` steps
-each. Rank 0's times are the result (every rank's are returned too).
+``[rank*B/N, (rank+1)*B/N)`` of every global batch.
+
+The processes stay alive between timed windows, so `bench/train.py` can interleave
+them with the other systems' windows (`DDPWorkers`): after the warm-up steps each
+rank reports "ready" and blocks on its command pipe (no CPU). On ``"window"`` the
+ranks line up on an all-reduce, run ``steps`` steps and report their wall time and
+CPU time; on ``"stop"`` they report the last step's global mean loss and their
+VmHWM, then exit. Rank 0's times are the result (every rank's are returned too).
+`run_ddp` runs ``repeats`` windows back to back (the old, non-interleaved use).
 """
 
 from __future__ import annotations
@@ -14,38 +20,43 @@ from __future__ import annotations
 import faulthandler
 import multiprocessing
 import os
+import queue
+import shutil
 import sys
 import tempfile
 import time
 import traceback
 
-__all__ = ["run_ddp", "status_field", "process_cpu_s"]
+__all__ = ["DDPWorkers", "run_ddp", "status_field", "process_cpu_s"]
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def _worker(rank: int, size: int, store_path: str, spec: dict, result_queue) -> None:
+def _worker(rank: int, size: int, store_path: str, spec: dict, commands, result_queue) -> None:
     # gloo prints "[Gloo] Rank r is connected to ..." on stdout; results travel on the queue.
     devnull = os.open(os.devnull, os.O_WRONLY)
     os.dup2(devnull, 1)
-    faulthandler.dump_traceback_later(spec.get("hang_dump_s", 300), exit=False)   # a hang shows where
+    code = 0
     try:
-        result = _train(rank, size, store_path, spec)
+        _serve(rank, size, store_path, spec, commands, result_queue)
     except BaseException as exc:  # report, so the parent does not wait for the queue's timeout
-        result = {"error": f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=-4)}"}
-    result_queue.put((rank, result))
+        result_queue.put((rank, "error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=-4)}"))
+        code = 1
     result_queue.close()
     result_queue.join_thread()
     sys.stderr.flush()
     # Skip the destructors: tearing down the gloo group (DDP's reducer, the backend) at
     # exit sometimes blocks a rank for good once its peer has gone.
-    os._exit(0 if "error" not in result else 1)
+    os._exit(code)
 
 
 _KEEP_ALIVE: list = []   # the group and the DDP module, never destroyed (see _worker)
 
 
-def _train(rank: int, size: int, store_path: str, spec: dict) -> dict:
+def _serve(rank: int, size: int, store_path: str, spec: dict, commands, result_queue) -> None:
+    """Warm up, report "ready", then run one timed window per "window" command until "stop"."""
+    hang_dump_s = spec.get("hang_dump_s", 300)
+    faulthandler.dump_traceback_later(hang_dump_s, exit=False)   # a hang shows where
     import torch
     from torch.nn.parallel import DistributedDataParallel
 
@@ -75,23 +86,37 @@ def _train(rank: int, size: int, store_path: str, spec: dict) -> dict:
         return loss
 
     for i in range(spec["warmup"]):
-        one_step(*batches[i])
-    windows = []
+        loss = one_step(*batches[i])
     index = spec["warmup"]
-    cpu_began = time.process_time()
-    for _ in range(spec["repeats"]):
-        group.allreduce([torch.zeros(1)]).wait()   # start together
-        began = time.perf_counter()
-        for _ in range(spec["steps"]):
-            loss = one_step(*batches[index])
-            index += 1
-        windows.append(time.perf_counter() - began)
-    cpu_s = time.process_time() - cpu_began   # this process's CPU time (every thread) in the windows
-    # The global mean loss of the last step (the runtime and eager report that one).
-    last = loss.detach().reshape(1).clone()
-    group.allreduce([last]).wait()
-    return {"windows_s": windows, "last_loss": last.item() / size, "pid": os.getpid(), "cpu_s": cpu_s,
-            "vmhwm_kib": status_field(os.getpid(), "VmHWM")}
+    result_queue.put((rank, "ready", {"pid": os.getpid()}))
+    while True:
+        faulthandler.cancel_dump_traceback_later()   # waiting for the parent is not a hang of ours
+        try:
+            command = commands.recv()
+        except EOFError:   # the parent is gone
+            return
+        faulthandler.dump_traceback_later(hang_dump_s, exit=False)
+        if command == "window":
+            if index + spec["steps"] > num_batches:
+                raise RuntimeError(f"more windows than the {spec['repeats']} repeats the batches were made for")
+            cpu_began = time.process_time()
+            group.allreduce([torch.zeros(1)]).wait()   # start together
+            began = time.perf_counter()
+            for _ in range(spec["steps"]):
+                loss = one_step(*batches[index])
+                index += 1
+            window_s = time.perf_counter() - began
+            # This process's CPU time (every thread) in the window, the start all-reduce included.
+            result_queue.put((rank, "window", {"window_s": window_s, "cpu_s": time.process_time() - cpu_began}))
+        elif command == "stop":
+            # The global mean loss of the last step (the runtime and eager report that one).
+            last = loss.detach().reshape(1).clone()
+            group.allreduce([last]).wait()
+            result_queue.put((rank, "stop", {"last_loss": last.item() / size, "pid": os.getpid(),
+                                             "vmhwm_kib": status_field(os.getpid(), "VmHWM")}))
+            return
+        else:
+            raise ValueError(f"unknown command {command!r}")
 
 
 def status_field(pid: int, field: str) -> int | None:
@@ -126,52 +151,116 @@ def _process_group(backend, rank: int, size: int):
     return group
 
 
-def _collect(procs, results, timeout_s: float) -> dict:
-    """Every rank's result; fails early if a process exits without one (or at ``timeout_s``)."""
-    import queue
+class DDPWorkers:
+    """``size`` spawned DDP ranks that stay alive and run one timed window per `window` call.
 
-    by_rank: dict = {}
-    deadline = time.monotonic() + timeout_s
-    while len(by_rank) < len(procs):
-        try:
-            rank, result = results.get(timeout=1.0)
-            by_rank[rank] = result
-            continue
-        except queue.Empty:
-            pass
-        dead = [(r, p.exitcode) for r, p in enumerate(procs) if p.exitcode not in (None, 0) and r not in by_rank]
-        if dead:
-            raise RuntimeError(f"DDP baseline: rank(s) exited without a result (rank, exit code): {dead}")
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"DDP baseline: no result from rank(s) {sorted(set(range(len(procs))) - set(by_rank))} "
-                               f"after {timeout_s:.0f} s")
-    return by_rank
+    ``spec``: ``config`` (TransformerConfig kwargs), ``seed``, ``lr``, ``batch`` (global),
+    ``warmup``, ``steps``, ``repeats`` (the most windows: the batches are made for that many).
+    Use as a context manager: `start` (spawn, warm up), `window` (x repeats), `stop`; leaving
+    the block kills whatever is still running.
+    """
+
+    def __init__(self, size: int, spec: dict, timeout_s: float = 600.0):
+        self.size, self.spec, self.timeout_s = size, spec, timeout_s
+        self._mp = multiprocessing.get_context("spawn")
+        self._results = self._mp.Queue()
+        self._tmp = tempfile.mkdtemp(prefix="pathways-ddp-")
+        self._procs: list = []
+        self._commands: list = []
+        self.pids: list[int] = []
+
+    def __enter__(self) -> "DDPWorkers":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def start(self) -> list[dict]:
+        """Spawn the ranks and wait until every one has done its warm-up steps."""
+        store_path = os.path.join(self._tmp, "store")
+        for rank in range(self.size):
+            # One pipe per rank; the rank holds only the read end, so it sees EOF if this process dies.
+            reader, writer = self._mp.Pipe(duplex=False)
+            proc = self._mp.Process(target=_worker, args=(rank, self.size, store_path, self.spec, reader,
+                                                          self._results))
+            proc.start()
+            reader.close()
+            self._procs.append(proc)
+            self._commands.append(writer)
+        ready = self._collect("ready")
+        self.pids = [r["pid"] for r in ready]
+        return ready
+
+    def window(self) -> list[dict]:
+        """One timed window of ``steps`` steps on every rank; each rank's ``window_s`` and ``cpu_s``."""
+        return self._command("window")
+
+    def stop(self) -> list[dict]:
+        """Each rank's last-step global loss, pid and VmHWM; the ranks exit."""
+        return self._command("stop")
+
+    def _command(self, command: str) -> list[dict]:
+        for writer in self._commands:
+            try:
+                writer.send(command)
+            except OSError:   # that rank is gone: _collect says which and how
+                pass
+        return self._collect(command)
+
+    def _collect(self, kind: str) -> list[dict]:
+        """Every rank's ``kind`` report, by rank; fails early if a rank reports an error or exits without one."""
+        by_rank: dict = {}
+        deadline = time.monotonic() + self.timeout_s
+        dead_since = None
+        while len(by_rank) < self.size:
+            try:
+                rank, got, payload = self._results.get(timeout=1.0 if dead_since is None else 0.2)
+            except queue.Empty:
+                pass
+            else:
+                if got == "error":
+                    raise RuntimeError(f"DDP baseline failed on N={self.size}, rank {rank}: {payload}")
+                if got != kind:
+                    raise RuntimeError(f"DDP baseline: rank {rank} reported {got!r}, expected {kind!r}")
+                by_rank[rank] = payload
+                continue
+            dead = [(r, p.exitcode) for r, p in enumerate(self._procs)
+                    if p.exitcode not in (None, 0) and r not in by_rank]
+            if dead:
+                # A rank's last report is in the pipe before it exits: read what is left first.
+                if dead_since is None:
+                    dead_since = time.monotonic()
+                elif time.monotonic() - dead_since > 1.0:
+                    raise RuntimeError(f"DDP baseline: rank(s) exited without a result (rank, exit code): {dead}")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"DDP baseline: no {kind!r} from rank(s) "
+                                   f"{sorted(set(range(self.size)) - set(by_rank))} after {self.timeout_s:.0f} s")
+        return [by_rank[r] for r in range(self.size)]
+
+    def close(self) -> None:
+        for writer in self._commands:
+            writer.close()   # a rank still waiting for a command sees EOF and exits
+        for p in self._procs:
+            p.join(30)
+            if p.is_alive():
+                p.kill()
+                p.join(5)
+        self._commands, self._procs = [], []
+        shutil.rmtree(self._tmp, ignore_errors=True)
 
 
 def run_ddp(size: int, spec: dict, timeout_s: float = 600.0) -> list[dict]:
-    """Run the DDP baseline on ``size`` spawned processes; returns each rank's result, by rank.
+    """Run the DDP baseline on ``size`` spawned processes, ``repeats`` windows back to back.
 
-    ``spec``: ``config`` (TransformerConfig kwargs), ``seed``, ``lr``, ``batch`` (global),
-    ``warmup``, ``steps``, ``repeats``.
+    Returns each rank's result, by rank: ``windows_s``, ``cpu_s`` (summed over the windows),
+    ``last_loss``, ``pid``, ``vmhwm_kib``. ``spec`` as for `DDPWorkers`.
     """
-    ctx = multiprocessing.get_context("spawn")
-    results = ctx.Queue()
-    with tempfile.TemporaryDirectory(prefix="pathways-ddp-") as tmp:
-        store_path = os.path.join(tmp, "store")
-        procs = [ctx.Process(target=_worker, args=(rank, size, store_path, spec, results)) for rank in range(size)]
-        for p in procs:
-            p.start()
-        try:
-            by_rank = _collect(procs, results, timeout_s)
-        finally:
-            for p in procs:
-                p.join(30)
-                if p.is_alive():
-                    p.kill()
-    errors = {r: v["error"] for r, v in by_rank.items() if "error" in v}
-    if errors:
-        raise RuntimeError(f"DDP baseline failed on N={size}: {errors}")
-    return [by_rank[r] for r in range(size)]
+    with DDPWorkers(size, spec, timeout_s) as workers:
+        workers.start()
+        windows = [workers.window() for _ in range(spec["repeats"])]
+        final = workers.stop()
+    return [{"windows_s": [w[r]["window_s"] for w in windows], "cpu_s": sum(w[r]["cpu_s"] for w in windows),
+             **final[r]} for r in range(size)]
 
 
 def process_cpu_s(pid: int) -> float | None:

@@ -6,8 +6,22 @@ The same training step everywhere: the example decoder-only Transformer
 (``ReverseTask(cfg, seed).batch(i, B)``), the eager compute backend and one
 compute thread per process (``torch.set_num_threads(1)``; executors run with
 ``executor_threads=1``). Metric: tokens per second = steps x global batch x context
-(context = 2 x length) / wall time; each configuration runs ``--warmup`` steps
-(waited for), then ``--repeats`` windows of ``--steps`` steps; the median window counts.
+(context = 2 x length) / wall time of a timed window of ``--steps`` steps.
+
+Windows are interleaved. At each N the runtime (context + trainer), the N DDP
+processes and the eager model (in this process) are all started and warmed up
+(``--warmup`` steps each, waited for) and stay alive; then come ``--repeats`` rounds,
+each a runtime window, a DDP window and an eager window, in that order, one after the
+other. Only one system computes at a time: the executors wait in their poll loop,
+the DDP ranks block on their command pipe, the eager model is this process's main
+thread (a short pause before each window lets the previous one's trailing work
+finish). Why: this machine's speed drifts (other tenants; up to 2x over minutes),
+so measuring each configuration after the other made runtime/DDP swing from 0.75
+to 1.18 between runs. A round's windows are seconds apart, so the ratios
+runtime/DDP and runtime/eager are taken per round and their median is reported
+(with the min-max spread of runtime/DDP); tokens/s of each system is the median
+of its windows. The CPU time the idle systems use during the others' windows is
+printed as a check that they are idle.
 
 1. runtime: ``pw.Context(num_executors=N, backend="eager", executor_threads=1)``, mesh
    ``{"data": N}``, ``ctx.wrap(..., plan=pw.DataParallel("data"))``. A window dispatches
@@ -19,10 +33,12 @@ compute thread per process (``torch.set_num_threads(1)``; executors run with
 2. DDP: N spawned processes, each a gloo group from a FileStore in a private
    temporary directory, loopback only (`make_gloo_group`, as the executors and
    `bench/dispatch.py`'s baseline make theirs), `DistributedDataParallel`, B/N rows
-   of every batch per rank; rank 0's time (`bench/ddp_train_baseline.py`).
+   of every batch per rank; rank 0's time of each window (`bench/ddp_train_baseline.py`,
+   `DDPWorkers`: a window per command).
 3. eager: one process (this one), the whole global batch, ordinary
-   ``zero_grad / backward / step``.
-4. XLA: the runtime with ``backend="xla"`` vs ``backend="eager"`` (compile excluded by the warm-up).
+   ``zero_grad / backward / step``; a fresh model at every N.
+4. XLA: the runtime with ``backend="xla"`` vs ``backend="eager"`` (compile excluded by the warm-up);
+   the xla runs are separate runs (windows back to back), not interleaved with the rest.
 5. Memory at the largest N, for ``pw.DataParallel`` and ``pw.ShardedDataParallel``: each
    executor's peak resident set (``VmHWM`` of ``/proc/<pid>/status``, just after start
    and after the steps) and the bytes its object store holds after the steps
@@ -55,7 +71,7 @@ import torch  # noqa: E402
 
 import pathways_torch as pw  # noqa: E402
 from bench.common import print_table, write_results  # noqa: E402
-from bench.ddp_train_baseline import process_cpu_s, run_ddp, status_field  # noqa: E402
+from bench.ddp_train_baseline import DDPWorkers, process_cpu_s, status_field  # noqa: E402
 from transformer import DecoderOnlyTransformer, ReverseTask, TransformerConfig, loss_fn  # noqa: E402
 
 LR = 1e-3
@@ -85,53 +101,99 @@ def tokens_per_s(args, cfg, window_s: float) -> float:
 
 # ------------------------------------------------------------ 1, 4, 5: the runtime
 
-def measure_runtime(size: int, backend: str, plan_name: str, args, cfg, batches) -> dict:
-    model, optimizer = make_model(cfg)
-    plan = pw.DataParallel("data") if plan_name == "DataParallel" else pw.ShardedDataParallel("data")
-    with pw.Context(num_executors=size, backend=backend, executor_threads=1) as ctx:
-        pids = ctx.executor_pids
-        hwm_start = [status_field(pid, "VmHWM") for pid in pids]
+class RuntimeRun:
+    """One runtime configuration kept alive between its timed windows: `start`, `window` (x repeats), `finish`."""
+
+    def __init__(self, size: int, backend: str, plan_name: str, args, cfg, batches):
+        self.size, self.backend, self.plan_name = size, backend, plan_name
+        self.args, self.cfg, self.batches = args, cfg, batches
+        self.ctx = None
+
+    def start(self) -> None:
+        """Start the context and the trainer, and run the warm-up steps (waited for)."""
+        args, size = self.args, self.size
+        model, optimizer = make_model(self.cfg)
+        plan = pw.DataParallel("data") if self.plan_name == "DataParallel" else pw.ShardedDataParallel("data")
+        self.ctx = ctx = pw.Context(num_executors=size, backend=self.backend, executor_threads=1)
+        self.pids = ctx.executor_pids
+        self.hwm_start = [status_field(pid, "VmHWM") for pid in self.pids]
         mesh = ctx.mesh({"data": size})
-        trainer = ctx.wrap(model, optimizer=optimizer, loss_fn=loss_fn, mesh=mesh, plan=plan)
+        self.trainer = ctx.wrap(model, optimizer=optimizer, loss_fn=loss_fn, mesh=mesh, plan=plan)
         began = time.perf_counter()
-        first = trainer.step(batches[0])
+        first = self.trainer.step(self.batches[0])
         first.result()
-        first_step_s = time.perf_counter() - began
+        self.first_step_s = time.perf_counter() - began
         del first
+        loss = None
         for i in range(1, args.warmup):
-            loss = trainer.step(batches[i])
-        if args.warmup > 1:
+            loss = self.trainer.step(self.batches[i])
+        if loss is not None:
             loss.result()
-        index, windows, wall_spans = args.warmup, [], []
-        client_cpu, executor_cpu = time.process_time(), [process_cpu_s(pid) for pid in pids]
-        for _ in range(args.repeats):
-            wall_began, began = time.time(), time.perf_counter()
-            for _ in range(args.steps):
-                loss = trainer.step(batches[index])
-                index += 1
-            last_loss = loss.result().item()
-            windows.append(time.perf_counter() - began)
-            wall_spans.append((wall_began, time.time()))
-        client_cpu = time.process_time() - client_cpu
-        executor_cpu = [_delta(process_cpu_s(pid), before) for pid, before in zip(pids, executor_cpu)]
-        threads = [status_field(pid, "Threads") for pid in pids]
         del loss
-        stats = ctx.stats()["executors"]
-        store_bytes = [stats[e]["store_bytes"] for e in ctx.executor_ids]
-        hwm_end = [status_field(pid, "VmHWM") for pid in pids]
-        trace_path = os.path.join(args.trace_dir or tempfile.gettempdir(),
-                                  f"bench-train-{backend}-{plan_name}-n{size}.json")
-        compute = _compute_profile(ctx.trace(trace_path), trainer._function.name, size, wall_spans)
-        if not args.trace_dir:
-            os.remove(trace_path)
-    median_window = statistics.median(windows)
-    return {"system": "runtime", "backend": backend, "plan": plan_name, "executors": size,
-            "tokens_per_s": tokens_per_s(args, cfg, median_window), "windows_s": windows,
-            "ms_per_step": median_window / args.steps * 1000, "first_step_s": first_step_s,
-            "last_loss": last_loss, "pids": pids, "vmhwm_start_kib": hwm_start, "vmhwm_kib": hwm_end,
-            "store_bytes": store_bytes, **compute, "threads": threads,
-            **_cpu_summary(client_cpu, executor_cpu, sum(windows), args.repeats * args.steps),
-            "trace": trace_path if args.trace_dir else None}
+        self.index, self.windows, self.wall_spans = args.warmup, [], []
+        self.client_cpu, self.executor_cpu = 0.0, [0.0] * size
+        self._loss = None
+
+    def window(self) -> float:
+        """``--steps`` steps dispatched back to back; waits on the last loss only. Returns the wall seconds."""
+        pids = self.pids
+        client_cpu, executor_cpu = time.process_time(), [process_cpu_s(pid) for pid in pids]
+        wall_began, began = time.time(), time.perf_counter()
+        for _ in range(self.args.steps):
+            self._loss = self.trainer.step(self.batches[self.index])
+            self.index += 1
+        self.last_loss = self._loss.result().item()
+        window = time.perf_counter() - began
+        self.wall_spans.append((wall_began, time.time()))
+        self.windows.append(window)
+        self.client_cpu += time.process_time() - client_cpu
+        for i, (pid, before) in enumerate(zip(pids, executor_cpu)):
+            used = _delta(process_cpu_s(pid), before)
+            self.executor_cpu[i] = None if used is None or self.executor_cpu[i] is None else self.executor_cpu[i] + used
+        return window
+
+    def finish(self) -> dict:
+        """Collect the executors' threads, store bytes, VmHWM and trace, and close the context."""
+        args, ctx, pids, size = self.args, self.ctx, self.pids, self.size
+        try:
+            threads = [status_field(pid, "Threads") for pid in pids]
+            self._loss = None
+            stats = ctx.stats()["executors"]
+            store_bytes = [stats[e]["store_bytes"] for e in ctx.executor_ids]
+            hwm_end = [status_field(pid, "VmHWM") for pid in pids]
+            trace_path = os.path.join(args.trace_dir or tempfile.gettempdir(),
+                                      f"bench-train-{self.backend}-{self.plan_name}-n{size}.json")
+            compute = _compute_profile(ctx.trace(trace_path), self.trainer._function.name, size, self.wall_spans)
+            if not args.trace_dir:
+                os.remove(trace_path)
+        finally:
+            self.close()
+        windows = self.windows
+        median_window = statistics.median(windows)
+        return {"system": "runtime", "backend": self.backend, "plan": self.plan_name, "executors": size,
+                "tokens_per_s": tokens_per_s(args, self.cfg, median_window), "windows_s": windows,
+                "ms_per_step": median_window / args.steps * 1000, "first_step_s": self.first_step_s,
+                "last_loss": self.last_loss, "pids": pids, "vmhwm_start_kib": self.hwm_start, "vmhwm_kib": hwm_end,
+                "store_bytes": store_bytes, **compute, "threads": threads,
+                **_cpu_summary(self.client_cpu, self.executor_cpu, sum(windows), len(windows) * args.steps),
+                "trace": trace_path if args.trace_dir else None}
+
+    def close(self) -> None:
+        if self.ctx is not None:
+            self._loss = None
+            self.ctx.close()
+
+
+def measure_runtime(size: int, backend: str, plan_name: str, args, cfg, batches) -> dict:
+    """The runtime alone: warm-up, then ``--repeats`` windows back to back (the XLA and memory runs)."""
+    run = RuntimeRun(size, backend, plan_name, args, cfg, batches)
+    try:
+        run.start()
+        for _ in range(args.repeats):
+            run.window()
+        return run.finish()
+    finally:
+        run.close()
 
 
 def _delta(after, before):
@@ -166,45 +228,129 @@ def _compute_profile(trace: dict, name: str, size: int, wall_spans: list[tuple[f
 
 # ------------------------------------------------------------ 2: DDP, 3: one eager process
 
-def measure_ddp(size: int, args, cfg) -> dict:
-    spec = {"config": {"vocab": cfg.vocab, "length": cfg.length, "width": cfg.width, "depth": cfg.depth,
+def ddp_spec(args, cfg) -> dict:
+    return {"config": {"vocab": cfg.vocab, "length": cfg.length, "width": cfg.width, "depth": cfg.depth,
                        "heads": cfg.heads, "dropout": cfg.dropout},
             "seed": SEED, "lr": LR, "batch": args.batch, "warmup": args.warmup, "steps": args.steps,
             "repeats": args.repeats}
-    ranks = run_ddp(size, spec)
-    windows = ranks[0]["windows_s"]
+
+
+def ddp_result(size: int, args, cfg, windows_by_round: list[list[dict]], final: list[dict]) -> dict:
+    """The DDP entry of the results from every window's per-rank reports and the ranks' final reports."""
+    by_rank = [[w[r]["window_s"] for w in windows_by_round] for r in range(size)]
+    windows = by_rank[0]   # rank 0's time counts
     median_window = statistics.median(windows)
-    cpu = _cpu_summary(None, [r["cpu_s"] for r in ranks], sum(windows), args.repeats * args.steps)
+    cpu = _cpu_summary(None, [sum(w[r]["cpu_s"] for w in windows_by_round) for r in range(size)], sum(windows),
+                       len(windows) * args.steps)
     return {"system": "ddp", "executors": size, "tokens_per_s": tokens_per_s(args, cfg, median_window), **cpu,
             "windows_s": windows, "ms_per_step": median_window / args.steps * 1000,
-            "last_loss": ranks[0]["last_loss"], "vmhwm_kib": [r["vmhwm_kib"] for r in ranks],
-            "windows_s_by_rank": [r["windows_s"] for r in ranks]}
+            "last_loss": final[0]["last_loss"], "pids": [r["pid"] for r in final],
+            "vmhwm_kib": [r["vmhwm_kib"] for r in final], "windows_s_by_rank": by_rank}
 
 
-def measure_eager(args, cfg, batches) -> dict:
-    model, optimizer = make_model(cfg)
+class EagerRun:
+    """One eager process (this one): the whole global batch, ordinary ``zero_grad / backward / step``."""
 
-    def one_step(inputs, targets):
-        optimizer.zero_grad(set_to_none=True)
-        loss = loss_fn(model(inputs), targets)
+    def __init__(self, args, cfg, batches):
+        self.args, self.cfg, self.batches = args, cfg, batches
+
+    def start(self) -> None:
+        self.model, self.optimizer = make_model(self.cfg)
+        for i in range(self.args.warmup):
+            self._step(*self.batches[i])
+        self.index, self.windows, self.cpu_s = self.args.warmup, [], 0.0
+
+    def _step(self, inputs, targets):
+        self.optimizer.zero_grad(set_to_none=True)
+        loss = loss_fn(self.model(inputs), targets)
         loss.backward()
-        optimizer.step()
+        self.optimizer.step()
         return loss
 
-    for i in range(args.warmup):
-        one_step(*batches[i])
-    index, windows = args.warmup, []
-    cpu_began = time.process_time()
-    for _ in range(args.repeats):
-        began = time.perf_counter()
-        for _ in range(args.steps):
-            loss = one_step(*batches[index])
-            index += 1
-        windows.append(time.perf_counter() - began)
-    median_window = statistics.median(windows)
-    return {"system": "eager", "executors": 1, "tokens_per_s": tokens_per_s(args, cfg, median_window),
-            "windows_s": windows, "ms_per_step": median_window / args.steps * 1000, "last_loss": loss.item(),
-            **_cpu_summary(None, [time.process_time() - cpu_began], sum(windows), args.repeats * args.steps)}
+    def window(self) -> float:
+        cpu_began, began = time.process_time(), time.perf_counter()
+        for _ in range(self.args.steps):
+            loss = self._step(*self.batches[self.index])
+            self.index += 1
+        window = time.perf_counter() - began
+        self.cpu_s += time.process_time() - cpu_began
+        self.windows.append(window)
+        self.last_loss = loss.item()
+        return window
+
+    def finish(self) -> dict:
+        args, windows = self.args, self.windows
+        median_window = statistics.median(windows)
+        return {"system": "eager", "executors": 1, "tokens_per_s": tokens_per_s(args, self.cfg, median_window),
+                "windows_s": windows, "ms_per_step": median_window / args.steps * 1000, "last_loss": self.last_loss,
+                **_cpu_summary(None, [self.cpu_s], sum(windows), len(windows) * args.steps)}
+
+
+# ------------------------------------------------------------ 1, 2, 3 side by side
+
+SETTLE_S = 0.05   # a pause before each window, so trailing work of the previous one (releases, GC) is done
+
+
+def _cpu_snapshot(executor_pids: list[int], ddp_pids: list[int]) -> dict:
+    return {"client": time.process_time(), "executors": [process_cpu_s(pid) for pid in executor_pids],
+            "ddp": [process_cpu_s(pid) for pid in ddp_pids]}
+
+
+def _cpu_used(before: dict, after: dict, part: str) -> float:
+    if part == "client":
+        return after["client"] - before["client"]
+    return sum(_delta(a, b) or 0.0 for a, b in zip(after[part], before[part]))
+
+
+def measure_side_by_side(size: int, args, cfg, batches) -> tuple[dict, dict, dict, dict]:
+    """Runtime, DDP and eager at ``size``, all alive and warmed up, in interleaved timed windows.
+
+    Each round: a runtime window, a DDP window, an eager window (one system computes, the
+    others wait idle). Returns the runtime, DDP and eager results and the per-round ratios.
+    """
+    runtime_run = RuntimeRun(size, "eager", "DataParallel", args, cfg, batches)
+    try:
+        runtime_run.start()
+        with DDPWorkers(size, ddp_spec(args, cfg)) as workers:
+            workers.start()
+            eager_run = EagerRun(args, cfg, batches)
+            eager_run.start()
+            rounds, ddp_windows = [], []
+            idle = {"executors": [0.0, 0.0], "ddp": [0.0, 0.0], "client": [0.0, 0.0]}   # CPU s, wall s
+
+            def timed(window, idle_parts):
+                time.sleep(SETTLE_S)
+                before = _cpu_snapshot(runtime_run.pids, workers.pids)
+                began = time.perf_counter()
+                result = window()
+                wall = time.perf_counter() - began
+                after = _cpu_snapshot(runtime_run.pids, workers.pids)
+                for part in idle_parts:
+                    idle[part][0] += _cpu_used(before, after, part)
+                    idle[part][1] += wall
+                return result
+
+            for _ in range(args.repeats):
+                runtime_s = timed(runtime_run.window, ["ddp"])
+                ranks = timed(workers.window, ["executors", "client"])
+                ddp_windows.append(ranks)
+                eager_s = timed(eager_run.window, ["executors", "ddp"])
+                ddp_s = ranks[0]["window_s"]
+                rounds.append({"runtime_s": runtime_s, "ddp_s": ddp_s, "eager_s": eager_s,
+                               "runtime_vs_ddp": ddp_s / runtime_s, "runtime_vs_eager": eager_s / runtime_s,
+                               "ddp_vs_eager": eager_s / ddp_s})
+            final = workers.stop()
+        rt = runtime_run.finish()
+    finally:
+        runtime_run.close()
+    dd = ddp_result(size, args, cfg, ddp_windows, final)
+    eg = eager_run.finish()
+    ratios = {key: statistics.median(r[key] for r in rounds)
+              for key in ("runtime_vs_ddp", "runtime_vs_eager", "ddp_vs_eager")}
+    spread = [r["runtime_vs_ddp"] for r in rounds]
+    ratios.update(runtime_vs_ddp_min=min(spread), runtime_vs_ddp_max=max(spread), rounds=rounds,
+                  idle_cpu_ms_per_s={part: cpu / wall * 1000 if wall else None for part, (cpu, wall) in idle.items()})
+    return rt, dd, eg, ratios
 
 
 # ------------------------------------------------------------ report
@@ -229,7 +375,8 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=64, help="global batch (rows); must divide by every size")
     parser.add_argument("--steps", type=int, default=30, help="steps per timed window")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps first (waited for)")
-    parser.add_argument("--repeats", type=int, default=5, help="timed windows; the median counts")
+    parser.add_argument("--repeats", type=int, default=5,
+                        help="rounds of timed windows (runtime, DDP, eager interleaved); the median counts")
     parser.add_argument("--xla-sizes", default="1,2", help="runtime sizes to run with backend='xla' too")
     parser.add_argument("--no-xla", action="store_true", help="skip the XLA comparison")
     parser.add_argument("--no-memory", action="store_true", help="skip the ShardedDataParallel memory run")
@@ -254,14 +401,10 @@ def main() -> None:
           f"{cfg.context}, global batch {args.batch} = {args.batch * cfg.context:,} tokens/step; "
           f"{args.warmup} warm-up + {args.repeats} x {args.steps} timed steps per configuration", flush=True)
 
-    print("eager, one process ...", flush=True)
-    eager = measure_eager(args, cfg, batches)
-    runtime, ddp, xla = {}, {}, {}
+    runtime, ddp, eager, ratios, xla = {}, {}, {}, {}, {}
     for size in sizes:
-        print(f"N={size}: runtime (eager) ...", flush=True)
-        runtime[size] = measure_runtime(size, "eager", "DataParallel", args, cfg, batches)
-        print(f"N={size}: DDP ...", flush=True)
-        ddp[size] = measure_ddp(size, args, cfg)
+        print(f"N={size}: runtime (eager), DDP and eager 1-proc, {args.repeats} interleaved rounds ...", flush=True)
+        runtime[size], ddp[size], eager[size], ratios[size] = measure_side_by_side(size, args, cfg, batches)
     for size in xla_sizes:
         print(f"N={size}: runtime (xla) ...", flush=True)
         xla[size] = measure_runtime(size, "xla", "DataParallel", args, cfg, batches)
@@ -274,33 +417,32 @@ def main() -> None:
 
     cores = os.cpu_count() or 1
     print()
-    print(f"Training throughput, tokens/s (median of {args.repeats} windows of {args.steps} steps; "
-          f"eager compute, 1 thread/process)")
+    print(f"Training throughput, tokens/s (median of {args.repeats} windows of {args.steps} steps, interleaved "
+          f"runtime, DDP, eager per round; ratios: median of the per-round ratios; eager compute, 1 thread/process)")
     table = []
     for size in sizes:
-        rt, dd = runtime[size], ddp[size]
-        rt["vs_ddp"] = rt["tokens_per_s"] / dd["tokens_per_s"]
-        rt["vs_eager"] = rt["tokens_per_s"] / eager["tokens_per_s"]
-        dd["vs_eager"] = dd["tokens_per_s"] / eager["tokens_per_s"]
+        rt, dd, eg, ra = runtime[size], ddp[size], eager[size], ratios[size]
+        rt["vs_ddp"], rt["vs_eager"], dd["vs_eager"] = ra["runtime_vs_ddp"], ra["runtime_vs_eager"], ra["ddp_vs_eager"]
         if size > cores:
             note = f"oversubscribed: {size} processes on {cores} cores (+ the runtime's client)"
         elif size + 1 > cores:
             note = f"the runtime's client shares the {cores} cores with its {size} executors"
         else:
             note = ""
-        table.append([size, f"{rt['tokens_per_s']:,.0f}", f"{dd['tokens_per_s']:,.0f}", f"{eager['tokens_per_s']:,.0f}",
-                      f"{rt['vs_ddp']:.2f}", f"{rt['vs_eager']:.2f}", f"{dd['vs_eager']:.2f}",
+        table.append([size, f"{rt['tokens_per_s']:,.0f}", f"{dd['tokens_per_s']:,.0f}", f"{eg['tokens_per_s']:,.0f}",
+                      f"{rt['vs_ddp']:.2f}", f"{ra['runtime_vs_ddp_min']:.2f}-{ra['runtime_vs_ddp_max']:.2f}",
+                      f"{rt['vs_eager']:.2f}", f"{dd['vs_eager']:.2f}",
                       f"{rt['ms_per_step']:.1f} / {dd['ms_per_step']:.1f}",
                       f"{rt['client_cpu_ms_per_step']:.1f} + {_fmt_list(rt['worker_cpu_ms_per_step'], '.0f')} / "
                       f"{_fmt_list(dd['worker_cpu_ms_per_step'], '.0f')}",
                       _fmt_list(rt["compute_ms_per_step"], ".1f"), _fmt_list(rt["busy_fraction"], ".0%"), note])
-    print_table(["N", "runtime", "DDP", "eager 1-proc", "runtime/DDP", "runtime/eager", "DDP/eager",
+    print_table(["N", "runtime", "DDP", "eager 1-proc", "runtime/DDP", "rt/DDP min-max", "runtime/eager", "DDP/eager",
                  "ms/step rt / DDP", "CPU ms/step rt client + executors / DDP ranks", "rt exec compute ms/step",
                  "rt exec busy", "note"], table)
     print(f"target runtime/DDP >= 0.95: " + ", ".join(
         f"N={n} {'met' if runtime[n]['vs_ddp'] >= 0.95 else 'NOT met'}" for n in sizes))
-    losses = [eager["last_loss"]] + [r["last_loss"] for r in (*runtime.values(), *ddp.values(), *xla.values())]
-    print(f"last-step loss: eager {eager['last_loss']:.5f}; runtime " +
+    losses = [r["last_loss"] for r in (*eager.values(), *runtime.values(), *ddp.values(), *xla.values())]
+    print(f"last-step loss: eager " + ", ".join(f"N={n} {eager[n]['last_loss']:.5f}" for n in sizes) + "; runtime " +
           ", ".join(f"N={n} {runtime[n]['last_loss']:.5f}" for n in sizes) + "; DDP " +
           ", ".join(f"N={n} {ddp[n]['last_loss']:.5f}" for n in sizes) +
           (("; xla " + ", ".join(f"N={n} {xla[n]['last_loss']:.5f}" for n in xla_sizes)) if xla else "") +
@@ -308,10 +450,16 @@ def main() -> None:
     print("notes: 'CPU ms/step' = CPU time (user+system, every thread) per step of the runtime's client "
           "process (controller included) and of each executor, and of each DDP rank; 'rt exec compute ms/step' = "
           "median compute span of the step on each executor (ctx.trace, collectives included); 'rt exec busy' = "
-          "share of the timed windows each executor spent in those spans. "
+          "share of the timed windows each executor spent in those spans; 'rt/DDP min-max' = the spread of "
+          "the per-round runtime/DDP ratios. "
           f"This machine has {cores} cores: sizes whose processes outnumber them time-share the cores "
           "(the runtime also has its client+controller process), so N above the core count measures "
           "contention, not scaling.")
+    print("idle CPU while another system's window ran (CPU ms per wall s, the system's processes summed; "
+          "executors: in DDP and eager windows, DDP ranks: in runtime and eager windows, client: in DDP windows): " +
+          "; ".join(f"N={n} executors {_fmt_list([ratios[n]['idle_cpu_ms_per_s']['executors']], '.0f')}, "
+                    f"DDP ranks {_fmt_list([ratios[n]['idle_cpu_ms_per_s']['ddp']], '.0f')}, "
+                    f"client {_fmt_list([ratios[n]['idle_cpu_ms_per_s']['client']], '.0f')}" for n in sizes))
 
     if xla:
         print()
@@ -333,7 +481,8 @@ def main() -> None:
                      "xla compute ms/step", "eager compute ms/step", "xla exec CPU/wall", "eager exec CPU/wall",
                      "xla exec threads"], xtable)
         print("notes: 'exec CPU/wall' = an executor's CPU seconds per wall second in the timed windows (above 1: "
-              "it computes on more than one core); 'first step' includes loading (and for XLA compiling) the step.")
+              "it computes on more than one core); 'first step' includes loading (and for XLA compiling) the step. "
+              "The xla runs are separate runs, not interleaved with the eager ones: machine drift enters xla/eager.")
 
     if memory:
         largest = max(sizes)
@@ -362,7 +511,8 @@ def main() -> None:
                    "vocab": cfg.vocab, "context": cfg.context, "batch": args.batch, "steps": args.steps,
                    "warmup": args.warmup, "repeats": args.repeats, "lr": LR, "seed": SEED,
                    "parameters": num_params, "tokens_per_step": args.batch * cfg.context},
-        "eager": eager, "runtime": [runtime[n] for n in sizes], "ddp": [ddp[n] for n in sizes],
+        "eager": [eager[n] for n in sizes], "runtime": [runtime[n] for n in sizes], "ddp": [ddp[n] for n in sizes],
+        "ratios": [{"executors": n, **ratios[n]} for n in sizes],
         "xla": [xla[n] for n in xla_sizes], "memory": {k: {kk: v[kk] for kk in (
             "executors", "pids", "vmhwm_start_kib", "vmhwm_kib", "store_bytes", "tokens_per_s")}
             for k, v in memory.items()},

@@ -143,7 +143,8 @@ def _sgd(h: GroupHyper, param, grad, state, step, lr):
 
     if h.weight_decay != 0:
         grad = grad + h.weight_decay * param
-    new_state = ()
+    # Another group may keep a momentum buffer while this one has none: pass it through.
+    new_state = tuple(state)
     if h.momentum != 0:
         (buf,) = state
         # torch starts the buffer as a copy of the first gradient (no dampening on step 1).

@@ -50,6 +50,24 @@ class DataParallel:
 
         return all_reduce(grad, self.axis, "mean") if num_shards > 1 else grad
 
+    def reduce(self, grads: list, loss, num_shards: int) -> tuple[list, object]:
+        """Average the gradient buckets and the loss over the axis.
+
+        The loss rides in the first bucket's all-reduce when their dtypes agree: one
+        collective fewer per step (a round trip between every pair of executors).
+        """
+        import torch
+
+        from ..collectives import all_reduce
+
+        if num_shards == 1:
+            return grads, loss
+        if grads[0].dtype != loss.dtype:
+            return [self.reduce_gradient(g, num_shards) for g in grads], all_reduce(loss, self.axis, "mean")
+        packed = self.reduce_gradient(torch.cat([grads[0], loss.reshape(1)]), num_shards)
+        rest = [self.reduce_gradient(g, num_shards) for g in grads[1:]]
+        return [packed[:-1], *rest], packed[-1]
+
     def global_sum(self, x, num_shards: int):
         """Sum of a per-shard quantity over the whole (unsharded) state: local here."""
         return x
@@ -76,6 +94,14 @@ class ShardedDataParallel(DataParallel):
         from ..collectives import reduce_scatter
 
         return reduce_scatter(grad, self.axis, "mean", 0) if num_shards > 1 else grad
+
+    def reduce(self, grads: list, loss, num_shards: int) -> tuple[list, object]:
+        """Reduce-scatter every gradient bucket; all-reduce the loss."""
+        from ..collectives import all_reduce
+
+        if num_shards == 1:
+            return grads, loss
+        return [self.reduce_gradient(g, num_shards) for g in grads], all_reduce(loss, self.axis, "mean")
 
     def global_sum(self, x, num_shards: int):
         from ..collectives import all_reduce

@@ -51,10 +51,7 @@ class StepLayout:
 def make_step(model, loss_fn: Callable | None, spec: OptimizerSpec, layout: StepLayout, plan, num_shards: int,
               seed: int, max_grad_norm: float | None) -> Callable:
     """The per-shard step function (to be captured); see the module docstring for its signature."""
-    import torch
     from torch.func import functional_call, grad_and_value
-
-    from ..collectives import all_reduce
 
     buckets, num_states = layout.buckets, len(layout.state_names)
 
@@ -81,9 +78,9 @@ def make_step(model, loss_fn: Callable | None, spec: OptimizerSpec, layout: Step
             return loss, buffers
 
         grads, (loss, new_buffers) = grad_and_value(loss_of, has_aux=True)(params, buffers)
-        loss = all_reduce(loss.detach(), plan.axis, "mean") if num_shards > 1 else loss.detach()
         padded = [b.padded_numel(num_shards) if plan.sharded_state else b.numel for b in buckets]
-        grad_flats = [plan.reduce_gradient(flatten(b, grads, n), num_shards) for b, n in zip(buckets, padded)]
+        grad_flats, loss = plan.reduce([flatten(b, grads, n) for b, n in zip(buckets, padded)], loss.detach(),
+                                       num_shards)
         if max_grad_norm is not None:
             grad_flats = _clip(grad_flats, max_grad_norm, plan, num_shards)
         new_flats, new_states = [], []

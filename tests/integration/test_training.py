@@ -4,6 +4,7 @@ asynchronous steps, checkpoints that resume exactly, and bad input that changes 
 
 from __future__ import annotations
 
+import copy
 import gc
 import json
 import os
@@ -163,7 +164,9 @@ def test_step_returns_before_it_runs_and_the_next_is_enqueued_meanwhile(ctx, tmp
                   key=lambda e: e["args"]["seq"])[-7:]
     received = {e["args"]["seq"]: e["ts"] for e in events
                 if e.get("cat") == "receive" and e["name"] == f"receive {name}" and e["pid"] == 0}
-    overlapped = [k for k in range(len(runs) - 1) if received[runs[k + 1]["args"]["seq"]] < runs[k]["ts"] + runs[k]["dur"]]
+    # Step k+1's Run reached the executor before step k's computation ended.
+    overlapped = [k for k in range(len(runs) - 1)
+                  if received[runs[k + 1]["args"]["seq"]] < runs[k]["ts"] + runs[k]["dur"]]
     assert len(overlapped) >= len(runs) - 2, (overlapped, json.dumps(runs[:2]))
 
 
@@ -288,3 +291,51 @@ def test_learning_rate_changes_every_step_without_a_new_capture(ctx):
     params = trainer.state_dict()["model"]
     for name, value in reference.state_dict().items():
         assert _relative_error(params[name], value) < 1e-9, name
+
+
+@pytest.mark.parametrize("plan", sorted(PLANS))
+def test_sgd_with_two_param_groups_and_a_frozen_parameter_matches_eager(ctx, plan):
+    def setup():
+        model = _model()
+        model.positions.weight.requires_grad_(False)          # frozen: an input of the step, never updated
+        blocks = [p for n, p in model.named_parameters() if n.startswith("blocks.")]
+        rest = [p for n, p in model.named_parameters() if not n.startswith("blocks.") and p.requires_grad]
+        optimizer = torch.optim.SGD([{"params": blocks, "lr": 0.05, "weight_decay": 0.01},
+                                     {"params": rest, "momentum": 0.9, "nesterov": True}], lr=0.1)
+        return model, optimizer
+
+    batches = _batches(8)
+    reference, ref_optimizer = setup()
+    expected = []
+    for x, y in batches:
+        ref_optimizer.zero_grad()
+        loss = loss_fn(reference(x), y)
+        loss.backward()
+        ref_optimizer.step()
+        expected.append(loss.item())
+    model, optimizer = setup()
+    trainer = ctx.wrap(model, optimizer=optimizer, loss_fn=loss_fn, mesh=_mesh(ctx, 2), plan=PLANS[plan])
+    assert sorted(b.group for b in trainer.layout.buckets) == [0, 1]
+    assert trainer.layout.frozen_names == ("positions.weight",)
+    losses = torch.tensor([f.result(60).item() for f in [trainer.step(b) for b in batches]], dtype=torch.float64)
+    assert _relative_error(losses, torch.tensor(expected, dtype=torch.float64)) < 1e-9
+    params = trainer.state_dict()["model"]
+    for name, value in reference.state_dict().items():
+        assert _relative_error(params[name], value) < 1e-9, name
+    assert torch.equal(params["positions.weight"], _model().positions.weight.detach())
+
+
+def test_model_that_returns_its_own_loss_needs_no_loss_fn(ctx):
+    class WithLoss(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner = _model()
+
+        def forward(self, x, y):
+            return loss_fn(self.inner(x), y)
+
+    model = WithLoss()
+    reference = copy.deepcopy(model.inner)
+    trainer = ctx.wrap(model, optimizer=_adamw(model.parameters()), mesh=_mesh(ctx, 2))
+    x, y = _batches(1)[0]
+    assert abs(trainer.step((x, y)).result(60).item() - loss_fn(reference(x), y).item()) < 1e-12
