@@ -53,8 +53,9 @@ def make_nccl_group(store_path: str, prefix: str, rank: int, size: int, timeout_
 class CollectiveRuntime:
     """This executor's process groups and the axis bindings of the running computation."""
 
-    def __init__(self, bind_host: str = "127.0.0.1", device: str = "cpu"):
+    def __init__(self, bind_host: str = "127.0.0.1", device: str = "cpu", trace=None):
         self.bind_host = bind_host
+        self.trace = trace       # a TraceRecorder: each collective is a span inside its computation
         self.device = device     # NCCL groups on CUDA executors, gloo everywhere else
         self._groups: dict[int, object] = {}
         self._sizes: dict[int, int] = {}
@@ -96,7 +97,14 @@ class CollectiveRuntime:
             why = self._failures.get(group_id, "it was never formed")
             raise RuntimeError(f"{name}: process group {group_id} for axis {axis!r} is unusable: {why}")
         kwargs.pop("size", None)  # the traced axis size; the group's own size is authoritative
-        return getattr(self, f"_{name}")(group, self._sizes[group_id], x.contiguous(), **kwargs)
+        label = f"{name} {axis} {x.numel() * x.element_size()} B"
+        if self.trace is not None:
+            self.trace.record("collective_start", label)
+        try:
+            return getattr(self, f"_{name}")(group, self._sizes[group_id], x.contiguous(), **kwargs)
+        finally:
+            if self.trace is not None:
+                self.trace.record("collective_end", label)
 
     def _all_reduce(self, group, size, x, op):
         import torch.distributed as dist

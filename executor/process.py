@@ -80,7 +80,7 @@ class ExecutorProcess:
         self.backend = make_backend(config.backend, config.device, config.num_threads)
         trace = TraceRecorder(config.max_trace_events)
         self.compiler = CompileCache(self.backend, trace, post=self.loop.call_soon)
-        self.collectives = CollectiveRuntime(config.bind_host, config.device)
+        self.collectives = CollectiveRuntime(config.bind_host, config.device, trace)
         if config.backend != "sim":   # the simulated device imports no torch
             from pathways_torch.wire import collective_ops
 

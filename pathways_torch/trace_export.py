@@ -6,7 +6,8 @@ __all__ = ["chrome_trace"]
 
 _COMPUTE_TID, _IO_TID, _COMPILE_TID = 0, 1, 2
 # Paired kinds that make complete spans: (start kind, end kind) → (category, thread).
-_SPANS = {"start": ("end", "compute", _COMPUTE_TID), "compile_start": ("compile_end", "compile", _COMPILE_TID)}
+_SPANS = {"start": ("end", "compute", _COMPUTE_TID), "compile_start": ("compile_end", "compile", _COMPILE_TID),
+          "collective_start": ("collective_end", "collective", _COMPUTE_TID)}   # nested in its computation
 _ENDS = {end: (start, cat, tid) for start, (end, cat, tid) in _SPANS.items()}
 
 
