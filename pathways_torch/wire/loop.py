@@ -119,8 +119,9 @@ class SocketLoop:
         self._callbacks.append(fn)
         with self._wake_lock:
             # One wake-up message per batch of callbacks: a training step queues a dozen, and
-            # each inproc send costs tens of microseconds. The loop clears the flag before it
-            # runs the callbacks, so one appended after that sends a new wake-up.
+            # each inproc send costs tens of microseconds. The loop clears the flag after it
+            # drained the wake-ups and before it runs the callbacks, so a callback appended
+            # after the clear sends a new wake-up and one appended before it runs this turn.
             if self._wake_pending or self._wake_push.closed:
                 return
             self._wake_pending = True
@@ -205,13 +206,16 @@ class SocketLoop:
         return max(0, min(100, int(due * 1000) + 1))
 
     def _drain_wakeups(self) -> None:
-        with self._wake_lock:
-            self._wake_pending = False
         while True:
             try:
                 self._wake_pull.recv(zmq.NOBLOCK)
             except zmq.Again:
-                return
+                break
+        # Only now: a flag cleared before the drain could be set by a producer whose wake-up
+        # the drain then swallows, leaving the flag up and every later call_soon silent.
+        # Callbacks appended before this point run in this turn (the loop runs them next).
+        with self._wake_lock:
+            self._wake_pending = False
 
     def _receive(self, socket: zmq.Socket) -> None:
         handler = self._handlers.get(socket)

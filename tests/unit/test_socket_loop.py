@@ -1,0 +1,111 @@
+"""The I/O loop's hand-off from other threads: every callback runs promptly, with one wake-up
+message per batch (a lost wake-up would leave callbacks waiting for the 100 ms poll timeout)."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import zmq
+
+from pathways_torch.wire.loop import SocketLoop
+
+pytestmark = pytest.mark.timeout(60)
+
+
+@pytest.fixture
+def loop():
+    context = zmq.Context()
+    loop = SocketLoop("test-loop", context)
+    loop.start()
+    yield loop
+    loop.stop()
+    context.term()
+
+
+def test_callbacks_from_other_threads_run_promptly_one_by_one_and_in_bursts(loop):
+    latencies = []
+    for round_trip in range(400):
+        ran = threading.Event()
+        began = time.perf_counter()
+        loop.call_soon(ran.set)
+        assert ran.wait(5)
+        latencies.append(time.perf_counter() - began)
+        if round_trip % 50 == 0:                    # bursts from several threads meanwhile
+            done = threading.Semaphore(0)
+            threads = [threading.Thread(target=lambda: [loop.call_soon(done.release) for _ in range(100)])
+                       for _ in range(4)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            for _ in range(400):
+                assert done.acquire(timeout=5)
+    latencies.sort()
+    # A lost wake-up shows as a callback that waits for the loop's 100 ms poll timeout.
+    assert latencies[-1] < 0.05, latencies[-5:]
+
+
+def test_order_is_kept_across_threads_and_batches(loop):
+    seen = []
+    finished = threading.Event()
+    for i in range(1000):
+        loop.call_soon(lambda i=i: seen.append(i))
+    loop.call_soon(finished.set)
+    assert finished.wait(5)
+    assert seen == list(range(1000))
+
+
+def test_a_storm_of_callbacks_does_not_leave_the_wake_up_flag_stuck(loop):
+    # A producer racing the loop's drain of wake-ups: if a wake-up could be swallowed while
+    # the flag stays up, later callbacks would wait for the poll timeout.
+    def storm():
+        for _ in range(20000):
+            loop.call_soon(lambda: None)
+
+    threads = [threading.Thread(target=storm) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for _ in range(20):
+        ran = threading.Event()
+        began = time.perf_counter()
+        loop.call_soon(ran.set)
+        assert ran.wait(5)
+        assert time.perf_counter() - began < 0.05
+        time.sleep(0.002)
+
+
+class _RacingPull:
+    """The loop's wake-up socket, with a producer's call_soon landing in the middle of the drain."""
+
+    def __init__(self, socket, producer):
+        self._socket, self._producer, self._raced = socket, producer, False
+
+    def recv(self, flags=0):
+        message = self._socket.recv(flags)
+        if not self._raced:
+            self._raced = True
+            self._producer()
+        return message
+
+
+def test_a_call_soon_racing_the_drain_of_wake_ups_still_wakes_the_loop_later():
+    context = zmq.Context()
+    loop = SocketLoop("race", context)          # not started: the test plays the loop thread's part
+    try:
+        ran = []
+        loop.call_soon(lambda: ran.append(1))    # wake-up 1
+        pull = loop._wake_pull
+        loop._wake_pull = _RacingPull(pull, lambda: loop.call_soon(lambda: ran.append(2)))
+        loop._drain_wakeups()
+        loop._wake_pull = pull
+        loop._run_callbacks()
+        assert ran == [1, 2]
+        loop.call_soon(lambda: ran.append(3))    # must send a wake-up: nothing else would wake the loop
+        assert pull.poll(0) == zmq.POLLIN
+    finally:
+        loop._close_all()
+        context.term()
