@@ -102,6 +102,11 @@ class Controller:
         self.dropped_messages = 0
         # Called (under the lock) when an executor is lost, e.g. to fail the client's fetches from it.
         self.loss_listeners: list[Callable[[str, ExecutorLostError], None]] = []
+        # Asks the launcher whether an executor process has exited (and declares it lost if so).
+        # Called before a failure is reported: a collective whose peer was killed fails with a
+        # transport error ("connection reset") before any heartbeat could tell, and that failure
+        # is the lost executor's, not the user's code's.
+        self.liveness_probe: Callable[[], None] | None = None
         self._groups: dict[tuple[str, ...], int] = {}       # members (in rank order) → group id
         self._axis_group_cache: dict[tuple, dict[str, list[int]]] = {}
         self._pending_frees: dict[str, list] = collections.defaultdict(list)   # executor → shards to free
@@ -419,11 +424,13 @@ class Controller:
             return
         call.waiting.discard(executor_id)
         if not done.ok:
+            if self.liveness_probe is not None:
+                self.liveness_probe()   # may fail the call first, with ExecutorLostError
             self._fail_call(call, self._error_for(call, done.failure))
         elif done.digests:
             call.digests[executor_id] = list(done.digests)
         if not call.waiting:
-            del self._calls[call.call_id]
+            self._calls.pop(call.call_id, None)   # the liveness probe may have ended it already
             if not call.failed:
                 self._complete(call)
 

@@ -111,6 +111,7 @@ class Context:
             self.controller.loss_listeners.append(self._data.executor_lost)
             # A dead child is lost at once; the heartbeat timeout catches the hung and the remote.
             self._server.loop.every(self.config.heartbeat_interval_s, self._reap_exited)
+            self.controller.liveness_probe = self._reap_exited
             self._function_ids: dict[int, tuple] = {}
             self._lowered_programs: dict[int, tuple] = {}
         except BaseException:

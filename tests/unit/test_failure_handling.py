@@ -193,3 +193,30 @@ def test_stats_report_drops_and_refused_connections():
     core.on_control(pb.Envelope(stats_request=pb.StatsRequest(request_id=1)), [])
     stats = outbox.controller[-1][0].stats
     assert stats.hop_bytes["dropped_messages"] == 1 and stats.hop_bytes["refused_connections"] == 4
+
+
+def test_a_failure_reported_while_a_peer_is_dead_is_the_lost_executors_error():
+    """A collective fails with "connection reset" on the survivor before any heartbeat: the
+    launcher's liveness probe, asked first, turns it into ExecutorLostError naming the dead one."""
+    from controller import CallSpec, Controller, ControllerConfig
+    from pathways_torch.errors import ExecutorLostError
+    from pathways_torch.wire import pb
+
+    class Outbox:
+        def to_executor(self, executor_id, envelope, payload=()):
+            pass
+
+    controller = Controller(Outbox(), ControllerConfig())
+    for i in range(2):
+        controller.on_message(f"e{i}", pb.Envelope(register=pb.Register(
+            executor_id=f"e{i}", data_address=f"tcp://127.0.0.1:{7100 + i}", device="cpu", backend="eager")), [])
+    function_id = controller.register_function("step", pb.Graph(), [])
+    mesh = controller.resources.allocate({"data": 2}, ["e0", "e1"])
+    [out] = controller.call(CallSpec(function_id=function_id, name="step", mesh=mesh, inputs=(), num_outputs=1,
+                                     collective_axes=("data",)))
+    controller.liveness_probe = lambda: controller.declare_lost("e1", "process exited (SIGKILL)")
+    failure = pb.RemoteFailure(type="RuntimeError", message="gloo: Connection reset by peer", executor_id="e0")
+    run_call_id = max(controller._calls)
+    controller.on_message("e0", pb.Envelope(done=pb.Done(call_id=run_call_id, ok=False, failure=failure)), [])
+    assert isinstance(out.error, ExecutorLostError) and out.error.executor_id == "e1"
+    assert run_call_id not in controller._calls
