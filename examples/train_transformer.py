@@ -103,15 +103,20 @@ def train(args, trainer, task, cfg) -> list[float]:
     losses: list[float] = []
     tokens_per_step = args.batch_size * cfg.context
     start_step = trainer.step_count
-    started = time.perf_counter()
+    first_done = [0.0]    # when the first step (capture + compile) finished: tokens/s counts from there
     bar = tqdm(total=args.steps, initial=start_step, unit="step", dynamic_ncols=True)
+    bar.set_description("first step: capture + compile")   # seconds on XLA; cleared when it is done
 
     def settle(block: bool):
         while pending and (block or len(pending) > IN_FLIGHT):
             losses.append(pending.popleft().result().item())
+            if len(losses) == 1:
+                bar.set_description("train")
+                first_done[0] = time.perf_counter()
             bar.update(1)
-            elapsed = time.perf_counter() - started
-            bar.set_postfix(loss=f"{losses[-1]:.4f}", tok_s=f"{len(losses) * tokens_per_step / elapsed:,.0f}")
+            elapsed = time.perf_counter() - first_done[0]
+            rate = (len(losses) - 1) * tokens_per_step / elapsed if elapsed > 0 else 0.0
+            bar.set_postfix(loss=f"{losses[-1]:.4f}", tok_s=f"{rate:,.0f}")
 
     for step in range(start_step, args.steps):
         for group in trainer.optimizer.param_groups:
