@@ -49,8 +49,8 @@ class Trainer:
         self.layout = StepLayout(buckets=tuple(buckets), state_names=self._spec.state_names,
                                  buffer_names=tuple(n for n, _ in model.named_buffers()),
                                  frozen_names=tuple(frozen), num_groups=len(optimizer.param_groups))
-        self.step_count = 0          # steps dispatched (the step number of the last one)
         self.samples_seen = 0        # batch rows dispatched: the data position a checkpoint records
+        # Steps dispatched (the step number of the last one); an optimizer that already stepped counts.
         self.step_count = self._optimizer_step_count()
         self._function = self._make_function()
         self._rank = context.put(torch.arange(self.num_shards, dtype=torch.int64), mesh, {plan.axis: Shard(0)})
@@ -136,7 +136,9 @@ class Trainer:
                   fresh[0], self._rank, *fresh[1:]]
         self._spec = spec
         try:
-            outputs = self._function(*arrays, static_key=spec.static_key())
+            # Train/eval modes are read while tracing (dropout, batch statistics): a change re-captures.
+            modes = tuple(m.training for m in self.model.modules())
+            outputs = self._function(*arrays, static_key=(spec.static_key(), modes))
         except CaptureError as exc:
             raise self._located(exc) from exc.__cause__
         self._take_outputs(outputs)

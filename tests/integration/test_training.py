@@ -289,6 +289,9 @@ def test_learning_rate_changes_every_step_without_a_new_capture(ctx):
         ref_optimizer.step()
     assert trainer._function.num_traces == 1
     params = trainer.state_dict()["model"]
+    model.eval()                                  # modes are read while tracing: a change re-captures
+    trainer.step(_batches(1)[0]).result(60)
+    assert trainer._function.num_traces == 2
     for name, value in reference.state_dict().items():
         assert _relative_error(params[name], value) < 1e-9, name
 
