@@ -123,9 +123,20 @@ class CollectiveRuntime:
         return torch.cat(parts, dim=dim)
 
     def _reduce_scatter(self, group, size, x, op, dim):
-        # gloo's reduce_scatter is not available for every dtype on CPU: all-reduce, keep our slice.
-        reduced = self._all_reduce(group, size, x, op)
-        return reduced.chunk(size, dim=dim)[group.rank()].contiguous()
+        import torch
+        import torch.distributed as dist
+
+        if op == "max" or not (x.device.type == "cuda" or x.dtype in (torch.float32, torch.float64)):
+            # gloo's reduce_scatter does not take every dtype on CPU (int64 hung here, measured):
+            # all-reduce and keep our slice.
+            reduced = self._all_reduce(group, size, x, op)
+            return reduced.chunk(size, dim=dim)[group.rank()].contiguous()
+        chunks = [c.contiguous() for c in x.chunk(size, dim=dim)]
+        out = torch.empty_like(chunks[group.rank()])
+        options = dist.ReduceScatterOptions()
+        options.reduceOp = dist.ReduceOp.SUM
+        group.reduce_scatter([out], [chunks], options).wait()
+        return out / size if op == "mean" else out
 
 
 class _Binding:
