@@ -99,8 +99,9 @@ class Trainer:
             return flatten(bucket, {s.name: tensors[key(s.name)].to(bucket.dtype) for s in bucket.slots}, n)
 
         items = [(bucket_flat(b, n, lambda s: f"model/{s}"), placement) for b, n in zip(layout.buckets, padded)]
+        # Optimizer state bucket-major, in the step's input (and output) order.
         items += [(bucket_flat(b, n, lambda s, name=name: f"optimizer/{s}/{name}"), placement)
-                  for name in layout.state_names for b, n in zip(layout.buckets, padded)]
+                  for b, n in zip(layout.buckets, padded) for name in layout.state_names]
         items += [(tensors[f"model/{n}"], Replicate()) for n in layout.buffer_names + layout.frozen_names]
         arrays = self._context.put_many(items, self.mesh)
         num_buckets, num_states = len(layout.buckets), len(layout.state_names)
@@ -132,7 +133,7 @@ class Trainer:
         ctx, mesh, axis = self._context, self.mesh, self.plan.axis
         # The step's fresh inputs travel in one message per executor.
         fresh = ctx.put_many([(scalars, Replicate()), *[(t, {axis: Shard(0)}) for t in tensors]], mesh)
-        arrays = [*self._flats, *self._states_in_bucket_order(), *self._buffers, *self._frozen,
+        arrays = [*self._flats, *self._states, *self._buffers, *self._frozen,
                   fresh[0], self._rank, *fresh[1:]]
         self._spec = spec
         try:
@@ -147,16 +148,10 @@ class Trainer:
         self.samples_seen += int(tensors[0].shape[0])
         return outputs[0]
 
-    def _states_in_bucket_order(self) -> list:
-        """State arrays ordered bucket-major (the step's input order); stored name-major."""
-        num_buckets, num_states = len(self.layout.buckets), len(self.layout.state_names)
-        return [self._states[s * num_buckets + b] for b in range(num_buckets) for s in range(num_states)]
-
     def _take_outputs(self, outputs) -> None:
         num_buckets, num_states = len(self.layout.buckets), len(self.layout.state_names)
         self._flats = list(outputs[1:1 + num_buckets])
-        by_bucket = outputs[1 + num_buckets:1 + num_buckets * (1 + num_states)]
-        self._states = [by_bucket[b * num_states + s] for s in range(num_states) for b in range(num_buckets)]
+        self._states = list(outputs[1 + num_buckets:1 + num_buckets * (1 + num_states)])
         self._buffers = list(outputs[1 + num_buckets * (1 + num_states):])
 
     def _batch_tensors(self, batch) -> list:
@@ -203,10 +198,10 @@ class Trainer:
         layout = self.layout
         for bucket, flat in zip(layout.buckets, self._flats):
             tensors.update({f"model/{n}": t.clone() for n, t in unflatten(bucket, flat.result()).items()})
-        num_buckets = len(layout.buckets)
-        for s, name in enumerate(layout.state_names):
-            for b, bucket in enumerate(layout.buckets):
-                values = unflatten(bucket, self._states[s * num_buckets + b].result())
+        states = iter(self._states)   # bucket-major
+        for bucket in layout.buckets:
+            for name in layout.state_names:
+                values = unflatten(bucket, next(states).result())
                 tensors.update({f"optimizer/{n}/{name}": t.clone() for n, t in values.items()})
         for name, array in zip(layout.buffer_names, self._buffers):
             tensors[f"model/{name}"] = array.result()

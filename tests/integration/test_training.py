@@ -342,3 +342,30 @@ def test_model_that_returns_its_own_loss_needs_no_loss_fn(ctx):
     trainer = ctx.wrap(model, optimizer=_adamw(model.parameters()), mesh=_mesh(ctx, 2))
     x, y = _batches(1)[0]
     assert abs(trainer.step((x, y)).result(60).item() - loss_fn(reference(x), y).item()) < 1e-12
+
+
+def test_adamw_with_two_param_groups_keeps_each_buckets_state_apart(ctx):
+    # Two buckets x two state tensors: the step's input order and the stored order must agree.
+    def setup():
+        model = _model()
+        blocks = [p for n, p in model.named_parameters() if n.startswith("blocks.")]
+        rest = [p for n, p in model.named_parameters() if not n.startswith("blocks.")]
+        return model, torch.optim.AdamW([{"params": blocks, "weight_decay": 0.1}, {"params": rest}], lr=1e-2)
+
+    batches = _batches(6)
+    reference, ref_optimizer = setup()
+    for x, y in batches:
+        ref_optimizer.zero_grad()
+        loss_fn(reference(x), y).backward()
+        ref_optimizer.step()
+    model, optimizer = setup()
+    trainer = ctx.wrap(model, optimizer=optimizer, loss_fn=loss_fn, mesh=_mesh(ctx, 2), plan=PLANS["sdp"])
+    for b in batches:
+        trainer.step(b)
+    state = trainer.state_dict()
+    named = dict(reference.named_parameters())
+    for name, value in reference.state_dict().items():
+        assert _relative_error(state["model"][name], value) < 1e-9, name
+    for name, tensors in state["optimizer"].items():
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert _relative_error(tensors[key], ref_optimizer.state[named[name]][key]) < 1e-9, (name, key)
