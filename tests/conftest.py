@@ -26,3 +26,19 @@ def process_gone(pid: int) -> bool:
 
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def train_eagerly(model, optimizer, batches, loss_fn, max_grad_norm: float | None = None) -> list[float]:
+    """The correctness oracle for training: ``model`` trained in this process, op by op; the losses."""
+    import torch
+
+    losses = []
+    for *inputs, target in batches:
+        optimizer.zero_grad()
+        loss = loss_fn(model(*inputs), target)
+        loss.backward()
+        if max_grad_norm is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
+        optimizer.step()
+        losses.append(loss.item())
+    return losses

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import pathways_torch as pw
-from tests.conftest import REPO_ROOT
+from tests.conftest import REPO_ROOT, train_eagerly
 
 sys.path.insert(0, os.path.join(REPO_ROOT, "examples"))
 from transformer import DecoderOnlyTransformer, ReverseTask, TransformerConfig, loss_fn  # noqa: E402
@@ -42,14 +42,7 @@ def test_xla_training_step_matches_eager_in_float32(plan):
     model = DecoderOnlyTransformer(cfg)
     reference = copy.deepcopy(model)
     batches = [ReverseTask(cfg, 1).batch(i, 8) for i in range(10)]
-    ref_optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-2)
-    expected = []
-    for x, y in batches:
-        ref_optimizer.zero_grad()
-        loss = loss_fn(reference(x), y)
-        loss.backward()
-        ref_optimizer.step()
-        expected.append(loss.item())
+    expected = train_eagerly(reference, torch.optim.AdamW(reference.parameters(), lr=1e-2), batches, loss_fn)
     with pw.Context(num_executors=2, backend="xla") as ctx:
         trainer = ctx.wrap(model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-2), loss_fn=loss_fn,
                            mesh=ctx.mesh({"data": 2}), plan=plan)

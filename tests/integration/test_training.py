@@ -15,7 +15,7 @@ import torch
 import torch.nn as nn
 
 import pathways_torch as pw
-from tests.conftest import REPO_ROOT, wait_until
+from tests.conftest import REPO_ROOT, train_eagerly, wait_until
 
 sys.path.insert(0, os.path.join(REPO_ROOT, "examples"))
 from transformer import DecoderOnlyTransformer, ReverseTask, TransformerConfig, loss_fn  # noqa: E402
@@ -58,16 +58,7 @@ def _adamw(params):
 
 def _eager(model, batches, max_grad_norm=None):
     """The oracle: the same model trained in this process, op by op."""
-    optimizer = _adamw(model.parameters())
-    losses = []
-    for x, y in batches:
-        optimizer.zero_grad()
-        loss = loss_fn(model(x), y)
-        loss.backward()
-        if max_grad_norm is not None:
-            nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
-        optimizer.step()
-        losses.append(loss.item())
+    losses = train_eagerly(model, _adamw(model.parameters()), batches, loss_fn, max_grad_norm)
     return torch.tensor(losses, dtype=torch.float64), model.state_dict()
 
 
@@ -309,13 +300,7 @@ def test_sgd_with_two_param_groups_and_a_frozen_parameter_matches_eager(ctx, pla
 
     batches = _batches(8)
     reference, ref_optimizer = setup()
-    expected = []
-    for x, y in batches:
-        ref_optimizer.zero_grad()
-        loss = loss_fn(reference(x), y)
-        loss.backward()
-        ref_optimizer.step()
-        expected.append(loss.item())
+    expected = train_eagerly(reference, ref_optimizer, batches, loss_fn)
     model, optimizer = setup()
     trainer = ctx.wrap(model, optimizer=optimizer, loss_fn=loss_fn, mesh=_mesh(ctx, 2), plan=PLANS[plan])
     assert sorted(b.group for b in trainer.layout.buckets) == [0, 1]
@@ -354,10 +339,7 @@ def test_adamw_with_two_param_groups_keeps_each_buckets_state_apart(ctx):
 
     batches = _batches(6)
     reference, ref_optimizer = setup()
-    for x, y in batches:
-        ref_optimizer.zero_grad()
-        loss_fn(reference(x), y).backward()
-        ref_optimizer.step()
+    train_eagerly(reference, ref_optimizer, batches, loss_fn)
     model, optimizer = setup()
     trainer = ctx.wrap(model, optimizer=optimizer, loss_fn=loss_fn, mesh=_mesh(ctx, 2), plan=PLANS["sdp"])
     for b in batches:
