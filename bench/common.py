@@ -8,7 +8,7 @@ import platform
 import statistics
 import time
 
-__all__ = ["write_results", "print_table", "spans", "machine"]
+__all__ = ["write_results", "print_table", "spans", "machine", "add_run_arguments"]
 
 RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
@@ -16,6 +16,13 @@ RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"
 def machine() -> dict:
     return {"cpus": os.cpu_count(), "python": platform.python_version(), "platform": platform.platform(),
             "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
+
+
+def add_run_arguments(parser, *, sizes: str, steps: int, repeats: int) -> None:
+    """The flags every scaling benchmark takes: executor counts, steps per window, windows."""
+    parser.add_argument("--sizes", default=sizes, help="comma-separated executor counts")
+    parser.add_argument("--steps", type=int, default=steps)
+    parser.add_argument("--repeats", type=int, default=repeats)
 
 
 def write_results(name: str, payload: dict) -> str:

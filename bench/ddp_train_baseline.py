@@ -12,7 +12,6 @@ rank reports "ready" and blocks on its command pipe (no CPU). On ``"window"`` th
 ranks line up on an all-reduce, run ``steps`` steps and report their wall time and
 CPU time; on ``"stop"`` they report the last step's global mean loss and their
 VmHWM, then exit. Rank 0's times are the result (every rank's are returned too).
-`run_ddp` runs ``repeats`` windows back to back (the old, non-interleaved use).
 """
 
 from __future__ import annotations
@@ -27,7 +26,7 @@ import tempfile
 import time
 import traceback
 
-__all__ = ["DDPWorkers", "run_ddp", "status_field", "process_cpu_s"]
+__all__ = ["DDPWorkers", "status_field", "process_cpu_s"]
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -247,20 +246,6 @@ class DDPWorkers:
                 p.join(5)
         self._commands, self._procs = [], []
         shutil.rmtree(self._tmp, ignore_errors=True)
-
-
-def run_ddp(size: int, spec: dict, timeout_s: float = 600.0) -> list[dict]:
-    """Run the DDP baseline on ``size`` spawned processes, ``repeats`` windows back to back.
-
-    Returns each rank's result, by rank: ``windows_s``, ``cpu_s`` (summed over the windows),
-    ``last_loss``, ``pid``, ``vmhwm_kib``. ``spec`` as for `DDPWorkers`.
-    """
-    with DDPWorkers(size, spec, timeout_s) as workers:
-        workers.start()
-        windows = [workers.window() for _ in range(spec["repeats"])]
-        final = workers.stop()
-    return [{"windows_s": [w[r]["window_s"] for w in windows], "cpu_s": sum(w[r]["cpu_s"] for w in windows),
-             **final[r]} for r in range(size)]
 
 
 def process_cpu_s(pid: int) -> float | None:

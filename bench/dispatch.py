@@ -27,7 +27,7 @@ import time
 import torch
 
 import pathways_torch as pw
-from bench.common import print_table, write_results
+from bench.common import add_run_arguments, print_table, write_results
 from bench.multicontroller import run_multicontroller
 
 CHAIN = 128
@@ -98,9 +98,7 @@ def measure_ray(sizes: str, steps: int, repeats: int) -> dict[int, dict]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--sizes", default="1,2,4,8")
-    parser.add_argument("--steps", type=int, default=200)
-    parser.add_argument("--repeats", type=int, default=4)
+    add_run_arguments(parser, sizes="1,2,4,8", steps=200, repeats=4)
     args = parser.parse_args()
     rows, table = [], []
     print("ray ...", flush=True)

@@ -18,7 +18,7 @@ import time
 import torch
 
 import pathways_torch as pw
-from bench.common import print_table, write_results
+from bench.common import add_run_arguments, print_table, write_results
 from bench.multicontroller import run_sim_multicontroller
 
 
@@ -41,10 +41,8 @@ def chained_rate(ctx, mesh, step_s: float, steps: int, repeats: int) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--sizes", default="4,16,64")
+    add_run_arguments(parser, sizes="4,16,64", steps=32, repeats=2)
     parser.add_argument("--times-ms", default="0.1,0.3,1,3,10,30")
-    parser.add_argument("--steps", type=int, default=32)
-    parser.add_argument("--repeats", type=int, default=2)
     args = parser.parse_args()
     times = [float(t) / 1000 for t in args.times_ms.split(",")]
     rows, table, parity = [], [], {}

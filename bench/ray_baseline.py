@@ -11,10 +11,11 @@ Run it where Ray is importable (a separate environment is fine):
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import tempfile
 import time
+
+from bench.common import add_run_arguments, write_results
 
 CHAIN = 128
 
@@ -70,17 +71,13 @@ def main() -> None:
     import ray
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--sizes", default="1,2,4,8")
-    parser.add_argument("--steps", type=int, default=200)
-    parser.add_argument("--repeats", type=int, default=4)
+    add_run_arguments(parser, sizes="1,2,4,8", steps=200, repeats=4)
     args = parser.parse_args()
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     rows = [measure(int(s), args.steps, args.repeats) for s in args.sizes.split(",")]
     for row in rows:
         print(f"Ray N={row['executors']}: OpByOp {row['OpByOp']:,.0f}/s, Fused {row['Fused']:,.0f}/s")
-    os.makedirs("bench/results", exist_ok=True)
-    with open("bench/results/ray_baseline.json", "w") as f:
-        json.dump({"ray": ray.__version__, "rows": rows}, f, indent=2)
+    write_results("ray_baseline", {"ray": ray.__version__, "rows": rows})
 
 
 if __name__ == "__main__":
