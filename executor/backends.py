@@ -148,15 +148,16 @@ class XlaBackend(TorchBackend):
         # Device data, as real inputs will be: zeros made on the XLA device would be graph
         # constants and give a different graph (and a second compile).
         zeros = [torch.zeros(t.shape, dtype=t.dtype).to(self._device) for t in example_inputs]
-        fallbacks = self._fallbacks_of(module, zeros)
-        if fallbacks:
-            module = self._decomposed(module, zeros, fallbacks)
-            fallbacks = self._fallbacks_of(module, zeros)
-            if fallbacks:
-                # torch_xla ran these aten ops on the host: correct, but slow. Say so.
-                log.warning("xla: ops executed by CPU fallback, not XLA: %s", ", ".join(sorted(fallbacks)))
         module = _sync_before_collectives(module, self._sync)
-        self._sync(_as_list(module(*zeros)))  # XLA compiles here and caches the executable
+        # The warm-up run: XLA compiles here and caches the executable.
+        fallbacks = self._fallbacks_of(module, zeros)
+        decomposed = self._decomposed(module, zeros, fallbacks) if fallbacks else None
+        if decomposed is not None:
+            module = _sync_before_collectives(decomposed, self._sync)
+            fallbacks = self._fallbacks_of(module, zeros)
+        if fallbacks:
+            # torch_xla ran these aten ops on the host: correct, but slow. Say so.
+            log.warning("xla: ops executed by CPU fallback, not XLA: %s", ", ".join(sorted(fallbacks)))
         return module
 
     def _fallbacks_of(self, module, zeros) -> set[str]:
@@ -170,10 +171,12 @@ class XlaBackend(TorchBackend):
         return {op: self._metrics.counter_value(op) or 0 for op in self._metrics.executed_fallback_ops()}
 
     def _decomposed(self, module, zeros, ops: set[str]):
-        """Re-trace ``module`` with torch's decompositions of the ops torch_xla lacks (e.g. LayerNorm's backward).
+        """Re-trace ``module`` with torch's decompositions of the ops torch_xla lacks (e.g. LayerNorm's backward);
+        None when none of them has one.
 
-        The re-trace runs on lazy XLA tensors (nothing executes), so the graph keeps the
-        XLA device; ops without a decomposition stay as they are.
+        The re-trace runs on fake tensors (a re-trace on real lazy XLA tensors computed
+        wrong values); ops without a decomposition stay as they are. The inserted syncs
+        skip fake tensors, so the new graph has none: the caller inserts them again.
         """
         import torch
         from torch._decomp import get_decompositions
@@ -182,7 +185,7 @@ class XlaBackend(TorchBackend):
         packets = [getattr(torch.ops.aten, op.split("::", 1)[1], None) for op in ops if op.startswith("aten::")]
         table = get_decompositions([p for p in packets if p is not None])
         if not table:
-            return module
+            return None
         return make_fx(module, decomposition_table=table, tracing_mode="fake")(*zeros)
 
     def run(self, compiled, inputs):
@@ -235,6 +238,7 @@ def _sync_before_collectives(graph_module, sync):
     the segment once.
     """
     import torch
+    from torch._subclasses.fake_tensor import is_fake
 
     nodes = list(graph_module.graph.nodes)
     position = {node: i for i, node in enumerate(nodes)}
@@ -244,7 +248,8 @@ def _sync_before_collectives(graph_module, sync):
         return graph_module
 
     def sync_tensors(values):
-        tensors = [v for v in values if isinstance(v, torch.Tensor)]
+        # Fake tensors come through when the graph is re-traced (see XlaBackend._decomposed).
+        tensors = [v for v in values if isinstance(v, torch.Tensor) and not is_fake(v)]
         if tensors:
             sync(tensors)
 
