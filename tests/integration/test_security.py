@@ -334,10 +334,17 @@ def test_hostile_frames_to_the_controller_are_dropped_and_it_keeps_serving(ctx, 
     arrays, executors = len(ctx.controller.arrays), sorted(ctx.controller.resources.executors)
     address, server_key = _target(ctx, "controller")
     for identity, frames in CONTROLLER_HOSTILE.values():
-        dealer, _ = _dealer(zctx, address, server_key, ctx._data._credentials.keys, identity, monitor=False)
+        dealer, monitor = _dealer(zctx, address, server_key, ctx._data._credentials.keys, identity)
+        # Send only once the handshake is done, and let close() flush: on a loaded machine a
+        # handshake can outlast the poll below, and close() with linger 0 would discard the frames.
+        event, seen = _wait_for_event(monitor, {"HANDSHAKE_SUCCEEDED"}, BOUND_S)
+        assert event == "HANDSHAKE_SUCCEEDED", seen
         for _ in range(ROUNDS):
             dealer.send_multipart(frames)
         assert not dealer.poll(100), "a hostile message was answered"
+        dealer.linger = int(BOUND_S * 1000)
+        dealer.disable_monitor()   # frees its inproc address for the next dealer's monitor
+        monitor.close()
         dealer.close()
     expected = before + ROUNDS * len(CONTROLLER_HOSTILE)
     assert wait_until(lambda: ctx.stats()["controller"]["dropped_messages"] >= expected, 10)
