@@ -13,6 +13,7 @@ which returns correctly shaped zeros and communicates nothing.
 from __future__ import annotations
 
 import datetime
+import functools
 import threading
 
 __all__ = ["CollectiveRuntime", "make_gloo_group", "make_nccl_group"]
@@ -80,7 +81,7 @@ class CollectiveRuntime:
 
     def bind(self, axis_groups, seq: int = 0):
         """A context manager binding mesh axes to group ids on this thread (for computation ``seq``)."""
-        return _Binding(self, dict(axis_groups))
+        return _Binding(self, self._resolve(axis_groups))
 
     # ------------------------------------------------------------ the ops
 
@@ -88,31 +89,39 @@ class CollectiveRuntime:
         binding = getattr(self._local, "binding", None)
         if binding is None:
             return _dry_run(name, x, **kwargs)
-        group_id = binding.get(axis)
-        if group_id is None:
+        bound = binding.get(axis)
+        if bound is None:
             raise RuntimeError(f"{name}: axis {axis!r} has no process group on this executor "
                                f"(bound axes: {sorted(binding)})")
-        group = self._groups.get(group_id)
-        if group is None:
-            why = self._failures.get(group_id, "it was never formed")
-            raise RuntimeError(f"{name}: process group {group_id} for axis {axis!r} is unusable: {why}")
+        if isinstance(bound, str):
+            raise RuntimeError(f"{name}: {bound}")
+        group, size = bound
         kwargs.pop("size", None)  # the traced axis size; the group's own size is authoritative
-        label = f"{name} {axis} {x.numel() * x.element_size()} B"
-        if self.trace is not None:
-            self.trace.record("collective_start", label)
+        trace = self.trace
+        if trace is not None:
+            label = f"{name} {axis} {x.numel() * x.element_size()} B"
+            trace.record("collective_start", label)
         try:
-            return getattr(self, f"_{name}")(group, self._sizes[group_id], x.contiguous(), **kwargs)
+            return getattr(self, f"_{name}")(group, size, x.contiguous(), **kwargs)
         finally:
-            if self.trace is not None:
-                self.trace.record("collective_end", label)
+            if trace is not None:
+                trace.record("collective_end", label)
+
+    def _resolve(self, axis_groups) -> dict:
+        """Mesh axis -> (group, size), or the reason the axis's group is unusable."""
+        resolved = {}
+        for axis, group_id in axis_groups.items():
+            group = self._groups.get(group_id)
+            if group is None:
+                why = self._failures.get(group_id, "it was never formed")
+                resolved[axis] = f"process group {group_id} for axis {axis!r} is unusable: {why}"
+            else:
+                resolved[axis] = (group, self._sizes[group_id])
+        return resolved
 
     def _all_reduce(self, group, size, x, op):
-        import torch.distributed as dist
-
         out = x.clone()
-        options = dist.AllreduceOptions()
-        options.reduceOp = dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM
-        group.allreduce([out], options).wait()
+        group.allreduce([out], _reduce_options(op)).wait()
         return out / size if op == "mean" else out
 
     def _all_gather(self, group, size, x, dim):
@@ -124,7 +133,6 @@ class CollectiveRuntime:
 
     def _reduce_scatter(self, group, size, x, op, dim):
         import torch
-        import torch.distributed as dist
 
         if op == "max" or not (x.device.type == "cuda" or x.dtype in (torch.float32, torch.float64)):
             # gloo's reduce_scatter does not take every dtype on CPU (int64 hung here, measured):
@@ -133,9 +141,7 @@ class CollectiveRuntime:
             return reduced.chunk(size, dim=dim)[group.rank()].contiguous()
         chunks = [c.contiguous() for c in x.chunk(size, dim=dim)]
         out = torch.empty_like(chunks[group.rank()])
-        options = dist.ReduceScatterOptions()
-        options.reduceOp = dist.ReduceOp.SUM
-        group.reduce_scatter([out], [chunks], options).wait()
+        group.reduce_scatter([out], [chunks], _reduce_scatter_sum()).wait()
         return out / size if op == "mean" else out
 
 
@@ -148,6 +154,25 @@ class _Binding:
 
     def __exit__(self, *exc):
         self._runtime._local.binding = None
+
+
+@functools.cache
+def _reduce_options(op: str):
+    """The gloo/NCCL options of a reduction, made once (each costs microseconds per collective)."""
+    import torch.distributed as dist
+
+    options = dist.AllreduceOptions()
+    options.reduceOp = dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM
+    return options
+
+
+@functools.cache
+def _reduce_scatter_sum():
+    import torch.distributed as dist
+
+    options = dist.ReduceScatterOptions()
+    options.reduceOp = dist.ReduceOp.SUM
+    return options
 
 
 def _dry_run(name: str, x, size: int = 1, dim: int = 0, **kwargs):

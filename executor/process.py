@@ -162,7 +162,7 @@ class ExecutorProcess:
                 self.core.compute(job)
             except Exception as exc:  # a bug of ours: fail this job, keep the thread serving the rest
                 log.exception("executor %s: compute failed outside the function", self.config.executor_id)
-                job.outputs, job.failure = None, self.core._failure(exc, origin_call_id=job.run.call_id)
+                self.core.fail(job, exc)
             self.loop.call_soon(lambda job=job: self.core.finish(job))
 
     # ------------------------------------------------------------ liveness

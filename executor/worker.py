@@ -1,17 +1,18 @@
 """The executor's logic, independent of sockets and threads.
 
 `ExecutorCore` reacts to decoded messages and emits messages through an
-`Outbox`; computations go to a `submit` callable (the compute thread in a real
-process, a synchronous fake in unit tests) and come back through `finish`.
-Everything here runs on one thread (the I/O loop).
+`Outbox`; work goes to a `submit` callable (the compute thread in a real
+process, a synchronous fake in unit tests) and comes back through `finish`.
+Everything here runs on one thread (the I/O loop), except `compute`.
 
-Computations are queued in the order the controller sent them (the island's
-sequence order) and started in that order among those that are *startable*: every
-input present and the function compiled. A computation whose function is still
-compiling (in the background) lets later ready ones pass, so a long compile does
-not stall the executor. None of today's computations waits on another executor
-once started, so this cannot deadlock; collective-bearing computations (a later
-issue) will keep strict sequence order among themselves.
+Work is queued as *segments* (`executor/segments.py`): a plain Run is a segment
+of one step, a registered program's run is a few segments whose steps pass values
+to each other on the compute thread. Segments are queued in the order the
+controller sent them (the island's sequence order) and started in that order among
+those that are *startable*: every input present and every function compiled. One
+whose function is still compiling (in the background) lets later ready ones pass,
+so a long compile does not stall the executor; collective-bearing work keeps strict
+sequence order among itself (gang scheduling, see `_pump`).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from pathways_torch.wire.tensors import dtype_name
 
 from .collectives import CollectiveRuntime
 from .compile_cache import CompileCache, graph_key
+from .segments import Segment, SegmentPlan, instantiate, plan_segments, single
 from .store import ObjectStore
 from .trace import TraceRecorder
 
@@ -46,19 +48,25 @@ def _key(ref: pb.ShardRef) -> tuple:
 
 
 class ComputeJob:
-    """One computation handed to the compute thread."""
+    """One segment (or one group formation) handed to the compute thread.
 
-    __slots__ = ("run", "function", "inputs", "outputs", "failure", "digests", "form", "entries", "out_entries",
-                 "signature")
+    ``values`` holds, per stored output of the segment, its tensor or its `pb.RemoteFailure`;
+    ``dones`` the Done of every reporting step; ``computed`` how many steps ran.
+    """
 
-    def __init__(self, run: pb.Run, function, inputs: list, form: pb.FormGroup | None = None):
-        self.run, self.function, self.inputs, self.form = run, function, inputs, form
+    __slots__ = ("segment", "functions", "entries", "out_entries", "values", "dones", "computed", "form")
+
+    def __init__(self, segment: Segment | None, functions: list | None = None, form: pb.FormGroup | None = None):
+        self.segment, self.functions, self.form = segment, functions or [], form
         self.entries: list = []       # input entries, read on the compute thread (local chaining)
         self.out_entries: list = []
-        self.signature = None
-        self.outputs: list | None = None
-        self.failure: pb.RemoteFailure | None = None
-        self.digests: list[bytes] = []
+        self.values: list = []
+        self.dones: list[pb.Done] = []
+        self.computed = 0
+
+    @property
+    def seq(self) -> int:
+        return self.form.seq if self.form is not None else self.segment.seq
 
 
 class _Function:
@@ -86,9 +94,9 @@ class ExecutorCore:
         self.store = ObjectStore()
         self.compiler = compiler if compiler is not None else CompileCache(backend, self.trace, background=False)
         self.functions: dict[int, _Function] = {}
-        self.programs: dict[int, pb.RegisterProgram] = {}
+        self.programs: dict[int, tuple[pb.RegisterProgram, list]] = {}   # the plan and its segments
         self.collectives = collectives if collectives is not None else CollectiveRuntime()
-        self._queue: collections.deque = collections.deque()   # pb.Run and pb.FormGroup, in arrival order
+        self._queue: collections.deque = collections.deque()   # Segments and pb.FormGroups, in arrival order
         self._last_collective_seq = 0   # the last collective action started here (gang order)
         # Only tests turn this off, to show that without it collectives deadlock.
         self._gang_order = gang_order
@@ -149,20 +157,24 @@ class ExecutorCore:
         self._pump()
 
     def _on_run(self, run: pb.Run, payload) -> None:
-        self.trace.record("receive", self._name(run.function_id) or "run", seq=run.seq,
-                          call_id=run.call_id, function_id=run.function_id)
-        for ref in run.inputs:
-            self.store.claim(_key(ref), pin=True)
-        for ref in run.outputs:
-            self.store.claim(_key(ref), owned=True)
-        self._last_run_call_id = max(self._last_run_call_id, run.call_id)
+        self._enqueue(single(run))
+
+    def _enqueue(self, segment: Segment) -> None:
+        for step in segment.steps:
+            self.trace.record("receive", self._name(step.function_id) or "run", seq=segment.base_seq + step.offset,
+                              call_id=segment.base_call_id + step.offset, function_id=step.function_id)
+        for key in segment.input_keys:
+            self.store.claim(key, pin=True)
+        for key in segment.output_keys:
+            self.store.claim(key, owned=True)
+        self._last_run_call_id = max(self._last_run_call_id, segment.last_call_id)
         if self._early:
-            self._forget_early(run.call_id)
-        self._queue.append(run)
-        # Wake the queue when a missing input arrives. Only missing ones: a run that
+            self._forget_early(segment.last_call_id)
+        self._queue.append(segment)
+        # Wake the queue when a missing input arrives. Only missing ones: a segment that
         # starts (and ends) now frees its transient inputs, which must not be re-claimed.
-        for ref in run.inputs:
-            entry = self.store.get(_key(ref))
+        for key in segment.input_keys:
+            entry = self.store.get(key)
             if not entry.ready:
                 entry.waiters.append(lambda _entry: self._pump())
         self._pump()
@@ -174,28 +186,28 @@ class ExecutorCore:
 
     def _on_register_program(self, msg: pb.RegisterProgram, payload) -> None:
         self.trace.record("receive", f"register program {msg.name}", detail=f"{len(msg.actions)} actions")
-        self.programs[msg.program_id] = msg
+        self.programs[msg.program_id] = (msg, plan_segments(msg))
 
     def _on_run_program(self, msg: pb.RunProgram, payload) -> None:
-        """Expand one run of a registered program into its runs and sends, all enqueued at once."""
-        plan = self.programs.get(msg.program_id)
-        if plan is None:
+        """Enqueue one run of a registered program: all its segments and sends at once."""
+        registered = self.programs.get(msg.program_id)
+        if registered is None:
             self._drop(f"run of unknown program {msg.program_id}")
             return
+        plan, items = registered
         array_id = _value_ids(plan, msg)
-        for action in plan.actions:
-            if action.WhichOneof("kind") == "run":
-                self._on_run(_expand_run(action.run, msg, array_id), ())
-            else:
-                send = action.send
-                request = pb.SendShard(to_address=send.to_address, to_public_key=send.to_public_key,
-                                       call_id=msg.base_call_id + send.to_node)
-                request.shard.CopyFrom(pb.ShardRef(array_id=array_id(send.value), shard=send.shard))
-                request.as_ref.CopyFrom(pb.ShardRef(array_id=array_id(send.value), shard=send.shard,
-                                                    tag=msg.base_call_id + send.to_node))
-                self._on_send_shard(request, ())
-        # Every use is enqueued (and pins its buffer): intermediates can be let go; each is
-        # deleted once produced and used.
+        for item in items:
+            if isinstance(item, SegmentPlan):
+                self._enqueue(instantiate(item, msg, array_id))
+                continue
+            request = pb.SendShard(to_address=item.to_address, to_public_key=item.to_public_key,
+                                   call_id=msg.base_call_id + item.to_node)
+            request.shard.CopyFrom(pb.ShardRef(array_id=array_id(item.value), shard=item.shard))
+            request.as_ref.CopyFrom(pb.ShardRef(array_id=array_id(item.value), shard=item.shard,
+                                                tag=msg.base_call_id + item.to_node))
+            self._on_send_shard(request, ())
+        # Every use is enqueued (and pins its buffer): stored intermediates can be let go;
+        # each is deleted once produced and used.
         for ref in plan.local_intermediates:
             self.store.free((array_id(ref.value), ref.shard, 0))
 
@@ -338,56 +350,96 @@ class ExecutorCore:
         waiting, collective_started = collections.deque(), False
         while self._queue:
             item = self._queue.popleft()
-            collective = isinstance(item, pb.FormGroup) or item.collective
+            collective = item.collective if isinstance(item, Segment) else True
             if collective and self._gang_order and item.prev_collective_seq != self._last_collective_seq:
                 waiting.append(item)   # an earlier collective action has not started here yet
                 continue
             if isinstance(item, pb.FormGroup):
                 self._last_collective_seq, collective_started = item.seq, True
-                self._submit(ComputeJob(pb.Run(seq=item.seq), None, [], form=item))
+                self._submit(ComputeJob(None, form=item))
                 continue
-            entries = [self.store.get(_key(ref)) for ref in item.inputs]
-            function = self.functions.get(item.function_id)
+            entries = [self.store.get(key) for key in item.input_keys]
+            functions = [self.functions.get(step.function_id) for step in item.steps]
             # An input still being computed here is fine: the compute thread runs jobs in order.
             if (all(e is not None and (e.ready or e.computing) for e in entries)
-                    and (function is None or function.ready)):
+                    and all(f is None or f.ready for f in functions)):
                 if collective:
-                    self._last_collective_seq, collective_started = item.seq, True
-                self._start(item, function, entries)
+                    self._last_collective_seq, collective_started = item.last_collective_seq, True
+                self._start(item, functions, entries)
             else:
                 waiting.append(item)
         self._queue = waiting + self._queue  # a nested pump may have left items behind
         return collective_started
 
-    def _start(self, run: pb.Run, function: _Function | None, entries: list) -> None:
-        failure = next((e.failure for e in entries if e.failure is not None), None)
-        if failure is None and function is None:
-            failure = pb.RemoteFailure(type="ProtocolError", executor_id=self.executor_id,
-                                       message=f"function {run.function_id} was never loaded on this executor")
-        if failure is None:
-            failure = function.failure
-        job = ComputeJob(run, function.compiled if function else None, [])
-        if failure is not None:
-            job.failure = failure if failure.origin_call_id else _with_origin(failure, run.call_id)
-            self.finish(job)
-            return
-        job.entries, job.signature = entries, function
-        job.out_entries = [self.store.claim(_key(ref)) for ref in run.outputs]
+    def _start(self, segment: Segment, functions: list, entries: list) -> None:
+        job = ComputeJob(segment, functions)
+        job.entries = entries
+        job.out_entries = [self.store.claim(key) for key in segment.output_keys]
         for entry in job.out_entries:
             entry.computing = True
         self._submit(job)
 
-    def _take_inputs(self, job: ComputeJob) -> pb.RemoteFailure | None:
-        """On the compute thread: the input values (stored, or handed over by a job just run here)."""
-        for entry in job.entries:
-            # Read order matters: the I/O thread sets value/failure before it clears early.
-            failure = entry.failure or entry.early_failure or entry.failure
-            if failure is not None:
-                return failure if failure.origin_call_id else _with_origin(failure, job.run.call_id)
-        job.inputs = [_value_of(e) for e in job.entries]
-        return self._check_signature(job.run, job.signature, job.inputs)
+    def compute(self, job: ComputeJob) -> ComputeJob:
+        """Run a job's steps in order (called on the compute thread); never raises.
 
-    def _check_signature(self, run: pb.Run, function: _Function, values: list) -> pb.RemoteFailure | None:
+        Values pass from step to step in slots; a failed step's outputs hold its failure,
+        which reaches every step that reads them (the dataflow carries failures).
+        """
+        if job.form is not None:
+            return self._form_group(job)
+        segment = job.segment
+        slots = [None] * segment.num_slots
+        for index, entry in enumerate(job.entries):
+            slots[index] = _value_or_failure(entry)
+        for step, function in zip(segment.steps, job.functions):
+            self._run_step(job, step, function, slots)
+        job.values = [slots[slot] for slot in segment.output_slots]
+        self._hand_over(job)
+        return job
+
+    def _run_step(self, job: ComputeJob, step, function: _Function | None, slots: list) -> None:
+        segment = job.segment
+        seq, call_id = segment.base_seq + step.offset, segment.base_call_id + step.offset
+        inputs = [slots[slot] for slot in step.inputs]
+        failure = next((v for v in inputs if isinstance(v, pb.RemoteFailure)), None)
+        if failure is None:
+            failure = self._refusal(call_id, step, function, inputs)
+        outputs, digests = None, []
+        if failure is None:
+            name = function.name
+            self.trace.record("start", name, seq=seq, call_id=call_id, function_id=step.function_id)
+            try:
+                with self.collectives.bind(step.axis_groups, seq=seq):
+                    outputs = self.backend.run(function.compiled, inputs)
+                if len(outputs) != len(step.outputs):
+                    raise RuntimeError(f"function returned {len(outputs)} outputs, the call expects "
+                                       f"{len(step.outputs)}")
+                digests = [self.backend.digest(t) for t in outputs] if step.digest else []
+            except Exception as exc:
+                outputs, failure = None, self._failure(exc, origin_call_id=call_id)
+            self.trace.record("end", name, seq=seq, call_id=call_id, function_id=step.function_id)
+        if failure is not None and not failure.origin_call_id:
+            failure = _with_origin(failure, call_id)
+        for index, slot in enumerate(step.outputs):
+            slots[slot] = failure if outputs is None else outputs[index]
+        if outputs is not None:
+            job.computed += 1
+        if step.report:
+            done = pb.Done(call_id=call_id, seq=seq, ok=failure is None, digests=digests)
+            if failure is not None:
+                done.failure.CopyFrom(failure)
+            job.dones.append(done)
+
+    def _refusal(self, call_id: int, step, function: _Function | None, inputs: list) -> pb.RemoteFailure | None:
+        """Why ``step`` cannot run at all: its function never loaded or failed to, or the inputs do not fit."""
+        if function is None:
+            return pb.RemoteFailure(type="ProtocolError", executor_id=self.executor_id, origin_call_id=call_id,
+                                    message=f"function {step.function_id} was never loaded on this executor")
+        if function.failure is not None:
+            return function.failure
+        return self._check_signature(call_id, function, inputs)
+
+    def _check_signature(self, call_id: int, function: _Function, values: list) -> pb.RemoteFailure | None:
         """Refuse inputs that do not match the traced signature (a bad put or a hostile peer)."""
         if len(values) != len(function.signature):
             problem = f"expected {len(function.signature)} inputs, got {len(values)}"
@@ -397,44 +449,26 @@ class ExecutorCore:
                             if tuple(v.shape) != shape or dtype_name(v.dtype) != dtype), None)
         if problem is None:
             return None
-        return pb.RemoteFailure(type="SignatureError", executor_id=self.executor_id, origin_call_id=run.call_id,
+        return pb.RemoteFailure(type="SignatureError", executor_id=self.executor_id, origin_call_id=call_id,
                                 message=f"function {function.name!r}: {problem}")
 
-    def compute(self, job: ComputeJob) -> ComputeJob:
-        """Run a job (called on the compute thread); never raises."""
+    def fail(self, job: ComputeJob, exc: BaseException) -> None:
+        """A bug of ours outside any function: every output of the job fails with it (on the compute thread)."""
         if job.form is not None:
-            return self._form_group(job)
-        name = self._name(job.run.function_id)
-        try:
-            job.failure = self._take_inputs(job)
-        except Exception as exc:  # never let the compute thread die: every later job would hang
-            job.failure = self._failure(exc, origin_call_id=job.run.call_id)
-        if job.failure is not None:
-            self._hand_over(job)
-            return job
-        self.trace.record("start", name, seq=job.run.seq, call_id=job.run.call_id, function_id=job.run.function_id)
-        try:
-            with self.collectives.bind(job.run.axis_groups, seq=job.run.seq):
-                job.outputs = self.backend.run(job.function, job.inputs)
-            if len(job.outputs) != len(job.run.outputs):
-                raise RuntimeError(f"function returned {len(job.outputs)} outputs, the call expects "
-                                   f"{len(job.run.outputs)}")
-            if job.run.digest_outputs:
-                job.digests = [self.backend.digest(t) for t in job.outputs]
-        except Exception as exc:
-            job.outputs = None
-            job.failure = self._failure(exc, origin_call_id=job.run.call_id)
-        self.trace.record("end", name, seq=job.run.seq, call_id=job.run.call_id, function_id=job.run.function_id)
+            return
+        failure = self._failure(exc, origin_call_id=job.segment.base_call_id + job.segment.steps[0].offset)
+        job.values = [failure] * len(job.segment.output_keys)
+        job.dones = [pb.Done(call_id=job.segment.base_call_id + step.offset, seq=job.segment.base_seq + step.offset,
+                             ok=False, failure=failure) for step in job.segment.steps if step.report]
         self._hand_over(job)
-        return job
 
     def _hand_over(self, job: ComputeJob) -> None:
         """Give the results to jobs queued behind this one, before the I/O thread stores them."""
-        for index, entry in enumerate(job.out_entries):
-            if job.outputs is not None:
-                entry.early = job.outputs[index]
+        for entry, value in zip(job.out_entries, job.values):
+            if isinstance(value, pb.RemoteFailure):
+                entry.early_failure = value
             else:
-                entry.early_failure = job.failure
+                entry.early = value
             entry.computing = False
 
     def _form_group(self, job: ComputeJob) -> ComputeJob:
@@ -448,32 +482,26 @@ class ExecutorCore:
         return job
 
     def finish(self, job: ComputeJob) -> None:
-        """Store a job's outputs (or its failure), release its inputs, tell the controller.
+        """Store a job's outputs (or their failures), release its inputs, tell the controller.
 
-        Runs on the I/O thread: after the compute thread is done with ``job``, or at once for a
-        job that failed before it could start.
+        Runs on the I/O thread, after the compute thread is done with ``job``.
         """
         if job.form is not None:
             self._pump()
             return
-        run = job.run
-        if job.outputs is not None:
-            # Outputs were claimed (owned) when the Run arrived; a Free since then must stand.
-            for ref, value in zip(run.outputs, job.outputs):
-                self.store.fill(_key(ref), value.contiguous(), owned=False)
-            self.num_computations += 1
-        else:
-            for ref in run.outputs:
-                self.store.fill(_key(ref), failure=job.failure, owned=False)
-        for ref in run.inputs:
-            key = _key(ref)
+        segment = job.segment
+        # Outputs were claimed (owned) when the segment arrived; a Free since then must stand.
+        for key, value in zip(segment.output_keys, job.values):
+            if isinstance(value, pb.RemoteFailure):
+                self.store.fill(key, failure=value, owned=False)
+            else:
+                self.store.fill(key, value.contiguous(), owned=False)
+        self.num_computations += job.computed
+        for key in segment.input_keys:
             self.store.unpin(key)
-            if ref.tag:  # a transient copy made for this call alone
+            if key[2]:  # a transient copy made for this call alone
                 self.store.free(key)
-        if not run.quiet:
-            done = pb.Done(call_id=run.call_id, seq=run.seq, ok=job.failure is None, digests=job.digests)
-            if job.failure is not None:
-                done.failure.CopyFrom(job.failure)
+        for done in job.dones:
             self.outbox.to_controller(pb.Envelope(done=done))
         self._pump()
 
@@ -503,8 +531,12 @@ def _with_origin(failure: pb.RemoteFailure, call_id: int) -> pb.RemoteFailure:
     return copy
 
 
-def _value_of(entry):
-    """An input's value: stored, or handed over early by the job that computed it here."""
+def _value_or_failure(entry):
+    """An input's value or failure: stored, or handed over early by the job that computed it here."""
+    # Read order matters: the I/O thread sets value/failure before it clears early.
+    failure = entry.failure or entry.early_failure or entry.failure
+    if failure is not None:
+        return failure
     value = entry.value
     if value is None:
         value = entry.early
@@ -518,22 +550,6 @@ def _value_ids(plan: pb.RegisterProgram, run: pb.RunProgram):
     fixed = dict(zip(plan.input_values, run.input_array_ids))
     fixed.update(zip(plan.output_values, run.output_array_ids))
     return lambda value: fixed.get(value, run.first_intermediate_id + value)
-
-
-def _expand_run(node: pb.ProgramNode, run: pb.RunProgram, array_id) -> pb.Run:
-    call_id = run.base_call_id + node.node
-    expanded = pb.Run(seq=run.base_seq + node.node, call_id=call_id, function_id=node.function_id,
-                      collective=node.collective, quiet=not node.report, digest_outputs=node.digest_outputs)
-    for ref in node.inputs:
-        expanded.inputs.add(array_id=array_id(ref.value), shard=ref.shard, tag=call_id if ref.copy else 0)
-    for value in node.outputs:
-        expanded.outputs.add(array_id=array_id(value), shard=node.shard)
-    if node.collective:
-        expanded.prev_collective_seq = (run.base_seq + node.prev_collective_node - 1 if node.prev_collective_node
-                                        else run.prev_collective_seq)
-        for axis, group in node.axis_groups.items():
-            expanded.axis_groups[axis] = group
-    return expanded
 
 
 def _spec(shape, dtype) -> str:

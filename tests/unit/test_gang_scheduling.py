@@ -247,4 +247,4 @@ def test_an_out_of_order_collective_arrival_is_held_back():
     core.on_control(pb.Envelope(run=late), [])
     assert jobs == []                                   # seq 5 arrived first: held back, inputs notwithstanding
     core.on_control(pb.Envelope(form_group=pb.FormGroup(seq=3, group_id=1, rank=0, size=2)), [])
-    assert [job.run.seq for job in jobs] == [3, 5]      # the group first, then the computation
+    assert [job.seq for job in jobs] == [3, 5]      # the group first, then the computation

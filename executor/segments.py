@@ -1,0 +1,198 @@
+"""Segments: consecutive computations one executor runs back to back on its compute thread.
+
+Every computation an executor runs belongs to a *segment*: a short list of steps
+(function calls) whose inputs are either the segment's external inputs — store
+entries, waited for before the segment starts — or outputs of earlier steps of the
+same segment, handed from step to step on the compute thread without touching the
+store or the I/O thread. Only values someone else needs (program outputs, values
+pushed to another executor, values a later segment reads) are stored.
+
+A plain ``Run`` is a segment of one step. A registered program is cut into segments
+once, when it is registered (`plan_segments`); each run of it only fills in array
+ids and sequence numbers (`instantiate`). A segment ends
+
+- before a step that reads a copy pushed from another executor (that step waits for
+  the copy; the steps before it should not), and
+- after a step whose output leaves the segment early: a program output (its Done
+  should not wait for later steps) or a value pushed to another executor (the
+  consumer there should not wait either).
+
+So a chain of local nodes — the common case of a program on one mesh — is a single
+segment: one hand-off to the compute thread and one store update per run, instead
+of per node, while every node keeps its own sequence number and call id.
+
+Gang order is kept: a program's collective steps on one executor carry consecutive
+positions in that executor's collective order, so running them back to back inside
+a segment is running them in the island's order. The segment waits for the
+predecessor of its first collective step, and after it starts the executor's last
+collective action is its last collective step.
+
+This module imports no torch (simulated executors use it).
+"""
+
+from __future__ import annotations
+
+from pathways_torch.wire import pb
+
+__all__ = ["Step", "SegmentPlan", "Segment", "plan_segments", "instantiate", "single"]
+
+
+class Step:
+    """One computation of a segment: a function applied to slots, writing slots.
+
+    ``offset`` is the node index in its program (0 for a plain run): seq = base_seq + offset,
+    call id = base_call_id + offset.
+    """
+
+    __slots__ = ("offset", "function_id", "inputs", "outputs", "collective", "axis_groups", "report", "digest")
+
+    def __init__(self, *, offset: int, function_id: int, inputs: list[int], outputs: list[int], collective: bool,
+                 axis_groups: dict, report: bool, digest: bool):
+        self.offset, self.function_id, self.inputs, self.outputs = offset, function_id, inputs, outputs
+        self.collective, self.axis_groups, self.report, self.digest = collective, axis_groups, report, digest
+
+
+class SegmentPlan:
+    """A segment of a registered program, the same for every run of it.
+
+    ``inputs[i]`` fills slot i: ``(value, shard, copy_node)``, where copy_node is the consuming
+    node of a pushed copy (its call id tags the copy) or -1 for a value stored here.
+    ``outputs``: ``(value, shard, slot)`` of the values the segment stores.
+    """
+
+    __slots__ = ("steps", "inputs", "outputs", "produced", "num_slots", "first_prev_collective_node",
+                 "last_collective_node")
+
+    def __init__(self):
+        self.steps: list[Step] = []
+        self.produced: list[tuple[int, int, int]] = []   # (value, shard, slot) of every step output
+        self.inputs: list[tuple[int, int, int]] = []
+        self.outputs: list[tuple[int, int, int]] = []
+        self.num_slots = 0
+        self.first_prev_collective_node = -1   # the first collective step's ProgramNode.prev_collective_node
+        self.last_collective_node = -1
+
+    def describe(self) -> str:
+        """One line, e.g. ``segment n0..n127 (128 steps, 1 in, 1 out, collective)``."""
+        first, last = self.steps[0].offset, self.steps[-1].offset
+        collective = ", collective" if self.last_collective_node >= 0 else ""
+        steps = f"{len(self.steps)} step{'s' if len(self.steps) > 1 else ''}"
+        return (f"segment n{first}..n{last} ({steps}, {len(self.inputs)} in, "
+                f"{len(self.outputs)} out{collective})")
+
+
+class Segment:
+    """A queued segment of one run: store keys and sequence numbers filled in."""
+
+    __slots__ = ("steps", "base_seq", "base_call_id", "input_keys", "output_keys", "output_slots", "num_slots",
+                 "collective", "prev_collective_seq", "last_collective_seq")
+
+    def __init__(self, *, steps, base_seq, base_call_id, input_keys, output_keys, output_slots, num_slots,
+                 collective, prev_collective_seq, last_collective_seq):
+        self.steps, self.base_seq, self.base_call_id = steps, base_seq, base_call_id
+        self.input_keys, self.output_keys, self.output_slots = input_keys, output_keys, output_slots
+        self.num_slots, self.collective = num_slots, collective
+        self.prev_collective_seq, self.last_collective_seq = prev_collective_seq, last_collective_seq
+
+    @property
+    def seq(self) -> int:
+        """The sequence number of the first step."""
+        return self.base_seq + self.steps[0].offset
+
+    @property
+    def last_call_id(self) -> int:
+        return self.base_call_id + self.steps[-1].offset
+
+
+def single(run: pb.Run) -> Segment:
+    """A plain Run as a segment of one step (inputs in slots 0..n-1, outputs after them)."""
+    num_inputs = len(run.inputs)
+    outputs = list(range(num_inputs, num_inputs + len(run.outputs)))
+    step = Step(offset=0, function_id=run.function_id, inputs=list(range(num_inputs)), outputs=outputs,
+                collective=run.collective, axis_groups=dict(run.axis_groups), report=not run.quiet,
+                digest=run.digest_outputs)
+    return Segment(steps=[step], base_seq=run.seq, base_call_id=run.call_id,
+                   input_keys=[(r.array_id, r.shard, r.tag) for r in run.inputs],
+                   output_keys=[(r.array_id, r.shard, r.tag) for r in run.outputs], output_slots=outputs,
+                   num_slots=num_inputs + len(outputs), collective=run.collective,
+                   prev_collective_seq=run.prev_collective_seq, last_collective_seq=run.seq)
+
+
+def plan_segments(program: pb.RegisterProgram) -> list:
+    """Cut a registered program into segments: a list of `SegmentPlan` and `pb.ProgramSend`, in action order."""
+    sent = {(a.send.value, a.send.shard) for a in program.actions if a.WhichOneof("kind") == "send"}
+    program_outputs = set(program.output_values)
+    items: list = []
+    current: SegmentPlan | None = None
+    produced_in_current: dict[tuple[int, int], int] = {}
+    for action in program.actions:
+        if action.WhichOneof("kind") == "send":
+            items.append(action.send)
+            continue
+        node = action.run
+        if current is None or any(ref.copy for ref in node.inputs):
+            current, produced_in_current = SegmentPlan(), {}
+            items.append(current)
+        _add_step(current, node, produced_in_current)
+        if any(v in program_outputs or (v, node.shard) in sent for v in node.outputs):
+            current = None
+    _choose_outputs([i for i in items if isinstance(i, SegmentPlan)], program_outputs, sent)
+    return items
+
+
+def _add_step(plan: SegmentPlan, node: pb.ProgramNode, produced: dict) -> None:
+    """Append ``node`` to ``plan``: its inputs become slots (new external ones, or earlier steps' outputs)."""
+    inputs = []
+    for ref in node.inputs:
+        if not ref.copy and (ref.value, ref.shard) in produced:
+            inputs.append(produced[(ref.value, ref.shard)])
+            continue
+        source = (ref.value, ref.shard, node.node if ref.copy else -1)
+        if source not in plan.inputs:
+            plan.inputs.append(source)
+        inputs.append(("input", plan.inputs.index(source)))
+    outputs = []
+    for value in node.outputs:
+        outputs.append(plan.num_slots)
+        produced[(value, node.shard)] = plan.num_slots
+        plan.produced.append((value, node.shard, plan.num_slots))
+        plan.num_slots += 1
+    if node.collective:
+        if plan.first_prev_collective_node < 0:
+            plan.first_prev_collective_node = node.prev_collective_node
+        plan.last_collective_node = node.node
+    plan.steps.append(Step(offset=node.node, function_id=node.function_id, inputs=inputs, outputs=outputs,
+                           collective=node.collective, axis_groups=dict(node.axis_groups), report=node.report,
+                           digest=node.digest_outputs))
+
+
+def _choose_outputs(plans: list[SegmentPlan], program_outputs: set, sent: set) -> None:
+    """Store what leaves a segment (program outputs, pushed values, inputs of later segments); number the slots.
+
+    External inputs take the first slots: a step's ``("input", i)`` becomes slot i and
+    every produced slot moves up by the number of inputs.
+    """
+    read_later: set[tuple[int, int]] = set()
+    for plan in reversed(plans):
+        shift = len(plan.inputs)
+        for step in plan.steps:
+            step.inputs = [ref[1] if isinstance(ref, tuple) else ref + shift for ref in step.inputs]
+            step.outputs = [slot + shift for slot in step.outputs]
+        plan.num_slots += shift
+        plan.outputs = [(value, shard, slot + shift) for value, shard, slot in plan.produced
+                        if value in program_outputs or (value, shard) in sent or (value, shard) in read_later]
+        read_later |= {(value, shard) for value, shard, copy_node in plan.inputs if copy_node < 0}
+
+
+def instantiate(plan: SegmentPlan, run: pb.RunProgram, array_id) -> Segment:
+    """``plan`` for one run: ``array_id(value)`` is the value's array in this run."""
+    input_keys = [(array_id(value), shard, run.base_call_id + copy_node if copy_node >= 0 else 0)
+                  for value, shard, copy_node in plan.inputs]
+    collective = plan.last_collective_node >= 0
+    prev = plan.first_prev_collective_node
+    return Segment(steps=plan.steps, base_seq=run.base_seq, base_call_id=run.base_call_id, input_keys=input_keys,
+                   output_keys=[(array_id(value), shard, 0) for value, shard, _ in plan.outputs],
+                   output_slots=[slot for _, _, slot in plan.outputs], num_slots=plan.num_slots,
+                   collective=collective,
+                   prev_collective_seq=(run.base_seq + prev - 1 if prev > 0 else run.prev_collective_seq),
+                   last_collective_seq=run.base_seq + plan.last_collective_node if collective else 0)
