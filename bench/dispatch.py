@@ -5,34 +5,37 @@ executors, its output feeding the next input. Modes:
 - OpByOp: one client call per computation, awaited before the next;
 - Chained: one client call runs a program of 128 such nodes (128 sequence numbers);
 - Fused: one function holding 128 computations (one sequence number).
-Baseline in the same run: multi-controller (N processes running the loop
-themselves with the same gloo all-reduce). Everything eager, one thread per process.
-Ray: measured in the same run when ``PATHWAYS_RAY_PYTHONPATH`` names a directory where
-Ray is importable (``pip install --target DIR ray msgpack click jsonschema aiosignal
-frozenlist``); it runs `bench/ray_baseline.py` in a subprocess. Monarch: likewise when
-``PATHWAYS_MONARCH_PYTHONPATH`` names a directory where Monarch is importable
-(``pip install --target DIR torchmonarch==0.7.0``, keeping the project's torch); it runs
-`bench/monarch_baseline.py`. The last column compares our OpByOp with the faster of the
-two baselines' OpByOp. Metric: computations per second. Prints a table, writes
-bench/results/dispatch.json.
+Baselines, with the same eager compute, the same gloo all-reduce and one thread per
+process: multi-controller (N processes running the loop themselves); Ray actors when
+``PATHWAYS_RAY_PYTHONPATH`` names a directory where Ray is importable (``pip install
+--target DIR ray msgpack click jsonschema aiosignal frozenlist``); Monarch actors when
+``PATHWAYS_MONARCH_PYTHONPATH`` names one where Monarch is (``pip install --target DIR
+torchmonarch==0.7.0``, keeping the project's torch).
 
-    .venv/bin/python -m bench.dispatch [--sizes 1,2,4,8] [--steps 200]
+This machine's speed drifts by up to 30 % within a minute, so every system stays up
+for the whole of one N and the timed windows alternate: each round times every
+mode of ours and every baseline once, back to back. Rates are medians over rounds;
+ratios are medians of the per-round ratios. The last column compares our OpByOp
+with the faster of the Ray and Monarch OpByOp of the same round. Metric:
+computations per second. Prints a table, writes bench/results/dispatch.json.
+
+    .venv/bin/python -m bench.dispatch [--sizes 1,2,4,8] [--steps 200] [--repeats 4] [--rounds 5]
 """
 
 from __future__ import annotations
 
 import argparse
-import json
+import contextlib
 import os
-import subprocess
-import sys
+import statistics
 import time
 
 import torch
 
 import pathways_torch as pw
+from bench.baseline_server import BaselineProcess
 from bench.common import add_run_arguments, print_table, write_results
-from bench.multicontroller import run_multicontroller
+from bench.multicontroller import MultiController
 
 CHAIN = 128
 
@@ -56,101 +59,115 @@ def chained(x):
     return x
 
 
-def _rate(run, x, repeats: int) -> float:
-    """Computations per second of ``repeats`` awaited calls of ``run``, each holding CHAIN computations."""
-    began = time.perf_counter()
-    for _ in range(repeats):
-        x = run(x)
-        x.exception(timeout_s=300)
-    return repeats * CHAIN / (time.perf_counter() - began)
+MODES = ("OpByOp", "Chained", "Fused")
+BASELINES = {"ray": ("ray_baseline", "PATHWAYS_RAY_PYTHONPATH"),
+             "monarch": ("monarch_baseline", "PATHWAYS_MONARCH_PYTHONPATH")}
 
 
-def measure_pathways(size: int, steps: int, repeats: int) -> dict:
-    with pw.Context(num_executors=size, backend="eager") as ctx:
+class PathwaysLoops:
+    """Our three modes on one context's N executors, warmed up (traced, loaded, group formed)."""
+
+    def __init__(self, ctx, size: int):
         mesh = ctx.mesh({"data": size})
-        x = ctx.put(torch.zeros(()), mesh, [pw.Replicate()])
-        for _ in range(3):                       # warm-up: trace, load, form the group
-            x = step(x)
-        chained(x).exception(timeout_s=60)
-        fused(x).exception(timeout_s=60)
-        x.exception(timeout_s=60)
+        self.x = ctx.put(torch.zeros(()), mesh, [pw.Replicate()])
+        for _ in range(3):
+            self.x = step(self.x)
+        for program in (chained, fused):
+            program(self.x).exception(timeout_s=60)
+        self.x.exception(timeout_s=60)
 
+    def window(self, mode: str, count: int) -> float:
+        """Computations per second: OpByOp runs ``count`` awaited computations; the others ``count`` calls."""
         began = time.perf_counter()
-        y = x
-        for _ in range(steps):
-            y = step(y)
-            y.exception(timeout_s=60)            # awaited: one computation per client call
-        op_by_op = steps / (time.perf_counter() - began)
-
-        chain_rate = _rate(chained, x, repeats)
-        fused_rate = _rate(fused, x, repeats)
-    return {"OpByOp": op_by_op, "Chained": chain_rate, "Fused": fused_rate}
-
-
-def _run_baseline(module: str, env_var: str, sizes: str, steps: int, repeats: int) -> dict[int, dict]:
-    """Run ``bench.<module>`` in a subprocess with ``$env_var`` prepended to PYTHONPATH; its rows by N.
-
-    A subprocess because each baseline framework lives outside the project's environment;
-    no rows (the columns say "not run") when the variable is unset.
-    """
-    path = os.environ.get(env_var)
-    if not path:
-        return {}
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([path, root]))
-    subprocess.run([sys.executable, "-m", f"bench.{module}", "--sizes", sizes, "--steps", str(steps),
-                    "--repeats", str(repeats)], cwd=root, env=env, check=True, capture_output=True, timeout=1200)
-    with open(os.path.join(root, "bench", "results", f"{module}.json")) as f:
-        return {row["executors"]: row for row in json.load(f)["rows"]}
+        if mode == "OpByOp":
+            y = self.x
+            for _ in range(count):
+                y = step(y)
+                y.exception(timeout_s=60)          # awaited: one computation per client call
+            return count / (time.perf_counter() - began)
+        run = chained if mode == "Chained" else fused
+        y = self.x
+        for _ in range(count):
+            y = run(y)
+            y.exception(timeout_s=300)
+        return count * CHAIN / (time.perf_counter() - began)
 
 
-def measure_ray(sizes: str, steps: int, repeats: int) -> dict[int, dict]:
-    return _run_baseline("ray_baseline", "PATHWAYS_RAY_PYTHONPATH", sizes, steps, repeats)
+def _baseline_processes(size: int, stack: contextlib.ExitStack) -> dict:
+    """The Ray and Monarch servers for ``size`` whose environment variable is set."""
+    processes = {}
+    for name, (module, env_var) in BASELINES.items():
+        path = os.environ.get(env_var)
+        if path:
+            print(f"N={size}: starting {name} ...", flush=True)
+            processes[name] = stack.enter_context(BaselineProcess(module, size, path))
+    return processes
 
 
-def measure_monarch(sizes: str, steps: int, repeats: int) -> dict[int, dict]:
-    return _run_baseline("monarch_baseline", "PATHWAYS_MONARCH_PYTHONPATH", sizes, steps, repeats)
+def _one_round(ours: PathwaysLoops, loops: MultiController, baselines: dict, args) -> dict:
+    rates = {mode: ours.window(mode, args.steps if mode == "OpByOp" else args.repeats) for mode in MODES}
+    rates["multi-controller"] = loops.window(CHAIN * args.repeats)
+    for name, process in baselines.items():
+        rates[f"{name} OpByOp"] = process.window("OpByOp", args.steps)
+        rates[f"{name} Fused"] = process.window("Fused", args.repeats)
+    return rates
 
 
-def _baseline_cells(rates: dict, name: str) -> list[str]:
-    op_by_op, fused = rates[f"{name} OpByOp"], rates[f"{name} Fused"]
-    return [f"{op_by_op:,.0f}", f"{fused:,.0f}"] if op_by_op is not None else ["not run"] * 2
+def measure(size: int, args) -> dict:
+    """Every system's rate per round, rounds interleaved; medians and per-round ratios."""
+    with contextlib.ExitStack() as stack:
+        ctx = stack.enter_context(pw.Context(num_executors=size, backend="eager"))
+        ours = PathwaysLoops(ctx, size)
+        loops = MultiController(size)
+        stack.callback(loops.close)
+        baselines = _baseline_processes(size, stack)
+        rounds = []
+        for index in range(args.rounds):
+            rounds.append(_one_round(ours, loops, baselines, args))
+            print(f"N={size} round {index + 1}/{args.rounds}: "
+                  + ", ".join(f"{k} {v:,.0f}" for k, v in rounds[-1].items()), flush=True)
+    return summarize(size, rounds)
 
 
-def _vs_best_baseline(rates: dict) -> str:
-    """Our OpByOp over the faster baseline's OpByOp: the strongest comparison among those that ran."""
-    baselines = [rates[f"{name} OpByOp"] for name in ("ray", "monarch") if rates[f"{name} OpByOp"] is not None]
-    return f"{rates['OpByOp'] / max(baselines):.2f}x" if baselines else "not run"
+def summarize(size: int, rounds: list[dict]) -> dict:
+    rates = {key: statistics.median(r[key] for r in rounds) for key in rounds[0]}
+    ratios = {f"{mode} / multi-controller": [r[mode] / r["multi-controller"] for r in rounds] for mode in MODES}
+    if any(f"{name} OpByOp" in rounds[0] for name in BASELINES):
+        ratios["OpByOp / best baseline OpByOp"] = [
+            r["OpByOp"] / max(r[f"{name} OpByOp"] for name in BASELINES if f"{name} OpByOp" in r) for r in rounds]
+    return {"executors": size, "rates": rates, "rounds": rounds,
+            "ratios": {k: {"median": statistics.median(v), "min": min(v), "max": max(v)} for k, v in ratios.items()}}
+
+
+def _table_row(result: dict) -> list[str]:
+    rates, ratios = result["rates"], result["ratios"]
+
+    def vs_mc(mode: str) -> str:
+        ratio = ratios[f"{mode} / multi-controller"]
+        return f"{rates[mode]:,.0f} ({ratio['median']:.2f}x, {ratio['min']:.2f}-{ratio['max']:.2f})"
+
+    cells = [str(result["executors"]), f"{rates['multi-controller']:,.0f}"] + [vs_mc(m) for m in MODES]
+    for name in BASELINES:
+        for loop in ("OpByOp", "Fused"):
+            rate = rates.get(f"{name} {loop}")
+            cells.append(f"{rate:,.0f}" if rate is not None else "not run")
+    best = ratios.get("OpByOp / best baseline OpByOp")
+    cells.append(f"{best['median']:.2f}x ({best['min']:.2f}-{best['max']:.2f})" if best else "not run")
+    return cells
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_run_arguments(parser, sizes="1,2,4,8", steps=200, repeats=4)
+    parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds per executor count")
     args = parser.parse_args()
-    rows, table = [], []
-    # The baselines first, while nothing of ours is running to compete for the cores.
-    print("ray ...", flush=True)
-    baseline_rows = {"ray": measure_ray(args.sizes, args.steps, args.repeats)}
-    print("monarch ...", flush=True)
-    baseline_rows["monarch"] = measure_monarch(args.sizes, args.steps, args.repeats)
-    for size in [int(s) for s in args.sizes.split(",")]:
-        print(f"N={size}: pathways ...", flush=True)
-        rates = measure_pathways(size, args.steps, args.repeats)
-        print(f"N={size}: multi-controller ...", flush=True)
-        rates["multi-controller"] = run_multicontroller(size, args.repeats * CHAIN * 2)
-        for name, by_size in baseline_rows.items():
-            row = by_size.get(size)
-            rates[f"{name} OpByOp"] = row["OpByOp"] if row else None
-            rates[f"{name} Fused"] = row["Fused"] if row else None
-        base = rates["multi-controller"]
-        rows.append({"executors": size, **rates})
-        table.append([size, f"{base:,.0f}"]
-                     + [f"{rates[m]:,.0f} ({rates[m] / base:.2f}x)" for m in ("OpByOp", "Chained", "Fused")]
-                     + _baseline_cells(rates, "ray") + _baseline_cells(rates, "monarch") + [_vs_best_baseline(rates)])
+    results = [measure(int(size), args) for size in args.sizes.split(",")]
     print_table(["N", "multi-controller /s", "OpByOp /s (vs MC)", "Chained /s (vs MC)", "Fused /s (vs MC)",
                  "Ray OpByOp /s", "Ray Fused /s", "Monarch OpByOp /s", "Monarch Fused /s",
-                 "OpByOp / best baseline OpByOp"], table)
-    print("written to", write_results("dispatch", {"rows": rows, "chain": CHAIN}))
+                 "OpByOp / best baseline OpByOp"], [_table_row(r) for r in results])
+    print("(x: median of the per-round ratios, then their range)")
+    print("written to", write_results("dispatch", {"results": results, "chain": CHAIN, "steps": args.steps,
+                                                    "repeats": args.repeats}))
 
 
 if __name__ == "__main__":

@@ -3,25 +3,25 @@
 A proc mesh of N processes on this host, one actor in each; every actor holds one
 gloo group made from a FileStore (as our executors and the Ray baseline do), one
 compute thread. OpByOp: one mesh-wide ``step.call().get()`` per computation;
-Fused: one mesh-wide call runs CHAIN of them on each actor. Run it where Monarch
+Fused: one mesh-wide call runs CHAIN of them on each actor. `bench/dispatch.py` runs
+it as a server for one N at a time (see `bench/baseline_server.py`) where Monarch
 (PyPI ``torchmonarch``) is importable; a separate directory is fine, and the project's
 torch is the one used (torchmonarch 0.7.0 does not require torch, so pip leaves it alone):
 
     pip install --target DIR torchmonarch==0.7.0
-    PYTHONPATH=DIR:. .venv/bin/python -m bench.monarch_baseline --sizes 1,2,4,8
+    PATHWAYS_MONARCH_PYTHONPATH=DIR .venv/bin/python -m bench.dispatch
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib.metadata
 import os
 import tempfile
 import time
 
 from monarch.actor import Actor, current_rank, current_size, endpoint, this_host
 
-from bench.common import add_run_arguments, write_results
+from bench.baseline_server import serve
 
 CHAIN = 128
 
@@ -61,34 +61,39 @@ class Worker(Actor):
             self._step()
 
 
-def measure(size: int, steps: int, repeats: int) -> dict:
-    procs = this_host().spawn_procs(per_host={"procs": size})
-    try:
-        actors = procs.spawn("worker", Worker)
-        with tempfile.TemporaryDirectory(prefix="pathways-monarch-") as tmp:
-            actors.setup.call(os.path.join(tmp, "store")).get()
-            actors.steps.call(5).get()                            # warm-up
-            began = time.perf_counter()
-            for _ in range(steps):
-                actors.step.call().get()
-            op_by_op = steps / (time.perf_counter() - began)
-            began = time.perf_counter()
-            for _ in range(repeats):
-                actors.steps.call(CHAIN).get()
-            fused = repeats * CHAIN / (time.perf_counter() - began)
-    finally:
-        procs.stop().get()                                        # the N processes exit before the next N
-    return {"executors": size, "OpByOp": op_by_op, "Fused": fused}
+class MonarchWorkers:
+    """A proc mesh of ``size`` processes, one actor each with its gloo group, warmed up."""
+
+    def __init__(self, size: int):
+        self._tmp = tempfile.TemporaryDirectory(prefix="pathways-monarch-")
+        self.procs = this_host().spawn_procs(per_host={"procs": size})
+        self.actors = self.procs.spawn("worker", Worker)
+        self.actors.setup.call(os.path.join(self._tmp.name, "store")).get()
+        self.actors.steps.call(5).get()                               # warm-up
+
+    def window(self, mode: str, count: int) -> float:
+        """Computations per second: ``OpByOp`` (``count`` awaited calls) or ``Fused`` (``count`` x CHAIN)."""
+        began = time.perf_counter()
+        if mode == "OpByOp":
+            for _ in range(count):
+                self.actors.step.call().get()
+            return count / (time.perf_counter() - began)
+        for _ in range(count):
+            self.actors.steps.call(CHAIN).get()
+        return count * CHAIN / (time.perf_counter() - began)
+
+    def close(self) -> None:
+        self.procs.stop().get()                                       # the N processes exit
+        self._tmp.cleanup()
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    add_run_arguments(parser, sizes="1,2,4,8", steps=200, repeats=4)
+    parser.add_argument("--serve", type=int, required=True, metavar="N",
+                        help="serve timed windows of N actors (see bench/baseline_server.py)")
     args = parser.parse_args()
-    rows = [measure(int(s), args.steps, args.repeats) for s in args.sizes.split(",")]
-    for row in rows:
-        print(f"Monarch N={row['executors']}: OpByOp {row['OpByOp']:,.0f}/s, Fused {row['Fused']:,.0f}/s")
-    write_results("monarch_baseline", {"monarch": importlib.metadata.version("torchmonarch"), "rows": rows})
+    workers = MonarchWorkers(args.serve)
+    serve(workers.window, workers.close)
 
 
 if __name__ == "__main__":

@@ -2,7 +2,10 @@
 
 Each process: one compute thread, a gloo group made from a FileStore (as the
 executors make theirs), and the loop ``x = all_reduce(x, max) + 1`` (or a
-simulated device step). Returns steps per second (the slowest process).
+simulated device step). Rates are steps per second of the slowest process.
+
+`MultiController` keeps the N processes up and runs one timed window per request, so
+`bench/dispatch.py` can interleave its windows with the runtime's.
 """
 
 from __future__ import annotations
@@ -12,10 +15,10 @@ import os
 import tempfile
 import time
 
-__all__ = ["run_multicontroller", "run_sim_multicontroller"]
+__all__ = ["MultiController", "run_sim_multicontroller"]
 
 
-def _worker(rank: int, size: int, store_path: str, steps: int, result_queue) -> None:
+def _worker(rank: int, size: int, store_path: str, commands, result_queue) -> None:
     import torch
     import torch.distributed as dist
 
@@ -26,17 +29,74 @@ def _worker(rank: int, size: int, store_path: str, steps: int, result_queue) -> 
     reduce_max = dist.AllreduceOptions()
     reduce_max.reduceOp = dist.ReduceOp.MAX
     x = torch.zeros(())
-    for _ in range(20):   # warm-up
-        out = x.clone()
-        group.allreduce([out], reduce_max).wait()
-        x = out + 1
-    group.allreduce([torch.zeros(1)]).wait()   # start together
-    began = time.perf_counter()
-    for _ in range(steps):
-        out = x.clone()
-        group.allreduce([out], reduce_max).wait()
-        x = out + 1
-    result_queue.put(time.perf_counter() - began)
+
+    def loop(steps: int):
+        nonlocal x
+        for _ in range(steps):
+            out = x.clone()
+            group.allreduce([out], reduce_max).wait()
+            x = out + 1
+
+    loop(20)   # warm-up
+    result_queue.put(("ready", rank, 0.0))
+    while True:
+        try:
+            steps = commands.recv()
+        except EOFError:       # the driver is gone
+            return
+        if steps is None:
+            return
+        group.allreduce([torch.zeros(1)]).wait()   # start together
+        began = time.perf_counter()
+        loop(steps)
+        result_queue.put(("window", rank, time.perf_counter() - began))
+
+
+class MultiController:
+    """``size`` loop processes that stay up; `window(steps)` times one window on all of them."""
+
+    def __init__(self, size: int, timeout_s: float = 600.0):
+        self.size, self.timeout_s = size, timeout_s
+        mp = multiprocessing.get_context("spawn")
+        self._results = mp.Queue()
+        self._tmp = tempfile.TemporaryDirectory(prefix="pathways-baseline-")
+        self._procs, self._commands = [], []
+        for rank in range(size):
+            reader, writer = mp.Pipe(duplex=False)
+            proc = mp.Process(target=_worker, args=(rank, size, os.path.join(self._tmp.name, "store"), reader,
+                                                    self._results), daemon=True)
+            proc.start()
+            reader.close()
+            self._procs.append(proc)
+            self._commands.append(writer)
+        self._collect("ready")
+
+    def window(self, steps: int) -> float:
+        """Steps per second of one window of ``steps`` steps (the slowest process's time)."""
+        for writer in self._commands:
+            writer.send(steps)
+        return steps / max(self._collect("window"))
+
+    def close(self) -> None:
+        for writer in self._commands:
+            try:
+                writer.send(None)
+            except OSError:
+                pass
+        for proc in self._procs:
+            proc.join(30)
+            if proc.is_alive():
+                proc.kill()
+        self._tmp.cleanup()
+
+    def _collect(self, kind: str) -> list[float]:
+        values = []
+        for _ in range(self.size):
+            got, rank, value = self._results.get(timeout=self.timeout_s)
+            if got != kind:
+                raise RuntimeError(f"multi-controller rank {rank}: expected a {kind!r} report, got {got!r}")
+            values.append(value)
+        return values
 
 
 def _sim_worker(rank: int, size: int, barrier, steps: int, step_s: float, result_queue) -> None:
@@ -54,25 +114,6 @@ def _sim_worker(rank: int, size: int, barrier, steps: int, step_s: float, result
     result_queue.put(time.perf_counter() - began)
 
 
-def _spawn(target, size: int, args: tuple) -> float:
-    ctx = multiprocessing.get_context("spawn")
-    results = ctx.Queue()
-    with tempfile.TemporaryDirectory(prefix="pathways-baseline-") as tmp:
-        store_path = os.path.join(tmp, "store")
-        procs = [ctx.Process(target=target, args=(rank, size, store_path, *args, results)) for rank in range(size)]
-        for p in procs:
-            p.start()
-        times = [results.get(timeout=600) for _ in procs]
-        for p in procs:
-            p.join(30)
-    return max(times)
-
-
-def run_multicontroller(size: int, steps: int) -> float:
-    """Steps per second of the scalar all-reduce + add loop on ``size`` processes."""
-    return steps / _spawn(_worker, size, (steps,))
-
-
 def run_sim_multicontroller(size: int, steps: int, step_s: float) -> float:
     """Steps per second of ``size`` processes each busy ``step_s`` per step on a simulated device."""
     ctx = multiprocessing.get_context("spawn")
@@ -85,3 +126,4 @@ def run_sim_multicontroller(size: int, steps: int, step_s: float) -> float:
     for p in procs:
         p.join(30)
     return steps / elapsed
+

@@ -3,9 +3,11 @@
 Each actor holds one gloo group made from a FileStore (as our executors and the
 multi-controller baseline do), one compute thread. OpByOp: one awaited
 ``ray.get`` over all actors per computation; Fused: one call runs CHAIN of them.
-Run it where Ray is importable (a separate environment is fine):
+`bench/dispatch.py` runs it as a server for one N at a time (see
+`bench/baseline_server.py`) where Ray is importable — a separate directory is fine:
 
-    PYTHONPATH=/path/to/ray/site-packages .venv/bin/python -m bench.ray_baseline --sizes 1,2,4,8
+    pip install --target DIR ray msgpack click jsonschema aiosignal frozenlist
+    PATHWAYS_RAY_PYTHONPATH=DIR .venv/bin/python -m bench.dispatch
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import os
 import tempfile
 import time
 
-from bench.common import add_run_arguments, write_results
+from bench.baseline_server import serve
 
 CHAIN = 128
 
@@ -47,37 +49,45 @@ def _actor_class(ray):
     return Worker
 
 
-def measure(size: int, steps: int, repeats: int) -> dict:
-    import ray
+class RayWorkers:
+    """``size`` actors with their gloo group, warmed up; timed windows of either loop."""
 
-    worker = _actor_class(ray)
-    with tempfile.TemporaryDirectory(prefix="pathways-ray-") as tmp:
-        actors = [worker.remote(rank, size, os.path.join(tmp, "store")) for rank in range(size)]
-        ray.get([a.steps.remote(5) for a in actors])             # warm-up (and group rendezvous)
+    def __init__(self, size: int):
+        import ray
+
+        self._ray = ray
+        self._tmp = tempfile.TemporaryDirectory(prefix="pathways-ray-")
+        worker = _actor_class(ray)
+        self.actors = [worker.remote(rank, size, os.path.join(self._tmp.name, "store")) for rank in range(size)]
+        ray.get([a.steps.remote(5) for a in self.actors])            # warm-up (and group rendezvous)
+
+    def window(self, mode: str, count: int) -> float:
+        """Computations per second: ``OpByOp`` (``count`` awaited calls) or ``Fused`` (``count`` x CHAIN)."""
         began = time.perf_counter()
-        for _ in range(steps):
-            ray.get([a.step.remote() for a in actors])
-        op_by_op = steps / (time.perf_counter() - began)
-        began = time.perf_counter()
-        for _ in range(repeats):
-            ray.get([a.steps.remote(CHAIN) for a in actors])
-        fused = repeats * CHAIN / (time.perf_counter() - began)
-        for a in actors:
-            ray.kill(a)
-    return {"executors": size, "OpByOp": op_by_op, "Fused": fused}
+        if mode == "OpByOp":
+            for _ in range(count):
+                self._ray.get([a.step.remote() for a in self.actors])
+            return count / (time.perf_counter() - began)
+        for _ in range(count):
+            self._ray.get([a.steps.remote(CHAIN) for a in self.actors])
+        return count * CHAIN / (time.perf_counter() - began)
+
+    def close(self) -> None:
+        for a in self.actors:
+            self._ray.kill(a)
+        self._tmp.cleanup()
 
 
 def main() -> None:
     import ray
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    add_run_arguments(parser, sizes="1,2,4,8", steps=200, repeats=4)
+    parser.add_argument("--serve", type=int, required=True, metavar="N",
+                        help="serve timed windows of N actors (see bench/baseline_server.py)")
     args = parser.parse_args()
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    rows = [measure(int(s), args.steps, args.repeats) for s in args.sizes.split(",")]
-    for row in rows:
-        print(f"Ray N={row['executors']}: OpByOp {row['OpByOp']:,.0f}/s, Fused {row['Fused']:,.0f}/s")
-    write_results("ray_baseline", {"ray": ray.__version__, "rows": rows})
+    workers = RayWorkers(args.serve)
+    serve(workers.window, workers.close)
 
 
 if __name__ == "__main__":
