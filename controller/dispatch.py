@@ -195,6 +195,7 @@ class Controller:
         """Fail every future that depends on the executor; refuse new work that would."""
         info = self.resources.executors[executor_id]
         info.lost = True
+        self._pending_frees.pop(executor_id, None)
         error = ExecutorLostError(f"executor {executor_id} lost: {why}", executor_id=executor_id)
         log.warning("controller: %s", error)
         # Ready arrays first: a thread woken by a failing future must not see one of them still ready.
@@ -496,9 +497,10 @@ class Controller:
             return
         self.arrays.forget(record.array_id)
         for position, executor_id in enumerate(record.executor_ids):
-            self._pending_frees[executor_id].append(pb.ShardRef(array_id=record.array_id, shard=position))
-        if not self._batching_frees:
-            self._flush_frees()
+            pending = self._pending_frees[executor_id]
+            pending.append(pb.ShardRef(array_id=record.array_id, shard=position))
+            if len(pending) >= _MAX_PENDING_FREES and not self._batching_frees:
+                self._flush_frees()
         if record.producer_call in self._failure_holders:
             self._failure_holders[record.producer_call] -= 1
             if self._failure_holders[record.producer_call] == 0:
@@ -520,6 +522,11 @@ class Controller:
             finally:
                 self._batching_frees = False
                 self._flush_frees()
+
+    def flush_frees(self) -> None:
+        """Send every pending free now (the client is idle, or closing)."""
+        with self._lock:
+            self._flush_frees()
 
     def _flush_frees(self) -> None:
         pending, self._pending_frees = self._pending_frees, collections.defaultdict(list)
@@ -584,8 +591,23 @@ class Controller:
         log_dropped(log, self.dropped_messages, "controller", why)
 
     def _send(self, executor_id: str, envelope: pb.Envelope, payload: Sequence = ()) -> None:
+        """Send on the calling thread's order; pending frees for the executor ride along.
+
+        A free rides on a message sent after the release; any Run that reads the array
+        was sent before it (a released array cannot be called with), so it is pinned there.
+        """
+        frees = self._pending_frees.pop(executor_id, None)
+        if frees and not envelope.HasField("free"):
+            envelope.frees.extend(frees)
+        elif frees:
+            envelope.free.shards.extend(frees)
         self.messages_sent[body_name(envelope)] += 1
         self.outbox.to_executor(executor_id, envelope, payload)
+
+
+# Frees wait for the next message to their executor, or for the client to idle; past this
+# many shards per executor they go at once, in a Free of their own.
+_MAX_PENDING_FREES = 256
 
 
 def _remote_error(spec: CallSpec, failure: pb.RemoteFailure) -> RemoteError:

@@ -112,6 +112,8 @@ class ExecutorCore:
     # ------------------------------------------------------------ control plane
 
     def on_control(self, envelope: pb.Envelope, payload: list) -> None:
+        for ref in envelope.frees:   # frees ride on the next message; they come before its body
+            self.store.free(_key(ref))
         kind = body_name(envelope)
         if kind == "transfer" and envelope.transfer.failed:
             # The controller fails a copy whose sender was lost: no one else will ever push it.

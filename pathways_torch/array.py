@@ -8,6 +8,8 @@ from .placement import Sharding, assemble_blocks, positions_needed
 
 __all__ = ["Array"]
 
+_IDLE_FLUSH_S = 0.05
+
 
 class Array:
     """A logical array whose shards live on executors; returned at once by calls and ``ctx.put``.
@@ -55,7 +57,16 @@ class Array:
         return tensor.clone() if len(positions) == 1 else tensor
 
     def _wait(self, timeout_s: float | None) -> None:
-        if not self._record.event.wait(timeout_s):
+        event = self._record.event
+        if event.is_set():
+            return
+        # Frees of dropped arrays ride on the client's next call; a client that waits a
+        # while sends them now, so the executors do not hold that memory meanwhile.
+        first = _IDLE_FLUSH_S if timeout_s is None else min(timeout_s, _IDLE_FLUSH_S)
+        if event.wait(first):
+            return
+        self._context._flush_frees()
+        if not event.wait(None if timeout_s is None else timeout_s - first):
             raise TimeoutError(f"array {self.array_id} not ready within {timeout_s} s")
 
     def __repr__(self) -> str:

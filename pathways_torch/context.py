@@ -298,6 +298,11 @@ class Context:
         else:
             self.controller.release(array_id)
 
+    def _flush_frees(self) -> None:
+        """Send the frees still waiting for a message to ride on (the client is about to idle)."""
+        if not self._closed:
+            self.controller.flush_frees()
+
     @contextlib.contextmanager
     def _batched_release(self):
         """Arrays this thread drops inside are freed together: one Free per executor (a training step

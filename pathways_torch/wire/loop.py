@@ -177,11 +177,11 @@ class SocketLoop:
             sock.close(linger=0)
 
     def _count(self, total, payload, key, frames, routed: bool) -> None:
-        sizes = [_nbytes(f) for f in frames]
-        if routed:
-            sizes = sizes[1:]  # the routing identity is not our message
-        total[key] += sum(sizes)
-        payload[key] += sum(sizes[1:])
+        start = 1 if routed else 0   # the routing identity is not our message
+        envelope = _nbytes(frames[start]) if len(frames) > start else 0
+        tensors = sum(_nbytes(f) for f in frames[start + 1:]) if len(frames) > start + 1 else 0
+        total[key] += envelope + tensors
+        payload[key] += tensors
 
     def _run(self) -> None:
         try:
@@ -206,11 +206,9 @@ class SocketLoop:
         return max(0, min(100, int(due * 1000) + 1))
 
     def _drain_wakeups(self) -> None:
-        while True:
-            try:
-                self._wake_pull.recv(zmq.NOBLOCK)
-            except zmq.Again:
-                break
+        # Asking EVENTS is far cheaper than the zmq.Again a non-blocking recv raises when empty.
+        while self._wake_pull.get(zmq.EVENTS) & zmq.POLLIN:
+            self._wake_pull.recv(zmq.NOBLOCK)
         # Only now: a flag cleared before the drain could be set by a producer whose wake-up
         # the drain then swallows, leaving the flag up and every later call_soon silent.
         # Callbacks appended before this point run in this turn (the loop runs them next).
@@ -222,6 +220,8 @@ class SocketLoop:
         key = self._socket_names.get(socket, "?")
         # Drain what is queued, but yield to other sockets after a batch.
         for _ in range(64):
+            if not socket.get(zmq.EVENTS) & zmq.POLLIN:
+                return
             try:
                 frames = socket.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
@@ -266,8 +266,8 @@ class SocketLoop:
 
 
 def _nbytes(frame) -> int:
-    if hasattr(frame, "buffer"):
-        return frame.buffer.nbytes
+    if isinstance(frame, (bytes, zmq.Frame)):
+        return len(frame)
     if isinstance(frame, memoryview):
         return frame.nbytes
-    return len(frame)
+    return frame.buffer.nbytes if hasattr(frame, "buffer") else len(frame)

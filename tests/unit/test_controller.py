@@ -112,9 +112,25 @@ def test_release_frees_shards_only_after_put_landed(setup):
     assert outbox.of("free") == []
     controller.landed(x.array_id)
     controller.landed(x.array_id)
+    assert len(controller.arrays) == 0
+    assert outbox.of("free") == []                # waiting for a message to ride on
+    controller.flush_frees()                      # the client idles
     frees = outbox.of("free")
     assert [(e, env.free.shards[0].shard) for e, env in frees] == [("e0", 0), ("e1", 1)]
-    assert len(controller.arrays) == 0
+
+
+def test_frees_ride_on_the_next_message_to_their_executor(setup):
+    controller, outbox, _, function_id = setup
+    mesh = controller.resources.allocate({"data": 2}, ["e0", "e1"])
+    x, y = controller.new_array(mesh.executor_ids), controller.new_array(mesh.executor_ids)
+    controller.release(x.array_id)
+    controller.call(CallSpec(function_id=function_id, name="f", mesh=mesh, inputs=(y.array_id,), num_outputs=1))
+    assert outbox.of("free") == []
+    carried = [(e, k, [(s.array_id, s.shard) for s in env.frees]) for e, k, env in outbox.sent if env.frees]
+    # the first message to each executor after the release: its LoadFunction, then its Run
+    assert carried == [("e0", "load_function", [(x.array_id, 0)]), ("e1", "load_function", [(x.array_id, 1)])]
+    controller.flush_frees()
+    assert outbox.of("free") == []                # nothing left to send
 
 
 def test_silent_executor_is_lost_and_its_futures_fail(setup):

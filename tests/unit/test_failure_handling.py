@@ -122,6 +122,7 @@ def test_a_put_that_never_lands_fails_its_array(setup):
     controller.landed(x.array_id, ExecutorLostError("e1 is gone", executor_id="e1"))
     assert x.state == "failed" and x.error.executor_id == "e1"
     controller.release(x.array_id)
+    controller.flush_frees()
     assert len(controller.arrays) == 0 and len(outbox.of("free")) == 2
 
 

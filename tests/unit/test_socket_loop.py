@@ -84,6 +84,9 @@ class _RacingPull:
     def __init__(self, socket, producer):
         self._socket, self._producer, self._raced = socket, producer, False
 
+    def get(self, option):
+        return self._socket.get(option)
+
     def recv(self, flags=0):
         message = self._socket.recv(flags)
         if not self._raced:
