@@ -7,7 +7,7 @@ the same deadlines). Efficiency = Chained rate / ideal rate; the parity point is
 smallest T at which efficiency reaches 95%. Prints a table, writes
 bench/results/overhead.json.
 
-    .venv/bin/python -m bench.overhead [--sizes 4,16,64] [--times-ms 0.1,0.3,1,3,10,30] [--steps 32]
+    .venv/bin/python -m bench.overhead [--sizes 4,16,64] [--times-ms 0.1,0.3,1,3,10,30] [--steps 128]
 """
 
 from __future__ import annotations
@@ -39,9 +39,23 @@ def chained_rate(ctx, mesh, step_s: float, steps: int, repeats: int) -> float:
     return repeats * steps / (time.perf_counter() - began)
 
 
+def parity_point(rows: list[dict]) -> float | None:
+    """The smallest T (ms) from which Chained stays >= 95% of the ideal at every larger T measured.
+
+    Not merely the first T above the line: at 64 simulated devices on 2 cores the ideal
+    loop itself falls behind at the smallest T, which can put one tiny T above it.
+    """
+    point = None
+    for row in sorted(rows, key=lambda r: r["step_ms"], reverse=True):
+        if row["efficiency"] < 0.95:
+            break
+        point = row["step_ms"]
+    return point
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    add_run_arguments(parser, sizes="4,16,64", steps=32, repeats=2)
+    add_run_arguments(parser, sizes="4,16,64", steps=128, repeats=2)
     parser.add_argument("--times-ms", default="0.1,0.3,1,3,10,30")
     args = parser.parse_args()
     times = [float(t) / 1000 for t in args.times_ms.split(",")]
@@ -57,11 +71,11 @@ def main() -> None:
                 rows.append({"executors": size, "step_ms": step_s * 1e3, "chained_per_s": chained,
                              "ideal_per_s": ideal, "efficiency": efficiency})
                 table.append([size, f"{step_s * 1e3:g}", f"{chained:,.1f}", f"{ideal:,.1f}", f"{efficiency:.1%}"])
-                if efficiency >= 0.95 and size not in parity:
-                    parity[size] = step_s * 1e3
+            parity[size] = parity_point([r for r in rows if r["executors"] == size])
     print_table(["N", "T ms", "Chained steps/s", "ideal (multi-controller) steps/s", "efficiency"], table)
     for size in [int(s) for s in args.sizes.split(",")]:
-        print(f"parity (>= 95%) at N={size}: " + (f"{parity[size]:g} ms" if size in parity else "not reached"))
+        found = parity.get(size)
+        print(f"parity (>= 95% from there on) at N={size}: " + (f"{found:g} ms" if found is not None else "not reached"))
     print("written to", write_results("overhead", {"rows": rows, "parity_ms": parity, "steps": args.steps}))
 
 

@@ -21,6 +21,7 @@ class ArrayRecord:
     landing: int = 0              # put shards not yet acknowledged by their executor
     released: bool = False        # the client dropped its handle
     producer_call: int = 0
+    block_shape: tuple[int, ...] | None = None   # set on completion when the sizes depended on the data
     event: threading.Event = dataclasses.field(default_factory=threading.Event)
 
     def settle(self, state: str, error: BaseException | None = None) -> None:

@@ -18,7 +18,7 @@ import threading
 import time
 from typing import Callable, Protocol, Sequence
 
-from pathways_torch.errors import ExecutorLostError, RemoteError, ReplicationError
+from pathways_torch.errors import ExecutorLostError, PlacementError, RemoteError, ReplicationError
 from pathways_torch.wire import pb
 from pathways_torch.wire.framing import body_name, log_dropped
 
@@ -49,6 +49,7 @@ class CallSpec:
     debug: bool = False
     call_site: str = ""
     collective_axes: tuple[str, ...] = ()
+    report_shapes: bool = False       # output sizes depend on the data: executors report them
 
 
 @dataclasses.dataclass
@@ -59,6 +60,7 @@ class _Call:
     outputs: list[ArrayRecord]
     waiting: set[str]
     digests: dict[str, list[bytes]] = dataclasses.field(default_factory=dict)
+    shapes: dict[str, list[tuple[int, ...]]] = dataclasses.field(default_factory=dict)  # reported output shapes
     failed: bool = False
     routes: list[tuple[str, str, pb.ShardRef]] = dataclasses.field(default_factory=list)  # (from, to, copy) pushes
     depends_on: frozenset[str] = frozenset()   # executors beyond its mesh it may need (a program's others)
@@ -270,7 +272,8 @@ class Controller:
             for position, executor_id in enumerate(mesh.executor_ids):
                 self._ensure_loaded(spec.function_id, executor_id)
                 run = pb.Run(seq=seq, call_id=call_id, function_id=spec.function_id,
-                             digest_outputs=spec.debug and any(spec.replicated_outputs))
+                             digest_outputs=spec.debug and any(spec.replicated_outputs),
+                             report_shapes=spec.report_shapes)
                 if spec.collective_axes:
                     run.collective = True
                     run.prev_collective_seq = self._last_collective[executor_id]
@@ -428,14 +431,19 @@ class Controller:
             if self.liveness_probe is not None:
                 self.liveness_probe()   # may fail the call first, with ExecutorLostError
             self._fail_call(call, self._error_for(call, done.failure))
-        elif done.digests:
-            call.digests[executor_id] = list(done.digests)
+        else:
+            if done.digests:
+                call.digests[executor_id] = list(done.digests)
+            if done.output_shapes:
+                call.shapes[executor_id] = [tuple(meta.shape) for meta in done.output_shapes]
         if not call.waiting:
             self._calls.pop(call.call_id, None)   # the liveness probe may have ended it already
             if not call.failed:
                 self._complete(call)
 
     def _complete(self, call: _Call) -> None:
+        if call.spec.report_shapes and not self._record_shapes(call):
+            return
         for index, record in enumerate(call.outputs):
             replicated = index < len(call.spec.replicated_outputs) and call.spec.replicated_outputs[index]
             if replicated and call.digests:
@@ -451,6 +459,22 @@ class Controller:
                         f"{call.spec.call_site.rstrip()}"))
                     continue
             record.settle(READY)
+
+    def _record_shapes(self, call: _Call) -> bool:
+        """Give each output the block shape its executors reported; fail the call if they disagree."""
+        executors = call.spec.mesh.executor_ids
+        for index, record in enumerate(call.outputs):
+            shapes = [call.shapes.get(e, [None] * (index + 1))[index] for e in executors]
+            if len(set(shapes)) > 1 or shapes[0] is None:
+                described = ", ".join(f"{e}: {list(s) if s is not None else 'none'}" for e, s in zip(executors, shapes))
+                self._fail_call(call, PlacementError(
+                    f"output {index} of {call.spec.name!r} has a size that depends on the data, and its shards came "
+                    f"out with different shapes ({described}); a sharded array needs equal blocks. Fix: make the "
+                    f"size agree across shards (e.g. pad to a fixed size, or decide it from an all_reduce), or "
+                    f"run the function on a mesh of one executor\ncalled from:\n{call.spec.call_site.rstrip()}"))
+                return False
+            record.block_shape = shapes[0]
+        return True
 
     def _fail_call(self, call: _Call, error: BaseException) -> None:
         if call.failed:

@@ -18,8 +18,8 @@ import zmq
 
 from pathways_torch.wire import SocketLoop, body_name, decode, encode, pb
 from pathways_torch.wire.framing import MAX_ENVELOPE_BYTES, FramingError, log_dropped
-from pathways_torch.wire.security import (CLIENT, CONTROLLER, HEARTBEAT_SUFFIX, ConnectionWatch, Credentials,
-                                          make_server, peer_role)
+from pathways_torch.wire.security import (CLIENT, CONTROLLER, HEARTBEAT_SUFFIX, RESULTS_SUFFIX, ConnectionWatch,
+                                          Credentials, make_server, peer_role)
 
 from .config import ControllerConfig
 from .dispatch import Controller
@@ -83,12 +83,15 @@ class ControllerServer:
         except (FramingError, UnicodeDecodeError, IndexError) as exc:
             self._drop(f"malformed message: {exc}")
             return
-        executor_id = identity.removesuffix(HEARTBEAT_SUFFIX)
+        executor_id = identity.removesuffix(HEARTBEAT_SUFFIX).removesuffix(RESULTS_SUFFIX)
         if role != executor_id or role in (CONTROLLER, CLIENT):
             self._drop(f"a peer authenticated as {role!r} spoke as {identity!r}")
             return
         if identity.endswith(HEARTBEAT_SUFFIX):
             self._on_heartbeat(frames[0], executor_id, envelope)
+            return
+        if identity.endswith(RESULTS_SUFFIX) and body_name(envelope) != "done":
+            self._drop(f"{body_name(envelope)!r} on {executor_id}'s results connection")
             return
         if body_name(envelope) == "register" and envelope.register.public_key != self.credentials.allowed.get(role):
             self._drop(f"{executor_id} registered a data-socket key that is not its own")

@@ -17,7 +17,8 @@ import zmq
 
 from pathways_torch.wire import SocketLoop, body_name, decode, encode, pb
 from pathways_torch.wire.framing import FramingError
-from pathways_torch.wire.security import (CONTROLLER, HANDSHAKE_FAILURES, HEARTBEAT_SUFFIX, ConnectionWatch,
+from pathways_torch.wire.security import (CONTROLLER, HANDSHAKE_FAILURES, HEARTBEAT_SUFFIX, RESULTS_SUFFIX,
+                                          ConnectionWatch,
                                           Credentials, Gatekeeper, KeyDirectory, SecurityError, make_client,
                                           make_server)
 
@@ -37,12 +38,20 @@ _DATA = "data"
 
 
 class _SocketOutbox:
-    def __init__(self, loop: SocketLoop, credentials: Credentials):
+    """Messages out. Done messages from the compute thread go on its own connection to the
+    controller (`results`), without waking the I/O thread; everything else through the loop."""
+
+    def __init__(self, loop: SocketLoop, credentials: Credentials, results: zmq.Socket):
         self._loop = loop
         self._credentials = credentials
+        self._results = results
+        self.compute_thread: threading.Thread | None = None
 
     def to_controller(self, envelope, payload=()):
-        self._loop.send(_CONTROL, encode(envelope, payload))
+        if threading.current_thread() is self.compute_thread:
+            self._results.send_multipart(encode(envelope, payload), copy=False)
+        else:
+            self._loop.send(_CONTROL, encode(envelope, payload))
 
     def to_client(self, identity, envelope, payload=()):
         self._loop.send(_DATA, [identity, *encode(envelope, payload)])
@@ -79,15 +88,19 @@ class ExecutorProcess:
         self.loop = SocketLoop(f"executor-{config.executor_id}", self.zmq)
         self.backend = make_backend(config.backend, config.device, config.num_threads)
         trace = TraceRecorder(config.max_trace_events)
-        self.compiler = CompileCache(self.backend, trace, post=self.loop.call_soon)
+        self.compiler = CompileCache(self.backend, trace, post=lambda fn: self.loop.call_soon(self._locked(fn)))
         self.collectives = CollectiveRuntime(config.bind_host, config.device, trace)
         if config.backend != "sim":   # the simulated device imports no torch
             from pathways_torch.wire import collective_ops
 
             collective_ops.set_runtime(self.collectives)
-        self.core = ExecutorCore(executor_id=config.executor_id, backend=self.backend,
-                                 outbox=_SocketOutbox(self.loop, self.credentials), submit=self._submit, trace=trace,
-                                 compiler=self.compiler, collectives=self.collectives)
+        self.outbox = _SocketOutbox(self.loop, self.credentials, self._results_socket())
+        self.core = ExecutorCore(executor_id=config.executor_id, backend=self.backend, outbox=self.outbox,
+                                 submit=self._submit, trace=trace, compiler=self.compiler,
+                                 collectives=self.collectives)
+        # ExecutorCore is single-threaded: the I/O thread (messages, compile results) and the
+        # compute thread (finishing its jobs) take turns under this lock.
+        self._core_lock = threading.RLock()   # re-entered: a compile done at once posts its result inline
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._exit_reason = ""
         self.data_address = self._bind_data()
@@ -124,25 +137,42 @@ class ExecutorProcess:
                        f"its key in {self.config.keys_dir} is not the controller's, or this executor's key is "
                        f"not on its allow-list; use the key directory the launcher made for this cluster")
 
+    def _results_socket(self) -> zmq.Socket:
+        """The compute thread's own connection to the controller, for Done messages only."""
+        socket = self.zmq.socket(zmq.DEALER)
+        socket.setsockopt(zmq.LINGER, 0)
+        socket.setsockopt(zmq.IDENTITY, f"{self.config.executor_id}{RESULTS_SUFFIX}".encode())
+        make_client(socket, self.credentials, self.credentials.public_key(CONTROLLER))
+        socket.connect(self.config.controller_address)
+        return socket
+
+    def _locked(self, fn):
+        def run():
+            with self._core_lock:
+                fn()
+        return run
+
     def _on_control(self, frames) -> None:
-        try:
-            envelope, payload = decode(frames)
-        except FramingError as exc:
-            self.core._drop(str(exc))
-            return
-        self.core.on_control(envelope, payload)
+        with self._core_lock:
+            try:
+                envelope, payload = decode(frames)
+            except FramingError as exc:
+                self.core._drop(str(exc))
+                return
+            self.core.on_control(envelope, payload)
         if self.core.stopped:
             self._stop("the controller asked")
 
     def _on_data(self, frames) -> None:
-        if len(frames) < 2:
-            self.core._drop("data message without identity and envelope")
-            return
-        try:
-            envelope, payload = decode(frames[1:])
-            self.core.on_data(frames[0].bytes, envelope, payload)
-        except (FramingError, ValueError) as exc:
-            self.core._drop(str(exc))
+        with self._core_lock:
+            if len(frames) < 2:
+                self.core._drop("data message without identity and envelope")
+                return
+            try:
+                envelope, payload = decode(frames[1:])
+                self.core.on_data(frames[0].bytes, envelope, payload)
+            except (FramingError, ValueError) as exc:
+                self.core._drop(str(exc))
 
     # ------------------------------------------------------------ compute thread
 
@@ -163,7 +193,10 @@ class ExecutorProcess:
             except Exception as exc:  # a bug of ours: fail this job, keep the thread serving the rest
                 log.exception("executor %s: compute failed outside the function", self.config.executor_id)
                 self.core.fail(job, exc)
-            self.loop.call_soon(lambda job=job: self.core.finish(job))
+            # Finished here, not on the I/O thread: its Done leaves at once on the results
+            # connection, and an OpByOp call costs no wake-up of the I/O thread on the way back.
+            with self._core_lock:
+                self.core.finish(job)
 
     # ------------------------------------------------------------ liveness
 
@@ -229,7 +262,9 @@ class ExecutorProcess:
                                device=self.backend.device, backend=self.config.backend, pid=os.getpid(),
                                store_bytes=self.core.store.bytes, public_key=self.credentials.keys.public)
         self.loop.send(_CONTROL, encode(pb.Envelope(register=register)))
-        threading.Thread(target=self._compute_loop, name="pathways-compute", daemon=True).start()
+        compute = threading.Thread(target=self._compute_loop, name="pathways-compute", daemon=True)
+        self.outbox.compute_thread = compute
+        compute.start()
         threading.Thread(target=self._watch, name="pathways-heartbeat", daemon=True).start()
         self.loop.run_forever()
         self.gatekeeper.stop()

@@ -44,12 +44,14 @@ class Step:
     call id = base_call_id + offset.
     """
 
-    __slots__ = ("offset", "function_id", "inputs", "outputs", "collective", "axis_groups", "report", "digest")
+    __slots__ = ("offset", "function_id", "inputs", "outputs", "collective", "axis_groups", "report", "digest",
+                 "report_shapes")
 
     def __init__(self, *, offset: int, function_id: int, inputs: list[int], outputs: list[int], collective: bool,
-                 axis_groups: dict, report: bool, digest: bool):
+                 axis_groups: dict, report: bool, digest: bool, report_shapes: bool = False):
         self.offset, self.function_id, self.inputs, self.outputs = offset, function_id, inputs, outputs
         self.collective, self.axis_groups, self.report, self.digest = collective, axis_groups, report, digest
+        self.report_shapes = report_shapes   # data-dependent output sizes: Done carries them
 
 
 class SegmentPlan:
@@ -110,7 +112,7 @@ def single(run: pb.Run) -> Segment:
     outputs = list(range(num_inputs, num_inputs + len(run.outputs)))
     step = Step(offset=0, function_id=run.function_id, inputs=list(range(num_inputs)), outputs=outputs,
                 collective=run.collective, axis_groups=dict(run.axis_groups), report=not run.quiet,
-                digest=run.digest_outputs)
+                digest=run.digest_outputs, report_shapes=run.report_shapes)
     return Segment(steps=[step], base_seq=run.seq, base_call_id=run.call_id,
                    input_keys=[(r.array_id, r.shard, r.tag) for r in run.inputs],
                    output_keys=[(r.array_id, r.shard, r.tag) for r in run.outputs], output_slots=outputs,

@@ -409,7 +409,9 @@ class ExecutorCore:
         outputs, digests = None, []
         if failure is None:
             name = function.name
-            self.trace.record("start", name, seq=seq, call_id=call_id, function_id=step.function_id)
+            # Visible in the trace: what reads these outputs is dispatched only after this ends.
+            detail = "data-dependent output shapes: sequential dispatch" if step.report_shapes else ""
+            self.trace.record("start", name, seq=seq, call_id=call_id, function_id=step.function_id, detail=detail)
             try:
                 with self.collectives.bind(step.axis_groups, seq=seq):
                     outputs = self.backend.run(function.compiled, inputs)
@@ -419,7 +421,7 @@ class ExecutorCore:
                 digests = [self.backend.digest(t) for t in outputs] if step.digest else []
             except Exception as exc:
                 outputs, failure = None, self._failure(exc, origin_call_id=call_id)
-            self.trace.record("end", name, seq=seq, call_id=call_id, function_id=step.function_id)
+            self.trace.record("end", name, seq=seq, call_id=call_id, function_id=step.function_id, detail=detail)
         if failure is not None and not failure.origin_call_id:
             failure = _with_origin(failure, call_id)
         for index, slot in enumerate(step.outputs):
@@ -430,6 +432,9 @@ class ExecutorCore:
             done = pb.Done(call_id=call_id, seq=seq, ok=failure is None, digests=digests)
             if failure is not None:
                 done.failure.CopyFrom(failure)
+            elif step.report_shapes:
+                for value in outputs:
+                    done.output_shapes.add(shape=list(value.shape))
             job.dones.append(done)
 
     def _refusal(self, call_id: int, step, function: _Function | None, inputs: list) -> pb.RemoteFailure | None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import weakref
 
-from .placement import Sharding, assemble_blocks, positions_needed
+from .placement import Sharding, assemble_blocks, global_shape, positions_needed
 
 __all__ = ["Array"]
 
@@ -50,11 +50,27 @@ class Array:
         self._wait(timeout_s)
         if self._record.error is not None:
             raise self._record.error
+        self._learn_shape()
         positions = positions_needed(self.block_shape, self.sharding.placements, self.mesh)
         blocks = self._context._fetch_blocks(self, positions, timeout_s)
         tensor = assemble_blocks(blocks, self.block_shape, self.sharding.placements, self.mesh)
         # A lone block is a view of a received message; hand back memory the caller owns.
         return tensor.clone() if len(positions) == 1 else tensor
+
+    @property
+    def shape_known(self) -> bool:
+        """False while a size of this array waits for the data (a function with data-dependent output sizes)."""
+        return None not in self.block_shape
+
+    def _learn_shape(self, timeout_s: float | None = None) -> None:
+        """Wait for the producer to report the sizes the data decided; raise its error if it failed."""
+        if self.shape_known:
+            return
+        self._wait(timeout_s)
+        if self._record.error is not None:
+            raise self._record.error
+        self.block_shape = tuple(self._record.block_shape)
+        self.shape = global_shape(self.block_shape, self.sharding.placements, self.mesh)
 
     def _wait(self, timeout_s: float | None) -> None:
         event = self._record.event

@@ -26,7 +26,7 @@ class InputSpec:
     dtype: object
 
     def __str__(self) -> str:
-        return f"{dtype_name(self.dtype)}{list(self.shape)}"
+        return f"{dtype_name(self.dtype)}{['?' if d is None else d for d in self.shape]}"
 
 
 @dataclasses.dataclass
@@ -43,6 +43,11 @@ class CapturedVersion:
     collective_axes: tuple[str, ...] = ()   # mesh axes its collectives communicate over
     sim_seconds: float = 0.0                # device time on a simulated executor
 
+    @property
+    def data_dependent(self) -> bool:
+        """Whether an output's shape depends on the data: callers learn it only after the run."""
+        return any(d is None for spec in self.outputs for d in spec.shape)
+
     def describe(self) -> str:
         ins = ", ".join(map(str, self.inputs))
         outs = ", ".join(map(str, self.outputs))
@@ -51,9 +56,7 @@ class CapturedVersion:
 
 def capture(fn: Callable, name: str, inputs: Sequence[InputSpec], rebuild: Callable) -> CapturedVersion:
     """Trace ``fn``; ``rebuild(tensors)`` turns the traced tensors into ``fn``'s (args, kwargs)."""
-    import torch
-    from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.fx.experimental.proxy_tensor import make_fx
+    from torch._subclasses.fake_tensor import DynamicOutputShapeException
 
     shown = ", ".join(map(str, inputs))
 
@@ -61,17 +64,14 @@ def capture(fn: Callable, name: str, inputs: Sequence[InputSpec], rebuild: Calla
         args, kwargs = rebuild(tensors)
         return fn(*args, **kwargs)
 
-    with FakeTensorMode() as mode:
-        fakes = [torch.empty(spec.shape, dtype=spec.dtype) for spec in inputs]
     try:
-        graph_module = make_fx(flat, tracing_mode="fake")(*fakes)
+        graph_module = _trace(flat, inputs, data_dependent_sizes=False)
+    except DynamicOutputShapeException:
+        # An op whose output size depends on the data (nonzero, a boolean mask, unique):
+        # trace again with a shape environment, where that size is a symbol.
+        graph_module = _trace_or_explain(flat, inputs, name, shown, data_dependent_sizes=True)
     except Exception as exc:
-        raise CaptureError(
-            f"function {name!r} cannot be captured for local block shapes ({shown}): "
-            f"{type(exc).__name__}: {_first_line(exc)}\n"
-            f"fix: call it with inputs whose local blocks have shapes it accepts; control flow that depends on "
-            f"tensor values cannot be captured") from exc
-    del mode
+        raise _capture_error(exc, name, shown) from exc
     single, outputs = _output_specs(graph_module, name)
     try:
         graph, constants = encode_graph(graph_module)
@@ -79,6 +79,42 @@ def capture(fn: Callable, name: str, inputs: Sequence[InputSpec], rebuild: Calla
         raise CaptureError(f"function {name!r}: {exc}") from exc
     return CapturedVersion(name, tuple(inputs), graph_module, graph, constants, outputs, single,
                            _collective_axes(graph_module))
+
+
+def _trace(flat, inputs, *, data_dependent_sizes: bool):
+    """``make_fx`` on fake tensors of the static input shapes; sizes decided by data become symbols
+    only when ``data_dependent_sizes`` (a shape environment costs tracing time and is rarely needed)."""
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.proxy_tensor import make_fx
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    shape_env = ShapeEnv() if data_dependent_sizes else None
+    with FakeTensorMode(shape_env=shape_env, static_shapes=True):
+        fakes = [torch.empty(spec.shape, dtype=spec.dtype) for spec in inputs]
+    return make_fx(flat, tracing_mode="fake")(*fakes)
+
+
+def _trace_or_explain(flat, inputs, name, shown, *, data_dependent_sizes):
+    try:
+        graph_module = _trace(flat, inputs, data_dependent_sizes=data_dependent_sizes)
+    except Exception as exc:
+        raise _capture_error(exc, name, shown) from exc
+    for node in graph_module.graph.nodes:
+        if node.op == "call_function" and "sym_size" in str(node.target):
+            raise CaptureError(
+                f"function {name!r} uses a size that depends on the data as a number ({node.name}: {node.target}); "
+                f"fix: keep data-dependent sizes inside tensors (e.g. count with .sum() of a mask instead of "
+                f"len() of the masked tensor), or return the masked tensor and continue in another function")
+    return graph_module
+
+
+def _capture_error(exc: BaseException, name: str, shown: str) -> CaptureError:
+    return CaptureError(
+        f"function {name!r} cannot be captured for local block shapes ({shown}): "
+        f"{type(exc).__name__}: {_first_line(exc)}\n"
+        f"fix: call it with inputs whose local blocks have shapes it accepts; control flow that depends on "
+        f"tensor values cannot be captured")
 
 
 def _collective_axes(graph_module) -> tuple[str, ...]:
@@ -103,7 +139,8 @@ def _output_specs(graph_module, name: str) -> tuple[bool, tuple[InputSpec, ...]]
         if not isinstance(fake, torch.Tensor):
             raise CaptureError(f"function {name!r}: output {index} is {node!r}, expected a tensor; "
                                f"return tensors (or a tuple of tensors) only")
-        specs.append(InputSpec(tuple(int(d) for d in fake.shape), fake.dtype))
+        # None: a size the data decides (known once the function has run)
+        specs.append(InputSpec(tuple(d if isinstance(d, int) else None for d in fake.shape), fake.dtype))
     if not specs:
         raise CaptureError(f"function {name!r} returns nothing; return at least one tensor")
     return single, tuple(specs)

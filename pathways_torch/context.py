@@ -19,6 +19,7 @@ from .cluster import LocalCluster
 from .data_client import DataClient
 from .errors import PathwaysError, PlacementError
 from .placement import Mesh, Sharding, local_shape, normalize_placements, split_blocks
+from .programs import ProgramGraph
 from .trace_export import chrome_trace
 from .wire import pb
 from .wire.security import CLIENT, CONTROLLER, Gatekeeper, KeyDirectory
@@ -243,7 +244,7 @@ class Context:
         spec = CallSpec(function_id=self._function_id(version), name=version.name, mesh=mesh.allocation,
                         inputs=tuple(a.array_id for a in inputs), num_outputs=len(layouts),
                         replicated_outputs=replicated, debug=self.config.debug, call_site=call_site,
-                        collective_axes=version.collective_axes)
+                        collective_axes=version.collective_axes, report_shapes=version.data_dependent)
         records = self.controller.call(spec)
         return [Array(self, record, shape, dtype, sharding, block)
                 for record, (shape, dtype, sharding, block) in zip(records, layouts)]
@@ -274,7 +275,10 @@ class Context:
 
     def lowered(self, program, *arrays) -> str:
         """The lowered form of ``program`` for these inputs, as text (registers it if new)."""
-        return self._lowered_for(program.graph(*arrays)).describe()
+        graph = program.graph(*arrays)
+        if not isinstance(graph, ProgramGraph):   # a sequential fallback: nothing is lowered
+            return str(graph)
+        return self._lowered_for(graph).describe()
 
     def _function_id(self, version) -> int:
         entry = self._function_ids.get(id(version))

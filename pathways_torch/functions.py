@@ -18,7 +18,7 @@ from .array import Array
 from .capture import CapturedVersion, InputSpec, capture
 from .collectives import tracing_mesh
 from .errors import CaptureError, PlacementError
-from .placement import Replicate, Shard, Sharding, global_shape, normalize_placements
+from .placement import Replicate, Shard, Sharding, data_dependent_global_shape, normalize_placements
 
 __all__ = ["function", "Function"]
 
@@ -76,6 +76,10 @@ class Function:
                 raise PlacementError(f"{self.name}: pass arrays positionally, not as keywords")
         mesh = self._mesh or arrays[0].mesh
         context = arrays[0]._context
+        for a in arrays:
+            # Sequential dispatch: an input whose size the data decides is traced against only
+            # once its producer has run and reported it.
+            a._learn_shape()
         for a in arrays:
             if a._context is not context:
                 raise PlacementError(f"{self.name}: arrays from different contexts cannot meet in one call")
@@ -155,11 +159,14 @@ class Function:
         return [normalize_placements(spec, mesh) for spec in specs]
 
     def _layouts(self, version, mesh, out_placements) -> list[tuple]:
-        """(global shape, dtype, sharding, block shape) of each output; checked before dispatch."""
+        """(global shape, dtype, sharding, block shape) of each output; checked before dispatch.
+
+        A size the data decides is None in both shapes until the call has run.
+        """
         layouts = []
         for index, (spec, placements) in enumerate(zip(version.outputs, out_placements)):
             try:
-                shape = global_shape(spec.shape, placements, mesh)
+                shape = data_dependent_global_shape(spec.shape, placements, mesh)
             except PlacementError as exc:
                 raise CaptureError(f"{self.name}: output {index} has local shape {list(spec.shape)}, "
                                    f"which placements {list(placements)} cannot take: {exc}") from None

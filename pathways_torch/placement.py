@@ -17,6 +17,7 @@ from typing import Sequence
 from .errors import PlacementError
 
 __all__ = ["Shard", "Replicate", "Placement", "Mesh", "Sharding", "local_shape", "global_shape",
+           "data_dependent_global_shape",
            "split_blocks", "assemble_blocks", "normalize_placements"]
 
 
@@ -153,6 +154,14 @@ def global_shape(block_shape: Sequence[int], placements: Sequence, mesh: Mesh) -
     block = _assembled_block_shape(block_shape, placements)
     factors = _split_factors(len(block), placements, mesh)
     return tuple(size * factor for size, factor in zip(block, factors)) if block else ()
+
+
+def data_dependent_global_shape(block_shape: Sequence[int | None], placements: Sequence, mesh: Mesh) -> tuple:
+    """`global_shape`, where a block size of None (decided by the data at run time) stays None."""
+    if None not in block_shape:
+        return global_shape(block_shape, placements, mesh)
+    known = global_shape([1 if d is None else d for d in block_shape], placements, mesh)
+    return tuple(None if d is None else g for d, g in zip(block_shape, known))
 
 
 def _block_index(position: int, ndim: int, placements: Sequence, mesh: Mesh) -> tuple[int, ...]:

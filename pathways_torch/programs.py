@@ -8,6 +8,14 @@ buffer plan) and registers on the executors. Each later run sends one small
 message per executor, whatever the number of nodes; every node still gets its own
 island sequence number.
 
+A function whose output sizes depend on the data (a boolean mask, ``nonzero``)
+cannot be part of a static graph: what reads its outputs cannot be traced before it
+has run. A program that calls one falls back to *sequential dispatch*: its body runs
+call by call on real arrays — calls are still dispatched without waiting, except that
+a call reading a data-dependent output waits until its producer has run and reported
+the sizes. ``print(prog.graph(x))`` says so and names the node; the trace marks the
+node ("data-dependent output shapes: sequential dispatch").
+
 Inside a program, arrays are symbolic: their shapes, dtypes and shardings are
 known, their values are not. Python control flow on a value (``if x.result()``,
 ``bool(x)``) raises `CaptureError` pointing at the line: make the decision outside
@@ -25,7 +33,7 @@ from .array import Array
 from .errors import CaptureError, PlacementError
 from .placement import Sharding
 
-__all__ = ["program", "Program", "SymbolicArray", "ProgramGraph", "current_tracer"]
+__all__ = ["program", "Program", "SymbolicArray", "ProgramGraph", "SequentialProgram", "current_tracer"]
 
 _TRACER: contextvars.ContextVar["_Tracer | None"] = contextvars.ContextVar("pathways_program_tracer", default=None)
 
@@ -115,6 +123,28 @@ class ProgramGraph:
         return "\n".join(lines)
 
 
+@dataclasses.dataclass
+class SequentialProgram:
+    """A program that cannot be one static graph: from ``node`` on its output sizes depend on the data."""
+
+    name: str
+    node: int
+    function: str
+
+    def __str__(self) -> str:
+        return (f"program {self.name}: sequential dispatch — node {self.node} calls {self.function!r}, whose output "
+                f"sizes depend on the data; the body runs call by call, and a call that reads such an output "
+                f"waits for its producer")
+
+
+class _DataDependentNode(Exception):
+    """Raised inside a program trace at the first node with data-dependent output sizes."""
+
+    def __init__(self, node: int, function: str):
+        super().__init__(function)
+        self.node, self.function = node, function
+
+
 class _Tracer:
     def __init__(self, name: str):
         self.name = name
@@ -129,6 +159,8 @@ class _Tracer:
         return SymbolicArray(self, value, *layout)
 
     def add_node(self, function, version, mesh, inputs, layouts) -> list[SymbolicArray]:
+        if version.data_dependent:
+            raise _DataDependentNode(len(self.nodes), version.name)
         outs = [self.new_value(layout) for layout in layouts]
         self.nodes.append(NodeRecord(len(self.nodes), function, version, mesh, tuple(a.value for a in inputs),
                                      tuple(o.value for o in outs), tuple(layouts)))
@@ -155,9 +187,11 @@ class Program:
     def num_traces(self) -> int:
         return len(self._graphs)
 
-    def graph(self, *arrays: Array) -> ProgramGraph:
-        """The traced graph for these inputs (traced now if new)."""
+    def graph(self, *arrays: Array) -> "ProgramGraph | SequentialProgram":
+        """The traced graph for these inputs (traced now if new), or why it runs call by call."""
         self._check_inputs(arrays)
+        for a in arrays:
+            a._learn_shape()
         # The mesh objects themselves (identity): a traced graph names its meshes, which belong
         # to one context; another context (or mesh) traces anew.
         key = tuple((a.shape, a.dtype, a.sharding.placements, a.mesh) for a in arrays)
@@ -168,6 +202,8 @@ class Program:
 
     def __call__(self, *arrays: Array):
         graph = self.graph(*arrays)
+        if isinstance(graph, SequentialProgram):
+            return self.fn(*arrays)
         outputs = arrays[0]._context._run_program(self, graph, arrays)
         return outputs[0] if graph.single_output else tuple(outputs)
 
@@ -185,6 +221,8 @@ class Program:
         token = _TRACER.set(tracer)
         try:
             out = self.fn(*symbols)
+        except _DataDependentNode as stop:
+            return SequentialProgram(self.name, stop.node, stop.function)
         finally:
             _TRACER.reset(token)
         single = not isinstance(out, (tuple, list))

@@ -72,7 +72,8 @@ def _add_output_signature(message: pb.Graph, graph_module) -> None:
     for value in values:
         fake = value.meta.get("val") if isinstance(value, torch.fx.Node) else None
         if isinstance(fake, torch.Tensor):
-            message.outputs.add(dtype=dtype_name(fake.dtype), shape=[int(d) for d in fake.shape])
+            # -1: a size only the data decides (e.g. after torch.nonzero or a boolean mask)
+            message.outputs.add(dtype=dtype_name(fake.dtype), shape=[d if isinstance(d, int) else -1 for d in fake.shape])
 
 
 def _add_input_signature(message: pb.Graph, node) -> None:

@@ -242,7 +242,7 @@ class RunProgram(_message.Message):
     def __init__(self, program_id: _Optional[int] = ..., base_seq: _Optional[int] = ..., base_call_id: _Optional[int] = ..., input_array_ids: _Optional[_Iterable[int]] = ..., output_array_ids: _Optional[_Iterable[int]] = ..., first_intermediate_id: _Optional[int] = ..., prev_collective_seq: _Optional[int] = ...) -> None: ...
 
 class Run(_message.Message):
-    __slots__ = ("seq", "call_id", "function_id", "inputs", "outputs", "digest_outputs", "collective", "prev_collective_seq", "axis_groups", "quiet")
+    __slots__ = ("seq", "call_id", "function_id", "inputs", "outputs", "digest_outputs", "collective", "prev_collective_seq", "axis_groups", "quiet", "report_shapes")
     class AxisGroupsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -260,6 +260,7 @@ class Run(_message.Message):
     PREV_COLLECTIVE_SEQ_FIELD_NUMBER: _ClassVar[int]
     AXIS_GROUPS_FIELD_NUMBER: _ClassVar[int]
     QUIET_FIELD_NUMBER: _ClassVar[int]
+    REPORT_SHAPES_FIELD_NUMBER: _ClassVar[int]
     seq: int
     call_id: int
     function_id: int
@@ -270,7 +271,8 @@ class Run(_message.Message):
     prev_collective_seq: int
     axis_groups: _containers.ScalarMap[str, int]
     quiet: bool
-    def __init__(self, seq: _Optional[int] = ..., call_id: _Optional[int] = ..., function_id: _Optional[int] = ..., inputs: _Optional[_Iterable[_Union[ShardRef, _Mapping]]] = ..., outputs: _Optional[_Iterable[_Union[ShardRef, _Mapping]]] = ..., digest_outputs: _Optional[bool] = ..., collective: _Optional[bool] = ..., prev_collective_seq: _Optional[int] = ..., axis_groups: _Optional[_Mapping[str, int]] = ..., quiet: _Optional[bool] = ...) -> None: ...
+    report_shapes: bool
+    def __init__(self, seq: _Optional[int] = ..., call_id: _Optional[int] = ..., function_id: _Optional[int] = ..., inputs: _Optional[_Iterable[_Union[ShardRef, _Mapping]]] = ..., outputs: _Optional[_Iterable[_Union[ShardRef, _Mapping]]] = ..., digest_outputs: _Optional[bool] = ..., collective: _Optional[bool] = ..., prev_collective_seq: _Optional[int] = ..., axis_groups: _Optional[_Mapping[str, int]] = ..., quiet: _Optional[bool] = ..., report_shapes: _Optional[bool] = ...) -> None: ...
 
 class FormGroup(_message.Message):
     __slots__ = ("seq", "prev_collective_seq", "group_id", "rank", "size", "store_path", "timeout_s")
@@ -325,18 +327,20 @@ class RemoteFailure(_message.Message):
     def __init__(self, type: _Optional[str] = ..., message: _Optional[str] = ..., traceback: _Optional[str] = ..., executor_id: _Optional[str] = ..., origin_call_id: _Optional[int] = ...) -> None: ...
 
 class Done(_message.Message):
-    __slots__ = ("call_id", "seq", "ok", "failure", "digests")
+    __slots__ = ("call_id", "seq", "ok", "failure", "digests", "output_shapes")
     CALL_ID_FIELD_NUMBER: _ClassVar[int]
     SEQ_FIELD_NUMBER: _ClassVar[int]
     OK_FIELD_NUMBER: _ClassVar[int]
     FAILURE_FIELD_NUMBER: _ClassVar[int]
     DIGESTS_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_SHAPES_FIELD_NUMBER: _ClassVar[int]
     call_id: int
     seq: int
     ok: bool
     failure: RemoteFailure
     digests: _containers.RepeatedScalarFieldContainer[bytes]
-    def __init__(self, call_id: _Optional[int] = ..., seq: _Optional[int] = ..., ok: _Optional[bool] = ..., failure: _Optional[_Union[RemoteFailure, _Mapping]] = ..., digests: _Optional[_Iterable[bytes]] = ...) -> None: ...
+    output_shapes: _containers.RepeatedCompositeFieldContainer[TensorMeta]
+    def __init__(self, call_id: _Optional[int] = ..., seq: _Optional[int] = ..., ok: _Optional[bool] = ..., failure: _Optional[_Union[RemoteFailure, _Mapping]] = ..., digests: _Optional[_Iterable[bytes]] = ..., output_shapes: _Optional[_Iterable[_Union[TensorMeta, _Mapping]]] = ...) -> None: ...
 
 class StatsRequest(_message.Message):
     __slots__ = ("request_id",)

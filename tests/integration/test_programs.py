@@ -162,3 +162,48 @@ def test_a_program_traced_in_one_context_is_traced_anew_in_the_next():
             results.append(out.result(timeout_s=60))
     assert chain.num_traces == 2
     torch.testing.assert_close(results[1], torch.full((4,), 3.0))
+
+
+positive = pw.function(lambda x: x[x > 0], name="positive")
+double = pw.function(lambda x: x * 2, name="double")
+
+
+def test_a_data_dependent_output_size_is_learned_before_its_readers_are_dispatched(ctx):
+    one = ctx.mesh({"data": 1}, executors=[0])
+    host = torch.tensor([1.0, -3, 2, -0.5, 4, -1])
+    x = ctx.put(host, one, [pw.Replicate()])
+    y = positive(x)
+    assert not y.shape_known and y.shape == (None,)        # returned at once; the size is not known yet
+    z = double(y)                                           # waits for y's size, then traces and dispatches
+    assert y.shape == (3,) and z.shape == (3,)
+    torch.testing.assert_close(z.result(timeout_s=60), host[host > 0] * 2)
+    events = ctx.trace("/dev/null")["traceEvents"]
+    marked = [e for e in events if e.get("cat") == "compute" and e.get("name") == "positive"]
+    assert marked and marked[-1]["args"]["detail"] == "data-dependent output shapes: sequential dispatch"
+
+
+def test_a_program_with_a_data_dependent_node_falls_back_to_sequential_dispatch(ctx):
+    @pw.program
+    def masked(x):
+        return double(positive(inc(x)))
+
+    one = ctx.mesh({"data": 1}, executors=[1])
+    host = torch.tensor([1.0, -3, 2, -0.5, 4, -1])
+    x = ctx.put(host, one, [pw.Replicate()])
+    text = str(masked.graph(x))
+    assert text.startswith("program masked: sequential dispatch — node 1 calls 'positive'"), text
+    assert ctx.lowered(masked, x) == text
+    expected = (host + 1)[host + 1 > 0] * 2
+    for _ in range(2):                                      # the fallback is remembered, and runs again
+        torch.testing.assert_close(masked(x).result(timeout_s=60), expected)
+    assert masked.num_traces == 1
+
+
+def test_shards_whose_data_dependent_sizes_differ_fail_with_both_shapes(ctx):
+    two = ctx.mesh({"data": 2}, executors=[2, 3])
+    x = ctx.put(torch.tensor([1.0, -3, 2, 4]), two, [pw.Shard(0)])   # 1 and 2 positives per shard
+    error = positive(x).exception(timeout_s=60)
+    assert isinstance(error, pw.PlacementError), error
+    assert "different shapes" in str(error) and "[1]" in str(error) and "[2]" in str(error)
+    with pytest.raises(pw.PlacementError, match="different shapes"):
+        double(positive(x))                                 # a reader cannot be traced: it raises the cause
