@@ -4,7 +4,11 @@ One computation = a scalar all-reduce (max) followed by a scalar add on all N
 executors, its output feeding the next input. Modes:
 - OpByOp: one client call per computation, awaited before the next;
 - Chained: one client call runs a program of 128 such nodes (128 sequence numbers);
-- Fused: one function holding 128 computations (one sequence number).
+- Fused: one function holding 128 computations (one sequence number);
+- Chained, pipelined: Chained calls, each fed the previous call's future without waiting
+  for it (one wait per window), so the next run is queued on the executors while the
+  current one computes — the control plane running ahead, as a Pathways client would.
+  OpByOp, Chained and Fused await every call, as the issue defines them.
 Baselines, with the same eager compute, the same gloo all-reduce and one thread per
 process: multi-controller (N processes running the loop themselves); Ray actors when
 ``PATHWAYS_RAY_PYTHONPATH`` names a directory where Ray is importable (``pip install
@@ -35,9 +39,9 @@ import torch
 import pathways_torch as pw
 from bench.baseline_server import BaselineProcess
 from bench.common import add_run_arguments, print_table, write_results
+from bench.gloo_loop import CHAIN
 from bench.multicontroller import MultiController
 
-CHAIN = 128
 
 
 @pw.function(out=pw.Replicate())
@@ -59,13 +63,13 @@ def chained(x):
     return x
 
 
-MODES = ("OpByOp", "Chained", "Fused")
+MODES = ("OpByOp", "Chained", "Fused", "Chained pipelined")
 BASELINES = {"ray": ("ray_baseline", "PATHWAYS_RAY_PYTHONPATH"),
              "monarch": ("monarch_baseline", "PATHWAYS_MONARCH_PYTHONPATH")}
 
 
 class PathwaysLoops:
-    """Our three modes on one context's N executors, warmed up (traced, loaded, group formed)."""
+    """Our modes on one context's N executors, warmed up (traced, loaded, group formed)."""
 
     def __init__(self, ctx, size: int):
         mesh = ctx.mesh({"data": size})
@@ -85,11 +89,14 @@ class PathwaysLoops:
                 y = step(y)
                 y.exception(timeout_s=60)          # awaited: one computation per client call
             return count / (time.perf_counter() - began)
-        run = chained if mode == "Chained" else fused
+        run = fused if mode == "Fused" else chained
+        awaited = mode != "Chained pipelined"
         y = self.x
         for _ in range(count):
             y = run(y)
-            y.exception(timeout_s=300)
+            if awaited:
+                y.exception(timeout_s=300)
+        y.exception(timeout_s=300)
         return count * CHAIN / (time.perf_counter() - began)
 
 
@@ -163,6 +170,7 @@ def main() -> None:
     args = parser.parse_args()
     results = [measure(int(size), args) for size in args.sizes.split(",")]
     print_table(["N", "multi-controller /s", "OpByOp /s (vs MC)", "Chained /s (vs MC)", "Fused /s (vs MC)",
+                 "Chained pipelined /s (vs MC)",
                  "Ray OpByOp /s", "Ray Fused /s", "Monarch OpByOp /s", "Monarch Fused /s",
                  "OpByOp / best baseline OpByOp"], [_table_row(r) for r in results])
     print("(x: median of the per-round ratios, then their range)")

@@ -17,48 +17,30 @@ from __future__ import annotations
 import argparse
 import os
 import tempfile
-import time
 
 from monarch.actor import Actor, current_rank, current_size, endpoint, this_host
 
 from bench.baseline_server import serve
-
-CHAIN = 128
+from bench.gloo_loop import CHAIN, GlooLoop, timed_window
 
 
 class Worker(Actor):
-    """One executor: its gloo group and its scalar. Defined at module level so procs can import it."""
+    """One executor: its gloo loop. Defined at module level so procs can import it."""
 
     @endpoint
     def setup(self, store_path: str) -> None:
         # A setup endpoint rather than __init__: spawn hands every actor the same
         # arguments, the rank comes from the message; and the mesh-wide call reaches
         # all actors at once, which the blocking rendezvous needs.
-        import torch
-        import torch.distributed as dist
-
-        from executor.collectives import make_gloo_group
-
-        torch.set_num_threads(1)
-        size = current_size()["procs"]
-        self.group = make_gloo_group(store_path, "monarch-baseline", current_rank().rank, size, 60.0)
-        self.reduce_max = dist.AllreduceOptions()
-        self.reduce_max.reduceOp = dist.ReduceOp.MAX
-        self.x = torch.zeros(())
-
-    def _step(self) -> None:
-        out = self.x.clone()
-        self.group.allreduce([out], self.reduce_max).wait()
-        self.x = out + 1
+        self.loop = GlooLoop(store_path, "monarch-baseline", current_rank().rank, current_size()["procs"])
 
     @endpoint
     def step(self) -> None:
-        self._step()
+        self.loop.step()
 
     @endpoint
     def steps(self, count: int) -> None:
-        for _ in range(count):
-            self._step()
+        self.loop.steps(count)
 
 
 class MonarchWorkers:
@@ -72,15 +54,8 @@ class MonarchWorkers:
         self.actors.steps.call(5).get()                               # warm-up
 
     def window(self, mode: str, count: int) -> float:
-        """Computations per second: ``OpByOp`` (``count`` awaited calls) or ``Fused`` (``count`` x CHAIN)."""
-        began = time.perf_counter()
-        if mode == "OpByOp":
-            for _ in range(count):
-                self.actors.step.call().get()
-            return count / (time.perf_counter() - began)
-        for _ in range(count):
-            self.actors.steps.call(CHAIN).get()
-        return count * CHAIN / (time.perf_counter() - began)
+        return timed_window(mode, count, lambda: self.actors.step.call().get(),
+                            lambda: self.actors.steps.call(CHAIN).get())
 
     def close(self) -> None:
         self.procs.stop().get()                                       # the N processes exit

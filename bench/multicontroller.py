@@ -19,25 +19,10 @@ __all__ = ["MultiController", "run_sim_multicontroller"]
 
 
 def _worker(rank: int, size: int, store_path: str, commands, result_queue) -> None:
-    import torch
-    import torch.distributed as dist
+    from bench.gloo_loop import GlooLoop
 
-    from executor.collectives import make_gloo_group
-
-    torch.set_num_threads(1)
-    group = make_gloo_group(store_path, "baseline", rank, size, 60.0)
-    reduce_max = dist.AllreduceOptions()
-    reduce_max.reduceOp = dist.ReduceOp.MAX
-    x = torch.zeros(())
-
-    def loop(steps: int):
-        nonlocal x
-        for _ in range(steps):
-            out = x.clone()
-            group.allreduce([out], reduce_max).wait()
-            x = out + 1
-
-    loop(20)   # warm-up
+    loop = GlooLoop(store_path, "baseline", rank, size)
+    loop.steps(20)   # warm-up
     result_queue.put(("ready", rank, 0.0))
     while True:
         try:
@@ -46,9 +31,9 @@ def _worker(rank: int, size: int, store_path: str, commands, result_queue) -> No
             return
         if steps is None:
             return
-        group.allreduce([torch.zeros(1)]).wait()   # start together
+        loop.barrier()
         began = time.perf_counter()
-        loop(steps)
+        loop.steps(steps)
         result_queue.put(("window", rank, time.perf_counter() - began))
 
 

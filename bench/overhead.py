@@ -1,11 +1,13 @@
 """The paper's Figure 6: runtime overhead against computation size, on simulated devices.
 
-N sim executors (no torch) each run a chain of K gang steps, every step occupying
-every device for T. Chained: one client call runs a program of K nodes. The ideal
-is the multi-controller loop on the same simulated device (N processes sleeping to
-the same deadlines). Efficiency = Chained rate / ideal rate; the parity point is the
-smallest T at which efficiency reaches 95%. Prints a table, writes
-bench/results/overhead.json.
+N sim executors (no torch) each run a chain of K steps, every step occupying every
+device for T. Chained: one client call runs a program of K nodes; measured awaited
+(each call waited for before the next) and pipelined (each call fed the previous
+call's future, one wait at the end: the next run is queued while the current one
+computes). The ideal is the multi-controller loop on the same simulated device (N
+processes sleeping to the same deadlines). Efficiency = Chained rate / ideal rate;
+the parity point is the smallest T from which efficiency stays >= 95%. Prints a
+table, writes bench/results/overhead.json.
 
     .venv/bin/python -m bench.overhead [--sizes 4,16,64] [--times-ms 0.1,0.3,1,3,10,30] [--steps 128]
 """
@@ -22,7 +24,8 @@ from bench.common import add_run_arguments, print_table, write_results
 from bench.multicontroller import run_sim_multicontroller
 
 
-def chained_rate(ctx, mesh, step_s: float, steps: int, repeats: int) -> float:
+def chained_rates(ctx, mesh, step_s: float, steps: int, repeats: int) -> tuple[float, float]:
+    """Steps per second of Chained runs, awaited one by one and pipelined (fed futures, one wait at the end)."""
     step = pw.function(lambda x: x + 1, name=f"step{step_s * 1e3:g}ms", sim_time_s=step_s)
 
     @pw.program(name=f"chain{steps}")
@@ -33,13 +36,20 @@ def chained_rate(ctx, mesh, step_s: float, steps: int, repeats: int) -> float:
 
     x = ctx.put(torch.zeros(mesh.size), mesh, [pw.Shard(0)])
     chain(x).exception(timeout_s=600)      # registration
-    began = time.perf_counter()
-    for _ in range(repeats):
-        chain(x).exception(timeout_s=600)
-    return repeats * steps / (time.perf_counter() - began)
+    rates = []
+    for awaited in (True, False):
+        began = time.perf_counter()
+        y = x
+        for _ in range(repeats):
+            y = chain(y)
+            if awaited:
+                y.exception(timeout_s=600)
+        y.exception(timeout_s=600)
+        rates.append(repeats * steps / (time.perf_counter() - began))
+    return rates[0], rates[1]
 
 
-def parity_point(rows: list[dict]) -> float | None:
+def parity_point(rows: list[dict], key: str = "efficiency") -> float | None:
     """The smallest T (ms) from which Chained stays >= 95% of the ideal at every larger T measured.
 
     Not merely the first T above the line: at 64 simulated devices on 2 cores the ideal
@@ -47,7 +57,7 @@ def parity_point(rows: list[dict]) -> float | None:
     """
     point = None
     for row in sorted(rows, key=lambda r: r["step_ms"], reverse=True):
-        if row["efficiency"] < 0.95:
+        if row[key] < 0.95:
             break
         point = row["step_ms"]
     return point
@@ -65,17 +75,21 @@ def main() -> None:
             mesh = ctx.mesh({"data": size})
             for step_s in times:
                 print(f"N={size} T={step_s * 1e3:g} ms ...", flush=True)
-                chained = chained_rate(ctx, mesh, step_s, args.steps, args.repeats)
+                chained, pipelined = chained_rates(ctx, mesh, step_s, args.steps, args.repeats)
                 ideal = run_sim_multicontroller(size, args.steps * args.repeats, step_s)
-                efficiency = chained / ideal
                 rows.append({"executors": size, "step_ms": step_s * 1e3, "chained_per_s": chained,
-                             "ideal_per_s": ideal, "efficiency": efficiency})
-                table.append([size, f"{step_s * 1e3:g}", f"{chained:,.1f}", f"{ideal:,.1f}", f"{efficiency:.1%}"])
-            parity[size] = parity_point([r for r in rows if r["executors"] == size])
-    print_table(["N", "T ms", "Chained steps/s", "ideal (multi-controller) steps/s", "efficiency"], table)
+                             "pipelined_per_s": pipelined, "ideal_per_s": ideal, "efficiency": chained / ideal,
+                             "pipelined_efficiency": pipelined / ideal})
+                table.append([size, f"{step_s * 1e3:g}", f"{ideal:,.1f}", f"{chained:,.1f}", f"{chained / ideal:.1%}",
+                              f"{pipelined:,.1f}", f"{pipelined / ideal:.1%}"])
+            mine = [r for r in rows if r["executors"] == size]
+            parity[size] = {"awaited": parity_point(mine), "pipelined": parity_point(mine, "pipelined_efficiency")}
+    print_table(["N", "T ms", "ideal (multi-controller) steps/s", "Chained awaited steps/s", "efficiency",
+                 "Chained pipelined steps/s", "efficiency"], table)
     for size in [int(s) for s in args.sizes.split(",")]:
-        found = parity.get(size)
-        print(f"parity (>= 95% from there on) at N={size}: " + (f"{found:g} ms" if found is not None else "not reached"))
+        for kind, found in parity[size].items():
+            print(f"parity (>= 95% from there on), Chained {kind}, N={size}: "
+                  + (f"{found:g} ms" if found is not None else "not reached"))
     print("written to", write_results("overhead", {"rows": rows, "parity_ms": parity, "steps": args.steps}))
 
 

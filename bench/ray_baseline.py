@@ -15,36 +15,22 @@ from __future__ import annotations
 import argparse
 import os
 import tempfile
-import time
 
 from bench.baseline_server import serve
-
-CHAIN = 128
+from bench.gloo_loop import CHAIN, GlooLoop, timed_window
 
 
 def _actor_class(ray):
     @ray.remote(num_cpus=0)
     class Worker:
         def __init__(self, rank: int, size: int, store_path: str):
-            import torch
-            import torch.distributed as dist
-
-            from executor.collectives import make_gloo_group
-
-            torch.set_num_threads(1)
-            self.group = make_gloo_group(store_path, "ray-baseline", rank, size, 60.0)
-            self.reduce_max = dist.AllreduceOptions()
-            self.reduce_max.reduceOp = dist.ReduceOp.MAX
-            self.x = torch.zeros(())
+            self.loop = GlooLoop(store_path, "ray-baseline", rank, size)
 
         def step(self) -> None:
-            out = self.x.clone()
-            self.group.allreduce([out], self.reduce_max).wait()
-            self.x = out + 1
+            self.loop.step()
 
         def steps(self, count: int) -> None:
-            for _ in range(count):
-                self.step()
+            self.loop.steps(count)
 
     return Worker
 
@@ -62,15 +48,8 @@ class RayWorkers:
         ray.get([a.steps.remote(5) for a in self.actors])            # warm-up (and group rendezvous)
 
     def window(self, mode: str, count: int) -> float:
-        """Computations per second: ``OpByOp`` (``count`` awaited calls) or ``Fused`` (``count`` x CHAIN)."""
-        began = time.perf_counter()
-        if mode == "OpByOp":
-            for _ in range(count):
-                self._ray.get([a.step.remote() for a in self.actors])
-            return count / (time.perf_counter() - began)
-        for _ in range(count):
-            self._ray.get([a.steps.remote(CHAIN) for a in self.actors])
-        return count * CHAIN / (time.perf_counter() - began)
+        return timed_window(mode, count, lambda: self._ray.get([a.step.remote() for a in self.actors]),
+                            lambda: self._ray.get([a.steps.remote(CHAIN) for a in self.actors]))
 
     def close(self) -> None:
         for a in self.actors:

@@ -79,9 +79,19 @@ class CollectiveRuntime:
             self._failures[group_id] = f"{type(exc).__name__}: {exc}"
             raise
 
-    def bind(self, axis_groups, seq: int = 0):
-        """A context manager binding mesh axes to group ids on this thread (for computation ``seq``)."""
-        return _Binding(self, self._resolve(axis_groups))
+    def bind(self, axis_groups, cache=None):
+        """A context manager binding mesh axes to group ids on this thread.
+
+        ``cache``: an object with a ``binding`` slot (a program's step, run again and again)
+        that keeps the resolved groups once every one is usable — a group, once formed, is
+        never re-formed under the same id.
+        """
+        resolved = getattr(cache, "binding", None)
+        if resolved is None:
+            resolved = self._resolve(axis_groups)
+            if cache is not None and not any(isinstance(v, str) for v in resolved.values()):
+                cache.binding = resolved
+        return _Binding(self, resolved)
 
     # ------------------------------------------------------------ the ops
 

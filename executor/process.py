@@ -139,9 +139,13 @@ class ExecutorProcess:
 
     def _results_socket(self) -> zmq.Socket:
         """The compute thread's own connection to the controller, for Done messages only."""
+        return self._controller_connection(RESULTS_SUFFIX)
+
+    def _controller_connection(self, suffix: str) -> zmq.Socket:
+        """A DEALER to the controller under identity ``<executor id><suffix>``, CURVE to the controller's key."""
         socket = self.zmq.socket(zmq.DEALER)
         socket.setsockopt(zmq.LINGER, 0)
-        socket.setsockopt(zmq.IDENTITY, f"{self.config.executor_id}{RESULTS_SUFFIX}".encode())
+        socket.setsockopt(zmq.IDENTITY, f"{self.config.executor_id}{suffix}".encode())
         make_client(socket, self.credentials, self.credentials.public_key(CONTROLLER))
         socket.connect(self.config.controller_address)
         return socket
@@ -229,12 +233,7 @@ class ExecutorProcess:
         socket.close(linger=0)
 
     def _heartbeat_socket(self) -> zmq.Socket:
-        socket = self.zmq.socket(zmq.DEALER)
-        socket.setsockopt(zmq.LINGER, 0)
-        socket.setsockopt(zmq.IDENTITY, f"{self.config.executor_id}{HEARTBEAT_SUFFIX}".encode())
-        make_client(socket, self.credentials, self.credentials.public_key(CONTROLLER))
-        socket.connect(self.config.controller_address)
-        return socket
+        return self._controller_connection(HEARTBEAT_SUFFIX)
 
     def _on_heartbeat_answer(self, frames) -> None:
         try:

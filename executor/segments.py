@@ -45,13 +45,14 @@ class Step:
     """
 
     __slots__ = ("offset", "function_id", "inputs", "outputs", "collective", "axis_groups", "report", "digest",
-                 "report_shapes")
+                 "report_shapes", "binding")
 
     def __init__(self, *, offset: int, function_id: int, inputs: list[int], outputs: list[int], collective: bool,
                  axis_groups: dict, report: bool, digest: bool, report_shapes: bool = False):
         self.offset, self.function_id, self.inputs, self.outputs = offset, function_id, inputs, outputs
         self.collective, self.axis_groups, self.report, self.digest = collective, axis_groups, report, digest
         self.report_shapes = report_shapes   # data-dependent output sizes: Done carries them
+        self.binding = None                  # the resolved process groups (CollectiveRuntime.bind)
 
 
 class SegmentPlan:

@@ -70,6 +70,9 @@ class SimBackend:
         if not outputs:
             raise ValueError(f"function {load.name!r} declares no outputs; the sim backend needs the traced "
                              f"output signature")
+        if any(d < 0 for shape, _ in outputs for d in shape):
+            raise ValueError(f"function {load.name!r} has output sizes that depend on the data; a simulated "
+                             f"device has no data to decide them: use a real backend for it")
         return _SimFunction(max(0.0, load.sim_seconds), outputs), []
 
     def compile(self, function, example_inputs):

@@ -405,7 +405,10 @@ class ExecutorCore:
         inputs = [slots[slot] for slot in step.inputs]
         failure = next((v for v in inputs if isinstance(v, pb.RemoteFailure)), None)
         if failure is None:
-            failure = self._refusal(call_id, step, function, inputs)
+            # Only values from outside the segment can be a bad put or a hostile peer's; the
+            # rest were just made here by functions with traced output signatures.
+            external = any(slot < len(job.entries) for slot in step.inputs)
+            failure = self._refusal(call_id, step, function, inputs if external else None)
         outputs, digests = None, []
         if failure is None:
             name = function.name
@@ -413,7 +416,7 @@ class ExecutorCore:
             detail = "data-dependent output shapes: sequential dispatch" if step.report_shapes else ""
             self.trace.record("start", name, seq=seq, call_id=call_id, function_id=step.function_id, detail=detail)
             try:
-                with self.collectives.bind(step.axis_groups, seq=seq):
+                with self.collectives.bind(step.axis_groups, cache=step):
                     outputs = self.backend.run(function.compiled, inputs)
                 if len(outputs) != len(step.outputs):
                     raise RuntimeError(f"function returned {len(outputs)} outputs, the call expects "
@@ -437,14 +440,15 @@ class ExecutorCore:
                     done.output_shapes.add(shape=list(value.shape))
             job.dones.append(done)
 
-    def _refusal(self, call_id: int, step, function: _Function | None, inputs: list) -> pb.RemoteFailure | None:
-        """Why ``step`` cannot run at all: its function never loaded or failed to, or the inputs do not fit."""
+    def _refusal(self, call_id: int, step, function: _Function | None, inputs: list | None) -> pb.RemoteFailure | None:
+        """Why ``step`` cannot run at all: its function never loaded or failed to, or the inputs (when
+        given: None skips the check) do not fit."""
         if function is None:
             return pb.RemoteFailure(type="ProtocolError", executor_id=self.executor_id, origin_call_id=call_id,
                                     message=f"function {step.function_id} was never loaded on this executor")
         if function.failure is not None:
             return function.failure
-        return self._check_signature(call_id, function, inputs)
+        return None if inputs is None else self._check_signature(call_id, function, inputs)
 
     def _check_signature(self, call_id: int, function: _Function, values: list) -> pb.RemoteFailure | None:
         """Refuse inputs that do not match the traced signature (a bad put or a hostile peer)."""

@@ -195,12 +195,34 @@ def _static_key(value, name: str):
 
 
 def _call_site() -> str:
-    """The innermost frame outside pathways_torch, formatted like a traceback line."""
+    """The innermost frame outside pathways_torch, formatted like a traceback line.
+
+    Taken on every call (errors name it), so both questions — is a code object ours, what
+    does a line say — are answered once and remembered.
+    """
     frame = sys._getframe(1)
-    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(_PACKAGE_DIR):
+    while frame is not None and _is_ours(frame.f_code):
         frame = frame.f_back
     if frame is None:
         return ""
-    filename, lineno = frame.f_code.co_filename, frame.f_lineno
-    line = linecache.getline(filename, lineno).strip()
-    return f'  File "{filename}", line {lineno}, in {frame.f_code.co_name}\n    {line}\n'
+    key = (frame.f_code, frame.f_lineno)
+    site = _SITES.get(key)
+    if site is None:
+        filename, lineno = frame.f_code.co_filename, frame.f_lineno
+        line = linecache.getline(filename, lineno).strip()
+        site = f'  File "{filename}", line {lineno}, in {frame.f_code.co_name}\n    {line}\n'
+        if len(_SITES) < _MAX_SITES:
+            _SITES[key] = site
+    return site
+
+
+def _is_ours(code) -> bool:
+    ours = _OURS.get(code)
+    if ours is None:
+        ours = _OURS[code] = os.path.abspath(code.co_filename).startswith(_PACKAGE_DIR)
+    return ours
+
+
+_SITES: dict = {}
+_OURS: dict = {}
+_MAX_SITES = 4096

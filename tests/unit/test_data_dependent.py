@@ -37,3 +37,13 @@ def test_global_shapes_keep_the_unknown_sizes_unknown():
     assert data_dependent_global_shape((None,), (Shard(0),), mesh) == (None,)
     assert data_dependent_global_shape((4, None), (Replicate(),), mesh) == (4, None)
     assert data_dependent_global_shape((4, 3), (Shard(0),), mesh) == (8, 3)
+
+
+def test_a_simulated_device_refuses_data_dependent_sizes_at_load():
+    from executor.sim import SimBackend
+    from pathways_torch.wire import pb
+
+    load = pb.LoadFunction(function_id=1, name="positive", sim_seconds=0.001)
+    load.graph.outputs.add(dtype="float32", shape=[-1])
+    with pytest.raises(ValueError, match="depend on the data; a simulated device has no data"):
+        SimBackend().prepare(load, [])
