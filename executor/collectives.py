@@ -79,8 +79,8 @@ class CollectiveRuntime:
             self._failures[group_id] = f"{type(exc).__name__}: {exc}"
             raise
 
-    def bind(self, axis_groups, cache=None):
-        """A context manager binding mesh axes to group ids on this thread.
+    def bind(self, axis_groups, seq: int = 0, cache=None):
+        """A context manager binding mesh axes to group ids on this thread (for computation ``seq``).
 
         ``cache``: an object with a ``binding`` slot (a program's step, run again and again)
         that keeps the resolved groups once every one is usable — a group, once formed, is

@@ -416,7 +416,7 @@ class ExecutorCore:
             detail = "data-dependent output shapes: sequential dispatch" if step.report_shapes else ""
             self.trace.record("start", name, seq=seq, call_id=call_id, function_id=step.function_id, detail=detail)
             try:
-                with self.collectives.bind(step.axis_groups, cache=step):
+                with self.collectives.bind(step.axis_groups, seq=seq, cache=step):
                     outputs = self.backend.run(function.compiled, inputs)
                 if len(outputs) != len(step.outputs):
                     raise RuntimeError(f"function returned {len(outputs)} outputs, the call expects "

@@ -53,7 +53,7 @@ class FakeGroups:
             if not self._lock.wait_for(lambda: joined[group_id] >= size, self.timeout_s):
                 raise TimeoutError(f"forming group {group_id} timed out: a member never came (deadlock)")
 
-    def bind(self, axis_groups, seq=0):
+    def bind(self, axis_groups, seq=0, cache=None):
         groups = self
 
         class Binding:
