@@ -3,7 +3,8 @@
 `ExecutorCore` reacts to decoded messages and emits messages through an
 `Outbox`; work goes to a `submit` callable (the compute thread in a real
 process, a synchronous fake in unit tests) and comes back through `finish`.
-Everything here runs on one thread (the I/O loop), except `compute`.
+The core is single-threaded: in a process, the I/O thread (messages) and the
+compute thread (`finish`) take turns under one lock; `compute` runs outside it.
 
 Work is queued as *segments* (`executor/segments.py`): a plain Run is a segment
 of one step, a registered program's run is a few segments whose steps pass values
