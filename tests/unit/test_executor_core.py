@@ -330,6 +330,19 @@ def test_free_returns_store_bytes_to_zero():
     assert len(core.store) == 0
 
 
+def test_frees_riding_on_a_run_are_applied_and_the_run_still_runs():
+    core, outbox = make_core()
+    load(core, 1, matmul_relu, X, W)
+    put(core, ref(1), X)
+    put(core, ref(2), W)
+    put(core, ref(9), W)                       # dropped by the client before this Run was sent
+    envelope = pb.Envelope(run=pb.Run(seq=1, call_id=1, function_id=1, inputs=[ref(1), ref(2)], outputs=[ref(3)]))
+    envelope.frees.extend([ref(9)])
+    core.on_control(envelope, [])
+    assert ref(9).array_id not in {key[0] for key in core.store._entries}
+    torch.testing.assert_close(fetch_tensor(core, outbox, ref(3)), matmul_relu(X, W))
+
+
 def test_free_of_pending_send_waits_for_push():
     core, outbox = make_core()
     load(core, 1, lambda x: x + 1, X)
