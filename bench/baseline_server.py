@@ -20,10 +20,20 @@ import subprocess
 import sys
 import threading
 
-__all__ = ["serve", "BaselineProcess"]
+__all__ = ["serve", "serve_size", "BaselineProcess"]
 
 _MARK = "@@ "
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def serve_size(description: str) -> int:
+    """A baseline module's command line: ``--serve N``, the number of workers to serve windows of."""
+    import argparse
+
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--serve", type=int, required=True, metavar="N",
+                        help="serve timed windows of N workers (see bench/baseline_server.py)")
+    return parser.parse_args().serve
 
 
 def serve(window, close=lambda: None) -> None:

@@ -14,13 +14,12 @@ torch is the one used (torchmonarch 0.7.0 does not require torch, so pip leaves 
 
 from __future__ import annotations
 
-import argparse
 import os
 import tempfile
 
 from monarch.actor import Actor, current_rank, current_size, endpoint, this_host
 
-from bench.baseline_server import serve
+from bench.baseline_server import serve, serve_size
 from bench.gloo_loop import CHAIN, GlooLoop, timed_window
 
 
@@ -63,11 +62,8 @@ class MonarchWorkers:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--serve", type=int, required=True, metavar="N",
-                        help="serve timed windows of N actors (see bench/baseline_server.py)")
-    args = parser.parse_args()
-    workers = MonarchWorkers(args.serve)
+    size = serve_size(__doc__.splitlines()[0])
+    workers = MonarchWorkers(size)
     serve(workers.window, workers.close)
 
 

@@ -12,11 +12,10 @@ multi-controller baseline do), one compute thread. OpByOp: one awaited
 
 from __future__ import annotations
 
-import argparse
 import os
 import tempfile
 
-from bench.baseline_server import serve
+from bench.baseline_server import serve, serve_size
 from bench.gloo_loop import CHAIN, GlooLoop, timed_window
 
 
@@ -60,12 +59,9 @@ class RayWorkers:
 def main() -> None:
     import ray
 
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--serve", type=int, required=True, metavar="N",
-                        help="serve timed windows of N actors (see bench/baseline_server.py)")
-    args = parser.parse_args()
+    size = serve_size(__doc__.splitlines()[0])
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    workers = RayWorkers(args.serve)
+    workers = RayWorkers(size)
     serve(workers.window, workers.close)
 
 
