@@ -50,6 +50,9 @@ class CallSpec:
     call_site: str = ""
     collective_axes: tuple[str, ...] = ()
     report_shapes: bool = False       # output sizes depend on the data: executors report them
+    # Where output i sits among the function's outputs (its Done digests): a program node's
+    # call covers only the outputs that are program outputs. Empty: output i is output i.
+    output_positions: tuple[int, ...] = ()
 
 
 @dataclasses.dataclass
@@ -364,9 +367,13 @@ class Controller:
             first_intermediate = self.arrays.reserve(1 + max(producer))
             for index in lowered.reporting_nodes:
                 node = spec.nodes[index]
-                records = [by_value[v] for v in node.outputs if v in by_value]
+                positions = [i for i, v in enumerate(node.outputs) if v in by_value]
+                records = [by_value[node.outputs[i]] for i in positions]
                 call_spec = CallSpec(function_id=node.function_id, name=node.name, mesh=node.mesh, inputs=(),
-                                     num_outputs=len(records), call_site=node.call_site)
+                                     num_outputs=len(records), call_site=node.call_site,
+                                     replicated_outputs=tuple(node.replicated_outputs[i] for i in positions)
+                                     if node.replicated_outputs else (), debug=node.debug,
+                                     output_positions=tuple(positions))
                 self._calls[base_call + index] = _Call(call_spec, base_call + index, base_seq + index, records,
                                                        waiting=set(node.mesh.executor_ids),
                                                        depends_on=frozenset(lowered.plans))
@@ -447,7 +454,8 @@ class Controller:
         for index, record in enumerate(call.outputs):
             replicated = index < len(call.spec.replicated_outputs) and call.spec.replicated_outputs[index]
             if replicated and call.digests:
-                digests = {executor: d[index] for executor, d in call.digests.items()}
+                position = call.spec.output_positions[index] if call.spec.output_positions else index
+                digests = {executor: d[position] for executor, d in call.digests.items()}
                 if len(set(digests.values())) > 1:
                     groups = collections.defaultdict(list)
                     for executor, digest in digests.items():

@@ -30,6 +30,8 @@ class ProgramNodeSpec:
     outputs: tuple[int, ...]
     collective_axes: tuple[str, ...] = ()
     call_site: str = ""
+    replicated_outputs: tuple[bool, ...] = ()   # outputs declared Replicate()
+    debug: bool = False                         # digest replicated program outputs and compare them
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -74,6 +76,8 @@ class LoweredProgram:
                         flags.append(f"collective, {prev}")
                     if run.report:
                         flags.append("report")
+                    if run.digest_outputs:
+                        flags.append("digest")   # debug mode: replicated outputs compared across shards
                     suffix = f"  [{'; '.join(flags)}]" if flags else ""
                     name = self.spec.nodes[run.node].name
                     lines.append(f"  n{run.node}: {outs} = {name}({ins}){suffix}")
@@ -113,7 +117,8 @@ def lower(spec: ProgramSpec, program_id: int, addresses: dict[str, str], keys: d
             reporting.append(index)
         for position, executor_id in enumerate(node.mesh.executor_ids):
             run = pb.ProgramNode(node=index, function_id=node.function_id, shard=position, outputs=node.outputs,
-                                 report=report)
+                                 report=report,
+                                 digest_outputs=report and node.debug and any(node.replicated_outputs))
             for value in node.inputs:
                 source = where[value].executor_ids[position]
                 run.inputs.add(value=value, shard=position, copy=source != executor_id)

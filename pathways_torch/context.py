@@ -260,7 +260,9 @@ class Context:
         for node in graph.nodes:
             nodes.append(ProgramNodeSpec(name=node.version.name, function_id=self._function_id(node.version),
                                          mesh=node.mesh.allocation, inputs=node.inputs, outputs=node.outputs,
-                                         collective_axes=node.version.collective_axes))
+                                         collective_axes=node.version.collective_axes,
+                                         replicated_outputs=tuple(layout[2].is_replicated for layout in node.layouts),
+                                         debug=self.config.debug))
         spec = ProgramSpec(name=graph.name, input_values=graph.input_values,
                            input_meshes=tuple(graph.layouts[v][2].mesh.allocation for v in graph.input_values),
                            nodes=tuple(nodes), output_values=graph.output_values)

@@ -60,3 +60,15 @@ def test_consecutive_collectives_chain_on_each_executor():
     assert "n0: %1[0] = ar(%0[0])  [collective, first here in the run]" in text
     assert "n1: %2[0] = ar(%1[0])  [collective, after n0; report]" in text
     assert "free after use: %1[0]" in text
+
+
+def test_debug_mode_digests_only_replicated_outputs_of_reporting_nodes():
+    spec = ProgramSpec(
+        name="dbg", input_values=(0,), input_meshes=(MESH_A,), output_values=(2,),
+        nodes=(ProgramNodeSpec(name="inc", function_id=1, mesh=MESH_A, inputs=(0,), outputs=(1,),
+                               replicated_outputs=(True,), debug=True),          # internal: no Done, no digest
+               ProgramNodeSpec(name="total", function_id=2, mesh=MESH_A, inputs=(1,), outputs=(2,),
+                               replicated_outputs=(True,), debug=True)))
+    text = lower(spec, 3, ADDRESSES).describe()
+    assert "n0: %1[0] = inc(%0[0])\n" in text
+    assert "n1: %2[0] = total(%1[0])  [report; digest]" in text
