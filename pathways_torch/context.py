@@ -278,8 +278,9 @@ class Context:
     def lowered(self, program, *arrays) -> str:
         """The lowered form of ``program`` for these inputs, as text (registers it if new)."""
         graph = program.graph(*arrays)
-        if not isinstance(graph, ProgramGraph):   # a sequential fallback: nothing is lowered
-            return str(graph)
+        if not isinstance(graph, ProgramGraph):   # a sequential fallback: only its prefix is lowered
+            prefix = graph.prefix
+            return str(graph) + ("" if prefix is None else "\n" + self._lowered_for(prefix).describe())
         return self._lowered_for(graph).describe()
 
     def _function_id(self, version) -> int:

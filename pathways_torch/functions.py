@@ -59,11 +59,14 @@ class Function:
         return bound
 
     def __call__(self, *args, **kwargs):
-        from .programs import SymbolicArray, current_tracer
+        from .programs import SymbolicArray, current_tracer, replayed_call
 
         tracer = current_tracer()
         if tracer is not None:
             return self._record(tracer, args, kwargs, SymbolicArray)
+        replayed = replayed_call(self)
+        if replayed is not None:   # a sequential program's prefix already ran this call
+            return replayed
         arrays = [a for a in args if isinstance(a, Array)]
         if not arrays:
             raise PlacementError(f"{self.name}: expected at least one pw.Array argument (made by ctx.put or a call), "

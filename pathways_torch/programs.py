@@ -10,11 +10,13 @@ island sequence number.
 
 A function whose output sizes depend on the data (a boolean mask, ``nonzero``)
 cannot be part of a static graph: what reads its outputs cannot be traced before it
-has run. A program that calls one falls back to *sequential dispatch*: its body runs
-call by call on real arrays — calls are still dispatched without waiting, except that
-a call reading a data-dependent output waits until its producer has run and reported
-the sizes. ``print(prog.graph(x))`` says so and names the node; the trace marks the
-node ("data-dependent output shapes: sequential dispatch").
+has run. A program that calls one falls back to *sequential dispatch from that node
+on*: the nodes traced before it still run as one registered program (its outputs are
+every value they produce), then the body runs again on real arrays, its first calls
+answered with that program's outputs (a replay) and the rest dispatched call by call —
+without waiting, except that a call reading a data-dependent output waits until its
+producer has run and reported the sizes. ``print(prog.graph(x))`` says so and names
+the node; the trace marks it ("data-dependent output shapes: sequential dispatch").
 
 Inside a program, arrays are symbolic: their shapes, dtypes and shardings are
 known, their values are not. Python control flow on a value (``if x.result()``,
@@ -36,10 +38,17 @@ from .placement import Sharding
 __all__ = ["program", "Program", "SymbolicArray", "ProgramGraph", "SequentialProgram", "current_tracer"]
 
 _TRACER: contextvars.ContextVar["_Tracer | None"] = contextvars.ContextVar("pathways_program_tracer", default=None)
+_REPLAY: contextvars.ContextVar["_Replay | None"] = contextvars.ContextVar("pathways_program_replay", default=None)
 
 
 def current_tracer() -> "_Tracer | None":
     return _TRACER.get()
+
+
+def replayed_call(function):
+    """Inside a sequential program's replay: the outputs of the prefix node this call stands for, or None."""
+    replay = _REPLAY.get()
+    return None if replay is None else replay.take(function)
 
 
 class SymbolicArray:
@@ -125,16 +134,42 @@ class ProgramGraph:
 
 @dataclasses.dataclass
 class SequentialProgram:
-    """A program that cannot be one static graph: from ``node`` on its output sizes depend on the data."""
+    """A program that cannot be one static graph: from ``node`` on its output sizes depend on the data.
+
+    ``prefix``: the nodes before it, as a program of their own (None when ``node`` is 0).
+    """
 
     name: str
     node: int
     function: str
+    prefix: "ProgramGraph | None" = None
 
     def __str__(self) -> str:
+        before = "node 0 runs" if self.node == 1 else f"nodes 0-{self.node - 1} run"
+        first = f"{before} as one program, then " if self.prefix is not None else ""
         return (f"program {self.name}: sequential dispatch — node {self.node} calls {self.function!r}, whose output "
-                f"sizes depend on the data; the body runs call by call, and a call that reads such an output "
-                f"waits for its producer")
+                f"sizes depend on the data; {first}the body runs call by call from there, and a call that reads "
+                f"such an output waits for its producer")
+
+
+class _Replay:
+    """Answers a sequential program's first calls with the outputs of its prefix program, in trace order."""
+
+    def __init__(self, name: str, nodes: list, outputs: list[list]):
+        self._name, self._nodes, self._outputs, self._next = name, nodes, outputs, 0
+
+    def take(self, function):
+        if self._next >= len(self._nodes):
+            return None
+        node = self._nodes[self._next]
+        # `.on(mesh)` copies share the trace cache: that is the function's identity.
+        if node.function._versions is not function._versions:
+            raise CaptureError(f"program {self._name!r} called {function.name!r} where its trace called "
+                               f"{node.function.name!r}; a program body must call the same functions in the same "
+                               f"order every time it runs")
+        self._next += 1
+        outputs = self._outputs[self._next - 1]
+        return outputs[0] if node.version.single_output else tuple(outputs)
 
 
 class _DataDependentNode(Exception):
@@ -203,9 +238,22 @@ class Program:
     def __call__(self, *arrays: Array):
         graph = self.graph(*arrays)
         if isinstance(graph, SequentialProgram):
-            return self.fn(*arrays)
+            return self._run_sequential(graph, arrays)
         outputs = arrays[0]._context._run_program(self, graph, arrays)
         return outputs[0] if graph.single_output else tuple(outputs)
+
+    def _run_sequential(self, plan: SequentialProgram, arrays):
+        """Run the static prefix as one program, then the body call by call, replaying the prefix's calls."""
+        replay = None
+        if plan.prefix is not None:
+            outputs = arrays[0]._context._run_program(self, plan.prefix, arrays)
+            by_value = dict(zip(plan.prefix.output_values, outputs))
+            replay = _Replay(self.name, plan.prefix.nodes, [[by_value[v] for v in n.outputs] for n in plan.prefix.nodes])
+        token = _REPLAY.set(replay)
+        try:
+            return self.fn(*arrays)
+        finally:
+            _REPLAY.reset(token)
 
     def _check_inputs(self, arrays) -> None:
         if not arrays:
@@ -215,6 +263,14 @@ class Program:
                 raise PlacementError(f"program {self.name!r}: every argument must be a pw.Array (made by ctx.put "
                                      f"or a call), got {type(a).__name__}; bake other values into the functions")
 
+    def _prefix(self, tracer: _Tracer, symbols) -> ProgramGraph | None:
+        """The nodes traced before a data-dependent one, as a program whose outputs are all they produce."""
+        if not tracer.nodes:
+            return None
+        produced = tuple(v for node in tracer.nodes for v in node.outputs)
+        return ProgramGraph(f"{self.name}[:{len(tracer.nodes)}]", tuple(s.value for s in symbols), tracer.layouts,
+                            list(tracer.nodes), produced, single_output=False)
+
     def _trace(self, arrays) -> ProgramGraph:
         tracer = _Tracer(self.name)
         symbols = [tracer.new_value((a.shape, a.dtype, a.sharding, a.block_shape)) for a in arrays]
@@ -222,7 +278,7 @@ class Program:
         try:
             out = self.fn(*symbols)
         except _DataDependentNode as stop:
-            return SequentialProgram(self.name, stop.node, stop.function)
+            return SequentialProgram(self.name, stop.node, stop.function, self._prefix(tracer, symbols))
         finally:
             _TRACER.reset(token)
         single = not isinstance(out, (tuple, list))

@@ -185,18 +185,38 @@ def test_a_data_dependent_output_size_is_learned_before_its_readers_are_dispatch
 def test_a_program_with_a_data_dependent_node_falls_back_to_sequential_dispatch(ctx):
     @pw.program
     def masked(x):
-        return double(positive(inc(x)))
+        return double(positive(inc(inc(x))))
 
     one = ctx.mesh({"data": 1}, executors=[1])
     host = torch.tensor([1.0, -3, 2, -0.5, 4, -1])
     x = ctx.put(host, one, [pw.Replicate()])
     text = str(masked.graph(x))
-    assert text.startswith("program masked: sequential dispatch — node 1 calls 'positive'"), text
-    assert ctx.lowered(masked, x) == text
-    expected = (host + 1)[host + 1 > 0] * 2
-    for _ in range(2):                                      # the fallback is remembered, and runs again
+    assert text.startswith("program masked: sequential dispatch — node 2 calls 'positive'"), text
+    assert "nodes 0-1 run as one program, then the body runs call by call" in text
+    lowered = ctx.lowered(masked, x)
+    assert lowered.startswith(text) and "lowered masked[:2]: 2 nodes on 1 executors" in lowered
+    expected = (host + 2)[host + 2 > 0] * 2
+    for _ in range(2):                     # the fallback is remembered, and runs again
+        before = dict(_run_messages(ctx))
         torch.testing.assert_close(masked(x).result(timeout_s=60), expected)
+        sent = {k: v - before.get(k, 0) for k, v in _run_messages(ctx).items()}
+        # the two static nodes as one RunProgram, then one Run each for positive and double
+        assert sent.get("run_program") == 1 and sent.get("run") == 2, sent
     assert masked.num_traces == 1
+
+
+def test_a_sequential_program_whose_body_calls_other_functions_when_replayed_is_refused(ctx):
+    runs = []
+
+    @pw.program
+    def fickle(x):
+        runs.append(1)
+        y = inc(x) if len(runs) == 1 else double(x)    # traced with inc, replayed with double
+        return positive(y)
+
+    x = ctx.put(torch.tensor([1.0, -2.0]), ctx.mesh({"data": 1}, executors=[2]), [pw.Replicate()])
+    with pytest.raises(pw.CaptureError, match="same functions in the same order"):
+        fickle(x)
 
 
 def test_shards_whose_data_dependent_sizes_differ_fail_with_both_shapes(ctx):
