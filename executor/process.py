@@ -18,9 +18,8 @@ import zmq
 from pathways_torch.wire import SocketLoop, body_name, decode, encode, pb
 from pathways_torch.wire.framing import FramingError
 from pathways_torch.wire.security import (CONTROLLER, HANDSHAKE_FAILURES, HEARTBEAT_SUFFIX, RESULTS_SUFFIX,
-                                          ConnectionWatch,
-                                          Credentials, Gatekeeper, KeyDirectory, SecurityError, make_client,
-                                          make_server)
+                                          ConnectionWatch, Credentials, Gatekeeper, KeyDirectory, SecurityError,
+                                          make_client, make_server)
 
 from .backends import make_backend
 from .collectives import CollectiveRuntime
@@ -199,8 +198,11 @@ class ExecutorProcess:
                 self.core.fail(job, exc)
             # Finished here, not on the I/O thread: its Done leaves at once on the results
             # connection, and an OpByOp call costs no wake-up of the I/O thread on the way back.
-            with self._core_lock:
-                self.core.finish(job)
+            try:
+                with self._core_lock:
+                    self.core.finish(job)
+            except Exception:   # a bug of ours: keep the thread serving the jobs behind this one
+                log.exception("executor %s: finishing a job failed", self.config.executor_id)
 
     # ------------------------------------------------------------ liveness
 
