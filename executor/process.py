@@ -196,8 +196,9 @@ class ExecutorProcess:
             except Exception as exc:  # a bug of ours: fail this job, keep the thread serving the rest
                 log.exception("executor %s: compute failed outside the function", self.config.executor_id)
                 self.core.fail(job, exc)
-            # Finished here, not on the I/O thread: its Done leaves at once on the results
-            # connection, and an OpByOp call costs no wake-up of the I/O thread on the way back.
+            # Finished here, before the next job (which may read its outputs), not on the I/O
+            # thread: its Done leaves at once on the results connection, and an OpByOp call
+            # costs no wake-up of the I/O thread on the way back.
             try:
                 with self._core_lock:
                     self.core.finish(job)

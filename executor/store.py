@@ -17,7 +17,7 @@ Key = tuple  # (array_id, shard, tag)
 
 
 class Entry:
-    __slots__ = ("value", "failure", "owned", "pins", "waiters", "nbytes", "computing", "early", "early_failure")
+    __slots__ = ("value", "failure", "owned", "pins", "waiters", "nbytes", "computing")
 
     def __init__(self):
         self.value = None
@@ -26,12 +26,10 @@ class Entry:
         self.pins = 0
         self.waiters: list[Callable[["Entry"], None]] = []
         self.nbytes = 0
-        # Local chaining: the producing job is queued on this executor's compute thread,
-        # which hands its result over in `early` / `early_failure` before the I/O thread
-        # stores it, so a consumer queued behind it can run straight after it.
+        # Local chaining: the producing job is queued on this executor's compute thread, which
+        # finishes (stores) each job before it starts the next, so a consumer may be queued
+        # right behind it.
         self.computing = False
-        self.early = None
-        self.early_failure = None
 
     @property
     def ready(self) -> bool:
@@ -80,8 +78,6 @@ class ObjectStore:
             entry.value = value
             entry.nbytes = value.numel() * value.element_size()
             self.bytes += entry.nbytes
-        # Only now: a compute thread that finds `early` gone finds `value` (or `failure`) set.
-        entry.early = entry.early_failure = None
         waiters, entry.waiters = entry.waiters, []
         for waiter in waiters:
             waiter(entry)

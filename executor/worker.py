@@ -397,7 +397,6 @@ class ExecutorCore:
         for step, function in zip(segment.steps, job.functions):
             self._run_step(job, step, function, slots)
         job.values = [slots[slot] for slot in segment.output_slots]
-        self._hand_over(job)
         return job
 
     def _run_step(self, job: ComputeJob, step, function: _Function | None, slots: list) -> None:
@@ -472,16 +471,6 @@ class ExecutorCore:
         job.values = [failure] * len(job.segment.output_keys)
         job.dones = [pb.Done(call_id=job.segment.base_call_id + step.offset, seq=job.segment.base_seq + step.offset,
                              ok=False, failure=failure) for step in job.segment.steps if step.report]
-        self._hand_over(job)
-
-    def _hand_over(self, job: ComputeJob) -> None:
-        """Give the results to jobs queued behind this one, before the I/O thread stores them."""
-        for entry, value in zip(job.out_entries, job.values):
-            if isinstance(value, pb.RemoteFailure):
-                entry.early_failure = value
-            else:
-                entry.early = value
-            entry.computing = False
 
     def _form_group(self, job: ComputeJob) -> ComputeJob:
         form = job.form
@@ -496,12 +485,15 @@ class ExecutorCore:
     def finish(self, job: ComputeJob) -> None:
         """Store a job's outputs (or their failures), release its inputs, tell the controller.
 
-        Runs on the I/O thread, after the compute thread is done with ``job``.
+        The compute thread calls it right after ``compute(job)``, before it takes the next
+        job: a job queued behind this one (local chaining) finds its inputs stored.
         """
         if job.form is not None:
             self._pump()
             return
         segment = job.segment
+        for entry in job.out_entries:
+            entry.computing = False
         # Outputs were claimed (owned) when the segment arrived; a Free since then must stand.
         for key, value in zip(segment.output_keys, job.values):
             if isinstance(value, pb.RemoteFailure):
@@ -544,17 +536,8 @@ def _with_origin(failure: pb.RemoteFailure, call_id: int) -> pb.RemoteFailure:
 
 
 def _value_or_failure(entry):
-    """An input's value or failure: stored, or handed over early by the job that computed it here."""
-    # Read order matters: the I/O thread sets value/failure before it clears early.
-    failure = entry.failure or entry.early_failure or entry.failure
-    if failure is not None:
-        return failure
-    value = entry.value
-    if value is None:
-        value = entry.early
-    if value is None:
-        value = entry.value   # the I/O thread stored it (and cleared early) in between
-    return value
+    """An input's value, or the failure its producer stored instead."""
+    return entry.failure if entry.failure is not None else entry.value
 
 
 def _value_ids(plan: pb.RegisterProgram, run: pb.RunProgram):

@@ -96,6 +96,7 @@ class InProcessExecutor:
     def __init__(self, executor_id, controller, runtime, gang_order):
         self.io: queue.Queue = queue.Queue()
         self.jobs: queue.Queue = queue.Queue()
+        self.lock = threading.RLock()
         outbox = self
 
         self.controller = controller
@@ -118,13 +119,17 @@ class InProcessExecutor:
 
     def _io_loop(self):
         while True:
-            self.io.get()()
+            fn = self.io.get()
+            with self.lock:
+                fn()
 
     def _compute_loop(self):
+        # As in ExecutorProcess: compute outside the lock, finish under it before the next job.
         while True:
             job = self.jobs.get()
             self.core.compute(job)
-            self.post(lambda job=job: self.core.finish(job))
+            with self.lock:
+                self.core.finish(job)
 
 
 class FakeOutbox:
