@@ -69,7 +69,7 @@ def capture(fn: Callable, name: str, inputs: Sequence[InputSpec], rebuild: Calla
     except DynamicOutputShapeException:
         # An op whose output size depends on the data (nonzero, a boolean mask, unique):
         # trace again with a shape environment, where that size is a symbol.
-        graph_module = _trace_or_explain(flat, inputs, name, shown, data_dependent_sizes=True)
+        graph_module = _trace_data_dependent(flat, inputs, name, shown)
     except Exception as exc:
         raise _capture_error(exc, name, shown) from exc
     single, outputs = _output_specs(graph_module, name)
@@ -95,9 +95,10 @@ def _trace(flat, inputs, *, data_dependent_sizes: bool):
     return make_fx(flat, tracing_mode="fake")(*fakes)
 
 
-def _trace_or_explain(flat, inputs, name, shown, *, data_dependent_sizes):
+def _trace_data_dependent(flat, inputs, name, shown):
+    """The trace with data-dependent sizes as symbols; refused if the function uses one as a number."""
     try:
-        graph_module = _trace(flat, inputs, data_dependent_sizes=data_dependent_sizes)
+        graph_module = _trace(flat, inputs, data_dependent_sizes=True)
     except Exception as exc:
         raise _capture_error(exc, name, shown) from exc
     for node in graph_module.graph.nodes:

@@ -155,20 +155,19 @@ class SequentialProgram:
 class _Replay:
     """Answers a sequential program's first calls with the outputs of its prefix program, in trace order."""
 
-    def __init__(self, name: str, nodes: list, outputs: list[list]):
-        self._name, self._nodes, self._outputs, self._next = name, nodes, outputs, 0
+    def __init__(self, name: str, calls: list[tuple["NodeRecord", list]]):
+        self._name, self._calls, self._next = name, calls, 0   # (traced node, its output arrays)
 
     def take(self, function):
-        if self._next >= len(self._nodes):
+        if self._next >= len(self._calls):
             return None
-        node = self._nodes[self._next]
+        node, outputs = self._calls[self._next]
         # `.on(mesh)` copies share the trace cache: that is the function's identity.
         if node.function._versions is not function._versions:
             raise CaptureError(f"program {self._name!r} called {function.name!r} where its trace called "
                                f"{node.function.name!r}; a program body must call the same functions in the same "
                                f"order every time it runs")
         self._next += 1
-        outputs = self._outputs[self._next - 1]
         return outputs[0] if node.version.single_output else tuple(outputs)
 
 
@@ -248,7 +247,7 @@ class Program:
         if plan.prefix is not None:
             outputs = arrays[0]._context._run_program(self, plan.prefix, arrays)
             by_value = dict(zip(plan.prefix.output_values, outputs))
-            replay = _Replay(self.name, plan.prefix.nodes, [[by_value[v] for v in n.outputs] for n in plan.prefix.nodes])
+            replay = _Replay(self.name, [(n, [by_value[v] for v in n.outputs]) for n in plan.prefix.nodes])
         token = _REPLAY.set(replay)
         try:
             return self.fn(*arrays)
