@@ -8,7 +8,7 @@ import platform
 import statistics
 import time
 
-__all__ = ["write_results", "print_table", "spans", "machine", "add_run_arguments"]
+__all__ = ["write_results", "print_table", "spans", "machine", "add_run_arguments", "timed_calls"]
 
 RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
@@ -50,3 +50,15 @@ def spans(trace: dict, name: str, category: str) -> list[float]:
 
 def median(values: list[float]) -> float:
     return statistics.median(values) if values else float("nan")
+
+
+def timed_calls(run, x, count: int, *, awaited: bool, timeout_s: float = 600.0) -> float:
+    """Seconds for ``count`` calls ``x = run(x)`` on pathways arrays: each waited for before the next
+    (``awaited``), or each fed the previous call's future and only the last waited for (pipelined)."""
+    began = time.perf_counter()
+    for _ in range(count):
+        x = run(x)
+        if awaited:
+            x.exception(timeout_s=timeout_s)
+    x.exception(timeout_s=timeout_s)
+    return time.perf_counter() - began

@@ -32,13 +32,12 @@ import argparse
 import contextlib
 import os
 import statistics
-import time
 
 import torch
 
 import pathways_torch as pw
 from bench.baseline_server import BaselineProcess
-from bench.common import add_run_arguments, print_table, write_results
+from bench.common import add_run_arguments, print_table, timed_calls, write_results
 from bench.gloo_loop import CHAIN
 from bench.multicontroller import MultiController
 
@@ -82,22 +81,10 @@ class PathwaysLoops:
 
     def window(self, mode: str, count: int) -> float:
         """Computations per second: OpByOp runs ``count`` awaited computations; the others ``count`` calls."""
-        began = time.perf_counter()
-        if mode == "OpByOp":
-            y = self.x
-            for _ in range(count):
-                y = step(y)
-                y.exception(timeout_s=60)          # awaited: one computation per client call
-            return count / (time.perf_counter() - began)
+        if mode == "OpByOp":   # awaited: one computation per client call
+            return count / timed_calls(step, self.x, count, awaited=True, timeout_s=60)
         run = fused if mode == "Fused" else chained
-        awaited = mode != "Chained pipelined"
-        y = self.x
-        for _ in range(count):
-            y = run(y)
-            if awaited:
-                y.exception(timeout_s=300)
-        y.exception(timeout_s=300)
-        return count * CHAIN / (time.perf_counter() - began)
+        return count * CHAIN / timed_calls(run, self.x, count, awaited=mode != "Chained pipelined", timeout_s=300)
 
 
 def _baseline_processes(size: int, stack: contextlib.ExitStack) -> dict:

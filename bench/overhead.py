@@ -15,12 +15,11 @@ table, writes bench/results/overhead.json.
 from __future__ import annotations
 
 import argparse
-import time
 
 import torch
 
 import pathways_torch as pw
-from bench.common import add_run_arguments, print_table, write_results
+from bench.common import add_run_arguments, print_table, timed_calls, write_results
 from bench.multicontroller import run_sim_multicontroller
 
 
@@ -36,17 +35,9 @@ def chained_rates(ctx, mesh, step_s: float, steps: int, repeats: int) -> tuple[f
 
     x = ctx.put(torch.zeros(mesh.size), mesh, [pw.Shard(0)])
     chain(x).exception(timeout_s=600)      # registration
-    rates = []
-    for awaited in (True, False):
-        began = time.perf_counter()
-        y = x
-        for _ in range(repeats):
-            y = chain(y)
-            if awaited:
-                y.exception(timeout_s=600)
-        y.exception(timeout_s=600)
-        rates.append(repeats * steps / (time.perf_counter() - began))
-    return rates[0], rates[1]
+    awaited = repeats * steps / timed_calls(chain, x, repeats, awaited=True)
+    pipelined = repeats * steps / timed_calls(chain, x, repeats, awaited=False)
+    return awaited, pipelined
 
 
 def parity_point(rows: list[dict], key: str = "efficiency") -> float | None:
