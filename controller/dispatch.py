@@ -272,6 +272,7 @@ class Controller:
             outputs = [self.arrays.new(mesh.executor_ids, producer_call=call_id) for _ in range(spec.num_outputs)]
             call = _Call(spec, call_id, seq, outputs, waiting=set(mesh.executor_ids))
             self._calls[call_id] = call
+            runs = []
             for position, executor_id in enumerate(mesh.executor_ids):
                 self._ensure_loaded(spec.function_id, executor_id)
                 run = pb.Run(seq=seq, call_id=call_id, function_id=spec.function_id,
@@ -287,6 +288,11 @@ class Controller:
                     run.inputs.append(self._route_input(record, position, executor_id, call_id))
                 for record in outputs:
                     run.outputs.add(array_id=record.array_id, shard=position)
+                runs.append((executor_id, run))
+            # Only now the runs: every push this call's inputs need was requested first. An
+            # executor may start a run (a collective blocks there) as soon as it reads it,
+            # before it reads what the controller sent after it (executor/compute_loop.py).
+            for executor_id, run in runs:
                 self._send(executor_id, pb.Envelope(run=run))
             return outputs
 

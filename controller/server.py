@@ -1,9 +1,16 @@
-"""The controller's socket: one CURVE ROUTER that every executor's DEALERs connect to.
+"""The controller's sockets: one CURVE ROUTER that every executor's DEALERs connect to, and
+one DEALER per executor to the executor's command ROUTER.
 
-Each executor opens two connections: its control DEALER (identity = executor id)
-and a heartbeat DEALER (identity = ``<id>#heartbeat``) driven by a thread of its
-own. The server answers each heartbeat at once, so neither side's view of the
-other's liveness depends on how busy the other's message handling is.
+Each executor opens two connections to the ROUTER: its control DEALER (identity =
+executor id), on which it registers and reports (Done, replies), and a heartbeat
+DEALER (identity = ``<id>#heartbeat``) driven by a thread of its own. The server
+answers each heartbeat at once, so neither side's view of the other's liveness
+depends on how busy the other's message handling is.
+
+Control messages to an executor leave on its command DEALER, from whichever thread
+sends them (the client's thread dispatching a call, mostly), under a lock: a call
+costs no wake-up of the controller's I/O thread on its way out. The I/O thread
+owns the ROUTER alone and only reads from it (and answers heartbeats).
 
 Every message must come over a connection authenticated as the executor it
 names: the role of its CURVE key (`pathways_torch.wire.security`) must equal the
@@ -13,13 +20,14 @@ ROUTER identity, so an executor can speak only as itself.
 from __future__ import annotations
 
 import logging
+import threading
 
 import zmq
 
 from pathways_torch.wire import SocketLoop, body_name, decode, encode, pb
 from pathways_torch.wire.framing import MAX_ENVELOPE_BYTES, FramingError, log_dropped
-from pathways_torch.wire.security import (CLIENT, CONTROLLER, HEARTBEAT_SUFFIX, RESULTS_SUFFIX, ConnectionWatch,
-                                          Credentials, make_server, peer_role)
+from pathways_torch.wire.security import (CLIENT, CONTROLLER, HEARTBEAT_SUFFIX, ConnectionWatch, Credentials,
+                                          SecurityError, make_client, make_server, peer_role)
 
 from .config import ControllerConfig
 from .dispatch import Controller
@@ -56,19 +64,60 @@ class ControllerServer:
         self.controller = Controller(self, self.config)
         self.loop.every(self.config.heartbeat_interval_s, self.controller.heartbeat)
         self.dropped_messages = 0   # refused here; the Controller counts what it refuses itself
+        self._commands: dict[str, zmq.Socket] = {}   # executor id → DEALER to its command ROUTER
+        self._commands_lock = threading.Lock()       # the DEALERs are used from any thread, one at a time
+        self._command_payload_bytes = 0
 
     def start(self) -> None:
         self.loop.start()
 
     def stop(self) -> None:
         self.loop.stop()
+        with self._commands_lock:
+            for socket in self._commands.values():
+                socket.close(linger=0)
+            self._commands.clear()
 
     def to_executor(self, executor_id, envelope, payload=()) -> None:
-        frames = [executor_id.encode(), *encode(envelope, payload)]
-        if self.config.inject_latency_s > 0:   # tests and benchmarks only
-            self.loop.call_later(self.config.inject_latency_s, lambda: self.loop.send_now(_ROUTER, frames))
+        """Send on the calling thread (any), in the order of the calls."""
+        frames = encode(envelope, payload)
+        if self.config.inject_latency_s > 0:   # tests and benchmarks only: equal delays keep the order
+            self.loop.call_later(self.config.inject_latency_s, lambda: self._send_command(executor_id, frames))
         else:
-            self.loop.send(_ROUTER, frames)
+            self._send_command(executor_id, frames)
+
+    def _send_command(self, executor_id: str, frames: list) -> None:
+        with self._commands_lock:
+            socket = self._commands.get(executor_id)
+            if socket is None:
+                log.warning("no command connection to %s; a %d-frame message dropped", executor_id, len(frames))
+                return
+            self._command_payload_bytes += sum(memoryview(f).nbytes for f in frames[1:])
+            socket.send_multipart(frames, copy=False)
+
+    def _connect_commands(self, executor_id: str, register: pb.Register) -> bool:
+        """Open the DEALER to a registering executor's command ROUTER (its key: the one it registered)."""
+        if not register.command_address.startswith("tcp://"):
+            self._drop(f"{executor_id} registered command address {register.command_address!r}, not a tcp:// one")
+            return False
+        socket = self.loop.context.socket(zmq.DEALER)
+        socket.setsockopt(zmq.LINGER, 0)
+        # Nothing is dropped for a slow executor: the client's own pace bounds what waits.
+        socket.setsockopt(zmq.SNDHWM, 0)
+        try:
+            make_client(socket, self.credentials, register.public_key)
+        except SecurityError as exc:
+            socket.close()
+            self._drop(f"{executor_id} registered an unusable key: {exc}")
+            return False
+        # Queued from now on, sent once the handshake is done: the Welcome may follow at once.
+        socket.connect(register.command_address)
+        with self._commands_lock:
+            old = self._commands.pop(executor_id, None)
+            if old is not None:   # registered again (restarted): the new process has a new address
+                old.close(linger=0)
+            self._commands[executor_id] = socket
+        return True
 
     @property
     def refused_connections(self) -> int:
@@ -83,19 +132,19 @@ class ControllerServer:
         except (FramingError, UnicodeDecodeError, IndexError) as exc:
             self._drop(f"malformed message: {exc}")
             return
-        executor_id = identity.removesuffix(HEARTBEAT_SUFFIX).removesuffix(RESULTS_SUFFIX)
+        executor_id = identity.removesuffix(HEARTBEAT_SUFFIX)
         if role != executor_id or role in (CONTROLLER, CLIENT):
             self._drop(f"a peer authenticated as {role!r} spoke as {identity!r}")
             return
         if identity.endswith(HEARTBEAT_SUFFIX):
             self._on_heartbeat(frames[0], executor_id, envelope)
             return
-        if identity.endswith(RESULTS_SUFFIX) and body_name(envelope) != "done":
-            self._drop(f"{body_name(envelope)!r} on {executor_id}'s results connection")
-            return
-        if body_name(envelope) == "register" and envelope.register.public_key != self.credentials.allowed.get(role):
-            self._drop(f"{executor_id} registered a data-socket key that is not its own")
-            return
+        if body_name(envelope) == "register":
+            if envelope.register.public_key != self.credentials.allowed.get(role):
+                self._drop(f"{executor_id} registered a data-socket key that is not its own")
+                return
+            if not self._connect_commands(executor_id, envelope.register):
+                return
         self.controller.on_message(executor_id, envelope, payload)
 
     def _on_heartbeat(self, identity_frame, executor_id: str, envelope: pb.Envelope) -> None:
@@ -117,4 +166,4 @@ class ControllerServer:
     @property
     def payload_bytes(self) -> dict[str, int]:
         """Tensor bytes this process's controller sockets carried (program constants only, by design)."""
-        return {"sent": self.loop.payload_bytes_out[_ROUTER], "received": self.loop.payload_bytes_in[_ROUTER]}
+        return {"sent": self._command_payload_bytes, "received": self.loop.payload_bytes_in[_ROUTER]}

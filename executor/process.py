@@ -1,7 +1,15 @@
 """An executor process: sockets, the compute thread and the liveness watch around `ExecutorCore`.
 
-Every socket speaks CURVE (`pathways_torch.wire.security`): the data ROUTER admits
-only allow-listed keys; the control and heartbeat DEALERs accept only the
+Threads: the compute thread (`ComputeLoop`) owns the command ROUTER, where the
+controller's messages arrive, and the control DEALER, where Register, Done and
+every other reply leave; it runs the jobs. The main thread (`SocketLoop`) owns the
+data socket (puts, transfers, fetches) and the peer connections; a heartbeat
+thread owns the heartbeat connection. `ExecutorCore` is shared by the first two
+under one lock.
+
+Every socket speaks CURVE (`pathways_torch.wire.security`): the data and command
+ROUTERs admit only allow-listed keys, and the command ROUTER only messages sent
+with the controller's; the control and heartbeat DEALERs accept only the
 controller's key, and a peer DEALER only the key the controller gave for that peer.
 """
 
@@ -9,7 +17,6 @@ from __future__ import annotations
 
 import logging
 import os
-import queue
 import threading
 import time
 
@@ -17,13 +24,14 @@ import zmq
 
 from pathways_torch.wire import SocketLoop, body_name, decode, encode, pb
 from pathways_torch.wire.framing import FramingError
-from pathways_torch.wire.security import (CONTROLLER, HANDSHAKE_FAILURES, HEARTBEAT_SUFFIX, RESULTS_SUFFIX,
-                                          ConnectionWatch, Credentials, Gatekeeper, KeyDirectory, SecurityError,
-                                          make_client, make_server)
+from pathways_torch.wire.security import (CONTROLLER, HANDSHAKE_FAILURES, HEARTBEAT_SUFFIX, ConnectionWatch,
+                                          Credentials, Gatekeeper, KeyDirectory, SecurityError, make_client,
+                                          make_server, peer_role)
 
 from .backends import make_backend
 from .collectives import CollectiveRuntime
 from .compile_cache import CompileCache
+from .compute_loop import ComputeLoop
 from .config import ExecutorConfig
 from .trace import TraceRecorder
 from .worker import ComputeJob, ExecutorCore
@@ -33,24 +41,21 @@ __all__ = ["ExecutorProcess"]
 log = logging.getLogger(__name__)
 
 _CONTROL = "control"
+_COMMANDS = "commands"
 _DATA = "data"
 
 
 class _SocketOutbox:
-    """Messages out. Done messages from the compute thread go on its own connection to the
-    controller (`results`), without waking the I/O thread; everything else through the loop."""
+    """Messages out: to the controller on the compute thread's control connection (at once
+    when sent from that thread), to clients and peers through the I/O loop."""
 
-    def __init__(self, loop: SocketLoop, credentials: Credentials, results: zmq.Socket):
+    def __init__(self, loop: SocketLoop, credentials: Credentials):
         self._loop = loop
         self._credentials = credentials
-        self._results = results
-        self.compute_thread: threading.Thread | None = None
+        self.control: ComputeLoop | None = None
 
     def to_controller(self, envelope, payload=()):
-        if threading.current_thread() is self.compute_thread:
-            self._results.send_multipart(encode(envelope, payload), copy=False)
-        else:
-            self._loop.send(_CONTROL, encode(envelope, payload))
+        self.control.send(encode(envelope, payload))
 
     def to_client(self, identity, envelope, payload=()):
         self._loop.send(_DATA, [identity, *encode(envelope, payload)])
@@ -93,17 +98,20 @@ class ExecutorProcess:
             from pathways_torch.wire import collective_ops
 
             collective_ops.set_runtime(self.collectives)
-        self.outbox = _SocketOutbox(self.loop, self.credentials, self._results_socket())
+        self.outbox = _SocketOutbox(self.loop, self.credentials)
         self.core = ExecutorCore(executor_id=config.executor_id, backend=self.backend, outbox=self.outbox,
                                  submit=self._submit, trace=trace, compiler=self.compiler,
                                  collectives=self.collectives)
-        # ExecutorCore is single-threaded: the I/O thread (messages, compile results) and the
-        # compute thread (finishing its jobs) take turns under this lock.
+        # ExecutorCore is single-threaded: the I/O thread (data messages, compile results) and
+        # the compute thread (control messages, its jobs) take turns under this lock.
         self._core_lock = threading.RLock()   # re-entered: a compile done at once posts its result inline
-        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._exit_reason = ""
+        self._refused: dict[str, int] = {}   # refused connections, by socket
         self.data_address = self._bind_data()
-        self._connect_control()
+        commands, self.command_address = self._bind_commands()
+        self.compute = self.outbox.control = ComputeLoop(f"executor-{config.executor_id}", self.zmq,
+                                                         commands=commands, replies=self._connect_control(),
+                                                         on_control=self._on_control)
 
     # ------------------------------------------------------------ sockets
 
@@ -118,16 +126,28 @@ class ExecutorProcess:
         return socket.getsockopt_string(zmq.LAST_ENDPOINT)
 
     def _on_data_event(self, event: str, watch: ConnectionWatch) -> None:
-        self.core.counters["refused_connections"] = watch.refused
+        self._refused[watch.name] = watch.refused
+        self.core.counters["refused_connections"] = sum(self._refused.values())
 
-    def _connect_control(self) -> None:
-        socket = self.loop.context.socket(zmq.DEALER)
+    def _bind_commands(self) -> tuple[zmq.Socket, str]:
+        """The ROUTER the controller sends control messages to, for the compute thread (which
+        reads only messages sent with the controller's key)."""
+        socket = self.zmq.socket(zmq.ROUTER)
         socket.setsockopt(zmq.LINGER, 0)
-        socket.setsockopt(zmq.IDENTITY, self.config.executor_id.encode())
-        make_client(socket, self.credentials, self.credentials.public_key(CONTROLLER))
-        socket.connect(self.config.controller_address)
-        self.loop.add_socket(_CONTROL, socket, self._on_control)
-        self.loop.monitor(_CONTROL, ConnectionWatch("control socket", self._on_control_event).on_frames)
+        make_server(socket, self.credentials)
+        socket.bind(f"tcp://{self.config.bind_host}:0")
+        # Set up here, before the compute thread takes the socket over.
+        watch = ConnectionWatch(f"executor {self.config.executor_id} command socket", self._on_data_event)
+        self.loop.monitor(_COMMANDS, watch.on_frames, socket=socket)
+        return socket, socket.getsockopt_string(zmq.LAST_ENDPOINT)
+
+    def _connect_control(self) -> zmq.Socket:
+        """The connection replies leave on, for the compute thread; its handshake events go to the I/O loop."""
+        socket = self._controller_connection("")
+        # Set up here, before the compute thread takes the socket over.
+        self.loop.monitor(_CONTROL, ConnectionWatch("control socket", self._on_control_event).on_frames,
+                          socket=socket)
+        return socket
 
     def _on_control_event(self, event: str, watch: ConnectionWatch) -> None:
         if event in HANDSHAKE_FAILURES and watch.rejected:
@@ -135,10 +155,6 @@ class ExecutorProcess:
             self._exit(f"could not authenticate with the controller at {self.config.controller_address} ({event}): "
                        f"its key in {self.config.keys_dir} is not the controller's, or this executor's key is "
                        f"not on its allow-list; use the key directory the launcher made for this cluster")
-
-    def _results_socket(self) -> zmq.Socket:
-        """The compute thread's own connection to the controller, for Done messages only."""
-        return self._controller_connection(RESULTS_SUFFIX)
 
     def _controller_connection(self, suffix: str) -> zmq.Socket:
         """A DEALER to the controller under identity ``<executor id><suffix>``, CURVE to the controller's key."""
@@ -157,8 +173,12 @@ class ExecutorProcess:
 
     def _on_control(self, frames) -> None:
         with self._core_lock:
+            role = peer_role(frames[-1])
+            if len(frames) < 2 or role != CONTROLLER:
+                self.core._drop(f"a message on the command socket from {role!r}, not the controller")
+                return
             try:
-                envelope, payload = decode(frames)
+                envelope, payload = decode(frames[1:])
             except FramingError as exc:
                 self.core._drop(str(exc))
                 return
@@ -180,30 +200,26 @@ class ExecutorProcess:
     # ------------------------------------------------------------ compute thread
 
     def _submit(self, job: ComputeJob) -> None:
-        self._jobs.put(job)
+        # From the compute thread (a run it just read) the job is queued without a wake-up.
+        self.compute.call_soon(lambda: self._run_job(job))
 
-    def _compute_loop(self) -> None:
+    def _run_job(self, job: ComputeJob) -> None:
+        try:
+            self.core.compute(job)
+        except Exception as exc:  # a bug of ours: fail this job, keep the thread serving the rest
+            log.exception("executor %s: compute failed outside the function", self.config.executor_id)
+            self.core.fail(job, exc)
+        # Finished here, before the next job (which may read its outputs): its Done leaves at
+        # once on the control connection, which this thread owns.
+        with self._core_lock:
+            self.core.finish(job)
+
+    def _compute_thread(self) -> None:
         if self.config.backend != "sim":
             import torch
 
             torch.set_num_threads(self.config.num_threads)
-        while True:
-            job = self._jobs.get()
-            if job is None:
-                return
-            try:
-                self.core.compute(job)
-            except Exception as exc:  # a bug of ours: fail this job, keep the thread serving the rest
-                log.exception("executor %s: compute failed outside the function", self.config.executor_id)
-                self.core.fail(job, exc)
-            # Finished here, before the next job (which may read its outputs), not on the I/O
-            # thread: its Done leaves at once on the results connection, and an OpByOp call
-            # costs no wake-up of the I/O thread on the way back.
-            try:
-                with self._core_lock:
-                    self.core.finish(job)
-            except Exception:   # a bug of ours: keep the thread serving the jobs behind this one
-                log.exception("executor %s: finishing a job failed", self.config.executor_id)
+        self.compute.run()
 
     # ------------------------------------------------------------ liveness
 
@@ -253,7 +269,7 @@ class ExecutorProcess:
 
     def _stop(self, reason: str) -> None:
         self._exit_reason = reason
-        self._jobs.put(None)
+        self.compute.stop()
         self.compiler.stop()
         self.loop.stop()
 
@@ -262,11 +278,10 @@ class ExecutorProcess:
     def run(self) -> None:
         register = pb.Register(executor_id=self.config.executor_id, data_address=self.data_address,
                                device=self.backend.device, backend=self.config.backend, pid=os.getpid(),
-                               store_bytes=self.core.store.bytes, public_key=self.credentials.keys.public)
-        self.loop.send(_CONTROL, encode(pb.Envelope(register=register)))
-        compute = threading.Thread(target=self._compute_loop, name="pathways-compute", daemon=True)
-        self.outbox.compute_thread = compute
-        compute.start()
+                               store_bytes=self.core.store.bytes, public_key=self.credentials.keys.public,
+                               command_address=self.command_address)
+        self.compute.send(encode(pb.Envelope(register=register)))   # the first thing the thread does
+        threading.Thread(target=self._compute_thread, name="pathways-compute", daemon=True).start()
         threading.Thread(target=self._watch, name="pathways-heartbeat", daemon=True).start()
         self.loop.run_forever()
         self.gatekeeper.stop()

@@ -74,13 +74,14 @@ class SocketLoop:
         timer = [time.monotonic() + interval_s, interval_s, fn]
         self.call_soon(lambda: self._timers.append(timer))
 
-    def monitor(self, key: str, handler: Callable[[list], None]) -> None:
+    def monitor(self, key: str, handler: Callable[[list], None], socket: zmq.Socket | None = None) -> None:
         """Pass the monitor events of socket ``key`` (raw frames) to ``handler`` on the loop thread.
 
         Like `add_socket`, call it before `start` or on the loop thread: a socket
-        must not be touched by two threads.
+        must not be touched by two threads. ``socket``: one another thread owns (not
+        in this loop), set up before that thread starts using it.
         """
-        socket = self._sockets[key]
+        socket = socket if socket is not None else self._sockets[key]
         address = f"inproc://pathways-monitor-{self.name}-{next(_loop_ids)}"
         socket.monitor(address, zmq.EVENT_ALL)
         pair = self.context.socket(zmq.PAIR)
@@ -260,6 +261,8 @@ class SocketLoop:
     def _close_all(self) -> None:
         for key in list(self._sockets):
             self.close_socket(key)
+        for pair in self._monitors.values():   # monitors of sockets other threads own
+            pair.close(linger=0)
         with self._wake_lock:
             self._wake_push.close(linger=0)
         self._wake_pull.close(linger=0)

@@ -1,0 +1,131 @@
+"""The compute thread's loop: it reads the controller's messages and runs the executor's jobs.
+
+The controller sends control messages (runs, program runs, push requests, frees,
+requests for stats) to the executor's *command* ROUTER, and the executor answers
+(Register, Done, replies) on its control DEALER; this thread alone owns both. A
+run whose inputs are ready is started by the thread that read it: an OpByOp call
+costs no wake-up of a second thread on its way in, and its Done leaves at once.
+
+Other threads (the I/O thread: puts, transfers and fetches on the data socket,
+compile results) hand work over with `call_soon`, which wakes this thread through
+an inproc pipe — one wake-up per batch, as `SocketLoop.call_soon` does.
+
+Between two jobs the thread reads every control message already waiting, so runs
+and push requests the controller sent ahead are queued before the next job starts.
+While a job runs, control messages wait in the socket. That is safe for
+collectives because the controller sends the push requests a call's inputs need
+before any of the call's runs (`Controller.call`): a collective never waits for a
+push whose request is still unread behind it.
+
+This module imports no torch (simulated executors use it).
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import logging
+import threading
+from typing import Callable
+
+import zmq
+
+__all__ = ["ComputeLoop"]
+
+log = logging.getLogger(__name__)
+
+_ids = itertools.count()
+_READ_BATCH = 64   # control messages read before the next queued job runs
+
+
+class ComputeLoop:
+    """Owns ``commands`` (read: ``on_control(frames)`` handles each message) and ``replies`` (send
+    only) on the thread that calls `run`."""
+
+    def __init__(self, name: str, context: zmq.Context, *, commands: zmq.Socket, replies: zmq.Socket,
+                 on_control: Callable[[list], None]):
+        self.name = name
+        self._commands = commands
+        self._replies = replies
+        self._on_control = on_control
+        self._calls: collections.deque = collections.deque()
+        address = f"inproc://pathways-compute-{name}-{next(_ids)}"
+        self._wake_pull = context.socket(zmq.PULL)
+        self._wake_pull.bind(address)
+        self._wake_push = context.socket(zmq.PUSH)
+        self._wake_push.connect(address)
+        self._wake_lock = threading.Lock()
+        self._wake_pending = False   # a wake-up is sent and not yet drained (under _wake_lock)
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+
+    # ------------------------------------------------------------ any thread
+
+    def on_loop_thread(self) -> bool:
+        return threading.current_thread() is self._thread
+
+    def call_soon(self, fn: Callable[[], None]) -> None:
+        """Run ``fn`` on the compute thread, after what is queued before it (never inline)."""
+        self._calls.append(fn)
+        if self.on_loop_thread():
+            return   # the loop looks at the queue before it waits
+        with self._wake_lock:
+            if self._wake_pending or self._wake_push.closed:
+                return
+            self._wake_pending = True
+            self._wake_push.send(b"", zmq.NOBLOCK)
+
+    def send(self, frames: list) -> None:
+        """Send to the controller: at once on the compute thread, else queued for it."""
+        if self.on_loop_thread():
+            self._replies.send_multipart(frames, copy=False)
+        else:
+            self.call_soon(lambda: self._replies.send_multipart(frames, copy=False))
+
+    def stop(self) -> None:
+        self._stopping = True
+        self.call_soon(lambda: None)
+
+    # ------------------------------------------------------------ the compute thread
+
+    def run(self) -> None:
+        self._thread = threading.current_thread()
+        poller = zmq.Poller()
+        poller.register(self._commands, zmq.POLLIN)
+        poller.register(self._wake_pull, zmq.POLLIN)
+        try:
+            while not self._stopping:
+                self._read_control()
+                if self._calls:
+                    self._run_one(self._calls.popleft())
+                    continue
+                for socket, _ in poller.poll(100):
+                    if socket is self._wake_pull:
+                        self._drain_wakeups()
+        finally:
+            with self._wake_lock:
+                self._wake_push.close(linger=0)
+            self._wake_pull.close(linger=0)
+            self._commands.close(linger=0)
+            self._replies.close(linger=0)
+
+    def _read_control(self) -> None:
+        # Asking EVENTS is far cheaper than the zmq.Again a non-blocking recv raises when empty.
+        for _ in range(_READ_BATCH):
+            if self._stopping or not self._commands.get(zmq.EVENTS) & zmq.POLLIN:
+                return
+            self._run_one(lambda: self._on_control(self._commands.recv_multipart(zmq.NOBLOCK, copy=False)))
+
+    def _run_one(self, fn: Callable[[], None]) -> None:
+        try:
+            fn()
+        except Exception:   # a bug of ours: log it, keep serving the rest
+            log.exception("%s: a call on the compute thread failed", self.name)
+
+    def _drain_wakeups(self) -> None:
+        while self._wake_pull.get(zmq.EVENTS) & zmq.POLLIN:
+            self._wake_pull.recv(zmq.NOBLOCK)
+        # Cleared only after the drain (see SocketLoop._drain_wakeups): calls appended before
+        # this point are in the queue the loop looks at next; later ones send a new wake-up.
+        with self._wake_lock:
+            self._wake_pending = False
