@@ -146,7 +146,7 @@ class Controller:
             return
         info = self.resources.register(executor_id, data_address=msg.data_address, device=msg.device,
                                        backend=msg.backend, pid=msg.pid, last_heard=self.clock(),
-                                       public_key=msg.public_key)
+                                       public_key=msg.public_key, command_address=msg.command_address)
         self._send(executor_id, pb.Envelope(welcome=pb.Welcome(
             index=info.index, heartbeat_interval_s=self.config.heartbeat_interval_s,
             heartbeat_timeout_s=self.config.heartbeat_timeout_s)))

@@ -23,6 +23,7 @@ class ExecutorInfo:
     last_heard: float = dataclasses.field(default_factory=time.monotonic)
     lost: bool = False
     public_key: bytes = b""       # CURVE public key (Z85) of its data socket, checked by the server
+    command_address: str = ""     # its command ROUTER, where control messages go
 
 
 @dataclasses.dataclass(frozen=True)

@@ -36,6 +36,8 @@ from pathways_torch.wire import pb
 
 __all__ = ["Step", "SegmentPlan", "Segment", "plan_segments", "instantiate", "single"]
 
+_MAX_CACHED_STEPS = 4096
+
 
 class Step:
     """One computation of a segment: a function applied to slots, writing slots.
@@ -107,13 +109,26 @@ class Segment:
         return self.base_call_id + self.steps[-1].offset
 
 
-def single(run: pb.Run) -> Segment:
-    """A plain Run as a segment of one step (inputs in slots 0..n-1, outputs after them)."""
+def single(run: pb.Run, steps: dict | None = None) -> Segment:
+    """A plain Run as a segment of one step (inputs in slots 0..n-1, outputs after them).
+
+    ``steps``: a cache of the `Step` of each kind of run seen before — a call site run
+    again and again reuses one, with its resolved process groups.
+    """
     num_inputs = len(run.inputs)
-    outputs = list(range(num_inputs, num_inputs + len(run.outputs)))
-    step = Step(offset=0, function_id=run.function_id, inputs=list(range(num_inputs)), outputs=outputs,
-                collective=run.collective, axis_groups=dict(run.axis_groups), report=not run.quiet,
-                digest=run.digest_outputs, report_shapes=run.report_shapes)
+    key = (run.function_id, num_inputs, len(run.outputs), run.collective, tuple(sorted(run.axis_groups.items())),
+           run.quiet, run.digest_outputs, run.report_shapes)
+    step = steps.get(key) if steps is not None else None
+    if step is None:
+        step = Step(offset=0, function_id=run.function_id, inputs=list(range(num_inputs)),
+                    outputs=list(range(num_inputs, num_inputs + len(run.outputs))), collective=run.collective,
+                    axis_groups=dict(run.axis_groups), report=not run.quiet, digest=run.digest_outputs,
+                    report_shapes=run.report_shapes)
+        if steps is not None:
+            if len(steps) >= _MAX_CACHED_STEPS:
+                steps.clear()
+            steps[key] = step
+    outputs = step.outputs
     return Segment(steps=[step], base_seq=run.seq, base_call_id=run.call_id,
                    input_keys=[(r.array_id, r.shard, r.tag) for r in run.inputs],
                    output_keys=[(r.array_id, r.shard, r.tag) for r in run.outputs], output_slots=outputs,

@@ -96,6 +96,7 @@ class ExecutorCore:
         self.compiler = compiler if compiler is not None else CompileCache(backend, self.trace, background=False)
         self.functions: dict[int, _Function] = {}
         self.programs: dict[int, tuple[pb.RegisterProgram, list]] = {}   # the plan and its segments
+        self._run_steps: dict = {}   # the Step of each kind of plain Run (see segments.single)
         self.collectives = collectives if collectives is not None else CollectiveRuntime()
         self._queue: collections.deque = collections.deque()   # Segments and pb.FormGroups, in arrival order
         self._last_collective_seq = 0   # the last collective action started here (gang order)
@@ -160,7 +161,7 @@ class ExecutorCore:
         self._pump()
 
     def _on_run(self, run: pb.Run, payload) -> None:
-        self._enqueue(single(run))
+        self._enqueue(single(run, self._run_steps))
 
     def _enqueue(self, segment: Segment) -> None:
         for step in segment.steps:

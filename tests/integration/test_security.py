@@ -328,6 +328,24 @@ def test_hostile_frames_to_an_executor_are_dropped_and_it_keeps_serving(ctx, mes
     torch.testing.assert_close(x.result(timeout_s=30), torch.arange(8.0))   # nothing stored was lost
 
 
+def test_control_messages_from_anyone_but_the_controller_are_dropped(ctx, mesh, add_one, zctx):
+    """The command socket admits allow-listed keys (CURVE), but reads only what the controller's key sent."""
+    gc.collect()
+    before = _executor_state(ctx)
+    info = ctx.controller.resources.executors["executor-0"]
+    dealer, _ = _dealer(zctx, info.command_address, info.public_key, ctx._data._credentials.keys, monitor=False)
+    hostile = [pb.Envelope(shutdown=pb.Shutdown(reason="forged")).SerializeToString(),
+               pb.Envelope(run=pb.Run(call_id=10**6, function_id=1)).SerializeToString(),
+               pb.Envelope(free=pb.Free(shards=[pb.ShardRef(array_id=1, shard=0)])).SerializeToString()]
+    for _ in range(ROUNDS):
+        for frame in hostile:
+            dealer.send_multipart([frame])
+    expected_drops = before["dropped_messages"] + ROUNDS * len(hostile)
+    assert wait_until(lambda: _executor_state(ctx)["dropped_messages"] >= expected_drops, 10)
+    assert _executor_state(ctx) == dict(before, dropped_messages=expected_drops)
+    _still_serves(ctx, mesh, add_one)   # the forged shutdown was not obeyed
+
+
 def test_hostile_frames_to_the_controller_are_dropped_and_it_keeps_serving(ctx, mesh, add_one, zctx):
     gc.collect()   # earlier tests' arrays are released now, not in the middle
     before = ctx.stats()["controller"]["dropped_messages"]

@@ -178,3 +178,15 @@ def test_release_many_sends_one_free_per_executor_after_the_run_that_reads_them(
         assert [(s.array_id, s.shard) for s in envelope.free.shards] == [(a.array_id, position) for a in inputs]
     controller.release(inputs[0].array_id)                 # a second release of the same array: nothing more
     assert len(outbox.of("free")) == 2
+
+
+def test_a_calls_push_requests_reach_every_executor_before_any_of_its_runs(setup):
+    """An executor may start a run the moment it reads it (a collective then blocks on its compute
+    thread): the pushes a call's inputs need must be asked for before any of the call's runs."""
+    controller, outbox, _, function_id = setup
+    y = controller.new_array(("e0", "e1"))
+    swapped = controller.resources.allocate({"data": 2}, ["e1", "e0"])   # each shard is needed by the other
+    controller.call(CallSpec(function_id=function_id, name="f", mesh=swapped, inputs=(y.array_id,), num_outputs=1,
+                             collective_axes=("data",)))
+    order = "\n".join(f"{e} {kind}" for e, kind, _ in outbox.sent if kind in ("send_shard", "run"))
+    assert order == "e0 send_shard\ne1 send_shard\ne1 run\ne0 run"
