@@ -351,7 +351,9 @@ def test_hostile_frames_to_the_controller_are_dropped_and_it_keeps_serving(ctx, 
     before = ctx.stats()["controller"]["dropped_messages"]
     arrays, executors = len(ctx.controller.arrays), sorted(ctx.controller.resources.executors)
     address, server_key = _target(ctx, "controller")
+    disconnects = lambda: ctx._server.connections.events["DISCONNECTED"]  # noqa: E731
     for identity, frames in CONTROLLER_HOSTILE.values():
+        gone = disconnects()
         dealer, monitor = _dealer(zctx, address, server_key, ctx._data._credentials.keys, identity)
         # Send only once the handshake is done, and let close() flush: on a loaded machine a
         # handshake can outlast the poll below, and close() with linger 0 would discard the frames.
@@ -364,6 +366,9 @@ def test_hostile_frames_to_the_controller_are_dropped_and_it_keeps_serving(ctx, 
         dealer.disable_monitor()   # frees its inproc address for the next dealer's monitor
         monitor.close()
         dealer.close()
+        # The next dealer may reuse this identity, and a ROUTER refuses a second connection under
+        # an identity still connected (no ROUTER_HANDOVER): its frames would be lost unread.
+        assert wait_until(lambda: disconnects() > gone, BOUND_S), "the controller never saw the dealer go"
     expected = before + ROUNDS * len(CONTROLLER_HOSTILE)
     assert wait_until(lambda: ctx.stats()["controller"]["dropped_messages"] >= expected, 10)
     assert ctx.stats()["controller"]["dropped_messages"] == expected
