@@ -46,6 +46,8 @@ class Function:
         self.name = name or getattr(fn, "__name__", "function")
         self._mesh = mesh
         self._versions: dict[tuple, CapturedVersion] = {}
+        # (signature, mesh) → (version, output layouts): what a call site repeats needs no recomputing.
+        self._calls: dict[tuple, tuple] = {}
         functools.update_wrapper(self, fn)
 
     @property
@@ -92,8 +94,14 @@ class Function:
                     f"{mesh.axes}; resharding across mesh shapes is not supported yet — put it on a mesh of "
                     f"the same shape")
         signature = self._signature(args, kwargs, mesh)
-        version = self._version(signature, args, kwargs, mesh)
-        layouts = self._layouts(version, mesh, self._out_placements(arrays, mesh, len(version.outputs)))
+        known = self._calls.get((signature, mesh))
+        if known is None:
+            version = self._version(signature, args, kwargs, mesh)
+            layouts = self._layouts(version, mesh, self._out_placements(arrays, mesh, len(version.outputs)))
+            if len(self._calls) >= _MAX_CACHED_CALLS:
+                self._calls.clear()
+            known = self._calls[(signature, mesh)] = (version, layouts)
+        version, layouts = known
         outputs = context._call(version, mesh, arrays, layouts, _call_site())
         return outputs[0] if version.single_output else tuple(outputs)
 
@@ -226,6 +234,7 @@ def _is_ours(code) -> bool:
     return ours
 
 
+_MAX_CACHED_CALLS = 1024
 _SITES: dict = {}
 _OURS: dict = {}
 _MAX_SITES = 4096

@@ -106,6 +106,10 @@ def test_cross_mesh_bytes_go_executor_to_executor(ctx):
     y = square(x)                 # on mesh A
     z = square.on(mesh_b)(y)      # consumes A's output on B
     assert z.mesh is mesh_b
+    # The same call site again, now with B's array: it runs where its input lives (a call
+    # repeated with the same signature on another mesh of the same shape is not confused).
+    for array, mesh in ((y, mesh_a), (z, mesh_b)):
+        assert square(array).mesh is mesh
     torch.testing.assert_close(z.result(timeout_s=60), host ** 4)
     after = ctx.stats()
     moved = after["hops"]["executor->executor"] - before["hops"]["executor->executor"]
