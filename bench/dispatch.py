@@ -18,7 +18,8 @@ torchmonarch==0.7.0``, keeping the project's torch).
 
 This machine's speed drifts by up to 30 % within a minute, so every system stays up
 for the whole of one N and the timed windows alternate: each round times every
-mode of ours and every baseline once, back to back. Rates are medians over rounds;
+mode of ours and every baseline once, back to back, starting one window later each round
+(the window after a switch runs slower). Rates are medians over rounds;
 ratios are medians of the per-round ratios. The last column compares our OpByOp
 with the faster of the Ray and Monarch OpByOp of the same round. Metric:
 computations per second. Prints a table, writes bench/results/dispatch.json.
@@ -98,13 +99,19 @@ def _baseline_processes(size: int, stack: contextlib.ExitStack) -> dict:
     return processes
 
 
-def _one_round(ours: PathwaysLoops, loops: MultiController, baselines: dict, args) -> dict:
-    rates = {mode: ours.window(mode, args.steps if mode == "OpByOp" else args.repeats) for mode in MODES}
-    rates["multi-controller"] = loops.window(CHAIN * args.repeats)
+def _one_round(ours: PathwaysLoops, loops: MultiController, baselines: dict, args, index: int) -> dict:
+    """Every window once. The order rotates from round to round: the window after a switch
+    runs measurably slower (5-10 % after 200 OpByOp calls, measured), so no system may
+    always sit in the same place."""
+    windows = [(mode, lambda m=mode: ours.window(m, args.steps if m == "OpByOp" else args.repeats))
+               for mode in MODES]
+    windows.append(("multi-controller", lambda: loops.window(CHAIN * args.repeats)))
     for name, process in baselines.items():
-        rates[f"{name} OpByOp"] = process.window("OpByOp", args.steps)
-        rates[f"{name} Fused"] = process.window("Fused", args.repeats)
-    return rates
+        windows.append((f"{name} OpByOp", lambda p=process: p.window("OpByOp", args.steps)))
+        windows.append((f"{name} Fused", lambda p=process: p.window("Fused", args.repeats)))
+    shift = index % len(windows)
+    rates = {key: window() for key, window in windows[shift:] + windows[:shift]}
+    return {key: rates[key] for key, _ in windows}
 
 
 def measure(size: int, args) -> dict:
@@ -117,7 +124,7 @@ def measure(size: int, args) -> dict:
         baselines = _baseline_processes(size, stack)
         rounds = []
         for index in range(args.rounds):
-            rounds.append(_one_round(ours, loops, baselines, args))
+            rounds.append(_one_round(ours, loops, baselines, args, index))
             print(f"N={size} round {index + 1}/{args.rounds}: "
                   + ", ".join(f"{k} {v:,.0f}" for k, v in rounds[-1].items()), flush=True)
     return summarize(size, rounds)
