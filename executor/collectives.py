@@ -62,6 +62,8 @@ class CollectiveRuntime:
         self._sizes: dict[int, int] = {}
         self._failures: dict[int, str] = {}
         self._local = threading.local()
+        self._ops = {"all_reduce": self._all_reduce, "all_gather": self._all_gather,
+                     "reduce_scatter": self._reduce_scatter}
 
     # ------------------------------------------------------------ groups
 
@@ -86,12 +88,13 @@ class CollectiveRuntime:
         that keeps the resolved groups once every one is usable — a group, once formed, is
         never re-formed under the same id.
         """
-        resolved = getattr(cache, "binding", None)
-        if resolved is None:
+        binding = getattr(cache, "binding", None)
+        if binding is None:
             resolved = self._resolve(axis_groups)
+            binding = _Binding(self, resolved)
             if cache is not None and not any(isinstance(v, str) for v in resolved.values()):
-                cache.binding = resolved
-        return _Binding(self, resolved)
+                cache.binding = binding
+        return binding
 
     # ------------------------------------------------------------ the ops
 
@@ -109,10 +112,10 @@ class CollectiveRuntime:
         kwargs.pop("size", None)  # the traced axis size; the group's own size is authoritative
         trace = self.trace
         if trace is not None:
-            label = f"{name} {axis} {x.numel() * x.element_size()} B"
+            label = f"{name} {axis} {x.nbytes} B"
             trace.record("collective_start", label)
         try:
-            return getattr(self, f"_{name}")(group, size, x.contiguous(), **kwargs)
+            return self._ops[name](group, size, x.contiguous(), **kwargs)
         finally:
             if trace is not None:
                 trace.record("collective_end", label)

@@ -47,7 +47,7 @@ class Step:
     """
 
     __slots__ = ("offset", "function_id", "inputs", "outputs", "collective", "axis_groups", "report", "digest",
-                 "report_shapes", "binding")
+                 "report_shapes", "binding", "external")
 
     def __init__(self, *, offset: int, function_id: int, inputs: list[int], outputs: list[int], collective: bool,
                  axis_groups: dict, report: bool, digest: bool, report_shapes: bool = False):
@@ -55,6 +55,7 @@ class Step:
         self.collective, self.axis_groups, self.report, self.digest = collective, axis_groups, report, digest
         self.report_shapes = report_shapes   # data-dependent output sizes: Done carries them
         self.binding = None                  # the resolved process groups (CollectiveRuntime.bind)
+        self.external = True                 # reads a segment input (a stored value): checked against its signature
 
 
 class SegmentPlan:
@@ -196,6 +197,7 @@ def _choose_outputs(plans: list[SegmentPlan], program_outputs: set, sent: set) -
         for step in plan.steps:
             step.inputs = [ref[1] if isinstance(ref, tuple) else ref + shift for ref in step.inputs]
             step.outputs = [slot + shift for slot in step.outputs]
+            step.external = any(slot < shift for slot in step.inputs)
         plan.num_slots += shift
         plan.outputs = [(value, shard, slot + shift) for value, shard, slot in plan.produced
                         if value in program_outputs or (value, shard) in sent or (value, shard) in read_later]

@@ -404,12 +404,15 @@ class ExecutorCore:
         segment = job.segment
         seq, call_id = segment.base_seq + step.offset, segment.base_call_id + step.offset
         inputs = [slots[slot] for slot in step.inputs]
-        failure = next((v for v in inputs if isinstance(v, pb.RemoteFailure)), None)
+        failure = None
+        for value in inputs:
+            if isinstance(value, pb.RemoteFailure):
+                failure = value
+                break
         if failure is None:
             # Only values from outside the segment can be a bad put or a hostile peer's; the
             # rest were just made here by functions with traced output signatures.
-            external = any(slot < len(job.entries) for slot in step.inputs)
-            failure = self._refusal(call_id, step, function, inputs if external else None)
+            failure = self._refusal(call_id, step, function, inputs if step.external else None)
         outputs, digests = None, []
         if failure is None:
             name = function.name
