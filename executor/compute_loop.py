@@ -8,7 +8,7 @@ costs no wake-up of a second thread on its way in, and its Done leaves at once.
 
 Other threads (the I/O thread: puts, transfers and fetches on the data socket,
 compile results) hand work over with `call_soon`, which wakes this thread through
-an inproc pipe — one wake-up per batch, as `SocketLoop.call_soon` does.
+an inproc pipe (`pathways_torch.wire.wake.WakePipe`, as `SocketLoop` does).
 
 Between two jobs the thread reads every control message already waiting, so runs
 and push requests the controller sent ahead are queued before the next job starts.
@@ -23,20 +23,18 @@ This module imports no torch (simulated executors use it).
 from __future__ import annotations
 
 import collections
-import itertools
 import logging
 import threading
 from typing import Callable
 
 import zmq
 
+from pathways_torch.wire.wake import POLLIN, WakePipe
+
 __all__ = ["ComputeLoop"]
 
 log = logging.getLogger(__name__)
 
-_POLLIN = int(zmq.POLLIN)   # a plain int: `&` with the enum costs a microsecond a test
-
-_ids = itertools.count()
 _READ_BATCH = 64   # control messages read before the next queued job runs
 
 
@@ -51,13 +49,7 @@ class ComputeLoop:
         self._replies = replies
         self._on_control = on_control
         self._calls: collections.deque = collections.deque()
-        address = f"inproc://pathways-compute-{name}-{next(_ids)}"
-        self._wake_pull = context.socket(zmq.PULL)
-        self._wake_pull.bind(address)
-        self._wake_push = context.socket(zmq.PUSH)
-        self._wake_push.connect(address)
-        self._wake_lock = threading.Lock()
-        self._wake_pending = False   # a wake-up is sent and not yet drained (under _wake_lock)
+        self._waker = WakePipe(context, f"compute-{name}")
         self._thread: threading.Thread | None = None
         self._stopping = False
 
@@ -71,11 +63,7 @@ class ComputeLoop:
         self._calls.append(fn)
         if self.on_loop_thread():
             return   # the loop looks at the queue before it waits
-        with self._wake_lock:
-            if self._wake_pending or self._wake_push.closed:
-                return
-            self._wake_pending = True
-            self._wake_push.send(b"", zmq.NOBLOCK)
+        self._waker.wake()
 
     def send(self, frames: list) -> None:
         """Send to the controller: at once on the compute thread, else queued for it."""
@@ -94,7 +82,7 @@ class ComputeLoop:
         self._thread = threading.current_thread()
         poller = zmq.Poller()
         poller.register(self._commands, zmq.POLLIN)
-        poller.register(self._wake_pull, zmq.POLLIN)
+        poller.register(self._waker.socket, zmq.POLLIN)
         try:
             while not self._stopping:
                 self._read_control()
@@ -102,19 +90,17 @@ class ComputeLoop:
                     self._run_one(self._calls.popleft())
                     continue
                 for socket, _ in poller.poll(100):
-                    if socket is self._wake_pull:
-                        self._drain_wakeups()
+                    if socket is self._waker.socket:
+                        self._waker.drain()   # calls queued before it are looked at next
         finally:
-            with self._wake_lock:
-                self._wake_push.close(linger=0)
-            self._wake_pull.close(linger=0)
+            self._waker.close()
             self._commands.close(linger=0)
             self._replies.close(linger=0)
 
     def _read_control(self) -> None:
         # Asking EVENTS is far cheaper than the zmq.Again a non-blocking recv raises when empty.
         for _ in range(_READ_BATCH):
-            if self._stopping or not self._commands.get(zmq.EVENTS) & _POLLIN:
+            if self._stopping or not self._commands.get(zmq.EVENTS) & POLLIN:
                 return
             self._run_one(lambda: self._on_control(self._commands.recv_multipart(zmq.NOBLOCK, copy=False)))
 
@@ -123,11 +109,3 @@ class ComputeLoop:
             fn()
         except Exception:   # a bug of ours: log it, keep serving the rest
             log.exception("%s: a call on the compute thread failed", self.name)
-
-    def _drain_wakeups(self) -> None:
-        while self._wake_pull.get(zmq.EVENTS) & _POLLIN:
-            self._wake_pull.recv(zmq.NOBLOCK)
-        # Cleared only after the drain (see SocketLoop._drain_wakeups): calls appended before
-        # this point are in the queue the loop looks at next; later ones send a new wake-up.
-        with self._wake_lock:
-            self._wake_pending = False

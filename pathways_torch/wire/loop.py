@@ -20,11 +20,11 @@ from typing import Callable, Sequence
 
 import zmq
 
+from .wake import POLLIN, WakePipe
+
 __all__ = ["SocketLoop"]
 
 log = logging.getLogger(__name__)
-
-_POLLIN = int(zmq.POLLIN)   # a plain int: `&` with the enum costs a microsecond a test
 
 _loop_ids = itertools.count()
 
@@ -45,14 +45,8 @@ class SocketLoop:
         self._timers: list[list] = []  # [next_due, interval_s, fn]
         self._delayed: list[tuple] = []  # heap of (due, order, fn): one-shot, run in due order
         self._delayed_order = itertools.count()
-        self._wake_address = f"inproc://pathways-loop-{name}-{next(_loop_ids)}"
-        self._wake_pull = self.context.socket(zmq.PULL)
-        self._wake_pull.bind(self._wake_address)
-        self._wake_push = self.context.socket(zmq.PUSH)
-        self._wake_push.connect(self._wake_address)
-        self._wake_lock = threading.Lock()
-        self._wake_pending = False   # a wake-up is sent and not yet drained (under _wake_lock)
-        self._poller.register(self._wake_pull, zmq.POLLIN)
+        self._waker = WakePipe(self.context, f"loop-{name}")
+        self._poller.register(self._waker.socket, zmq.POLLIN)
         self._thread: threading.Thread | None = None
         self._stopping = False
         self.bytes_out: collections.Counter = collections.Counter()
@@ -120,15 +114,9 @@ class SocketLoop:
             fn()
             return
         self._callbacks.append(fn)
-        with self._wake_lock:
-            # One wake-up message per batch of callbacks: a training step queues a dozen, and
-            # each inproc send costs tens of microseconds. The loop clears the flag after it
-            # drained the wake-ups and before it runs the callbacks, so a callback appended
-            # after the clear sends a new wake-up and one appended before it runs this turn.
-            if self._wake_pending or self._wake_push.closed:
-                return
-            self._wake_pending = True
-            self._wake_push.send(b"", zmq.NOBLOCK)
+        # The loop drains the wake-ups before it runs the callbacks, so a callback appended
+        # after the drain sends a new wake-up and one appended before it runs this turn.
+        self._waker.wake()
 
     def call_later(self, delay_s: float, fn: Callable[[], None]) -> None:
         """Run ``fn`` on the loop thread after ``delay_s`` (calls with equal delays keep their order)."""
@@ -190,8 +178,8 @@ class SocketLoop:
         try:
             while not self._stopping:
                 for socket, _ in self._poller.poll(self._poll_timeout_ms()):
-                    if socket is self._wake_pull:
-                        self._drain_wakeups()
+                    if socket is self._waker.socket:
+                        self._waker.drain()
                     else:
                         self._receive(socket)
                 self._run_callbacks()
@@ -208,22 +196,12 @@ class SocketLoop:
         due = min(dues) - time.monotonic()
         return max(0, min(100, int(due * 1000) + 1))
 
-    def _drain_wakeups(self) -> None:
-        # Asking EVENTS is far cheaper than the zmq.Again a non-blocking recv raises when empty.
-        while self._wake_pull.get(zmq.EVENTS) & _POLLIN:
-            self._wake_pull.recv(zmq.NOBLOCK)
-        # Only now: a flag cleared before the drain could be set by a producer whose wake-up
-        # the drain then swallows, leaving the flag up and every later call_soon silent.
-        # Callbacks appended before this point run in this turn (the loop runs them next).
-        with self._wake_lock:
-            self._wake_pending = False
-
     def _receive(self, socket: zmq.Socket) -> None:
         handler = self._handlers.get(socket)
         key = self._socket_names.get(socket, "?")
         # Drain what is queued, but yield to other sockets after a batch.
         for _ in range(64):
-            if not socket.get(zmq.EVENTS) & _POLLIN:
+            if not socket.get(zmq.EVENTS) & POLLIN:
                 return
             try:
                 frames = socket.recv_multipart(zmq.NOBLOCK, copy=False)
@@ -265,9 +243,7 @@ class SocketLoop:
             self.close_socket(key)
         for pair in self._monitors.values():   # monitors of sockets other threads own
             pair.close(linger=0)
-        with self._wake_lock:
-            self._wake_push.close(linger=0)
-        self._wake_pull.close(linger=0)
+        self._waker.close()
 
 
 def _nbytes(frame) -> int:

@@ -101,10 +101,10 @@ def test_a_call_soon_racing_the_drain_of_wake_ups_still_wakes_the_loop_later():
     try:
         ran = []
         loop.call_soon(lambda: ran.append(1))    # wake-up 1
-        pull = loop._wake_pull
-        loop._wake_pull = _RacingPull(pull, lambda: loop.call_soon(lambda: ran.append(2)))
-        loop._drain_wakeups()
-        loop._wake_pull = pull
+        pull = loop._waker.socket
+        loop._waker.socket = _RacingPull(pull, lambda: loop.call_soon(lambda: ran.append(2)))
+        loop._waker.drain()
+        loop._waker.socket = pull
         loop._run_callbacks()
         assert ran == [1, 2]
         loop.call_soon(lambda: ran.append(3))    # must send a wake-up: nothing else would wake the loop
