@@ -26,6 +26,7 @@ import zmq
 
 from pathways_torch.wire import SocketLoop, body_name, decode, encode, pb
 from pathways_torch.wire.framing import MAX_ENVELOPE_BYTES, FramingError, log_dropped
+from pathways_torch.wire.loop import frame_nbytes
 from pathways_torch.wire.security import (CLIENT, CONTROLLER, HEARTBEAT_SUFFIX, ConnectionWatch, Credentials,
                                           SecurityError, make_client, make_server, peer_role)
 
@@ -92,7 +93,7 @@ class ControllerServer:
             if socket is None:
                 log.warning("no command connection to %s; a %d-frame message dropped", executor_id, len(frames))
                 return
-            self._command_payload_bytes += sum(memoryview(f).nbytes for f in frames[1:])
+            self._command_payload_bytes += sum(frame_nbytes(f) for f in frames[1:])
             socket.send_multipart(frames, copy=False)
 
     def _connect_commands(self, executor_id: str, register: pb.Register) -> bool:

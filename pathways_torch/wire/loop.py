@@ -22,7 +22,7 @@ import zmq
 
 from .wake import POLLIN, WakePipe
 
-__all__ = ["SocketLoop"]
+__all__ = ["SocketLoop", "frame_nbytes"]
 
 log = logging.getLogger(__name__)
 
@@ -169,8 +169,8 @@ class SocketLoop:
 
     def _count(self, total, payload, key, frames, routed: bool) -> None:
         start = 1 if routed else 0   # the routing identity is not our message
-        envelope = _nbytes(frames[start]) if len(frames) > start else 0
-        tensors = sum(_nbytes(f) for f in frames[start + 1:]) if len(frames) > start + 1 else 0
+        envelope = frame_nbytes(frames[start]) if len(frames) > start else 0
+        tensors = sum(frame_nbytes(f) for f in frames[start + 1:]) if len(frames) > start + 1 else 0
         total[key] += envelope + tensors
         payload[key] += tensors
 
@@ -246,7 +246,8 @@ class SocketLoop:
         self._waker.close()
 
 
-def _nbytes(frame) -> int:
+def frame_nbytes(frame) -> int:
+    """The bytes a frame carries (bytes, zmq.Frame, memoryview or any buffer)."""
     if isinstance(frame, (bytes, zmq.Frame)):
         return len(frame)
     if isinstance(frame, memoryview):
