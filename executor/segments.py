@@ -100,14 +100,18 @@ class Segment:
         self.num_slots, self.collective = num_slots, collective
         self.prev_collective_seq, self.last_collective_seq = prev_collective_seq, last_collective_seq
 
+    def ids(self, step: Step) -> tuple[int, int]:
+        """(sequence number, call id) of one of its steps."""
+        return self.base_seq + step.offset, self.base_call_id + step.offset
+
     @property
     def seq(self) -> int:
         """The sequence number of the first step."""
-        return self.base_seq + self.steps[0].offset
+        return self.ids(self.steps[0])[0]
 
     @property
     def last_call_id(self) -> int:
-        return self.base_call_id + self.steps[-1].offset
+        return self.ids(self.steps[-1])[1]
 
 
 def single(run: pb.Run, steps: dict | None = None) -> Segment:

@@ -165,8 +165,9 @@ class ExecutorCore:
 
     def _enqueue(self, segment: Segment) -> None:
         for step in segment.steps:
-            self.trace.record("receive", self._name(step.function_id) or "run", seq=segment.base_seq + step.offset,
-                              call_id=segment.base_call_id + step.offset, function_id=step.function_id)
+            seq, call_id = segment.ids(step)
+            self.trace.record("receive", self._name(step.function_id) or "run", seq=seq, call_id=call_id,
+                              function_id=step.function_id)
         for key in segment.input_keys:
             self.store.claim(key, pin=True)
         for key in segment.output_keys:
@@ -402,7 +403,7 @@ class ExecutorCore:
 
     def _run_step(self, job: ComputeJob, step, function: _Function | None, slots: list) -> None:
         segment = job.segment
-        seq, call_id = segment.base_seq + step.offset, segment.base_call_id + step.offset
+        seq, call_id = segment.ids(step)
         inputs = [slots[slot] for slot in step.inputs]
         failure = None
         for value in inputs:
@@ -471,10 +472,14 @@ class ExecutorCore:
         """A bug of ours outside any function: every output of the job fails with it (on the compute thread)."""
         if job.form is not None:
             return
-        failure = self._failure(exc, origin_call_id=job.segment.base_call_id + job.segment.steps[0].offset)
-        job.values = [failure] * len(job.segment.output_keys)
-        job.dones = [pb.Done(call_id=job.segment.base_call_id + step.offset, seq=job.segment.base_seq + step.offset,
-                             ok=False, failure=failure) for step in job.segment.steps if step.report]
+        segment = job.segment
+        failure = self._failure(exc, origin_call_id=segment.ids(segment.steps[0])[1])
+        job.values = [failure] * len(segment.output_keys)
+        job.dones = []
+        for step in segment.steps:
+            if step.report:
+                seq, call_id = segment.ids(step)
+                job.dones.append(pb.Done(call_id=call_id, seq=seq, ok=False, failure=failure))
 
     def _form_group(self, job: ComputeJob) -> ComputeJob:
         form = job.form
