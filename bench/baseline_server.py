@@ -1,10 +1,10 @@
 """Baselines as long-lived processes, so a benchmark can interleave short timed windows of every system.
 
 This machine's speed drifts by up to 30 % within a minute, so a ratio of two rates is
-only meaningful when both were measured close together. Each baseline (the
-multi-controller loop, Ray, Monarch) runs as a server for one executor count: it sets
-up its N workers once, then answers timed windows on request, and sits blocked on
-its input (no CPU) in between. The benchmark alternates windows of its own system
+only meaningful when both were measured close together. Each baseline (Ray, Monarch)
+runs as a server for one executor count: it sets up its N workers once, then answers
+timed windows on request, and sits blocked on its input (no CPU) in between. (The
+multi-controller loop does the same in-tree, through `bench.multicontroller.MultiController`.) The benchmark alternates windows of its own system
 and of each baseline and reports the median of the per-round ratios.
 
 Protocol, one line each way: ``<mode> <count>`` in, ``@@ <computations per second>``

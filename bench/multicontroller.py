@@ -111,4 +111,3 @@ def run_sim_multicontroller(size: int, steps: int, step_s: float) -> float:
     for p in procs:
         p.join(30)
     return steps / elapsed
-
