@@ -121,11 +121,12 @@ class ExecutorProcess:
         make_server(socket, self.credentials)
         socket.bind(f"tcp://{self.config.bind_host}:0")
         self.loop.add_socket(_DATA, socket, self._on_data)
-        self._data_watch = ConnectionWatch(f"executor {self.config.executor_id} data socket", self._on_data_event)
-        self.loop.monitor(_DATA, self._data_watch.on_frames)
+        watch = ConnectionWatch(f"executor {self.config.executor_id} data socket", self._on_server_socket_event)
+        self.loop.monitor(_DATA, watch.on_frames)
         return socket.getsockopt_string(zmq.LAST_ENDPOINT)
 
-    def _on_data_event(self, event: str, watch: ConnectionWatch) -> None:
+    def _on_server_socket_event(self, event: str, watch: ConnectionWatch) -> None:
+        """Refused connections, summed over the sockets we bind (data and command), for Stats."""
         self._refused[watch.name] = watch.refused
         self.core.counters["refused_connections"] = sum(self._refused.values())
 
@@ -137,7 +138,7 @@ class ExecutorProcess:
         make_server(socket, self.credentials)
         socket.bind(f"tcp://{self.config.bind_host}:0")
         # Set up here, before the compute thread takes the socket over.
-        watch = ConnectionWatch(f"executor {self.config.executor_id} command socket", self._on_data_event)
+        watch = ConnectionWatch(f"executor {self.config.executor_id} command socket", self._on_server_socket_event)
         self.loop.monitor(_COMMANDS, watch.on_frames, socket=socket)
         return socket, socket.getsockopt_string(zmq.LAST_ENDPOINT)
 
