@@ -1,6 +1,6 @@
 """Gang scheduling: collective actions run in the island's order on every executor.
 
-In-process executors (an ExecutorCore each, with its own I/O and compute thread)
+In-process executors (an ExecutorCore each, threaded as a process threads it)
 get the controller's messages in a different order each; an in-process fake
 collective blocks like gloo (every member must arrive) and checks that members
 agree on which computation they are in. Two clients submit collective programs
@@ -10,6 +10,7 @@ wrong order is a real deadlock.
 
 from __future__ import annotations
 
+import collections
 import queue
 import random
 import threading
@@ -91,19 +92,22 @@ class FakeGroups:
 
 
 class InProcessExecutor:
-    """One ExecutorCore with an I/O thread (all core calls) and a compute thread."""
+    """One ExecutorCore threaded as in ExecutorProcess: a compute thread reads the control messages
+    and runs the jobs (every waiting message first, then one job), an I/O thread the data messages."""
 
     def __init__(self, executor_id, controller, runtime, gang_order):
-        self.io: queue.Queue = queue.Queue()
-        self.jobs: queue.Queue = queue.Queue()
+        self.control: queue.Queue = queue.Queue()   # control messages; None: a job was queued (a wake-up)
+        self.data: queue.Queue = queue.Queue()
+        self.jobs: collections.deque = collections.deque()
         self.lock = threading.RLock()
         outbox = self
 
         self.controller = controller
         self.core = ExecutorCore(executor_id=executor_id, backend=EagerBackend(), outbox=outbox,
-                                 submit=self.jobs.put, collectives=runtime, gang_order=gang_order)
-        for target in (self._io_loop, self._compute_loop):
-            threading.Thread(target=target, daemon=True).start()
+                                 submit=self._submit, collectives=runtime, gang_order=gang_order)
+        self._compute = threading.Thread(target=self._compute_loop, daemon=True)
+        for thread in (self._compute, threading.Thread(target=self._io_loop, daemon=True)):
+            thread.start()
 
     def to_controller(self, envelope, payload=()):
         self.controller.on_message(self.core.executor_id, envelope, [])
@@ -114,19 +118,41 @@ class InProcessExecutor:
     def to_client(self, *args):
         pass
 
-    def post(self, fn):
-        self.io.put(fn)
+    def post_control(self, fn):
+        self.control.put(fn)
+
+    def post_data(self, fn):
+        self.data.put(fn)
+
+    def _submit(self, job):
+        self.jobs.append(job)
+        if threading.current_thread() is not self._compute:
+            self.control.put(None)
 
     def _io_loop(self):
         while True:
-            fn = self.io.get()
+            fn = self.data.get()
             with self.lock:
                 fn()
 
     def _compute_loop(self):
-        # As in ExecutorProcess: compute outside the lock, finish under it before the next job.
+        # As ComputeLoop: a collective blocks this thread, and what arrives meanwhile waits.
         while True:
-            job = self.jobs.get()
+            while True:
+                try:
+                    fn = self.control.get_nowait()
+                except queue.Empty:
+                    break
+                if fn is not None:
+                    with self.lock:
+                        fn()
+            if not self.jobs:
+                fn = self.control.get()
+                if fn is not None:
+                    with self.lock:
+                        fn()
+                continue
+            job = self.jobs.popleft()
             self.core.compute(job)
             with self.lock:
                 self.core.finish(job)
@@ -200,10 +226,10 @@ def _run(gang_order: bool, seed: int = 0):
                 put = pb.Put(request_id=1)
                 put.shard.CopyFrom(pb.ShardRef(array_id=start.array_id, shard=shard))
                 frame = bytes(memoryview(tensor_to_frame(torch.ones(1), put.tensor, 1)))
-                executors[executor_id].post(lambda core=core, put=put, frame=frame: core.on_data(
+                executors[executor_id].post_data(lambda core=core, put=put, frame=frame: core.on_data(
                     b"client", pb.Envelope(put=put), [frame]))
             for envelope, payload in loads + actions:
-                executors[executor_id].post(lambda core=core, e=envelope, p=payload: core.on_control(e, p))
+                executors[executor_id].post_control(lambda core=core, e=envelope, p=payload: core.on_control(e, p))
         finished = all(r.event.wait(10) for rs in results.values() for r in rs)
         return finished, results, executors
     finally:
