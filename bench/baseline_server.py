@@ -10,17 +10,25 @@ and of each baseline and reports the median of the per-round ratios.
 Protocol, one line each way: ``<mode> <count>`` in, ``@@ <computations per second>``
 out (other output lines — gloo's, Ray's, Monarch's — are skipped); ``@@ ready`` once
 the workers are up; ``quit`` ends it.
+
+Between its own windows a baseline is *paused*: its whole process tree (Ray's GCS,
+raylet, dashboard and actors; Monarch's actor processes) is stopped with SIGSTOP, so
+its daemons' background work (measured idle: Ray about 5 % of a core, Monarch about
+2 %) does not slow the other systems' windows. The runtime's own processes are never
+paused (their idle cost, heartbeats, stays in every measurement, the baselines' too).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import queue
+import signal
 import subprocess
 import sys
 import threading
 
-__all__ = ["serve", "serve_size", "BaselineProcess"]
+__all__ = ["serve", "serve_size", "BaselineProcess", "signal_tree"]
 
 _MARK = "@@ "
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -63,6 +71,7 @@ class BaselineProcess:
         # A reader thread, so a wait for an answer can time out (and see an exit) without select
         # on a buffered pipe.
         self._lines: queue.Queue = queue.Queue()
+        self._paused = False
         threading.Thread(target=self._read, daemon=True).start()
         self._reply()   # ready
 
@@ -73,12 +82,34 @@ class BaselineProcess:
         self.close()
 
     def window(self, mode: str, count: int) -> float:
-        """Computations per second of one timed window (``mode``: what the baseline calls its loops)."""
-        self._proc.stdin.write(f"{mode} {count}\n")
-        self._proc.stdin.flush()
-        return float(self._reply())
+        """Computations per second of one timed window (``mode``: what the baseline calls its loops),
+        resumed for it if paused."""
+        with self._resumed():
+            self._proc.stdin.write(f"{mode} {count}\n")
+            self._proc.stdin.flush()
+            return float(self._reply())
+
+    def pause(self) -> None:
+        """Stop the baseline's whole process tree until its next window (or `close`)."""
+        signal_tree(self._proc.pid, signal.SIGSTOP)
+        self._paused = True
+
+    @contextlib.contextmanager
+    def _resumed(self):
+        paused = self._paused
+        if paused:
+            signal_tree(self._proc.pid, signal.SIGCONT)
+            self._paused = False
+        try:
+            yield
+        finally:
+            if paused:
+                self.pause()
 
     def close(self) -> None:
+        if self._paused:
+            signal_tree(self._proc.pid, signal.SIGCONT)
+            self._paused = False
         if self._proc.poll() is None:
             try:
                 self._proc.stdin.write("quit\n")
@@ -104,6 +135,33 @@ class BaselineProcess:
         if line is None:
             raise RuntimeError(f"baseline {self.name} exited (code {self._proc.wait()}); see {self._log.name}")
         return line
+
+
+def signal_tree(root: int, signum: int) -> None:
+    """Send ``signum`` to ``root`` and every process below it."""
+    for pid in _descendants(root):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signum)
+
+
+def _descendants(root: int) -> list[int]:
+    """``root`` and every process below it (from /proc; Linux only, as the benchmarks are)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                parent = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue   # exited meanwhile
+        children.setdefault(parent, []).append(int(entry))
+    found, todo = [], [root]
+    while todo:
+        pid = todo.pop()
+        found.append(pid)
+        todo.extend(children.get(pid, ()))
+    return found
 
 
 def _log_dir() -> str:

@@ -19,7 +19,9 @@ torchmonarch==0.7.0``, keeping the project's torch).
 This machine's speed drifts by up to 30 % within a minute, so every system stays up
 for the whole of one N and the timed windows alternate: each round times every
 mode of ours and every baseline once, back to back, starting one window later each round
-(the window after a switch runs slower). Rates are medians over rounds;
+(the window after a switch runs slower). Outside its own windows a baseline's process
+tree is stopped (SIGSTOP), so Ray's and Monarch's idle daemons do not slow the others'
+windows; ours are never stopped. Rates are medians over rounds;
 ratios are medians of the per-round ratios. The last column compares our OpByOp
 with the faster of the Ray and Monarch OpByOp of the same round. Metric:
 computations per second. Prints a table, writes bench/results/dispatch.json.
@@ -96,6 +98,7 @@ def _baseline_processes(size: int, stack: contextlib.ExitStack) -> dict:
         if path:
             print(f"N={size}: starting {name} ...", flush=True)
             processes[name] = stack.enter_context(BaselineProcess(module, size, path))
+            processes[name].pause()   # stopped outside its own windows (see bench/baseline_server.py)
     return processes
 
 
