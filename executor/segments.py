@@ -34,7 +34,7 @@ from __future__ import annotations
 
 from pathways_torch.wire import pb
 
-__all__ = ["Step", "SegmentPlan", "Segment", "plan_segments", "instantiate", "single"]
+__all__ = ["Step", "SegmentPlan", "Segment", "plan_segments", "instantiate", "single", "run_step"]
 
 _MAX_CACHED_STEPS = 4096
 
@@ -114,10 +114,10 @@ class Segment:
         return self.ids(self.steps[-1])[1]
 
 
-def single(run: pb.Run, steps: dict | None = None) -> Segment:
-    """A plain Run as a segment of one step (inputs in slots 0..n-1, outputs after them).
+def run_step(run: pb.Run, steps: dict | None = None) -> Step:
+    """The `Step` of a plain Run (inputs in slots 0..n-1, outputs after them).
 
-    ``steps``: a cache of the `Step` of each kind of run seen before — a call site run
+    ``steps``: a cache of the step of each kind of run seen before — a call site run
     again and again reuses one, with its resolved process groups.
     """
     num_inputs = len(run.inputs)
@@ -133,7 +133,13 @@ def single(run: pb.Run, steps: dict | None = None) -> Segment:
             if len(steps) >= _MAX_CACHED_STEPS:
                 steps.clear()
             steps[key] = step
-    outputs = step.outputs
+    return step
+
+
+def single(run: pb.Run, steps: dict | None = None) -> Segment:
+    """A plain Run as a segment of one step (see `run_step` for ``steps``)."""
+    step = run_step(run, steps)
+    num_inputs, outputs = len(step.inputs), step.outputs
     return Segment(steps=[step], base_seq=run.seq, base_call_id=run.call_id,
                    input_keys=[(r.array_id, r.shard, r.tag) for r in run.inputs],
                    output_keys=[(r.array_id, r.shard, r.tag) for r in run.outputs], output_slots=outputs,

@@ -170,6 +170,24 @@ def test_run_before_put_waits_while_ready_runs_pass_it():
     assert torch.equal(fetch_tensor(core, outbox, ref(5), request_id=2), X + 2)
 
 
+def test_a_ready_run_on_an_idle_executor_starts_at_once_and_one_behind_a_queued_run_takes_the_queue():
+    core, outbox = make_core()
+    paths, submit = [], core._submit
+    core._submit = lambda job: (paths.append(f"seq {job.seq} " + ("at once" if job.segment is None else "queued")),
+                                submit(job))
+    load(core, 1, lambda x: x + 1, X)
+    put(core, ref(1), X)
+    run(core, seq=1, call_id=1, function_id=1, inputs=[ref(1)], outputs=[ref(2)])
+    run(core, seq=2, call_id=2, function_id=1, inputs=[ref(9)], outputs=[ref(3)])   # waits for array 9
+    run(core, seq=3, call_id=3, function_id=1, inputs=[ref(2)], outputs=[ref(4)])   # ready, but seq 2 is queued
+    put(core, ref(9), X * 10)
+    assert paths == ["seq 1 at once", "seq 3 queued", "seq 2 queued"]
+    assert sorted(d.call_id for d in outbox.dones() if d.ok) == [1, 2, 3]
+    assert torch.equal(fetch_tensor(core, outbox, ref(4)), X + 2)
+    assert torch.equal(fetch_tensor(core, outbox, ref(3), request_id=2), X * 10 + 1)
+    assert core.store.get((1, 0, 0)).pins == 0   # the run started at once let its input go
+
+
 def test_fetch_before_ready_waits():
     core, outbox = make_core()
     load(core, 1, lambda x: x - 1, X)
