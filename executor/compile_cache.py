@@ -16,6 +16,8 @@ import threading
 import time
 from typing import Callable
 
+from pathways_torch.wire.threads import name_os_thread
+
 __all__ = ["CompileCache", "graph_key"]
 
 log = logging.getLogger(__name__)
@@ -85,6 +87,7 @@ class CompileCache:
             self._thread.start()
 
     def _compile_loop(self) -> None:
+        name_os_thread()
         while (job := self._jobs.get()) is not None:
             self._compile(*job)
 

@@ -27,6 +27,7 @@ from pathways_torch.wire.framing import FramingError
 from pathways_torch.wire.security import (CONTROLLER, HANDSHAKE_FAILURES, HEARTBEAT_SUFFIX, ConnectionWatch,
                                           Credentials, Gatekeeper, KeyDirectory, SecurityError, make_client,
                                           make_server, peer_role)
+from pathways_torch.wire.threads import name_os_thread
 
 from .backends import make_backend
 from .collectives import CollectiveRuntime
@@ -216,6 +217,7 @@ class ExecutorProcess:
             self.core.finish(job)
 
     def _compute_thread(self) -> None:
+        name_os_thread()
         if self.config.backend != "sim":
             import torch
 
@@ -232,6 +234,7 @@ class ExecutorProcess:
         the controller answers each ping at once, and this thread exits the
         process when answers stop for the timeout, or the parent process is gone.
         """
+        name_os_thread()
         socket = self._heartbeat_socket()
         interval, timeout = self.config.heartbeat_interval_s, self.config.heartbeat_timeout_s
         last_answer = next_ping = time.monotonic()

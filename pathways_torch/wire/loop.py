@@ -20,6 +20,7 @@ from typing import Callable, Sequence
 
 import zmq
 
+from .threads import name_os_thread
 from .wake import POLLIN, WakePipe
 
 __all__ = ["SocketLoop", "frame_nbytes"]
@@ -175,6 +176,7 @@ class SocketLoop:
         payload[key] += tensors
 
     def _run(self) -> None:
+        name_os_thread()
         try:
             while not self._stopping:
                 for socket, _ in self._poller.poll(self._poll_timeout_ms()):

@@ -1,14 +1,17 @@
-"""The benchmark's baseline servers: pausing a baseline stops its whole process tree."""
+"""Benchmark helpers: pausing a baseline stops its whole process tree; CPU per thread is read by name."""
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
+import threading
 
 import pytest
 
 from bench.baseline_server import signal_tree
+from bench.cpu_per_call import thread_cpu_s
 from tests.conftest import wait_until
 
 pytestmark = pytest.mark.timeout(30)
@@ -35,3 +38,23 @@ def test_signal_tree_stops_and_resumes_a_process_and_its_children():
     finally:
         signal_tree(parent.pid, signal.SIGKILL)
         parent.wait()
+
+
+def test_thread_cpu_is_read_per_named_thread_and_a_busy_thread_shows():
+    stop = threading.Event()
+
+    def spin():
+        from pathways_torch.wire.threads import name_os_thread
+
+        name_os_thread()
+        while not stop.is_set():
+            sum(range(1000))
+
+    thread = threading.Thread(target=spin, name="pathways-spinner")
+    thread.start()
+    try:
+        assert wait_until(lambda: thread_cpu_s(os.getpid()).get("pw-spinner", 0.0) >= 0.05, timeout_s=10)
+    finally:
+        stop.set()
+        thread.join()
+    assert "main" in thread_cpu_s(os.getpid())
