@@ -14,7 +14,8 @@ the workers are up; ``quit`` ends it.
 Between its own windows a baseline is *paused*: its whole process tree (Ray's GCS,
 raylet, dashboard and actors; Monarch's actor processes) is stopped with SIGSTOP, so
 its daemons' background work (measured idle: Ray about 5 % of a core, Monarch about
-2 %) does not slow the other systems' windows. The runtime's own processes are never
+2 %) does not slow the other systems' windows; resumed, it gets 0.3 s to catch up on
+timers that fell due before its window starts. The runtime's own processes are never
 paused (their idle cost, heartbeats, stays in every measurement, the baselines' too).
 """
 
@@ -27,10 +28,12 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 
 __all__ = ["serve", "serve_size", "BaselineProcess", "signal_tree"]
 
 _MARK = "@@ "
+_SETTLE_S = 0.3   # after a resume, before the window
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -100,6 +103,9 @@ class BaselineProcess:
         if paused:
             signal_tree(self._proc.pid, signal.SIGCONT)
             self._paused = False
+            # Timers that fell due while stopped (health checks, heartbeats) fire now: let them
+            # run before the window, not in it.
+            time.sleep(_SETTLE_S)
         try:
             yield
         finally:
