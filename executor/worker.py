@@ -186,7 +186,7 @@ class ExecutorCore:
         function = self.functions.get(run.function_id)
         if function is None or not function.ready:
             return False
-        if run.collective and self._gang_order and run.prev_collective_seq != self._last_collective_seq:
+        if not self._gang_turn(run.collective, run.prev_collective_seq):
             return False
         input_keys = [(r.array_id, r.shard, r.tag) for r in run.inputs]
         entries = [self.store.get(key) for key in input_keys]
@@ -402,7 +402,7 @@ class ExecutorCore:
         while self._queue:
             item = self._queue.popleft()
             collective = item.collective if isinstance(item, Segment) else True
-            if collective and self._gang_order and item.prev_collective_seq != self._last_collective_seq:
+            if not self._gang_turn(collective, item.prev_collective_seq):
                 waiting.append(item)   # an earlier collective action has not started here yet
                 continue
             if isinstance(item, pb.FormGroup):
@@ -421,6 +421,11 @@ class ExecutorCore:
                 waiting.append(item)
         self._queue = waiting + self._queue  # a nested pump may have left items behind
         return collective_started
+
+    def _gang_turn(self, collective: bool, prev_collective_seq: int) -> bool:
+        """Whether gang order lets an action start now: a collective one only once the previous
+        collective action it names has started here."""
+        return not (collective and self._gang_order) or prev_collective_seq == self._last_collective_seq
 
     def _start(self, segment: Segment, functions: list, entries: list) -> None:
         job = ComputeJob(segment, functions)
