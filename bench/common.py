@@ -8,7 +8,7 @@ import platform
 import statistics
 import time
 
-__all__ = ["write_results", "print_table", "spans", "machine", "add_run_arguments", "timed_calls"]
+__all__ = ["write_results", "print_table", "spans", "machine", "add_run_arguments", "timed_calls", "process_cpu_s"]
 
 RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
@@ -62,3 +62,15 @@ def timed_calls(run, x, count: int, *, awaited: bool, timeout_s: float = 600.0) 
             x.exception(timeout_s=timeout_s)
     x.exception(timeout_s=timeout_s)
     return time.perf_counter() - began
+
+
+def process_cpu_s(pid: int, tid: int | None = None) -> float | None:
+    """User + system CPU seconds so far of process ``pid`` (every thread), or of its thread ``tid``,
+    from ``/proc``; None if it is gone."""
+    path = f"/proc/{pid}/stat" if tid is None else f"/proc/{pid}/task/{tid}/stat"
+    try:
+        with open(path) as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")   # utime, stime (fields 14, 15)

@@ -24,12 +24,9 @@ import time
 import torch
 
 import pathways_torch as pw
-from bench.common import print_table, timed_calls, write_results
+from bench.common import print_table, process_cpu_s, timed_calls, write_results
 from bench.dispatch import chained, step
 from bench.gloo_loop import CHAIN
-
-_TICKS_PER_S = os.sysconf("SC_CLK_TCK")
-
 
 def thread_cpu_s(pid: int) -> dict[str, float]:
     """CPU seconds so far of the threads of ``pid``, summed by label (see the module docstring)."""
@@ -39,13 +36,14 @@ def thread_cpu_s(pid: int) -> dict[str, float]:
         try:
             with open(f"/proc/{pid}/task/{tid}/comm") as f:
                 name = f.read().strip()
-            with open(f"/proc/{pid}/task/{tid}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
         except OSError:
             continue   # the thread ended meanwhile
+        used = process_cpu_s(pid, int(tid))
+        if used is None:
+            continue
         label = "main" if int(tid) == pid else f"{name} (spawned)" if name in seen else name
         seen.add(name)
-        by_label[label] += (int(fields[11]) + int(fields[12])) / _TICKS_PER_S   # utime, stime
+        by_label[label] += used
     return dict(by_label)
 
 

@@ -26,7 +26,7 @@ import tempfile
 import time
 import traceback
 
-__all__ = ["DDPWorkers", "status_field", "process_cpu_s"]
+__all__ = ["DDPWorkers", "status_field"]
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -247,12 +247,3 @@ class DDPWorkers:
         self._commands, self._procs = [], []
         shutil.rmtree(self._tmp, ignore_errors=True)
 
-
-def process_cpu_s(pid: int) -> float | None:
-    """User + system CPU seconds of process ``pid`` so far (every thread), from ``/proc/<pid>/stat``."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-    except OSError:
-        return None
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")   # utime, stime (fields 14, 15)

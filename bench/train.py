@@ -70,8 +70,8 @@ for _path in (_ROOT, os.path.join(_ROOT, "examples")):
 import torch  # noqa: E402
 
 import pathways_torch as pw  # noqa: E402
-from bench.common import print_table, write_results  # noqa: E402
-from bench.ddp_train_baseline import DDPWorkers, process_cpu_s, status_field  # noqa: E402
+from bench.common import print_table, process_cpu_s, write_results  # noqa: E402
+from bench.ddp_train_baseline import DDPWorkers, status_field  # noqa: E402
 from transformer import DecoderOnlyTransformer, ReverseTask, TransformerConfig, loss_fn  # noqa: E402
 
 LR = 1e-3
