@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import dataclasses
 
-__all__ = ["ExecutorConfig", "BACKENDS"]
+from pathways_torch.wire.backend_names import BACKEND_NAMES as BACKENDS
 
-BACKENDS = ("eager", "xla", "inductor", "sim")
+__all__ = ["ExecutorConfig", "BACKENDS"]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -281,7 +281,7 @@ class ExecutorProcess:
 
     def run(self) -> None:
         register = pb.Register(executor_id=self.config.executor_id, data_address=self.data_address,
-                               device=self.backend.device, backend=self.config.backend, pid=os.getpid(),
+                               device=self.backend.device, backend=self.backend.name, pid=os.getpid(),
                                store_bytes=self.core.store.bytes, public_key=self.credentials.keys.public,
                                command_address=self.command_address)
         self.compute.send(encode(pb.Envelope(register=register)))   # the first thing the thread does

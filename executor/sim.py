@@ -44,6 +44,10 @@ class SimTensor:
     def element_size(self) -> int:
         return _ITEM_SIZES.get(self.dtype, 4)
 
+    @property
+    def nbytes(self) -> int:
+        return self.numel() * self.element_size()
+
     def contiguous(self) -> "SimTensor":
         return self
 
@@ -104,6 +108,9 @@ class SimBackend:
 
     def to_device(self, value):
         return value
+
+    def counters(self) -> dict[str, int]:
+        return {}
 
     def num_compiles(self) -> int:
         return 0

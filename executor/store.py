@@ -76,7 +76,7 @@ class ObjectStore:
             entry.failure = failure
         else:
             entry.value = value
-            entry.nbytes = value.numel() * value.element_size()
+            entry.nbytes = value.nbytes  # torch tensors, jax arrays and sim values all have it
             self.bytes += entry.nbytes
         waiters, entry.waiters = entry.waiters, []
         for waiter in waiters:

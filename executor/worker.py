@@ -275,7 +275,9 @@ class ExecutorCore:
         stats = pb.Stats(request_id=msg.request_id, executor_id=self.executor_id,
                          store_bytes=self.store.bytes, store_buffers=len(self.store),
                          num_computations=self.num_computations, num_function_loads=self.num_function_loads,
-                         num_compiles=self.backend.num_compiles())
+                         num_compiles=self.backend.num_compiles(), backend=self.backend.name)
+        for name, count in self.backend.counters().items():
+            stats.backend_counters[name] = count
         for hop, count in self.hop_bytes.items():
             stats.hop_bytes[hop] = count
         # Stats has no fields for these counts yet: they ride in hop_bytes under reserved names.
@@ -305,7 +307,7 @@ class ExecutorCore:
     def _on_put(self, identity: bytes, msg: pb.Put, payload) -> None:
         for item in (msg, *msg.more):
             tensor = self.backend.from_frame(item.tensor, payload)
-            self.hop_bytes["client->executor"] += tensor.numel() * tensor.element_size()
+            self.hop_bytes["client->executor"] += tensor.nbytes
             self.store.fill(_key(item.shard), tensor)
         ack = pb.PutAck(request_id=msg.request_id)
         ack.shard.CopyFrom(msg.shard)
@@ -320,7 +322,7 @@ class ExecutorCore:
             self.store.fill(key, failure=msg.failure)
             return
         tensor = self.backend.from_frame(msg.tensor, payload)
-        self.hop_bytes["executor->executor received"] += tensor.numel() * tensor.element_size()
+        self.hop_bytes["executor->executor received"] += tensor.nbytes
         self.trace.record("receive", "transfer", call_id=msg.shard.tag, detail=f"array {msg.shard.array_id}")
         self.store.fill(key, tensor)
 
@@ -584,7 +586,7 @@ class ExecutorCore:
             if isinstance(value, pb.RemoteFailure):
                 self.store.fill(key, failure=value, owned=False)
             else:
-                self.store.fill(key, value.contiguous(), owned=False)
+                self.store.fill(key, value, owned=False)
         self.num_computations += job.computed
         for key in job.input_keys:
             self.store.unpin(key)

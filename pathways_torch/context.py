@@ -22,6 +22,7 @@ from .placement import Mesh, Sharding, local_shape, normalize_placements, split_
 from .programs import ProgramGraph
 from .trace_export import chrome_trace
 from .wire import pb
+from .wire.backend_names import BACKEND_NAMES, default_backend, resolve_backend_name
 from .wire.security import CLIENT, CONTROLLER, Gatekeeper, KeyDirectory
 
 __all__ = ["Context", "ContextConfig"]
@@ -34,7 +35,9 @@ class ContextConfig:
     """How `Context` starts its embedded cluster."""
 
     num_executors: int = 4
-    backend: str = "xla"          # "xla" (PJRT CPU/TPU), "eager" (debugging), "inductor" (CUDA hosts)
+    # None: XLA on CPU/TPU (the installed route: "xla:torchax" or "xla:torch_xla"), inductor on CUDA.
+    # "eager" runs op by op (debugging); see docs/backends.md.
+    backend: str | None = None
     device: str = "cpu"           # "cuda": executor i runs on cuda:i, collectives on NCCL
     debug: bool = False
     executor_threads: int = 1
@@ -49,9 +52,18 @@ class ContextConfig:
             raise ValueError(f"num_executors: expected a positive int, got {self.num_executors!r}")
         if self.device not in ("cpu", "cuda"):
             raise ValueError(f"device: expected 'cpu' or 'cuda', got {self.device!r}")
-        if self.device == "cuda" and self.backend not in ("inductor", "eager"):
-            raise ValueError(f"device='cuda' needs backend='inductor' (or 'eager'), got {self.backend!r}: "
-                             f"torch_xla 2.9 has no GPU support")
+        if self.backend is not None and self.backend not in BACKEND_NAMES:
+            raise ValueError(f"backend: expected one of {BACKEND_NAMES} (or None for the default), "
+                             f"got {self.backend!r}")
+        if self.device == "cuda" and self.backend not in (None, "inductor", "eager"):
+            raise ValueError(f"device='cuda' needs backend='inductor' (the default there) or 'eager', got "
+                             f"{self.backend!r}: the XLA routes run on CPU and TPU hosts (docs/backends.md)")
+
+    @property
+    def resolved_backend(self) -> str:
+        """The backend executors are started with: the default for the device, an XLA route resolved to what is
+        installed (raises ``ValueError`` saying what to install)."""
+        return resolve_backend_name(self.backend or default_backend(self.device))
 
     def executor_devices(self) -> list[str]:
         """The device of each executor: ``cpu``, or one CUDA device each (NCCL needs distinct devices)."""
@@ -70,8 +82,8 @@ class Context:
     """Start a controller in this process and ``num_executors`` executor processes; stop them on exit.
 
     Use as a context manager. ``backend`` picks how executors compile and run
-    functions (``"xla"`` by default; ``"eager"`` runs op by op, bit-for-bit with
-    eager PyTorch). ``debug=True`` checks that outputs declared ``Replicate()`` are
+    functions (XLA by default, through the installed route; ``"eager"`` runs op by
+    op, bit-for-bit with eager PyTorch; ``ctx.backend`` names what runs). ``debug=True`` checks that outputs declared ``Replicate()`` are
     identical on every shard.
 
     Every connection is authenticated with CURVE keys made for this context alone
@@ -98,7 +110,7 @@ class Context:
             self._server.start()
             self.controller = self._server.controller
             self._cluster = LocalCluster(
-                self._server.address, executor_ids, keys_dir=self._keys.path, backend=self.config.backend,
+                self._server.address, executor_ids, keys_dir=self._keys.path, backend=self.config.resolved_backend,
                 devices=self.config.executor_devices(),
                 threads=self.config.executor_threads, heartbeat_interval_s=self.config.heartbeat_interval_s,
                 heartbeat_timeout_s=self.config.heartbeat_timeout_s, log_dir=self.config.log_dir)
@@ -331,6 +343,12 @@ class Context:
 
     # ------------------------------------------------------------ observability
 
+    @property
+    def backend(self) -> str:
+        """The backend the executors run, with its route (``"xla:torchax"``, ``"eager"`` ...), as they registered."""
+        names = sorted({info.backend for info in self.controller.resources.ordered()})
+        return ",".join(names)
+
     def stats(self) -> dict:
         """Object store bytes and bytes per hop, per executor and in total."""
         replies = self.controller.gather("stats")
@@ -343,7 +361,8 @@ class Context:
             executors[executor_id] = {"store_bytes": s.store_bytes, "store_buffers": s.store_buffers,
                                       "hop_bytes": hop_bytes, "num_computations": s.num_computations,
                                       "num_function_loads": s.num_function_loads,
-                                      "num_compiles": s.num_compiles,
+                                      "num_compiles": s.num_compiles, "backend": s.backend,
+                                      "backend_counters": dict(s.backend_counters),
                                       # Counts that ride in hop_bytes until Stats has fields for them.
                                       "dropped_messages": hop_bytes.pop("dropped_messages", 0),
                                       "refused_connections": hop_bytes.pop("refused_connections", 0)}

@@ -4,7 +4,7 @@ import pytest
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from executor.backends import EagerBackend
+from executor.backends.torch_based import EagerBackend
 from executor.worker import ExecutorCore
 from pathways_torch.wire import pb
 from pathways_torch.wire.graph_schema import encode_graph

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from controller import CallSpec, Controller
-from executor.backends import EagerBackend
+from executor.backends.torch_based import EagerBackend
 from executor.worker import ExecutorCore
 from pathways_torch.capture import InputSpec, capture
 from pathways_torch.collectives import all_reduce, tracing_mesh

@@ -147,8 +147,13 @@ def test_device_choice_is_checked_before_any_process_starts():
     from pathways_torch.context import ContextConfig
 
     assert ContextConfig(num_executors=2).executor_devices() == ["cpu", "cpu"]
-    with pytest.raises(ValueError, match="torch_xla 2.9 has no GPU support"):
+    with pytest.raises(ValueError, match="the XLA routes run on CPU and TPU hosts"):
         ContextConfig(device="cuda", backend="xla")
+    with pytest.raises(ValueError, match="expected one of"):
+        ContextConfig(backend="xla:tpu")
+    # The defaults: XLA on CPU (resolved to the installed route), inductor on CUDA.
+    assert ContextConfig().resolved_backend in ("xla:torchax", "xla:torch_xla")
+    assert ContextConfig(device="cuda").resolved_backend == "inductor"
     with pytest.raises(ValueError, match="'cpu' or 'cuda'"):
         ContextConfig(device="tpu")
     if torch.cuda.device_count() < 64:

@@ -1,4 +1,7 @@
-"""The round-trip set through the XLA backend in this process: results match eager PyTorch.
+"""The round-trip set through each XLA route in this process: results match eager PyTorch.
+
+Both routes run where installed: ``xla:torchax`` everywhere (the default), ``xla:torch_xla``
+in the torch 2.9 environment (tests/compat).
 
 Tolerance for float32: rtol = atol = 1e-5. XLA fuses ops and orders reductions
 differently and uses its own vectorised exp/tanh, so results differ from eager by
@@ -16,17 +19,20 @@ import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from pathways_torch.wire import pb
-from pathways_torch.wire.graph_schema import decode_graph, encode_graph
+from pathways_torch.wire.graph_schema import encode_graph
+from pathways_torch.wire.tensors import frame_to_tensor, tensor_to_frame
 
 pytestmark = pytest.mark.timeout(120)
 
 
-@pytest.fixture(scope="module")
-def xla():
-    pytest.importorskip("torch_xla")
-    from executor.backends import XlaBackend
+@pytest.fixture(scope="module", params=["xla:torchax", "xla:torch_xla"])
+def xla(request):
+    from executor.backends import make_backend
+    from pathways_torch.wire.backend_names import route_installed
 
-    return XlaBackend()
+    if not route_installed(request.param):
+        pytest.skip(f"{request.param} is not installed here")
+    return make_backend(request.param)
 
 
 def _attention(q, k, v):
@@ -57,13 +63,26 @@ _LOW_PRECISION_F64 = {"gelu_mlp": 1e-6, "layer_norm_backward": 1e-10}
 
 
 def _run_on_xla(xla, fn, inputs):
+    """Through the executor's own path: the graph and the tensors as they arrive from the wire."""
     graph, constants = encode_graph(make_fx(fn, tracing_mode="fake")(*inputs))
-    received = pb.Graph.FromString(graph.SerializeToString())
-    module = decode_graph(received, [bytes(memoryview(c)) for c in constants], device=xla.device)
-    compiled = xla.compile(module, [torch.empty(t.shape, dtype=t.dtype, device="meta") for t in inputs])
-    outputs = xla.run(compiled, [xla.to_device(t) for t in inputs])
-    assert all(o.device.type == "xla" for o in outputs)  # computed by XLA, not a silent host fallback
-    return [o.cpu() for o in outputs]
+    load = pb.LoadFunction(name="case")
+    load.graph.CopyFrom(pb.Graph.FromString(graph.SerializeToString()))
+    prepared, examples = xla.prepare(load, [bytes(memoryview(c)) for c in constants])
+    compiled = xla.compile(prepared, examples)
+    outputs = xla.run(compiled, [_through_wire(xla.from_frame, t) for t in inputs])
+    # Computed by XLA, not a silent host fallback:
+    if xla.name == "xla:torch_xla":
+        assert all(o.device.type == "xla" for o in outputs)
+    else:
+        assert xla.counters()["fallback_ops:case"] == 0
+        assert all(type(o).__module__.startswith("jax") for o in outputs)
+    return [_through_wire(lambda meta, frames: frame_to_tensor(meta, frames), o, xla.to_frame) for o in outputs]
+
+
+def _through_wire(receive, value, send=tensor_to_frame):
+    meta = pb.TensorMeta()
+    frame = send(value, meta, 1)
+    return receive(meta, [bytes(frame)])
 
 
 @pytest.mark.parametrize("name", sorted(CASES))

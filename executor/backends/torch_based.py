@@ -1,0 +1,103 @@
+"""What the torch-based backends share, and the two that run torch code as it is: eager and inductor."""
+
+from __future__ import annotations
+
+import hashlib
+
+from pathways_torch.wire.graph_schema import decode_graph
+from pathways_torch.wire.tensors import frame_to_tensor, tensor_to_frame
+
+__all__ = ["TorchBackend", "EagerBackend", "InductorBackend", "as_list", "meta_examples"]
+
+
+def meta_examples(load):
+    """The traced input signature of a received function as meta tensors (no memory)."""
+    import torch
+
+    return [torch.empty(tuple(m.shape), dtype=getattr(torch, m.dtype), device="meta") for m in load.graph.inputs]
+
+
+class TorchBackend:
+    """What every torch-based backend shares: graphs decoded from the schema, tensors from frames."""
+
+    device = "cpu"
+
+    def prepare(self, load, payload):
+        return decode_graph(load.graph, payload, device=self.device), meta_examples(load)
+
+    def from_frame(self, meta, frames):
+        return self.to_device(frame_to_tensor(meta, frames))
+
+    def to_frame(self, value, meta, frame_index):
+        return tensor_to_frame(value, meta, frame_index)
+
+    def digest(self, value) -> bytes:
+        import torch
+
+        data = value.detach().cpu().contiguous()
+        view = data.reshape(-1).view(torch.uint8).numpy() if data.numel() else b""
+        return hashlib.blake2b(view, digest_size=16).digest() + str(tuple(data.shape)).encode()
+
+    def _use_device(self, device: str) -> None:
+        import torch
+
+        self._device = torch.device(device)
+        self.device = str(self._device)
+
+    def run(self, compiled, inputs):
+        # Stored values are dense: a view's strides would travel to the wire and the signature check.
+        return [out.contiguous() for out in as_list(compiled(*inputs))]
+
+    def to_device(self, tensor):
+        return tensor if tensor.device == self._device else tensor.to(self._device)
+
+    def counters(self) -> dict[str, int]:
+        return {}
+
+
+class EagerBackend(TorchBackend):
+    """Op by op, as eager PyTorch runs it."""
+
+    name = "eager"
+    compiles_in_background = False
+
+    def __init__(self, device: str = "cpu"):
+        self._use_device(device)
+
+    def compile(self, graph_module, example_inputs):
+        from pathways_torch.wire.collective_ops import call_runtime_directly
+
+        return call_runtime_directly(graph_module.to(self._device)).forward
+
+    def num_compiles(self) -> int:
+        return 0
+
+
+class InductorBackend(TorchBackend):
+    """``torch._inductor.compile`` on the captured aten graph."""
+
+    name = "inductor"
+    compiles_in_background = True
+
+    def __init__(self, device: str = "cpu"):
+        self._use_device(device)
+        self._compiles = 0
+
+    def compile(self, graph_module, example_inputs):
+        import torch
+        import torch._inductor
+
+        module = graph_module.to(self._device)
+        examples = [torch.zeros(t.shape, dtype=t.dtype, device=self._device) for t in example_inputs]
+        compiled = torch._inductor.compile(module, examples)
+        self._compiles += 1
+        return compiled
+
+    def num_compiles(self) -> int:
+        return self._compiles
+
+
+def as_list(out) -> list:
+    return list(out) if isinstance(out, (list, tuple)) else [out]
+
+

@@ -1,0 +1,230 @@
+"""The ``xla:torchax`` route (the default): torch graphs lowered to XLA through JAX, values kept as jax arrays.
+
+A received aten graph is cut into *stages*: runs of ops that torchax lowers become
+one ``jax.jit`` each (compiled ahead of time on the compile thread); a
+``pathways::`` collective, or an op with no lowering (a *fallback*, counted and
+logged per function), is a host stage that runs in torch on zero-copy views of
+the jax arrays. A graph without either is one jitted call, which is the common
+case: the store keeps its outputs as jax arrays, so values move between
+computations without leaving XLA's buffers. Conversions happen only at host
+stages and on the wire, and are counted (`counters`).
+
+Compiled executables go to JAX's persistent compilation cache
+(``PATHWAYS_CACHE_DIR``, default ``~/.cache/pathways_torch``), so a second run of
+the same program skips XLA's compile.
+"""
+
+from __future__ import annotations
+
+import collections
+import hashlib
+import logging
+import os
+from typing import Sequence
+
+from pathways_torch.wire.graph_schema import decode_graph
+from pathways_torch.wire.tensors import frame_to_tensor
+
+from .graph_stages import Stage, split_stages
+from .torch_based import meta_examples
+from .torchax_compat import has_lowering, import_torchax
+
+__all__ = ["TorchaxBackend", "cache_dir"]
+
+log = logging.getLogger(__name__)
+
+
+def cache_dir() -> str:
+    """Where compiled XLA executables persist between runs (``PATHWAYS_CACHE_DIR`` overrides)."""
+    root = os.environ.get("PATHWAYS_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "pathways_torch")
+    return os.path.join(root, "jax")
+
+
+class _Prepared:
+    """A decoded function on its way to the compiler: its graph and its name (for fallback counts)."""
+
+    __slots__ = ("graph_module", "name")
+
+    def __init__(self, graph_module, name: str):
+        self.graph_module, self.name = graph_module, name
+
+
+class TorchaxBackend:
+    """XLA through torchax and JAX; the store holds jax arrays."""
+
+    name = "xla:torchax"
+    compiles_in_background = True
+
+    def __init__(self, device: str = "cpu", threads: int = 1):
+        if device == "cpu":
+            # Only the CPU client: a jax with GPU plugins would otherwise claim the GPUs.
+            os.environ.setdefault("JAX_PLATFORMS", "cpu")
+        self.threads = threads   # not honoured by XLA's CPU runtime (docs/backends.md: use CPU affinity)
+        import jax
+
+        # torch semantics: int64 indices and float64 stay 64-bit.
+        jax.config.update("jax_enable_x64", True)
+        jax.config.update("jax_compilation_cache_dir", cache_dir())
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+        self._jax = jax
+        self._torchax, self._env = import_torchax()
+        self._jax_device = jax.devices()[0]
+        self.device = f"{self._jax_device.platform}:{self._jax_device.id}"
+        self._compiles = 0
+        self._counts: collections.Counter = collections.Counter()
+
+    # ------------------------------------------------------------ functions
+
+    def prepare(self, load, payload):
+        return _Prepared(decode_graph(load.graph, payload), load.name), meta_examples(load)
+
+    def compile(self, prepared: _Prepared, example_inputs: Sequence):
+        stages = split_stages(prepared.graph_module, example_inputs,
+                              lowerable=lambda op: has_lowering(self._env, op))
+        fallbacks = [s.node_names for s in stages.stages if s.kind == "fallback"]
+        cuts = sum(1 for s in stages.stages if s.kind == "collective")
+        if fallbacks:
+            ops = sorted({op for names in fallbacks for op in names})
+            log.warning("xla:torchax: function %s runs %d op(s) outside XLA (no lowering): %s",
+                        prepared.name, len(fallbacks), ", ".join(ops))
+        self._counts[f"fallback_ops:{prepared.name}"] = len(fallbacks)
+        self._counts[f"collective_cuts:{prepared.name}"] = cuts
+        program = _StagedProgram(self, stages)
+        self._compiles += program.num_jitted
+        return program
+
+    def run(self, compiled, inputs):
+        return compiled(inputs)
+
+    def num_compiles(self) -> int:
+        return self._compiles
+
+    def counters(self) -> dict[str, int]:
+        return dict(self._counts)
+
+    # ------------------------------------------------------------ values
+
+    def from_frame(self, meta, frames):
+        self._counts["conversions:wire->jax"] += 1
+        return self.from_torch(frame_to_tensor(meta, frames), counted=False)
+
+    def to_frame(self, value, meta, frame_index):
+        import numpy as np
+
+        self._counts["conversions:jax->wire"] += 1
+        array = np.asarray(value)       # a view of the jax buffer on CPU, no copy
+        meta.dtype = str(array.dtype)
+        meta.shape[:] = list(array.shape)
+        meta.frame = frame_index
+        return memoryview(np.ascontiguousarray(array).reshape(-1).view(np.uint8))
+
+    def digest(self, value) -> bytes:
+        import numpy as np
+
+        array = np.ascontiguousarray(np.asarray(value))
+        return hashlib.blake2b(array.reshape(-1).view(np.uint8), digest_size=16).digest() + \
+            str(tuple(array.shape)).encode()
+
+    def to_torch(self, value):
+        """A torch tensor sharing ``value``'s buffer (CPU), for host stages."""
+        import numpy as np
+        import torch
+
+        self._counts["conversions:jax->torch"] += 1
+        array = np.asarray(value)
+        if array.dtype.kind in "biufc":
+            return torch.from_numpy(array) if array.flags.writeable else _readonly_tensor(array)
+        return torch.from_dlpack(value)  # bfloat16 and other dtypes numpy lacks
+
+    def from_torch(self, tensor, counted: bool = True):
+        """A jax array from a torch tensor, sharing its buffer where DLPack allows."""
+        if counted:
+            self._counts["conversions:torch->jax"] += 1
+        tensor = tensor.detach().contiguous()
+        if tensor.device.type != "cpu":
+            tensor = tensor.cpu()
+        try:
+            return self._jax.dlpack.from_dlpack(tensor)
+        except Exception:   # an alignment DLPack refuses: copy
+            import numpy as np
+
+            return self._jax.device_put(np.array(tensor.numpy()), self._jax_device)
+
+    def jit(self, graph_module, example_inputs):
+        """``graph_module`` as an ahead-of-time compiled XLA executable taking and returning jax arrays."""
+        jax = self._jax
+        from torchax import interop
+
+        def traced(*arrays):
+            return interop.call_torch(graph_module.forward, *arrays)
+
+        shapes = [jax.ShapeDtypeStruct(tuple(t.shape), _jax_dtype(t.dtype)) for t in example_inputs]
+        return jax.jit(traced).lower(*shapes).compile()
+
+
+def _readonly_tensor(array):
+    import warnings
+
+    import torch
+
+    with warnings.catch_warnings():
+        # jax buffers are immutable and host stages never write their inputs (they are functional).
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.from_numpy(array)
+
+
+def _jax_dtype(torch_dtype):
+    import jax.numpy as jnp
+
+    return jnp.dtype(str(torch_dtype).removeprefix("torch."))
+
+
+class _StagedProgram:
+    """A graph's stages, run in order on jax arrays; host stages in torch on views of them."""
+
+    def __init__(self, backend: TorchaxBackend, stages):
+        self._backend = backend
+        self._plan = stages
+        self.num_jitted = 0
+        self._constants = [None] * stages.num_constants
+        self._steps = []
+        for stage in stages.stages:
+            if stage.kind == "jax":
+                executable = backend.jit(stage.graph_module, stage.example_inputs)
+                self.num_jitted += 1
+                self._steps.append((True, executable, stage))
+            else:
+                self._steps.append((False, _host_callable(stage), stage))
+        for index, tensor in stages.constants.items():
+            self._constants[index] = backend.from_torch(tensor, counted=False)
+        single = stages.single_jax_stage()
+        self._single = self._steps[0][1] if single else None
+
+    def __call__(self, inputs):
+        if self._single is not None:
+            return list(self._single(*inputs, *self._constants))
+        slots = list(inputs) + self._constants + [None] * self._plan.num_intermediates
+        backend = self._backend
+        for is_jax, run, stage in self._steps:
+            args = [slots[i] for i in stage.input_slots]
+            if is_jax:
+                outputs = run(*args)
+            else:
+                outputs = [backend.from_torch(t) for t in run([backend.to_torch(a) for a in args])]
+            for slot, value in zip(stage.output_slots, outputs):
+                slots[slot] = value
+        return [slots[i] for i in self._plan.output_slots]
+
+
+def _host_callable(stage: Stage):
+    """Run a host stage's nodes in torch (collectives through the runtime, directly)."""
+    from pathways_torch.wire.collective_ops import call_runtime_directly
+
+    module = call_runtime_directly(stage.graph_module)
+
+    def run(tensors):
+        out = module(*tensors)
+        return list(out) if isinstance(out, (list, tuple)) else [out]
+
+    return run
+
