@@ -103,7 +103,10 @@ class CompileCache:
             entry.error = exc
         entry.seconds = time.perf_counter() - began
         if traced:
-            self.trace.record("compile_end", name, detail=f"{self.backend.name} {entry.seconds:.3f} s")
+            # What the compiler made of it (stages, cuts at collectives, fallbacks), where the backend says.
+            summary = getattr(entry.compiled, "summary", "")
+            self.trace.record("compile_end", name,
+                              detail=f"{self.backend.name} {entry.seconds:.3f} s" + (f"; {summary}" if summary else ""))
         self._post(lambda: self._finish(entry))
 
     def _finish(self, entry: _Entry) -> None:

@@ -2,8 +2,17 @@
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
+import tempfile
 import time
+
+# Compiled XLA executables persist between runs (PATHWAYS_CACHE_DIR): tests get a cache of their own,
+# empty at the start, so a compile measured or awaited in a test is a real one. Executors inherit it.
+if "PATHWAYS_CACHE_DIR" not in os.environ:
+    os.environ["PATHWAYS_CACHE_DIR"] = tempfile.mkdtemp(prefix="pathways-test-cache-")
+    atexit.register(shutil.rmtree, os.environ["PATHWAYS_CACHE_DIR"], True)
 
 
 def wait_until(predicate, timeout_s: float, interval_s: float = 0.05) -> bool:

@@ -11,6 +11,12 @@ Never an edit of an installed file: each shim wraps or overrides from the outsid
 2. **Lowerings replaced by torch's decompositions** (`REPLACED_LOWERINGS`): torchax's
    ``native_layer_norm_backward`` has the wrong signature (it fails on every
    LayerNorm backward).
+3. **Lowerings added** (`ADDED_LOWERINGS`): CPU flash attention (what
+   ``F.scaled_dot_product_attention`` traces to on CPU). Its backward has neither a
+   torchax lowering nor a torch decomposition (without one every attention backward
+   would run outside XLA); its forward has only torch's decomposition, whose second
+   output is the attention matrix where the kernel gives the log-sum-exp, which the
+   backward reads. Ours compute both in torch ops that torchax lowers.
 """
 
 from __future__ import annotations
@@ -19,7 +25,8 @@ import contextlib
 import sys
 import threading
 
-__all__ = ["import_torchax", "REPLACED_LOWERINGS", "removed_names_seen", "has_lowering"]
+__all__ = ["import_torchax", "REPLACED_LOWERINGS", "ADDED_LOWERINGS", "removed_names_seen", "has_lowering",
+           "flash_attention_cpu", "flash_attention_cpu_backward"]
 
 _lock = threading.Lock()
 _removed_seen: list[str] = []
@@ -27,6 +34,9 @@ _loaded = None
 
 # aten ops whose torchax lowering is wrong: their torch decomposition runs instead.
 REPLACED_LOWERINGS = ("native_layer_norm_backward.default",)
+# aten ops torchax cannot lower at all, and ours (below).
+ADDED_LOWERINGS = ("_scaled_dot_product_flash_attention_for_cpu.default",
+                   "_scaled_dot_product_flash_attention_for_cpu_backward.default")
 
 
 class _RemovedOp:
@@ -99,6 +109,7 @@ def import_torchax():
 
                 env = torchax.default_env()   # loads the op tables: more names of removed overloads
             _replace_lowerings(env)
+            _add_lowerings(env)
             _loaded = (torchax, env)
         return _loaded
 
@@ -116,6 +127,68 @@ def _replace_lowerings(env) -> None:
         packet, overload = name.split(".")
         op = getattr(getattr(torch.ops.aten, packet), overload)
         env.override_op_definition(op, decomposition_table[op])
+
+
+def _add_lowerings(env) -> None:
+    import torch
+
+    env.override_op_definition(torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
+                               flash_attention_cpu)
+    env.override_op_definition(torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default,
+                               flash_attention_cpu_backward)
+
+
+def _attention_scores(query, key, attn_mask, is_causal, scale):
+    import math
+
+    import torch
+
+    scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else scale
+    scores = (query @ key.transpose(-2, -1)) * scale
+    if attn_mask is not None:
+        scores = scores.masked_fill(~attn_mask, float("-inf")) if attn_mask.dtype == torch.bool else scores + attn_mask
+    if is_causal:
+        causal = torch.ones(scores.shape[-2], scores.shape[-1], dtype=torch.bool, device=scores.device).tril()
+        scores = scores.masked_fill(~causal, float("-inf"))
+    return scores, scale
+
+
+def _no_dropout(dropout_p) -> None:
+    if dropout_p:
+        raise NotImplementedError("xla:torchax: scaled_dot_product_attention with dropout_p > 0 inside the kernel "
+                                  "cannot be replayed in its backward; apply dropout outside the attention")
+
+
+def flash_attention_cpu(query, key, value, dropout_p=0.0, is_causal=False, attn_mask=None, scale=None):
+    """``aten._scaled_dot_product_flash_attention_for_cpu``: (output, log-sum-exp ``[B, H, L]``)."""
+    import torch
+
+    _no_dropout(dropout_p)
+    scores, _ = _attention_scores(query, key, attn_mask, is_causal, scale)
+    logsumexp = torch.logsumexp(scores, dim=-1)
+    return torch.exp(scores - logsumexp.unsqueeze(-1)) @ value, logsumexp
+
+
+def flash_attention_cpu_backward(grad_out, query, key, value, out, logsumexp, dropout_p=0.0, is_causal=False,
+                                 attn_mask=None, scale=None):
+    """``aten._scaled_dot_product_flash_attention_for_cpu_backward`` in plain torch ops.
+
+    Softmax attention's backward from the saved output and log-sum-exp (``[B, H, L]``):
+    ``P = exp(QK^T * scale - lse)``, ``dV = P^T dO``, ``dS = P * (dO V^T - rowsum(dO * O))``,
+    ``dQ = dS K * scale``, ``dK = dS^T Q * scale``. Dropout inside the kernel cannot be
+    replayed (its mask is not saved), so ``dropout_p > 0`` is refused.
+    """
+    import torch
+
+    _no_dropout(dropout_p)
+    scores, scale = _attention_scores(query, key, attn_mask, is_causal, scale)
+    probs = torch.exp(scores - logsumexp.unsqueeze(-1).to(scores.dtype))
+    grad_value = probs.transpose(-2, -1) @ grad_out
+    grad_probs = grad_out @ value.transpose(-2, -1)
+    grad_scores = probs * (grad_probs - (grad_out * out).sum(-1, keepdim=True))
+    grad_query = (grad_scores @ key) * scale
+    grad_key = (grad_scores.transpose(-2, -1) @ query) * scale
+    return grad_query, grad_key, grad_value
 
 
 def has_lowering(env, op) -> bool:

@@ -199,6 +199,9 @@ class _StagedProgram:
             self._constants[index] = backend.from_torch(tensor, counted=False)
         single = stages.single_jax_stage()
         self._single = self._steps[0][1] if single else None
+        kinds = collections.Counter(stage.kind for stage in stages.stages)
+        self.summary = (f"{kinds['jax']} XLA stage(s), cut at {kinds['collective']} collective(s), "
+                        f"{kinds['fallback']} op(s) outside XLA")
 
     def __call__(self, inputs):
         if self._single is not None:

@@ -20,7 +20,6 @@ def _deep(x):
 
 
 def test_a_long_xla_compile_lets_ready_work_run(tmp_path):
-    pytest.importorskip("torch_xla")
     with pw.Context(num_executors=1, backend="xla") as ctx:
         mesh = ctx.mesh({"data": 1})
         small = pw.function(lambda a: a + 1, name="small")
@@ -29,10 +28,12 @@ def test_a_long_xla_compile_lets_ready_work_run(tmp_path):
         big = ctx.put(torch.randn(32, 32) / 32, mesh, [pw.Replicate()])
         small(x).result(timeout_s=60)                  # compiled and warm
         slow = deep(big)                              # first call: compiles in the background
-        chain = x
-        for _ in range(20):
+        chain, count = x, 0
+        while not slow.done() and count < 5000:
             chain = small(chain)                      # queued after `slow`, ready at once
-        torch.testing.assert_close(chain.result(timeout_s=120), torch.full((4, 4), 20.0))
+            chain.result(timeout_s=60)                # awaited: they keep coming while `deep` compiles
+            count += 1
+        torch.testing.assert_close(chain.result(timeout_s=120), torch.full((4, 4), float(count)))
         torch.testing.assert_close(slow.result(timeout_s=120), _deep(big.result()), rtol=1e-4, atol=1e-5)
         trace = ctx.trace(str(tmp_path / "trace.json"))
     events = trace["traceEvents"]

@@ -1,4 +1,4 @@
-"""Executors with the XLA backend (torch_xla on PJRT CPU): real XLA devices, compile once per shape."""
+"""Executors on each installed XLA route: XLA devices, compile once per shape, cuts at collectives, no fallbacks."""
 
 from __future__ import annotations
 
@@ -10,10 +10,13 @@ import pathways_torch as pw
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
 
 
-@pytest.fixture(scope="module")
-def ctx():
-    pytest.importorskip("torch_xla")
-    with pw.Context(num_executors=2, backend="xla") as context:
+@pytest.fixture(scope="module", params=["xla:torchax", "xla:torch_xla"])
+def ctx(request):
+    from pathways_torch.wire.backend_names import route_installed
+
+    if not route_installed(request.param):
+        pytest.skip(f"{request.param} is not installed here")
+    with pw.Context(num_executors=2, backend=request.param) as context:
         yield context
 
 
@@ -23,7 +26,9 @@ def _compiles(ctx) -> dict:
 
 def test_executors_run_on_an_xla_device(ctx):
     devices = {info.device for info in ctx.controller.resources.ordered()}
-    assert devices == {"xla:0"}, devices  # no silent fallback to the CPU
+    # torch_xla's device, or the JAX CPU client's: no silent fallback to torch's CPU.
+    assert devices == ({"xla:0"} if ctx.backend == "xla:torch_xla" else {"cpu:0"}), devices
+    assert {s["backend"] for s in ctx.stats()["executors"].values()} == {ctx.backend}
 
 
 def test_results_match_eager_and_compile_once_per_shape(ctx):
@@ -75,3 +80,42 @@ def test_collective_cuts_the_xla_graph_and_matches_eager(ctx):
     out = normalized(ctx.put(host, mesh, [pw.Shard(0)]))
     expected = host.sum(0) / (host * host).sum().sqrt()
     torch.testing.assert_close(out.result(timeout_s=120), expected, rtol=1e-5, atol=1e-5)
+    if ctx.backend == "xla:torchax":
+        for stats in ctx.stats()["executors"].values():
+            counters = stats["backend_counters"]
+            assert counters["collective_cuts:normalized"] == 2 and counters["fallback_ops:normalized"] == 0
+
+
+def test_values_stay_jax_arrays_between_calls(ctx):
+    """Between two functions and inside a program the store keeps XLA's own values: no conversion at all;
+    a collective converts its input and its output once each."""
+    if ctx.backend != "xla:torchax":
+        pytest.skip("conversions are counted on the xla:torchax route")
+    mesh = ctx.mesh({"data": 2})
+    double = pw.function(lambda a: a * 2, name="double")
+    total = pw.function(lambda a: pw.all_reduce(a, axis="data"), name="total", out=pw.Replicate())
+
+    @pw.program
+    def step(a):
+        return total(double(double(a)))
+
+    x = ctx.put(torch.ones(4, 3), mesh, [pw.Shard(0)])
+    step(x).result(timeout_s=120)            # compiled and registered
+
+    def conversions():
+        return [{k: v for k, v in s["backend_counters"].items() if k.startswith("conversions:")}
+                for s in ctx.stats()["executors"].values()]
+
+    before = conversions()
+    runs = 5
+    for _ in range(runs):
+        out = step(x)
+    torch.testing.assert_close(out.result(timeout_s=120), torch.full((2, 3), 8.0))
+    after = conversions()
+    for b, a in zip(before, after):
+        delta = {k: a.get(k, 0) - b.get(k, 0) for k in a}
+        # Per step on each executor: the all-reduce's input to torch and its result back, nothing else
+        # (the result goes to the client once, on the wire).
+        assert delta["conversions:jax->torch"] == runs and delta["conversions:torch->jax"] == runs, delta
+        assert delta.get("conversions:wire->jax", 0) == 0, delta
+        assert delta.get("conversions:jax->wire", 0) <= 1, delta

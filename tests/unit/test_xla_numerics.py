@@ -54,6 +54,10 @@ CASES = {
     "layer_norm_backward": (lambda x, w, b: torch.func.grad(
         lambda x, w, b: torch.nn.functional.layer_norm(x, (32,), w, b).pow(2).sum(), argnums=(0, 1, 2))(x, w, b),
         [(8, 32), (32,), (32,)]),
+    # What F.scaled_dot_product_attention traces to on CPU, forward and backward (a lowering of ours on torchax).
+    "sdpa_backward": (lambda q, k, v: torch.func.grad(
+        lambda q, k, v: torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True).pow(2).sum(),
+        argnums=(0, 1, 2))(q, k, v), [(2, 3, 8, 16), (2, 3, 8, 16), (2, 3, 8, 16)]),
 }
 
 
