@@ -26,6 +26,11 @@ ratios are medians of the per-round ratios. The last column compares our OpByOp
 with the faster of the Ray and Monarch OpByOp of the same round. Metric:
 computations per second. Prints a table, writes bench/results/dispatch.json.
 
+Backends: our modes run on eager executors (like with like: the baselines compute with
+eager torch). ``--xla-modes`` (default Chained) also runs those modes on a second
+context with the default backend (XLA), its windows in the same rounds, and reports
+each against the same mode on eager (the target: Chained within 10 % of eager).
+
     .venv/bin/python -m bench.dispatch [--sizes 1,2,4,8] [--steps 200] [--repeats 4] [--rounds 5]
 """
 
@@ -90,6 +95,14 @@ class PathwaysLoops:
         return count * CHAIN / timed_calls(run, self.x, count, awaited=mode != "Chained pipelined", timeout_s=300)
 
 
+def _xla_modes(args) -> list[str]:
+    modes = [m.strip() for m in args.xla_modes.split(",") if m.strip()]
+    unknown = [m for m in modes if m not in MODES]
+    if unknown:
+        raise SystemExit(f"--xla-modes: expected names from {MODES}, got {unknown}")
+    return modes
+
+
 def _baseline_processes(size: int, stack: contextlib.ExitStack) -> dict:
     """The Ray and Monarch servers for ``size`` whose environment variable is set."""
     processes = {}
@@ -102,12 +115,16 @@ def _baseline_processes(size: int, stack: contextlib.ExitStack) -> dict:
     return processes
 
 
-def _one_round(ours: PathwaysLoops, loops: MultiController, baselines: dict, args, index: int) -> dict:
+def _one_round(ours: PathwaysLoops, loops: MultiController, baselines: dict, args, index: int,
+               xla: PathwaysLoops | None = None) -> dict:
     """Every window once. The order rotates from round to round: the window after a switch
     runs measurably slower (5-10 % after 200 OpByOp calls, measured), so no system may
     always sit in the same place."""
     windows = [(mode, lambda m=mode: ours.window(m, args.steps if m == "OpByOp" else args.repeats))
                for mode in MODES]
+    if xla is not None:
+        windows += [(f"{mode} (xla)", lambda m=mode: xla.window(m, args.steps if m == "OpByOp" else args.repeats))
+                    for mode in _xla_modes(args)]
     windows.append(("multi-controller", lambda: loops.window(CHAIN * args.repeats)))
     for name, process in baselines.items():
         windows.append((f"{name} OpByOp", lambda p=process: p.window("OpByOp", args.steps)))
@@ -122,12 +139,17 @@ def measure(size: int, args) -> dict:
     with contextlib.ExitStack() as stack:
         ctx = stack.enter_context(pw.Context(num_executors=size, backend="eager"))
         ours = PathwaysLoops(ctx, size)
+        xla = None
+        if _xla_modes(args):
+            xla_ctx = stack.enter_context(pw.Context(num_executors=size, backend="xla"))
+            print(f"N={size}: our modes {_xla_modes(args)} on {xla_ctx.backend} too", flush=True)
+            xla = PathwaysLoops(xla_ctx, size)
         loops = MultiController(size)
         stack.callback(loops.close)
         baselines = _baseline_processes(size, stack)
         rounds = []
         for index in range(args.rounds):
-            rounds.append(_one_round(ours, loops, baselines, args, index))
+            rounds.append(_one_round(ours, loops, baselines, args, index, xla))
             print(f"N={size} round {index + 1}/{args.rounds}: "
                   + ", ".join(f"{k} {v:,.0f}" for k, v in rounds[-1].items()), flush=True)
     return summarize(size, rounds)
@@ -136,6 +158,9 @@ def measure(size: int, args) -> dict:
 def summarize(size: int, rounds: list[dict]) -> dict:
     rates = {key: statistics.median(r[key] for r in rounds) for key in rounds[0]}
     ratios = {f"{mode} / multi-controller": [r[mode] / r["multi-controller"] for r in rounds] for mode in MODES}
+    for key in rounds[0]:
+        if key.endswith(" (xla)"):
+            ratios[f"{key} / eager"] = [r[key] / r[key.removesuffix(" (xla)")] for r in rounds]
     if any(f"{name} OpByOp" in rounds[0] for name in BASELINES):
         ratios["OpByOp / best baseline OpByOp"] = [
             r["OpByOp"] / max(r[f"{name} OpByOp"] for name in BASELINES if f"{name} OpByOp" in r) for r in rounds]
@@ -164,6 +189,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_run_arguments(parser, sizes="1,2,4,8", steps=200, repeats=4)
     parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds per executor count")
+    parser.add_argument("--xla-modes", default="Chained",
+                        help="our modes to run on the default (XLA) backend too, comma-separated ('' for none)")
     args = parser.parse_args()
     results = [measure(int(size), args) for size in args.sizes.split(",")]
     print_table(["N", "multi-controller /s", "OpByOp /s (vs MC)", "Chained /s (vs MC)", "Fused /s (vs MC)",
@@ -171,6 +198,18 @@ def main() -> None:
                  "Ray OpByOp /s", "Ray Fused /s", "Monarch OpByOp /s", "Monarch Fused /s",
                  "OpByOp / best baseline OpByOp"], [_table_row(r) for r in results])
     print("(x: median of the per-round ratios, then their range)")
+    xla_rows = [[str(r["executors"]), key.removesuffix(" / eager"), f"{r['rates'][key.removesuffix(' / eager')]:,.0f}",
+                 f"{r['rates'][key.removesuffix(' (xla) / eager')]:,.0f}",
+                 f"{v['median']:.2f} ({v['min']:.2f}-{v['max']:.2f})"]
+                for r in results for key, v in r["ratios"].items() if key.endswith("(xla) / eager")]
+    if xla_rows:
+        print("\nThe default backend (XLA) against eager executors, same rounds:")
+        print_table(["N", "mode", "xla /s", "eager /s", "xla / eager"], xla_rows)
+        for r in results:
+            chained = r["ratios"].get("Chained (xla) / eager")
+            if chained:
+                print(f"target N={r['executors']} Chained xla within 10 % of eager: "
+                      f"{'met' if chained['median'] >= 0.9 else 'NOT met'} ({chained['median']:.2f})")
     print("written to", write_results("dispatch", {"results": results, "chain": CHAIN, "steps": args.steps,
                                                     "repeats": args.repeats}))
 

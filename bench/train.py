@@ -37,8 +37,12 @@ printed as a check that they are idle.
    `DDPWorkers`: a window per command).
 3. eager: one process (this one), the whole global batch, ordinary
    ``zero_grad / backward / step``; a fresh model at every N.
-4. XLA: the runtime with ``backend="xla"`` vs ``backend="eager"`` (compile excluded by the warm-up);
-   the xla runs are separate runs (windows back to back), not interleaved with the rest.
+4. XLA: the runtime with the default backend (``backend="xla"``, the installed route) vs
+   ``backend="eager"``, both alive at once, windows interleaved round by round (the order
+   alternates), every executor of both pinned to one core (executor i on core i mod the core
+   count: XLA's CPU runtime ignores ``executor_threads`` and would use every core); the
+   ratio is the median of the per-round ratios. Compile is excluded by the warm-up and
+   reported as the first step's time.
 5. Memory at the largest N, for ``pw.DataParallel`` and ``pw.ShardedDataParallel``: each
    executor's peak resident set (``VmHWM`` of ``/proc/<pid>/status``, just after start
    and after the steps) and the bytes its object store holds after the steps
@@ -104,8 +108,8 @@ def tokens_per_s(args, cfg, window_s: float) -> float:
 class RuntimeRun:
     """One runtime configuration kept alive between its timed windows: `start`, `window` (x repeats), `finish`."""
 
-    def __init__(self, size: int, backend: str, plan_name: str, args, cfg, batches):
-        self.size, self.backend, self.plan_name = size, backend, plan_name
+    def __init__(self, size: int, backend: str, plan_name: str, args, cfg, batches, pin: bool = False):
+        self.size, self.backend, self.plan_name, self.pin = size, backend, plan_name, pin
         self.args, self.cfg, self.batches = args, cfg, batches
         self.ctx = None
 
@@ -114,7 +118,9 @@ class RuntimeRun:
         args, size = self.args, self.size
         model, optimizer = make_model(self.cfg)
         plan = pw.DataParallel("data") if self.plan_name == "DataParallel" else pw.ShardedDataParallel("data")
-        self.ctx = ctx = pw.Context(num_executors=size, backend=self.backend, executor_threads=1)
+        self.ctx = ctx = pw.Context(num_executors=size, backend=self.backend, executor_threads=1,
+                                    pin_executors=self.pin)
+        self.route = ctx.backend
         self.pids = ctx.executor_pids
         self.hwm_start = [status_field(pid, "VmHWM") for pid in self.pids]
         mesh = ctx.mesh({"data": size})
@@ -170,7 +176,8 @@ class RuntimeRun:
             self.close()
         windows = self.windows
         median_window = statistics.median(windows)
-        return {"system": "runtime", "backend": self.backend, "plan": self.plan_name, "executors": size,
+        return {"system": "runtime", "backend": self.route, "plan": self.plan_name, "executors": size,
+                "pinned": self.pin,
                 "tokens_per_s": tokens_per_s(args, self.cfg, median_window), "windows_s": windows,
                 "ms_per_step": median_window / args.steps * 1000, "first_step_s": self.first_step_s,
                 "last_loss": self.last_loss, "pids": pids, "vmhwm_start_kib": self.hwm_start, "vmhwm_kib": hwm_end,
@@ -194,6 +201,29 @@ def measure_runtime(size: int, backend: str, plan_name: str, args, cfg, batches)
         return run.finish()
     finally:
         run.close()
+
+
+def measure_backends(size: int, args, cfg, batches) -> tuple[dict, dict, dict]:
+    """The default backend and eager, both alive, pinned, windows interleaved: (xla, eager, per-round ratios)."""
+    runs = {"xla": RuntimeRun(size, "xla", "DataParallel", args, cfg, batches, pin=True),
+            "eager": RuntimeRun(size, "eager", "DataParallel", args, cfg, batches, pin=True)}
+    try:
+        for run in runs.values():
+            run.start()
+        ratios = []
+        for round_index in range(args.repeats):
+            order = ["xla", "eager"] if round_index % 2 == 0 else ["eager", "xla"]
+            walls = {}
+            for name in order:
+                time.sleep(0.2)   # the other run's trailing work ends first
+                walls[name] = runs[name].window()
+            ratios.append(walls["eager"] / walls["xla"])   # tokens/s ratio xla / eager
+        results = {name: run.finish() for name, run in runs.items()}
+    finally:
+        for run in runs.values():
+            run.close()
+    summary = {"xla_vs_eager": statistics.median(ratios), "min": min(ratios), "max": max(ratios), "rounds": ratios}
+    return results["xla"], results["eager"], summary
 
 
 def _delta(after, before):
@@ -401,13 +431,13 @@ def main() -> None:
           f"{cfg.context}, global batch {args.batch} = {args.batch * cfg.context:,} tokens/step; "
           f"{args.warmup} warm-up + {args.repeats} x {args.steps} timed steps per configuration", flush=True)
 
-    runtime, ddp, eager, ratios, xla = {}, {}, {}, {}, {}
+    runtime, ddp, eager, ratios, xla, xla_eager, xla_ratios = {}, {}, {}, {}, {}, {}, {}
     for size in sizes:
         print(f"N={size}: runtime (eager), DDP and eager 1-proc, {args.repeats} interleaved rounds ...", flush=True)
         runtime[size], ddp[size], eager[size], ratios[size] = measure_side_by_side(size, args, cfg, batches)
     for size in xla_sizes:
-        print(f"N={size}: runtime (xla) ...", flush=True)
-        xla[size] = measure_runtime(size, "xla", "DataParallel", args, cfg, batches)
+        print(f"N={size}: runtime, default backend vs eager, pinned, {args.repeats} interleaved rounds ...", flush=True)
+        xla[size], xla_eager[size], xla_ratios[size] = measure_backends(size, args, cfg, batches)
     memory = {}
     if sizes and not args.no_memory:
         largest = max(sizes)
@@ -463,26 +493,27 @@ def main() -> None:
 
     if xla:
         print()
-        print("Executor backend: the runtime with backend='xla' vs 'eager' (compile excluded by the warm-up)")
+        route = next(iter(xla.values()))["backend"]
+        print(f"Executor backend: the runtime on the default backend ({route}) vs 'eager', executors pinned to one "
+              f"core each, {args.repeats} interleaved rounds (compile excluded by the warm-up)")
         xtable = []
         for size in xla_sizes:
-            x = xla[size]
-            base = runtime.get(size)
-            x["vs_eager_runtime"] = x["tokens_per_s"] / base["tokens_per_s"] if base else None
-            xtable.append([size, f"{x['tokens_per_s']:,.0f}", f"{base['tokens_per_s']:,.0f}" if base else "not run",
-                           f"{x['vs_eager_runtime']:.2f}" if base else "-", f"{x['first_step_s']:.1f}",
-                           f"{base['first_step_s']:.1f}" if base else "-",
-                           _fmt_list(x["compute_ms_per_step"], ".1f"),
-                           _fmt_list(base["compute_ms_per_step"], ".1f") if base else "-",
-                           _fmt_list(x["worker_cpu_per_wall"], ".2f"),
-                           _fmt_list(base["worker_cpu_per_wall"], ".2f") if base else "-",
-                           _fmt_list(x["threads"], "d")])
-        print_table(["N", "xla tokens/s", "eager tokens/s", "xla/eager", "xla first step s", "eager first step s",
-                     "xla compute ms/step", "eager compute ms/step", "xla exec CPU/wall", "eager exec CPU/wall",
-                     "xla exec threads"], xtable)
-        print("notes: 'exec CPU/wall' = an executor's CPU seconds per wall second in the timed windows (above 1: "
-              "it computes on more than one core); 'first step' includes loading (and for XLA compiling) the step. "
-              "The xla runs are separate runs, not interleaved with the eager ones: machine drift enters xla/eager.")
+            x, base, ra = xla[size], xla_eager[size], xla_ratios[size]
+            x["vs_eager_runtime"] = ra["xla_vs_eager"]
+            xtable.append([size, f"{x['tokens_per_s']:,.0f}", f"{base['tokens_per_s']:,.0f}",
+                           f"{ra['xla_vs_eager']:.2f}", f"{ra['min']:.2f}-{ra['max']:.2f}", f"{x['first_step_s']:.1f}",
+                           f"{base['first_step_s']:.1f}",
+                           _fmt_list(x["compute_ms_per_step"], ".1f"), _fmt_list(base["compute_ms_per_step"], ".1f"),
+                           _fmt_list(x["worker_cpu_per_wall"], ".2f"), _fmt_list(base["worker_cpu_per_wall"], ".2f"),
+                           f"{x['last_loss']:.5f} / {base['last_loss']:.5f}"])
+        print_table(["N", "xla tokens/s", "eager tokens/s", "xla/eager", "min-max", "xla first step s",
+                     "eager first step s", "xla compute ms/step", "eager compute ms/step", "xla exec CPU/wall",
+                     "eager exec CPU/wall", "last loss xla / eager"], xtable)
+        print("target xla/eager >= 1.0: " + ", ".join(
+            f"N={n} {'met' if xla_ratios[n]['xla_vs_eager'] >= 1.0 else 'NOT met'}" for n in xla_sizes))
+        print("notes: 'exec CPU/wall' = an executor's CPU seconds per wall second in the timed windows (pinned: at "
+              "most 1); 'first step' includes loading and compiling the step (XLA: a persistent cache hit is "
+              "faster; see bench/backends.py for the compile with an empty cache).")
 
     if memory:
         largest = max(sizes)
@@ -513,7 +544,8 @@ def main() -> None:
                    "parameters": num_params, "tokens_per_step": args.batch * cfg.context},
         "eager": [eager[n] for n in sizes], "runtime": [runtime[n] for n in sizes], "ddp": [ddp[n] for n in sizes],
         "ratios": [{"executors": n, **ratios[n]} for n in sizes],
-        "xla": [xla[n] for n in xla_sizes], "memory": {k: {kk: v[kk] for kk in (
+        "xla": [xla[n] for n in xla_sizes], "xla_eager_pinned": [xla_eager[n] for n in xla_sizes],
+        "xla_ratios": [{"executors": n, **xla_ratios[n]} for n in xla_sizes], "memory": {k: {kk: v[kk] for kk in (
             "executors", "pids", "vmhwm_start_kib", "vmhwm_kib", "store_bytes", "tokens_per_s")}
             for k, v in memory.items()},
         "elapsed_s": elapsed})

@@ -36,7 +36,8 @@ def parse_args(argv=None):
     p.add_argument("--executors", type=int, default=2, help="local executor processes (the data axis)")
     p.add_argument("--plan", choices=("data", "sharded"), default="data",
                    help="data: pw.DataParallel; sharded: pw.ShardedDataParallel (ZeRO-3-like)")
-    p.add_argument("--backend", choices=("xla", "eager", "inductor"), default="xla")
+    p.add_argument("--backend", choices=pw.BACKEND_NAMES, default=None,
+                   help="default: XLA on CPU (the installed route, xla:torchax or xla:torch_xla), inductor on CUDA")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                    help="cuda: one GPU per executor, NCCL collectives (use --backend inductor)")
     p.add_argument("--steps", type=int, default=300)
@@ -74,9 +75,10 @@ def main(argv=None) -> int:
     task, held_out = ReverseTask(cfg, args.seed), ReverseTask(cfg, HELD_OUT_SEED)
     num_params = sum(p.numel() for p in model.parameters())
     print(f"model: {num_params:,} parameters (width {cfg.width}, depth {cfg.depth}); task: reverse "
-          f"{cfg.length} symbols of {cfg.vocab - 2}; {args.executors} {args.backend} executors, plan {args.plan}")
+          f"{cfg.length} symbols of {cfg.vocab - 2}; {args.executors} executors, plan {args.plan}")
 
     with pw.Context(num_executors=args.executors, backend=args.backend, device=args.device) as ctx:
+        print(f"backend: {ctx.backend}")
         mesh = ctx.mesh({"data": args.executors})
         plan = pw.DataParallel("data") if args.plan == "data" else pw.ShardedDataParallel("data")
         trainer = ctx.wrap(model, optimizer=optimizer, loss_fn=loss_fn, mesh=mesh, plan=plan,
@@ -87,6 +89,9 @@ def main(argv=None) -> int:
         losses = train(args, trainer, task, cfg)
         state = trainer.state_dict()
         path = trainer.save(args.checkpoint)
+        outside = {name: count for name, count in ctx.backend_counters("fallback_ops").items() if count}
+        if ctx.backend.startswith("xla"):
+            print(f"ops run outside XLA: {sum(outside.values())}" + (f" {outside}" if outside else ""))
 
     model.load_state_dict(state["model"])
     token_acc, sequence_acc = ReverseTask.accuracy(model, *held_out.batch(0, 1024))

@@ -27,18 +27,23 @@ def parse_args(argv=None) -> ExecutorConfig:
     parser.add_argument("--parent-pid", type=int, default=0, help="exit when this process is gone")
     parser.add_argument("--heartbeat-interval-s", type=float, default=0.5)
     parser.add_argument("--heartbeat-timeout-s", type=float, default=10.0)
+    parser.add_argument("--cpus", default="", help="pin the process to these cores, e.g. 0 or 0,1 (default: all)")
     args = parser.parse_args(argv)
     return ExecutorConfig(controller_address=args.controller, executor_id=args.id, keys_dir=args.keys,
                           backend=args.backend,
                           device=args.device, bind_host=args.bind_host, num_threads=args.threads,
                           parent_pid=args.parent_pid, heartbeat_interval_s=args.heartbeat_interval_s,
-                          heartbeat_timeout_s=args.heartbeat_timeout_s)
+                          heartbeat_timeout_s=args.heartbeat_timeout_s,
+                          cpus=tuple(int(c) for c in args.cpus.split(",") if c.strip()))
 
 
 def main(argv=None) -> None:
     logging.basicConfig(level=os.environ.get("PATHWAYS_LOG_LEVEL", "WARNING"),
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
     config = parse_args(argv)
+    if config.cpus:
+        # Before any thread starts (XLA's pool, gloo's, ZeroMQ's): threads inherit the mask.
+        os.sched_setaffinity(0, config.cpus)
     # Ctrl-C in the client's terminal is the client's to handle: it stops us by message.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     # `kill -USR1 PID` writes every thread's stack to the executor's log: for a hang, the first look.

@@ -30,6 +30,9 @@ class ExecutorConfig:
     heartbeat_interval_s: float = 0.5
     heartbeat_timeout_s: float = 10.0
     max_trace_events: int = 200_000
+    # CPU cores this process (and every thread it starts) may run on; empty: all. XLA's CPU runtime
+    # keeps its own thread pool whatever num_threads says, so pinning is how it is held to one core.
+    cpus: tuple[int, ...] = ()
 
     def __post_init__(self):
         if self.backend not in BACKENDS:
@@ -37,6 +40,8 @@ class ExecutorConfig:
         if not self.keys_dir:
             raise ValueError("keys_dir: expected the launcher's key directory (--keys DIR), got none; every "
                              "connection is authenticated, see docs/security.md")
+        if any(c < 0 for c in self.cpus):
+            raise ValueError(f"cpus: expected core numbers >= 0, got {self.cpus}")
         if self.num_threads < 1:
             raise ValueError(f"num_threads: expected >= 1, got {self.num_threads}")
         if not 0 < self.heartbeat_interval_s < self.heartbeat_timeout_s:

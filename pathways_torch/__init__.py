@@ -20,6 +20,8 @@ __all__ = [
     # errors
     "PathwaysError", "RemoteError", "CaptureError", "ExecutorLostError", "ReplicationError",
     "PlacementError", "AuthenticationError",
+    # backends
+    "BACKEND_NAMES",
 ]
 
 _WHERE = {
@@ -47,6 +49,7 @@ _WHERE = {
     "ReplicationError": "pathways_torch.errors",
     "PlacementError": "pathways_torch.errors",
     "AuthenticationError": "pathways_torch.errors",
+    "BACKEND_NAMES": "pathways_torch.wire.backend_names",
 }
 
 

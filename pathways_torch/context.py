@@ -6,6 +6,7 @@ import contextlib
 import dataclasses
 import json
 import logging
+import os
 import threading
 import time
 
@@ -46,6 +47,9 @@ class ContextConfig:
     heartbeat_timeout_s: float = 10.0
     log_dir: str | None = None
     inject_latency_s: float = 0.0     # tests/benchmarks: delay every controller→executor message
+    # Pin executor i to core i mod the core count (benchmarks: XLA's CPU runtime ignores executor_threads
+    # and uses every core unless pinned; docs/backends.md).
+    pin_executors: bool = False
 
     def __post_init__(self):
         if not isinstance(self.num_executors, int) or self.num_executors < 1:
@@ -64,6 +68,13 @@ class ContextConfig:
         """The backend executors are started with: the default for the device, an XLA route resolved to what is
         installed (raises ``ValueError`` saying what to install)."""
         return resolve_backend_name(self.backend or default_backend(self.device))
+
+    def executor_cpus(self) -> list[tuple[int, ...]]:
+        """The cores each executor may use: one each when ``pin_executors``, else all (empty)."""
+        if not self.pin_executors:
+            return [()] * self.num_executors
+        cores = sorted(os.sched_getaffinity(0))
+        return [(cores[i % len(cores)],) for i in range(self.num_executors)]
 
     def executor_devices(self) -> list[str]:
         """The device of each executor: ``cpu``, or one CUDA device each (NCCL needs distinct devices)."""
@@ -113,7 +124,8 @@ class Context:
                 self._server.address, executor_ids, keys_dir=self._keys.path, backend=self.config.resolved_backend,
                 devices=self.config.executor_devices(),
                 threads=self.config.executor_threads, heartbeat_interval_s=self.config.heartbeat_interval_s,
-                heartbeat_timeout_s=self.config.heartbeat_timeout_s, log_dir=self.config.log_dir)
+                heartbeat_timeout_s=self.config.heartbeat_timeout_s, log_dir=self.config.log_dir,
+                cpus=self.config.executor_cpus())
             self._wait_for_executors()
             client = self._keys.credentials(CLIENT)
             # Every process holds its keys in memory now: none stay on disk, not even if this client is killed.
@@ -348,6 +360,20 @@ class Context:
         """The backend the executors run, with its route (``"xla:torchax"``, ``"eager"`` ...), as they registered."""
         names = sorted({info.backend for info in self.controller.resources.ordered()})
         return ",".join(names)
+
+    def backend_counters(self, kind: str) -> dict[str, int]:
+        """One kind of the backends' per-function counts, ``{function name: count}`` (the most any executor saw).
+
+        ``kind``: ``"fallback_ops"`` (ops the XLA route ran outside XLA) or ``"collective_cuts"`` (where a
+        compiled graph was cut at a collective); docs/backends.md.
+        """
+        counts: dict[str, int] = {}
+        for stats in self.stats()["executors"].values():
+            for key, value in stats["backend_counters"].items():
+                prefix, _, function = key.partition(":")
+                if prefix == kind:
+                    counts[function] = max(counts.get(function, 0), value)
+        return counts
 
     def stats(self) -> dict:
         """Object store bytes and bytes per hop, per executor and in total."""

@@ -43,7 +43,7 @@ class XlaBackend(TorchBackend):
     def compile(self, graph_module, example_inputs):
         import torch
 
-        module = graph_module.to(self._device)
+        module = _with_our_attention(graph_module, example_inputs, self._device).to(self._device)
         # Device data, as real inputs will be: zeros made on the XLA device would be graph
         # constants and give a different graph (and a second compile).
         zeros = [torch.zeros(t.shape, dtype=t.dtype).to(self._device) for t in example_inputs]
@@ -101,6 +101,26 @@ class XlaBackend(TorchBackend):
 
     def _sync(self, tensors) -> None:
         self._xla._XLAC._xla_sync_multi(list(tensors), [], wait=True)
+
+
+def _with_our_attention(graph_module, example_inputs, device):
+    """The graph with CPU flash attention in plain ops (executor/backends/attention.py), re-traced if it has any."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from .attention import flash_attention_decompositions
+
+    table = flash_attention_decompositions()
+    if not any(n.op == "call_function" and n.target in table for n in graph_module.graph.nodes):
+        return graph_module
+    import torch
+
+    examples = [torch.empty(t.shape, dtype=t.dtype) for t in example_inputs]
+    traced = make_fx(graph_module, decomposition_table=table, tracing_mode="fake")(*examples)
+    for node in traced.graph.nodes:   # the re-trace ran on CPU: its new constructors run on the device
+        if "device" in node.kwargs:
+            node.kwargs = {**node.kwargs, "device": device}
+    traced.recompile()
+    return traced
 
 
 def _sync_before_collectives(graph_module, sync):

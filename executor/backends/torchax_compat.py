@@ -25,8 +25,7 @@ import contextlib
 import sys
 import threading
 
-__all__ = ["import_torchax", "REPLACED_LOWERINGS", "ADDED_LOWERINGS", "removed_names_seen", "has_lowering",
-           "flash_attention_cpu", "flash_attention_cpu_backward"]
+__all__ = ["import_torchax", "REPLACED_LOWERINGS", "ADDED_LOWERINGS", "removed_names_seen", "has_lowering"]
 
 _lock = threading.Lock()
 _removed_seen: list[str] = []
@@ -65,9 +64,11 @@ def _removed(name: str) -> _RemovedOp:
     return _RemovedOp(name)
 
 
-def _asked_by_torchax() -> bool:
-    # Two frames up: the caller of the patched __getattr__.
-    return sys._getframe(2).f_globals.get("__name__", "").startswith("torchax")
+def _asked_by_torchax(namespace: str) -> bool:
+    # Only aten ops were removed; a lookup in another namespace (torch_xla's, torchvision's) is a
+    # question torchax asks on purpose and must keep its AttributeError. Two frames up: the caller
+    # of the patched __getattr__.
+    return namespace == "aten" and sys._getframe(2).f_globals.get("__name__", "").startswith("torchax")
 
 
 @contextlib.contextmanager
@@ -80,7 +81,7 @@ def _placeholders_for_removed_ops():
         try:
             return packet_getattr(self, key)
         except AttributeError:
-            if key.startswith("__") or not _asked_by_torchax():
+            if key.startswith("__") or not _asked_by_torchax(self._qualified_op_name.split("::")[0]):
                 raise
             return _removed(f"{self}.{key}")
 
@@ -88,7 +89,7 @@ def _placeholders_for_removed_ops():
         try:
             return namespace_getattr(self, name)
         except AttributeError:
-            if name.startswith("__") or not _asked_by_torchax():
+            if name.startswith("__") or not _asked_by_torchax(self.name):
                 raise
             return _removed(f"{self.name}.{name}")
 
@@ -107,11 +108,26 @@ def import_torchax():
             with _placeholders_for_removed_ops():
                 import torchax
 
+                _check_version(torchax)
+
                 env = torchax.default_env()   # loads the op tables: more names of removed overloads
             _replace_lowerings(env)
             _add_lowerings(env)
             _loaded = (torchax, env)
         return _loaded
+
+
+_MIN_VERSION = (0, 0, 13)
+
+
+def _check_version(torchax) -> None:
+    version = getattr(torchax, "__version__", "0")
+    parts = tuple(int(p) for p in version.split(".")[:3] if p.isdigit())
+    if parts < _MIN_VERSION:
+        raise ImportError(
+            f"xla:torchax needs torchax >= {'.'.join(map(str, _MIN_VERSION))}, found {version} at "
+            f"{torchax.__file__} (torch_xla 2.9's wheel overwrites torchax with its own 0.0.6); fix: "
+            f"pip install --force-reinstall --no-deps 'torchax>=0.0.13,<0.1'")
 
 
 def removed_names_seen() -> list[str]:
@@ -130,65 +146,10 @@ def _replace_lowerings(env) -> None:
 
 
 def _add_lowerings(env) -> None:
-    import torch
+    from .attention import flash_attention_decompositions
 
-    env.override_op_definition(torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
-                               flash_attention_cpu)
-    env.override_op_definition(torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default,
-                               flash_attention_cpu_backward)
-
-
-def _attention_scores(query, key, attn_mask, is_causal, scale):
-    import math
-
-    import torch
-
-    scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else scale
-    scores = (query @ key.transpose(-2, -1)) * scale
-    if attn_mask is not None:
-        scores = scores.masked_fill(~attn_mask, float("-inf")) if attn_mask.dtype == torch.bool else scores + attn_mask
-    if is_causal:
-        causal = torch.ones(scores.shape[-2], scores.shape[-1], dtype=torch.bool, device=scores.device).tril()
-        scores = scores.masked_fill(~causal, float("-inf"))
-    return scores, scale
-
-
-def _no_dropout(dropout_p) -> None:
-    if dropout_p:
-        raise NotImplementedError("xla:torchax: scaled_dot_product_attention with dropout_p > 0 inside the kernel "
-                                  "cannot be replayed in its backward; apply dropout outside the attention")
-
-
-def flash_attention_cpu(query, key, value, dropout_p=0.0, is_causal=False, attn_mask=None, scale=None):
-    """``aten._scaled_dot_product_flash_attention_for_cpu``: (output, log-sum-exp ``[B, H, L]``)."""
-    import torch
-
-    _no_dropout(dropout_p)
-    scores, _ = _attention_scores(query, key, attn_mask, is_causal, scale)
-    logsumexp = torch.logsumexp(scores, dim=-1)
-    return torch.exp(scores - logsumexp.unsqueeze(-1)) @ value, logsumexp
-
-
-def flash_attention_cpu_backward(grad_out, query, key, value, out, logsumexp, dropout_p=0.0, is_causal=False,
-                                 attn_mask=None, scale=None):
-    """``aten._scaled_dot_product_flash_attention_for_cpu_backward`` in plain torch ops.
-
-    Softmax attention's backward from the saved output and log-sum-exp (``[B, H, L]``):
-    ``P = exp(QK^T * scale - lse)``, ``dV = P^T dO``, ``dS = P * (dO V^T - rowsum(dO * O))``,
-    ``dQ = dS K * scale``, ``dK = dS^T Q * scale``. Dropout inside the kernel cannot be
-    replayed (its mask is not saved), so ``dropout_p > 0`` is refused.
-    """
-    import torch
-
-    _no_dropout(dropout_p)
-    scores, scale = _attention_scores(query, key, attn_mask, is_causal, scale)
-    probs = torch.exp(scores - logsumexp.unsqueeze(-1).to(scores.dtype))
-    grad_value = probs.transpose(-2, -1) @ grad_out
-    grad_probs = grad_out @ value.transpose(-2, -1)
-    grad_scores = probs * (grad_probs - (grad_out * out).sum(-1, keepdim=True))
-    grad_query = (grad_scores @ key) * scale
-    grad_key = (grad_scores.transpose(-2, -1) @ query) * scale
-    return grad_query, grad_key, grad_value
+    for op, implementation in flash_attention_decompositions().items():
+        env.override_op_definition(op, implementation)
 
 
 def has_lowering(env, op) -> bool:

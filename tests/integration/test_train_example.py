@@ -21,10 +21,12 @@ from transformer import DecoderOnlyTransformer, ReverseTask, TransformerConfig, 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
 
+@pytest.mark.compat
 def test_example_trainer_loss_falls_and_checkpoint_is_written(tmp_path):
+    """On the default backend, as the README's first command runs it: XLA, nothing outside it."""
     checkpoint = tmp_path / "ckpt"
     result = subprocess.run(
-        [sys.executable, os.path.join(REPO_ROOT, "examples", "train_transformer.py"), "--backend", "eager",
+        [sys.executable, os.path.join(REPO_ROOT, "examples", "train_transformer.py"),
          "--steps", "80", "--checkpoint", str(checkpoint), "--min-accuracy", "0"],
         capture_output=True, text=True, timeout=240, cwd=str(tmp_path))
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
@@ -33,6 +35,8 @@ def test_example_trainer_loss_falls_and_checkpoint_is_written(tmp_path):
     assert (checkpoint / "trainer.safetensors").exists()
     assert f"checkpoint: {checkpoint / 'trainer.safetensors'}" in result.stdout
     assert "tok_s=" in result.stderr          # the progress bar shows throughput
+    assert re.search(r"^backend: xla:(torchax|torch_xla)$", result.stdout, re.M), result.stdout
+    assert "ops run outside XLA: 0\n" in result.stdout, result.stdout
 
 
 @pytest.mark.parametrize("plan", [pw.DataParallel("data"), pw.ShardedDataParallel("data")], ids=["dp", "sdp"])
@@ -49,7 +53,10 @@ def test_xla_training_step_matches_eager_in_float32(plan):
         losses = [f.result(120).item() for f in [trainer.step(b) for b in batches]]
         params = trainer.state_dict()["model"]
         compiles = [e["num_compiles"] for e in ctx.stats()["executors"].values()]
+        outside = ctx.backend_counters("fallback_ops")
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected), rtol=1e-4, atol=0)
     for name, value in reference.state_dict().items():
         torch.testing.assert_close(params[name], value, rtol=1e-4, atol=1e-5, msg=name)
     assert all(c > 0 for c in compiles)       # XLA compiled the step (it did not run eagerly)
+    if ctx.backend == "xla:torchax":
+        assert outside and not any(outside.values()), outside   # every op of the step inside XLA

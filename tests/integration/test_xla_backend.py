@@ -7,7 +7,7 @@ import torch
 
 import pathways_torch as pw
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
+pytestmark = [pytest.mark.integration, pytest.mark.compat, pytest.mark.timeout(180)]
 
 
 @pytest.fixture(scope="module", params=["xla:torchax", "xla:torch_xla"])

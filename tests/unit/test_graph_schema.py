@@ -13,7 +13,7 @@ from pathways_torch.wire.graph_schema import (
     ALLOWED_NAMESPACES, GraphSchemaError, decode_graph, encode_graph, resolve_target,
 )
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = [pytest.mark.compat, pytest.mark.timeout(60)]
 
 WIRE_DIR = Path(__file__).resolve().parents[2] / "pathways_torch" / "wire"
 

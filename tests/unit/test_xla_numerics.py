@@ -22,7 +22,7 @@ from pathways_torch.wire import pb
 from pathways_torch.wire.graph_schema import encode_graph
 from pathways_torch.wire.tensors import frame_to_tensor, tensor_to_frame
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.compat, pytest.mark.timeout(120)]
 
 
 @pytest.fixture(scope="module", params=["xla:torchax", "xla:torch_xla"])
