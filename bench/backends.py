@@ -175,6 +175,8 @@ def main() -> None:
     names = args.backends.split(",")
     if "eager" not in names:
         parser.error("--backends must include eager: every ratio is to eager")
+    # An empty persistent compile cache, so the compile column is a real compile (executors inherit it).
+    os.environ["PATHWAYS_CACHE_DIR"] = tempfile.mkdtemp(prefix="bench-backends-cache-")
     runs = {}
     try:
         for name in names:

@@ -205,7 +205,7 @@ def measure_runtime(size: int, backend: str, plan_name: str, args, cfg, batches)
 
 def measure_backends(size: int, args, cfg, batches) -> tuple[dict, dict, dict]:
     """The default backend and eager, both alive, pinned, windows interleaved: (xla, eager, per-round ratios)."""
-    runs = {"xla": RuntimeRun(size, "xla", "DataParallel", args, cfg, batches, pin=True),
+    runs = {"xla": RuntimeRun(size, args.xla_backend, "DataParallel", args, cfg, batches, pin=True),
             "eager": RuntimeRun(size, "eager", "DataParallel", args, cfg, batches, pin=True)}
     try:
         for run in runs.values():
@@ -409,6 +409,9 @@ def main() -> None:
                         help="rounds of timed windows (runtime, DDP, eager interleaved); the median counts")
     parser.add_argument("--xla-sizes", default="1,2", help="runtime sizes to run with backend='xla' too")
     parser.add_argument("--no-xla", action="store_true", help="skip the XLA comparison")
+    parser.add_argument("--xla-backend", default="xla",
+                        help="the XLA backend to compare with eager: xla (the installed default route), "
+                             "xla:torchax or xla:torch_xla")
     parser.add_argument("--no-memory", action="store_true", help="skip the ShardedDataParallel memory run")
     parser.add_argument("--trace-dir", default=None, help="keep each runtime run's Chrome trace here")
     args = parser.parse_args()

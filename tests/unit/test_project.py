@@ -30,7 +30,7 @@ def test_readme_opens_with_two_commands_and_ci_runs_the_second():
 
 def test_importing_the_package_and_wire_is_light():
     code = ("import sys, pathways_torch, pathways_torch.wire, pathways_torch.errors; "
-            "heavy = [m for m in ('torch', 'torch_xla', 'controller', 'executor') if m in sys.modules]; "
+            "heavy = [m for m in ('torch', 'torch_xla', 'jax', 'torchax', 'controller', 'executor') if m in sys.modules]; "
             "print(','.join(heavy))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO_ROOT, timeout=60)
     assert out.returncode == 0, out.stderr
@@ -45,3 +45,17 @@ def test_public_names_resolve():
     assert issubclass(pw.RemoteError, pw.PathwaysError)
     assert issubclass(pw.CaptureError, pw.PathwaysError)
     assert issubclass(pw.ExecutorLostError, pw.PathwaysError)
+
+
+def test_torch_is_a_range_and_python_3_12_is_allowed():
+    """Installing the project must not move a user's torch to one release (issue 13)."""
+    import re
+    import tomllib
+
+    with open(f"{REPO_ROOT}/pyproject.toml", "rb") as f:
+        project = tomllib.load(f)["project"]
+    torch_spec = next(d for d in project["dependencies"] if re.match(r"torch\b(?!-)", d))
+    assert "==" not in torch_spec and ">=2.9" in torch_spec, torch_spec
+    assert any(d.startswith("torchax") for d in project["dependencies"])           # the default XLA route
+    assert any(d.startswith("torch-xla==2.9.0") for d in project["optional-dependencies"]["torch-xla"])
+    assert "<3.13" in project["requires-python"] and ">=3.11" in project["requires-python"]
