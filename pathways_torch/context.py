@@ -407,8 +407,9 @@ class Context:
         """Collect every executor's events into one Chrome/Perfetto trace JSON file at ``path``."""
         replies = self.controller.gather("trace")
         order = {e: i for i, e in enumerate(self.executor_ids)}
+        backends = {info.executor_id: info.backend for info in self.controller.resources.ordered()}
         trace = chrome_trace({executor_id: envelope.trace_reply.events for executor_id, envelope in replies.items()},
-                             order)
+                             order, backends)
         with open(path, "w") as f:
             json.dump(trace, f)
         return trace

@@ -11,12 +11,15 @@ _SPANS = {"start": ("end", "compute", _COMPUTE_TID), "compile_start": ("compile_
 _ENDS = {end: (start, cat, tid) for start, (end, cat, tid) in _SPANS.items()}
 
 
-def chrome_trace(events_by_executor: dict, order: dict[str, int]) -> dict:
-    """One process row per executor: computations as complete events, messages as instants."""
+def chrome_trace(events_by_executor: dict, order: dict[str, int], backends: dict[str, str] | None = None) -> dict:
+    """One process row per executor (named with its backend, e.g. ``executor-0 (xla:torchax)``): computations as
+    complete events, messages as instants."""
     out = []
+    backends = backends or {}
     for executor_id, events in events_by_executor.items():
         pid = order.get(executor_id, len(order))
-        out.append({"ph": "M", "name": "process_name", "pid": pid, "args": {"name": executor_id}})
+        label = f"{executor_id} ({backends[executor_id]})" if backends.get(executor_id) else executor_id
+        out.append({"ph": "M", "name": "process_name", "pid": pid, "args": {"name": label}})
         out.append({"ph": "M", "name": "thread_name", "pid": pid, "tid": _COMPUTE_TID, "args": {"name": "compute"}})
         out.append({"ph": "M", "name": "thread_name", "pid": pid, "tid": _IO_TID, "args": {"name": "io"}})
         out.append({"ph": "M", "name": "thread_name", "pid": pid, "tid": _COMPILE_TID, "args": {"name": "compile"}})

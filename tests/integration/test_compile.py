@@ -61,3 +61,32 @@ def test_inductor_backend_matches_eager():
         torch.testing.assert_close(total.result(timeout_s=200), expected[1], rtol=1e-5, atol=1e-4)
         stats = ctx.stats()["executors"]
         assert [s["num_compiles"] for s in stats.values()] == [1]
+
+
+def test_compiled_executables_persist_across_runs(tmp_path, monkeypatch):
+    """xla:torchax writes each executable to the persistent cache: a second run of the same program finds them
+    all (no new entry) and compiles faster."""
+    from pathways_torch.wire.backend_names import route_installed
+
+    if not route_installed("xla:torchax"):
+        pytest.skip("the persistent cache belongs to the xla:torchax route")
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("PATHWAYS_CACHE_DIR", str(cache))   # executors inherit it
+
+    def run_once() -> float:
+        with pw.Context(num_executors=1, backend="xla:torchax") as ctx:
+            deep = pw.function(_deep, name="deep")
+            x = ctx.put(torch.randn(32, 32) / 32, ctx.mesh({"data": 1}), [pw.Replicate()])
+            torch.testing.assert_close(deep(x).result(timeout_s=120), _deep(x.result()), rtol=1e-4, atol=1e-5)
+            events = ctx.trace(str(tmp_path / "trace.json"))["traceEvents"]
+        return next(e["dur"] for e in events if e.get("cat") == "compile" and e["name"] == "deep") / 1e6
+
+    def entries() -> set:
+        return {p.name for p in cache.rglob("*") if p.is_file()}
+
+    cold = run_once()
+    written = entries()
+    assert written, "the first run wrote nothing to the persistent compile cache"
+    warm = run_once()
+    assert entries() == written          # every executable came from the cache
+    assert warm < cold, (cold, warm)

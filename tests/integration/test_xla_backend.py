@@ -68,7 +68,7 @@ def test_float64_runs_on_xla(ctx):
     torch.testing.assert_close(out.result(timeout_s=120), expected, rtol=1e-12, atol=1e-12)
 
 
-def test_collective_cuts_the_xla_graph_and_matches_eager(ctx):
+def test_collective_cuts_the_xla_graph_and_matches_eager(ctx, tmp_path):
     mesh = ctx.mesh({"data": 2})
     host = torch.randn(8, 4)
 
@@ -84,6 +84,12 @@ def test_collective_cuts_the_xla_graph_and_matches_eager(ctx):
         for stats in ctx.stats()["executors"].values():
             counters = stats["backend_counters"]
             assert counters["collective_cuts:normalized"] == 2 and counters["fallback_ops:normalized"] == 0
+        # The trace names the route on each executor's row and says where the graph was cut.
+        events = ctx.trace(str(tmp_path / "trace.json"))["traceEvents"]
+        rows = {e["args"]["name"] for e in events if e.get("name") == "process_name"}
+        assert rows == {"executor-0 (xla:torchax)", "executor-1 (xla:torchax)"}, rows
+        compile_span = next(e for e in events if e.get("cat") == "compile" and e["name"] == "normalized")
+        assert "3 XLA stage(s), cut at 2 collective(s), 0 op(s) outside XLA" in compile_span["args"]["detail"], compile_span
 
 
 def test_values_stay_jax_arrays_between_calls(ctx):
@@ -103,8 +109,8 @@ def test_values_stay_jax_arrays_between_calls(ctx):
     step(x).result(timeout_s=120)            # compiled and registered
 
     def conversions():
-        return [{k: v for k, v in s["backend_counters"].items() if k.startswith("conversions:")}
-                for s in ctx.stats()["executors"].values()]
+        return {e: {k: v for k, v in s["backend_counters"].items() if k.startswith("conversions:")}
+                for e, s in ctx.stats()["executors"].items()}
 
     before = conversions()
     runs = 5
@@ -112,7 +118,9 @@ def test_values_stay_jax_arrays_between_calls(ctx):
         out = step(x)
     torch.testing.assert_close(out.result(timeout_s=120), torch.full((2, 3), 8.0))
     after = conversions()
-    for b, a in zip(before, after):
+    assert before.keys() == after.keys() == set(ctx.executor_ids)
+    for executor_id in before:
+        b, a = before[executor_id], after[executor_id]
         delta = {k: a.get(k, 0) - b.get(k, 0) for k in a}
         # Per step on each executor: the all-reduce's input to torch and its result back, nothing else
         # (the result goes to the client once, on the wire).
