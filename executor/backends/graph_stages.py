@@ -64,8 +64,12 @@ def is_collective(node) -> bool:
     return node.op == "call_function" and getattr(node.target, "namespace", "") == "pathways"
 
 
-def split_stages(graph_module, example_inputs: Sequence, lowerable: Callable[[object], bool]) -> StagePlan:
-    """The stages of ``graph_module`` (an aten fx graph) for inputs shaped like ``example_inputs``."""
+def split_stages(graph_module, example_inputs: Sequence, lowerable: Callable[[object], bool],
+                 compiled_device=None) -> StagePlan:
+    """The stages of ``graph_module`` (an aten fx graph) for inputs shaped like ``example_inputs``.
+
+    ``compiled_device``: the device that constructors inside a compiled stage name (torchax's ``jax``);
+    None leaves them as traced."""
     graph_module = _decompose_unlowerable(graph_module, example_inputs, lowerable)
     _propagate_shapes(graph_module, example_inputs)
     nodes = list(graph_module.graph.nodes)
@@ -78,12 +82,10 @@ def split_stages(graph_module, example_inputs: Sequence, lowerable: Callable[[ob
     groups = _group(nodes, lowerable)
     if len(groups) == 1 and groups[0][0] == "jax":
         # The common case: the whole graph is one executable over (inputs, constants).
-        stage = _stage("jax", groups[0][1], placeholders + constants, outputs)
+        stage = _stage("jax", groups[0][1], placeholders + constants, outputs, compiled_device)
         stage.input_slots = list(range(len(slot)))
-        stage.output_slots = [slot[n] if n in slot else len(slot) + i for i, n in enumerate(outputs)]
-        plan = StagePlan([stage], len(placeholders), constant_values, len(outputs), [])
-        plan.output_slots = stage.output_slots
-        return plan
+        stage.output_slots = list(range(len(slot), len(slot) + len(outputs)))
+        return StagePlan([stage], len(placeholders), constant_values, len(outputs), stage.output_slots)
     stages = []
     later_uses = _uses_after(groups, outputs)
     for index, (kind, members) in enumerate(groups):
@@ -96,7 +98,7 @@ def split_stages(graph_module, example_inputs: Sequence, lowerable: Callable[[ob
                 raise NotImplementedError(f"a host stage's tuple output {tuple_valued[0]} is read whole outside it")
         for n in produced:
             slot[n] = len(slot)
-        stage = _stage(kind, members, inputs, produced)
+        stage = _stage(kind, members, inputs, produced, compiled_device if kind == "jax" else None)
         stage.input_slots = [slot[n] for n in inputs]
         stage.output_slots = [slot[n] for n in produced]
         stages.append(stage)
@@ -149,8 +151,9 @@ def _uses_after(groups, outputs) -> list[dict]:
     return used
 
 
-def _stage(kind: str, members: list, inputs: list, outputs: list) -> Stage:
-    """A GraphModule of ``members`` reading ``inputs`` (as placeholders) and returning ``outputs``."""
+def _stage(kind: str, members: list, inputs: list, outputs: list, on_device=None) -> Stage:
+    """A GraphModule of ``members`` reading ``inputs`` (as placeholders) and returning ``outputs``; constructors
+    in it make values on ``on_device`` where one is given."""
     import torch
     import torch.fx
 
@@ -158,11 +161,10 @@ def _stage(kind: str, members: list, inputs: list, outputs: list) -> Stage:
     env = {}
     for i, n in enumerate(inputs):
         env[n] = graph.placeholder(f"in_{i}")
-    on_device = torch.device("jax") if kind == "jax" else None
     for n in members:
         copied = graph.node_copy(n, lambda a: env[a])
         if on_device is not None and "device" in copied.kwargs:
-            # Constructors inside a compiled stage make XLA values (torchax's "jax" device).
+            # Constructors inside a compiled stage make the compiler's values (torchax's "jax" device).
             copied.kwargs = {**copied.kwargs, "device": on_device}
         env[n] = copied
     graph.output(tuple(env[n] for n in outputs))

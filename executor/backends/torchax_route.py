@@ -97,7 +97,8 @@ class TorchaxBackend:
 
     def compile(self, prepared: _Prepared, example_inputs: Sequence):
         stages = split_stages(prepared.graph_module, example_inputs,
-                              lowerable=lambda op: has_lowering(self._env, op))
+                              lowerable=lambda op: has_lowering(self._env, op),
+                              compiled_device=self._torch.device("jax"))   # torchax's device: XLA values
         fallbacks = [s.node_names for s in stages.stages if s.kind == "fallback"]
         cuts = sum(1 for s in stages.stages if s.kind == "collective")
         if fallbacks:

@@ -105,3 +105,26 @@ def test_xla_matches_eager(xla, name, dtype):
         if e.dtype == torch.float16:
             tolerance = 1e-3
         torch.testing.assert_close(g, e, rtol=tolerance, atol=tolerance)
+
+
+def test_an_op_without_a_lowering_runs_on_the_host_counted(xla):
+    """``aten.searchsorted.Scalar`` has no torchax lowering and no torch decomposition: that one op runs in
+    torch between two XLA stages, the result is still eager's, and the function's fallback count says so."""
+    if xla.name != "xla:torchax":
+        pytest.skip("fallback stages are xla:torchax's")
+
+    def fn(x):
+        ordered = torch.sort(x * 2).values
+        return torch.searchsorted(ordered, 0.5) + ordered.sum().to(torch.int64)
+
+    x = torch.randn(16)
+    graph, constants = encode_graph(make_fx(fn, tracing_mode="fake")(x))
+    load = pb.LoadFunction(name="with_fallback")
+    load.graph.CopyFrom(graph)
+    prepared, examples = xla.prepare(load, [bytes(memoryview(c)) for c in constants])
+    compiled = xla.compile(prepared, examples)
+    got = xla.run(compiled, [_through_wire(xla.from_frame, x)])
+    assert xla.counters()["fallback_ops:with_fallback"] == 1
+    assert "1 op(s) outside XLA" in compiled.summary
+    out = _through_wire(lambda meta, frames: frame_to_tensor(meta, frames), got[0], xla.to_frame)
+    assert torch.equal(out, fn(x))
