@@ -39,10 +39,20 @@ class XlaBackend(TorchBackend):
         self._xla, self._metrics = torch_xla, metrics
         self._device = torch_xla.device()
         self.device = str(self._device)
+        self._counts: dict[str, int] = {}
+
+    def prepare(self, load, payload):
+        graph_module, examples = super().prepare(load, payload)
+        graph_module.meta["pathways_function"] = load.name    # for the per-function counts
+        return graph_module, examples
+
+    def counters(self) -> dict[str, int]:
+        return dict(self._counts)
 
     def compile(self, graph_module, example_inputs):
         import torch
 
+        name = graph_module.meta.get("pathways_function", "?")
         module = _with_our_attention(graph_module, example_inputs, self._device).to(self._device)
         # Device data, as real inputs will be: zeros made on the XLA device would be graph
         # constants and give a different graph (and a second compile).
@@ -56,7 +66,12 @@ class XlaBackend(TorchBackend):
             fallbacks = self._fallbacks_of(module, zeros)
         if fallbacks:
             # torch_xla ran these aten ops on the host: correct, but slow. Say so.
-            log.warning("xla: ops executed by CPU fallback, not XLA: %s", ", ".join(sorted(fallbacks)))
+            log.warning("xla:torch_xla: function %s: ops executed by CPU fallback, not XLA: %s", name,
+                        ", ".join(sorted(fallbacks)))
+        self._counts[f"fallback_ops:{name}"] = len(fallbacks)
+        self._counts[f"collective_cuts:{name}"] = sum(
+            1 for n in graph_module.graph.nodes if n.op == "call_function"
+            and getattr(n.target, "namespace", "") == "pathways")
         return module
 
     def _fallbacks_of(self, module, zeros) -> set[str]:

@@ -80,14 +80,14 @@ def test_collective_cuts_the_xla_graph_and_matches_eager(ctx, tmp_path):
     out = normalized(ctx.put(host, mesh, [pw.Shard(0)]))
     expected = host.sum(0) / (host * host).sum().sqrt()
     torch.testing.assert_close(out.result(timeout_s=120), expected, rtol=1e-5, atol=1e-5)
+    for stats in ctx.stats()["executors"].values():     # both routes count per function
+        counters = stats["backend_counters"]
+        assert counters["collective_cuts:normalized"] == 2 and counters["fallback_ops:normalized"] == 0
+    # The trace names the route on each executor's row (and, on xla:torchax, says where the graph was cut).
+    events = ctx.trace(str(tmp_path / "trace.json"))["traceEvents"]
+    rows = {e["args"]["name"] for e in events if e.get("name") == "process_name"}
+    assert rows == {f"executor-0 ({ctx.backend})", f"executor-1 ({ctx.backend})"}, rows
     if ctx.backend == "xla:torchax":
-        for stats in ctx.stats()["executors"].values():
-            counters = stats["backend_counters"]
-            assert counters["collective_cuts:normalized"] == 2 and counters["fallback_ops:normalized"] == 0
-        # The trace names the route on each executor's row and says where the graph was cut.
-        events = ctx.trace(str(tmp_path / "trace.json"))["traceEvents"]
-        rows = {e["args"]["name"] for e in events if e.get("name") == "process_name"}
-        assert rows == {"executor-0 (xla:torchax)", "executor-1 (xla:torchax)"}, rows
         compile_span = next(e for e in events if e.get("cat") == "compile" and e["name"] == "normalized")
         assert "3 XLA stage(s), cut at 2 collective(s), 0 op(s) outside XLA" in compile_span["args"]["detail"], compile_span
 
