@@ -18,7 +18,7 @@ import threading
 import time
 from typing import Callable, Protocol, Sequence
 
-from pathways_torch.errors import ExecutorLostError, PlacementError, RemoteError, ReplicationError
+from pathways_torch.errors import ContextClosedError, ExecutorLostError, PlacementError, RemoteError, ReplicationError
 from pathways_torch.wire import pb
 from pathways_torch.wire.framing import body_name, log_dropped
 
@@ -607,6 +607,25 @@ class Controller:
         replies[executor_id] = envelope
         if len(replies) >= self._expected[request_id]:
             self._reply_events[request_id].set()
+
+    def fail_pending(self, reason: str) -> int:
+        """Fail every array still pending with `ContextClosedError` naming the call that would have made it
+        (the client is closing: nothing will complete them). Returns how many were failed."""
+        failed = 0
+        with self._lock:
+            for call in list(self._calls.values()):
+                error = ContextClosedError(f"{reason} before {call.spec.name!r} finished; it was called from:\n"
+                                           f"{call.spec.call_site.rstrip() or '(unknown)'}")
+                for record in call.outputs:
+                    if record.state == PENDING:
+                        record.settle(FAILED, error)
+                        failed += 1
+            self._calls.clear()
+            for record in self.arrays.records():   # puts not yet acknowledged, a program's inputs
+                if record.state == PENDING:
+                    record.settle(FAILED, ContextClosedError(f"{reason} before array {record.array_id} was ready"))
+                    failed += 1
+        return failed
 
     def shutdown_executors(self, reason: str) -> None:
         with self._lock:

@@ -19,7 +19,7 @@ __all__ = [
     "DataParallel", "ShardedDataParallel", "Trainer", "UnsupportedOptimizerError",
     # errors
     "PathwaysError", "RemoteError", "CaptureError", "ExecutorLostError", "ReplicationError",
-    "PlacementError", "AuthenticationError",
+    "PlacementError", "AuthenticationError", "ContextClosedError",
     # backends
     "BACKEND_NAMES",
 ]
@@ -49,6 +49,7 @@ _WHERE = {
     "ReplicationError": "pathways_torch.errors",
     "PlacementError": "pathways_torch.errors",
     "AuthenticationError": "pathways_torch.errors",
+    "ContextClosedError": "pathways_torch.errors",
     "BACKEND_NAMES": "pathways_torch.wire.backend_names",
 }
 

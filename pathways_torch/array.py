@@ -26,6 +26,7 @@ class Array:
         self.dtype = dtype
         self.sharding = sharding
         self.block_shape = tuple(block_shape)
+        self._value = None    # the assembled tensor, once fetched: readable after the context closes
         self._finalizer = weakref.finalize(self, context._release, record.array_id)
 
     @property
@@ -40,22 +41,38 @@ class Array:
         """True once the array is computed (or has failed)."""
         return self._record.event.is_set()
 
-    def exception(self, timeout_s: float | None = None) -> BaseException | None:
-        """Wait for the array; return the error it failed with, or None."""
-        self._wait(timeout_s)
+    def exception(self, timeout_s: float | None = None, *, timeout: float | None = None) -> BaseException | None:
+        """Wait for the array; return the error it failed with, or None. ``timeout`` is the
+        ``concurrent.futures`` spelling of ``timeout_s``."""
+        self._wait(_timeout(timeout_s, timeout))
         return self._record.error
 
-    def result(self, timeout_s: float | None = None):
-        """Wait, then fetch the shards straight from their executors and assemble them."""
+    def result(self, timeout_s: float | None = None, *, timeout: float | None = None):
+        """Wait, then fetch the shards straight from their executors and assemble them.
+
+        Raises ``TimeoutError`` after ``timeout_s`` (or ``timeout``, the ``concurrent.futures``
+        spelling) and stays usable; raises `ContextClosedError` once the context is closed,
+        unless the value was fetched before. Each call returns a tensor the caller owns.
+        """
+        timeout_s = _timeout(timeout_s, timeout)
+        if self._value is not None:
+            return self._value.clone()
         self._wait(timeout_s)
         if self._record.error is not None:
             raise self._record.error
+        if self._context.closed:
+            from .errors import ContextClosedError
+
+            raise ContextClosedError(f"array {self.array_id} was never fetched and its context is closed: its "
+                                     f"shards are gone; fetch it (.result()) inside the `with pw.Context` block")
         self._learn_shape()
         positions = positions_needed(self.block_shape, self.sharding.placements, self.mesh)
         blocks = self._context._fetch_blocks(self, positions, timeout_s)
-        tensor = assemble_blocks(blocks, self.block_shape, self.sharding.placements, self.mesh)
-        # A lone block is a view of a received message; hand back memory the caller owns.
-        return tensor.clone() if len(positions) == 1 else tensor
+        self._value = assemble_blocks(blocks, self.block_shape, self.sharding.placements, self.mesh)
+        # A lone block is a view of a received message: the cache and the caller each own a copy.
+        if len(positions) == 1:
+            self._value = self._value.clone()
+        return self._value.clone()
 
     @property
     def shape_known(self) -> bool:
@@ -88,3 +105,10 @@ class Array:
     def __repr__(self) -> str:
         state = self._record.state
         return f"Array(id={self.array_id}, shape={self.shape}, dtype={self.dtype}, {self.sharding}, {state})"
+
+
+def _timeout(timeout_s: float | None, timeout: float | None) -> float | None:
+    """One of the two spellings of a timeout (``timeout_s``, ours; ``timeout``, ``concurrent.futures``')."""
+    if timeout_s is not None and timeout is not None and timeout_s != timeout:
+        raise TypeError(f"result/exception: give timeout_s or timeout, not both (got {timeout_s} and {timeout})")
+    return timeout_s if timeout_s is not None else timeout

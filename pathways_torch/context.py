@@ -163,16 +163,25 @@ class Context:
     def __enter__(self) -> "Context":
         return self
 
-    def __exit__(self, *exc) -> None:
-        self.close()
+    def __exit__(self, exc_type, exc, tb) -> None:
+        self.close(reason="the context closed" if exc_type is None else
+                   f"the context closed on {exc_type.__name__}")
 
-    def close(self) -> None:
-        """Stop every executor and the controller (idempotent)."""
+    def close(self, reason: str = "the context closed") -> None:
+        """Stop every executor and the controller (idempotent).
+
+        Every array still pending fails at once with `ContextClosedError` naming its call site,
+        so no ``.result()`` waits forever; an array whose value was fetched stays readable.
+        (Nothing is written out in the background yet, so there is nothing to wait for first.)
+        """
         if self._closed:
             return
         self._closed = True
         try:
             if self._server is not None:
+                failed = self.controller.fail_pending(reason)
+                if failed:
+                    log.info("%s: %d pending array(s) failed with ContextClosedError", reason, failed)
                 self.controller.shutdown_executors("the client closed its context")
         finally:
             if self._cluster is not None:
@@ -354,6 +363,11 @@ class Context:
             raise PathwaysError("this context is closed; create a new pw.Context")
 
     # ------------------------------------------------------------ observability
+
+    @property
+    def closed(self) -> bool:
+        """Whether `close` has run (the executors are gone; arrays not fetched before cannot be)."""
+        return self._closed
 
     @property
     def backend(self) -> str:

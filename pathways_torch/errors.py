@@ -10,7 +10,7 @@ from __future__ import annotations
 
 __all__ = [
     "PathwaysError", "RemoteError", "CaptureError", "PlacementError",
-    "ReplicationError", "ExecutorLostError", "AuthenticationError", "ProtocolError",
+    "ReplicationError", "ExecutorLostError", "AuthenticationError", "ProtocolError", "ContextClosedError",
 ]
 
 
@@ -69,6 +69,14 @@ class ExecutorLostError(PathwaysError):
     def __init__(self, message: str, *, executor_id: str = ""):
         self.executor_id = executor_id
         super().__init__(message)
+
+
+class ContextClosedError(PathwaysError):
+    """The context closed while the array was pending, or before its value was fetched: it never will be.
+
+    Names the call that would have made it. Fetch what you need (``.result()``) inside the
+    ``with pw.Context(...)`` block; a value fetched there stays readable after it.
+    """
 
 
 class AuthenticationError(PathwaysError):
