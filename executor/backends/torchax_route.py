@@ -96,9 +96,14 @@ class TorchaxBackend:
         return _Prepared(decode_graph(load.graph, payload), load.name), meta_examples(load)
 
     def compile(self, prepared: _Prepared, example_inputs: Sequence):
-        stages = split_stages(prepared.graph_module, example_inputs,
-                              lowerable=lambda op: has_lowering(self._env, op),
-                              compiled_device=self._torch.device("jax"))   # torchax's device: XLA values
+        try:
+            stages = split_stages(prepared.graph_module, example_inputs,
+                                  lowerable=lambda op: has_lowering(self._env, op),
+                                  compiled_device=self._torch.device("jax"))   # torchax's device: XLA values
+        except Exception as exc:
+            if not _data_dependent(exc):
+                raise
+            return self._whole_function_on_host(prepared, exc)
         fallbacks = [s.node_names for s in stages.stages if s.kind == "fallback"]
         cuts = sum(1 for s in stages.stages if s.kind == "collective")
         if fallbacks:
@@ -110,6 +115,16 @@ class TorchaxBackend:
         program = _StagedProgram(self, stages)
         self._compiles += program.num_jitted
         return program
+
+    def _whole_function_on_host(self, prepared: _Prepared, why: BaseException):
+        """A function whose output sizes depend on the data (``x[x > 0]``): XLA needs static shapes, so the
+        whole function runs in torch, op by op, counted and logged as outside XLA."""
+        ops = sum(1 for n in prepared.graph_module.graph.nodes if n.op == "call_function")
+        log.warning("xla:torchax: function %s has data-dependent output sizes (%s): its %d ops run in torch, "
+                    "outside XLA", prepared.name, type(why).__name__, ops)
+        self._counts[f"fallback_ops:{prepared.name}"] = ops
+        self._counts[f"collective_cuts:{prepared.name}"] = 0
+        return _HostProgram(self, prepared.graph_module, ops)
 
     def run(self, compiled, inputs):
         outputs = compiled(inputs)
@@ -277,6 +292,36 @@ class _StagedProgram:
         """What the store keeps: jax arrays (a host stage's numpy output becomes one here)."""
         return self._backend.from_torch(self._backend._torch.from_numpy(value), counted=False) \
             if isinstance(value, self._np.ndarray) else value
+
+
+def _data_dependent(exc: BaseException) -> bool:
+    """Whether shape propagation failed because sizes depend on the data (not a bug)."""
+    from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException
+    from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
+
+    causes = (DynamicOutputShapeException, DataDependentOutputException, GuardOnDataDependentSymNode)
+    while exc is not None:
+        if isinstance(exc, causes):
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
+
+
+class _HostProgram:
+    """A whole function in torch on views of the jax inputs; its outputs stored as jax arrays."""
+
+    def __init__(self, backend: TorchaxBackend, graph_module, num_ops: int):
+        from pathways_torch.wire.collective_ops import call_runtime_directly
+
+        self._backend = backend
+        self._forward = call_runtime_directly(graph_module).forward
+        self.num_jitted = 0
+        self.summary = f"data-dependent output sizes: all {num_ops} op(s) outside XLA, in torch"
+
+    def __call__(self, inputs):
+        backend = self._backend
+        out = self._forward(*[backend.to_torch(v) for v in inputs])
+        return [backend.from_torch(t) for t in (out if isinstance(out, (list, tuple)) else [out])]
 
 
 def _host_callable(stage: Stage):

@@ -127,3 +127,18 @@ def test_values_stay_jax_arrays_between_calls(ctx):
         assert delta["conversions:jax->torch"] == runs and delta["conversions:torch->jax"] == runs, delta
         assert delta.get("conversions:wire->jax", 0) == 0, delta
         assert delta.get("conversions:jax->wire", 0) <= 1, delta
+
+
+def test_data_dependent_output_sizes_run_and_are_counted_outside_xla(ctx):
+    """XLA needs static shapes: on xla:torchax a function like ``x[x > 0]`` runs in torch, op by op, and its
+    fallback count says so; the sizes still reach the client before its readers are dispatched."""
+    mesh = ctx.mesh({"data": 2})
+    positive = pw.function(lambda x: x[x > 0], name="positive")
+    doubled = pw.function(lambda y: y * 2, name="doubled")
+    host = torch.tensor([1.0, -2.0, 3.0, 4.0, -5.0, 6.0])
+    y = positive(ctx.put(host, mesh, [pw.Shard(0)]))
+    assert not y.shape_known
+    torch.testing.assert_close(doubled(y).result(timeout_s=120), torch.tensor([2.0, 6.0, 8.0, 12.0]))
+    if ctx.backend == "xla:torchax":
+        assert ctx.backend_counters("fallback_ops")["positive"] > 0
+        assert ctx.backend_counters("fallback_ops")["doubled"] == 0     # its shape is known when it is compiled
