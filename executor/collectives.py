@@ -5,18 +5,33 @@ private directory on this host (no default world group, no TCPStore listening on
 every interface), with a short timeout so a dead peer surfaces as an error. The
 gloo device binds to the executor's own interface (loopback unless told
 otherwise). The ``pathways::`` ops call `CollectiveRuntime.run`; while the compute
-thread runs a function, each mesh axis it names is bound to a group. A call with
-no binding on the calling thread is a dry run (the background compile's warm-up),
-which returns correctly shaped zeros and communicates nothing.
+thread runs a function, each mesh axis it names is bound to a group. A call with no
+binding is an error, except inside `dry_runs()` (the torch_xla route's warm-up
+compile), where it returns correctly shaped zeros and communicates nothing.
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import functools
 import threading
 
-__all__ = ["CollectiveRuntime", "make_gloo_group", "make_nccl_group"]
+__all__ = ["CollectiveRuntime", "make_gloo_group", "make_nccl_group", "dry_runs"]
+
+_dry = threading.local()
+
+
+@contextlib.contextmanager
+def dry_runs():
+    """On this thread, collectives with no group bound return zeros of their output's shape instead of failing:
+    for a warm-up run that must trace a graph through its collectives without communicating."""
+    previous = getattr(_dry, "on", False)
+    _dry.on = True
+    try:
+        yield
+    finally:
+        _dry.on = previous
 
 
 def make_gloo_group(store_path: str, prefix: str, rank: int, size: int, timeout_s: float,
@@ -101,7 +116,10 @@ class CollectiveRuntime:
     def run(self, name: str, x, axis: str, **kwargs):
         binding = getattr(self._local, "binding", None)
         if binding is None:
-            return _dry_run(name, x, **kwargs)
+            if getattr(_dry, "on", False):
+                return _dry_run(name, x, **kwargs)
+            raise RuntimeError(f"{name} on axis {axis!r} ran outside a bound computation (no process group on this "
+                               f"thread): a bug of the executor; warm-up runs must use executor.collectives.dry_runs()")
         bound = binding.get(axis)
         if bound is None:
             raise RuntimeError(f"{name}: axis {axis!r} has no process group on this executor "

@@ -134,7 +134,29 @@ class ExecutorCore:
         if handler is None or kind in _DATA_KINDS:
             self._drop(f"control message of type {kind!r} not expected from the controller")
             return
-        handler(getattr(envelope, kind), payload)
+        try:
+            handler(getattr(envelope, kind), payload)
+        except Exception as exc:
+            if kind != "run":
+                raise    # the compute loop logs it; the other kinds' calls are issue 15's to end
+            self._refuse_run(envelope.run, exc)
+
+    def _refuse_run(self, run: pb.Run, exc: BaseException) -> None:
+        """A Run whose handling raised (a bug of ours): its outputs fail here, so what reads them fails too,
+        and its Done carries the exception and its traceback, so the call's future ends."""
+        log.exception("%s: handling the Run of call %d failed; the call fails", self.executor_id, run.call_id)
+        failure = self._failure(exc, origin_call_id=run.call_id)
+        for ref in run.outputs:
+            entry = self.store.get(_key(ref))
+            if entry is None or not entry.ready:
+                self.store.fill(_key(ref), failure=failure)
+        if run.collective and run.prev_collective_seq == self._last_collective_seq:
+            # Its turn in gang order has passed: later collective work must not wait for it forever.
+            self._last_collective_seq = run.seq
+        if not run.quiet:
+            done = pb.Done(call_id=run.call_id, seq=run.seq, ok=False)
+            done.failure.CopyFrom(failure)
+            self.outbox.to_controller(pb.Envelope(done=done))
 
     def _on_welcome(self, msg: pb.Welcome, payload) -> None:
         self.trace.record("receive", "welcome", detail=f"index {msg.index}")

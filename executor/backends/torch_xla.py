@@ -75,9 +75,14 @@ class XlaBackend(TorchBackend):
         return module
 
     def _fallbacks_of(self, module, zeros) -> set[str]:
-        """Run ``module`` once lazily and return the aten ops torch_xla ran on the host meanwhile."""
+        """Run ``module`` once lazily and return the aten ops torch_xla ran on the host meanwhile.
+
+        A warm-up on zeros: its collectives are dry runs (they communicate nothing)."""
+        from ..collectives import dry_runs
+
         before = self._fallback_counts()
-        self._sync(as_list(module(*zeros)))
+        with dry_runs():
+            self._sync(as_list(module(*zeros)))
         after = self._fallback_counts()
         return {op for op, count in after.items() if count > before.get(op, 0)}
 

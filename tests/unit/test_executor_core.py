@@ -482,3 +482,23 @@ def test_shutdown_and_trace_request():
     core.on_control(pb.Envelope(shutdown=pb.Shutdown(reason="test")), [])
     assert core.stopped
     assert core.dropped_messages == 0
+
+
+def test_a_run_whose_handling_raises_fails_its_call_and_its_outputs(monkeypatch):
+    """A bug in handling a Run must end the call (a failing Done with the traceback), not drop the message."""
+    core, outbox = make_core()
+    load(core, 1, lambda a: a + 1, torch.zeros(2))
+    put(core, ref(10), torch.zeros(2))
+
+    def broken(msg):
+        raise ValueError("a bug while queueing")
+
+    monkeypatch.setattr(core, "_start_now", broken)
+    run(core, seq=1, call_id=5, function_id=1, inputs=[ref(10)], outputs=[ref(11)])
+    done = outbox.dones()[-1]
+    assert done.call_id == 5 and not done.ok
+    assert done.failure.type == "ValueError" and "a bug while queueing" in done.failure.traceback
+    assert core.store.get((11, 0, 0)).failure is not None      # a reader of the output fails too
+    monkeypatch.undo()
+    run(core, seq=2, call_id=6, function_id=1, inputs=[ref(11)], outputs=[ref(12)])
+    assert outbox.dones()[-1].call_id == 6 and not outbox.dones()[-1].ok

@@ -221,3 +221,20 @@ def test_a_failure_reported_while_a_peer_is_dead_is_the_lost_executors_error():
     controller.on_message("e0", pb.Envelope(done=pb.Done(call_id=run_call_id, ok=False, failure=failure)), [])
     assert isinstance(out.error, ExecutorLostError) and out.error.executor_id == "e1"
     assert run_call_id not in controller._calls
+
+
+def test_a_collective_with_no_group_bound_is_an_error_unless_a_dry_run_is_asked_for():
+    """A missing binding used to return zeros silently (the warm-up's convenience): now only inside dry_runs()."""
+    import torch
+
+    from executor.collectives import CollectiveRuntime, dry_runs
+
+    runtime = CollectiveRuntime()
+    x = torch.ones(4, 2)
+    with pytest.raises(RuntimeError, match="outside a bound computation"):
+        runtime.run("all_reduce", x, "data", op="sum")
+    with dry_runs():
+        assert torch.equal(runtime.run("all_reduce", x, "data", op="sum"), torch.zeros(4, 2))
+        assert runtime.run("all_gather", x, "data", size=3, dim=0).shape == (12, 2)
+    with pytest.raises(RuntimeError, match="outside a bound computation"):   # the flag ends with the block
+        runtime.run("reduce_scatter", x, "data", size=2, op="sum", dim=0)
