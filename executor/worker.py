@@ -327,12 +327,17 @@ class ExecutorCore:
             self._drop(f"data message of type {kind!r} not expected")
 
     def _on_put(self, identity: bytes, msg: pb.Put, payload) -> None:
-        for item in (msg, *msg.more):
-            tensor = self.backend.from_frame(item.tensor, payload)
-            self.hop_bytes["client->executor"] += tensor.nbytes
-            self.store.fill(_key(item.shard), tensor)
         ack = pb.PutAck(request_id=msg.request_id)
         ack.shard.CopyFrom(msg.shard)
+        for item in (msg, *msg.more):
+            try:
+                tensor = self.backend.from_frame(item.tensor, payload)
+            except Exception as exc:   # a frame that does not match its header: the put fails, and says why
+                ack.failed = True
+                ack.failure.CopyFrom(self._failure(exc, origin_call_id=0))
+                break
+            self.hop_bytes["client->executor"] += tensor.nbytes
+            self.store.fill(_key(item.shard), tensor)
         self.outbox.to_client(identity, pb.Envelope(put_ack=ack))
 
     def _on_transfer(self, msg: pb.Transfer, payload) -> None:

@@ -168,7 +168,10 @@ class DataClient:
             log.warning("client: %s for unknown request %s dropped", kind, reply.request_id)
             return
         if kind == "put_ack":
-            self._finish(reply.request_id, None)
+            f = reply.failure
+            self._finish(reply.request_id, RemoteError(f"the executor could not keep the put: {f.message}",
+                                                       executor_id=f.executor_id, remote_type=f.type,
+                                                       remote_traceback=f.traceback) if reply.failed else None)
         elif reply.failed:
             f = reply.failure
             self._finish(reply.request_id, RemoteError(f.message, executor_id=f.executor_id, remote_type=f.type,

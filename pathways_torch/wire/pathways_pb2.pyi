@@ -449,12 +449,16 @@ class PutItem(_message.Message):
     def __init__(self, shard: _Optional[_Union[ShardRef, _Mapping]] = ..., tensor: _Optional[_Union[TensorMeta, _Mapping]] = ...) -> None: ...
 
 class PutAck(_message.Message):
-    __slots__ = ("request_id", "shard")
+    __slots__ = ("request_id", "shard", "failed", "failure")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     SHARD_FIELD_NUMBER: _ClassVar[int]
+    FAILED_FIELD_NUMBER: _ClassVar[int]
+    FAILURE_FIELD_NUMBER: _ClassVar[int]
     request_id: int
     shard: ShardRef
-    def __init__(self, request_id: _Optional[int] = ..., shard: _Optional[_Union[ShardRef, _Mapping]] = ...) -> None: ...
+    failed: bool
+    failure: RemoteFailure
+    def __init__(self, request_id: _Optional[int] = ..., shard: _Optional[_Union[ShardRef, _Mapping]] = ..., failed: _Optional[bool] = ..., failure: _Optional[_Union[RemoteFailure, _Mapping]] = ...) -> None: ...
 
 class Transfer(_message.Message):
     __slots__ = ("shard", "tensor", "failure", "failed")

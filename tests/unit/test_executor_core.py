@@ -502,3 +502,16 @@ def test_a_run_whose_handling_raises_fails_its_call_and_its_outputs(monkeypatch)
     monkeypatch.undo()
     run(core, seq=2, call_id=6, function_id=1, inputs=[ref(11)], outputs=[ref(12)])
     assert outbox.dones()[-1].call_id == 6 and not outbox.dones()[-1].ok
+
+
+def test_a_put_whose_frame_does_not_match_its_header_is_answered_with_a_failure():
+    """The client's put must end: a failing PutAck naming the mismatch, not a dropped message."""
+    core, outbox = make_core()
+    msg = pb.Put(request_id=7)
+    msg.shard.CopyFrom(ref(20))
+    tensor_to_frame(torch.zeros(4), msg.tensor, 1)
+    core.on_data(CLIENT, pb.Envelope(put=msg), [bytes(12)])        # 12 bytes where the header says 16
+    acks = [e.put_ack for _, e, _ in outbox.clients if e.WhichOneof("body") == "put_ack"]
+    assert len(acks) == 1 and acks[0].request_id == 7 and acks[0].failed
+    assert "needs 16 bytes, frame has 12" in acks[0].failure.message
+    assert (20, 0, 0) not in core.store
