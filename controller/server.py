@@ -90,11 +90,15 @@ class ControllerServer:
     def _send_command(self, executor_id: str, frames: list) -> None:
         with self._commands_lock:
             socket = self._commands.get(executor_id)
-            if socket is None:
-                log.warning("no command connection to %s; a %d-frame message dropped", executor_id, len(frames))
+            if socket is not None:
+                self._command_payload_bytes += sum(frame_nbytes(f) for f in frames[1:])
+                socket.send_multipart(frames, copy=False)
                 return
-            self._command_payload_bytes += sum(frame_nbytes(f) for f in frames[1:])
-            socket.send_multipart(frames, copy=False)
+        log.warning("no command connection to %s; a %d-frame message dropped", executor_id, len(frames))
+        # Whatever that message asked for will never happen: what depends on the executor fails (on the
+        # loop thread, outside both locks: the caller may be inside a controller operation).
+        self.loop.call_soon(lambda: self.controller.declare_lost(
+            executor_id, "the controller has no command connection to it (a message to it could not be sent)"))
 
     def _connect_commands(self, executor_id: str, register: pb.Register) -> bool:
         """Open the DEALER to a registering executor's command ROUTER (its key: the one it registered)."""

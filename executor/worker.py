@@ -118,6 +118,9 @@ class ExecutorCore:
         self.counters: collections.Counter = collections.Counter()  # reported with Stats (e.g. refused connections)
         self._last_run_call_id = 0      # Runs arrive in call-id order: a transfer tagged at or below it is late
         self._early: set[tuple] = set()  # transfers that arrived before their Run (another connection)
+        # Early transfers refused for want of room (past _MAX_EARLY_TRANSFERS): their Run fails at once rather
+        # than waiting forever for a copy that came and went. Bounded, oldest forgotten first.
+        self._refused_early: collections.OrderedDict = collections.OrderedDict()
         self.stopped = False
 
     # ------------------------------------------------------------ control plane
@@ -231,6 +234,8 @@ class ExecutorCore:
         up to ``last_call_id`` that arrive from now on are late."""
         for key in input_keys:
             self.store.claim(key, pin=True)
+            if self._refused_early and key in self._refused_early:
+                self.store.fill(key, failure=self._refused_early.pop(key))
         for key in output_keys:
             self.store.claim(key, owned=True)
         self._last_run_call_id = max(self._last_run_call_id, last_call_id)
@@ -402,10 +407,22 @@ class ExecutorCore:
         entry = self.store.get(key)
         if entry is not None:
             return not entry.ready
-        if key[2] <= self._last_run_call_id or len(self._early) >= _MAX_EARLY_TRANSFERS:
+        if key[2] <= self._last_run_call_id:
+            return False
+        if len(self._early) >= _MAX_EARLY_TRANSFERS:
+            self._refuse_early(key)
             return False
         self._early.add(key)
         return True
+
+    def _refuse_early(self, key: tuple) -> None:
+        """Remember a refused early copy, so that its Run fails (with this reason) instead of waiting for it."""
+        self._refused_early[key] = pb.RemoteFailure(
+            type="TransferRefused", executor_id=self.executor_id, origin_call_id=key[2],
+            message=f"executor {self.executor_id} refused the copy of array {key[0]} shard {key[1]} for call "
+                    f"{key[2]}: it arrived before its Run with {_MAX_EARLY_TRANSFERS} early copies already kept")
+        while len(self._refused_early) > _MAX_REFUSED_EARLY:
+            self._refused_early.popitem(last=False)
 
     def _forget_early(self, call_id: int) -> None:
         """Release early copies for calls up to ``call_id``: their Run has come and pinned what it needs."""
@@ -640,6 +657,7 @@ class ExecutorCore:
 
 _DATA_KINDS = {"put", "transfer", "fetch"}
 _MAX_EARLY_TRANSFERS = 4096
+_MAX_REFUSED_EARLY = 65536
 
 
 def _with_origin(failure: pb.RemoteFailure, call_id: int) -> pb.RemoteFailure:

@@ -515,3 +515,23 @@ def test_a_put_whose_frame_does_not_match_its_header_is_answered_with_a_failure(
     assert len(acks) == 1 and acks[0].request_id == 7 and acks[0].failed
     assert "needs 16 bytes, frame has 12" in acks[0].failure.message
     assert (20, 0, 0) not in core.store
+
+
+def test_an_early_transfer_refused_for_want_of_room_fails_its_run(monkeypatch):
+    """Past the cap of early copies a copy cannot be kept: its Run fails at once, naming why, not waits forever."""
+    import executor.worker as worker
+
+    monkeypatch.setattr(worker, "_MAX_EARLY_TRANSFERS", 1)
+    core, outbox = make_core()
+    load(core, 1, lambda a: a + 1, torch.zeros(2))
+    for call_id in (10, 11):     # both arrive before their Runs; only the first finds room
+        msg = pb.Transfer()
+        msg.shard.CopyFrom(ref(30 + call_id, tag=call_id))
+        frame = tensor_to_frame(torch.ones(2), msg.tensor, 1)
+        core.on_data(b"peer", pb.Envelope(transfer=msg), [bytes(memoryview(frame))])
+    run(core, seq=1, call_id=10, function_id=1, inputs=[ref(40, tag=10)], outputs=[ref(50)])
+    run(core, seq=2, call_id=11, function_id=1, inputs=[ref(41, tag=11)], outputs=[ref(51)])
+    first, second = outbox.dones()[-2:]
+    assert first.call_id == 10 and first.ok
+    assert second.call_id == 11 and not second.ok and second.failure.type == "TransferRefused"
+    assert "early copies already kept" in second.failure.message
