@@ -20,7 +20,7 @@ from typing import Callable, Protocol, Sequence
 
 from pathways_torch.errors import ContextClosedError, ExecutorLostError, PlacementError, RemoteError, ReplicationError
 from pathways_torch.wire import pb
-from pathways_torch.wire.framing import body_name, log_dropped
+from pathways_torch.wire.framing import UNKNOWN_PROGRAM, body_name, log_dropped
 
 from .arrays import FAILED, PENDING, READY, ArrayRecord, ArrayTable
 from .config import ControllerConfig
@@ -435,6 +435,13 @@ class Controller:
         function.loaded_on.add(executor_id)
 
     def _on_done(self, executor_id: str, done: pb.Done) -> None:
+        if not done.ok and done.failure.type == UNKNOWN_PROGRAM:
+            # The executor does not hold a program we sent it: none of that run's calls (nor later gang work)
+            # can complete there. What depends on it fails now, as for a lost executor.
+            info = self.resources.executors.get(executor_id)
+            if info is not None and not info.lost:
+                self._lose(executor_id, done.failure.message)
+            return
         call = self._calls.get(done.call_id)
         if call is None or executor_id not in call.waiting:
             self._drop(f"Done for unknown call {done.call_id} from {executor_id}")

@@ -24,7 +24,7 @@ import traceback
 from typing import Callable, Protocol, Sequence
 
 from pathways_torch.wire import pb
-from pathways_torch.wire.framing import body_name, log_dropped
+from pathways_torch.wire.framing import UNKNOWN_PROGRAM, body_name, log_dropped
 from pathways_torch.wire.tensors import dtype_name
 
 from .collectives import CollectiveRuntime
@@ -270,7 +270,16 @@ class ExecutorCore:
         """Enqueue one run of a registered program: all its segments and sends at once."""
         registered = self.programs.get(msg.program_id)
         if registered is None:
+            # The controller believes this executor holds the program: its state and ours disagree, and no
+            # call of the run can be answered here (its call ids are in the program). Say so; the
+            # controller treats this executor as lost.
             self._drop(f"run of unknown program {msg.program_id}")
+            done = pb.Done(call_id=msg.base_call_id, seq=msg.base_seq, ok=False)
+            done.failure.CopyFrom(pb.RemoteFailure(
+                type=UNKNOWN_PROGRAM, executor_id=self.executor_id, origin_call_id=msg.base_call_id,
+                message=f"executor {self.executor_id} was asked to run program {msg.program_id}, which it does not "
+                        f"hold (never registered here)"))
+            self.outbox.to_controller(pb.Envelope(done=done))
             return
         plan, items = registered
         array_id = _value_ids(plan, msg)

@@ -6,7 +6,11 @@ from typing import Sequence
 
 from . import pathways_pb2 as pb
 
-__all__ = ["encode", "decode", "body_name", "log_dropped", "FramingError", "MAX_ENVELOPE_BYTES"]
+__all__ = ["encode", "decode", "body_name", "log_dropped", "FramingError", "MAX_ENVELOPE_BYTES", "UNKNOWN_PROGRAM"]
+
+# The failure type of an executor's Done for a run of a program it does not hold (the controller
+# then treats the executor as lost: none of the run's calls can end there).
+UNKNOWN_PROGRAM = "UnknownProgram"
 
 # A control message is small; anything bigger than this in frame 0 is hostile or a bug.
 MAX_ENVELOPE_BYTES = 64 << 20

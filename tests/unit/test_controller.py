@@ -190,3 +190,18 @@ def test_a_calls_push_requests_reach_every_executor_before_any_of_its_runs(setup
                              collective_axes=("data",)))
     order = "\n".join(f"{e} {kind}" for e, kind, _ in outbox.sent if kind in ("send_shard", "run"))
     assert order == "e0 send_shard\ne1 send_shard\ne1 run\ne0 run"
+
+
+def test_an_executor_that_does_not_hold_a_program_is_lost_and_its_calls_fail(setup):
+    """Its Done for the run says it does not hold the program: no call of the run can end there, so what
+    needs the executor fails now (the other executors' work is not touched)."""
+    controller, outbox, _, function_id = setup
+    both = controller.resources.allocate({"data": 2}, ["e0", "e1"])
+    other = controller.resources.allocate({"data": 1}, ["e2"])
+    [pending] = controller.call(CallSpec(function_id=function_id, name="f", mesh=both, inputs=(), num_outputs=1))
+    [elsewhere] = controller.call(CallSpec(function_id=function_id, name="f", mesh=other, inputs=(), num_outputs=1))
+    failure = pb.RemoteFailure(type="UnknownProgram", executor_id="e1", message="does not hold program 3")
+    _done(controller, "e1", 999, ok=False, failure=failure)
+    assert controller.resources.executors["e1"].lost
+    assert isinstance(pending.error, ExecutorLostError) and "does not hold program 3" in str(pending.error)
+    assert elsewhere.state == "pending"

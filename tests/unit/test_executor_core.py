@@ -535,3 +535,11 @@ def test_an_early_transfer_refused_for_want_of_room_fails_its_run(monkeypatch):
     assert first.call_id == 10 and first.ok
     assert second.call_id == 11 and not second.ok and second.failure.type == "TransferRefused"
     assert "early copies already kept" in second.failure.message
+
+
+def test_a_run_of_a_program_the_executor_does_not_hold_is_reported_not_dropped():
+    core, outbox = make_core()
+    core.on_control(pb.Envelope(run_program=pb.RunProgram(program_id=9, base_seq=4, base_call_id=40)), [])
+    done = outbox.dones()[-1]
+    assert done.call_id == 40 and not done.ok and done.failure.type == "UnknownProgram"
+    assert "program 9" in done.failure.message
