@@ -20,7 +20,7 @@ from typing import Callable, Protocol, Sequence
 
 from pathways_torch.errors import ContextClosedError, ExecutorLostError, PlacementError, RemoteError, ReplicationError
 from pathways_torch.wire import pb
-from pathways_torch.wire.framing import UNKNOWN_PROGRAM, body_name, log_dropped
+from pathways_torch.wire.framing import PROGRAM_RUN_REFUSED, body_name, log_dropped
 
 from .arrays import FAILED, PENDING, READY, ArrayRecord, ArrayTable
 from .config import ControllerConfig
@@ -435,7 +435,7 @@ class Controller:
         function.loaded_on.add(executor_id)
 
     def _on_done(self, executor_id: str, done: pb.Done) -> None:
-        if not done.ok and done.failure.type == UNKNOWN_PROGRAM:
+        if not done.ok and done.failure.type == PROGRAM_RUN_REFUSED:
             # The executor does not hold a program we sent it: none of that run's calls (nor later gang work)
             # can complete there. What depends on it fails now, as for a lost executor.
             info = self.resources.executors.get(executor_id)

@@ -24,7 +24,7 @@ import traceback
 from typing import Callable, Protocol, Sequence
 
 from pathways_torch.wire import pb
-from pathways_torch.wire.framing import UNKNOWN_PROGRAM, body_name, log_dropped
+from pathways_torch.wire.framing import PROGRAM_RUN_REFUSED, body_name, log_dropped
 from pathways_torch.wire.tensors import dtype_name
 
 from .collectives import CollectiveRuntime
@@ -140,9 +140,21 @@ class ExecutorCore:
         try:
             handler(getattr(envelope, kind), payload)
         except Exception as exc:
-            if kind != "run":
-                raise    # the compute loop logs it; the other kinds' calls are issue 15's to end
-            self._refuse_run(envelope.run, exc)
+            if kind == "run":
+                self._refuse_run(envelope.run, exc)
+            elif kind == "run_program":
+                log.exception("%s: handling a run of program %d failed", self.executor_id,
+                              envelope.run_program.program_id)
+                self._refuse_program_run(envelope.run_program, self._failure(exc, origin_call_id=0).traceback)
+            else:
+                raise    # the compute loop logs it; these kinds name no call
+
+    def _refuse_program_run(self, msg: pb.RunProgram, why: str) -> None:
+        """Tell the controller this program run cannot be taken here: it treats this executor as lost."""
+        done = pb.Done(call_id=msg.base_call_id, seq=msg.base_seq, ok=False)
+        done.failure.CopyFrom(pb.RemoteFailure(type=PROGRAM_RUN_REFUSED, executor_id=self.executor_id,
+                                               origin_call_id=msg.base_call_id, message=why))
+        self.outbox.to_controller(pb.Envelope(done=done))
 
     def _refuse_run(self, run: pb.Run, exc: BaseException) -> None:
         """A Run whose handling raised (a bug of ours): its outputs fail here, so what reads them fails too,
@@ -274,12 +286,8 @@ class ExecutorCore:
             # call of the run can be answered here (its call ids are in the program). Say so; the
             # controller treats this executor as lost.
             self._drop(f"run of unknown program {msg.program_id}")
-            done = pb.Done(call_id=msg.base_call_id, seq=msg.base_seq, ok=False)
-            done.failure.CopyFrom(pb.RemoteFailure(
-                type=UNKNOWN_PROGRAM, executor_id=self.executor_id, origin_call_id=msg.base_call_id,
-                message=f"executor {self.executor_id} was asked to run program {msg.program_id}, which it does not "
-                        f"hold (never registered here)"))
-            self.outbox.to_controller(pb.Envelope(done=done))
+            self._refuse_program_run(msg, f"executor {self.executor_id} was asked to run program {msg.program_id}, "
+                                          f"which it does not hold (never registered here)")
             return
         plan, items = registered
         array_id = _value_ids(plan, msg)

@@ -6,11 +6,12 @@ from typing import Sequence
 
 from . import pathways_pb2 as pb
 
-__all__ = ["encode", "decode", "body_name", "log_dropped", "FramingError", "MAX_ENVELOPE_BYTES", "UNKNOWN_PROGRAM"]
+__all__ = ["encode", "decode", "body_name", "log_dropped", "FramingError", "MAX_ENVELOPE_BYTES", "PROGRAM_RUN_REFUSED"]
 
-# The failure type of an executor's Done for a run of a program it does not hold (the controller
-# then treats the executor as lost: none of the run's calls can end there).
-UNKNOWN_PROGRAM = "UnknownProgram"
+# The failure type of an executor's Done for a program run it could not take (it does not hold the
+# program, or handling the run raised): the controller then treats the executor as lost, since none
+# of the run's calls can end there.
+PROGRAM_RUN_REFUSED = "ProgramRunRefused"
 
 # A control message is small; anything bigger than this in frame 0 is hostile or a bug.
 MAX_ENVELOPE_BYTES = 64 << 20

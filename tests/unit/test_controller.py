@@ -200,7 +200,7 @@ def test_an_executor_that_does_not_hold_a_program_is_lost_and_its_calls_fail(set
     other = controller.resources.allocate({"data": 1}, ["e2"])
     [pending] = controller.call(CallSpec(function_id=function_id, name="f", mesh=both, inputs=(), num_outputs=1))
     [elsewhere] = controller.call(CallSpec(function_id=function_id, name="f", mesh=other, inputs=(), num_outputs=1))
-    failure = pb.RemoteFailure(type="UnknownProgram", executor_id="e1", message="does not hold program 3")
+    failure = pb.RemoteFailure(type="ProgramRunRefused", executor_id="e1", message="does not hold program 3")
     _done(controller, "e1", 999, ok=False, failure=failure)
     assert controller.resources.executors["e1"].lost
     assert isinstance(pending.error, ExecutorLostError) and "does not hold program 3" in str(pending.error)

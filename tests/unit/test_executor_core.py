@@ -541,5 +541,21 @@ def test_a_run_of_a_program_the_executor_does_not_hold_is_reported_not_dropped()
     core, outbox = make_core()
     core.on_control(pb.Envelope(run_program=pb.RunProgram(program_id=9, base_seq=4, base_call_id=40)), [])
     done = outbox.dones()[-1]
-    assert done.call_id == 40 and not done.ok and done.failure.type == "UnknownProgram"
+    assert done.call_id == 40 and not done.ok and done.failure.type == "ProgramRunRefused"
     assert "program 9" in done.failure.message
+
+
+def test_a_program_run_whose_handling_raises_is_reported(monkeypatch):
+    core, outbox = make_core()
+    core.programs[5] = (pb.RegisterProgram(program_id=5), [])
+
+    def broken(plan, msg):
+        raise KeyError("a bug while planning")
+
+    import executor.worker as worker
+
+    monkeypatch.setattr(worker, "_value_ids", broken)
+    core.on_control(pb.Envelope(run_program=pb.RunProgram(program_id=5, base_seq=2, base_call_id=20)), [])
+    done = outbox.dones()[-1]
+    assert done.call_id == 20 and not done.ok and done.failure.type == "ProgramRunRefused"
+    assert "a bug while planning" in done.failure.message
