@@ -18,7 +18,8 @@ import threading
 import time
 from typing import Callable, Protocol, Sequence
 
-from pathways_torch.errors import ContextClosedError, ExecutorLostError, PlacementError, RemoteError, ReplicationError
+from pathways_torch.errors import (ContextClosedError, ExecutorLostError, PathwaysError, PlacementError, RemoteError,
+                                   ReplicationError)
 from pathways_torch.wire import pb
 from pathways_torch.wire.framing import PROGRAM_RUN_REFUSED, body_name, log_dropped
 
@@ -134,11 +135,26 @@ class Controller:
             elif info is None or info.lost:
                 self._drop(f"{kind} from unknown or lost executor {executor_id!r}")
             elif kind == "done":
-                self._on_done(executor_id, envelope.done)
+                call = self._calls.get(envelope.done.call_id)
+                try:
+                    self._on_done(executor_id, envelope.done)
+                except Exception as exc:   # a bug of ours: the call must still end, with the reason
+                    self._fail_done_call(call, exc)
             elif kind in ("stats", "trace_reply"):
                 self._on_reply(executor_id, getattr(envelope, kind).request_id, envelope)
             elif kind != "heartbeat":
                 self._drop(f"unexpected {kind!r} from {executor_id}")
+
+    def _fail_done_call(self, call: _Call | None, exc: BaseException) -> None:
+        import traceback
+
+        log.exception("controller: handling a Done failed; its call fails")
+        if call is not None:
+            self._calls.pop(call.call_id, None)
+            self._fail_call(call, PathwaysError(
+                f"the controller failed while completing {call.spec.name!r} (a bug of ours: "
+                f"{type(exc).__name__}: {exc}); called from:\n{call.spec.call_site.rstrip()}\n"
+                f"{''.join(traceback.format_exception(exc))}"))
 
     def _on_register(self, executor_id: str, msg: pb.Register) -> None:
         if msg.executor_id and msg.executor_id != executor_id:

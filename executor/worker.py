@@ -355,6 +355,7 @@ class ExecutorCore:
             try:
                 tensor = self.backend.from_frame(item.tensor, payload)
             except Exception as exc:   # a frame that does not match its header: the put fails, and says why
+                self._drop(f"put {msg.request_id} refused: {exc}")   # nothing is stored: still a dropped message
                 ack.failed = True
                 ack.failure.CopyFrom(self._failure(exc, origin_call_id=0))
                 break

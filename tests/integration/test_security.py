@@ -276,7 +276,8 @@ _FLOATS = torch.ones(2).numpy().tobytes()
 _UNKNOWN_FIELD_ONLY = b"\xf8\x3e\x01"   # field 999, varint 1: parses, but carries no known message
 _VALID_PUT = _put(123, pb.TensorMeta(dtype="float32", shape=[2], frame=1))
 
-# Each is dropped by an executor's data socket (and counted): never stored, never answered.
+# Each is dropped by an executor's data socket (and counted): never stored; only the puts are answered
+# (with a failing PutAck, so that a real client's put ends).
 EXECUTOR_HOSTILE = {
     "junk frame 0": [b"\x00\xffnot a protobuf\xff" * 4],
     "empty frame 0": [b""],
@@ -328,10 +329,20 @@ def test_hostile_frames_to_an_executor_are_dropped_and_it_keeps_serving(ctx, mes
     fetch = pb.Fetch(request_id=99)
     fetch.shard.CopyFrom(pb.ShardRef(array_id=10**12, shard=0))
     dealer.send_multipart([pb.Envelope(fetch=fetch).SerializeToString()])
-    assert dealer.poll(int(BOUND_S * 1000)), "no answer to the fetch"
-    reply = pb.Envelope.FromString(dealer.recv_multipart()[0]).fetch_reply
+    # A put whose frame does not fit its header is refused with a failing PutAck (so a real client's put
+    # ends, issue 15); nothing else hostile is answered.
+    bad_puts = {124, 125, 126}
+    replies = []
+    while dealer.poll(int(BOUND_S * 1000) if not replies else 300):
+        replies.append(pb.Envelope.FromString(dealer.recv_multipart()[0]))
+    fetch_replies = [r.fetch_reply for r in replies if r.WhichOneof("body") == "fetch_reply"]
+    put_acks = [r.put_ack for r in replies if r.WhichOneof("body") == "put_ack"]
+    assert len(fetch_replies) == 1 and len(put_acks) + 1 == len(replies), [r.WhichOneof("body") for r in replies]
+    reply = fetch_replies[0]
     assert reply.request_id == 99 and reply.failed and reply.failure.type == "KeyError"
-    assert not dealer.poll(200), "a hostile message was answered"
+    assert sorted(a.shard.array_id for a in put_acks) == sorted(i for i in bad_puts for _ in range(ROUNDS)), \
+        "every refused put is answered once, and only those"
+    assert all(a.failed and a.failure.message for a in put_acks)
 
     expected_drops = before["dropped_messages"] + ROUNDS * len(EXECUTOR_HOSTILE)
     assert wait_until(lambda: _executor_state(ctx)["dropped_messages"] >= expected_drops, 10)

@@ -205,3 +205,22 @@ def test_an_executor_that_does_not_hold_a_program_is_lost_and_its_calls_fail(set
     assert controller.resources.executors["e1"].lost
     assert isinstance(pending.error, ExecutorLostError) and "does not hold program 3" in str(pending.error)
     assert elsewhere.state == "pending"
+
+
+def test_a_done_whose_handling_raises_still_ends_its_call(setup, monkeypatch):
+    from pathways_torch.errors import PathwaysError
+
+    controller, _, _, function_id = setup
+    mesh = controller.resources.allocate({"data": 1}, ["e0"])
+    [out] = controller.call(CallSpec(function_id=function_id, name="f", mesh=mesh, inputs=(), num_outputs=1,
+                                     call_site="  File 'train.py', line 3\n"))
+    call_id = max(controller._calls)
+
+    def broken(call):
+        raise ZeroDivisionError("a bug while completing")
+
+    monkeypatch.setattr(controller, "_complete", broken)
+    _done(controller, "e0", call_id)
+    assert out.state == "failed" and isinstance(out.error, PathwaysError)
+    assert "a bug while completing" in str(out.error) and "train.py" in str(out.error)
+    assert call_id not in controller._calls
