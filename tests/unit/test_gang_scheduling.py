@@ -45,13 +45,17 @@ class FakeGroups:
 
     # the CollectiveRuntime protocol the core uses
     def form(self, group_id, rank, size, store_path, timeout_s):
-        # Like gloo's rendezvous: blocks until every member has come.
+        # Like gloo's rendezvous: blocks until every member has come. A member that times out leaves, and
+        # the group never forms (a later member times out too): as with gloo, not a group that heals.
         with self._lock:
             self._sizes[group_id] = size
             joined = self._joined = getattr(self, "_joined", {})
+            broken = self._broken = getattr(self, "_broken", set())
             joined[group_id] = joined.get(group_id, 0) + 1
             self._lock.notify_all()
-            if not self._lock.wait_for(lambda: joined[group_id] >= size, self.timeout_s):
+            if group_id in broken or not self._lock.wait_for(lambda: joined[group_id] >= size, self.timeout_s):
+                joined[group_id] -= 1
+                broken.add(group_id)
                 raise TimeoutError(f"forming group {group_id} timed out: a member never came (deadlock)")
 
     def bind(self, axis_groups, seq=0, cache=None):
@@ -73,6 +77,8 @@ class FakeGroups:
             return torch.zeros_like(x)
         group_id, seq = binding[axis], self._local.seq
         with self._lock:
+            if group_id in getattr(self, "_broken", set()):
+                raise TimeoutError(f"collective on group {group_id}: the group timed out while forming (deadlock)")
             joined = getattr(self, "_joined", {})
             if not self._lock.wait_for(lambda: joined.get(group_id, 0) >= self._sizes.get(group_id, 1 << 30),
                                        self.timeout_s):
