@@ -95,9 +95,10 @@ class ControllerServer:
                 socket.send_multipart(frames, copy=False)
                 return
         log.warning("no command connection to %s; a %d-frame message dropped", executor_id, len(frames))
-        # Whatever that message asked for will never happen: what depends on the executor fails (on the
-        # loop thread, outside both locks: the caller may be inside a controller operation).
-        self.loop.call_soon(lambda: self.controller.declare_lost(
+        # Whatever that message asked for will never happen: what depends on the executor fails, on the loop
+        # thread in a later turn (call_later, not call_soon, which runs at once on the loop thread): the
+        # caller may be inside a controller operation, holding its lock.
+        self.loop.call_later(0.0, lambda: self.controller.declare_lost(
             executor_id, "the controller has no command connection to it (a message to it could not be sent)"))
 
     def _connect_commands(self, executor_id: str, register: pb.Register) -> bool:
