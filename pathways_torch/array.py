@@ -68,10 +68,9 @@ class Array:
         self._learn_shape()
         positions = positions_needed(self.block_shape, self.sharding.placements, self.mesh)
         blocks = self._context._fetch_blocks(self, positions, timeout_s)
+        # Kept as assembled (a lone block is a read-only view of the received message: no copy to keep it);
+        # the caller always gets a copy of its own.
         self._value = assemble_blocks(blocks, self.block_shape, self.sharding.placements, self.mesh)
-        # A lone block is a view of a received message: the cache and the caller each own a copy.
-        if len(positions) == 1:
-            self._value = self._value.clone()
         return self._value.clone()
 
     @property
