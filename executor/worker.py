@@ -151,10 +151,10 @@ class ExecutorCore:
 
     def _refuse_program_run(self, msg: pb.RunProgram, why: str) -> None:
         """Tell the controller this program run cannot be taken here: it treats this executor as lost."""
-        done = pb.Done(call_id=msg.base_call_id, seq=msg.base_seq, ok=False)
-        done.failure.CopyFrom(pb.RemoteFailure(type=PROGRAM_RUN_REFUSED, executor_id=self.executor_id,
-                                               origin_call_id=msg.base_call_id, message=why))
-        self.outbox.to_controller(pb.Envelope(done=done))
+        failure = pb.RemoteFailure(type=PROGRAM_RUN_REFUSED, executor_id=self.executor_id,
+                                   origin_call_id=msg.base_call_id, message=why)
+        self.outbox.to_controller(pb.Envelope(done=pb.Done(call_id=msg.base_call_id, seq=msg.base_seq, ok=False,
+                                                           failure=failure)))
 
     def _refuse_run(self, run: pb.Run, exc: BaseException) -> None:
         """A Run whose handling raised (a bug of ours): its outputs fail here, so what reads them fails too,
@@ -169,9 +169,8 @@ class ExecutorCore:
             # Its turn in gang order has passed: later collective work must not wait for it forever.
             self._last_collective_seq = run.seq
         if not run.quiet:
-            done = pb.Done(call_id=run.call_id, seq=run.seq, ok=False)
-            done.failure.CopyFrom(failure)
-            self.outbox.to_controller(pb.Envelope(done=done))
+            self.outbox.to_controller(pb.Envelope(done=pb.Done(call_id=run.call_id, seq=run.seq, ok=False,
+                                                               failure=failure)))
 
     def _on_welcome(self, msg: pb.Welcome, payload) -> None:
         self.trace.record("receive", "welcome", detail=f"index {msg.index}")

@@ -7,7 +7,13 @@ import hashlib
 from pathways_torch.wire.graph_schema import decode_graph
 from pathways_torch.wire.tensors import frame_to_tensor, tensor_to_frame
 
-__all__ = ["TorchBackend", "EagerBackend", "InductorBackend", "as_list", "meta_examples"]
+__all__ = ["TorchBackend", "EagerBackend", "InductorBackend", "as_list", "meta_examples", "bytes_digest"]
+
+
+def bytes_digest(data, shape) -> bytes:
+    """Debug mode's digest of a value: a hash of its bytes (a uint8 buffer) and its shape; one form for
+    every backend."""
+    return hashlib.blake2b(data, digest_size=16).digest() + str(tuple(shape)).encode()
 
 
 def meta_examples(load):
@@ -36,7 +42,7 @@ class TorchBackend:
 
         data = value.detach().cpu().contiguous()
         view = data.reshape(-1).view(torch.uint8).numpy() if data.numel() else b""
-        return hashlib.blake2b(view, digest_size=16).digest() + str(tuple(data.shape)).encode()
+        return bytes_digest(view, data.shape)
 
     def _use_device(self, device: str) -> None:
         import torch

@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import os
 
+from .graph_stages import is_collective
 from .torch_based import TorchBackend, as_list
 
 __all__ = ["XlaBackend"]
@@ -69,9 +70,7 @@ class XlaBackend(TorchBackend):
             log.warning("xla:torch_xla: function %s: ops executed by CPU fallback, not XLA: %s", name,
                         ", ".join(sorted(fallbacks)))
         self._counts[f"fallback_ops:{name}"] = len(fallbacks)
-        self._counts[f"collective_cuts:{name}"] = sum(
-            1 for n in graph_module.graph.nodes if n.op == "call_function"
-            and getattr(n.target, "namespace", "") == "pathways")
+        self._counts[f"collective_cuts:{name}"] = sum(1 for n in graph_module.graph.nodes if is_collective(n))
         return module
 
     def _fallbacks_of(self, module, zeros) -> set[str]:
@@ -158,7 +157,7 @@ def _sync_before_collectives(graph_module, sync):
     nodes = list(graph_module.graph.nodes)
     position = {node: i for i, node in enumerate(nodes)}
     last_use = {node: max((position[u] for u in node.users), default=-1) for node in nodes}
-    cuts = [n for n in nodes if n.op == "call_function" and getattr(n.target, "namespace", "") == "pathways"]
+    cuts = [n for n in nodes if is_collective(n)]
     if not cuts:
         return graph_module
 

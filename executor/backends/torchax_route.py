@@ -17,7 +17,6 @@ the same program skips XLA's compile.
 from __future__ import annotations
 
 import collections
-import hashlib
 import logging
 import os
 from typing import Sequence
@@ -26,7 +25,7 @@ from pathways_torch.wire.graph_schema import decode_graph
 from pathways_torch.wire.tensors import frame_to_tensor
 
 from .graph_stages import Stage, split_stages
-from .torch_based import meta_examples
+from .torch_based import bytes_digest, meta_examples
 from .torchax_compat import has_lowering, import_torchax
 
 __all__ = ["TorchaxBackend", "cache_dir"]
@@ -147,21 +146,22 @@ class TorchaxBackend:
         return self.from_torch(frame_to_tensor(meta, frames), counted=False)
 
     def to_frame(self, value, meta, frame_index):
-        import numpy as np
-
         self._counts["conversions:jax->wire"] += 1
-        array = np.asarray(value)       # a view of the jax buffer on CPU, no copy
+        array = self._bytes_of(value)
         meta.dtype = str(array.dtype)
         meta.shape[:] = list(array.shape)
         meta.frame = frame_index
-        return memoryview(np.ascontiguousarray(array).reshape(-1).view(np.uint8))
+        return memoryview(array.reshape(-1).view(self._np.uint8))
 
     def digest(self, value) -> bytes:
-        import numpy as np
+        array = self._bytes_of(value)
+        return bytes_digest(array.reshape(-1).view(self._np.uint8), array.shape)
 
-        array = np.ascontiguousarray(np.asarray(value))
-        return hashlib.blake2b(array.reshape(-1).view(np.uint8), digest_size=16).digest() + \
-            str(tuple(array.shape)).encode()
+    def _bytes_of(self, value):
+        """A dense numpy view of a jax array's buffer (on CPU, no copy), its shape kept (``ascontiguousarray``
+        alone would make a 0-d array 1-d)."""
+        array = self._np.asarray(value)
+        return array if array.flags.c_contiguous else self._np.ascontiguousarray(array)
 
     def to_torch(self, value):
         """A torch tensor sharing ``value``'s buffer (CPU), for host stages (about 1 µs)."""
@@ -243,7 +243,7 @@ class _StagedProgram:
         self._plan = stages
         self.num_jitted = 0
         self._constants = [None] * stages.num_constants
-        self._np, self._ndarray = backend._np, backend._np.ndarray
+        self._ndarray = backend._np.ndarray
         self._from_numpy, self._to_torch = backend._torch.from_numpy, backend.to_torch
         self._free_slots = [None] * stages.num_intermediates
         self._steps = []
@@ -291,7 +291,7 @@ class _StagedProgram:
     def _stored(self, value):
         """What the store keeps: jax arrays (a host stage's numpy output becomes one here)."""
         return self._backend.from_torch(self._backend._torch.from_numpy(value), counted=False) \
-            if isinstance(value, self._np.ndarray) else value
+            if isinstance(value, self._ndarray) else value
 
 
 def _data_dependent(exc: BaseException) -> bool:
