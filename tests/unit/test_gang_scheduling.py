@@ -180,7 +180,21 @@ def _program():
         return capture(step, "step", [InputSpec((1,), torch.float32)], lambda t: (t, {}))
 
 
-def _run(gang_order: bool, seed: int = 0):
+def _opposed(actions, first_group):
+    """Every action of one group first, then the other's: the two executors are given opposite orders."""
+    def group_of(envelope):
+        return (envelope.form_group.group_id if envelope.WhichOneof("body") == "form_group"
+                else envelope.run.axis_groups["data"])
+
+    def seq_of(envelope):
+        return getattr(envelope, envelope.WhichOneof("body")).seq
+
+    return sorted(actions, key=lambda m: (group_of(m[0]) != first_group, seq_of(m[0])))
+
+
+def _run(gang_order: bool, seed: int = 0, order: str = "shuffled"):
+    """order: "shuffled" (a seeded shuffle, reversed on the second executor) or "opposed" (each executor
+    gets one client's actions first: without gang order both block in different groups, every time)."""
     outbox = FakeOutbox()
     controller = Controller(outbox)
     for i, executor_id in enumerate(EXECUTORS):
@@ -213,6 +227,9 @@ def _run(gang_order: bool, seed: int = 0):
     seqs = [[seq_of[r.producer_call] for r in results[i]] for i in range(2)]
     # Both clients' work was queued at once: their sequence numbers interleave.
     assert min(seqs[0]) < max(seqs[1]) and min(seqs[1]) < max(seqs[0]), seqs
+    run_of = {env.run.call_id: env.run for env, _ in outbox.by_executor["a"] if env.WhichOneof("body") == "run"}
+    groups = [run_of[results[i][0].producer_call].axis_groups["data"] for i in range(2)]
+    assert groups[0] != groups[1]
     runtime = FakeGroups(timeout_s=1.0)
     collective_ops.set_runtime(runtime)
     try:
@@ -223,9 +240,12 @@ def _run(gang_order: bool, seed: int = 0):
             loads = [m for m in messages if m[0].WhichOneof("body") == "load_function"]
             actions = [m for m in messages if m[0].WhichOneof("body") in ("run", "form_group")]
             assert len(actions) == 2 * CALLS_PER_CLIENT + 2       # every call of both clients, and 2 groups
-            rng.shuffle(actions)
-            if position == 1:
-                actions.reverse()            # a different order on every executor
+            if order == "opposed":
+                actions = _opposed(actions, first_group=groups[position])
+            else:
+                rng.shuffle(actions)
+                if position == 1:
+                    actions.reverse()        # a different order on every executor
             core = executors[executor_id].core
             for mesh, start in zip(meshes, starts):
                 shard = mesh.executor_ids.index(executor_id)
@@ -242,8 +262,9 @@ def _run(gang_order: bool, seed: int = 0):
         collective_ops.set_runtime(collective_ops._NoRuntime())
 
 
-def test_collectives_in_a_random_order_per_executor_still_match_eager():
-    finished, results, executors = _run(gang_order=True)
+@pytest.mark.parametrize("order", ["shuffled", "opposed"])
+def test_collectives_in_a_random_order_per_executor_still_match_eager(order):
+    finished, results, executors = _run(gang_order=True, order=order)
     assert finished
     expected = torch.ones(1)
     for _ in range(CALLS_PER_CLIENT):
@@ -257,7 +278,8 @@ def test_collectives_in_a_random_order_per_executor_still_match_eager():
 
 
 def test_without_gang_order_the_same_run_deadlocks_or_mismatches():
-    finished, results, _ = _run(gang_order=False)
+    # The opposed order, not a shuffle: a shuffle can happen to leave both executors in step (a flake).
+    finished, results, _ = _run(gang_order=False, order="opposed")
     errors = [r.error for rs in results.values() for r in rs if r.error is not None]
     assert not finished or errors
     assert any(isinstance(e, Exception) and ("timed out" in str(e) or "mismatch" in str(e)) for e in errors)
