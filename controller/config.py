@@ -23,8 +23,13 @@ class ControllerConfig:
     # Tests and benchmarks only: delay every controller→executor message by this much,
     # to show that parallel dispatch hides control latency.
     inject_latency_s: float = 0.0
+    # Bounded run-ahead: a call waits (on the client's thread) while this many calls are unfinished, so
+    # the queues to executors and the tables here stay bounded however far ahead the client runs.
+    max_inflight_calls: int = 256
 
     def __post_init__(self):
+        if not isinstance(self.max_inflight_calls, int) or self.max_inflight_calls < 1:
+            raise ValueError(f"max_inflight_calls: expected a positive int, got {self.max_inflight_calls!r}")
         if not 0 < self.heartbeat_interval_s < self.heartbeat_timeout_s:
             raise ValueError(f"heartbeats: expected 0 < interval ({self.heartbeat_interval_s}) "
                              f"< timeout ({self.heartbeat_timeout_s})")

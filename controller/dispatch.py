@@ -92,6 +92,12 @@ class Controller:
         self._registered = threading.Condition(self._lock)
         self._functions: dict[int, _Function] = {}
         self._calls: dict[int, _Call] = {}
+        # Notified whenever a call leaves _calls: a client thread past the run-ahead bound waits on it.
+        self._room = threading.Condition(self._lock)
+        self._closing_reason = ""            # set by fail_pending: a waiting call must not dispatch after it
+        self.inflight_high_water = 0         # the most calls ever unfinished at once
+        # Run-ahead waits, (start ns, end ns, calls in flight) on the wall clock the executors' traces use.
+        self.runahead_waits: collections.deque = collections.deque(maxlen=10_000)
         self._failures: dict[int, BaseException] = {}   # call id → the error it raised
         self._failure_holders: dict[int, int] = {}      # call id → its outputs still held
         self._next_function_id = itertools.count(1)
@@ -150,7 +156,7 @@ class Controller:
 
         log.exception("controller: handling a Done failed; its call fails")
         if call is not None:
-            self._calls.pop(call.call_id, None)
+            self._end(call)
             self._fail_call(call, PathwaysError(
                 f"the controller failed while completing {call.spec.name!r} (a bug of ours: "
                 f"{type(exc).__name__}: {exc}); called from:\n{call.spec.call_site.rstrip()}\n"
@@ -230,7 +236,7 @@ class Controller:
                 self._unblock(call, pushes_from_it, error)
                 call.waiting.discard(executor_id)
                 if not call.waiting:
-                    del self._calls[call.call_id]
+                    self._end(call)
         for function in self._functions.values():
             function.loaded_on.discard(executor_id)  # a restarted executor loads afresh
         for listener in self.loss_listeners:
@@ -278,8 +284,10 @@ class Controller:
             self._maybe_forget(record)
 
     def call(self, spec: CallSpec) -> list[ArrayRecord]:
-        """Dispatch one call to every executor of its mesh; return its output records at once."""
+        """Dispatch one call to every executor of its mesh; return its output records at once
+        (after waiting, if ``max_inflight_calls`` are unfinished, for one to finish)."""
         with self._lock:
+            self._wait_for_room(1, spec.name)
             mesh = spec.mesh
             self._check_live(mesh.executor_ids)
             inputs = [self._input_record(array_id) for array_id in spec.inputs]
@@ -311,6 +319,35 @@ class Controller:
             for executor_id, run in runs:
                 self._send(executor_id, pb.Envelope(run=run))
             return outputs
+
+    def _wait_for_room(self, count: int, name: str) -> None:
+        """Bounded run-ahead: wait (the lock released) until ``count`` more calls fit under the bound.
+
+        A program with more calls than the bound runs once nothing else is in flight. Each
+        wait is kept for the trace (`runahead_waits`): a client that waits here runs ahead as
+        far as it may, and the executors are its pace.
+        """
+        def room(limit: int) -> bool:
+            return self._closing_reason != "" or not self._calls or len(self._calls) + count <= limit
+
+        if not room(self.config.max_inflight_calls):
+            # Once at the bound, wait down to the low-water mark: one wake-up per quarter of the bound,
+            # not one per finished call (which costs the client a thread switch per call).
+            start, waiting, low = time.time_ns(), len(self._calls), self._low_water()
+            self._room.wait_for(lambda: room(low))
+            self.runahead_waits.append((start, time.time_ns(), waiting, name))
+        if self._closing_reason:
+            raise ContextClosedError(f"{self._closing_reason} while {name!r} waited to be dispatched")
+        self.inflight_high_water = max(self.inflight_high_water, len(self._calls) + count)
+
+    def _end(self, call: _Call) -> None:
+        """The call is no longer in flight (finished, failed or its executors lost): make room for another."""
+        if self._calls.pop(call.call_id, None) is not None and len(self._calls) <= self._low_water():
+            self._room.notify_all()
+
+    def _low_water(self) -> int:
+        limit = self.config.max_inflight_calls
+        return limit - max(1, limit // 4)
 
     def _axis_groups(self, mesh: MeshAllocation, axes) -> dict[str, list[int]]:
         """For each axis, the group id of every mesh position; forms groups not seen before.
@@ -376,6 +413,7 @@ class Controller:
         with self._lock:
             lowered = self._programs[program_id]
             spec = lowered.spec
+            self._wait_for_room(len(lowered.reporting_nodes), spec.name)
             self._check_live(list(lowered.plans))
             for array_id in input_ids:
                 self._input_record(array_id)
@@ -473,7 +511,7 @@ class Controller:
             if done.output_shapes:
                 call.shapes[executor_id] = [tuple(meta.shape) for meta in done.output_shapes]
         if not call.waiting:
-            self._calls.pop(call.call_id, None)   # the liveness probe may have ended it already
+            self._end(call)   # the liveness probe may have ended it already
             if not call.failed:
                 self._complete(call)
 
@@ -644,6 +682,8 @@ class Controller:
                         record.settle(FAILED, error)
                         failed += 1
             self._calls.clear()
+            self._closing_reason = reason
+            self._room.notify_all()
             for record in self.arrays.records():   # puts not yet acknowledged, a program's inputs
                 if record.state == PENDING:
                     record.settle(FAILED, ContextClosedError(f"{reason} before array {record.array_id} was ready"))

@@ -119,6 +119,9 @@ class ExecutorProcess:
     def _bind_data(self) -> str:
         socket = self.loop.context.socket(zmq.ROUTER)
         socket.setsockopt(zmq.LINGER, 0)
+        # A reader that stops reading: at its high-water mark a send raises (the loop keeps the message and
+        # retries; SocketLoop) instead of ZeroMQ dropping it without a word.
+        socket.setsockopt(zmq.ROUTER_MANDATORY, 1)
         make_server(socket, self.credentials)
         socket.bind(f"tcp://{self.config.bind_host}:0")
         self.loop.add_socket(_DATA, socket, self._on_data)
@@ -184,6 +187,8 @@ class ExecutorProcess:
             except FramingError as exc:
                 self.core._drop(str(exc))
                 return
+            if envelope.HasField("stats_request"):   # the I/O thread's count, for Stats (an int read)
+                self.core.counters["send_backlog_high_water"] = self.loop.backlog_high_water
             self.core.on_control(envelope, payload)
         if self.core.stopped:
             self._stop("the controller asked")

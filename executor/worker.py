@@ -108,6 +108,9 @@ class ExecutorCore:
         self._run_steps: dict = {}   # the Step of each kind of plain Run (see segments.single)
         self.collectives = collectives if collectives is not None else CollectiveRuntime()
         self._queue: collections.deque = collections.deque()   # Segments and pb.FormGroups, in arrival order
+        self._submitted = 0             # jobs handed to the compute thread, not yet finished
+        # The most work ever waiting here at once (queued + submitted): run-ahead keeps it bounded.
+        self.queue_high_water = 0
         self._last_collective_seq = 0   # the last collective action started here (gang order)
         # Only tests turn this off, to show that without it collectives deadlock.
         self._gang_order = gang_order
@@ -260,6 +263,7 @@ class ExecutorCore:
                               function_id=step.function_id)
         self._accept(segment.input_keys, segment.output_keys, segment.last_call_id)
         self._queue.append(segment)
+        self._note_depth()
         # Wake the queue when a missing input arrives. Only missing ones: a segment that
         # starts (and ends) now frees its transient inputs, which must not be re-claimed.
         for key in segment.input_keys:
@@ -271,7 +275,11 @@ class ExecutorCore:
     def _on_form_group(self, msg: pb.FormGroup, payload) -> None:
         self.trace.record("receive", "form group", seq=msg.seq, detail=f"group {msg.group_id} rank {msg.rank}")
         self._queue.append(msg)
+        self._note_depth()
         self._pump()
+
+    def _note_depth(self) -> None:
+        self.queue_high_water = max(self.queue_high_water, len(self._queue) + self._submitted)
 
     def _on_register_program(self, msg: pb.RegisterProgram, payload) -> None:
         self.trace.record("receive", f"register program {msg.name}", detail=f"{len(msg.actions)} actions")
@@ -318,7 +326,8 @@ class ExecutorCore:
         stats = pb.Stats(request_id=msg.request_id, executor_id=self.executor_id,
                          store_bytes=self.store.bytes, store_buffers=len(self.store),
                          num_computations=self.num_computations, num_function_loads=self.num_function_loads,
-                         num_compiles=self.backend.num_compiles(), backend=self.backend.name)
+                         num_compiles=self.backend.num_compiles(), backend=self.backend.name,
+                         queue_high_water=self.queue_high_water)
         for name, count in self.backend.counters().items():
             stats.backend_counters[name] = count
         for hop, count in self.hop_bytes.items():
@@ -337,15 +346,33 @@ class ExecutorCore:
     # ------------------------------------------------------------ data plane
 
     def on_data(self, identity: bytes, envelope: pb.Envelope, payload: list) -> None:
+        """A put, transfer or fetch; one whose handling raises still ends its request (never a silent drop)."""
         kind = body_name(envelope)
-        if kind == "put":
-            self._on_put(identity, envelope.put, payload)
-        elif kind == "transfer":
-            self._on_transfer(envelope.transfer, payload)
-        elif kind == "fetch":
-            self._on_fetch(identity, envelope.fetch)
-        else:
+        handlers = {"put": lambda: self._on_put(identity, envelope.put, payload),
+                    "transfer": lambda: self._on_transfer(envelope.transfer, payload),
+                    "fetch": lambda: self._on_fetch(identity, envelope.fetch)}
+        if kind not in handlers:
             self._drop(f"data message of type {kind!r} not expected")
+            return
+        try:
+            handlers[kind]()
+        except Exception as exc:
+            self._refuse_data(identity, kind, getattr(envelope, kind), exc)
+
+    def _refuse_data(self, identity: bytes, kind: str, msg, exc: BaseException) -> None:
+        """Handling a data message raised: answer the client's request with the failure, or fail the run
+        waiting for a transfer (its copy could not be kept), so no future waits for it."""
+        self._drop(f"{kind} refused: {exc}")
+        failure = self._failure(exc, origin_call_id=msg.shard.tag if kind == "transfer" else 0)
+        if kind == "put":
+            ack = pb.PutAck(request_id=msg.request_id, failed=True, failure=failure)
+            ack.shard.CopyFrom(msg.shard)
+            self.outbox.to_client(identity, pb.Envelope(put_ack=ack))
+        elif kind == "fetch":
+            reply = pb.FetchReply(request_id=msg.request_id, failed=True, failure=failure)
+            self.outbox.to_client(identity, pb.Envelope(fetch_reply=reply))
+        elif self._expects_transfer(_key(msg.shard)):
+            self.store.fill(_key(msg.shard), failure=failure)
 
     def _on_put(self, identity: bytes, msg: pb.Put, payload) -> None:
         ack = pb.PutAck(request_id=msg.request_id)
@@ -470,6 +497,7 @@ class ExecutorCore:
                 continue
             if isinstance(item, pb.FormGroup):
                 self._last_collective_seq, collective_started = item.seq, True
+                self._submitted += 1
                 self._submit(ComputeJob(None, form=item))
                 continue
             entries = [self.store.get(key) for key in item.input_keys]
@@ -500,6 +528,8 @@ class ExecutorCore:
         job.out_entries = [self.store.claim(key) for key in job.output_keys]
         for entry in job.out_entries:
             entry.computing = True
+        self._submitted += 1
+        self._note_depth()
         self._submit(job)
 
     def compute(self, job: ComputeJob) -> ComputeJob:
@@ -637,6 +667,7 @@ class ExecutorCore:
         The compute thread calls it right after ``compute(job)``, before it takes the next
         job: a job queued behind this one (local chaining) finds its inputs stored.
         """
+        self._submitted -= 1
         if job.form is not None:
             self._pump()
             return

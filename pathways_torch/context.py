@@ -50,8 +50,16 @@ class ContextConfig:
     # Pin executor i to core i mod the core count (benchmarks: XLA's CPU runtime ignores executor_threads
     # and uses every core unless pinned; docs/backends.md).
     pin_executors: bool = False
+    # Bounded run-ahead (docs/architecture.md, "How far the client runs ahead"): a call waits while
+    # this many calls are unfinished, a training step while this many steps are.
+    max_inflight: int = 256
+    max_inflight_steps: int = 2
 
     def __post_init__(self):
+        for name in ("max_inflight", "max_inflight_steps"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name}: expected a positive int, got {value!r}")
         if not isinstance(self.num_executors, int) or self.num_executors < 1:
             raise ValueError(f"num_executors: expected a positive int, got {self.num_executors!r}")
         if self.device not in ("cpu", "cuda"):
@@ -116,7 +124,8 @@ class Context:
             self._gatekeeper = Gatekeeper(self._zmq, self._keys.public_keys())
             self._server = ControllerServer(ControllerConfig(
                 heartbeat_interval_s=self.config.heartbeat_interval_s,
-                heartbeat_timeout_s=self.config.heartbeat_timeout_s, inject_latency_s=self.config.inject_latency_s),
+                heartbeat_timeout_s=self.config.heartbeat_timeout_s, inject_latency_s=self.config.inject_latency_s,
+                max_inflight_calls=self.config.max_inflight),
                 self._keys.credentials(CONTROLLER), self._zmq)
             self._server.start()
             self.controller = self._server.controller
@@ -358,6 +367,10 @@ class Context:
             if ids and not self._closed:
                 self.controller.release_many(ids)
 
+    def _note_runahead_wait(self, start_ns: int, in_flight: int, what: str) -> None:
+        """Keep a wait at the run-ahead bound for the trace (the controller keeps its own the same way)."""
+        self.controller.runahead_waits.append((start_ns, time.time_ns(), in_flight, what))
+
     def _check_open(self) -> None:
         if self._closed:
             raise PathwaysError("this context is closed; create a new pw.Context")
@@ -390,7 +403,9 @@ class Context:
         return counts
 
     def stats(self) -> dict:
-        """Object store bytes and bytes per hop, per executor and in total."""
+        """Object store bytes and bytes per hop, per executor and in total; queue high-water marks
+        (``queue_high_water``: runs queued or running on an executor; ``inflight_high_water``: unfinished
+        calls; ``send_backlog_high_water``: messages that waited for one slow peer)."""
         replies = self.controller.gather("stats")
         executors = {}
         hops = {"client->executor": self._data.bytes_sent, "executor->client": self._data.bytes_received,
@@ -405,7 +420,9 @@ class Context:
                                       "backend_counters": dict(s.backend_counters),
                                       # Counts that ride in hop_bytes until Stats has fields for them.
                                       "dropped_messages": hop_bytes.pop("dropped_messages", 0),
-                                      "refused_connections": hop_bytes.pop("refused_connections", 0)}
+                                      "refused_connections": hop_bytes.pop("refused_connections", 0),
+                                      "queue_high_water": s.queue_high_water,
+                                      "send_backlog_high_water": hop_bytes.pop("send_backlog_high_water", 0)}
             hops["executor->executor"] += s.hop_bytes.get("executor->executor", 0)
         payload = self._server.payload_bytes
         hops["controller relayed"] = payload["sent"] + payload["received"] - self.controller.program_constant_bytes
@@ -414,16 +431,21 @@ class Context:
                 "controller_messages": dict(self.controller.messages_sent),
                 "controller": {"dropped_messages": self._server.dropped_messages + self.controller.dropped_messages,
                                "refused_connections": self._server.refused_connections,
+                               "inflight_high_water": self.controller.inflight_high_water,
+                               "send_backlog_high_water": self._server.loop.backlog_high_water,
                                "lost_executors": sorted(e.executor_id for e in self.controller.resources.ordered()
                                                         if e.lost)}}
 
     def trace(self, path: str) -> dict:
-        """Collect every executor's events into one Chrome/Perfetto trace JSON file at ``path``."""
+        """Collect every executor's events into one Chrome/Perfetto trace JSON file at ``path``.
+
+        A ``client`` row shows where the client waited at the run-ahead bound (``max_inflight``,
+        ``max_inflight_steps``): spans named ``run-ahead wait (...)``."""
         replies = self.controller.gather("trace")
         order = {e: i for i, e in enumerate(self.executor_ids)}
         backends = {info.executor_id: info.backend for info in self.controller.resources.ordered()}
         trace = chrome_trace({executor_id: envelope.trace_reply.events for executor_id, envelope in replies.items()},
-                             order, backends)
+                             order, backends, client_waits=list(self.controller.runahead_waits))
         with open(path, "w") as f:
             json.dump(trace, f)
         return trace

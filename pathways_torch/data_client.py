@@ -12,6 +12,7 @@ fails with `ExecutorLostError` (the controller declared the executor lost) or
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import dataclasses
 import itertools
@@ -31,6 +32,10 @@ __all__ = ["DataClient"]
 
 log = logging.getLogger(__name__)
 
+# Requests in flight to one executor before the next waits (back-pressure on the client's thread, never
+# on the I/O thread): an executor that stops reading holds at most this many of our messages.
+MAX_REQUESTS_PER_EXECUTOR = 1024
+
 
 @dataclasses.dataclass
 class _Request:
@@ -48,6 +53,8 @@ class DataClient:
         self._pending: dict[int, _Request] = {}
         self._unavailable: dict[str, BaseException] = {}   # executor → why requests to it fail (loop thread)
         self._lock = threading.Lock()
+        self._room = threading.Condition(self._lock)       # notified as requests finish
+        self._in_flight: collections.Counter = collections.Counter()   # executor → requests pending
         self._request_ids = itertools.count(1)
         self.loop.start()
 
@@ -105,9 +112,14 @@ class DataClient:
     # ------------------------------------------------------------ loop thread
 
     def _register(self, request: _Request) -> int:
+        executor_id = request.executor_id
         with self._lock:
+            # Past the bound, wait for a reply (or for the executor to be declared lost, which fails them all).
+            self._room.wait_for(lambda: self._in_flight[executor_id] < MAX_REQUESTS_PER_EXECUTOR
+                                or executor_id in self._unavailable)
             request_id = next(self._request_ids)
             self._pending[request_id] = request
+            self._in_flight[executor_id] += 1
         return request_id
 
     def _send(self, executor_id: str, request_id: int, frames: list) -> None:
@@ -142,6 +154,9 @@ class DataClient:
     def _finish(self, request_id: int, error: BaseException | None, result=None) -> None:
         with self._lock:
             request = self._pending.pop(request_id, None)
+            if request is not None:
+                self._in_flight[request.executor_id] -= 1
+                self._room.notify_all()
         if request is None:
             return
         if request.on_done is not None:

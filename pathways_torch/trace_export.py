@@ -11,10 +11,12 @@ _SPANS = {"start": ("end", "compute", _COMPUTE_TID), "compile_start": ("compile_
 _ENDS = {end: (start, cat, tid) for start, (end, cat, tid) in _SPANS.items()}
 
 
-def chrome_trace(events_by_executor: dict, order: dict[str, int], backends: dict[str, str] | None = None) -> dict:
+def chrome_trace(events_by_executor: dict, order: dict[str, int], backends: dict[str, str] | None = None,
+                 client_waits: list | None = None) -> dict:
     """One process row per executor (named with its backend, e.g. ``executor-0 (xla:torchax)``): computations as
-    complete events, messages as instants."""
-    out = []
+    complete events, messages as instants. ``client_waits``: (start ns, end ns, in flight, what) spans where
+    the client waited at the run-ahead bound, on a ``client`` row after the executors'."""
+    out = _client_rows(client_waits or [], pid=len(order) + 1)
     backends = backends or {}
     for executor_id, events in events_by_executor.items():
         pid = order.get(executor_id, len(order))
@@ -40,3 +42,14 @@ def chrome_trace(events_by_executor: dict, order: dict[str, int], backends: dict
                 out.append({"ph": "i", "s": "t", "name": f"{e.kind} {e.name}".strip(), "cat": e.kind, "pid": pid,
                             "tid": _IO_TID, "ts": ts_us, "args": args})
     return {"traceEvents": out, "displayTimeUnit": "ms"}
+
+
+def _client_rows(waits: list, pid: int) -> list:
+    if not waits:
+        return []
+    out = [{"ph": "M", "name": "process_name", "pid": pid, "args": {"name": "client"}},
+           {"ph": "M", "name": "thread_name", "pid": pid, "tid": 0, "args": {"name": "dispatch"}}]
+    for start_ns, end_ns, in_flight, what in waits:
+        out.append({"ph": "X", "name": f"run-ahead wait ({what})", "cat": "runahead", "pid": pid, "tid": 0,
+                    "ts": start_ns / 1000.0, "dur": (end_ns - start_ns) / 1000.0, "args": {"in_flight": in_flight}})
+    return out

@@ -8,7 +8,9 @@ the client runs ahead of the executors.
 
 from __future__ import annotations
 
+import collections
 import logging
+import time
 from typing import Callable
 
 from ..errors import CaptureError, PlacementError
@@ -53,6 +55,7 @@ class Trainer:
         # Steps dispatched (the step number of the last one); an optimizer that already stepped counts.
         self.step_count = self._optimizer_step_count()
         self._function = self._make_function()
+        self._unfinished_steps: collections.deque = collections.deque()   # the losses' events, oldest first
         self._rank = context.put(torch.arange(self.num_shards, dtype=torch.int64), mesh, {plan.axis: Shard(0)})
         self._put_state(self._initial_tensors())
 
@@ -121,8 +124,25 @@ class Trainer:
         over the plan's axis.
         """
         tensors = self._batch_tensors(batch)
+        self._wait_for_room()
         with self._context._batched_release():
-            return self._dispatch_step(tensors)
+            loss = self._dispatch_step(tensors)
+        self._unfinished_steps.append(loss._record.event)
+        return loss
+
+    def _wait_for_room(self) -> None:
+        """Bounded run-ahead: at most ``max_inflight_steps`` steps unfinished; wait for the oldest past it."""
+        limit = self._context.config.max_inflight_steps
+        steps = self._unfinished_steps
+        while steps and steps[0].is_set():
+            steps.popleft()
+        if len(steps) < limit:
+            return
+        start = time.time_ns()
+        self._context._flush_frees()     # the executors may need the memory of what was dropped
+        while len(steps) >= limit:
+            steps.popleft().wait()       # set on success, failure, a lost executor or a closed context
+        self._context._note_runahead_wait(start, limit, f"training step {self.step_count + 1}")
 
     def _dispatch_step(self, tensors: list):
         import torch

@@ -4,6 +4,11 @@ ZeroMQ sockets must not be used from two threads at once, so each process
 (client, controller, executor) runs one `SocketLoop`: other threads hand it work
 with `call_soon` / `send`, which wake the loop through an inproc pipe. Handlers
 registered for a socket run on the loop thread. Bytes are counted per socket.
+
+Sends never block the loop: a message a peer cannot take now (ZeroMQ's queue to it
+is at its high-water mark: the peer stopped reading) waits in that peer's queue here,
+in order, and goes out when the peer reads again. `backlog` tells senders how much
+waits, so they can hold back the producer (the client) instead of this thread.
 A socket's connection events (accepted, handshake succeeded or refused, ...) can
 be watched through a ZeroMQ socket monitor, also on the loop thread.
 """
@@ -28,6 +33,8 @@ __all__ = ["SocketLoop", "frame_nbytes"]
 log = logging.getLogger(__name__)
 
 _loop_ids = itertools.count()
+# While messages wait for a slow peer, the loop retries them this often (it also retries on any wake-up).
+_RETRY_MS = 2
 
 
 class SocketLoop:
@@ -50,6 +57,9 @@ class SocketLoop:
         self._poller.register(self._waker.socket, zmq.POLLIN)
         self._thread: threading.Thread | None = None
         self._stopping = False
+        # (socket key, peer identity or b"") → frames a peer could not take yet, oldest first
+        self._waiting: dict[tuple[str, bytes], collections.deque] = {}
+        self.backlog_high_water = 0     # the most messages that ever waited for one peer
         self.bytes_out: collections.Counter = collections.Counter()
         self.bytes_in: collections.Counter = collections.Counter()
         self.payload_bytes_out: collections.Counter = collections.Counter()
@@ -140,21 +150,54 @@ class SocketLoop:
         return self._sockets.get(key)
 
     def send_now(self, key: str, frames: Sequence) -> None:
+        """Send at once if the peer can take it, else queue it behind what already waits for that peer."""
         socket = self._sockets.get(key)
         if socket is None:
             log.warning("%s: no socket %r; dropping a message", self.name, key)
             return
-        self._count(self.bytes_out, self.payload_bytes_out, key, frames, routed=socket.type == zmq.ROUTER)
+        routed = socket.type == zmq.ROUTER
+        self._count(self.bytes_out, self.payload_bytes_out, key, frames, routed=routed)
+        peer = (key, _identity(frames[0]) if routed else b"")
+        waiting = self._waiting.get(peer)
+        if waiting is not None:
+            waiting.append(frames)     # keep the order: behind what waits already
+        elif not self._try_send(socket, key, frames):
+            self._waiting[peer] = collections.deque([frames])
+        if waiting is not None or peer in self._waiting:
+            self.backlog_high_water = max(self.backlog_high_water, len(self._waiting[peer]))
+
+    def backlog(self, key: str, identity: bytes = b"") -> int:
+        """Messages waiting here for one peer of socket ``key`` (its ROUTER identity; b"" for a DEALER)."""
+        waiting = self._waiting.get((key, identity))
+        return len(waiting) if waiting is not None else 0
+
+    def _try_send(self, socket: zmq.Socket, key: str, frames: Sequence) -> bool:
+        """Send without blocking: False if the peer cannot take it now (it is kept by the caller)."""
         try:
-            socket.send_multipart(frames, copy=False)
+            socket.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
+        except zmq.Again:
+            return False
         except zmq.ZMQError as exc:
-            # A ROUTER with ROUTER_MANDATORY raises for a peer that is gone.
+            # A ROUTER with ROUTER_MANDATORY raises for a peer that is gone (EHOSTUNREACH): nothing to keep.
             log.warning("%s: send on %r failed: %s", self.name, key, exc)
+        return True
+
+    def _send_waiting(self) -> None:
+        """Retry what waits for slow peers, oldest first, until a peer cannot take more."""
+        for peer in list(self._waiting):
+            socket = self._sockets.get(peer[0])
+            waiting = self._waiting[peer]
+            while socket is not None and waiting and self._try_send(socket, peer[0], waiting[0]):
+                waiting.popleft()
+            if socket is None or not waiting:
+                del self._waiting[peer]
 
     def close_socket(self, key: str) -> None:
         socket = self._sockets.pop(key, None)
         if socket is None:
             return
+        for peer in [p for p in self._waiting if p[0] == key]:
+            del self._waiting[peer]
         monitor = self._monitors.pop(key, None)
         if monitor is not None:
             socket.disable_monitor()
@@ -186,17 +229,20 @@ class SocketLoop:
                         self._receive(socket)
                 self._run_callbacks()
                 self._run_timers()
+                if self._waiting:
+                    self._send_waiting()
         finally:
             self._close_all()
 
     def _poll_timeout_ms(self) -> int:
         if self._callbacks:
             return 0
+        ceiling = _RETRY_MS if self._waiting else 100
         dues = [t[0] for t in self._timers] + ([self._delayed[0][0]] if self._delayed else [])
         if not dues:
-            return 100
+            return ceiling
         due = min(dues) - time.monotonic()
-        return max(0, min(100, int(due * 1000) + 1))
+        return max(0, min(ceiling, int(due * 1000) + 1))
 
     def _receive(self, socket: zmq.Socket) -> None:
         handler = self._handlers.get(socket)
@@ -246,6 +292,10 @@ class SocketLoop:
         for pair in self._monitors.values():   # monitors of sockets other threads own
             pair.close(linger=0)
         self._waker.close()
+
+
+def _identity(frame) -> bytes:
+    return frame.bytes if isinstance(frame, zmq.Frame) else bytes(frame)
 
 
 def frame_nbytes(frame) -> int:
