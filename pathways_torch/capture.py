@@ -8,6 +8,7 @@ come from the fake tensors. The aten graph is then encoded in the wire schema.
 from __future__ import annotations
 
 import dataclasses
+import threading
 from typing import Callable, Sequence
 
 from .errors import CaptureError
@@ -54,8 +55,19 @@ class CapturedVersion:
         return f"{self.name}({ins}) -> ({outs})"
 
 
+# make_fx patches process-wide state while it traces (dispatch modes, Module.__call__): two client threads
+# capturing at once would see each other's. Captures are rare (once per signature), so they take turns.
+_CAPTURE_LOCK = threading.RLock()
+
+
 def capture(fn: Callable, name: str, inputs: Sequence[InputSpec], rebuild: Callable) -> CapturedVersion:
-    """Trace ``fn``; ``rebuild(tensors)`` turns the traced tensors into ``fn``'s (args, kwargs)."""
+    """Trace ``fn``; ``rebuild(tensors)`` turns the traced tensors into ``fn``'s (args, kwargs).
+    Thread-safe: one capture at a time in a process."""
+    with _CAPTURE_LOCK:
+        return _capture(fn, name, inputs, rebuild)
+
+
+def _capture(fn: Callable, name: str, inputs: Sequence[InputSpec], rebuild: Callable) -> CapturedVersion:
     from torch._subclasses.fake_tensor import DynamicOutputShapeException
 
     shown = ", ".join(map(str, inputs))

@@ -139,7 +139,7 @@ class Trainer:
         if len(steps) < limit:
             return
         start = time.time_ns()
-        self._context._flush_frees()     # the executors may need the memory of what was dropped
+        # No flush of pending frees here: they ride on the next step's messages, sent right after.
         while len(steps) >= limit:
             steps.popleft().wait()       # set on success, failure, a lost executor or a closed context
         self._context._note_runahead_wait(start, limit, f"training step {self.step_count + 1}")
