@@ -139,8 +139,9 @@ class Trainer:
         if len(steps) < limit:
             return
         start = time.time_ns()
-        # No flush of pending frees here: they ride on the next step's messages, sent right after.
-        while len(steps) >= limit:
+        # Down to half the bound (as the controller does for calls): one wake-up per few steps. No flush of
+        # pending frees here: they ride on the next step's messages, sent right after.
+        while len(steps) > limit - max(1, limit // 2):
             steps.popleft().wait()       # set on success, failure, a lost executor or a closed context
         self._context._note_runahead_wait(start, limit, f"training step {self.step_count + 1}")
 
