@@ -50,10 +50,11 @@ class ContextConfig:
     # Pin executor i to core i mod the core count (benchmarks: XLA's CPU runtime ignores executor_threads
     # and uses every core unless pinned; docs/backends.md).
     pin_executors: bool = False
-    # Bounded run-ahead (docs/architecture.md, "How far the client runs ahead"): a call waits while
-    # this many calls are unfinished, a training step while this many steps are.
+    # Bounded run-ahead (docs/architecture.md §6.3): a call waits while this many calls are unfinished, a
+    # training step while this many steps are (each holds its batch on the executors: lower it for big
+    # batches; below about 16 a 2-core host loses throughput, measured).
     max_inflight: int = 256
-    max_inflight_steps: int = 2
+    max_inflight_steps: int = 16
 
     def __post_init__(self):
         for name in ("max_inflight", "max_inflight_steps"):
