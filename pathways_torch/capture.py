@@ -11,6 +11,7 @@ import dataclasses
 import threading
 from typing import Callable, Sequence
 
+from .attention import portable_attention
 from .errors import CaptureError
 from .wire import pb
 from .wire.graph_schema import GraphSchemaError, encode_graph
@@ -74,7 +75,8 @@ def _capture(fn: Callable, name: str, inputs: Sequence[InputSpec], rebuild: Call
 
     def flat(*tensors):
         args, kwargs = rebuild(tensors)
-        return fn(*args, **kwargs)
+        with portable_attention():   # ecosystem SDPA options in forms every backend carries
+            return fn(*args, **kwargs)
 
     try:
         graph_module = _trace(flat, inputs, data_dependent_sizes=False)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 
+from ..attention import math_attention, sdpa_arguments
 from ..errors import CaptureError
 
 __all__ = ["counter_rng", "uniform_from_counter", "RANDOM_FUNCTIONS"]
@@ -92,8 +93,8 @@ def _make_mode(rng: _CounterRng):
             if func is F.dropout:
                 return _dropout(rng, *args, **kwargs)
             if func is F.scaled_dot_product_attention and _sdpa_dropout(args, kwargs):
-                raise CaptureError("F.scaled_dot_product_attention with dropout_p > 0 cannot be captured "
-                                   "reproducibly; apply nn.Dropout to the attention weights instead")
+                # The reference math, with this step's counter-based dropout on the attention weights.
+                return math_attention(sdpa_arguments(args, kwargs), lambda w, p: _dropout(rng, w, p))
             if func in refused:
                 name = getattr(func, "__name__", str(func))
                 raise CaptureError(f"random function {name!r} cannot be captured in a training step (only "
@@ -104,8 +105,7 @@ def _make_mode(rng: _CounterRng):
 
 
 def _sdpa_dropout(args, kwargs) -> bool:
-    p = kwargs.get("dropout_p", args[4] if len(args) > 4 else 0.0)
-    return bool(p)
+    return bool(sdpa_arguments(args, kwargs)["dropout_p"])
 
 
 def _dropout(rng: _CounterRng, input, p: float = 0.5, training: bool = True, inplace: bool = False):

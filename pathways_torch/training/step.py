@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable
 
+from .batches import forward_loss, split_batch
 from .buckets import Bucket, flatten, unflatten
 from .optimizers import OptimizerSpec, apply_update
 from .random import counter_rng
@@ -49,13 +50,15 @@ class StepLayout:
 
 
 def make_step(model, loss_fn: Callable | None, spec: OptimizerSpec, layout: StepLayout, plan, num_shards: int,
-              seed: int, max_grad_norm: float | None) -> Callable:
+              seed: int, max_grad_norm: float | None, batch_forms: dict | None = None) -> Callable:
     """The per-shard step function (to be captured); see the module docstring for its signature."""
     from torch.func import functional_call, grad_and_value
 
     buckets, num_states = layout.buckets, len(layout.state_names)
 
-    def step(*tensors, static_key=None):   # static_key: hyper-parameters, in the trace signature only
+    batch_forms = batch_forms if batch_forms is not None else {}
+
+    def step(*tensors, static_key=None):   # static_key: hyper-parameters and the batch form, in the signature
         it = iter(tensors)
         flats = [next(it) for _ in buckets]
         states = [tuple(next(it) for _ in range(num_states)) for _ in buckets]
@@ -63,6 +66,8 @@ def make_step(model, loss_fn: Callable | None, spec: OptimizerSpec, layout: Step
         frozen = {name: next(it) for name in layout.frozen_names}
         scalars, rank = next(it), next(it)
         batch = list(it)
+        form = batch_forms.get(static_key[-1]) if static_key else None
+        form = form if form is not None else split_batch(tuple(batch))[0]   # (*inputs, target) of tensors
         step_number, lrs = scalars[0], scalars[1:]
 
         params = {}
@@ -74,7 +79,7 @@ def make_step(model, loss_fn: Callable | None, spec: OptimizerSpec, layout: Step
             # (e.g. running statistics) are allowed; they act on copies and come back as aux.
             buffers = {name: b.clone() for name, b in buffers.items()}
             with counter_rng(seed, step_number, rank):
-                loss = _forward_loss(functional_call, model, loss_fn, {**params, **frozen, **buffers}, batch)
+                loss = forward_loss(functional_call, model, loss_fn, {**params, **frozen, **buffers}, form, batch)
             return loss, buffers
 
         grads, (loss, new_buffers) = grad_and_value(loss_of, has_aux=True)(params, buffers)
@@ -93,14 +98,6 @@ def make_step(model, loss_fn: Callable | None, spec: OptimizerSpec, layout: Step
 
     step.__name__ = f"train_step[{type(model).__name__}]"
     return step
-
-
-def _forward_loss(functional_call, model, loss_fn, tensors: dict, batch: list):
-    """``loss_fn(model(*inputs), target)`` with batch = (*inputs, target); ``model(*batch)`` if no loss_fn."""
-    if loss_fn is None:
-        return functional_call(model, tensors, tuple(batch))
-    output = functional_call(model, tensors, tuple(batch[:-1]))
-    return loss_fn(output, batch[-1])
 
 
 def _clip(grad_flats: list, max_norm: float, plan, num_shards: int) -> list:

@@ -16,6 +16,7 @@ from typing import Callable
 from ..errors import CaptureError, PlacementError
 from ..functions import Function
 from ..placement import Replicate, Shard
+from .batches import split_batch
 from .buckets import flatten, make_buckets, unflatten
 from .checkpoint import read_checkpoint, write_checkpoint
 from .locate import user_frame_summary
@@ -54,6 +55,7 @@ class Trainer:
         self.samples_seen = 0        # batch rows dispatched: the data position a checkpoint records
         # Steps dispatched (the step number of the last one); an optimizer that already stepped counts.
         self.step_count = self._optimizer_step_count()
+        self._batch_forms: dict = {}     # form key → BatchForm: how the step rebuilds each kind of batch
         self._function = self._make_function()
         self._unfinished_steps: collections.deque = collections.deque()   # the losses' events, oldest first
         self._rank = context.put(torch.arange(self.num_shards, dtype=torch.int64), mesh, {plan.axis: Shard(0)})
@@ -66,7 +68,7 @@ class Trainer:
         outs = ([Replicate()] + [state] * len(self.layout.buckets) * (1 + len(self.layout.state_names))
                 + [Replicate()] * len(self.layout.buffer_names))
         step = make_step(self.model, self.loss_fn, self._spec, self.layout, self.plan, self.num_shards, self.seed,
-                         self.max_grad_norm)
+                         self.max_grad_norm, batch_forms=self._batch_forms)
         return Function(step, out=tuple(outs), name=step.__name__, mesh=self.mesh)
 
     def _initial_tensors(self) -> dict:
@@ -120,13 +122,15 @@ class Trainer:
         """Dispatch one training step on ``batch`` and return its loss (a replicated 0-d `pw.Array`) at once.
 
         ``batch`` is ``(*inputs, target)``: the loss is ``loss_fn(model(*inputs), target)``
-        (``model(*batch)`` when ``loss_fn`` is None). Every tensor is split on dim 0
-        over the plan's axis.
+        (``model(*batch)`` when ``loss_fn`` is None); or a dict or dataclass passed as keywords
+        (``model(**batch)``, then ``loss_fn(output, batch)`` or the model's own ``.loss``); see
+        `pathways_torch.training.batches`. Every tensor is split on dim 0 over the plan's axis;
+        other values are static (a new value captures a new step).
         """
-        tensors = self._batch_tensors(batch)
+        form, tensors = self._batch_tensors(batch)
         self._wait_for_room()
         with self._context._batched_release():
-            loss = self._dispatch_step(tensors)
+            loss = self._dispatch_step(form, tensors)
         self._unfinished_steps.append(loss._record.event)
         return loss
 
@@ -145,7 +149,7 @@ class Trainer:
             steps.popleft().wait()       # set on success, failure, a lost executor or a closed context
         self._context._note_runahead_wait(start, limit, f"training step {self.step_count + 1}")
 
-    def _dispatch_step(self, tensors: list):
+    def _dispatch_step(self, form, tensors: list):
         import torch
 
         spec = read_optimizer(self.optimizer)   # hyper-parameters may change between steps
@@ -160,7 +164,7 @@ class Trainer:
         try:
             # Train/eval modes are read while tracing (dropout, batch statistics): a change re-captures.
             modes = tuple(m.training for m in self.model.modules())
-            outputs = self._function(*arrays, static_key=(spec.static_key(), modes))
+            outputs = self._function(*arrays, static_key=(spec.static_key(), modes, form.key))
         except CaptureError as exc:
             raise self._located(exc) from exc.__cause__
         self._take_outputs(outputs)
@@ -175,13 +179,10 @@ class Trainer:
         self._states = list(outputs[1 + num_buckets:1 + num_buckets * (1 + num_states)])
         self._buffers = list(outputs[1 + num_buckets * (1 + num_states):])
 
-    def _batch_tensors(self, batch) -> list:
-        import torch
-
-        tensors = [batch] if isinstance(batch, torch.Tensor) else list(batch)
-        if not tensors or not all(isinstance(t, torch.Tensor) for t in tensors):
-            raise PlacementError(f"trainer.step: expected a tensor or a tuple of tensors (*inputs, target), "
-                                 f"got {type(batch).__name__}")
+    def _batch_tensors(self, batch) -> tuple:
+        """The batch's form (kept for the step to rebuild it) and its tensor leaves, each checked to split."""
+        form, tensors = split_batch(batch)
+        self._batch_forms.setdefault(form.key, form)
         for index, t in enumerate(tensors):
             if t.dim() == 0 or t.shape[0] % self.num_shards:
                 size = t.shape[0] if t.dim() else "a 0-d tensor"
@@ -189,7 +190,7 @@ class Trainer:
                     f"trainer.step: batch tensor {index} has {size} rows, not divisible by the {self.num_shards} "
                     f"shards of mesh axis {self.plan.axis!r}; use a batch size that is a multiple of "
                     f"{self.num_shards} (or drop the last partial batch)")
-        return tensors
+        return form, tensors
 
     def _located(self, exc: CaptureError) -> CaptureError:
         where = user_frame_summary(exc, self.model)

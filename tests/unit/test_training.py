@@ -96,9 +96,24 @@ def test_other_random_functions_are_refused_while_capturing():
     with counter_rng(0, torch.tensor(1), torch.tensor([0])):
         with pytest.raises(pw.CaptureError, match="'rand'"):
             torch.rand(3)
-        with pytest.raises(pw.CaptureError, match="dropout_p"):
-            nn.functional.scaled_dot_product_attention(torch.ones(1, 2, 4), torch.ones(1, 2, 4),
-                                                       torch.ones(1, 2, 4), dropout_p=0.1)
+
+
+def test_attention_dropout_draws_the_step_counter_masks():
+    """SDPA with dropout_p > 0 (transformers in train mode) runs as the reference math with counter dropout."""
+    q, k, v = (torch.randn(2, 3, 5, 4, generator=torch.Generator().manual_seed(i)) for i in range(3))
+
+    def sdpa(step):
+        with counter_rng(0, torch.tensor(step), torch.tensor([0])):
+            return nn.functional.scaled_dot_product_attention(q, k, v, dropout_p=0.25, is_causal=True)
+
+    def by_hand(step):
+        with counter_rng(0, torch.tensor(step), torch.tensor([0])):
+            weights = (q @ k.transpose(-2, -1)) / 2.0
+            weights = weights.masked_fill(~torch.ones(5, 5, dtype=torch.bool).tril(), float("-inf"))
+            return nn.functional.dropout(torch.softmax(weights, -1), 0.25) @ v
+
+    assert torch.equal(sdpa(1), sdpa(1)) and not torch.equal(sdpa(1), sdpa(2))   # keyed by the step
+    torch.testing.assert_close(sdpa(1), by_hand(1))
 
 
 class _Net(nn.Module):
