@@ -11,7 +11,8 @@ Never an edit of an installed file: each shim wraps or overrides from the outsid
 2. **Lowerings replaced by torch's decompositions** (`REPLACED_LOWERINGS`): torchax's
    ``native_layer_norm_backward`` has the wrong signature (it fails on every
    LayerNorm backward).
-3. **Lowerings added** (`ADDED_LOWERINGS`): CPU flash attention (what
+3. **Lowerings added** (`ADDED_LOWERINGS`): ``convolution_backward`` (`convolution.py`: the
+   vjp of torchax's own forward), and CPU flash attention (what
    ``F.scaled_dot_product_attention`` traces to on CPU). Its backward has neither a
    torchax lowering nor a torch decomposition (without one every attention backward
    would run outside XLA); its forward has only torch's decomposition, whose second
@@ -35,7 +36,8 @@ _loaded = None
 REPLACED_LOWERINGS = ("native_layer_norm_backward.default",)
 # aten ops torchax cannot lower at all, and ours (below).
 ADDED_LOWERINGS = ("_scaled_dot_product_flash_attention_for_cpu.default",
-                   "_scaled_dot_product_flash_attention_for_cpu_backward.default")
+                   "_scaled_dot_product_flash_attention_for_cpu_backward.default",
+                   "convolution_backward.default")
 
 
 class _RemovedOp:
@@ -146,10 +148,18 @@ def _replace_lowerings(env) -> None:
 
 
 def _add_lowerings(env) -> None:
+    import torch
+    from torchax.ops import ops_registry
+
     from .attention import flash_attention_decompositions
+    from .convolution import convolution_backward
 
     for op, implementation in flash_attention_decompositions().items():
         env.override_op_definition(op, implementation)
+    # A jax function (torchax hands it jax arrays), not torch code like the two above.
+    op = torch.ops.aten.convolution_backward.default
+    env._ops[op] = ops_registry.Operator(op, convolution_backward, is_jax_function=True, is_user_defined=True,
+                                         needs_env=False, is_view_op=False)
 
 
 def has_lowering(env, op) -> bool:

@@ -72,6 +72,19 @@ class DataParallel:
         """Sum of a per-shard quantity over the whole (unsharded) state: local here."""
         return x
 
+    def from_first_shard(self, x, rank, num_shards: int):
+        """Shard 0's value of ``x`` on every shard (DDP's buffer broadcast): a sum in which only shard 0 counts."""
+        from ..collectives import all_reduce
+
+        import torch
+
+        if num_shards == 1:
+            return x
+        if x.dtype == torch.bool:   # a sum of flags: as bytes
+            return self.from_first_shard(x.to(torch.uint8), rank, num_shards).to(torch.bool)
+        first = (rank.reshape(()) == 0).to(x.dtype)
+        return all_reduce(x * first, self.axis, "sum")
+
 
 @dataclasses.dataclass(frozen=True)
 class ShardedDataParallel(DataParallel):

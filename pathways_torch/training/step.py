@@ -94,10 +94,31 @@ def make_step(model, loss_fn: Callable | None, spec: OptimizerSpec, layout: Step
                                                 lrs[bucket.group])
             new_flats.append(new_param)
             new_states.extend(new_state)
-        return (loss, *new_flats, *new_states, *[new_buffers[name] for name in layout.buffer_names])
+        # Buffers a forward updated from its own shard of the batch (BatchNorm's running statistics) follow
+        # DDP's default: shard 0's values, broadcast, so that every shard holds the same state.
+        buffers_out = _from_first_shard([new_buffers[name] for name in layout.buffer_names], plan, rank, num_shards)
+        return (loss, *new_flats, *new_states, *buffers_out)
 
     step.__name__ = f"train_step[{type(model).__name__}]"
     return step
+
+
+def _from_first_shard(buffers: list, plan, rank, num_shards: int) -> list:
+    """Shard 0's buffers on every shard: one collective per dtype (the buffers of a dtype flattened together)."""
+    import torch
+
+    if num_shards == 1 or not buffers:
+        return buffers
+    out = list(buffers)
+    for dtype in {b.dtype for b in buffers}:
+        positions = [i for i, b in enumerate(buffers) if b.dtype == dtype]
+        flat = plan.from_first_shard(torch.cat([buffers[i].reshape(-1) for i in positions]), rank, num_shards)
+        offset = 0
+        for i in positions:
+            numel = buffers[i].numel()
+            out[i] = flat[offset:offset + numel].reshape(buffers[i].shape)
+            offset += numel
+    return out
 
 
 def _clip(grad_flats: list, max_norm: float, plan, num_shards: int) -> list:

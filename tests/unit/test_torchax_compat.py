@@ -55,6 +55,11 @@ def test_flash_attention_lowerings_are_needed(without_shims):
         "torchax now lowers CPU flash attention forward and backward correctly: remove ADDED_LOWERINGS")
 
 
+def test_convolution_backward_lowering_is_needed(without_shims):
+    assert without_shims["convolution_backward"] != "ok", (
+        "torchax now lowers aten.convolution_backward: remove it from ADDED_LOWERINGS (executor/backends/convolution.py)")
+
+
 def test_placeholders_reach_torchax_only():
     from pathways_torch.wire.backend_names import route_installed
 

@@ -58,7 +58,19 @@ CASES = {
     "sdpa_backward": (lambda q, k, v: torch.func.grad(
         lambda q, k, v: torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True).pow(2).sum(),
         argnums=(0, 1, 2))(q, k, v), [(2, 3, 8, 16), (2, 3, 8, 16), (2, 3, 8, 16)]),
+    # aten.convolution_backward: a lowering of ours on torchax (the vjp of its forward), in several forms.
+    "conv2d_backward": (lambda x, w, b: _conv_grad(x, w, b, lambda x, w, b: torch.nn.functional.conv2d(
+        x, w, b, stride=2, padding=1, groups=2)), [(2, 4, 9, 9), (6, 2, 3, 3), (6,)]),
+    "conv1d_dilated_backward": (lambda x, w, b: _conv_grad(x, w, b, lambda x, w, b: torch.nn.functional.conv1d(
+        x, w, b, padding=2, dilation=2)), [(2, 3, 11), (5, 3, 3), (5,)]),
+    "conv_transpose2d_backward": (lambda x, w, b: _conv_grad(x, w, b, lambda x, w, b: (
+        torch.nn.functional.conv_transpose2d(x, w, b, stride=2, padding=1, output_padding=1))),
+        [(2, 4, 5, 5), (4, 3, 3, 3), (3,)]),
 }
+
+
+def _conv_grad(x, w, b, conv):
+    return torch.func.grad(lambda x, w, b: conv(x, w, b).pow(2).sum(), argnums=(0, 1, 2))(x, w, b)
 
 
 # float64 tolerances above 1e-12: XLA's erf (see the module docstring); LayerNorm's decomposed

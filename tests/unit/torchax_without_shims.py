@@ -53,8 +53,12 @@ def own_lowerings() -> dict:
         return torch.func.grad(lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True).pow(2).sum(),
                                argnums=(0, 1, 2))(q, k, v)
 
+    def convolution_grad(x, w):
+        return torch.func.grad(lambda x, w: F.conv2d(x, w, padding=1).pow(2).sum(), argnums=(0, 1))(x, w)
+
     cases = {"native_layer_norm_backward": (layer_norm_grad, [(4, 8), (8,), (8,)]),
-             "flash_attention_for_cpu": (attention_grad, [(1, 2, 4, 8)] * 3)}
+             "flash_attention_for_cpu": (attention_grad, [(1, 2, 4, 8)] * 3),
+             "convolution_backward": (convolution_grad, [(2, 3, 6, 6), (4, 3, 3, 3)])}
     results = {}
     for name, (fn, shapes) in cases.items():
         torch.manual_seed(0)
