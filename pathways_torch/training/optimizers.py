@@ -4,9 +4,13 @@
 ``capturable=True``, which refuses CPU tensors (FINDINGS): they cannot be traced.
 So the update is rewritten here, op for op as ``torch.optim``'s single-tensor path
 does it, on one flat buffer per parameter group. Hyper-parameters are read from
-the user's ``optimizer.param_groups``; the learning rate and the step number come
-in as a float64 tensor each step, so a schedule never recompiles. Anything the
-rewrite does not implement is refused by name (`UnsupportedOptimizerError`).
+the user's ``optimizer.param_groups`` at every step. What a scheduler changes — the
+learning rate, SGD's momentum, Adam's betas, the weight decay — comes in as float64
+tensors each step (`DYNAMIC`), so no schedule in ``torch.optim.lr_scheduler``
+recompiles; only what changes the update's structure (momentum on or off, Nesterov,
+eps, ...) is part of the graph. Keys a group carries that the update does not read
+(``"name"``, ``"initial_lr"``, ``"max_lr"`` ...) are carried; a ``torch.optim`` option
+the rewrite does not implement is refused by name (`UnsupportedOptimizerError`).
 """
 
 from __future__ import annotations
@@ -16,7 +20,10 @@ from typing import Any
 
 from ..errors import CaptureError
 
-__all__ = ["OptimizerSpec", "GroupHyper", "read_optimizer", "apply_update", "UnsupportedOptimizerError"]
+__all__ = ["OptimizerSpec", "GroupHyper", "read_optimizer", "apply_update", "UnsupportedOptimizerError", "DYNAMIC"]
+
+# The hyper-parameters that are step inputs (a float64 row per group), in this order.
+DYNAMIC = ("lr", "momentum", "beta1", "beta2", "weight_decay")
 
 
 class UnsupportedOptimizerError(CaptureError):
@@ -25,8 +32,9 @@ class UnsupportedOptimizerError(CaptureError):
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class GroupHyper:
-    """A parameter group's hyper-parameters other than the learning rate (baked into the graph)."""
+    """A parameter group's hyper-parameters as read this step (the `DYNAMIC` ones are step inputs)."""
 
+    lr: float = 0.0
     weight_decay: float = 0.0
     maximize: bool = False
     momentum: float = 0.0          # SGD
@@ -55,8 +63,16 @@ class OptimizerSpec:
         return ()
 
     def static_key(self) -> tuple:
-        """Hashable form: part of the step's trace signature, so changing one re-captures."""
-        return (self.kind,) + tuple(tuple(sorted(dataclasses.asdict(g).items())) for g in self.groups)
+        """What shapes the update's graph (part of the step's trace signature: changing one re-captures).
+        The values of `DYNAMIC` are not in it; whether momentum and weight decay are used at all is."""
+        return (self.kind,) + tuple(
+            tuple(sorted({**{k: v for k, v in dataclasses.asdict(g).items() if k not in DYNAMIC},
+                          "uses_momentum": g.momentum != 0, "uses_weight_decay": g.weight_decay != 0}.items()))
+            for g in self.groups)
+
+    def dynamic_values(self) -> list[float]:
+        """The `DYNAMIC` hyper-parameters of every group, group after group (the step's float64 inputs)."""
+        return [float(getattr(g, name)) for g in self.groups for name in DYNAMIC]
 
 
 # Options that only choose an implementation of the same math: accepted and ignored.
@@ -84,23 +100,25 @@ def read_optimizer(optimizer) -> OptimizerSpec:
             f"optimizer: expected torch.optim.SGD, Adam or AdamW, got {type(optimizer).__name__}; "
             f"the captured step implements those updates only")
     groups = []
+    options = set(getattr(optimizer, "defaults", {}))   # torch.optim's own options for this optimizer
     for index, group in enumerate(optimizer.param_groups):
-        groups.append(_read_group(kind, decoupled, index, group))
+        groups.append(_read_group(kind, decoupled, index, group, options))
     return OptimizerSpec(kind=kind, groups=tuple(groups))
 
 
-def _read_group(kind: str, decoupled, index: int, group: dict) -> GroupHyper:
+def _read_group(kind: str, decoupled, index: int, group: dict, options: set) -> GroupHyper:
     where = f"optimizer param_groups[{index}]"
-    for key, value in group.items():
-        if key in _IMPLEMENTATION_OPTIONS:
-            continue
-        if key not in _KNOWN[kind]:
+    for key in group:
+        # A torch.optim option we do not implement changes the update: refused. Any other key (a group's
+        # "name", a scheduler's "initial_lr" / "max_lr" ...) is the user's or a scheduler's: carried.
+        if key in options and key not in _KNOWN[kind] and key not in _IMPLEMENTATION_OPTIONS:
             raise UnsupportedOptimizerError(f"{where}: option {key!r} is not implemented by the captured update; "
                                             f"remove it (implemented: {sorted(_KNOWN[kind] - {'params'})})")
     if group.get("amsgrad"):
         raise UnsupportedOptimizerError(f"{where}: amsgrad=True is not implemented by the captured update; "
                                         f"use amsgrad=False")
-    common = dict(weight_decay=_number(group.get("weight_decay", 0.0), where, "weight_decay"),
+    common = dict(lr=_number(group["lr"], where, "lr"),
+                  weight_decay=_number(group.get("weight_decay", 0.0), where, "weight_decay"),
                   maximize=bool(group.get("maximize", False)))
     if kind == "sgd":
         hyper = GroupHyper(momentum=_number(group["momentum"], where, "momentum"),
@@ -124,48 +142,52 @@ def _number(value: Any, where: str, name: str) -> float:
         raise UnsupportedOptimizerError(f"{where}: {name} must be a number, got {value!r}") from None
 
 
-def apply_update(spec: OptimizerSpec, group: int, param, grad, state: tuple, step, lr):
-    """One update of a flat parameter buffer. ``step`` (1-based) and ``lr`` are float64 0-d tensors.
+def apply_update(spec: OptimizerSpec, group: int, param, grad, state: tuple, step, hyper):
+    """One update of a flat parameter buffer. ``step`` (1-based) is a float64 0-d tensor; ``hyper`` the
+    group's `DYNAMIC` values, a float64 tensor in that order.
 
     Returns (new param, new state tuple). Written without in-place ops on inputs, so
     the traced graph is functional.
     """
-    hyper = spec.groups[group]
-    if hyper.maximize:
+    h = spec.groups[group]
+    values = dict(zip(DYNAMIC, hyper.unbind(0)))
+    if h.maximize:
         grad = -grad
     if spec.kind == "sgd":
-        return _sgd(hyper, param, grad, state, step, lr)
-    return _adam(hyper, param, grad, state, step, lr)
+        return _sgd(h, values, param, grad, state, step)
+    return _adam(h, values, param, grad, state, step)
 
 
-def _sgd(h: GroupHyper, param, grad, state, step, lr):
+def _sgd(h: GroupHyper, v: dict, param, grad, state, step):
     import torch
 
+    dtype = param.dtype
     if h.weight_decay != 0:
-        grad = grad + h.weight_decay * param
+        grad = grad + v["weight_decay"].to(dtype) * param
     # Another group may keep a momentum buffer while this one has none: pass it through.
     new_state = tuple(state)
     if h.momentum != 0:
         (buf,) = state
         # torch starts the buffer as a copy of the first gradient (no dampening on step 1).
-        updated = torch.where(step <= 1, grad, buf * h.momentum + grad * (1 - h.dampening))
+        updated = torch.where(step <= 1, grad, buf * v["momentum"].to(dtype) + grad * (1 - h.dampening))
         new_state = (updated,)
-        grad = grad + h.momentum * updated if h.nesterov else updated
-    return param - lr.to(param.dtype) * grad, new_state
+        grad = grad + v["momentum"].to(dtype) * updated if h.nesterov else updated
+    return param - v["lr"].to(dtype) * grad, new_state
 
 
-def _adam(h: GroupHyper, param, grad, state, step, lr):
+def _adam(h: GroupHyper, v: dict, param, grad, state, step):
     exp_avg, exp_avg_sq = state
+    dtype, lr, beta1, beta2 = param.dtype, v["lr"], v["beta1"], v["beta2"]
     if h.weight_decay != 0:
         if h.decoupled:
-            param = param * (1 - lr * h.weight_decay).to(param.dtype)
+            param = param * (1 - lr * v["weight_decay"]).to(dtype)
         else:
-            grad = grad + h.weight_decay * param
-    exp_avg = exp_avg.lerp(grad, 1 - h.beta1)
-    exp_avg_sq = exp_avg_sq * h.beta2 + grad * grad * (1 - h.beta2)
+            grad = grad + v["weight_decay"].to(dtype) * param
+    exp_avg = exp_avg.lerp(grad, (1 - beta1).to(dtype))
+    exp_avg_sq = exp_avg_sq * beta2.to(dtype) + grad * grad * (1 - beta2).to(dtype)
     # torch computes these in Python floats (double precision): float64 tensors here.
-    bias_correction1 = 1 - h.beta1 ** step
-    bias_correction2_sqrt = (1 - h.beta2 ** step).sqrt()
-    step_size = (lr / bias_correction1).to(param.dtype)
-    denom = exp_avg_sq.sqrt() / bias_correction2_sqrt.to(param.dtype) + h.eps
+    bias_correction1 = 1 - beta1 ** step
+    bias_correction2_sqrt = (1 - beta2 ** step).sqrt()
+    step_size = (lr / bias_correction1).to(dtype)
+    denom = exp_avg_sq.sqrt() / bias_correction2_sqrt.to(dtype) + h.eps
     return param - step_size * (exp_avg / denom), (exp_avg, exp_avg_sq)

@@ -4,8 +4,8 @@
 ``@pw.function`` on the mesh. Its inputs, in order:
 
     flat parameter buffers (one per bucket) · optimizer state (per bucket, per state name)
-    · module buffers · frozen parameters · scalars = float64[1 + groups] (step number, then
-    each group's learning rate) · rank = int64[1] (this shard's index on the data axis)
+    · module buffers · frozen parameters · scalars = float64[1 + groups x 5] (step number, then
+    each group's `DYNAMIC` hyper-parameters: lr, momentum, beta1, beta2, weight decay) · rank = int64[1] (this shard's index on the data axis)
     · the batch tensors
 
 and its outputs: the mean loss over the global batch, then the new parameter
@@ -22,7 +22,7 @@ from typing import Callable
 
 from .batches import forward_loss, split_batch
 from .buckets import Bucket, flatten, unflatten
-from .optimizers import OptimizerSpec, apply_update
+from .optimizers import DYNAMIC, OptimizerSpec, apply_update
 from .random import counter_rng
 
 __all__ = ["StepLayout", "make_step"]
@@ -68,7 +68,7 @@ def make_step(model, loss_fn: Callable | None, spec: OptimizerSpec, layout: Step
         batch = list(it)
         form = batch_forms.get(static_key[-1]) if static_key else None
         form = form if form is not None else split_batch(tuple(batch))[0]   # (*inputs, target) of tensors
-        step_number, lrs = scalars[0], scalars[1:]
+        step_number, hyper = scalars[0], scalars[1:].reshape(layout.num_groups, len(DYNAMIC))
 
         params = {}
         for bucket, flat in zip(buckets, flats):
@@ -91,7 +91,7 @@ def make_step(model, loss_fn: Callable | None, spec: OptimizerSpec, layout: Step
         new_flats, new_states = [], []
         for bucket, flat, grad, state in zip(buckets, flats, grad_flats, states):
             new_param, new_state = apply_update(spec, bucket.group, flat, grad, state, step_number,
-                                                lrs[bucket.group])
+                                                hyper[bucket.group])
             new_flats.append(new_param)
             new_states.extend(new_state)
         # Buffers a forward updated from its own shard of the batch (BatchNorm's running statistics) follow

@@ -153,8 +153,8 @@ class Trainer:
         import torch
 
         spec = read_optimizer(self.optimizer)   # hyper-parameters may change between steps
-        lrs = [float(group["lr"]) for group in self.optimizer.param_groups]
-        scalars = torch.tensor([self.step_count + 1, *lrs], dtype=torch.float64)
+        # What schedulers change (lr, momentum, betas, weight decay) rides in as values: no recompile.
+        scalars = torch.tensor([self.step_count + 1, *spec.dynamic_values()], dtype=torch.float64)
         ctx, mesh, axis = self._context, self.mesh, self.plan.axis
         # The step's fresh inputs travel in one message per executor.
         fresh = ctx.put_many([(scalars, Replicate()), *[(t, {axis: Shard(0)}) for t in tensors]], mesh)
@@ -168,6 +168,9 @@ class Trainer:
         except CaptureError as exc:
             raise self._located(exc) from exc.__cause__
         self._take_outputs(outputs)
+        # The optimizer did step (on the executors): say so where lr_scheduler looks, or each scheduler warns
+        # that it was stepped before its optimizer (and torch code reads this flag, not a method).
+        self.optimizer._opt_called = True
         del arrays, fresh     # inside the batched release: the step's inputs are freed together
         self.step_count += 1
         self.samples_seen += int(tensors[0].shape[0])

@@ -29,22 +29,46 @@ OPTIMIZERS = {
 }
 
 
+SCHEDULES = {
+    "none": lambda o: None,
+    # OneCycleLR cycles momentum (SGD) or beta1 (Adam) along with the learning rate.
+    "one-cycle": lambda o: torch.optim.lr_scheduler.OneCycleLR(o, max_lr=0.05, total_steps=6),
+    "warmup-cosine": lambda o: torch.optim.lr_scheduler.SequentialLR(o, [
+        torch.optim.lr_scheduler.LinearLR(o, start_factor=0.1, total_iters=2),
+        torch.optim.lr_scheduler.CosineAnnealingLR(o, T_max=4)], milestones=[2]),
+}
+
+
+@pytest.mark.parametrize("schedule", sorted(SCHEDULES))
 @pytest.mark.parametrize("name", sorted(OPTIMIZERS))
-def test_update_matches_torch_optim_step_for_step(name):
+def test_update_matches_torch_optim_step_for_step(name, schedule):
     torch.manual_seed(0)
     param = nn.Parameter(torch.randn(7, dtype=torch.float64))
     optimizer = OPTIMIZERS[name]([param])
+    scheduler = SCHEDULES[schedule](optimizer)
+    structure = read_optimizer(optimizer).static_key()
     spec = read_optimizer(optimizer)
     ours, state = param.detach().clone(), tuple(torch.zeros_like(param) for _ in spec.state_names)
     for step in range(1, 6):
         grad = torch.randn(7, dtype=torch.float64)
+        spec = read_optimizer(optimizer)          # as the trainer does before every step
+        assert spec.static_key() == structure    # a schedule changes values, never the graph
+        hyper = torch.tensor(spec.dynamic_values(), dtype=torch.float64)
         param.grad = grad.clone()
         optimizer.step()
-        lr = torch.tensor(optimizer.param_groups[0]["lr"], dtype=torch.float64)
-        ours, state = apply_update(spec, 0, ours, grad, state, torch.tensor(float(step), dtype=torch.float64), lr)
+        if scheduler is not None:
+            scheduler.step()
+        ours, state = apply_update(spec, 0, ours, grad, state, torch.tensor(float(step), dtype=torch.float64), hyper)
         torch.testing.assert_close(ours, param.detach(), rtol=1e-12, atol=1e-12, msg=f"{name} step {step}")
     for state_name, value in zip(spec.state_names, state):
         torch.testing.assert_close(value, optimizer.state[param][state_name], rtol=1e-12, atol=1e-12)
+
+
+def test_keys_the_update_does_not_read_are_carried():
+    p = [nn.Parameter(torch.zeros(2))]
+    optimizer = torch.optim.AdamW([{"params": p, "name": "decay", "initial_lr": 0.1, "max_lr": 1.0}], lr=0.1)
+    spec = read_optimizer(optimizer)
+    assert spec.groups[0].lr == 0.1 and len(spec.dynamic_values()) == 5
 
 
 def test_unsupported_optimizer_options_are_refused_by_name():
@@ -144,7 +168,7 @@ def test_captured_step_on_one_shard_matches_eager_training():
     with tracing_mesh({"data": 1}):
         for k in range(1, 4):
             x, y = torch.randn(5, 6, dtype=torch.float64), torch.randint(0, 3, (5,))
-            scalars = torch.tensor([k, 0.05], dtype=torch.float64)
+            scalars = torch.tensor([k, *spec.dynamic_values()], dtype=torch.float64)
             loss, flat, *state, calls = step(flat, *state, calls, scalars, torch.tensor([0]), x, y)
             ref_loss = nn.functional.cross_entropy(reference(x), y)
             ref_optimizer.zero_grad()
