@@ -17,6 +17,7 @@ from ..errors import CaptureError, PlacementError
 from ..functions import Function
 from ..placement import Replicate, Shard
 from .batches import split_batch
+from .evaluation import make_forward
 from .buckets import flatten, make_buckets, unflatten
 from .checkpoint import read_checkpoint, write_checkpoint
 from .locate import user_frame_summary
@@ -56,6 +57,8 @@ class Trainer:
         # Steps dispatched (the step number of the last one); an optimizer that already stepped counts.
         self.step_count = self._optimizer_step_count()
         self._batch_forms: dict = {}     # form key → BatchForm: how the step rebuilds each kind of batch
+        self._forwards: dict = {}        # "loss" / "predict" → its Function (evaluate, predict)
+        self._output_specs: dict = {}    # form key → how predict rebuilds the model's output
         self._function = self._make_function()
         self._unfinished_steps: collections.deque = collections.deque()   # the losses' events, oldest first
         self._rank = context.put(torch.arange(self.num_shards, dtype=torch.int64), mesh, {plan.axis: Shard(0)})
@@ -134,6 +137,42 @@ class Trainer:
         self._unfinished_steps.append(loss._record.event)
         return loss
 
+    def evaluate(self, batch):
+        """The loss on ``batch`` (a replicated 0-d `pw.Array`, at once): forward and loss only, in eval mode,
+        on the parameters where they live. Captured once per batch shape and form."""
+        form, tensors = self._batch_tensors(batch)
+        (loss,) = self._forward("loss", form, tensors)
+        return loss
+
+    def predict(self, batch):
+        """The model's output on ``batch`` (in eval mode, no gradient), its tensors as `pw.Array` s sharded on
+        dim 0 over the data axis, in the output's own structure (a tensor, a tuple, a ``transformers`` output)."""
+        from torch.utils._pytree import tree_unflatten
+
+        form, tensors = self._batch_tensors(batch)
+        arrays = iter(self._forward("predict", form, tensors))
+        spec, statics, is_tensor = self._output_specs[form.key]
+        return tree_unflatten([next(arrays) if tensor else static for static, tensor in zip(statics, is_tensor)],
+                              spec)
+
+    def _forward(self, kind: str, form, tensors: list) -> list:
+        function = self._forwards.get(kind)
+        if function is None:
+            out = Replicate() if kind == "loss" else {self.plan.axis: Shard(0)}
+            forward = make_forward(self.model, self.loss_fn, self.layout, self.plan, self.num_shards, kind,
+                                   self._batch_forms, self._output_specs)
+            function = self._forwards[kind] = Function(forward, out=out, name=forward.__name__, mesh=self.mesh)
+        ctx = self._context
+        with ctx._batched_release():
+            fresh = ctx.put_many([(t, {self.plan.axis: Shard(0)}) for t in tensors], self.mesh)
+            arrays = [*self._flats, *self._buffers, *self._frozen, self._rank, *fresh]
+            try:
+                outputs = function(*arrays, static_key=form.key)
+            except CaptureError as exc:
+                raise self._located(exc, "evaluate" if kind == "loss" else "predict") from exc.__cause__
+            del arrays, fresh
+        return list(outputs) if isinstance(outputs, tuple) else [outputs]
+
     def _wait_for_room(self) -> None:
         """Bounded run-ahead: at most ``max_inflight_steps`` steps unfinished; wait for the oldest past it."""
         limit = self._context.config.max_inflight_steps
@@ -195,11 +234,11 @@ class Trainer:
                     f"{self.num_shards} (or drop the last partial batch)")
         return form, tensors
 
-    def _located(self, exc: CaptureError) -> CaptureError:
+    def _located(self, exc: CaptureError, what: str = "the training step") -> CaptureError:
         where = user_frame_summary(exc, self.model)
         if where is None:
             return exc
-        return CaptureError(f"{type(self.model).__name__}: the training step cannot be captured at {where}\n{exc}")
+        return CaptureError(f"{type(self.model).__name__}: {what} cannot be captured at {where}\n{exc}")
 
     # ------------------------------------------------------------ state
 
