@@ -124,12 +124,24 @@ def _trace_data_dependent(flat, inputs, name, shown):
     return graph_module
 
 
+# What the usual capture failures mean, by the aten op they stop at: the fix a user can act on.
+_FIXES = {
+    "_local_scalar_dense": "a tensor's value is read as a Python number or truth value (float(t), t.item(), "
+                           "if t > 0:, int(t)); a captured function must not depend on tensor values: keep it "
+                           "a tensor (torch.where(cond, a, b) for a branch, clamp/min/max for a bound)",
+    "nonzero": "a size depends on the data (nonzero, a boolean mask, unique); keep the size fixed (multiply by "
+               "the mask instead of selecting) or compute it in a function of its own",
+}
+
+
 def _capture_error(exc: BaseException, name: str, shown: str) -> CaptureError:
+    message = _first_line(exc)
+    fix = next((text for op, text in _FIXES.items() if op in message), None)
+    fix = fix or ("call it with inputs whose local blocks have shapes it accepts; control flow that depends on "
+                  "tensor values cannot be captured")
     return CaptureError(
         f"function {name!r} cannot be captured for local block shapes ({shown}): "
-        f"{type(exc).__name__}: {_first_line(exc)}\n"
-        f"fix: call it with inputs whose local blocks have shapes it accepts; control flow that depends on "
-        f"tensor values cannot be captured")
+        f"{type(exc).__name__}: {message}\nfix: {fix}")
 
 
 def _collective_axes(graph_module) -> tuple[str, ...]:
