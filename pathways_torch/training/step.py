@@ -24,6 +24,7 @@ from .batches import forward_loss, split_batch
 from .buckets import Bucket, flatten, unflatten
 from .optimizers import DYNAMIC, OptimizerSpec, apply_update
 from .random import counter_rng
+from .sync_batchnorm import global_batch_norm
 
 __all__ = ["StepLayout", "make_step"]
 
@@ -78,7 +79,7 @@ def make_step(model, loss_fn: Callable | None, spec: OptimizerSpec, layout: Step
             # Buffers are inputs of the transformed function so that in-place updates
             # (e.g. running statistics) are allowed; they act on copies and come back as aux.
             buffers = {name: b.clone() for name, b in buffers.items()}
-            with counter_rng(seed, step_number, rank):
+            with counter_rng(seed, step_number, rank), global_batch_norm(model, plan.axis, num_shards):
                 loss = forward_loss(functional_call, model, loss_fn, {**params, **frozen, **buffers}, form, batch)
             return loss, buffers
 

@@ -4,7 +4,8 @@ Each case builds a model (seeded), an optimizer factory, a few batches in the fo
 model's ecosystem uses, and the loss function (None: the model returns its loss). The
 oracle is single-process eager (`eager_oracle`), or DDP's semantics for BatchNorm under
 data parallelism (`ddp_oracle`: each shard normalises with its own batch statistics,
-gradients averaged, running buffers taken from shard 0).
+gradients averaged, running buffers taken from shard 0); ``nn.SyncBatchNorm`` (global
+statistics) against single-process eager.
 """
 
 from __future__ import annotations
@@ -216,6 +217,9 @@ CASES = [
          _cross_entropy, 1e-9),
     Case("resnet-batchnorm", _seeded(lambda: ResidualCNN().double()), _image_batches, _cross_entropy, 1e-9,
          ddp_buffers=True),
+    # nn.SyncBatchNorm: global statistics over the data axis, so the oracle is one process with the whole batch.
+    Case("resnet-syncbatchnorm", _seeded(lambda: nn.SyncBatchNorm.convert_sync_batchnorm(ResidualCNN().double())),
+         _image_batches, _cross_entropy, 1e-9),
     Case("frozen-and-buffer", _seeded(lambda: FrozenAndCounted().double()), _regression_batches,
          F.mse_loss, 1e-9),
 ]
