@@ -118,7 +118,7 @@ class Controller:
         # Called before a failure is reported: a collective whose peer was killed fails with a
         # transport error ("connection reset") before any heartbeat could tell, and that failure
         # is the lost executor's, not the user's code's.
-        self.liveness_probe: Callable[[], None] | None = None
+        self.liveness_probe: Callable[[float], None] | None = None   # argument: how long to wait for an exit
         self._groups: dict[tuple[str, ...], int] = {}       # members (in rank order) → group id
         self._axis_group_cache: dict[tuple, dict[str, list[int]]] = {}
         self._pending_frees: dict[str, list] = collections.defaultdict(list)   # executor → shards to free
@@ -503,7 +503,10 @@ class Controller:
         call.waiting.discard(executor_id)
         if not done.ok:
             if self.liveness_probe is not None:
-                self.liveness_probe()   # may fail the call first, with ExecutorLostError
+                # May fail the call first, with ExecutorLostError. A peer's transport error can arrive while
+                # the killed process is still being torn down (its sockets close before it can be reaped):
+                # then the launcher gets a moment to see the exit.
+                self.liveness_probe(_PEER_LOSS_PATIENCE_S if _looks_like_peer_loss(done.failure.message) else 0.0)
             self._fail_call(call, self._error_for(call, done.failure))
         else:
             if done.digests:
@@ -728,6 +731,18 @@ class Controller:
 # Frees wait for the next message to their executor, or for the client to idle; past this
 # many shards per executor they go at once, in a Free of their own.
 _MAX_PENDING_FREES = 256
+
+
+# A failure that reads like a lost peer (a collective's connection reset or closed) waits up to this long for the
+# launcher to see an executor exit, so that it is reported as that executor's loss, not as the model's error.
+_PEER_LOSS_PATIENCE_S = 1.0
+_PEER_LOSS_MARKERS = ("connection closed by peer", "connection reset", "broken pipe", "remote worker",
+                      "socket closed")
+
+
+def _looks_like_peer_loss(message: str) -> bool:
+    lowered = message.lower()
+    return any(marker in lowered for marker in _PEER_LOSS_MARKERS)
 
 
 def _remote_error(spec: CallSpec, failure: pb.RemoteFailure) -> RemoteError:

@@ -164,9 +164,16 @@ class Context:
                 if time.monotonic() > deadline:
                     raise
 
-    def _reap_exited(self) -> None:
-        for executor_id, why in self._cluster.newly_exited():
-            self.controller.declare_lost(executor_id, why)
+    def _reap_exited(self, patience_s: float = 0.0) -> None:
+        """Declare lost every executor process that exited; wait up to ``patience_s`` for one to."""
+        deadline = time.monotonic() + patience_s
+        while True:
+            exited = self._cluster.newly_exited()
+            for executor_id, why in exited:
+                self.controller.declare_lost(executor_id, why)
+            if exited or time.monotonic() >= deadline:
+                return
+            time.sleep(0.02)
 
     # ------------------------------------------------------------ lifecycle
 

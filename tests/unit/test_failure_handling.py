@@ -215,12 +215,44 @@ def test_a_failure_reported_while_a_peer_is_dead_is_the_lost_executors_error():
     mesh = controller.resources.allocate({"data": 2}, ["e0", "e1"])
     [out] = controller.call(CallSpec(function_id=function_id, name="step", mesh=mesh, inputs=(), num_outputs=1,
                                      collective_axes=("data",)))
-    controller.liveness_probe = lambda: controller.declare_lost("e1", "process exited (SIGKILL)")
+    patience = []
+
+    def probe(patience_s):
+        patience.append(patience_s)
+        controller.declare_lost("e1", "process exited (SIGKILL)")
+
+    controller.liveness_probe = probe
     failure = pb.RemoteFailure(type="RuntimeError", message="gloo: Connection reset by peer", executor_id="e0")
     run_call_id = max(controller._calls)
     controller.on_message("e0", pb.Envelope(done=pb.Done(call_id=run_call_id, ok=False, failure=failure)), [])
     assert isinstance(out.error, ExecutorLostError) and out.error.executor_id == "e1"
     assert run_call_id not in controller._calls
+    # A peer's transport error gives the launcher a moment to see the exit (the killed process's sockets
+    # close before it can be reaped); any other failure is reported at once.
+    assert patience == [1.0]
+
+
+def test_an_ordinary_failure_asks_the_launcher_without_waiting():
+    from controller import CallSpec, Controller, ControllerConfig
+    from pathways_torch.errors import RemoteError
+    from pathways_torch.wire import pb
+
+    class Outbox:
+        def to_executor(self, executor_id, envelope, payload=()):
+            pass
+
+    controller = Controller(Outbox(), ControllerConfig())
+    controller.on_message("e0", pb.Envelope(register=pb.Register(
+        executor_id="e0", data_address="tcp://127.0.0.1:7100", device="cpu", backend="eager")), [])
+    function_id = controller.register_function("step", pb.Graph(), [])
+    mesh = controller.resources.allocate({"data": 1}, ["e0"])
+    [out] = controller.call(CallSpec(function_id=function_id, name="step", mesh=mesh, inputs=(), num_outputs=1))
+    patience = []
+    controller.liveness_probe = patience.append
+    failure = pb.RemoteFailure(type="ValueError", message="shapes (2, 3) and (4, 5) do not match", executor_id="e0")
+    controller.on_message("e0", pb.Envelope(done=pb.Done(call_id=max(controller._calls), ok=False,
+                                                         failure=failure)), [])
+    assert isinstance(out.error, RemoteError) and patience == [0.0]
 
 
 def test_a_collective_with_no_group_bound_is_an_error_unless_a_dry_run_is_asked_for():
