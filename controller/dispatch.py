@@ -747,4 +747,5 @@ def _looks_like_peer_loss(message: str) -> bool:
 
 def _remote_error(spec: CallSpec, failure: pb.RemoteFailure) -> RemoteError:
     return RemoteError(failure.message, function=spec.name, executor_id=failure.executor_id,
-                       remote_type=failure.type, remote_traceback=failure.traceback, call_site=spec.call_site)
+                       remote_type=failure.type, remote_traceback=failure.traceback, call_site=spec.call_site,
+                       op=failure.op, node_index=failure.node_index, function_id=spec.function_id)

@@ -696,7 +696,8 @@ class ExecutorCore:
 
     def _failure(self, exc: BaseException, *, origin_call_id: int) -> pb.RemoteFailure:
         return pb.RemoteFailure(type=type(exc).__name__, message=str(exc), executor_id=self.executor_id,
-                                traceback="".join(traceback.format_exception(exc)), origin_call_id=origin_call_id)
+                                traceback="".join(traceback.format_exception(exc)), origin_call_id=origin_call_id,
+                                op=getattr(exc, "op", ""), node_index=getattr(exc, "node_index", 0))
 
     def _drop(self, why: str) -> None:
         self.dropped_messages += 1

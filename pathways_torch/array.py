@@ -45,7 +45,7 @@ class Array:
         """Wait for the array; return the error it failed with, or None. ``timeout`` is the
         ``concurrent.futures`` spelling of ``timeout_s``."""
         self._wait(_timeout(timeout_s, timeout))
-        return self._record.error
+        return self._context._explained(self._record.error) if self._record.error is not None else None
 
     def result(self, timeout_s: float | None = None, *, timeout: float | None = None):
         """Wait, then fetch the shards straight from their executors and assemble them.
@@ -59,7 +59,7 @@ class Array:
             return self._value.clone()
         self._wait(timeout_s)
         if self._record.error is not None:
-            raise self._record.error
+            raise self._context._explained(self._record.error)
         if self._context.closed:
             from .errors import ContextClosedError
 
@@ -84,7 +84,7 @@ class Array:
             return
         self._wait(timeout_s)
         if self._record.error is not None:
-            raise self._record.error
+            raise self._context._explained(self._record.error)
         self.block_shape = tuple(self._record.block_shape)
         self.shape = global_shape(self.block_shape, self.sharding.placements, self.mesh)
 

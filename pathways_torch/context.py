@@ -18,7 +18,7 @@ from controller.program import ProgramNodeSpec, ProgramSpec
 from .array import Array
 from .cluster import LocalCluster
 from .data_client import DataClient
-from .errors import PathwaysError, PlacementError
+from .errors import PathwaysError, PlacementError, RemoteError
 from .placement import Mesh, Sharding, local_shape, normalize_placements, split_blocks
 from .programs import ProgramGraph
 from .trace_export import chrome_trace
@@ -374,6 +374,18 @@ class Context:
             ids, self._batched.ids = self._batched.ids, None
             if ids and not self._closed:
                 self.controller.release_many(ids)
+
+    def _explained(self, error: BaseException) -> BaseException:
+        """``error``, with the user's line of the op a backend could not compile when it names one."""
+        if isinstance(error, RemoteError) and error.node_index and not error.user_line:
+            error.locate(self._user_line)
+        return error
+
+    def _user_line(self, function_id: int, node_index: int) -> str:
+        for known_id, version in list(self._function_ids.values()):
+            if known_id == function_id:
+                return version.user_line(node_index)
+        return ""
 
     def _note_runahead_wait(self, start_ns: int, in_flight: int, what: str) -> None:
         """Keep a wait at the run-ahead bound for the trace (the controller keeps its own the same way)."""

@@ -35,18 +35,33 @@ class RemoteError(PathwaysError):
     """
 
     def __init__(self, message: str, *, function: str = "", executor_id: str = "",
-                 remote_type: str = "", remote_traceback: str = "", call_site: str = ""):
+                 remote_type: str = "", remote_traceback: str = "", call_site: str = "", op: str = "",
+                 node_index: int = 0, function_id: int = 0):
         self.function = function
         self.executor_id = executor_id
         self.remote_type = remote_type
         self.remote_traceback = remote_traceback
         self.call_site = call_site
         self.remote_message = message
+        # A backend that could not compile an op names it: ``op`` and its position among the function's
+        # calls; the client finds the user's line that made it (`user_line`, filled by `locate`).
+        self.op, self.node_index, self.function_id = op, node_index, function_id
+        self.user_line = ""
         super().__init__(self._render())
+
+    def locate(self, find_line) -> None:
+        """Add the user's line of the failing op: ``find_line(function_id, node_index)`` (run once, lazily:
+        it may re-trace the function) returns it or ''."""
+        if self.node_index and not self.user_line:
+            self.user_line = find_line(self.function_id, self.node_index) or ""
+            self.args = (self._render(),)
 
     def _render(self) -> str:
         lines = [f"{self.remote_type or 'Error'} in function {self.function!r} on executor {self.executor_id}: "
                  f"{self.remote_message}"]
+        if self.op:
+            lines.append(f"the backend could not compile {self.op}"
+                         + (f", made at {self.user_line}" if self.user_line else ""))
         if self.call_site:
             lines.append(f"called from:\n{self.call_site.rstrip()}")
         if self.remote_traceback:

@@ -142,9 +142,12 @@ class Function:
         if version is None:
             specs = [InputSpec(a.block_shape, a.dtype) for a in args if isinstance(a, array_type)]
             slots = [i for i, a in enumerate(args) if isinstance(a, array_type)]
+            # The static arguments only: the version outlives this call (it can re-trace itself), and must
+            # not keep the call's arrays, and so their shards on the executors, alive.
+            template = [None if isinstance(a, array_type) else a for a in args]
 
             def rebuild(tensors):
-                rebuilt = list(args)
+                rebuilt = list(template)
                 for slot, tensor in zip(slots, tensors):
                     rebuilt[slot] = tensor
                 return rebuilt, kwargs

@@ -24,6 +24,7 @@ from typing import Sequence
 from pathways_torch.wire.graph_schema import decode_graph
 from pathways_torch.wire.tensors import frame_to_tensor
 
+from .compile_errors import REFUSE_ENV, BackendCompileError, failing_node, refused_lowerings
 from .graph_stages import Stage, split_stages
 from .torch_based import bytes_digest, meta_examples
 from .torchax_compat import has_lowering, import_torchax
@@ -81,6 +82,7 @@ class TorchaxBackend:
         # Host stages read jax buffers through read-only numpy views; they never write them.
         warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
         self._torchax, self._env = import_torchax()
+        _refuse_for_tests(self._env)
         self._jax_device = jax.devices()[0]
         self.device = f"{self._jax_device.platform}:{self._jax_device.id}"
         self._compiles = 0
@@ -194,15 +196,28 @@ class TorchaxBackend:
         return self.from_torch(tensor, counted=False)
 
     def jit(self, graph_module, example_inputs):
-        """``graph_module`` as an ahead-of-time compiled XLA executable taking and returning jax arrays."""
+        """``graph_module`` as an ahead-of-time compiled XLA executable taking and returning jax arrays.
+        A failure raises `BackendCompileError` naming the op it failed at."""
+        try:
+            return _fast_call(self._lower(graph_module.forward, example_inputs).compile())
+        except Exception as exc:
+            node = failing_node(graph_module, lambda run: self._lower(run, example_inputs))
+            if node is None:
+                raise
+            op = str(node.target)
+            raise BackendCompileError(f"xla:torchax cannot compile {op} (node {node.name}): "
+                                      f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}",
+                                      op=op, node_index=node.meta.get("pathways_index", 0)) from exc
+
+    def _lower(self, forward, example_inputs):
         jax = self._jax
         from torchax import interop
 
         def traced(*arrays):
-            return interop.call_torch(graph_module.forward, *arrays)
+            return interop.call_torch(forward, *arrays)
 
         shapes = [jax.ShapeDtypeStruct(tuple(t.shape), _jax_dtype(t.dtype)) for t in example_inputs]
-        return _fast_call(jax.jit(traced).lower(*shapes).compile())
+        return jax.jit(traced).lower(*shapes)
 
 
 _CACHE_MAX_BYTES = 2 << 30   # the persistent compile cache's bound (2 GiB)
@@ -217,6 +232,20 @@ def _numpy_dtypes():
 
     return frozenset((torch.float32, torch.float64, torch.float16, torch.int64, torch.int32, torch.int16,
                       torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128))
+
+
+def _refuse_for_tests(env) -> None:
+    """Make the lowerings named in ``PATHWAYS_REFUSE_LOWERING`` fail (tests drive the compile-error path)."""
+    import torch
+
+    for name in refused_lowerings():
+        packet, _, overload = name.removeprefix("aten.").rpartition(".")
+        op = getattr(getattr(torch.ops.aten, packet), overload)
+
+        def refuse(*args, _name=name, **kwargs):
+            raise NotImplementedError(f"{_name}: lowering refused ({REFUSE_ENV})")
+
+        env.override_op_definition(op, refuse)
 
 
 def _fast_call(compiled):

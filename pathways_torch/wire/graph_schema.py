@@ -166,6 +166,7 @@ def decode_graph(message: pb.Graph, frames: list, device=None):
     constant_nodes: dict[int, Any] = {}
     built: list = []
     saw_output = False
+    calls = 0
     for position, node in enumerate(message.nodes):
         where = f"node {position} ({node.name or '?'})"
         if saw_output:
@@ -178,6 +179,10 @@ def decode_graph(message: pb.Graph, frames: list, device=None):
         kwargs = {k.name: decode(k.value) for k in node.kwargs}
         if node.op == "call_function":
             built.append(graph.call_function(resolve_target(node.target, where), args, kwargs))
+            # Its position among call_function nodes, as on the client (copies of the node keep it): how a
+            # backend's error names the op to the client, which finds the user's line there.
+            calls += 1
+            built[-1].meta["pathways_index"] = calls
         elif node.op == "output":
             if len(args) != 1:
                 raise GraphSchemaError(f"{where}: output node needs exactly one argument, got {len(args)}")

@@ -315,18 +315,22 @@ class Free(_message.Message):
     def __init__(self, shards: _Optional[_Iterable[_Union[ShardRef, _Mapping]]] = ...) -> None: ...
 
 class RemoteFailure(_message.Message):
-    __slots__ = ("type", "message", "traceback", "executor_id", "origin_call_id")
+    __slots__ = ("type", "message", "traceback", "executor_id", "origin_call_id", "op", "node_index")
     TYPE_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
     TRACEBACK_FIELD_NUMBER: _ClassVar[int]
     EXECUTOR_ID_FIELD_NUMBER: _ClassVar[int]
     ORIGIN_CALL_ID_FIELD_NUMBER: _ClassVar[int]
+    OP_FIELD_NUMBER: _ClassVar[int]
+    NODE_INDEX_FIELD_NUMBER: _ClassVar[int]
     type: str
     message: str
     traceback: str
     executor_id: str
     origin_call_id: int
-    def __init__(self, type: _Optional[str] = ..., message: _Optional[str] = ..., traceback: _Optional[str] = ..., executor_id: _Optional[str] = ..., origin_call_id: _Optional[int] = ...) -> None: ...
+    op: str
+    node_index: int
+    def __init__(self, type: _Optional[str] = ..., message: _Optional[str] = ..., traceback: _Optional[str] = ..., executor_id: _Optional[str] = ..., origin_call_id: _Optional[int] = ..., op: _Optional[str] = ..., node_index: _Optional[int] = ...) -> None: ...
 
 class Done(_message.Message):
     __slots__ = ("call_id", "seq", "ok", "failure", "digests", "output_shapes")
