@@ -7,8 +7,9 @@ registered for a socket run on the loop thread. Bytes are counted per socket.
 
 Sends never block the loop: a message a peer cannot take now (ZeroMQ's queue to it
 is at its high-water mark: the peer stopped reading) waits in that peer's queue here,
-in order, and goes out when the peer reads again. `backlog` tells senders how much
-waits, so they can hold back the producer (the client) instead of this thread.
+in order, and goes out when the peer reads again. What bounds those queues is the
+producer's own limit (the run-ahead bound, the data client's requests per executor);
+`backlog_high_water` reports how deep one ever got.
 A socket's connection events (accepted, handshake succeeded or refused, ...) can
 be watched through a ZeroMQ socket monitor, also on the loop thread.
 """
@@ -159,17 +160,12 @@ class SocketLoop:
         self._count(self.bytes_out, self.payload_bytes_out, key, frames, routed=routed)
         peer = (key, _identity(frames[0]) if routed else b"")
         waiting = self._waiting.get(peer)
-        if waiting is not None:
-            waiting.append(frames)     # keep the order: behind what waits already
-        elif not self._try_send(socket, key, frames):
-            self._waiting[peer] = collections.deque([frames])
-        if waiting is not None or peer in self._waiting:
-            self.backlog_high_water = max(self.backlog_high_water, len(self._waiting[peer]))
-
-    def backlog(self, key: str, identity: bytes = b"") -> int:
-        """Messages waiting here for one peer of socket ``key`` (its ROUTER identity; b"" for a DEALER)."""
-        waiting = self._waiting.get((key, identity))
-        return len(waiting) if waiting is not None else 0
+        if waiting is None:
+            if self._try_send(socket, key, frames):
+                return
+            waiting = self._waiting[peer] = collections.deque()
+        waiting.append(frames)     # keep the order: behind what waits already
+        self.backlog_high_water = max(self.backlog_high_water, len(waiting))
 
     def _try_send(self, socket: zmq.Socket, key: str, frames: Sequence) -> bool:
         """Send without blocking: False if the peer cannot take it now (it is kept by the caller)."""
