@@ -23,7 +23,7 @@ from typing import Any, Callable, Mapping
 
 from ..errors import CaptureError, PlacementError
 
-__all__ = ["BatchForm", "split_batch", "forward_loss", "loss_from_output"]
+__all__ = ["BatchForm", "split_batch", "forward_loss", "forward_output", "loss_from_output"]
 
 _STATIC_TYPES = (int, float, bool, str, type(None))
 
@@ -80,15 +80,21 @@ def split_batch(batch) -> tuple[BatchForm, list]:
 
 def forward_loss(functional_call, model, loss_fn: Callable | None, tensors: dict, form: BatchForm, leaves: list):
     """The loss of one shard's batch (see the module docstring for the forms)."""
+    if loss_fn is None:
+        return loss_from_output(forward_output(functional_call, model, tensors, form, leaves), model)
     content = form.rebuild(leaves)
     if form.kind == "kwargs":
-        output = functional_call(model, tensors, (), content)
-        return loss_fn(output, content) if loss_fn is not None else loss_from_output(output, model)
+        return loss_fn(functional_call(model, tensors, (), content), content)
     args = [content] if form.kind == "tensor" else content
-    if loss_fn is None:
-        return loss_from_output(functional_call(model, tensors, tuple(args)), model)
-    output = functional_call(model, tensors, tuple(args[:-1]))
-    return loss_fn(output, args[-1])
+    return loss_fn(functional_call(model, tensors, tuple(args[:-1])), args[-1])
+
+
+def forward_output(functional_call, model, tensors: dict, form: BatchForm, leaves: list):
+    """The model on the whole batch: ``model(**batch)``, ``model(*batch)`` or ``model(batch)``."""
+    content = form.rebuild(leaves)
+    if form.kind == "kwargs":
+        return functional_call(model, tensors, (), content)
+    return functional_call(model, tensors, (content,) if form.kind == "tensor" else tuple(content))
 
 
 def loss_from_output(output, model):

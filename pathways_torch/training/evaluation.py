@@ -18,8 +18,8 @@ import contextlib
 from typing import Callable
 
 from ..collectives import all_reduce
-from .batches import forward_loss, split_batch
-from .buckets import unflatten
+from .batches import forward_loss, forward_output
+from .step import batch_form, gathered_params
 
 __all__ = ["make_forward", "eval_mode"]
 
@@ -53,22 +53,13 @@ def make_forward(model, loss_fn: Callable | None, layout, plan, num_shards: int,
         frozen = {name: next(it) for name in layout.frozen_names}
         next(it)   # rank: the batch is this shard's already
         batch = list(it)
-        form = batch_forms.get(static_key) if static_key else None
-        form = form if form is not None else split_batch(tuple(batch))[0]
-        params = {}
-        for bucket, flat in zip(buckets, flats):
-            params.update(unflatten(bucket, plan.gather(flat, bucket.numel, num_shards)))
-        state = {**params, **frozen, **buffers}
+        form = batch_form(batch_forms, static_key, batch)
+        state = {**gathered_params(buckets, flats, plan, num_shards), **frozen, **buffers}
         with torch.no_grad(), eval_mode(model):
             if kind == "loss":
                 loss = forward_loss(functional_call, model, loss_fn, state, form, batch).detach()
                 return all_reduce(loss, plan.axis, "mean") if num_shards > 1 else loss
-            content = form.rebuild(batch)
-            if form.kind == "kwargs":
-                output = functional_call(model, state, (), content)
-            else:
-                args = [content] if form.kind == "tensor" else content
-                output = functional_call(model, state, tuple(args))
+            output = forward_output(functional_call, model, state, form, batch)
         leaves, spec = tree_flatten(output)
         # The spec and the non-tensor leaves (static in the trace), for the client to rebuild the output.
         output_specs[form.key] = (spec, [None if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves],

@@ -67,13 +67,9 @@ def make_step(model, loss_fn: Callable | None, spec: OptimizerSpec, layout: Step
         frozen = {name: next(it) for name in layout.frozen_names}
         scalars, rank = next(it), next(it)
         batch = list(it)
-        form = batch_forms.get(static_key[-1]) if static_key else None
-        form = form if form is not None else split_batch(tuple(batch))[0]   # (*inputs, target) of tensors
+        form = batch_form(batch_forms, static_key[-1] if static_key else None, batch)
         step_number, hyper = scalars[0], scalars[1:].reshape(layout.num_groups, len(DYNAMIC))
-
-        params = {}
-        for bucket, flat in zip(buckets, flats):
-            params.update(unflatten(bucket, plan.gather(flat, bucket.numel, num_shards)))
+        params = gathered_params(buckets, flats, plan, num_shards)
 
         def loss_of(params, buffers):
             # Buffers are inputs of the transformed function so that in-place updates
@@ -102,6 +98,20 @@ def make_step(model, loss_fn: Callable | None, spec: OptimizerSpec, layout: Step
 
     step.__name__ = f"train_step[{type(model).__name__}]"
     return step
+
+
+def batch_form(batch_forms: dict, key: str | None, batch: list):
+    """The form the trainer recorded under ``key``; a tuple of tensors ``(*inputs, target)`` without one."""
+    form = batch_forms.get(key) if key else None
+    return form if form is not None else split_batch(tuple(batch))[0]
+
+
+def gathered_params(buckets, flats: list, plan, num_shards: int) -> dict:
+    """Every trained parameter by name, from the flat buckets (gathered first under a sharded plan)."""
+    params = {}
+    for bucket, flat in zip(buckets, flats):
+        params.update(unflatten(bucket, plan.gather(flat, bucket.numel, num_shards)))
+    return params
 
 
 def _from_first_shard(buffers: list, plan, rank, num_shards: int) -> list:
