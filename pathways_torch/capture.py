@@ -14,6 +14,7 @@ from typing import Callable, Sequence
 
 from .attention import portable_attention
 from .errors import CaptureError
+from .user_code import library_dirs
 from .wire import pb
 from .wire.graph_schema import GraphSchemaError, encode_graph
 from .wire.tensors import dtype_name
@@ -150,13 +151,10 @@ def _trace(flat, inputs, *, data_dependent_sizes: bool, record_stack_traces: boo
 
 
 def _innermost_user_frame(stack_trace: str) -> str:
-    """The last ``File "...", line N, in F`` of a node's stack trace outside torch and pathways_torch."""
+    """The last ``File "...", line N, in F`` of a node's stack trace in the user's code (`user_code`)."""
     import os
 
-    import torch
-
-    library = tuple(os.path.dirname(os.path.abspath(m.__file__)) for m in (torch,)) + (
-        os.path.dirname(os.path.abspath(__file__)),)
+    library = library_dirs()
     lines = stack_trace.splitlines()
     found = ""
     for index, line in enumerate(lines):
@@ -165,7 +163,7 @@ def _innermost_user_frame(stack_trace: str) -> str:
             continue
         path = stripped[len('File "'):stripped.index('"', len('File "'))]
         if os.path.abspath(path).startswith(library):
-            continue      # torch's and ours; a model library's own code (transformers) is the user's here
+            continue
         following = lines[index + 1].strip() if index + 1 < len(lines) else ""
         code = "" if following.startswith('File "') else following
         found = stripped.removeprefix("File ") + (f": {code}" if code else "")

@@ -6,21 +6,15 @@ import linecache
 import os
 import traceback
 
+from ..user_code import library_dirs
+
 __all__ = ["user_frame_summary"]
 
-_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def _library_dirs() -> tuple[str, ...]:
-    import torch
-
-    dirs = [os.path.dirname(os.path.abspath(torch.__file__)), _PACKAGE_DIR, os.path.dirname(os.__file__)]
-    return tuple(d + os.sep for d in dirs)
 
 
 def user_frame_summary(exc: BaseException, model) -> str | None:
     """``module 'blocks.0.attn' (Attention), file F, line N: <code>`` for the innermost user frame, or None."""
-    library = _library_dirs()
+    library = library_dirs()
     names = {id(m): name for name, m in model.named_modules()}
     found = None
     seen = set()
