@@ -17,6 +17,8 @@ __all__ = [
     "all_reduce", "all_gather", "reduce_scatter",
     # training
     "DataParallel", "ShardedDataParallel", "Trainer", "UnsupportedOptimizerError",
+    # pipelines
+    "Pipeline", "pipe_split",
     # errors
     "PathwaysError", "RemoteError", "CaptureError", "ExecutorLostError", "ReplicationError",
     "PlacementError", "AuthenticationError", "ContextClosedError",
@@ -42,6 +44,8 @@ _WHERE = {
     "ShardedDataParallel": "pathways_torch.training",
     "Trainer": "pathways_torch.training",
     "UnsupportedOptimizerError": "pathways_torch.training",
+    "Pipeline": "pathways_torch.pipeline",
+    "pipe_split": "pathways_torch.pipeline",
     "PathwaysError": "pathways_torch.errors",
     "RemoteError": "pathways_torch.errors",
     "CaptureError": "pathways_torch.errors",

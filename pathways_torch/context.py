@@ -275,14 +275,18 @@ class Context:
              seed: int = 0):
         """Train ``model`` with ``optimizer`` on ``mesh``: returns a `pw.Trainer` (see docs/training.md).
 
-        ``plan``: ``pw.DataParallel(axis)`` (default, on the mesh's first axis) or
-        ``pw.ShardedDataParallel(axis)``. ``loss_fn(output, target)`` reduces to a
+        ``plan``: ``pw.DataParallel(axis)`` (default, on the mesh's first axis),
+        ``pw.ShardedDataParallel(axis)`` or ``pw.Pipeline(...)`` (docs/pipelines.md). ``loss_fn(output, target)`` reduces to a
         mean; ``max_grad_norm`` clips gradients by their global L2 norm; ``seed``
         keys the dropout masks.
         """
+        from .pipeline import Pipeline, PipelineTrainer
         from .training import Trainer
 
         self._check_open()
+        if isinstance(plan, Pipeline):
+            return PipelineTrainer(self, model, optimizer=optimizer, loss_fn=loss_fn, mesh=mesh, plan=plan,
+                                   max_grad_norm=max_grad_norm, seed=seed)
         return Trainer(self, model, optimizer=optimizer, loss_fn=loss_fn, mesh=mesh, plan=plan,
                        max_grad_norm=max_grad_norm, seed=seed)
 

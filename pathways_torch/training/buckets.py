@@ -46,10 +46,14 @@ class Bucket:
         return f"group {self.group} {str(self.dtype).removeprefix('torch.')}[{self.numel}]: {names}"
 
 
-def make_buckets(model, optimizer) -> tuple[list[Bucket], list[str]]:
-    """(buckets of trained parameters, names of the parameters the optimizer does not train)."""
+def make_buckets(model, optimizer, only=None) -> tuple[list[Bucket], list[str]]:
+    """(buckets of trained parameters, names of the parameters the optimizer does not train).
+
+    ``only``: the parameter names to bucket (a pipeline chunk's), in model order; default all.
+    """
     named = list(model.named_parameters())
     name_of = {id(p): n for n, p in named}
+    named = [(n, p) for n, p in named if only is None or n in only]
     trained: dict[int, int] = {}
     for index, group in enumerate(optimizer.param_groups):
         for p in group["params"]:
@@ -74,7 +78,7 @@ def make_buckets(model, optimizer) -> tuple[list[Bucket], list[str]]:
             slots.append(Slot(name, tuple(p.shape), offset, p.numel()))
             offset += p.numel()
         buckets.append(Bucket(group, dtype, tuple(slots)))
-    if not buckets:
+    if not buckets and only is None:
         raise CaptureError(f"{type(model).__name__}: the optimizer trains none of its parameters")
     return buckets, frozen
 

@@ -1,0 +1,82 @@
+"""`pw.Pipeline`: a model cut into stages across the mesh's ``pipe`` axis, microbatches flowing through them."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from ..errors import PlacementError
+from ..training.plans import DataParallel
+
+__all__ = ["Pipeline"]
+
+SCHEDULE_NAMES = ("gpipe", "1f1b", "interleaved")
+
+
+@dataclasses.dataclass(frozen=True)
+class Pipeline:
+    """Pipeline parallelism, one registered program per step.
+
+    ``stages``: pipe ranks (default: the size of the mesh's ``axis``); the model is cut
+    into ``stages * virtual_stages`` chunks, chunk c on pipe rank c mod stages.
+    ``microbatches``: how many pieces each batch is split into (rows, dim 0).
+    ``schedule``: ``"gpipe"``, ``"1f1b"``, ``"interleaved"`` or a schedule's text (see
+    `pathways_torch.pipeline.schedules`). ``data``: ``None`` or ``pw.DataParallel(axis)`` /
+    ``pw.ShardedDataParallel(axis)`` inside every stage. ``recompute``: save only each
+    chunk's inputs and recompute its forward in the backward (activation checkpointing).
+    ``balance``: how the automatic split weighs blocks (``"parameters"``).
+    """
+
+    stages: int | None = None
+    microbatches: int = 1
+    schedule: str = "1f1b"
+    virtual_stages: int = 1
+    data: DataParallel | None = None
+    recompute: bool = False
+    axis: str = "pipe"
+    balance: str = "parameters"
+
+    def __post_init__(self):
+        if not isinstance(self.microbatches, int) or self.microbatches < 1:
+            raise PlacementError(f"pw.Pipeline: microbatches must be a positive int, got {self.microbatches!r}")
+        if not isinstance(self.virtual_stages, int) or self.virtual_stages < 1:
+            raise PlacementError(f"pw.Pipeline: virtual_stages must be a positive int, got {self.virtual_stages!r}")
+        if self.stages is not None and (not isinstance(self.stages, int) or self.stages < 1):
+            raise PlacementError(f"pw.Pipeline: stages must be a positive int or None, got {self.stages!r}")
+        if self.data is not None and not isinstance(self.data, DataParallel):
+            raise PlacementError(f"pw.Pipeline: data must be None, pw.DataParallel(axis) or "
+                                 f"pw.ShardedDataParallel(axis), got {self.data!r}")
+        if self.balance != "parameters":
+            raise PlacementError(f"pw.Pipeline: balance must be 'parameters', got {self.balance!r}")
+        is_text = "\n" in self.schedule or ":" in self.schedule
+        if not is_text and self.schedule not in SCHEDULE_NAMES:
+            raise PlacementError(f"pw.Pipeline: schedule must be one of {list(SCHEDULE_NAMES)} or a schedule's "
+                                 f"text, got {self.schedule!r}")
+        if self.schedule in ("gpipe", "1f1b") and self.virtual_stages != 1:
+            raise PlacementError(f"pw.Pipeline: schedule {self.schedule!r} runs one chunk per rank; with "
+                                 f"virtual_stages={self.virtual_stages} use schedule='interleaved'")
+
+    def check(self, mesh) -> tuple[int, int]:
+        """(pipe ranks, data shards) on ``mesh``; refuses a mesh that does not fit the plan."""
+        axes = dict(mesh.axes)
+        if self.axis not in axes:
+            raise PlacementError(f"pw.Pipeline: the mesh has axes {list(axes)}, no {self.axis!r} axis to put the "
+                                 f"stages on; make the mesh with one, e.g. ctx.mesh({{{self.axis!r}: 2}})")
+        stages = axes[self.axis]
+        if self.stages is not None and self.stages != stages:
+            raise PlacementError(f"pw.Pipeline: stages={self.stages} but the mesh's {self.axis!r} axis has size "
+                                 f"{stages}; use stages={stages} (or None), or a mesh with {self.axis!r}: "
+                                 f"{self.stages}")
+        others = {a: n for a, n in axes.items() if a != self.axis}
+        if self.data is None:
+            if any(n > 1 for n in others.values()):
+                raise PlacementError(f"pw.Pipeline: the mesh has axes {others} besides {self.axis!r} but the plan "
+                                     f"has no data=...; pass data=pw.DataParallel({next(iter(others))!r})")
+            return stages, 1
+        if self.data.axis not in others or len([n for n in others.values() if n > 1]) > 1 and len(others) > 1:
+            raise PlacementError(f"pw.Pipeline: data={self.data!r} names axis {self.data.axis!r}; the mesh's other "
+                                 f"axes are {others}")
+        return stages, others[self.data.axis]
+
+    @property
+    def num_chunks_per_rank(self) -> int:
+        return self.virtual_stages

@@ -1,0 +1,368 @@
+"""`PipelineTrainer`: a model cut into chunks on the pipe ranks of a mesh, each step one registered program.
+
+At the first step (when a batch shows the shapes) the model's forward and loss are
+traced once and cut into chunks (`split`), each chunk's joint forward/backward is
+partitioned (`autograd`), and the per-chunk functions are captured on their stage
+meshes (`chunk_functions`). The step itself is a ``@pw.program`` whose body calls
+those functions in the order of the schedule's simulation — so the registered plan
+of every executor lists its actions in its schedule's order, which the executor
+keeps. One ``RunProgram`` per executor per step; activations and gradients move
+between stage meshes as program transfers (executor to executor).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+
+from ..errors import CaptureError, PlacementError
+from ..functions import Function
+from ..placement import Replicate, Shard
+from ..programs import Program
+from ..training.buckets import flatten, make_buckets, unflatten
+from ..training.optimizers import read_optimizer
+from ..training.plans import DataParallel
+from ..training.step import StepLayout
+from ..training.trainer import Trainer
+from .autograd import partition_chunk
+from .chunk_functions import ChunkPlan, make_backward, make_forward, make_tied, make_update
+from .plan import Pipeline
+from .schedules import Schedule, ScheduleError, make_schedule, simulate, with_communication
+from .split import split_model
+
+__all__ = ["PipelineTrainer"]
+
+
+@dataclasses.dataclass
+class _Built:
+    """Everything captured for one kind of batch (form, shapes, modes, optimizer structure)."""
+
+    split: object
+    plans: list                 # ChunkPlan per chunk
+    program: Program
+    leaf_rows: int              # rows of each batch leaf per microbatch shard
+
+
+class PipelineTrainer(Trainer):
+    """Train ``model`` under a `Pipeline` plan on ``mesh`` (see `Context.wrap`)."""
+
+    def __init__(self, context, model, *, optimizer, loss_fn, mesh, plan: Pipeline, max_grad_norm=None, seed=0):
+        import torch
+
+        if not isinstance(model, torch.nn.Module):
+            raise TypeError(f"ctx.wrap: expected an nn.Module, got {type(model).__name__}")
+        if max_grad_norm is not None:
+            raise PlacementError("pw.Pipeline: max_grad_norm is not supported with pipelines yet (the norm spans "
+                                 "every stage); clip inside the model or use pw.DataParallel")
+        self._context, self.model, self.optimizer, self.loss_fn = context, model, optimizer, loss_fn
+        self.mesh, self.plan, self.max_grad_norm, self.seed = mesh, plan, None, int(seed)
+        self.num_ranks, self.num_shards = plan.check(mesh)
+        self.data = plan.data if plan.data is not None else DataParallel("data")
+        self._schedule = self._make_schedule()
+        self._spec = read_optimizer(optimizer)
+        buckets, frozen = make_buckets(model, optimizer)
+        self.layout = StepLayout(buckets=tuple(buckets), state_names=self._spec.state_names,
+                                 buffer_names=tuple(n for n, _ in model.named_buffers()),
+                                 frozen_names=tuple(frozen), num_groups=len(optimizer.param_groups))
+        self.samples_seen = 0
+        self.step_count = self._optimizer_step_count()
+        self._batch_forms: dict = {}
+        self._unfinished_steps: collections.deque = collections.deque()
+        self._stage_meshes = self._make_stage_meshes()
+        self._built: dict = {}
+        self._assignment = None          # chunk → its parameter names, fixed by the first split
+        self._host_state = self._initial_tensors()   # put on the executors once the split is known
+        self._chunk_state: list | None = None        # per chunk: (flats, states, constants) arrays
+
+    # ------------------------------------------------------------ set-up
+
+    def _make_schedule(self) -> Schedule:
+        plan, chunks = self.plan, self.num_ranks * self.plan.virtual_stages
+        try:
+            if plan.schedule in ("gpipe", "1f1b", "interleaved"):
+                schedule = make_schedule(plan.schedule, self.num_ranks, plan.microbatches, plan.virtual_stages)
+            else:
+                schedule = Schedule.parse(plan.schedule, num_microbatches=plan.microbatches, num_chunks=chunks)
+            schedule = schedule if schedule.has_communication() else with_communication(schedule)
+            if (schedule.num_ranks, schedule.num_chunks, schedule.num_microbatches) != (
+                    self.num_ranks, chunks, plan.microbatches):
+                raise PlacementError(
+                    f"pw.Pipeline: the schedule has {schedule.num_ranks} ranks, {schedule.num_chunks} chunks and "
+                    f"{schedule.num_microbatches} microbatches; the plan has {self.num_ranks} ranks, {chunks} "
+                    f"chunks and {plan.microbatches} microbatches")
+            self._simulation = simulate(schedule)
+        except (ScheduleError, ValueError) as exc:
+            if isinstance(exc, PlacementError):
+                raise
+            raise PlacementError(f"pw.Pipeline: {exc}") from exc
+        return schedule
+
+    def _make_stage_meshes(self) -> list:
+        """One mesh per pipe rank: its executors along the data axis (in data order)."""
+        mesh, axis = self.mesh, self.plan.axis
+        pipe_dim = mesh.axis_names.index(axis)
+        by_rank: dict[int, list] = collections.defaultdict(list)
+        for position, executor_id in enumerate(mesh.executor_ids):
+            by_rank[mesh.coords(position)[pipe_dim]].append(executor_id)
+        return [self._context.mesh({self.data.axis: self.num_shards}, executors=by_rank[r])
+                for r in range(self.num_ranks)]
+
+    @property
+    def schedule(self) -> str:
+        """The per-rank actions, with the sends and receives between ranks, as text (parses back)."""
+        return str(self._schedule)
+
+    @property
+    def stages(self) -> str:
+        """Which modules went to which chunk and rank, and each chunk's parameter count (after a first step)."""
+        if not self._built:
+            raise PlacementError("trainer.stages: the model is split when the first batch shows its shapes; "
+                                 "call trainer.step(batch) first")
+        split = next(iter(self._built.values())).split
+        numel = {n: p.numel() for n, p in self.model.named_parameters()}
+        return split.describe(numel, rank_of=self._schedule.rank_of)
+
+    # ------------------------------------------------------------ building the step
+
+    def _build(self, form, tensors: list) -> _Built:
+        import torch
+
+        rows = tensors[0].shape[0] // (self.plan.microbatches * self.num_shards)
+        modes = tuple(m.training for m in self.model.modules())
+        key = (self._spec.static_key(), modes, form.key, tuple((tuple(t.shape), t.dtype) for t in tensors))
+        built = self._built.get(key)
+        if built is not None:
+            return built
+        examples = [torch.empty((rows, *t.shape[1:]), dtype=t.dtype, device="meta") for t in tensors]
+        trained = [s.name for b in self.layout.buckets for s in b.slots]
+        constants = list(self.layout.buffer_names) + list(self.layout.frozen_names)
+        try:
+            split = split_model(self.model, self.loss_fn, form, examples, trained=trained, constants=constants,
+                                num_chunks=self._schedule.num_chunks)
+        except CaptureError as exc:
+            raise self._located(exc) from exc.__cause__
+        assignment = tuple(c.params for c in split.chunks)
+        if self._assignment is not None and assignment != self._assignment:
+            raise PlacementError("pw.Pipeline: this batch splits the model's parameters differently from the "
+                                 "first one; use batches of one form")
+        self._assignment = assignment
+        plans = [self._chunk_plan(split, c, examples) for c in split.chunks]
+        program = self._program(split, plans)
+        built = self._built[key] = _Built(split, plans, program, rows)
+        return built
+
+    def _chunk_plan(self, split, chunk, examples) -> ChunkPlan:
+        import torch
+
+        params = dict(self.model.named_parameters())
+        tensors = {**params, **dict(self.model.named_buffers())}
+        inputs = [torch.empty(tensors[n].shape, dtype=tensors[n].dtype, device="meta")
+                  for n in chunk.params + chunk.constants]
+        inputs += [examples[i] for i in chunk.batch_leaves]
+        inputs += [torch.empty(split.value_layouts[v][0], dtype=split.value_layouts[v][1], device="meta")
+                   for v in chunk.incoming]
+        scale = 1.0 / self.plan.microbatches
+        autograd = partition_chunk(chunk, inputs, set(range(len(chunk.params))), scale,
+                                   recompute=self.plan.recompute)
+        buckets, _ = make_buckets(self.model, self.optimizer, only=set(chunk.params))
+        shared = tuple(n for n in chunk.params if any(n in o.params for o in split.chunks if o is not chunk))
+        partners = tuple((o.index, tuple(n for n in o.params if n in chunk.params and n in shared))
+                         for o in split.chunks if o is not chunk and set(o.params) & set(shared))
+        return ChunkPlan(chunk=chunk, autograd=autograd, buckets=tuple(buckets),
+                         num_states=len(self.layout.state_names), shared=shared, partners=partners,
+                         data=self.data, num_shards=self.num_shards)
+
+    def _functions(self, plans: list) -> list[dict]:
+        """Each chunk's captured functions, on its rank's stage mesh."""
+        state = self.data.state_placement() if self.num_shards > 1 else Replicate()
+        numel = {s.name: s.numel for b in self.layout.buckets for s in b.slots}
+        partner_slots = {p.chunk.index: [(n, numel[n]) for n in p.shared] for p in plans}
+        functions = []
+        for plan in plans:
+            mesh = self._stage_meshes[self._schedule.rank_of(plan.chunk.index)]
+            ag, nb = plan.autograd, len(plan.buckets)
+            update_outs = [state] * (nb * (1 + plan.num_states)) + ([Replicate()] if plan.chunk.has_loss else [])
+            functions.append({
+                "forward": Function(make_forward(plan), out=(Replicate(),) * (ag.num_outputs + ag.num_saved),
+                                    mesh=mesh),
+                "backward": Function(make_backward(plan, False), out=self._backward_outs(plan), mesh=mesh),
+                "backward_acc": Function(make_backward(plan, True), out=self._backward_outs(plan), mesh=mesh),
+                "tied": Function(make_tied(plan), out=Replicate(), mesh=mesh),
+                "update": Function(make_update(plan, self._spec, self.plan.microbatches, self.layout.num_groups,
+                                               partner_slots), out=tuple(update_outs), mesh=mesh),
+            })
+        return functions
+
+    def _backward_outs(self, plan: ChunkPlan) -> tuple:
+        return (Replicate(),) * (plan.num_incoming_grads + len(plan.buckets))
+
+    def _program(self, split, plans: list) -> Program:
+        functions = self._functions(plans)
+        order = [(rank, action) for rank, action in self._simulation.order if action.is_compute]
+        num_microbatches, num_ranks = self.plan.microbatches, self.num_ranks
+        num_states = len(self.layout.state_names)
+        rank_of = self._schedule.rank_of
+
+        def pipeline_step(*arrays):
+            it = iter(arrays)
+            flats, states, consts = [], [], []
+            for plan in plans:
+                nb = len(plan.buckets)
+                flats.append([next(it) for _ in range(nb)])
+                states.append([next(it) for _ in range(nb * num_states)])
+                consts.append([next(it) for _ in plan.chunk.constants])
+            scalars = [next(it) for _ in range(num_ranks)]
+            batch = [[[next(it) for _ in plan.chunk.batch_leaves] for plan in plans] for _ in range(num_microbatches)]
+            forwards, incoming_grads, accumulated = {}, {}, {}
+            for _, action in order:
+                c, m = action.chunk, action.microbatch
+                plan, fns = plans[c], functions[c]
+                if action.kind == "F":
+                    incoming = forwards[(c - 1, m)][:len(plan.chunk.incoming)] if c else []
+                    forwards[(c, m)] = _as_tuple(fns["forward"](*flats[c], *consts[c], *batch[m][c], *incoming))
+                    continue
+                saved = forwards[(c, m)][plan.autograd.num_outputs:]
+                grads_out = incoming_grads.pop((c + 1, m)) if c + 1 < len(plans) else []
+                params = flats[c] if plan.autograd.backward_params else []
+                if c in accumulated:
+                    result = _as_tuple(fns["backward_acc"](*saved, *params, *grads_out, *accumulated[c]))
+                else:
+                    result = _as_tuple(fns["backward"](*saved, *params, *grads_out))
+                incoming_grads[(c, m)] = result[:plan.num_incoming_grads]
+                accumulated[c] = result[plan.num_incoming_grads:]
+            tied = {p.chunk.index: functions[p.chunk.index]["tied"](*accumulated[p.chunk.index])
+                    for p in plans if p.shared}
+            last = plans[-1]
+            losses = [forwards[(last.chunk.index, m)][last.autograd.num_outputs - 1] for m in range(num_microbatches)]
+            new_flats, new_states, loss = [], [], None
+            for plan in plans:
+                c = plan.chunk.index
+                extra = (losses if plan.chunk.has_loss else []) + [tied[o] for o, _ in plan.partners]
+                result = _as_tuple(functions[c]["update"](*flats[c], *states[c], *accumulated[c],
+                                                          scalars[rank_of(c)], *extra))
+                nb = len(plan.buckets)
+                new_flats.append(result[:nb])
+                new_states.append(result[nb:nb * (1 + num_states)])
+                if plan.chunk.has_loss:
+                    loss = result[-1]
+            return (loss, *[a for f in new_flats for a in f], *[a for s in new_states for a in s])
+
+        return Program(pipeline_step, name=f"pipeline_step[{type(self.model).__name__}]")
+
+    # ------------------------------------------------------------ state
+
+    def _put_state(self, tensors: dict) -> None:
+        """Keep the state on the client until the split is known; once it is, put it on the chunks' meshes."""
+        if self._assignment is None:
+            self._host_state = tensors
+            self._chunk_state = None
+            return
+        state_placement = self.data.state_placement() if self.num_shards > 1 else Replicate()
+        plans = next(iter(self._built.values())).plans
+        chunk_state = []
+        for plan in plans:
+            mesh = self._stage_meshes[self._schedule.rank_of(plan.chunk.index)]
+            items = [(flatten(b, {s.name: tensors[f"model/{s.name}"].to(b.dtype) for s in b.slots}, n),
+                      state_placement) for b, n in zip(plan.buckets, plan.padded)]
+            items += [(flatten(b, {s.name: tensors[f"optimizer/{s.name}/{name}"].to(b.dtype) for s in b.slots}, n),
+                       state_placement) for b, n in zip(plan.buckets, plan.padded) for name in self.layout.state_names]
+            items += [(tensors[f"model/{n}"], Replicate()) for n in plan.chunk.constants]
+            arrays = self._context.put_many(items, mesh)
+            nb, ns = len(plan.buckets), len(self.layout.state_names)
+            chunk_state.append([arrays[:nb], arrays[nb:nb * (1 + ns)], arrays[nb * (1 + ns):]])
+        self._chunk_state, self._host_state = chunk_state, None
+
+    def _make_function(self):
+        self._built.clear()
+        self._assignment = None
+        return None
+
+    def _named_tensors(self) -> dict:
+        if self._chunk_state is None:
+            return {k: v.clone() for k, v in self._host_state.items()}
+        tensors = dict(self._constants_on_host())
+        plans = next(iter(self._built.values())).plans
+        for plan, (flats, states, _) in zip(plans, self._chunk_state):
+            for bucket, flat in zip(plan.buckets, flats):
+                for name, t in unflatten(bucket, flat.result()).items():
+                    tensors.setdefault(f"model/{name}", t.clone())
+            it = iter(states)
+            for bucket in plan.buckets:
+                for state_name in self.layout.state_names:
+                    for name, t in unflatten(bucket, next(it).result()).items():
+                        tensors.setdefault(f"optimizer/{name}/{state_name}", t.clone())
+        return tensors
+
+    def _constants_on_host(self) -> dict:
+        """Buffers and frozen parameters: not updated by a pipeline step (refused when a forward mutates one)."""
+        return {f"model/{n}": t.detach().clone() for n, t in
+                list(self.model.named_buffers()) + [(n, p) for n, p in self.model.named_parameters()
+                                                    if n in self.layout.frozen_names]}
+
+    # ------------------------------------------------------------ stepping
+
+    def _batch_tensors(self, batch) -> tuple:
+        from ..training.batches import split_batch
+
+        form, tensors = split_batch(batch)
+        self._batch_forms.setdefault(form.key, form)
+        pieces = self.plan.microbatches * self.num_shards
+        for index, t in enumerate(tensors):
+            if t.dim() == 0 or t.shape[0] % pieces:
+                size = t.shape[0] if t.dim() else "a 0-d tensor"
+                raise PlacementError(
+                    f"trainer.step: batch tensor {index} has {size} rows, not divisible by {self.plan.microbatches} "
+                    f"microbatches x {self.num_shards} data shards = {pieces}; use a batch size that is a multiple "
+                    f"of {pieces}")
+        return form, tensors
+
+    def _dispatch_step(self, form, tensors: list):
+        import torch
+
+        self._spec = read_optimizer(self.optimizer)
+        built = self._build(form, tensors)
+        if self._chunk_state is None:
+            self._put_state(self._host_state)
+        scalars = torch.tensor([self.step_count + 1, *self._spec.dynamic_values()], dtype=torch.float64)
+        ctx, axis = self._context, self.data.axis
+        per_mesh: dict[int, list] = collections.defaultdict(list)   # rank → items, in program input order
+        for r in range(self.num_ranks):
+            per_mesh[r].append((scalars, Replicate()))
+        rows = built.leaf_rows * self.num_shards
+        for m in range(self.plan.microbatches):
+            for plan in built.plans:
+                r = self._schedule.rank_of(plan.chunk.index)
+                for leaf in plan.chunk.batch_leaves:
+                    per_mesh[r].append((tensors[leaf][m * rows:(m + 1) * rows], {axis: Shard(0)}))
+        put = {r: iter(ctx.put_many(items, self._stage_meshes[r])) for r, items in per_mesh.items()}
+        state = [a for flats, states, consts in self._chunk_state for a in (*flats, *states, *consts)]
+        scalar_arrays = [next(put[r]) for r in range(self.num_ranks)]
+        batch_arrays = [next(put[self._schedule.rank_of(plan.chunk.index)])
+                        for _ in range(self.plan.microbatches) for plan in built.plans for _ in plan.chunk.batch_leaves]
+        outputs = built.program(*state, *scalar_arrays, *batch_arrays)
+        self._take_pipeline_outputs(built.plans, outputs)
+        self.optimizer._opt_called = True
+        self.step_count += 1
+        self.samples_seen += int(tensors[0].shape[0])
+        return outputs[0]
+
+    def _take_pipeline_outputs(self, plans: list, outputs) -> None:
+        it = iter(outputs[1:])
+        flats = [[next(it) for _ in p.buckets] for p in plans]
+        states = [[next(it) for _ in range(len(p.buckets) * len(self.layout.state_names))] for p in plans]
+        self._chunk_state = [[f, s, old[2]] for f, s, old in zip(flats, states, self._chunk_state)]
+
+    def evaluate(self, batch):
+        raise PlacementError("trainer.evaluate is not supported under pw.Pipeline yet; evaluate on the client "
+                             "(model.load_state_dict(trainer.state_dict()['model'])) or in a DataParallel trainer "
+                             "loaded from a checkpoint")
+
+    predict = evaluate
+
+    def __repr__(self) -> str:
+        return (f"<PipelineTrainer {type(self.model).__name__} {self.plan.schedule} {self.num_ranks} ranks x "
+                f"{self.num_shards} data shards, {self.plan.microbatches} microbatches, step {self.step_count}>")
+
+
+def _as_tuple(value) -> tuple:
+    return value if isinstance(value, tuple) else (value,)
