@@ -42,6 +42,12 @@ class ObjectStore:
     def __init__(self):
         self._entries: dict[Key, Entry] = {}
         self.bytes = 0
+        self.bytes_high_water = 0   # the most bytes held at once since `take_high_water` last ran
+
+    def take_high_water(self) -> int:
+        """The peak bytes held since the last call; the next period starts from what is held now."""
+        peak, self.bytes_high_water = self.bytes_high_water, self.bytes
+        return peak
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -78,6 +84,8 @@ class ObjectStore:
             entry.value = value
             entry.nbytes = value.nbytes  # torch tensors, jax arrays and sim values all have it
             self.bytes += entry.nbytes
+            if self.bytes > self.bytes_high_water:
+                self.bytes_high_water = self.bytes
         waiters, entry.waiters = entry.waiters, []
         for waiter in waiters:
             waiter(entry)

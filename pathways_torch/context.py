@@ -429,7 +429,8 @@ class Context:
     def stats(self) -> dict:
         """Object store bytes and bytes per hop, per executor and in total; queue high-water marks
         (``queue_high_water``: runs queued or running on an executor; ``inflight_high_water``: unfinished
-        calls; ``send_backlog_high_water``: messages that waited for one slow peer)."""
+        calls; ``send_backlog_high_water``: messages that waited for one slow peer; ``store_bytes_high_water``:
+        the most bytes an executor's store held at once since the previous ``stats()``)."""
         replies = self.controller.gather("stats")
         executors = {}
         hops = {"client->executor": self._data.bytes_sent, "executor->client": self._data.bytes_received,
@@ -446,6 +447,8 @@ class Context:
                                       "dropped_messages": hop_bytes.pop("dropped_messages", 0),
                                       "refused_connections": hop_bytes.pop("refused_connections", 0),
                                       "queue_high_water": s.queue_high_water,
+                                      # the peak since the previous ctx.stats() (each report starts a period)
+                                      "store_bytes_high_water": s.store_bytes_high_water,
                                       "send_backlog_high_water": hop_bytes.pop("send_backlog_high_water", 0)}
             hops["executor->executor"] += s.hop_bytes.get("executor->executor", 0)
         payload = self._server.payload_bytes

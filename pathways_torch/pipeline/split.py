@@ -231,6 +231,7 @@ def _cut(graph_module, trained: list[str], constants: list[str], num_chunks: int
             role[node] = ("constant", names[index])
         else:
             role[node] = ("batch", index - len(names))
+    _refuse_mutated_buffers(graph_module, role)
     chunk_of, current, output = {}, 0, None
     for node in graph_module.graph.nodes:
         if node.op == "call_function" and node.target is MARKER:
@@ -260,6 +261,30 @@ def _cut(graph_module, trained: list[str], constants: list[str], num_chunks: int
         chunks.append(chunk)
         incoming = outgoing
     return SplitModel(tuple(chunks), layouts, how)
+
+
+def _refuse_mutated_buffers(graph_module, role: dict) -> None:
+    """A forward that writes a buffer (BatchNorm's running statistics, a counter) is refused: a pipeline
+    step does not carry buffer updates between microbatches and stages yet."""
+    for node in graph_module.graph.nodes:
+        schema = getattr(node.target, "_schema", None)
+        if node.op != "call_function" or schema is None:
+            continue
+        for arg, value in zip(schema.arguments, node.args):
+            written = arg.alias_info is not None and arg.alias_info.is_write
+            base = _view_base(value)
+            if written and base in role and role[base][0] == "constant":
+                raise PlacementError(
+                    f"pw.Pipeline: the forward updates buffer {role[base][1]!r} in place ({node.target}); pipeline "
+                    f"steps do not carry buffer updates yet (BatchNorm's running statistics, counters): use "
+                    f"pw.DataParallel for this model, or a normalization without running statistics")
+
+
+def _view_base(value):
+    """The placeholder a chain of view ops starts from (or the value itself)."""
+    while getattr(value, "op", None) == "call_function" and getattr(value.target, "is_view", False):
+        value = value.args[0]
+    return value
 
 
 def _chunk_graph(fx, graph_module, index, members, role, incoming, outgoing, numbering, loss_node) -> Chunk:
@@ -309,6 +334,8 @@ class _ModuleEntries:
 
         lists = {n for n, m in model.named_modules()
                  if isinstance(m, (torch.nn.ModuleList, torch.nn.Sequential)) and len(m) > 1}
+        # A block list inside a block (an nn.Sequential block of an nn.Sequential) is part of that block.
+        lists = {n for n in lists if not any(o != n and (o == "" or n.startswith(o + ".")) for o in lists)}
         ancestors = {""} | {".".join(n.split(".")[:i]) for n in lists for i in range(1, n.count(".") + 2)}
         self._names, self._modules = {}, {}
         for name, module in model.named_modules():

@@ -27,7 +27,7 @@ from ..training.trainer import Trainer
 from .autograd import partition_chunk
 from .chunk_functions import ChunkPlan, make_backward, make_forward, make_tied, make_update
 from .plan import Pipeline
-from .schedules import Schedule, ScheduleError, make_schedule, simulate, with_communication
+from .schedules import Schedule, ScheduleError, make_schedule, simulate
 from .split import split_model
 
 __all__ = ["PipelineTrainer"]
@@ -83,19 +83,19 @@ class PipelineTrainer(Trainer):
                 schedule = make_schedule(plan.schedule, self.num_ranks, plan.microbatches, plan.virtual_stages)
             else:
                 schedule = Schedule.parse(plan.schedule, num_microbatches=plan.microbatches, num_chunks=chunks)
-            schedule = schedule if schedule.has_communication() else with_communication(schedule)
             if (schedule.num_ranks, schedule.num_chunks, schedule.num_microbatches) != (
                     self.num_ranks, chunks, plan.microbatches):
                 raise PlacementError(
                     f"pw.Pipeline: the schedule has {schedule.num_ranks} ranks, {schedule.num_chunks} chunks and "
                     f"{schedule.num_microbatches} microbatches; the plan has {self.num_ranks} ranks, {chunks} "
                     f"chunks and {plan.microbatches} microbatches")
+            # Checked as written (the error marks the user's own text), then with its sends and receives.
             self._simulation = simulate(schedule)
         except (ScheduleError, ValueError) as exc:
             if isinstance(exc, PlacementError):
                 raise
             raise PlacementError(f"pw.Pipeline: {exc}") from exc
-        return schedule
+        return self._simulation.schedule
 
     def _make_stage_meshes(self) -> list:
         """One mesh per pipe rank: its executors along the data axis (in data order)."""

@@ -1,0 +1,256 @@
+"""Pipeline training (pw.Pipeline) on real executors, against single-process eager training.
+
+The eager backend runs the whole matrix (S = 2 and 4, M = 4 and 8, every schedule, with and
+without a data axis) in float64 at 1e-9; memory is read from the stores' high-water marks;
+checkpoints cross between Pipeline and DataParallel; bad input is refused before anything
+is sent and changes no stored parameter.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+
+import pathways_torch as pw
+from tests.conftest import train_eagerly
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
+
+WIDTH = 6
+
+
+def _blocks(depth=8, width=WIDTH, dtype=torch.float64, seed=0):
+    torch.manual_seed(seed)
+    layers = [nn.Sequential(nn.Linear(width, width), nn.Tanh()) for _ in range(depth)]
+    return nn.Sequential(*layers, nn.Linear(width, 3)).to(dtype)
+
+
+def _batches(steps, rows, width=WIDTH, dtype=torch.float64):
+    g = torch.Generator().manual_seed(1)
+    return [(torch.randn(rows, width, generator=g, dtype=dtype), torch.randn(rows, 3, generator=g, dtype=dtype))
+            for _ in range(steps)]
+
+
+def _adam(model):
+    return torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
+
+
+def _train(ctx, model, plan, batches, mesh_axes, executors=None):
+    mesh = ctx.mesh(mesh_axes, executors=executors)
+    trainer = ctx.wrap(model, optimizer=_adam(model), loss_fn=nn.MSELoss(), mesh=mesh, plan=plan)
+    losses = [trainer.step(b) for b in batches]
+    return trainer, [loss.result(240).item() for loss in losses]
+
+
+def _max_difference(state: dict, model) -> float:
+    return max((state[n] - p.detach()).abs().max().item() for n, p in model.state_dict().items())
+
+
+@pytest.fixture(scope="module")
+def ctx():
+    with pw.Context(num_executors=8, backend="eager") as context:
+        yield context
+
+
+MATRIX = [(s, m, sched, d) for s in (2, 4) for m in (4, 8) for sched in ("gpipe", "1f1b", "interleaved")
+          for d in (1, 2)]
+
+
+@pytest.mark.parametrize("stages,microbatches,schedule,data", MATRIX,
+                         ids=[f"S{s}-M{m}-{sched}-D{d}" for s, m, sched, d in MATRIX])
+def test_matrix_equals_eager_float64(ctx, stages, microbatches, schedule, data):
+    virtual = 2 if schedule == "interleaved" else 1
+    batches = _batches(3, rows=microbatches * data * 2)
+    model, reference = _blocks(), _blocks()
+    expected = train_eagerly(reference, _adam(reference), batches, nn.MSELoss())
+    axes = {"pipe": stages, "data": data} if data > 1 else {"pipe": stages}
+    plan = pw.Pipeline(microbatches=microbatches, schedule=schedule, virtual_stages=virtual,
+                       data=pw.DataParallel("data") if data > 1 else None)
+    trainer, losses = _train(ctx, model, plan, batches, axes)
+    assert max(abs(a - b) for a, b in zip(losses, expected)) < 1e-9, (losses, expected)
+    assert _max_difference(trainer.state_dict()["model"], reference) < 1e-9
+
+
+def test_one_message_per_executor_per_step_and_no_activation_through_the_client(ctx):
+    batches = _batches(4, rows=16)
+    model = _blocks()
+    plan = pw.Pipeline(microbatches=8, schedule="1f1b", data=pw.DataParallel("data"))
+    trainer, _ = _train(ctx, model, plan, batches[:1], {"pipe": 2, "data": 2})   # captured and registered
+    before = ctx.stats()
+    sent_before = dict(ctx.controller.messages_sent)
+    for b in batches[1:]:
+        trainer.step(b).result(120)
+    after = ctx.stats()
+    runs = ctx.controller.messages_sent.get("run_program", 0) - sent_before.get("run_program", 0)
+    assert runs == 3 * 4, runs                  # one RunProgram per executor per step, nothing else
+    assert ctx.controller.messages_sent.get("run", 0) == sent_before.get("run", 0)
+    moved = after["hops"]["executor->executor"] - before["hops"]["executor->executor"]
+    # Per step: 8 microbatches x 2 data shards send an activation (16 rows/16 x WIDTH floats) forward and
+    # its gradient back.
+    activation = 1 * WIDTH * 8
+    assert moved >= 3 * 8 * 2 * 2 * activation, moved
+    fetched = after["hops"]["executor->client"] - before["hops"]["executor->client"]
+    assert fetched <= 3 * 8 * 2, fetched        # only the losses (a float64 from each of 2 shards) came back
+    relayed = after["hops"]["controller relayed"] - before["hops"]["controller relayed"]
+    assert relayed < 3 * 8 * 2 * activation, relayed   # no tensor passes through the controller
+
+
+def test_schedule_and_stages_print(ctx):
+    model = _blocks(depth=4)
+    plan = pw.Pipeline(microbatches=2, schedule="gpipe")
+    trainer, _ = _train(ctx, model, plan, _batches(1, rows=2), {"pipe": 2})
+    assert trainer.schedule.splitlines() == [
+        "schedule gpipe: 2 ranks, 2 chunks, 2 microbatches",
+        "rank 0: 0F0 0SEND_F0 0F1 0SEND_F1 0RECV_B0 0B0 0RECV_B1 0B1",
+        "rank 1: 1RECV_F0 1F0 1RECV_F1 1F1 1B0 1SEND_B0 1B1 1SEND_B1"]
+    stages = trainer.stages.splitlines()
+    assert stages[0] == "2 chunks, cut at the blocks of the nn.Sequential"
+    assert stages[1].startswith("chunk 0 (rank 0): 84 parameters; 0, 1; sends 1 value(s)"), stages
+    assert stages[2].startswith("chunk 1 (rank 1): 105 parameters; 2, 3, 4 + loss"), stages
+
+
+def test_user_schedule_text_is_used_and_a_broken_one_refused(ctx):
+    text = ("rank 0: 0F0 0F1 0B0 0B1\n"
+            "rank 1: 1F0 1B0 1F1 1B1\n")
+    model, reference = _blocks(depth=4), _blocks(depth=4)
+    batches = _batches(2, rows=4)
+    expected = train_eagerly(reference, _adam(reference), batches, nn.MSELoss())
+    trainer, losses = _train(ctx, model, pw.Pipeline(microbatches=2, schedule=text), batches, {"pipe": 2})
+    assert max(abs(a - b) for a, b in zip(losses, expected)) < 1e-9
+    assert "rank 0: 0F0 0SEND_F0 0F1 0SEND_F1 0RECV_B0 0B0 0RECV_B1 0B1" in trainer.schedule
+    broken = "rank 0: 0F0 0B0 0F1 0B1\nrank 1: 1B0 1F0 1F1 1B1\n"
+    with pytest.raises(pw.PlacementError, match=r"rank 1: >>1B0<< 1F0 1F1 1B1"):
+        ctx.wrap(_blocks(depth=4), optimizer=_adam(model), loss_fn=nn.MSELoss(), mesh=ctx.mesh({"pipe": 2}),
+                 plan=pw.Pipeline(microbatches=2, schedule=broken))
+
+
+def _activation_peaks(ctx, schedule, microbatches, stages, rows_per_microbatch=64, width=128):
+    model = _blocks(depth=stages * 2, width=width, dtype=torch.float32)
+    batches = _batches(2, rows=rows_per_microbatch * microbatches, width=width, dtype=torch.float32)
+    mesh = ctx.mesh({"pipe": stages})
+    trainer = ctx.wrap(model, optimizer=_adam(model), loss_fn=nn.MSELoss(), mesh=mesh,
+                       plan=pw.Pipeline(microbatches=microbatches, schedule=schedule))
+    trainer.step(batches[0]).result(120)        # captured; the state is in place
+    resting = ctx.stats()["executors"]
+    trainer.step(batches[1]).result(120)
+    peaks = ctx.stats()["executors"]
+    first = mesh.executor_ids[0]
+    del trainer
+    return peaks[first]["store_bytes_high_water"] - resting[first]["store_bytes"]
+
+
+def test_one_f_one_b_peak_activation_memory_below_gpipe_and_independent_of_microbatches(ctx):
+    gpipe = _activation_peaks(ctx, "gpipe", 8, 2)
+    ofob = _activation_peaks(ctx, "1f1b", 8, 2)
+    ofob_more = _activation_peaks(ctx, "1f1b", 16, 2)
+    ofob_deeper = _activation_peaks(ctx, "1f1b", 8, 4)
+    activation = 64 * 128 * 4
+    assert ofob < gpipe / 2, (ofob, gpipe)
+    assert gpipe >= 8 * activation, gpipe                      # every microbatch's saved input at once
+    assert abs(ofob_more - ofob) <= activation, (ofob, ofob_more)   # grows with S, not with M
+    assert ofob_deeper > ofob + activation, (ofob, ofob_deeper)
+
+
+def test_checkpoint_crosses_between_pipeline_and_data_parallel(ctx, tmp_path):
+    batches = _batches(4, rows=8)
+    reference = _blocks()
+    expected = train_eagerly(reference, _adam(reference), batches, nn.MSELoss())
+    model = _blocks()
+    pipeline, first = _train(ctx, model, pw.Pipeline(microbatches=2, schedule="1f1b"), batches[:2], {"pipe": 2})
+    path = pipeline.save(str(tmp_path / "pipe"))
+    dp_model = _blocks(seed=5)
+    dp = ctx.wrap(dp_model, optimizer=_adam(dp_model), loss_fn=nn.MSELoss(),
+                  mesh=ctx.mesh({"data": 2}, executors=[2, 3]), plan=pw.DataParallel("data"))
+    dp.load(path)
+    third = dp.step(batches[2]).result(120).item()
+    dp_path = dp.save(str(tmp_path / "dp"))
+    back_model = _blocks(seed=6)
+    back = ctx.wrap(back_model, optimizer=_adam(back_model), loss_fn=nn.MSELoss(),
+                    mesh=ctx.mesh({"pipe": 2}, executors=[4, 5]), plan=pw.Pipeline(microbatches=2))
+    back.load(dp_path)
+    fourth = back.step(batches[3]).result(120).item()
+    assert max(abs(a - b) for a, b in zip(first + [third, fourth], expected)) < 1e-9
+    assert _max_difference(back.state_dict()["model"], reference) < 1e-9
+
+
+class _Branchy(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(WIDTH, WIDTH), nn.Linear(WIDTH, 3)
+
+    def forward(self, x):
+        x = self.a(x)
+        if x.shape[0] > 0:
+            pw.pipe_split()
+        return self.b(x)
+
+
+class _Marked(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(WIDTH, WIDTH), nn.Linear(WIDTH, WIDTH), nn.Linear(WIDTH, 3)
+
+    def forward(self, x):
+        x = torch.tanh(self.a(x))
+        pw.pipe_split()
+        x = torch.tanh(self.b(x))
+        return self.c(x)
+
+
+def test_pipe_split_markers_cut_where_written(ctx):
+    torch.manual_seed(0)
+    model = _Marked().double()
+    reference = copy.deepcopy(model)
+    batches = _batches(2, rows=4)
+    expected = train_eagerly(reference, _adam(reference), batches, nn.MSELoss())
+    trainer, losses = _train(ctx, model, pw.Pipeline(microbatches=2), batches, {"pipe": 2})
+    assert max(abs(a - b) for a, b in zip(losses, expected)) < 1e-9
+    assert trainer.stages.splitlines()[0] == "2 chunks, cut at pipe_split markers"
+    assert "chunk 0 (rank 0): 42 parameters; a;" in trainer.stages
+
+
+BAD = {
+    "no pipe axis": (lambda ctx: ({"data": 2}, pw.Pipeline(microbatches=2), 4),
+                     r"the mesh has axes \['data'\], no 'pipe' axis"),
+    "stages unequal": (lambda ctx: ({"pipe": 2}, pw.Pipeline(stages=4, microbatches=2), 4),
+                       r"stages=4 but the mesh's 'pipe' axis has size 2; use stages=2"),
+    "microbatches do not divide": (lambda ctx: ({"pipe": 2}, pw.Pipeline(microbatches=3), 4),
+                                   r"4 rows, not divisible by 3 microbatches x 1 data shards = 3"),
+    "more chunks than blocks": (lambda ctx: ({"pipe": 4}, pw.Pipeline(microbatches=4, schedule="interleaved",
+                                                                         virtual_stages=2), 8),
+                                r"8 chunks need at least 8 blocks, the model has 5"),
+    "data axis without data plan": (lambda ctx: ({"pipe": 2, "data": 2}, pw.Pipeline(microbatches=2), 4),
+                                    r"has no data=...; pass data=pw.DataParallel\('data'\)"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD))
+def test_bad_input_is_refused_before_anything_is_sent(ctx, case):
+    build, message = BAD[case]
+    axes, plan, rows = build(ctx)
+    model = _blocks(depth=4)
+    initial = {n: p.detach().clone() for n, p in model.named_parameters()}
+    with pytest.raises(pw.PlacementError, match=message):
+        trainer = ctx.wrap(model, optimizer=_adam(model), loss_fn=nn.MSELoss(), mesh=ctx.mesh(axes), plan=plan)
+        trainer.step(_batches(1, rows=rows)[0])
+    for name, p in model.named_parameters():
+        assert torch.equal(p.detach(), initial[name])
+
+
+def test_bad_input_leaves_the_stored_parameters_unchanged(ctx):
+    model = _blocks(depth=4)
+    trainer, _ = _train(ctx, model, pw.Pipeline(microbatches=2), _batches(1, rows=4), {"pipe": 2})
+    before = trainer.state_dict()["model"]
+    with pytest.raises(pw.PlacementError, match="not divisible by 2 microbatches"):
+        trainer.step(_batches(1, rows=3)[0])
+    after = trainer.state_dict()["model"]
+    assert all(torch.equal(before[n], after[n]) for n in before)
+
+
+def test_pipe_split_inside_a_branch_is_refused(ctx):
+    model = _Branchy().double()
+    with pytest.raises(pw.CaptureError, match=r"pw.pipe_split\(\) at .* is inside an if \(line \d+\)"):
+        _train(ctx, model, pw.Pipeline(microbatches=2), _batches(1, rows=4), {"pipe": 2})
