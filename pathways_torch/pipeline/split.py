@@ -59,6 +59,7 @@ class SplitModel:
     chunks: tuple[Chunk, ...]
     value_layouts: dict          # value number → (shape, dtype) of a value crossing chunks
     how: str                     # "pipe_split markers" or "blocks of model.<name>"
+    rng_leaf: int = -1           # the batch-leaf index of the dropout key input: int64[1, 2] = (step, first row)
 
     def describe(self, param_numel: dict, rank_of=lambda c: c) -> str:
         """Which module went where and each chunk's parameter count, as text."""
@@ -123,10 +124,17 @@ def balanced_boundaries(costs: list[float], num_chunks: int) -> list[int]:
 
 
 def split_model(model, loss_fn, form, leaves: list, *, trained: list[str], constants: list[str],
-                num_chunks: int, balance: str = "parameters") -> SplitModel:
-    """Trace ``model`` + loss on example ``leaves`` (one microbatch shard) and cut it into ``num_chunks``."""
+                num_chunks: int, seed: int = 0) -> SplitModel:
+    """Trace ``model`` + loss on example ``leaves`` (one microbatch shard) and cut it into ``num_chunks``.
+
+    One more batch leaf follows the batch's own: the dropout key, int64[1, 2] = (step number, global
+    index of the shard's first row); a chunk with dropout reads it (`SplitModel.rng_leaf`).
+    """
+    import torch
+
+    leaves = [*leaves, torch.empty((1, 2), dtype=torch.int64, device="meta")]
     hooks, how = [], "pipe_split markers"
-    if not _has_markers(model, loss_fn, form, leaves, trained + constants):
+    if not _has_markers(model, loss_fn, form, leaves, trained + constants, seed):
         name, blocks = find_blocks(model)
         costs = [float(sum(p.numel() for p in b.parameters())) or 1.0 for b in blocks]
         for index in balanced_boundaries(costs, num_chunks):
@@ -134,7 +142,7 @@ def split_model(model, loss_fn, form, leaves: list, *, trained: list[str], const
         how = f"blocks of model.{name}" if name else "the blocks of the nn.Sequential"
     try:
         with _ModuleEntries(model) as entries:
-            graph_module = _trace(model, loss_fn, form, leaves, trained + constants)
+            graph_module = _trace(model, loss_fn, form, leaves, trained + constants, seed)
     finally:
         for hook in hooks:
             hook.remove()
@@ -146,10 +154,10 @@ def split_model(model, loss_fn, form, leaves: list, *, trained: list[str], const
     split = _cut(graph_module, trained, constants, num_chunks, how)
     modules = entries.by_chunk(num_chunks)
     chunks = tuple(dataclasses.replace(c, modules=m) for c, m in zip(split.chunks, modules))
-    return dataclasses.replace(split, chunks=chunks)
+    return dataclasses.replace(split, chunks=chunks, rng_leaf=len(leaves) - 1)
 
 
-def _trace(model, loss_fn, form, leaves: list, names: list[str]):
+def _trace(model, loss_fn, form, leaves: list, names: list[str], seed: int):
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.experimental.proxy_tensor import make_fx
@@ -157,14 +165,16 @@ def _trace(model, loss_fn, form, leaves: list, names: list[str]):
 
     from ..attention import portable_attention
     from ..training.batches import forward_loss
+    from ..training.random import sample_keyed_rng
 
     tensors = dict(model.named_parameters())
     tensors.update(model.named_buffers())
 
     def whole(*flat):
         named = dict(zip(names, flat[:len(names)]))
-        with portable_attention(), _no_dropout():
-            loss = forward_loss(functional_call, model, loss_fn, named, form, list(flat[len(names):]))
+        batch, key = list(flat[len(names):-1]), flat[-1]
+        with portable_attention(), sample_keyed_rng(seed, key[0, 0], key[0, 1]):
+            loss = forward_loss(functional_call, model, loss_fn, named, form, batch)
         if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
             raise CaptureError(f"pw.Pipeline: the loss must be a 0-d tensor, got {type(loss).__name__}"
                                f"{list(getattr(loss, 'shape', []))}")
@@ -182,39 +192,10 @@ def _trace(model, loss_fn, form, leaves: list, names: list[str]):
                            f"{type(exc).__name__}: {exc}") from exc
 
 
-def _has_markers(model, loss_fn, form, leaves, names) -> bool:
+def _has_markers(model, loss_fn, form, leaves, names, seed: int) -> bool:
     """Whether the user's forward calls pw.pipe_split() (seen by tracing once)."""
-    graph_module = _trace(model, loss_fn, form, leaves, names)
+    graph_module = _trace(model, loss_fn, form, leaves, names, seed)
     return any(n.op == "call_function" and n.target is MARKER for n in graph_module.graph.nodes)
-
-
-class _no_dropout:
-    """Refuse dropout with p > 0 in training mode: masks keyed by sample index are not there yet."""
-
-    def __enter__(self):
-        import torch.nn.functional as F
-        from torch.overrides import TorchFunctionMode
-
-        class Refuse(TorchFunctionMode):
-            def __torch_function__(self, func, types, args=(), kwargs=None):
-                kwargs = kwargs or {}
-                if func is F.dropout:
-                    p = args[1] if len(args) > 1 else kwargs.get("p", 0.5)
-                    training = args[2] if len(args) > 2 else kwargs.get("training", True)
-                    if training and p:
-                        raise CaptureError(
-                            f"pw.Pipeline: dropout (p={p}) in training mode is not supported by pipeline steps yet "
-                            f"(its masks must be keyed by the global sample index to repeat the unpipelined run); "
-                            f"set the dropout probabilities to 0 or use pw.DataParallel")
-                    return args[0] if args else kwargs["input"]
-                return func(*args, **kwargs)
-
-        self._mode = Refuse()
-        self._mode.__enter__()
-        return self
-
-    def __exit__(self, *exc):
-        return self._mode.__exit__(*exc)
 
 
 def _cut(graph_module, trained: list[str], constants: list[str], num_chunks: int, how: str) -> SplitModel:

@@ -138,7 +138,7 @@ class PipelineTrainer(Trainer):
         constants = list(self.layout.buffer_names) + list(self.layout.frozen_names)
         try:
             split = split_model(self.model, self.loss_fn, form, examples, trained=trained, constants=constants,
-                                num_chunks=self._schedule.num_chunks)
+                                num_chunks=self._schedule.num_chunks, seed=self.seed)
         except CaptureError as exc:
             raise self._located(exc) from exc.__cause__
         assignment = tuple(c.params for c in split.chunks)
@@ -158,6 +158,7 @@ class PipelineTrainer(Trainer):
         tensors = {**params, **dict(self.model.named_buffers())}
         inputs = [torch.empty(tensors[n].shape, dtype=tensors[n].dtype, device="meta")
                   for n in chunk.params + chunk.constants]
+        examples = [*examples, torch.empty((1, 2), dtype=torch.int64, device="meta")]   # + the dropout key
         inputs += [examples[i] for i in chunk.batch_leaves]
         inputs += [torch.empty(split.value_layouts[v][0], dtype=split.value_layouts[v][1], device="meta")
                    for v in chunk.incoming]
@@ -330,10 +331,12 @@ class PipelineTrainer(Trainer):
             per_mesh[r].append((scalars, Replicate()))
         rows = built.leaf_rows * self.num_shards
         for m in range(self.plan.microbatches):
+            leaves = [*tensors, self._dropout_key(m, built.leaf_rows)]
             for plan in built.plans:
                 r = self._schedule.rank_of(plan.chunk.index)
                 for leaf in plan.chunk.batch_leaves:
-                    per_mesh[r].append((tensors[leaf][m * rows:(m + 1) * rows], {axis: Shard(0)}))
+                    value = leaves[leaf] if leaf == built.split.rng_leaf else leaves[leaf][m * rows:(m + 1) * rows]
+                    per_mesh[r].append((value, {axis: Shard(0)}))
         put = {r: iter(ctx.put_many(items, self._stage_meshes[r])) for r, items in per_mesh.items()}
         state = [a for flats, states, consts in self._chunk_state for a in (*flats, *states, *consts)]
         scalar_arrays = [next(put[r]) for r in range(self.num_ranks)]
@@ -345,6 +348,15 @@ class PipelineTrainer(Trainer):
         self.step_count += 1
         self.samples_seen += int(tensors[0].shape[0])
         return outputs[0]
+
+    def _dropout_key(self, microbatch: int, rows: int):
+        """(step number, global index of the shard's first row) for each data shard of ``microbatch``: dropout
+        masks keyed by sample, as the whole batch in one process draws them (`sample_keyed_rng`)."""
+        import torch
+
+        first = microbatch * rows * self.num_shards
+        return torch.tensor([[self.step_count + 1, first + d * rows] for d in range(self.num_shards)],
+                            dtype=torch.int64)
 
     def _take_pipeline_outputs(self, plans: list, outputs) -> None:
         it = iter(outputs[1:])

@@ -1,5 +1,7 @@
 """Counter-based dropout: random masks that are a pure function of (seed, step, shard, call site).
 
+(Pipeline steps key by the sample's global row instead of the shard: `sample_keyed_rng`.)
+
 A captured step cannot use the executor's global generator: its state would
 differ between XLA and eager, could not be checkpointed from the client, and
 would make a resumed run diverge. Like JAX's keyed PRNG, the mask here is a hash
@@ -19,7 +21,7 @@ import contextlib
 from ..attention import math_attention, sdpa_arguments
 from ..errors import CaptureError
 
-__all__ = ["counter_rng", "uniform_from_counter", "RANDOM_FUNCTIONS"]
+__all__ = ["counter_rng", "sample_keyed_rng", "uniform_from_counter", "RANDOM_FUNCTIONS"]
 
 _MASK32 = 0xFFFFFFFF
 _MULTIPLIER = 0x45D9F3B   # a well-mixing 32-bit hash multiplier; products stay below 2**63 in int64
@@ -76,6 +78,30 @@ class _CounterRng:
         self._calls += 1
         return _hash32(self._base ^ (self._calls * 0x632BE5AB & _MASK32))
 
+    def uniform(self, shape, dtype):
+        """The next dropout call's uniform values (a mask per element of this shard's tensor)."""
+        return uniform_from_counter(self.next_key(), shape, dtype)
+
+
+class _SampleKeyedRng(_CounterRng):
+    """Masks keyed by the sample's global row instead of the shard: a microbatched, pipelined step draws
+    for every sample what the whole batch in one process draws for it (dim 0 is the batch)."""
+
+    def __init__(self, seed: int, step, row_offset):
+        import torch
+
+        super().__init__(seed, step, torch.zeros((), dtype=torch.int64))
+        self._row_offset = row_offset.to(torch.int64).reshape(())
+
+    def uniform(self, shape, dtype):
+        import math
+
+        key = self.next_key()
+        per_row = math.prod(shape[1:]) if len(shape) > 1 else 1
+        index = _element_index(shape, key.device) + self._row_offset * per_row
+        bits = _hash32(_hash32(index ^ key) + key & _MASK32)
+        return (bits >> 8).to(dtype) * (1.0 / (1 << 24))
+
 
 def _make_mode(rng: _CounterRng):
     import torch
@@ -115,8 +141,17 @@ def _dropout(rng: _CounterRng, input, p: float = 0.5, training: bool = True, inp
         return input
     if p == 1:
         return input * 0
-    keep = uniform_from_counter(rng.next_key(), tuple(input.shape), input.dtype) >= p
+    keep = rng.uniform(tuple(input.shape), input.dtype) >= p
     return input * keep.to(input.dtype) * (1.0 / (1 - p))
+
+
+@contextlib.contextmanager
+def sample_keyed_rng(seed: int, step, row_offset):
+    """Within: ``F.dropout`` draws masks keyed by (seed, step, call number, global row, element in the row):
+    ``row_offset`` is the global index of this tensor's first row. Pipeline steps use it; run a model eagerly
+    inside it (offset 0, the whole batch) to get the same masks in one process."""
+    with _make_mode(_SampleKeyedRng(seed, step, row_offset)):
+        yield
 
 
 @contextlib.contextmanager

@@ -254,3 +254,38 @@ def test_pipe_split_inside_a_branch_is_refused(ctx):
     model = _Branchy().double()
     with pytest.raises(pw.CaptureError, match=r"pw.pipe_split\(\) at .* is inside an if \(line \d+\)"):
         _train(ctx, model, pw.Pipeline(microbatches=2), _batches(1, rows=4), {"pipe": 2})
+
+
+def _train_eagerly_with_sample_keyed_dropout(model, optimizer, batches, seed=0):
+    """The oracle with dropout: one process, the whole batch, masks keyed by (seed, step, global row)."""
+    from pathways_torch.training.random import sample_keyed_rng
+
+    losses = []
+    for step, (x, y) in enumerate(batches, start=1):
+        optimizer.zero_grad()
+        with sample_keyed_rng(seed, torch.tensor(step), torch.tensor(0)):
+            loss = nn.MSELoss()(model(x), y)
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    return losses
+
+
+def _dropout_blocks(seed=0):
+    torch.manual_seed(seed)
+    layers = [nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.Dropout(0.3), nn.Tanh()) for _ in range(4)]
+    return nn.Sequential(*layers, nn.Linear(WIDTH, 3)).double()
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_dropout_masks_keyed_by_sample_repeat_the_unpipelined_run(ctx, schedule):
+    batches = _batches(3, rows=16)
+    reference = _dropout_blocks()
+    expected = _train_eagerly_with_sample_keyed_dropout(reference, _adam(reference), batches)
+    without_dropout = train_eagerly(_blocks(depth=4), _adam(_blocks(depth=4)), batches, nn.MSELoss())
+    model = _dropout_blocks()
+    plan = pw.Pipeline(microbatches=4, schedule=schedule, data=pw.DataParallel("data"))
+    trainer, losses = _train(ctx, model, plan, batches, {"pipe": 2, "data": 2})
+    assert max(abs(a - b) for a, b in zip(losses, expected)) < 1e-9, (losses, expected)
+    assert _max_difference(trainer.state_dict()["model"], reference) < 1e-9
+    assert abs(losses[0] - without_dropout[0]) > 1e-3     # the masks did something
