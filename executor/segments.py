@@ -21,6 +21,10 @@ So a chain of local nodes — the common case of a program on one mesh — is a 
 segment: one hand-off to the compute thread and one store update per run, instead
 of per node, while every node keeps its own sequence number and call id.
 
+Within one run an executor keeps the program's order: each segment starts only once
+the run's previous segment here has started (``Segment.after``), so a later segment whose
+inputs are local never passes an earlier one that waits for a copy.
+
 Gang order is kept: a program's collective steps on one executor carry consecutive
 positions in that executor's collective order, so running them back to back inside
 a segment is running them in the island's order. The segment waits for the
@@ -88,17 +92,23 @@ class SegmentPlan:
 
 
 class Segment:
-    """A queued segment of one run: store keys and sequence numbers filled in."""
+    """A queued segment of one run: store keys and sequence numbers filled in.
+
+    ``after``: the previous segment of the same program run on this executor (None for the
+    first, and for a plain run): the program's order is the schedule, so this one starts only
+    once that one has started (``started``; the compute thread runs jobs in order).
+    """
 
     __slots__ = ("steps", "base_seq", "base_call_id", "input_keys", "output_keys", "output_slots", "num_slots",
-                 "collective", "prev_collective_seq", "last_collective_seq")
+                 "collective", "prev_collective_seq", "last_collective_seq", "after", "started")
 
     def __init__(self, *, steps, base_seq, base_call_id, input_keys, output_keys, output_slots, num_slots,
-                 collective, prev_collective_seq, last_collective_seq):
+                 collective, prev_collective_seq, last_collective_seq, after: "Segment | None" = None):
         self.steps, self.base_seq, self.base_call_id = steps, base_seq, base_call_id
         self.input_keys, self.output_keys, self.output_slots = input_keys, output_keys, output_slots
         self.num_slots, self.collective = num_slots, collective
         self.prev_collective_seq, self.last_collective_seq = prev_collective_seq, last_collective_seq
+        self.after, self.started = after, False
 
     def ids(self, step: Step) -> tuple[int, int]:
         """(sequence number, call id) of one of its steps."""
@@ -214,8 +224,9 @@ def _choose_outputs(plans: list[SegmentPlan], program_outputs: set, sent: set) -
         read_later |= {(value, shard) for value, shard, copy_node in plan.inputs if copy_node < 0}
 
 
-def instantiate(plan: SegmentPlan, run: pb.RunProgram, array_id) -> Segment:
-    """``plan`` for one run: ``array_id(value)`` is the value's array in this run."""
+def instantiate(plan: SegmentPlan, run: pb.RunProgram, array_id, after: Segment | None = None) -> Segment:
+    """``plan`` for one run: ``array_id(value)`` is the value's array in this run; ``after`` the run's
+    previous segment on this executor (see `Segment`)."""
     input_keys = [(array_id(value), shard, run.base_call_id + copy_node if copy_node >= 0 else 0)
                   for value, shard, copy_node in plan.inputs]
     collective = plan.last_collective_node >= 0
@@ -225,4 +236,4 @@ def instantiate(plan: SegmentPlan, run: pb.RunProgram, array_id) -> Segment:
                    output_slots=[slot for _, _, slot in plan.outputs], num_slots=plan.num_slots,
                    collective=collective,
                    prev_collective_seq=(run.base_seq + prev - 1 if prev > 0 else run.prev_collective_seq),
-                   last_collective_seq=run.base_seq + plan.last_collective_node if collective else 0)
+                   last_collective_seq=run.base_seq + plan.last_collective_node if collective else 0, after=after)

@@ -8,12 +8,16 @@ compute thread (`finish`) take turns under one lock; `compute` runs outside it.
 
 Work is queued as *segments* (`executor/segments.py`): a plain Run is a segment
 of one step, a registered program's run is a few segments whose steps pass values
-to each other on the compute thread. Segments are queued in the order the
-controller sent them (the island's sequence order) and started in that order among
-those that are *startable*: every input present and every function compiled. One
-whose function is still compiling (in the background) lets later ready ones pass,
-so a long compile does not stall the executor; collective-bearing work keeps strict
-sequence order among itself (gang scheduling, see `_pump`).
+to each other on the compute thread. Segments are queued in the island's sequence
+order (the order the controller sends them; one that arrives out of it is put in its
+place) and started in that order among those that are *startable*: every input present,
+every function compiled, and, within one program run, the run's previous segment here
+started (the program's order is the schedule). Between independent calls, one whose
+function is still compiling (in the background) or whose input is still coming lets later
+ready ones pass, so a long compile does not stall the executor. Collective-bearing work
+(a segment with collective steps, a group formation) keeps strict sequence order among
+itself (gang scheduling) and never starts while work queued before it has not started:
+a blocked gloo call holds the compute thread (see `_pump`).
 """
 
 from __future__ import annotations
@@ -95,7 +99,7 @@ class ExecutorCore:
     def __init__(self, *, executor_id: str, backend, outbox: Outbox,
                  submit: Callable[[ComputeJob], None], trace: TraceRecorder | None = None,
                  compiler: CompileCache | None = None, collectives: CollectiveRuntime | None = None,
-                 gang_order: bool = True):
+                 gang_order: bool = True, program_order: bool = True):
         self.executor_id = executor_id
         self.backend = backend
         self.outbox = outbox
@@ -112,8 +116,11 @@ class ExecutorCore:
         # The most work ever waiting here at once (queued + submitted): run-ahead keeps it bounded.
         self.queue_high_water = 0
         self._last_collective_seq = 0   # the last collective action started here (gang order)
-        # Only tests turn this off, to show that without it collectives deadlock.
+        # Only tests turn these off, to show that without them collectives deadlock or order breaks.
         self._gang_order = gang_order
+        self._program_order = program_order   # a run's segments in order; collectives behind earlier work
+        self._pumping = False           # a pass over the queue is under way (see _pump)
+        self._pump_again = False        # something became startable during that pass
         self.hop_bytes: collections.Counter = collections.Counter()
         self.num_computations = 0
         self.num_function_loads = 0
@@ -209,7 +216,7 @@ class ExecutorCore:
         self._pump()
 
     def _on_run(self, run: pb.Run, payload) -> None:
-        if not self._queue and self._start_now(run):
+        if not self._queue and not self._pumping and self._start_now(run):
             return
         self._enqueue(single(run, self._run_steps))
 
@@ -262,7 +269,7 @@ class ExecutorCore:
             self.trace.record("receive", self._name(step.function_id) or "run", seq=seq, call_id=call_id,
                               function_id=step.function_id)
         self._accept(segment.input_keys, segment.output_keys, segment.last_call_id)
-        self._queue.append(segment)
+        self._queue_in_order(segment)
         self._note_depth()
         # Wake the queue when a missing input arrives. Only missing ones: a segment that
         # starts (and ends) now frees its transient inputs, which must not be re-claimed.
@@ -274,9 +281,21 @@ class ExecutorCore:
 
     def _on_form_group(self, msg: pb.FormGroup, payload) -> None:
         self.trace.record("receive", "form group", seq=msg.seq, detail=f"group {msg.group_id} rank {msg.rank}")
-        self._queue.append(msg)
+        self._queue_in_order(msg)
         self._note_depth()
         self._pump()
+
+    def _queue_in_order(self, item) -> None:
+        """Queue a Segment or a FormGroup in sequence order: "queued before" is "earlier in the island's order"
+        (`_pump_once`). The controller sends in that order, so this is an append but for reordered deliveries."""
+        queue = self._queue
+        if not queue or queue[-1].seq <= item.seq:
+            queue.append(item)
+            return
+        index = len(queue) - 1
+        while index > 0 and queue[index - 1].seq > item.seq:
+            index -= 1
+        queue.insert(index, item)
 
     def _note_depth(self) -> None:
         self.queue_high_water = max(self.queue_high_water, len(self._queue) + self._submitted)
@@ -298,9 +317,13 @@ class ExecutorCore:
             return
         plan, items = registered
         array_id = _value_ids(plan, msg)
+        previous = None   # the run's segments are chained: each starts after the one before it here
         for item in items:
             if isinstance(item, SegmentPlan):
-                self._enqueue(instantiate(item, msg, array_id))
+                segment = instantiate(item, msg, array_id, after=previous)
+                if self._program_order:
+                    previous = segment
+                self._enqueue(segment)
                 continue
             request = pb.SendShard(to_address=item.to_address, to_public_key=item.to_public_key,
                                    call_id=msg.base_call_id + item.to_node)
@@ -327,7 +350,8 @@ class ExecutorCore:
                          store_bytes=self.store.bytes, store_buffers=len(self.store),
                          num_computations=self.num_computations, num_function_loads=self.num_function_loads,
                          num_compiles=self.backend.num_compiles(), backend=self.backend.name,
-                         queue_high_water=self.queue_high_water)
+                         queue_high_water=self.queue_high_water,
+                         store_bytes_high_water=self.store.take_high_water())
         for name, count in self.backend.counters().items():
             stats.backend_counters[name] = count
         for hop, count in self.hop_bytes.items():
@@ -481,36 +505,65 @@ class ExecutorCore:
 
         Collective actions (group formation, computations with collectives) start
         strictly in the island's order: each names the previous one on this
-        executor, and waits for it, however the messages arrived.
+        executor, and waits for it, however the messages arrived. Not re-entered:
+        what a job finished during a pass wakes (a synchronous submit, in tests) is
+        seen by another pass, so one pass sees every item still waiting.
         """
-        while self._queue and self._pump_once():
-            pass  # a collective action started: one held back behind it may start now
+        if self._pumping:
+            self._pump_again = True
+            return
+        self._pumping = True
+        try:
+            again = True
+            while again and self._queue:
+                self._pump_again = False
+                # A collective action started (one held back behind it may start now), or a job ended.
+                again = self._pump_once() or self._pump_again
+        finally:
+            self._pumping = False
 
     def _pump_once(self) -> bool:
-        """One pass over the queue; True if a collective action started (and another may now be due)."""
+        """One pass over the queue; True if a collective action started (and another may now be due).
+
+        Once an item stays waiting, no later collective action starts in the pass: it would
+        block the compute thread in gloo ahead of earlier work, which another member may
+        need first (a deadlock). Later non-collective ones may pass it (they never block).
+        """
         waiting, collective_started = collections.deque(), False
-        while self._queue:
-            item = self._queue.popleft()
-            collective = item.collective if isinstance(item, Segment) else True
-            if not self._gang_turn(collective, item.prev_collective_seq):
-                waiting.append(item)   # an earlier collective action has not started here yet
-                continue
-            if isinstance(item, pb.FormGroup):
-                self._last_collective_seq, collective_started = item.seq, True
-                self._submitted += 1
-                self._submit(ComputeJob(None, form=item))
-                continue
-            entries = [self.store.get(key) for key in item.input_keys]
-            functions = [self.functions.get(step.function_id) for step in item.steps]
-            # An input still being computed here is fine: the compute thread runs jobs in order.
-            if (all(e is not None and (e.ready or e.computing) for e in entries)
-                    and all(f is None or f.ready for f in functions)):
-                if collective:
-                    self._last_collective_seq, collective_started = item.last_collective_seq, True
-                self._start(item, functions, entries)
-            else:
-                waiting.append(item)
-        self._queue = waiting + self._queue  # a nested pump may have left items behind
+        held = False   # an earlier item waits: collective actions wait behind it
+        try:
+            while self._queue:
+                item = self._queue.popleft()
+                if isinstance(item, pb.FormGroup):
+                    # A rendezvous blocks the compute thread like a collective: the same rules.
+                    if held or not self._gang_turn(True, item.prev_collective_seq):
+                        waiting.append(item)
+                        held = self._program_order
+                        continue
+                    self._last_collective_seq, collective_started = item.seq, True
+                    self._submitted += 1
+                    self._submit(ComputeJob(None, form=item))
+                    continue
+                collective = item.collective
+                after = item.after
+                if (collective and (held or not self._gang_turn(True, item.prev_collective_seq))
+                        or after is not None and not after.started):
+                    waiting.append(item)   # behind earlier work, in gang order or in its run
+                    held = self._program_order
+                    continue
+                entries = [self.store.get(key) for key in item.input_keys]
+                functions = [self.functions.get(step.function_id) for step in item.steps]
+                # An input still being computed here is fine: the compute thread runs jobs in order.
+                if (all(e is not None and (e.ready or e.computing) for e in entries)
+                        and all(f is None or f.ready for f in functions)):
+                    if collective:
+                        self._last_collective_seq, collective_started = item.last_collective_seq, True
+                    self._start(item, functions, entries)
+                else:
+                    waiting.append(item)
+                    held = self._program_order
+        finally:
+            self._queue = waiting + self._queue   # items that arrived during the pass stay behind
         return collective_started
 
     def _gang_turn(self, collective: bool, prev_collective_seq: int) -> bool:
@@ -519,6 +572,7 @@ class ExecutorCore:
         return not (collective and self._gang_order) or prev_collective_seq == self._last_collective_seq
 
     def _start(self, segment: Segment, functions: list, entries: list) -> None:
+        segment.started, segment.after = True, None   # the next segment of its run may start
         job = ComputeJob(segment, functions)
         job.entries = entries
         self._begin(job)

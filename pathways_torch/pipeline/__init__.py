@@ -8,10 +8,25 @@
 - `plan`: `Pipeline`, the plan for ``ctx.wrap``; `trainer`: `PipelineTrainer`.
 """
 
-from .marker import pipe_split
-from .plan import Pipeline
-from .schedules import Schedule, ScheduleError, make_schedule, simulate, with_communication
-from .trainer import PipelineTrainer
+import importlib
 
 __all__ = ["pipe_split", "Pipeline", "PipelineTrainer", "Schedule", "ScheduleError", "make_schedule", "simulate",
            "with_communication"]
+
+# Resolved lazily: `schedules` imports no torch (simulated executors and tools use it alone).
+_WHERE = {"pipe_split": "marker", "Pipeline": "plan", "PipelineTrainer": "trainer", "Schedule": "schedules",
+          "ScheduleError": "schedules", "make_schedule": "schedules", "simulate": "schedules",
+          "with_communication": "schedules"}
+
+
+def __getattr__(name: str):
+    module = _WHERE.get(name)
+    if module is None:
+        raise AttributeError(f"module 'pathways_torch.pipeline' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted(__all__)

@@ -29,7 +29,7 @@ class ChunkAutograd:
 
     ``grads`` are, in order, those of the inputs at ``differentiable`` (indices into the chunk's inputs).
     ``output_grads`` has one tensor per output at ``grad_outputs`` (floating, non-loss outputs);
-    a chunk that returns the loss differentiates ``loss * loss_scale`` and takes no gradient for it.
+    a chunk that returns the loss takes its gradient last (``loss_seed``: the value, ``loss_scale``).
     """
 
     forward: object
@@ -40,6 +40,7 @@ class ChunkAutograd:
     grad_outputs: tuple[int, ...]
     backward_params: tuple[int, ...]     # indices (into the chunk's inputs) of the parameters the backward reads
     saved_layouts: tuple                 # (shape, dtype) of each saved value
+    loss_seed: tuple | None = None       # (value, dtype) of the loss's gradient, the backward's last input
 
 
 def partition_chunk(chunk, example_inputs: list, trainable: set[int], loss_scale: float, *,
@@ -59,10 +60,16 @@ def partition_chunk(chunk, example_inputs: list, trainable: set[int], loss_scale
     num_outputs = len(outputs_meta)
     loss_index = num_outputs - 1 if chunk.has_loss else None
     grad_outputs = tuple(i for i, meta in enumerate(outputs_meta) if meta.dtype.is_floating_point and i != loss_index)
-    joint = _joint(chunk.graph_module, differentiable, grad_outputs, loss_index, loss_scale)
-    tangents = [torch.empty(outputs_meta[i].shape, dtype=outputs_meta[i].dtype) for i in grad_outputs]
+    joint = _joint(chunk.graph_module, differentiable, grad_outputs, loss_index)
+    # The loss's gradient seed is an input of the backward too (the backward wrapper passes loss_scale):
+    # were it a constant, everything would read no tangent and the whole backward would land in the forward.
+    seeded = [*grad_outputs, *([loss_index] if loss_index is not None else [])]
+    tangents = [torch.empty(outputs_meta[i].shape, dtype=outputs_meta[i].dtype) for i in seeded]
     graph_module = _trace_joint(joint, example_inputs, tangents)
-    return _partition(graph_module, num_inputs, num_outputs, differentiable, grad_outputs, trainable, recompute)
+    parts = _partition(graph_module, num_inputs, num_outputs, differentiable, grad_outputs, trainable, recompute)
+    if loss_index is None:
+        return parts
+    return dataclasses.replace(parts, loss_seed=(loss_scale, outputs_meta[loss_index].dtype))
 
 
 def _output_metas(graph_module):
@@ -70,7 +77,7 @@ def _output_metas(graph_module):
     return [arg.meta["val"] for arg in output.args[0]]
 
 
-def _joint(graph_module, differentiable, grad_outputs, loss_index, loss_scale):
+def _joint(graph_module, differentiable, grad_outputs, loss_index):
     import torch
 
     def joint(primals, tangents):
@@ -79,11 +86,8 @@ def _joint(graph_module, differentiable, grad_outputs, loss_index, loss_scale):
             inputs[i] = inputs[i].detach().requires_grad_(True)
         with torch.enable_grad():
             outputs = graph_module(*inputs)
-        targets = [outputs[i] for i in grad_outputs]
+        targets = [outputs[i] for i in grad_outputs] + ([outputs[loss_index]] if loss_index is not None else [])
         grads_in = list(tangents)
-        if loss_index is not None:
-            targets.append(outputs[loss_index] * loss_scale)
-            grads_in.append(torch.ones_like(outputs[loss_index]))
         pairs = [(t, g) for t, g in zip(targets, grads_in) if t.requires_grad]
         wrt = [inputs[i] for i in differentiable]
         grads = torch.autograd.grad([t for t, _ in pairs], wrt, [g for _, g in pairs], allow_unused=True) \
@@ -127,15 +131,21 @@ def _partition(graph_module, num_inputs, num_outputs, differentiable, grad_outpu
                 reads_data.add(node)
     forward_nodes = [n for n in nodes if n.op not in ("placeholder", "output") and n not in reads_tangent]
     backward_nodes = [n for n in nodes if n.op not in ("placeholder", "output") and n in reads_tangent]
-    # What the backward recomputes rather than keeps: parameter-only values (everything, with recompute).
-    param_only = set(forward_nodes) if recompute else {n for n in forward_nodes if n not in reads_data}
-    param_only |= {primals[i] for i in trainable}
-    needed_by_backward = {a for n in backward_nodes for a in n.all_input_nodes} | set(grads)
-    saved = [n for n in forward_nodes if n in needed_by_backward and n not in param_only]
-    recomputed = _closure([n for n in needed_by_backward if n in param_only], param_only)
-    read = needed_by_backward | {a for n in recomputed for a in n.all_input_nodes}
-    saved += [p for i, p in enumerate(primals) if p in read and i not in trainable]
-    backward_params = tuple(i for i in sorted(trainable) if primals[i] in recomputed)
+    # What the backward recomputes rather than keeps: parameter-only values and views (an alias of a kept
+    # value costs nothing to remake, and keeping both would store it twice); everything, with recompute.
+    trainable_primals = {primals[i] for i in trainable}
+    if recompute:
+        recomputable = set(forward_nodes)
+    else:
+        recomputable = {n for n in forward_nodes if n not in reads_data or _is_view(n)}
+    recomputable |= trainable_primals
+    needed = {a for n in backward_nodes for a in n.all_input_nodes} | set(grads)
+    recomputed = _closure([n for n in needed if n in recomputable], recomputable)
+    boundary = (needed - recomputed) | {a for n in recomputed for a in n.all_input_nodes if a not in recomputed}
+    keepable = set(forward_nodes) | {p for p in primals if p not in trainable_primals}
+    saved = [n for n in forward_nodes if n in boundary and n in keepable]
+    saved += [p for p in primals if p in boundary and p in keepable]
+    backward_params = tuple(i for i in sorted(trainable) if primals[i] in recomputed or primals[i] in boundary)
 
     forward = fx.Graph()
     env = {p: forward.placeholder(f"in_{i}") for i, p in enumerate(primals)}
@@ -150,7 +160,7 @@ def _partition(graph_module, num_inputs, num_outputs, differentiable, grad_outpu
     for i, t in enumerate(tangents):
         benv[t] = backward.placeholder(f"grad_out_{i}")
     for node in nodes:
-        if node in recomputed and node not in benv or node in backward_nodes:
+        if node.op != "placeholder" and (node in recomputed and node not in benv or node in backward_nodes):
             benv[node] = backward.node_copy(node, lambda a: benv[a])
     backward.output(tuple(benv[g] for g in grads))
     forward.eliminate_dead_code()
@@ -158,6 +168,10 @@ def _partition(graph_module, num_inputs, num_outputs, differentiable, grad_outpu
     layouts = tuple((tuple(n.meta["val"].shape), n.meta["val"].dtype) for n in saved)
     return ChunkAutograd(fx.GraphModule(graph_module, forward), fx.GraphModule(graph_module, backward),
                          num_outputs, len(saved), differentiable, grad_outputs, backward_params, layouts)
+
+
+def _is_view(node) -> bool:
+    return node.op == "call_function" and getattr(node.target, "is_view", False)
 
 
 def _closure(roots: list, allowed: set) -> set:

@@ -80,7 +80,10 @@ def make_backward(plan: ChunkPlan, accumulate: bool):
         params = []
         if takes_params:
             params, rest = plan.params(rest[:num_buckets]), rest[num_buckets:]
-        grad_outputs = rest[:len(rest) - num_buckets] if accumulate else rest
+        grad_outputs = list(rest[:len(rest) - num_buckets] if accumulate else rest)
+        if ag.loss_seed is not None:   # d(mean over microbatches)/d(this microbatch's loss)
+            value, dtype = ag.loss_seed
+            grad_outputs.append(torch.full((), value, dtype=dtype))
         grads = dict(zip(ag.differentiable, ag.backward(*saved, *[params[i] for i in ag.backward_params],
                                                          *grad_outputs)))
         named = {}

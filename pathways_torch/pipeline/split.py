@@ -146,6 +146,8 @@ def split_model(model, loss_fn, form, leaves: list, *, trained: list[str], const
     finally:
         for hook in hooks:
             hook.remove()
+    # Ops whose values nothing reads (a dropout key made where no dropout follows) would make inputs of a chunk.
+    graph_module.graph.eliminate_dead_code(is_impure_node=lambda n: n.target is MARKER or n.is_impure())
     markers = [n for n in graph_module.graph.nodes if n.op == "call_function" and n.target is MARKER]
     if len(markers) != num_chunks - 1:
         raise PlacementError(f"pw.Pipeline: expected {num_chunks - 1} pipe_split() markers for {num_chunks} chunks "

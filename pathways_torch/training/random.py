@@ -88,17 +88,24 @@ class _SampleKeyedRng(_CounterRng):
     for every sample what the whole batch in one process draws for it (dim 0 is the batch)."""
 
     def __init__(self, seed: int, step, row_offset):
+        # Kept raw; each call derives its key from them, so a dropout in a later pipeline chunk reads the
+        # chunk's own key input rather than a value computed in the first chunk.
+        self._seed, self._step, self._row_offset, self._calls = seed, step, row_offset, 0
+
+    def next_key(self):
         import torch
 
-        super().__init__(seed, step, torch.zeros((), dtype=torch.int64))
-        self._row_offset = row_offset.to(torch.int64).reshape(())
+        self._base = (self._step.to(torch.int64) * 0x2545F491 + (self._seed & _MASK32)) & _MASK32
+        return super().next_key()
 
     def uniform(self, shape, dtype):
         import math
 
+        import torch
+
         key = self.next_key()
         per_row = math.prod(shape[1:]) if len(shape) > 1 else 1
-        index = _element_index(shape, key.device) + self._row_offset * per_row
+        index = _element_index(shape, key.device) + self._row_offset.to(torch.int64).reshape(()) * per_row
         bits = _hash32(_hash32(index ^ key) + key & _MASK32)
         return (bits >> 8).to(dtype) * (1.0 / (1 << 24))
 

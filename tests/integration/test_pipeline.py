@@ -9,6 +9,7 @@ is sent and changes no stored parameter.
 from __future__ import annotations
 
 import copy
+import gc
 
 import pytest
 import torch
@@ -127,19 +128,29 @@ def test_user_schedule_text_is_used_and_a_broken_one_refused(ctx):
                  plan=pw.Pipeline(microbatches=2, schedule=broken))
 
 
-def _activation_peaks(ctx, schedule, microbatches, stages, rows_per_microbatch=64, width=128):
+def _activation_peaks(ctx, schedule, microbatches, stages, rows=256, width=32):
+    """The first stage's peak stored bytes during one step, less its state at rest and the step's inputs:
+    the activations its forwards keep for their backwards (and what passes through)."""
+    gc.collect()              # what earlier tests left is freed before this one measures
+    ctx._flush_frees()
     model = _blocks(depth=stages * 2, width=width, dtype=torch.float32)
-    batches = _batches(2, rows=rows_per_microbatch * microbatches, width=width, dtype=torch.float32)
+    batches = _batches(2, rows=rows * microbatches, width=width, dtype=torch.float32)
     mesh = ctx.mesh({"pipe": stages})
     trainer = ctx.wrap(model, optimizer=_adam(model), loss_fn=nn.MSELoss(), mesh=mesh,
                        plan=pw.Pipeline(microbatches=microbatches, schedule=schedule))
     trainer.step(batches[0]).result(120)        # captured; the state is in place
-    resting = ctx.stats()["executors"]
-    trainer.step(batches[1]).result(120)
-    peaks = ctx.stats()["executors"]
+    gc.collect()
+    ctx._flush_frees()                           # the state before that step is gone too
     first = mesh.executor_ids[0]
+    resting = ctx.stats()["executors"][first]["store_bytes"]
+    trainer.step(batches[1]).result(120)
+    peak = ctx.stats()["executors"][first]["store_bytes_high_water"]
+    inputs = batches[1][0].nbytes                # the first stage's inputs: every microbatch of x
     del trainer
-    return peaks[first]["store_bytes_high_water"] - resting[first]["store_bytes"]
+    return peak - resting - inputs
+
+
+ACTIVATION = 256 * 32 * 4    # one microbatch's activation at one block boundary
 
 
 def test_one_f_one_b_peak_activation_memory_below_gpipe_and_independent_of_microbatches(ctx):
@@ -147,11 +158,11 @@ def test_one_f_one_b_peak_activation_memory_below_gpipe_and_independent_of_micro
     ofob = _activation_peaks(ctx, "1f1b", 8, 2)
     ofob_more = _activation_peaks(ctx, "1f1b", 16, 2)
     ofob_deeper = _activation_peaks(ctx, "1f1b", 8, 4)
-    activation = 64 * 128 * 4
+    # GPipe keeps every microbatch's saved values (x and two tanh outputs each) until the backwards start.
+    assert gpipe >= 8 * 3 * ACTIVATION, gpipe
     assert ofob < gpipe / 2, (ofob, gpipe)
-    assert gpipe >= 8 * activation, gpipe                      # every microbatch's saved input at once
-    assert abs(ofob_more - ofob) <= activation, (ofob, ofob_more)   # grows with S, not with M
-    assert ofob_deeper > ofob + activation, (ofob, ofob_deeper)
+    assert abs(ofob_more - ofob) <= ACTIVATION, (ofob, ofob_more)      # grows with S, not with M
+    assert ofob_deeper > ofob + 3 * ACTIVATION, (ofob, ofob_deeper)    # rank 0 holds S microbatches
 
 
 def test_checkpoint_crosses_between_pipeline_and_data_parallel(ctx, tmp_path):
@@ -289,3 +300,20 @@ def test_dropout_masks_keyed_by_sample_repeat_the_unpipelined_run(ctx, schedule)
     assert max(abs(a - b) for a, b in zip(losses, expected)) < 1e-9, (losses, expected)
     assert _max_difference(trainer.state_dict()["model"], reference) < 1e-9
     assert abs(losses[0] - without_dropout[0]) > 1e-3     # the masks did something
+
+
+@pytest.mark.parametrize("variant", ["sharded-data", "recompute"])
+def test_sharded_stages_and_recompute_equal_eager(ctx, variant):
+    batches = _batches(3, rows=16)
+    model, reference = _blocks(), _blocks()
+    expected = train_eagerly(reference, _adam(reference), batches, nn.MSELoss())
+    data = pw.ShardedDataParallel("data") if variant == "sharded-data" else pw.DataParallel("data")
+    plan = pw.Pipeline(microbatches=4, schedule="1f1b", data=data, recompute=variant == "recompute")
+    trainer, losses = _train(ctx, model, plan, batches, {"pipe": 2, "data": 2})
+    assert max(abs(a - b) for a, b in zip(losses, expected)) < 1e-9, (losses, expected)
+    assert _max_difference(trainer.state_dict()["model"], reference) < 1e-9
+    saved = [p.autograd.saved_layouts for p in next(iter(trainer._built.values())).plans]
+    if variant == "recompute":   # only each chunk's data inputs are kept: x; the activation and the target
+        assert [len(s) for s in saved] == [1, 2], saved
+    else:                        # each block's tanh output too; the head's output and the target
+        assert [len(s) for s in saved] == [5, 7], saved
