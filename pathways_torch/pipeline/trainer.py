@@ -41,6 +41,7 @@ class _Built:
     plans: list                 # ChunkPlan per chunk
     program: Program
     leaf_rows: int              # rows of each batch leaf per microbatch shard
+    num_nodes: int              # nodes in the step's program (computations, tied gradients, updates)
 
 
 class PipelineTrainer(Trainer):
@@ -70,6 +71,7 @@ class PipelineTrainer(Trainer):
         self._unfinished_steps: collections.deque = collections.deque()
         self._stage_meshes = self._make_stage_meshes()
         self._built: dict = {}
+        self._last_built: _Built | None = None
         self._assignment = None          # chunk → its parameter names, fixed by the first split
         self._host_state = self._initial_tensors()   # put on the executors once the split is known
         self._chunk_state: list | None = None        # per chunk: (flats, states, constants) arrays
@@ -91,6 +93,8 @@ class PipelineTrainer(Trainer):
                     f"chunks and {plan.microbatches} microbatches")
             # Checked as written (the error marks the user's own text), then with its sends and receives.
             self._simulation = simulate(schedule)
+            # The program lists the computations in the simulation's order: node k is this action.
+            self._compute_actions = [action for _, action in self._simulation.order if action.is_compute]
         except (ScheduleError, ValueError) as exc:
             if isinstance(exc, PlacementError):
                 raise
@@ -148,7 +152,8 @@ class PipelineTrainer(Trainer):
         self._assignment = assignment
         plans = [self._chunk_plan(split, c, examples) for c in split.chunks]
         program = self._program(split, plans)
-        built = self._built[key] = _Built(split, plans, program, rows)
+        num_nodes = len(self._compute_actions) + sum(1 for p in plans if p.shared) + len(plans)
+        built = self._built[key] = _Built(split, plans, program, rows, num_nodes)
         return built
 
     def _chunk_plan(self, split, chunk, examples) -> ChunkPlan:
@@ -199,7 +204,7 @@ class PipelineTrainer(Trainer):
 
     def _program(self, split, plans: list) -> Program:
         functions = self._functions(plans)
-        order = [(rank, action) for rank, action in self._simulation.order if action.is_compute]
+        order = [(None, action) for action in self._compute_actions]
         num_microbatches, num_ranks = self.plan.microbatches, self.num_ranks
         num_states = len(self.layout.state_names)
         rank_of = self._schedule.rank_of
@@ -321,7 +326,7 @@ class PipelineTrainer(Trainer):
         import torch
 
         self._spec = read_optimizer(self.optimizer)
-        built = self._build(form, tensors)
+        built = self._last_built = self._build(form, tensors)
         if self._chunk_state is None:
             self._put_state(self._host_state)
         scalars = torch.tensor([self.step_count + 1, *self._spec.dynamic_values()], dtype=torch.float64)
@@ -363,6 +368,46 @@ class PipelineTrainer(Trainer):
         flats = [[next(it) for _ in p.buckets] for p in plans]
         states = [[next(it) for _ in range(len(p.buckets) * len(self.layout.state_names))] for p in plans]
         self._chunk_state = [[f, s, old[2]] for f, s, old in zip(flats, states, self._chunk_state)]
+
+    def timeline(self, path: str = "step.png", *, trace_path: str | None = None) -> str:
+        """Draw the last step from the executors' timestamps (matplotlib): one row per executor, forward and
+        backward in two colours with microbatch numbers, the bubble visible; ``trace_path`` also writes that
+        step's Chrome/Perfetto trace. Returns ``path``."""
+        import json
+
+        from .timeline import bubble_fraction, chrome_step, draw
+
+        if self._last_built is None:
+            raise PlacementError("trainer.timeline: no step has run yet; call trainer.step(batch) first")
+        spans, full, rows, nodes = self._last_step_spans()
+        title = (f"{self._schedule.name or 'schedule'}: {self.num_ranks} stages x {self.plan.microbatches} "
+                 f"microbatches, {self.num_shards} data shard(s); bubble {bubble_fraction(spans):.0%}")
+        draw(spans, path, title)
+        if trace_path is not None:
+            with open(trace_path, "w") as f:
+                json.dump(chrome_step(full, nodes, rows), f)
+        return path
+
+    def _last_step_spans(self):
+        """The last step's spans (`timeline.Span`), the whole trace, the rows and the program's node count."""
+        import os
+        import tempfile
+
+        from .timeline import step_spans
+
+        built = self._last_built
+        rows = {eid: f"rank {r} · data {d} ({eid})" for r, mesh in enumerate(self._stage_meshes)
+                for d, eid in enumerate(mesh.executor_ids)}
+        handle, scratch = tempfile.mkstemp(suffix=".json")
+        os.close(handle)
+        try:
+            self._context._flush_frees()
+            for loss in list(self._unfinished_steps):
+                loss.wait()
+            full = self._context.trace(scratch)
+        finally:
+            os.unlink(scratch)
+        return step_spans(full, self._compute_actions, built.num_nodes, rows), full, rows, built.num_nodes
 
     def evaluate(self, batch):
         raise PlacementError("trainer.evaluate is not supported under pw.Pipeline yet; evaluate on the client "

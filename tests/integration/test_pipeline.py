@@ -317,3 +317,27 @@ def test_sharded_stages_and_recompute_equal_eager(ctx, variant):
         assert [len(s) for s in saved] == [1, 2], saved
     else:                        # each block's tanh output too; the head's output and the target
         assert [len(s) for s in saved] == [5, 7], saved
+
+
+def test_timeline_draws_the_last_step_from_executor_timestamps(ctx, tmp_path):
+    pytest.importorskip("matplotlib")
+    import json
+
+    from pathways_torch.pipeline.timeline import describe
+
+    model = _blocks(depth=4)
+    plan = pw.Pipeline(microbatches=4, schedule="1f1b", data=pw.DataParallel("data"))
+    trainer, _ = _train(ctx, model, plan, _batches(2, rows=16), {"pipe": 2, "data": 2})
+    path = trainer.timeline(str(tmp_path / "step.png"), trace_path=str(tmp_path / "step.json"))
+    with open(path, "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+    spans, *_ = trainer._last_step_spans()
+    rows = describe(spans).splitlines()
+    assert len(rows) == 4
+    # Each row is its schedule's order, then the update.
+    rank0 = "F0.0 F0.1 B0.0 F0.2 B0.1 F0.3 B0.2 B0.3 U0"
+    rank1 = "F1.0 B1.0 F1.1 B1.1 F1.2 B1.2 F1.3 B1.3 U1"
+    assert sorted(r.split(": ")[1] for r in rows) == sorted([rank0, rank0, rank1, rank1]), rows
+    step = json.load(open(tmp_path / "step.json"))
+    computed = [e for e in step["traceEvents"] if e.get("ph") == "X" and e["name"].startswith("pipeline_")]
+    assert len(computed) == 4 * 9, len(computed)     # that step only
