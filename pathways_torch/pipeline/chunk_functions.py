@@ -21,7 +21,8 @@ import dataclasses
 from ..training.buckets import Bucket, flatten, unflatten
 from ..training.optimizers import DYNAMIC, OptimizerSpec, apply_update
 
-__all__ = ["ChunkPlan", "make_forward", "make_backward", "make_tied", "make_update"]
+__all__ = ["ChunkPlan", "make_forward", "make_backward", "make_tied", "make_update", "make_eval_forward",
+           "make_eval_loss"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -166,3 +167,32 @@ def _add_partner_grads(plan: ChunkPlan, grads: list, partner_grads: list, partne
                 named[name] = named[name] + flat.narrow(0, offset, numel).view(named[name].shape)
             offset += numel
     return [flatten(b, named, n) for b, n in zip(plan.buckets, plan.padded)]
+
+
+def make_eval_forward(plan: ChunkPlan):
+    """``(*flats, *constants, *batch leaves, *incoming) -> (*outgoing, [loss])``: the chunk's graph as traced
+    in eval mode, no gradient, nothing saved (``trainer.evaluate``)."""
+    import torch
+
+    num_buckets = len(plan.buckets)
+
+    def forward(*tensors):
+        with torch.no_grad():
+            return tuple(plan.chunk.graph_module(*plan.params(tensors[:num_buckets]), *tensors[num_buckets:]))
+
+    forward.__name__ = f"pipeline_eval_forward[{plan.chunk.index}]"
+    return forward
+
+
+def make_eval_loss(data, num_shards: int):
+    """The mean of the microbatches' losses over the global batch (replicated on the last stage)."""
+    import torch
+
+    from ..collectives import all_reduce
+
+    def loss(*losses):
+        mean = torch.stack(losses).mean()
+        return all_reduce(mean, data.axis, "mean") if num_shards > 1 else mean
+
+    loss.__name__ = "pipeline_eval_loss"
+    return loss

@@ -124,11 +124,12 @@ def balanced_boundaries(costs: list[float], num_chunks: int) -> list[int]:
 
 
 def split_model(model, loss_fn, form, leaves: list, *, trained: list[str], constants: list[str],
-                num_chunks: int, seed: int = 0) -> SplitModel:
+                num_chunks: int, seed: int = 0, allow_buffer_reads: bool = False) -> SplitModel:
     """Trace ``model`` + loss on example ``leaves`` (one microbatch shard) and cut it into ``num_chunks``.
 
     One more batch leaf follows the batch's own: the dropout key, int64[1, 2] = (step number, global
     index of the shard's first row); a chunk with dropout reads it (`SplitModel.rng_leaf`).
+    ``allow_buffer_reads`` is for evaluation: a forward that writes a buffer is refused only in training.
     """
     import torch
 
@@ -153,7 +154,7 @@ def split_model(model, loss_fn, form, leaves: list, *, trained: list[str], const
         raise PlacementError(f"pw.Pipeline: expected {num_chunks - 1} pipe_split() markers for {num_chunks} chunks "
                              f"(stages x virtual stages), the forward has {len(markers)}; put one marker between "
                              f"each pair of chunks, or none to split the block list automatically")
-    split = _cut(graph_module, trained, constants, num_chunks, how)
+    split = _cut(graph_module, trained, constants, num_chunks, how, refuse_buffer_writes=not allow_buffer_reads)
     modules = entries.by_chunk(num_chunks)
     chunks = tuple(dataclasses.replace(c, modules=m) for c, m in zip(split.chunks, modules))
     return dataclasses.replace(split, chunks=chunks, rng_leaf=len(leaves) - 1)
@@ -200,7 +201,8 @@ def _has_markers(model, loss_fn, form, leaves, names, seed: int) -> bool:
     return any(n.op == "call_function" and n.target is MARKER for n in graph_module.graph.nodes)
 
 
-def _cut(graph_module, trained: list[str], constants: list[str], num_chunks: int, how: str) -> SplitModel:
+def _cut(graph_module, trained: list[str], constants: list[str], num_chunks: int, how: str,
+         refuse_buffer_writes: bool = True) -> SplitModel:
     """Assign every op to a chunk (the markers before it) and build one graph per chunk."""
     import torch.fx as fx
 
@@ -214,7 +216,8 @@ def _cut(graph_module, trained: list[str], constants: list[str], num_chunks: int
             role[node] = ("constant", names[index])
         else:
             role[node] = ("batch", index - len(names))
-    _refuse_mutated_buffers(graph_module, role)
+    if refuse_buffer_writes:
+        _refuse_mutated_buffers(graph_module, role)
     chunk_of, current, output = {}, 0, None
     for node in graph_module.graph.nodes:
         if node.op == "call_function" and node.target is MARKER:

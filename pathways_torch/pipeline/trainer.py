@@ -44,6 +44,12 @@ class _Built:
     num_nodes: int              # nodes in the step's program (computations, tied gradients, updates)
 
 
+@dataclasses.dataclass
+class _EvalProgram:
+    chunks: tuple
+    program: Program
+
+
 class PipelineTrainer(Trainer):
     """Train ``model`` under a `Pipeline` plan on ``mesh`` (see `Context.wrap`)."""
 
@@ -122,7 +128,7 @@ class PipelineTrainer(Trainer):
         if not self._built:
             raise PlacementError("trainer.stages: the model is split when the first batch shows its shapes; "
                                  "call trainer.step(batch) first")
-        split = next(iter(self._built.values())).split
+        split = next(b for b in self._built.values() if isinstance(b, _Built)).split
         numel = {n: p.numel() for n, p in self.model.named_parameters()}
         return split.describe(numel, rank_of=self._schedule.rank_of)
 
@@ -264,7 +270,7 @@ class PipelineTrainer(Trainer):
             self._chunk_state = None
             return
         state_placement = self.data.state_placement() if self.num_shards > 1 else Replicate()
-        plans = next(iter(self._built.values())).plans
+        plans = self._train_plans()
         chunk_state = []
         for plan in plans:
             mesh = self._stage_meshes[self._schedule.rank_of(plan.chunk.index)]
@@ -278,6 +284,9 @@ class PipelineTrainer(Trainer):
             chunk_state.append([arrays[:nb], arrays[nb:nb * (1 + ns)], arrays[nb * (1 + ns):]])
         self._chunk_state, self._host_state = chunk_state, None
 
+    def _train_plans(self) -> list:
+        return next(b for b in self._built.values() if isinstance(b, _Built)).plans
+
     def _make_function(self):
         self._built.clear()
         self._assignment = None
@@ -287,7 +296,7 @@ class PipelineTrainer(Trainer):
         if self._chunk_state is None:
             return {k: v.clone() for k, v in self._host_state.items()}
         tensors = dict(self._constants_on_host())
-        plans = next(iter(self._built.values())).plans
+        plans = self._train_plans()
         for plan, (flats, states, _) in zip(plans, self._chunk_state):
             for bucket, flat in zip(plan.buckets, flats):
                 for name, t in unflatten(bucket, flat.result()).items():
@@ -410,11 +419,79 @@ class PipelineTrainer(Trainer):
         return step_spans(full, self._compute_actions, built.num_nodes, rows), full, rows, built.num_nodes
 
     def evaluate(self, batch):
-        raise PlacementError("trainer.evaluate is not supported under pw.Pipeline yet; evaluate on the client "
-                             "(model.load_state_dict(trainer.state_dict()['model'])) or in a DataParallel trainer "
-                             "loaded from a checkpoint")
+        """The loss on ``batch`` (a replicated 0-d `pw.Array`, at once): the chunks' forwards only, in eval mode,
+        microbatch after microbatch, on the parameters where they live (one program per call)."""
+        form, tensors = self._batch_tensors(batch)
+        self._spec = read_optimizer(self.optimizer)
+        train = self._build(form, tensors)          # the state's layout (and its first put) come from it
+        if self._chunk_state is None:
+            self._put_state(self._host_state)
+        program, rows = self._eval_program(form, tensors, train)
+        per_mesh: dict[int, list] = collections.defaultdict(list)
+        for m in range(self.plan.microbatches):
+            for chunk in program.chunks:
+                r = self._schedule.rank_of(chunk.index)
+                for leaf in chunk.batch_leaves:
+                    per_mesh[r].append((tensors[leaf][m * rows:(m + 1) * rows], {self.data.axis: Shard(0)}))
+        put = {r: iter(self._context.put_many(items, self._stage_meshes[r])) for r, items in per_mesh.items()}
+        batch_arrays = [next(put[self._schedule.rank_of(c.index)])
+                        for _ in range(self.plan.microbatches) for c in program.chunks for _ in c.batch_leaves]
+        state = [a for flats, _, consts in self._chunk_state for a in (*flats, *consts)]
+        return program.program(*state, *batch_arrays)
 
-    predict = evaluate
+    def _eval_program(self, form, tensors: list, train: _Built):
+        """The evaluation program for this kind of batch: the model split in eval mode, forwards only."""
+        import torch
+
+        from ..training.evaluation import eval_mode
+        from .chunk_functions import make_eval_forward, make_eval_loss
+
+        key = ("eval", form.key, tuple((tuple(t.shape), t.dtype) for t in tensors))
+        known = self._built.get(key)
+        if known is not None:
+            return known, train.leaf_rows * self.num_shards
+        examples = [torch.empty((train.leaf_rows, *t.shape[1:]), dtype=t.dtype, device="meta") for t in tensors]
+        trained = [s.name for b in self.layout.buckets for s in b.slots]
+        constants = list(self.layout.buffer_names) + list(self.layout.frozen_names)
+        with eval_mode(self.model):
+            try:
+                split = split_model(self.model, self.loss_fn, form, examples, trained=trained, constants=constants,
+                                    num_chunks=self._schedule.num_chunks, seed=self.seed, allow_buffer_reads=True)
+            except CaptureError as exc:
+                raise self._located(exc, "evaluate") from exc.__cause__
+        if tuple(c.params for c in split.chunks) != self._assignment:
+            raise PlacementError("trainer.evaluate: the model in eval mode splits its parameters differently "
+                                 "from training; evaluate on the client from trainer.state_dict()")
+        plans = [dataclasses.replace(p, chunk=c) for p, c in zip(train.plans, split.chunks)]
+        functions = [Function(make_eval_forward(p), out=(Replicate(),) * (len(p.chunk.outgoing) + p.chunk.has_loss),
+                              mesh=self._stage_meshes[self._schedule.rank_of(p.chunk.index)]) for p in plans]
+        mean = Function(make_eval_loss(self.data, self.num_shards), out=Replicate(), mesh=self._stage_meshes[
+            self._schedule.rank_of(plans[-1].chunk.index)])
+        num_microbatches = self.plan.microbatches
+
+        def pipeline_evaluate(*arrays):
+            it = iter(arrays)
+            flats, consts = [], []
+            for plan in plans:
+                flats.append([next(it) for _ in plan.buckets])
+                consts.append([next(it) for _ in plan.chunk.constants])
+            losses = []
+            for m_batch in [[[next(it) for _ in p.chunk.batch_leaves] for p in plans] for _ in range(num_microbatches)]:
+                incoming = []
+                for plan, fn, leaves in zip(plans, functions, m_batch):
+                    c = plan.chunk.index
+                    outputs = _as_tuple(fn(*flats[c], *consts[c], *leaves, *incoming))
+                    incoming = list(outputs[:len(plan.chunk.outgoing)])
+                losses.append(outputs[-1])
+            return mean(*losses)
+
+        known = self._built[key] = _EvalProgram(split.chunks, Program(
+            pipeline_evaluate, name=f"pipeline_evaluate[{type(self.model).__name__}]"))
+        return known, train.leaf_rows * self.num_shards
+
+    def predict(self, batch):
+        raise PlacementError("trainer.predict is not supported under pw.Pipeline yet; use trainer.evaluate for the "
+                             "loss, or run the model on the client from trainer.state_dict()['model']")
 
     def __repr__(self) -> str:
         return (f"<PipelineTrainer {type(self.model).__name__} {self.plan.schedule} {self.num_ranks} ranks x "

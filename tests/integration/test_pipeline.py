@@ -312,7 +312,7 @@ def test_sharded_stages_and_recompute_equal_eager(ctx, variant):
     trainer, losses = _train(ctx, model, plan, batches, {"pipe": 2, "data": 2})
     assert max(abs(a - b) for a, b in zip(losses, expected)) < 1e-9, (losses, expected)
     assert _max_difference(trainer.state_dict()["model"], reference) < 1e-9
-    saved = [p.autograd.saved_layouts for p in next(iter(trainer._built.values())).plans]
+    saved = [p.autograd.saved_layouts for p in trainer._train_plans()]
     if variant == "recompute":   # only each chunk's data inputs are kept: x; the activation and the target
         assert [len(s) for s in saved] == [1, 2], saved
     else:                        # each block's tanh output too; the head's output and the target
@@ -341,3 +341,22 @@ def test_timeline_draws_the_last_step_from_executor_timestamps(ctx, tmp_path):
     step = json.load(open(tmp_path / "step.json"))
     computed = [e for e in step["traceEvents"] if e.get("ph") == "X" and e["name"].startswith("pipeline_")]
     assert len(computed) == 4 * 9, len(computed)     # that step only
+
+
+def test_evaluate_is_the_eager_eval_loss_and_changes_nothing(ctx):
+    batches = _batches(3, rows=16)
+    model, reference = _dropout_blocks(), _dropout_blocks()
+    _train_eagerly_with_sample_keyed_dropout(reference, _adam(reference), batches[:2])
+    plan = pw.Pipeline(microbatches=4, schedule="1f1b", data=pw.DataParallel("data"))
+    trainer, _ = _train(ctx, model, plan, batches[:2], {"pipe": 2, "data": 2})
+    before = trainer.state_dict()["model"]
+    loss = trainer.evaluate(batches[2]).result(120).item()
+    reference.eval()
+    with torch.no_grad():
+        expected = nn.MSELoss()(reference(batches[2][0]), batches[2][1]).item()
+    assert abs(loss - expected) < 1e-9, (loss, expected)
+    after = trainer.state_dict()["model"]
+    assert all(torch.equal(before[n], after[n]) for n in before)
+    assert model.training                      # the user's module is back in training mode
+    with pytest.raises(pw.PlacementError, match="predict is not supported under pw.Pipeline"):
+        trainer.predict(batches[2])

@@ -54,7 +54,7 @@ def test_tied_head_stays_equal_to_the_embedding(ctx):
     assert "shared with another chunk: transformer.wte.weight" in trainer.stages
     chunks = trainer._chunk_state
     first, last = chunks[0][0], chunks[-1][0]   # the flat buckets of the first and the last chunk
-    plans = next(iter(trainer._built.values())).plans
+    plans = trainer._train_plans()
     copies = []
     for plan, flats in ((plans[0], first), (plans[-1], last)):
         from pathways_torch.training.buckets import unflatten
