@@ -11,7 +11,10 @@ chunk's stage mesh (the executors of one pipe rank, along the data axis):
   another (a tied embedding and head), for the other chunk's update;
 - ``update(*flats, *states, *accumulated, scalars, [*losses], [*tied]) -> (*flats, *states, [loss])``:
   the shared parameters' gradients summed across chunks, the data-parallel reduction
-  inside the stage (one collective per bucket, the loss in the first), the optimizer step.
+  inside the stage (one collective per bucket, the loss in the first), the optimizer step;
+- with ``max_grad_norm``, the update in two: ``reduce`` (the same reductions, plus the squared norm of
+  the chunk's gradients) and ``apply`` (every chunk's squared norm in, ``clip_grad_norm_``'s scaling, the
+  optimizer step) — the global norm spans the stages, so the squared norms cross between them.
 """
 
 from __future__ import annotations
@@ -21,8 +24,8 @@ import dataclasses
 from ..training.buckets import Bucket, flatten, unflatten
 from ..training.optimizers import DYNAMIC, OptimizerSpec, apply_update
 
-__all__ = ["ChunkPlan", "make_forward", "make_backward", "make_tied", "make_update", "make_eval_forward",
-           "make_eval_loss"]
+__all__ = ["ChunkPlan", "make_forward", "make_backward", "make_tied", "make_update", "make_reduce", "make_apply",
+           "make_eval_forward", "make_eval_loss"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -123,8 +126,6 @@ def make_tied(plan: ChunkPlan):
 
 def make_update(plan: ChunkPlan, spec: OptimizerSpec, num_microbatches: int, num_groups: int, partner_slots: dict):
     """``partner_slots[c]``: (name, numel) of each value in chunk c's ``tied`` output, in order."""
-    import torch
-
     num_buckets, num_states = len(plan.buckets), plan.num_states
     has_loss = plan.chunk.has_loss
 
@@ -135,24 +136,88 @@ def make_update(plan: ChunkPlan, spec: OptimizerSpec, num_microbatches: int, num
         grads = [next(it) for _ in range(num_buckets)]
         scalars = next(it)
         losses = [next(it) for _ in range(num_microbatches)] if has_loss else []
-        partner_grads = [next(it) for _ in plan.partners]
-        if partner_grads:
-            grads = _add_partner_grads(plan, grads, partner_grads, partner_slots)
-        step_number, hyper = scalars[0], scalars[1:].reshape(num_groups, len(DYNAMIC))
-        if has_loss:
-            loss = torch.stack(losses).mean()
-            grads, loss = plan.data.reduce(grads, loss, plan.num_shards)
-        elif plan.num_shards > 1:
-            grads = [plan.data.reduce_gradient(g, plan.num_shards) for g in grads]
-        new_flats, new_states = [], []
-        for bucket, flat, grad, state in zip(plan.buckets, flats, grads, states):
-            param, state = apply_update(spec, bucket.group, flat, grad, state, step_number, hyper[bucket.group])
-            new_flats.append(param)
-            new_states.extend(state)
+        grads, loss = _reduce(plan, grads, losses, [next(it) for _ in plan.partners], partner_slots)
+        new_flats, new_states = _apply(plan, spec, num_groups, flats, states, grads, scalars)
         return (*new_flats, *new_states, *([loss] if has_loss else []))
 
     update.__name__ = f"pipeline_update[{plan.chunk.index}]"
     return update
+
+
+def make_reduce(plan: ChunkPlan, num_microbatches: int, partner_slots: dict, owned: tuple[str, ...]):
+    """With clipping, the update's first half: ``(*accumulated, [*losses], [*tied]) -> (*grads, sumsq, [loss])``;
+    ``sumsq`` is the squared L2 norm of the reduced gradients of the parameters in ``owned`` (a shared
+    parameter is counted by one chunk only), over the whole stage."""
+    import torch
+
+    num_buckets, has_loss = len(plan.buckets), plan.chunk.has_loss
+
+    def reduce(*tensors):
+        it = iter(tensors)
+        grads = [next(it) for _ in range(num_buckets)]
+        losses = [next(it) for _ in range(num_microbatches)] if has_loss else []
+        grads, loss = _reduce(plan, grads, losses, [next(it) for _ in plan.partners], partner_slots)
+        if plan.data.sharded_state:   # this shard's slice of every bucket: sum, then over the stage
+            squares = sum((g.to(torch.float64) ** 2).sum() for g in grads)
+            squares = plan.data.global_sum(squares, plan.num_shards)
+        else:
+            named = {}
+            for bucket, flat in zip(plan.buckets, grads):
+                named.update(unflatten(bucket, flat))
+            squares = sum(((named[n].to(torch.float64) ** 2).sum() for n in owned),
+                          torch.zeros((), dtype=torch.float64))
+        return (*grads, squares, *([loss] if has_loss else []))
+
+    reduce.__name__ = f"pipeline_reduce[{plan.chunk.index}]"
+    return reduce
+
+
+def make_apply(plan: ChunkPlan, spec: OptimizerSpec, num_groups: int, num_chunks: int, max_norm: float):
+    """With clipping, the update's second half: ``(*flats, *states, *grads, scalars, *sumsq of every chunk)
+    -> (*flats, *states)``, the gradients scaled as ``clip_grad_norm_`` does over the whole model."""
+    import torch
+
+    num_buckets, num_states = len(plan.buckets), plan.num_states
+
+    def apply(*tensors):
+        it = iter(tensors)
+        flats = [next(it) for _ in range(num_buckets)]
+        states = [tuple(next(it) for _ in range(num_states)) for _ in range(num_buckets)]
+        grads = [next(it) for _ in range(num_buckets)]
+        scalars = next(it)
+        total = torch.stack([next(it) for _ in range(num_chunks)]).sum().sqrt()
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        grads = [g * coef.to(g.dtype) for g in grads]
+        new_flats, new_states = _apply(plan, spec, num_groups, flats, states, grads, scalars)
+        return (*new_flats, *new_states)
+
+    apply.__name__ = f"pipeline_apply[{plan.chunk.index}]"
+    return apply
+
+
+def _reduce(plan: ChunkPlan, grads: list, losses: list, partner_grads: list, partner_slots: dict):
+    """Shared parameters' gradients summed across chunks, then the data-parallel mean (the loss rides along)."""
+    import torch
+
+    if partner_grads:
+        grads = _add_partner_grads(plan, grads, partner_grads, partner_slots)
+    loss = None
+    if losses:
+        loss = torch.stack(losses).mean()
+        grads, loss = plan.data.reduce(grads, loss, plan.num_shards)
+    elif plan.num_shards > 1:
+        grads = [plan.data.reduce_gradient(g, plan.num_shards) for g in grads]
+    return grads, loss
+
+
+def _apply(plan: ChunkPlan, spec: OptimizerSpec, num_groups: int, flats, states, grads, scalars):
+    step_number, hyper = scalars[0], scalars[1:].reshape(num_groups, len(DYNAMIC))
+    new_flats, new_states = [], []
+    for bucket, flat, grad, state in zip(plan.buckets, flats, grads, states):
+        param, state = apply_update(spec, bucket.group, flat, grad, state, step_number, hyper[bucket.group])
+        new_flats.append(param)
+        new_states.extend(state)
+    return new_flats, new_states
 
 
 def _add_partner_grads(plan: ChunkPlan, grads: list, partner_grads: list, partner_slots: dict) -> list:

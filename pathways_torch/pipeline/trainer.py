@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 
 from ..errors import CaptureError, PlacementError
 from ..functions import Function
@@ -25,7 +26,7 @@ from ..training.plans import DataParallel
 from ..training.step import StepLayout
 from ..training.trainer import Trainer
 from .autograd import partition_chunk
-from .chunk_functions import ChunkPlan, make_backward, make_forward, make_tied, make_update
+from .chunk_functions import ChunkPlan, make_apply, make_backward, make_forward, make_reduce, make_tied, make_update
 from .plan import Pipeline
 from .schedules import Schedule, ScheduleError, make_schedule, simulate
 from .split import split_model
@@ -58,11 +59,10 @@ class PipelineTrainer(Trainer):
 
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"ctx.wrap: expected an nn.Module, got {type(model).__name__}")
-        if max_grad_norm is not None:
-            raise PlacementError("pw.Pipeline: max_grad_norm is not supported with pipelines yet (the norm spans "
-                                 "every stage); clip inside the model or use pw.DataParallel")
+        if max_grad_norm is not None and not max_grad_norm > 0:
+            raise ValueError(f"max_grad_norm: expected a positive number or None, got {max_grad_norm!r}")
         self._context, self.model, self.optimizer, self.loss_fn = context, model, optimizer, loss_fn
-        self.mesh, self.plan, self.max_grad_norm, self.seed = mesh, plan, None, int(seed)
+        self.mesh, self.plan, self.max_grad_norm, self.seed = mesh, plan, max_grad_norm, int(seed)
         self.num_ranks, self.num_shards = plan.check(mesh)
         self.data = plan.data if plan.data is not None else DataParallel("data")
         self._schedule = self._make_schedule()
@@ -157,8 +157,12 @@ class PipelineTrainer(Trainer):
                                  "first one; use batches of one form")
         self._assignment = assignment
         plans = [self._chunk_plan(split, c, examples) for c in split.chunks]
+        if self.max_grad_norm is not None and self.data.sharded_state and any(p.shared for p in plans):
+            raise PlacementError("pw.Pipeline: max_grad_norm with ShardedDataParallel stages and parameters shared "
+                                 "between chunks (a tied head) is not supported yet; use data=pw.DataParallel(...)")
         program = self._program(split, plans)
-        num_nodes = len(self._compute_actions) + sum(1 for p in plans if p.shared) + len(plans)
+        updates = 2 if self.max_grad_norm is not None else 1   # reduce + apply with clipping
+        num_nodes = len(self._compute_actions) + sum(1 for p in plans if p.shared) + updates * len(plans)
         built = self._built[key] = _Built(split, plans, program, rows, num_nodes)
         return built
 
@@ -189,6 +193,10 @@ class PipelineTrainer(Trainer):
         state = self.data.state_placement() if self.num_shards > 1 else Replicate()
         numel = {s.name: s.numel for b in self.layout.buckets for s in b.slots}
         partner_slots = {p.chunk.index: [(n, numel[n]) for n in p.shared] for p in plans}
+        owner = {}   # a shared parameter's norm is counted by the first chunk holding it
+        for p in plans:
+            for n in p.chunk.params:
+                owner.setdefault(n, p.chunk.index)
         functions = []
         for plan in plans:
             mesh = self._stage_meshes[self._schedule.rank_of(plan.chunk.index)]
@@ -203,6 +211,14 @@ class PipelineTrainer(Trainer):
                 "update": Function(make_update(plan, self._spec, self.plan.microbatches, self.layout.num_groups,
                                                partner_slots), out=tuple(update_outs), mesh=mesh),
             })
+            if self.max_grad_norm is not None:
+                owned = tuple(n for n in plan.chunk.params if owner[n] == plan.chunk.index)
+                functions[-1]["reduce"] = Function(
+                    make_reduce(plan, self.plan.microbatches, partner_slots, owned), mesh=mesh,
+                    out=(state,) * nb + (Replicate(),) * (1 + plan.chunk.has_loss))
+                functions[-1]["apply"] = Function(
+                    make_apply(plan, self._spec, self.layout.num_groups, len(plans), self.max_grad_norm),
+                    out=(state,) * (nb * (1 + plan.num_states)), mesh=mesh)
         return functions
 
     def _backward_outs(self, plan: ChunkPlan) -> tuple:
@@ -214,6 +230,8 @@ class PipelineTrainer(Trainer):
         num_microbatches, num_ranks = self.plan.microbatches, self.num_ranks
         num_states = len(self.layout.state_names)
         rank_of = self._schedule.rank_of
+        update = self._clipped_updates if self.max_grad_norm is not None else self._updates
+        update = functools.partial(update, plans, functions)
 
         def pipeline_step(*arrays):
             it = iter(arrays)
@@ -246,20 +264,43 @@ class PipelineTrainer(Trainer):
                     for p in plans if p.shared}
             last = plans[-1]
             losses = [forwards[(last.chunk.index, m)][last.autograd.num_outputs - 1] for m in range(num_microbatches)]
-            new_flats, new_states, loss = [], [], None
-            for plan in plans:
-                c = plan.chunk.index
-                extra = (losses if plan.chunk.has_loss else []) + [tied[o] for o, _ in plan.partners]
-                result = _as_tuple(functions[c]["update"](*flats[c], *states[c], *accumulated[c],
-                                                          scalars[rank_of(c)], *extra))
-                nb = len(plan.buckets)
-                new_flats.append(result[:nb])
-                new_states.append(result[nb:nb * (1 + num_states)])
-                if plan.chunk.has_loss:
-                    loss = result[-1]
+            extra = {p.chunk.index: (losses if p.chunk.has_loss else []) + [tied[o] for o, _ in p.partners]
+                     for p in plans}
+            new_flats, new_states, loss = update(flats, states, accumulated, scalars, extra)
             return (loss, *[a for f in new_flats for a in f], *[a for s in new_states for a in s])
 
         return Program(pipeline_step, name=f"pipeline_step[{type(self.model).__name__}]")
+
+    def _updates(self, plans, functions, flats, states, accumulated, scalars, extra):
+        """One update node per chunk (inside the program trace): new flats, new states, the loss."""
+        num_states = len(self.layout.state_names)
+        new_flats, new_states, loss = [], [], None
+        for plan in plans:
+            c, nb = plan.chunk.index, len(plan.buckets)
+            result = _as_tuple(functions[c]["update"](*flats[c], *states[c], *accumulated[c],
+                                                      scalars[self._schedule.rank_of(c)], *extra[c]))
+            new_flats.append(result[:nb])
+            new_states.append(result[nb:nb * (1 + num_states)])
+            loss = result[-1] if plan.chunk.has_loss else loss
+        return new_flats, new_states, loss
+
+    def _clipped_updates(self, plans, functions, flats, states, accumulated, scalars, extra):
+        """With ``max_grad_norm``: every chunk reduces and reports its squared norm, then every chunk applies
+        the update scaled by the global norm (the squared norms cross between stages)."""
+        reduced, squares, loss = {}, [], None
+        for plan in plans:
+            c, nb = plan.chunk.index, len(plan.buckets)
+            result = _as_tuple(functions[c]["reduce"](*accumulated[c], *extra[c]))
+            reduced[c], loss = result[:nb], result[nb + 1] if plan.chunk.has_loss else loss
+            squares.append(result[nb])
+        new_flats, new_states = [], []
+        for plan in plans:
+            c, nb = plan.chunk.index, len(plan.buckets)
+            result = _as_tuple(functions[c]["apply"](*flats[c], *states[c], *reduced[c],
+                                                     scalars[self._schedule.rank_of(c)], *squares))
+            new_flats.append(result[:nb])
+            new_states.append(result[nb:])
+        return new_flats, new_states, loss
 
     # ------------------------------------------------------------ state
 

@@ -360,3 +360,19 @@ def test_evaluate_is_the_eager_eval_loss_and_changes_nothing(ctx):
     assert model.training                      # the user's module is back in training mode
     with pytest.raises(pw.PlacementError, match="predict is not supported under pw.Pipeline"):
         trainer.predict(batches[2])
+
+
+@pytest.mark.parametrize("data", ["dp", "sdp"])
+def test_gradient_clipping_by_the_global_norm_across_stages(ctx, data):
+    batches = _batches(3, rows=16)
+    model, reference = _blocks(), _blocks()
+    expected = train_eagerly(reference, _adam(reference), batches, nn.MSELoss(), max_grad_norm=0.05)
+    unclipped = train_eagerly(_blocks(), _adam(_blocks()), batches, nn.MSELoss())
+    plan = pw.Pipeline(microbatches=4, schedule="1f1b",
+                       data=pw.DataParallel("data") if data == "dp" else pw.ShardedDataParallel("data"))
+    trainer = ctx.wrap(model, optimizer=_adam(model), loss_fn=nn.MSELoss(), mesh=ctx.mesh({"pipe": 2, "data": 2}),
+                       plan=plan, max_grad_norm=0.05)
+    losses = [loss.result(120).item() for loss in [trainer.step(b) for b in batches]]
+    assert max(abs(a - b) for a, b in zip(losses, expected)) < 1e-9, (losses, expected)
+    assert _max_difference(trainer.state_dict()["model"], reference) < 1e-9
+    assert abs(expected[-1] - unclipped[-1]) > 1e-6      # the clipping mattered
