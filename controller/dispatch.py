@@ -497,6 +497,8 @@ class Controller:
                 self._lose(executor_id, done.failure.message)
             return
         call = self._calls.get(done.call_id)
+        if call is None and self._closing_reason:
+            return   # closing ended every pending call (ContextClosedError): late Dones are expected, not dropped
         if call is None or executor_id not in call.waiting:
             self._drop(f"Done for unknown call {done.call_id} from {executor_id}")
             return
