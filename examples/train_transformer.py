@@ -2,6 +2,7 @@
 
     python examples/train_transformer.py                       # 2 executors, XLA, DataParallel
     python examples/train_transformer.py --plan sharded --executors 4 --backend eager
+    python examples/train_transformer.py --plan pipeline --stages 2 --microbatches 8 --timeline step.png
 
 The task and model are in ``transformer.py`` next to this file. The loop keeps a
 few steps in flight: it reads the loss of step k-4 while steps k-3..k run, so the
@@ -34,8 +35,14 @@ HELD_OUT_SEED = 10_007  # never used for training batches
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--executors", type=int, default=2, help="local executor processes (the data axis)")
-    p.add_argument("--plan", choices=("data", "sharded"), default="data",
-                   help="data: pw.DataParallel; sharded: pw.ShardedDataParallel (ZeRO-3-like)")
+    p.add_argument("--plan", choices=("data", "sharded", "pipeline"), default="data",
+                   help="data: pw.DataParallel; sharded: pw.ShardedDataParallel (ZeRO-3-like); pipeline: "
+                        "pw.Pipeline over --stages (x a data axis of executors/stages)")
+    p.add_argument("--stages", type=int, default=2, help="pipeline stages (--plan pipeline)")
+    p.add_argument("--microbatches", type=int, default=8, help="pipeline microbatches per batch (--plan pipeline)")
+    p.add_argument("--schedule", choices=("gpipe", "1f1b", "interleaved"), default="1f1b",
+                   help="pipeline schedule (--plan pipeline; interleaved uses 2 virtual stages)")
+    p.add_argument("--timeline", default=None, help="--plan pipeline: draw the last step to this PNG")
     p.add_argument("--backend", choices=pw.BACKEND_NAMES, default=None,
                    help="default: XLA on CPU (the installed route, xla:torchax or xla:torch_xla), inductor on CUDA")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
@@ -56,6 +63,20 @@ def parse_args(argv=None):
     p.add_argument("--resume", action="store_true", help="continue from --checkpoint")
     p.add_argument("--min-accuracy", type=float, default=0.9, help="exit 1 if held-out accuracy ends below this")
     return p.parse_args(argv)
+
+
+def make_plan(args, ctx):
+    """The mesh and the plan: a data axis over every executor, or pipe stages x a data axis."""
+    if args.plan != "pipeline":
+        plan = pw.DataParallel("data") if args.plan == "data" else pw.ShardedDataParallel("data")
+        return ctx.mesh({"data": args.executors}), plan
+    if args.executors % args.stages:
+        raise SystemExit(f"--executors {args.executors} is not a multiple of --stages {args.stages}")
+    data = args.executors // args.stages
+    axes = {"pipe": args.stages, **({"data": data} if data > 1 else {})}
+    virtual = 2 if args.schedule == "interleaved" else 1
+    return ctx.mesh(axes), pw.Pipeline(microbatches=args.microbatches, schedule=args.schedule,
+                                       virtual_stages=virtual, data=pw.DataParallel("data") if data > 1 else None)
 
 
 def learning_rate(args, step: int) -> float:
@@ -79,14 +100,18 @@ def main(argv=None) -> int:
 
     with pw.Context(num_executors=args.executors, backend=args.backend, device=args.device) as ctx:
         print(f"backend: {ctx.backend}")
-        mesh = ctx.mesh({"data": args.executors})
-        plan = pw.DataParallel("data") if args.plan == "data" else pw.ShardedDataParallel("data")
+        mesh, plan = make_plan(args, ctx)
         trainer = ctx.wrap(model, optimizer=optimizer, loss_fn=loss_fn, mesh=mesh, plan=plan,
                            max_grad_norm=args.max_grad_norm, seed=args.seed)
         if args.resume:
             meta = trainer.load(args.checkpoint)
             print(f"resumed from {args.checkpoint} at step {meta['step']}")
         losses = train(args, trainer, task, cfg)
+        if args.plan == "pipeline":
+            print(trainer.stages)
+            print(trainer.schedule)
+            if args.timeline:
+                print(f"timeline of the last step: {trainer.timeline(args.timeline)}")
         state = trainer.state_dict()
         path = trainer.save(args.checkpoint)
         outside = {name: count for name, count in ctx.backend_counters("fallback_ops").items() if count}
