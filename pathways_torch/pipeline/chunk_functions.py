@@ -131,10 +131,7 @@ def make_update(plan: ChunkPlan, spec: OptimizerSpec, num_microbatches: int, num
 
     def update(*tensors):
         it = iter(tensors)
-        flats = [next(it) for _ in range(num_buckets)]
-        states = [tuple(next(it) for _ in range(num_states)) for _ in range(num_buckets)]
-        grads = [next(it) for _ in range(num_buckets)]
-        scalars = next(it)
+        flats, states, grads, scalars = _state_grads_scalars(it, num_buckets, num_states)
         losses = [next(it) for _ in range(num_microbatches)] if has_loss else []
         grads, loss = _reduce(plan, grads, losses, [next(it) for _ in plan.partners], partner_slots)
         new_flats, new_states = _apply(plan, spec, num_groups, flats, states, grads, scalars)
@@ -181,10 +178,7 @@ def make_apply(plan: ChunkPlan, spec: OptimizerSpec, num_groups: int, num_chunks
 
     def apply(*tensors):
         it = iter(tensors)
-        flats = [next(it) for _ in range(num_buckets)]
-        states = [tuple(next(it) for _ in range(num_states)) for _ in range(num_buckets)]
-        grads = [next(it) for _ in range(num_buckets)]
-        scalars = next(it)
+        flats, states, grads, scalars = _state_grads_scalars(it, num_buckets, num_states)
         total = torch.stack([next(it) for _ in range(num_chunks)]).sum().sqrt()
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
         grads = [g * coef.to(g.dtype) for g in grads]
@@ -193,6 +187,14 @@ def make_apply(plan: ChunkPlan, spec: OptimizerSpec, num_groups: int, num_chunks
 
     apply.__name__ = f"pipeline_apply[{plan.chunk.index}]"
     return apply
+
+
+def _state_grads_scalars(it, num_buckets: int, num_states: int) -> tuple:
+    """The inputs an update starts with: flats, states (a tuple per bucket), gradients, the step's scalars."""
+    flats = [next(it) for _ in range(num_buckets)]
+    states = [tuple(next(it) for _ in range(num_states)) for _ in range(num_buckets)]
+    grads = [next(it) for _ in range(num_buckets)]
+    return flats, states, grads, next(it)
 
 
 def _reduce(plan: ChunkPlan, grads: list, losses: list, partner_grads: list, partner_slots: dict):

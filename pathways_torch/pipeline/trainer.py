@@ -357,20 +357,9 @@ class PipelineTrainer(Trainer):
 
     # ------------------------------------------------------------ stepping
 
-    def _batch_tensors(self, batch) -> tuple:
-        from ..training.batches import split_batch
-
-        form, tensors = split_batch(batch)
-        self._batch_forms.setdefault(form.key, form)
+    def _batch_pieces(self) -> tuple[int, str]:
         pieces = self.plan.microbatches * self.num_shards
-        for index, t in enumerate(tensors):
-            if t.dim() == 0 or t.shape[0] % pieces:
-                size = t.shape[0] if t.dim() else "a 0-d tensor"
-                raise PlacementError(
-                    f"trainer.step: batch tensor {index} has {size} rows, not divisible by {self.plan.microbatches} "
-                    f"microbatches x {self.num_shards} data shards = {pieces}; use a batch size that is a multiple "
-                    f"of {pieces}")
-        return form, tensors
+        return pieces, f"{self.plan.microbatches} microbatches x {self.num_shards} data shards = {pieces}"
 
     def _dispatch_step(self, form, tensors: list):
         import torch

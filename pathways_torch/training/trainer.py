@@ -225,14 +225,18 @@ class Trainer:
         """The batch's form (kept for the step to rebuild it) and its tensor leaves, each checked to split."""
         form, tensors = split_batch(batch)
         self._batch_forms.setdefault(form.key, form)
+        pieces, what = self._batch_pieces()
         for index, t in enumerate(tensors):
-            if t.dim() == 0 or t.shape[0] % self.num_shards:
+            if t.dim() == 0 or t.shape[0] % pieces:
                 size = t.shape[0] if t.dim() else "a 0-d tensor"
                 raise PlacementError(
-                    f"trainer.step: batch tensor {index} has {size} rows, not divisible by the {self.num_shards} "
-                    f"shards of mesh axis {self.plan.axis!r}; use a batch size that is a multiple of "
-                    f"{self.num_shards} (or drop the last partial batch)")
+                    f"trainer.step: batch tensor {index} has {size} rows, not divisible by {what}; use a batch "
+                    f"size that is a multiple of {pieces} (or drop the last partial batch)")
         return form, tensors
+
+    def _batch_pieces(self) -> tuple[int, str]:
+        """How many equal pieces a batch is split into, and what they are (for the error)."""
+        return self.num_shards, f"the {self.num_shards} shards of mesh axis {self.plan.axis!r}"
 
     def _located(self, exc: CaptureError, what: str = "the training step") -> CaptureError:
         where = user_frame_summary(exc, self.model)
