@@ -234,6 +234,8 @@ BAD = {
     "more chunks than blocks": (lambda ctx: ({"pipe": 4}, pw.Pipeline(microbatches=4, schedule="interleaved",
                                                                          virtual_stages=2), 8),
                                 r"8 chunks need at least 8 blocks, the model has 5"),
+    "more stages than executors": (lambda ctx: ({"pipe": 16}, pw.Pipeline(microbatches=2), 4),
+                                   r"needs 16 executors, the cluster has 8 live"),
     "data axis without data plan": (lambda ctx: ({"pipe": 2, "data": 2}, pw.Pipeline(microbatches=2), 4),
                                     r"has no data=...; pass data=pw.DataParallel\('data'\)"),
 }
