@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from bench.pipeline import (activation_peaks, bubble, kept_order, producer, relative_error, replay, rotated,
-                            transfer_waits)
+from bench.pipeline import (activation_peaks, bubble, busy_in_windows, kept_order, producer, relative_error, replay,
+                            rotated, transfer_waits)
 from pathways_torch.pipeline.schedules import Action, make_schedule, simulate, theoretical_bubble
 
 pytestmark = pytest.mark.timeout(30)
@@ -78,3 +78,10 @@ def test_activation_peaks_per_stage_and_none_when_not_reported():
     zero = {e: {"store_bytes_high_water": 0} for e in peak}
     assert activation_peaks(rest, zero, [["e0", "e1"], ["e2"]]) is None
     assert relative_error(0.11, 0.10) == pytest.approx(0.1)
+
+
+def test_busy_in_windows_counts_only_time_inside_the_windows():
+    spans = [(0, 0.0, 1.0), (0, 1.5, 2.5), (1, 2.0, 3.0)]
+    result = busy_in_windows(spans, [(0.5, 2.0), (2.2, 2.4)])   # 1.7 s of windows
+    assert result[0]["busy_fraction"] == pytest.approx((0.5 + 0.5 + 0.2) / 1.7) and result[0]["count"] == 1
+    assert result[1]["busy_fraction"] == pytest.approx(0.2 / 1.7) and result[1]["count"] == 0
