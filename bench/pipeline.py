@@ -66,6 +66,7 @@ SCHEDULES = ("gpipe", "1f1b", "interleaved")
 SEED = 0
 SETTLE_S = 0.05        # a pause before each window: the previous window's trailing frees are done
 TARGET = 0.10          # measured bubble within 10 % (relative) of theory
+SIZES = {"small": (64, 64), "large": (128, 512)}   # (width, global batch) of the real executors' model
 
 
 # ------------------------------------------------------------ helpers (pure, unit-tested)
@@ -493,9 +494,13 @@ def main() -> None:
                         help="fewer rounds and steps, sim S=4 at F=10 ms only (about a minute)")
     parser.add_argument("--json", default=None, help="where to write the results (default bench/results/pipeline.json)")
     parser.add_argument("--backend", default=None, help="the real executors' backend (default: the runtime's)")
-    parser.add_argument("--width", type=int, default=64)
+    parser.add_argument("--sizes", default=None,
+                        help="real-executor model sizes, comma-separated: small (width 64, batch 64: 8-row "
+                             "microbatches, overhead-bound), large (width 128, batch 512: 64-row microbatches); "
+                             "default both, quick small; --width/--batch give one size of your own")
+    parser.add_argument("--width", type=int, default=None)
     parser.add_argument("--depth", type=int, default=4, help="blocks; even, so that 2 stages balance (>= 4)")
-    parser.add_argument("--batch", type=int, default=64, help="global batch (rows)")
+    parser.add_argument("--batch", type=int, default=None, help="global batch (rows)")
     parser.add_argument("--microbatches", type=int, default=8)
     parser.add_argument("--steps", type=int, default=None, help="steps per timed window (default 10, quick 5)")
     parser.add_argument("--warmup", type=int, default=3)
@@ -515,10 +520,19 @@ def main() -> None:
     args.sim_runs = args.sim_runs or (2 if quick else 3)
     args.sim_stages = _ints(args.sim_stages or ("4" if quick else "4,8,16"))
     args.forward_s = [float(f) / 1000 for f in (args.forward_ms or ("10" if quick else "10,50")).split(",")]
+    if args.width or args.batch:
+        sizes = [(args.width or 64, args.batch or 64)]
+    else:
+        names = (args.sizes or ("small" if quick else "small,large")).split(",")
+        unknown = [n for n in names if n not in SIZES]
+        if unknown:
+            parser.error(f"--sizes: expected names from {sorted(SIZES)}, got {unknown}")
+        sizes = [SIZES[n] for n in names]
     if args.depth % 2 or args.depth < 4:
         parser.error(f"--depth {args.depth}: expected an even depth >= 4 (2 stages, 2 chunks each when interleaved)")
-    if args.batch % (2 * args.microbatches):
-        parser.error(f"--batch {args.batch}: must divide by 2 executors and by {args.microbatches} microbatches")
+    for _, batch in sizes:
+        if batch % (2 * args.microbatches):
+            parser.error(f"--batch {batch}: must divide by 2 executors and by {args.microbatches} microbatches")
     if args.warmup < 1 or args.sim_runs < 1 or args.rounds < 1 or args.steps < 1:
         parser.error("--warmup, --sim-runs, --rounds and --steps: at least 1")
     if args.trace_dir:
@@ -526,18 +540,22 @@ def main() -> None:
 
     torch.set_num_threads(1)
     started = time.perf_counter()
-    real = None if args.no_real else measure_real(args)
+    reals = []
+    for width, batch in ([] if args.no_real else sizes):
+        args.width, args.batch = width, batch
+        reals.append(measure_real(args))
     sims = []
     if not args.no_sim:
         with tempfile.TemporaryDirectory() as scratch:
             for size in args.sim_stages:
                 sims.append(measure_sim(size, args, args.trace_dir or scratch))
-    if real is not None:
+    for real, (width, batch) in zip(reals, sizes):
+        args.width, args.batch = width, batch
         report_real(real, args)
     if sims:
         report_sim(sims)
     elapsed = time.perf_counter() - started
-    payload = {"machine": machine(), "args": {k: v for k, v in vars(args).items()}, "real": real, "sim": sims,
+    payload = {"machine": machine(), "args": {k: v for k, v in vars(args).items()}, "real": reals, "sim": sims,
                "elapsed_s": elapsed}
     path = args.json or os.path.join(RESULTS_DIR, "pipeline.json")
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)

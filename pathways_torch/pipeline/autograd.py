@@ -106,7 +106,10 @@ def _trace_joint(joint, example_inputs, tangents):
     with FakeTensorMode(static_shapes=True):
         primals = [torch.empty(t.shape, dtype=t.dtype) for t in example_inputs]
         fakes = [torch.empty(t.shape, dtype=t.dtype) for t in tangents]
-    return make_fx(joint, tracing_mode="fake")(primals, fakes)
+    from ..capture import _CAPTURE_LOCK
+
+    with _CAPTURE_LOCK:   # make_fx patches process-wide state: one trace at a time (capture.py)
+        return make_fx(joint, tracing_mode="fake")(primals, fakes)
 
 
 def _partition(graph_module, num_inputs, num_outputs, differentiable, grad_outputs, trainable,

@@ -186,8 +186,11 @@ def _trace(model, loss_fn, form, leaves: list, names: list[str], seed: int):
     with FakeTensorMode(static_shapes=True):
         fakes = [torch.empty(tensors[n].shape, dtype=tensors[n].dtype) for n in names]
         fakes += [torch.empty(t.shape, dtype=t.dtype) for t in leaves]
+    from ..capture import _CAPTURE_LOCK
+
     try:
-        return make_fx(whole, tracing_mode="fake")(*fakes)
+        with _CAPTURE_LOCK:   # make_fx patches process-wide state: one trace at a time (capture.py)
+            return make_fx(whole, tracing_mode="fake")(*fakes)
     except CaptureError:
         raise
     except Exception as exc:
