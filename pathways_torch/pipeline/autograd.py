@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 
-__all__ = ["ChunkAutograd", "partition_chunk"]
+__all__ = ["ChunkAutograd", "partition_chunk", "views_as_reshapes"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -168,9 +168,27 @@ def _partition(graph_module, num_inputs, num_outputs, differentiable, grad_outpu
     backward.output(tuple(benv[g] for g in grads))
     forward.eliminate_dead_code()
     backward.eliminate_dead_code()
+    views_as_reshapes(forward)
+    views_as_reshapes(backward)
     layouts = tuple((tuple(n.meta["val"].shape), n.meta["val"].dtype) for n in saved)
     return ChunkAutograd(fx.GraphModule(graph_module, forward), fx.GraphModule(graph_module, backward),
                          num_outputs, len(saved), differentiable, grad_outputs, backward_params, layouts)
+
+
+def views_as_reshapes(graph) -> None:
+    """``aten.view`` → ``aten.reshape`` in ``graph``: the same values whatever the input's strides.
+
+    A graph traced here meets its inputs later with other strides than the trace saw: a kept
+    value that was a strided op's output arrives contiguous (captured on contiguous examples,
+    stored, sent), and a view remade in the backward reads it. ``view`` refuses strides it
+    cannot express; ``reshape`` is ``view`` where it can be and a copy where it cannot.
+    """
+    import torch
+
+    aten = torch.ops.aten
+    for node in graph.nodes:
+        if node.op == "call_function" and node.target in (aten.view.default, aten._unsafe_view.default):
+            node.target = aten.reshape.default
 
 
 def _is_view(node) -> bool:

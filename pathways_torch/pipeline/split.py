@@ -304,6 +304,9 @@ def _chunk_graph(fx, graph_module, index, members, role, incoming, outgoing, num
     if loss_node is not None:
         results.append(env[loss_node])
     graph.output(tuple(results))
+    from .autograd import views_as_reshapes
+
+    views_as_reshapes(graph)   # an incoming value may arrive with other strides than the trace saw
     module = fx.GraphModule(root, graph)
     return Chunk(index=index, graph_module=module, params=tuple(role[n][1] for n in params),
                  constants=tuple(role[n][1] for n in consts), batch_leaves=tuple(role[n][1] for n in batch),
