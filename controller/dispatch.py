@@ -26,7 +26,7 @@ from pathways_torch.wire.framing import PROGRAM_RUN_REFUSED, body_name, log_drop
 from .arrays import FAILED, PENDING, READY, ArrayRecord, ArrayTable
 from .config import ControllerConfig
 from .program import LoweredProgram, ProgramSpec, lower
-from .resources import MeshAllocation, ResourceManager
+from .resources import DEFAULT_ISLAND, MeshAllocation, ResourceManager
 
 __all__ = ["Controller", "CallSpec", "ControllerOutbox"]
 
@@ -168,7 +168,8 @@ class Controller:
             return
         info = self.resources.register(executor_id, data_address=msg.data_address, device=msg.device,
                                        backend=msg.backend, pid=msg.pid, last_heard=self.clock(),
-                                       public_key=msg.public_key, command_address=msg.command_address)
+                                       public_key=msg.public_key, command_address=msg.command_address,
+                                       island=msg.island or DEFAULT_ISLAND)
         self._send(executor_id, pb.Envelope(welcome=pb.Welcome(
             index=info.index, heartbeat_interval_s=self.config.heartbeat_interval_s,
             heartbeat_timeout_s=self.config.heartbeat_timeout_s)))
@@ -367,6 +368,10 @@ class Controller:
         group_id = self._groups.get(members)
         if group_id is not None:
             return group_id
+        islands = sorted({self.resources.island_of(e) for e in members})
+        if len(islands) > 1:   # the client refuses such a call first (pathways_torch.islands): a bug if reached
+            raise PlacementError(f"a process group may not span islands: members {list(members)} are in islands "
+                                 f"{islands}; collectives run inside an island")
         group_id = self._groups[members] = next(self._next_group_id)
         seq = self._take_seqs(1)   # forming a group is a gang-scheduled action of its own
         store_path = f"{self._group_dir}/group-{group_id}"

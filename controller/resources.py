@@ -8,7 +8,10 @@ import time
 
 from pathways_torch.errors import PlacementError
 
-__all__ = ["ExecutorInfo", "MeshAllocation", "ResourceManager"]
+__all__ = ["ExecutorInfo", "MeshAllocation", "ResourceManager", "DEFAULT_ISLAND", "ISLAND_AXIS"]
+
+DEFAULT_ISLAND = "0"     # the island of an executor that names none
+ISLAND_AXIS = "island"   # the one mesh axis that may span islands: it must be the outermost
 
 
 @dataclasses.dataclass
@@ -19,7 +22,7 @@ class ExecutorInfo:
     device: str
     backend: str
     pid: int
-    island: int = 0
+    island: str = DEFAULT_ISLAND
     last_heard: float = dataclasses.field(default_factory=time.monotonic)
     lost: bool = False
     public_key: bytes = b""       # CURVE public key (Z85) of its data socket, checked by the server
@@ -65,7 +68,7 @@ class MeshAllocation:
 
 
 class ResourceManager:
-    """Knows every executor (one island for now) and hands out meshes."""
+    """Knows every executor and its island, and hands out meshes (island by island)."""
 
     def __init__(self):
         self.executors: dict[str, ExecutorInfo] = {}
@@ -81,22 +84,33 @@ class ResourceManager:
     def ordered(self) -> list[ExecutorInfo]:
         return sorted(self.executors.values(), key=lambda e: e.index)
 
+    def islands(self) -> dict[str, list[ExecutorInfo]]:
+        """Every island's executors, in registration order; islands by name ("2" before "10")."""
+        out: dict[str, list[ExecutorInfo]] = {}
+        for info in self.ordered():
+            out.setdefault(info.island, []).append(info)
+        return {name: out[name] for name in sorted(out, key=lambda n: (not n.isdigit(), int(n) if n.isdigit()
+                                                                       else 0, n))}
+
+    def island_of(self, executor_id: str) -> str:
+        return self.executors[executor_id].island
+
     def allocate(self, axes: dict[str, int], executor_ids: list[str] | None = None) -> MeshAllocation:
-        """A mesh over ``executor_ids`` (default: the first executors) with the given named axes."""
-        if not axes:
-            raise PlacementError("a mesh needs at least one named axis, e.g. {'data': 4}")
-        for name, size in axes.items():
-            if not isinstance(name, str) or not name.isidentifier():
-                raise PlacementError(f"mesh axis names must be identifiers, got {name!r}")
-            if not isinstance(size, int) or size < 1:
-                raise PlacementError(f"mesh axis {name!r}: expected a positive size, got {size!r}")
+        """A mesh over ``executor_ids`` (default: chosen island by island) with the given named axes.
+
+        A mesh lies inside one island, or spans islands only on an outer ``"island"`` axis: its
+        position i on that axis is the i-th island with room, and the inner axes map to that
+        island's executors (each island keeps its own collectives and gang order).
+        """
+        _check_axes(axes)
         needed = math.prod(axes.values())
+        spans = ISLAND_AXIS in axes
+        if spans and next(iter(axes)) != ISLAND_AXIS:
+            raise PlacementError(f"mesh {axes}: the {ISLAND_AXIS!r} axis must be the first (outermost) axis: a "
+                                 f"mesh may span islands only there; write {{{ISLAND_AXIS!r}: "
+                                 f"{axes[ISLAND_AXIS]}, ...}}")
         if executor_ids is None:
-            available = [e.executor_id for e in self.ordered() if not e.lost]
-            if needed > len(available):
-                raise PlacementError(f"mesh {axes} needs {needed} executors, the cluster has {len(available)} live; "
-                                     f"start more executors or use smaller axes")
-            executor_ids = available[:needed]
+            executor_ids = self._choose(axes, needed)
         if len(executor_ids) != needed:
             raise PlacementError(f"mesh {axes} needs {needed} executors, got {len(executor_ids)}")
         if len(set(executor_ids)) != len(executor_ids):
@@ -104,6 +118,55 @@ class ResourceManager:
         unknown = [e for e in executor_ids if e not in self.executors]
         if unknown:
             raise PlacementError(f"unknown executors {unknown}; known: {sorted(self.executors)}")
+        self._check_islands(axes, list(executor_ids))
         mesh = MeshAllocation(self._next_mesh_id, tuple(axes.items()), tuple(executor_ids))
         self._next_mesh_id += 1
         return mesh
+
+    def _choose(self, axes: dict[str, int], needed: int) -> list[str]:
+        """The first live executors that fit: of one island, or of the first ``axes["island"]`` islands."""
+        live = {name: [e.executor_id for e in members if not e.lost] for name, members in self.islands().items()}
+        counts = {name: len(ids) for name, ids in live.items()}
+        if ISLAND_AXIS in axes:
+            count, per = axes[ISLAND_AXIS], needed // axes[ISLAND_AXIS]
+            fitting = [name for name, ids in live.items() if len(ids) >= per]
+            if len(fitting) < count:
+                raise PlacementError(f"mesh {axes} asks for {count} islands of {per} live executors; the cluster "
+                                     f"has islands {counts} (live executors per island); use fewer islands or "
+                                     f"smaller inner axes")
+            return [e for name in fitting[:count] for e in live[name][:per]]
+        for ids in live.values():
+            if len(ids) >= needed:
+                return ids[:needed]
+        total = sum(counts.values())
+        if needed <= total and len(counts) > 1:
+            raise PlacementError(f"mesh {axes} needs {needed} executors in one island, and no island has that many "
+                                 f"(live executors per island: {counts}); a mesh spans islands only on an outer "
+                                 f"{ISLAND_AXIS!r} axis, e.g. {{{ISLAND_AXIS!r}: {len(counts)}, ...}}")
+        raise PlacementError(f"mesh {axes} needs {needed} executors, the cluster has {total} live; "
+                             f"start more executors or use smaller axes")
+
+    def _check_islands(self, axes: dict[str, int], executor_ids: list[str]) -> None:
+        """Refuse a mesh whose inner axes would split an island's work across islands."""
+        islands = [self.executors[e].island for e in executor_ids]
+        count = axes.get(ISLAND_AXIS, 1)
+        per = len(executor_ids) // count
+        blocks = [islands[i * per:(i + 1) * per] for i in range(count)]
+        mixed = [b for b in blocks if len(set(b)) > 1]
+        firsts = [b[0] for b in blocks]
+        if mixed or len(set(firsts)) != len(firsts):
+            raise PlacementError(
+                f"mesh {axes} on executors {executor_ids} (islands {islands}) splits an island on an inner axis: "
+                f"every position of the {ISLAND_AXIS!r} axis must be one island, each a different one"
+                + ("" if ISLAND_AXIS in axes else f"; add an outer {ISLAND_AXIS!r} axis or pick executors of one "
+                                                  f"island"))
+
+
+def _check_axes(axes: dict[str, int]) -> None:
+    if not axes:
+        raise PlacementError("a mesh needs at least one named axis, e.g. {'data': 4}")
+    for name, size in axes.items():
+        if not isinstance(name, str) or not name.isidentifier():
+            raise PlacementError(f"mesh axis names must be identifiers, got {name!r}")
+        if not isinstance(size, int) or size < 1:
+            raise PlacementError(f"mesh axis {name!r}: expected a positive size, got {size!r}")

@@ -33,6 +33,7 @@ class ExecutorConfig:
     # CPU cores this process (and every thread it starts) may run on; empty: all. XLA's CPU runtime
     # keeps its own thread pool whatever num_threads says, so pinning is how it is held to one core.
     cpus: tuple[int, ...] = ()
+    island: str = ""                    # the island it belongs to ("" = the default island "0")
 
     def __post_init__(self):
         if self.backend not in BACKENDS:

@@ -288,7 +288,7 @@ class ExecutorProcess:
         register = pb.Register(executor_id=self.config.executor_id, data_address=self.data_address,
                                device=self.backend.device, backend=self.backend.name, pid=os.getpid(),
                                store_bytes=self.core.store.bytes, public_key=self.credentials.keys.public,
-                               command_address=self.command_address)
+                               command_address=self.command_address, island=self.config.island)
         self.compute.send(encode(pb.Envelope(register=register)))   # the first thing the thread does
         threading.Thread(target=self._compute_thread, name="pathways-compute", daemon=True).start()
         threading.Thread(target=self._watch, name="pathways-heartbeat", daemon=True).start()

@@ -25,7 +25,8 @@ class LocalCluster:
     def __init__(self, controller_address: str, executor_ids: list[str], *, keys_dir: str, backend: str = "eager",
                  devices: list[str] | None = None, threads: int = 1, heartbeat_interval_s: float = 0.5,
                  heartbeat_timeout_s: float = 10.0,
-                 log_dir: str | None = None, cpus: list[tuple[int, ...]] | None = None):
+                 log_dir: str | None = None, cpus: list[tuple[int, ...]] | None = None,
+                 islands: list[str] | None = None):
         self.log_dir = log_dir or tempfile.mkdtemp(prefix="pathways-logs-")
         self.executor_ids = list(executor_ids)
         self.processes: list[subprocess.Popen] = []
@@ -33,14 +34,16 @@ class LocalCluster:
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         devices = devices or ["cpu"] * len(self.executor_ids)
         cpus = cpus or [()] * len(self.executor_ids)
-        for executor_id, device, cores in zip(self.executor_ids, devices, cpus):
+        islands = islands or [""] * len(self.executor_ids)
+        for executor_id, device, cores, island in zip(self.executor_ids, devices, cpus, islands):
             log_path = os.path.join(self.log_dir, f"{executor_id}.log")
             with open(log_path, "wb") as log_file:
                 self.processes.append(subprocess.Popen(
                     [sys.executable, "-m", "executor", "--controller", controller_address, "--id", executor_id,
                      "--keys", keys_dir, "--backend", backend, "--device", device, "--threads", str(threads),
                      "--parent-pid", str(os.getpid()), "--heartbeat-interval-s", str(heartbeat_interval_s),
-                     "--heartbeat-timeout-s", str(heartbeat_timeout_s), "--cpus", ",".join(map(str, cores))],
+                     "--heartbeat-timeout-s", str(heartbeat_timeout_s), "--cpus", ",".join(map(str, cores)),
+                     *(["--island", island] if island else [])],
                     stdin=subprocess.DEVNULL, stdout=log_file, stderr=subprocess.STDOUT, env=env,
                     start_new_session=True))
         atexit.register(self.stop, 2.0)

@@ -21,6 +21,7 @@ from .data_client import DataClient
 from .errors import PathwaysError, PlacementError, RemoteError
 from .placement import Mesh, Sharding, local_shape, normalize_placements, split_blocks
 from .programs import ProgramGraph
+from .islands import check_collectives_in_islands
 from .trace_export import chrome_trace
 from .wire import pb
 from .wire.backend_names import BACKEND_NAMES, default_backend, resolve_backend_name
@@ -36,6 +37,8 @@ class ContextConfig:
     """How `Context` starts its embedded cluster."""
 
     num_executors: int = 4
+    # Local islands: executors per island, e.g. (2, 2); named "0", "1", ... (None: one island of num_executors).
+    islands: tuple[int, ...] | None = None
     # None: XLA on CPU/TPU (the installed route: "xla:torchax" or "xla:torch_xla"), inductor on CUDA.
     # "eager" runs op by op (debugging); see docs/backends.md.
     backend: str | None = None
@@ -63,6 +66,13 @@ class ContextConfig:
                 raise ValueError(f"{name}: expected a positive int, got {value!r}")
         if not isinstance(self.num_executors, int) or self.num_executors < 1:
             raise ValueError(f"num_executors: expected a positive int, got {self.num_executors!r}")
+        if self.islands is not None:
+            if not self.islands or any(not isinstance(n, int) or isinstance(n, bool) or n < 1 for n in self.islands):
+                raise ValueError(f"islands: expected executors per island, positive ints such as [2, 2], got "
+                                 f"{self.islands!r}")
+            if sum(self.islands) != self.num_executors:
+                raise ValueError(f"islands={list(self.islands)} make {sum(self.islands)} executors but "
+                                 f"num_executors={self.num_executors}; give one of them, or make them agree")
         if self.device not in ("cpu", "cuda"):
             raise ValueError(f"device: expected 'cpu' or 'cuda', got {self.device!r}")
         if self.backend is not None and self.backend not in BACKEND_NAMES:
@@ -77,6 +87,12 @@ class ContextConfig:
         """The backend executors are started with: the default for the device, an XLA route resolved to what is
         installed (raises ``ValueError`` saying what to install)."""
         return resolve_backend_name(self.backend or default_backend(self.device))
+
+    def executor_islands(self) -> list[str]:
+        """The island of each executor: "0", "1", ... in order (all "" for one island)."""
+        if self.islands is None:
+            return [""] * self.num_executors
+        return [str(index) for index, count in enumerate(self.islands) for _ in range(count)]
 
     def executor_cpus(self) -> list[tuple[int, ...]]:
         """The cores each executor may use: one each when ``pin_executors``, else all (empty)."""
@@ -104,7 +120,9 @@ class Context:
     Use as a context manager. ``backend`` picks how executors compile and run
     functions (XLA by default, through the installed route; ``"eager"`` runs op by
     op, bit-for-bit with eager PyTorch; ``ctx.backend`` names what runs). ``debug=True`` checks that outputs declared ``Replicate()`` are
-    identical on every shard.
+    identical on every shard. ``islands=[2, 2]`` starts local islands (executors with
+    their own collectives and gang order; a mesh spans them only on an outer
+    ``"island"`` axis): `islands` describes them.
 
     Every connection is authenticated with CURVE keys made for this context alone
     (docs/security.md). An executor that dies or hangs is found within 2x
@@ -112,8 +130,13 @@ class Context:
     fails with `ExecutorLostError`.
     """
 
-    def __init__(self, num_executors: int = 4, **options):
-        self.config = ContextConfig(num_executors=num_executors, **options)
+    def __init__(self, num_executors: int | None = None, **options):
+        islands = options.pop("islands", None)
+        if islands is not None:
+            islands = tuple(islands)
+            num_executors = sum(islands) if num_executors is None else num_executors
+        self.config = ContextConfig(num_executors=4 if num_executors is None else num_executors, islands=islands,
+                                    **options)
         self._closed = False
         self._batched = threading.local()    # see _batched_release
         self._keys = self._gatekeeper = self._server = self._cluster = self._data = None
@@ -135,7 +158,7 @@ class Context:
                 devices=self.config.executor_devices(),
                 threads=self.config.executor_threads, heartbeat_interval_s=self.config.heartbeat_interval_s,
                 heartbeat_timeout_s=self.config.heartbeat_timeout_s, log_dir=self.config.log_dir,
-                cpus=self.config.executor_cpus())
+                cpus=self.config.executor_cpus(), islands=self.config.executor_islands())
             self._wait_for_executors()
             client = self._keys.credentials(CLIENT)
             # Every process holds its keys in memory now: none stay on disk, not even if this client is killed.
@@ -230,6 +253,12 @@ class Context:
         """Process ids, in the order of `executor_ids` (as each executor registered itself)."""
         return [info.pid for info in self.controller.resources.ordered()]
 
+    def islands(self) -> "IslandTable":
+        """Each island's executors and devices, and how islands are linked (prints as a table)."""
+        from .islands import IslandTable
+
+        return IslandTable.of(self.controller.resources)
+
     # ------------------------------------------------------------ meshes and arrays
 
     def mesh(self, axes: dict[str, int], executors: list[int | str] | None = None) -> Mesh:
@@ -294,6 +323,7 @@ class Context:
 
     def _call(self, version, mesh: Mesh, inputs, layouts: list, call_site: str) -> list[Array]:
         self._check_open()
+        check_collectives_in_islands(version, mesh.allocation, self.controller.resources)
         replicated = tuple(sharding.is_replicated for _, _, sharding, _ in layouts)
         spec = CallSpec(function_id=self._function_id(version), name=version.name, mesh=mesh.allocation,
                         inputs=tuple(a.array_id for a in inputs), num_outputs=len(layouts),
@@ -312,6 +342,7 @@ class Context:
     def _register_program(self, graph):
         nodes = []
         for node in graph.nodes:
+            check_collectives_in_islands(node.version, node.mesh.allocation, self.controller.resources)
             nodes.append(ProgramNodeSpec(name=node.version.name, function_id=self._function_id(node.version),
                                          mesh=node.mesh.allocation, inputs=node.inputs, outputs=node.outputs,
                                          collective_axes=node.version.collective_axes,

@@ -32,6 +32,11 @@ class DataParallel:
 
     def check(self, mesh) -> int:
         """The number of data shards; refuses a mesh without the axis."""
+        if isinstance(self.axis, (tuple, list)):
+            raise PlacementError(f"{type(self).__name__}({tuple(self.axis)!r}): data parallelism over several axes "
+                                 f"(across islands: reduce in each island, exchange over the link) is not "
+                                 f"supported yet; use {type(self).__name__}({self.axis[-1]!r}) on a mesh inside "
+                                 f"one island")
         if self.axis not in mesh.axes:
             raise PlacementError(f"{type(self).__name__}({self.axis!r}): the mesh has axes {list(mesh.axes)}; "
                                  f"name one of them, e.g. {type(self).__name__}({next(iter(mesh.axes))!r})")

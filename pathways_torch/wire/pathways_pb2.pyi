@@ -97,7 +97,7 @@ class Graph(_message.Message):
     def __init__(self, nodes: _Optional[_Iterable[_Union[GraphNode, _Mapping]]] = ..., constants: _Optional[_Iterable[_Union[TensorMeta, _Mapping]]] = ..., inputs: _Optional[_Iterable[_Union[TensorMeta, _Mapping]]] = ..., outputs: _Optional[_Iterable[_Union[TensorMeta, _Mapping]]] = ...) -> None: ...
 
 class Register(_message.Message):
-    __slots__ = ("executor_id", "data_address", "device", "backend", "pid", "store_bytes", "public_key", "command_address")
+    __slots__ = ("executor_id", "data_address", "device", "backend", "pid", "store_bytes", "public_key", "command_address", "island")
     EXECUTOR_ID_FIELD_NUMBER: _ClassVar[int]
     DATA_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
@@ -106,6 +106,7 @@ class Register(_message.Message):
     STORE_BYTES_FIELD_NUMBER: _ClassVar[int]
     PUBLIC_KEY_FIELD_NUMBER: _ClassVar[int]
     COMMAND_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    ISLAND_FIELD_NUMBER: _ClassVar[int]
     executor_id: str
     data_address: str
     device: str
@@ -114,7 +115,8 @@ class Register(_message.Message):
     store_bytes: int
     public_key: bytes
     command_address: str
-    def __init__(self, executor_id: _Optional[str] = ..., data_address: _Optional[str] = ..., device: _Optional[str] = ..., backend: _Optional[str] = ..., pid: _Optional[int] = ..., store_bytes: _Optional[int] = ..., public_key: _Optional[bytes] = ..., command_address: _Optional[str] = ...) -> None: ...
+    island: str
+    def __init__(self, executor_id: _Optional[str] = ..., data_address: _Optional[str] = ..., device: _Optional[str] = ..., backend: _Optional[str] = ..., pid: _Optional[int] = ..., store_bytes: _Optional[int] = ..., public_key: _Optional[bytes] = ..., command_address: _Optional[str] = ..., island: _Optional[str] = ...) -> None: ...
 
 class Welcome(_message.Message):
     __slots__ = ("index", "heartbeat_interval_s", "heartbeat_timeout_s")

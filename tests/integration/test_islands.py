@@ -1,0 +1,65 @@
+"""Local islands on real executors (eager): each executor registers with its island, meshes map island by
+island, collectives stay inside an island (no process group spans two), and one across islands is refused
+before anything is sent."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import pathways_torch as pw
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
+
+
+@pytest.fixture(scope="module")
+def ctx():
+    with pw.Context(islands=[2, 2], backend="eager") as context:
+        yield context
+
+
+def test_executors_register_with_their_island(ctx):
+    table = ctx.islands()
+    assert [island.name for island in table] == ["0", "1"]
+    assert [len(island.executors) for island in table] == [2, 2]
+    assert str(table).splitlines()[0] == "2 islands; link between islands: ZeroMQ over loopback (one host)"
+    resources = ctx.controller.resources
+    assert {e: resources.island_of(e) for e in ctx.executor_ids} == {
+        "executor-0": "0", "executor-1": "0", "executor-2": "1", "executor-3": "1"}
+
+
+def test_a_collective_inside_each_island_and_none_across(ctx):
+    mesh = ctx.mesh({"island": 2, "data": 2})
+
+    @pw.function(out={"island": pw.Shard(0)})
+    def total(x):
+        return pw.all_reduce(x, "data", "sum")
+
+    x = ctx.put(torch.arange(4.0), mesh, {"island": pw.Shard(0), "data": pw.Shard(0)})
+    # Each island sums its own two shards: [0+1] in island 0, [2+3] in island 1 (replicated on "data").
+    blocks = total(x)
+    assert blocks.shape == (2,) and torch.equal(blocks.result(), torch.tensor([1.0, 5.0]))
+    resources = ctx.controller.resources
+    for members in ctx.controller._groups:
+        assert len({resources.island_of(e) for e in members}) == 1, members
+
+    @pw.function(out=pw.Replicate())
+    def across(x):
+        return pw.all_reduce(x, "island", "sum")
+
+    sent = dict(ctx.controller.messages_sent)
+    with pytest.raises(pw.PlacementError, match=r"collective over axis 'island' would join executors of islands "
+                                                r"\['0', '1'\]"):
+        across(x)
+    assert dict(ctx.controller.messages_sent) == sent        # refused before anything was sent
+
+
+def test_a_mesh_that_does_not_fit_the_islands_is_refused(ctx):
+    with pytest.raises(pw.PlacementError, match=r"needs 4 executors in one island"):
+        ctx.mesh({"data": 4})
+    with pytest.raises(pw.PlacementError, match=r"asks for 3 islands"):
+        ctx.mesh({"island": 3, "data": 1})
+    model = torch.nn.Linear(2, 1)
+    with pytest.raises(pw.PlacementError, match=r"over several axes .* is not supported yet"):
+        ctx.wrap(model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), loss_fn=torch.nn.MSELoss(),
+                 mesh=ctx.mesh({"island": 2, "data": 2}), plan=pw.DataParallel(("island", "data")))
