@@ -27,6 +27,7 @@ from .arrays import FAILED, PENDING, READY, ArrayRecord, ArrayTable
 from .config import ControllerConfig
 from .program import LoweredProgram, ProgramSpec, lower
 from .resources import DEFAULT_ISLAND, MeshAllocation, ResourceManager
+from .sequencer import Sequencers
 
 __all__ = ["Controller", "CallSpec", "ControllerOutbox"]
 
@@ -102,7 +103,8 @@ class Controller:
         self._failure_holders: dict[int, int] = {}      # call id → its outputs still held
         self._next_function_id = itertools.count(1)
         self._last_call_id = 0
-        self._last_seq = 0                              # the island's sequence numbers
+        self.sequencers = Sequencers()                  # each island's sequence numbers and gang order
+        self._mesh_islands: dict[int, tuple[str, ...]] = {}   # mesh id → its islands (cached per mesh)
         self._programs: dict[int, LoweredProgram] = {}
         self._next_program_id = itertools.count(1)
         self._next_request_id = itertools.count(1)
@@ -124,7 +126,6 @@ class Controller:
         self._pending_frees: dict[str, list] = collections.defaultdict(list)   # executor → shards to free
         self._batching_frees = False     # inside release_many (under the lock)
         self._next_group_id = itertools.count(1)
-        self._last_collective: dict[str, int] = collections.defaultdict(int)  # executor → seq
         self._group_dir = tempfile.mkdtemp(prefix="pathways-groups-")  # private (0700) rendezvous files
         self.program_constant_bytes = 0   # graph constants are the only tensor bytes we ever send
 
@@ -287,26 +288,29 @@ class Controller:
     def call(self, spec: CallSpec) -> list[ArrayRecord]:
         """Dispatch one call to every executor of its mesh; return its output records at once
         (after waiting, if ``max_inflight_calls`` are unfinished, for one to finish)."""
-        with self._lock:
+        mesh = spec.mesh
+        islands = self._islands_of(mesh)
+        with self.sequencers.taking(islands), self._lock:
             self._wait_for_room(1, spec.name)
-            mesh = spec.mesh
             self._check_live(mesh.executor_ids)
             inputs = [self._input_record(array_id) for array_id in spec.inputs]
             axis_groups = self._axis_groups(mesh, spec.collective_axes)
-            call_id, seq = self._take_call_ids(1), self._take_seqs(1)
+            call_id = self._take_call_ids(1)
+            seqs = {island: self.sequencers.of(island).take(1) for island in islands}
             outputs = [self.arrays.new(mesh.executor_ids, producer_call=call_id) for _ in range(spec.num_outputs)]
-            call = _Call(spec, call_id, seq, outputs, waiting=set(mesh.executor_ids))
+            call = _Call(spec, call_id, seqs[islands[0]], outputs, waiting=set(mesh.executor_ids))
             self._calls[call_id] = call
             runs = []
             for position, executor_id in enumerate(mesh.executor_ids):
                 self._ensure_loaded(spec.function_id, executor_id)
+                sequencer = self._sequencer_of(executor_id)
+                seq = seqs[sequencer.island]
                 run = pb.Run(seq=seq, call_id=call_id, function_id=spec.function_id,
                              digest_outputs=spec.debug and any(spec.replicated_outputs),
                              report_shapes=spec.report_shapes)
                 if spec.collective_axes:
                     run.collective = True
-                    run.prev_collective_seq = self._last_collective[executor_id]
-                    self._last_collective[executor_id] = seq
+                    run.prev_collective_seq = sequencer.chain(executor_id, seq)
                     for axis in spec.collective_axes:
                         run.axis_groups[axis] = axis_groups[axis][position]
                 for record in inputs:
@@ -373,21 +377,26 @@ class Controller:
             raise PlacementError(f"a process group may not span islands: members {list(members)} are in islands "
                                  f"{islands}; collectives run inside an island")
         group_id = self._groups[members] = next(self._next_group_id)
-        seq = self._take_seqs(1)   # forming a group is a gang-scheduled action of its own
+        sequencer = self.sequencers.of(islands[0])   # held by the call or program that needs the group
+        seq = sequencer.take(1)   # forming a group is a gang-scheduled action of its own
         store_path = f"{self._group_dir}/group-{group_id}"
         for rank, executor_id in enumerate(members):
-            form = pb.FormGroup(seq=seq, prev_collective_seq=self._last_collective[executor_id], group_id=group_id,
+            form = pb.FormGroup(seq=seq, prev_collective_seq=sequencer.chain(executor_id, seq), group_id=group_id,
                                 rank=rank, size=len(members), store_path=store_path,
                                 timeout_s=self.config.collective_timeout_s)
-            self._last_collective[executor_id] = seq
             self._send(executor_id, pb.Envelope(form_group=form))
         return group_id
 
-    def _take_seqs(self, count: int) -> int:
-        """Reserve ``count`` consecutive island sequence numbers; return the first."""
-        first = self._last_seq + 1
-        self._last_seq += count
-        return first
+    def _sequencer_of(self, executor_id: str):
+        return self.sequencers.of(self.resources.island_of(executor_id))
+
+    def _islands_of(self, mesh: MeshAllocation) -> tuple[str, ...]:
+        """The islands of a mesh's executors, in name order (cached: a mesh's executors never change)."""
+        islands = self._mesh_islands.get(mesh.mesh_id)
+        if islands is None:
+            islands = self._mesh_islands[mesh.mesh_id] = tuple(sorted(
+                {self.resources.island_of(e) for e in mesh.executor_ids}))
+        return islands
 
     def _take_call_ids(self, count: int) -> int:
         first = self._last_call_id + 1
@@ -398,7 +407,8 @@ class Controller:
 
     def register_program(self, spec: ProgramSpec) -> LoweredProgram:
         """Lower ``spec`` and register it on every executor it uses (once)."""
-        with self._lock:
+        islands = {island for node in spec.nodes for island in self._islands_of(node.mesh)}
+        with self.sequencers.taking(islands), self._lock:
             program_id = next(self._next_program_id)
             axis_groups = {index: self._axis_groups(node.mesh, node.collective_axes)
                            for index, node in enumerate(spec.nodes) if node.collective_axes}
@@ -414,16 +424,19 @@ class Controller:
             return lowered
 
     def run_program(self, program_id: int, input_ids: Sequence[int]) -> list[ArrayRecord]:
-        """One run: one ``RunProgram`` per executor; every node gets its own sequence number."""
+        """One run: one ``RunProgram`` per executor; every node gets its own sequence number (of its island's)."""
         with self._lock:
             lowered = self._programs[program_id]
+        islands = {self.resources.island_of(e) for e in lowered.plans}
+        with self.sequencers.taking(islands), self._lock:
             spec = lowered.spec
             self._wait_for_room(len(lowered.reporting_nodes), spec.name)
             self._check_live(list(lowered.plans))
             for array_id in input_ids:
                 self._input_record(array_id)
             num_nodes = len(spec.nodes)
-            base_seq, base_call = self._take_seqs(num_nodes), self._take_call_ids(num_nodes)
+            base_seqs = {island: self.sequencers.of(island).take(num_nodes) for island in sorted(islands)}
+            base_seq, base_call = base_seqs[min(islands)], self._take_call_ids(num_nodes)
             meshes = spec.value_meshes()
             producer = {v: index for index, node in enumerate(spec.nodes) for v in node.outputs}
             outputs = [self.arrays.new(meshes[v].executor_ids, producer_call=base_call + producer[v])
@@ -443,13 +456,15 @@ class Controller:
                                                        waiting=set(node.mesh.executor_ids),
                                                        depends_on=frozenset(lowered.plans))
             for executor_id in lowered.plans:
-                run = pb.RunProgram(program_id=program_id, base_seq=base_seq, base_call_id=base_call,
+                sequencer = self._sequencer_of(executor_id)
+                island_base = base_seqs[sequencer.island]
+                run = pb.RunProgram(program_id=program_id, base_seq=island_base, base_call_id=base_call,
                                     input_array_ids=list(input_ids), output_array_ids=[r.array_id for r in outputs],
                                     first_intermediate_id=first_intermediate,
-                                    prev_collective_seq=self._last_collective[executor_id])
+                                    prev_collective_seq=sequencer.last_collective[executor_id])
                 last = lowered.last_collective_node.get(executor_id, 0)
                 if last:
-                    self._last_collective[executor_id] = base_seq + last - 1
+                    sequencer.chain(executor_id, island_base + last - 1)
                 self._send(executor_id, pb.Envelope(run_program=run))
             return outputs
 

@@ -63,3 +63,32 @@ def test_a_mesh_that_does_not_fit_the_islands_is_refused(ctx):
     with pytest.raises(pw.PlacementError, match=r"over several axes .* is not supported yet"):
         ctx.wrap(model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), loss_fn=torch.nn.MSELoss(),
                  mesh=ctx.mesh({"island": 2, "data": 2}), plan=pw.DataParallel(("island", "data")))
+
+
+def test_each_island_has_its_own_sequencer(ctx):
+    """Island 1's calls are dispatched and run while island 0's sequencer is held; island 0's wait for it."""
+    import threading
+
+    island0, island1 = ctx.mesh({"data": 2}, executors=["executor-0", "executor-1"]), ctx.mesh(
+        {"data": 2}, executors=["executor-2", "executor-3"])
+
+    @pw.function(out=pw.Replicate())
+    def total(x):
+        return pw.all_reduce(x, "data", "sum")
+
+    x0 = ctx.put(torch.ones(2), island0, {"data": pw.Shard(0)})
+    x1 = ctx.put(torch.ones(2), island1, {"data": pw.Shard(0)})
+    results = {}
+    with ctx.controller.sequencers.of("0").held():
+        worker = threading.Thread(target=lambda: results.setdefault("0", total(x0).result(60)))
+        worker.start()
+        worker.join(1.0)
+        assert worker.is_alive() and "0" not in results     # island 0 waits for its sequencer
+        assert total(x1).result(60).item() == 2.0           # island 1 runs meanwhile
+        assert "0" not in results
+    worker.join(60)
+    assert results["0"].item() == 2.0
+    seq0 = ctx.controller.sequencers.of("0")
+    seq1 = ctx.controller.sequencers.of("1")
+    assert set(seq0.last_collective) <= {"executor-0", "executor-1"}
+    assert set(seq1.last_collective) <= {"executor-2", "executor-3"}
