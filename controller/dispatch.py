@@ -13,7 +13,6 @@ import collections
 import dataclasses
 import itertools
 import logging
-import tempfile
 import threading
 import time
 from typing import Callable, Protocol, Sequence
@@ -26,6 +25,7 @@ from pathways_torch.wire.framing import PROGRAM_RUN_REFUSED, body_name, log_drop
 from .arrays import FAILED, PENDING, READY, ArrayRecord, ArrayTable
 from .config import ControllerConfig
 from .program import LoweredProgram, ProgramSpec, lower
+from .rendezvous import RendezvousStore
 from .resources import DEFAULT_ISLAND, MeshAllocation, ResourceManager
 from .sequencer import Sequencers
 
@@ -126,7 +126,8 @@ class Controller:
         self._pending_frees: dict[str, list] = collections.defaultdict(list)   # executor → shards to free
         self._batching_frees = False     # inside release_many (under the lock)
         self._next_group_id = itertools.count(1)
-        self._group_dir = tempfile.mkdtemp(prefix="pathways-groups-")  # private (0700) rendezvous files
+        self.rendezvous = RendezvousStore()   # where groups meet (served on the controller's I/O thread)
+        self.group_epoch = 0                  # part of every group's rendezvous prefix
         self.program_constant_bytes = 0   # graph constants are the only tensor bytes we ever send
 
     # ------------------------------------------------------------ executors
@@ -379,7 +380,10 @@ class Controller:
         group_id = self._groups[members] = next(self._next_group_id)
         sequencer = self.sequencers.of(islands[0])   # held by the call or program that needs the group
         seq = sequencer.take(1)   # forming a group is a gang-scheduled action of its own
-        store_path = f"{self._group_dir}/group-{group_id}"
+        # The members meet under this prefix of the rendezvous store, open to them alone; the epoch lets the
+        # same members form a group again (a replacement executor, later).
+        store_path = f"group-{group_id}/epoch-{self.group_epoch}"
+        self.rendezvous.allow(store_path, members)
         for rank, executor_id in enumerate(members):
             form = pb.FormGroup(seq=seq, prev_collective_seq=sequencer.chain(executor_id, seq), group_id=group_id,
                                 rank=rank, size=len(members), store_path=store_path,

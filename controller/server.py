@@ -27,7 +27,7 @@ import zmq
 from pathways_torch.wire import SocketLoop, body_name, decode, encode, pb
 from pathways_torch.wire.framing import MAX_ENVELOPE_BYTES, FramingError, log_dropped
 from pathways_torch.wire.loop import frame_nbytes
-from pathways_torch.wire.security import (CLIENT, CONTROLLER, HEARTBEAT_SUFFIX, ConnectionWatch, Credentials,
+from pathways_torch.wire.security import (CLIENT, CONTROLLER, HEARTBEAT_SUFFIX, STORE_SUFFIX, ConnectionWatch, Credentials,
                                           SecurityError, make_client, make_server, peer_role)
 
 from .config import ControllerConfig
@@ -138,12 +138,15 @@ class ControllerServer:
         except (FramingError, UnicodeDecodeError, IndexError) as exc:
             self._drop(f"malformed message: {exc}")
             return
-        executor_id = identity.removesuffix(HEARTBEAT_SUFFIX)
+        executor_id = identity.removesuffix(HEARTBEAT_SUFFIX).removesuffix(STORE_SUFFIX)
         if role != executor_id or role in (CONTROLLER, CLIENT):
             self._drop(f"a peer authenticated as {role!r} spoke as {identity!r}")
             return
         if identity.endswith(HEARTBEAT_SUFFIX):
             self._on_heartbeat(frames[0], executor_id, envelope)
+            return
+        if identity.endswith(STORE_SUFFIX):
+            self._on_store(frames[0], executor_id, envelope)
             return
         if body_name(envelope) == "register":
             if envelope.register.public_key != self.credentials.allowed.get(role):
@@ -152,6 +155,21 @@ class ControllerServer:
             if not self._connect_commands(executor_id, envelope.register):
                 return
         self.controller.on_message(executor_id, envelope, payload)
+
+    def _on_store(self, identity_frame, executor_id: str, envelope: pb.Envelope) -> None:
+        """A rendezvous store request: answered on this thread, now or when the key it waits for is set."""
+        if body_name(envelope) != "store_request":
+            self._drop(f"{body_name(envelope)!r} on {executor_id}'s store connection")
+            return
+        identity = identity_frame.bytes
+
+        def reply(answer: pb.StoreReply) -> None:
+            try:
+                self.loop.send_now(_ROUTER, [identity, pb.Envelope(store_reply=answer).SerializeToString()])
+            except zmq.ZMQError as exc:   # the executor went away while it waited: nothing to answer
+                self._drop(f"store reply to {executor_id} undeliverable: {exc}")
+
+        self.controller.rendezvous.handle(executor_id, envelope.store_request, reply)
 
     def _on_heartbeat(self, identity_frame, executor_id: str, envelope: pb.Envelope) -> None:
         """Answer at once: the echo keeps the executor running, a Shutdown tells a lost one to stop."""

@@ -1,8 +1,9 @@
 """Collectives on an executor: process groups per mesh axis, bound while a function runs.
 
-Groups are gloo ``ProcessGroupGloo`` objects made directly from a ``FileStore`` in a
-private directory on this host (no default world group, no TCPStore listening on
-every interface), with a short timeout so a dead peer surfaces as an error. The
+Groups are gloo ``ProcessGroupGloo`` objects that meet through the controller's
+rendezvous store, reached over this executor's CURVE connection to it
+(`executor.rendezvous`; no shared disk, no default world group, no TCPStore listening
+on every interface), with a short timeout so a dead peer surfaces as an error. The
 gloo device binds to the executor's own interface (loopback unless told
 otherwise). The ``pathways::`` ops call `CollectiveRuntime.run`; while the compute
 thread runs a function, each mesh axis it names is bound to a group. A call with no
@@ -17,7 +18,7 @@ import datetime
 import functools
 import threading
 
-__all__ = ["CollectiveRuntime", "make_gloo_group", "make_nccl_group", "dry_runs"]
+__all__ = ["CollectiveRuntime", "make_gloo_group", "make_nccl_group", "gloo_group_on", "nccl_group_on", "dry_runs"]
 
 _dry = threading.local()
 
@@ -43,7 +44,14 @@ def make_gloo_group(store_path: str, prefix: str, rank: int, size: int, timeout_
     """
     import torch.distributed as dist
 
-    store = dist.PrefixStore(prefix, dist.FileStore(store_path, size))
+    return gloo_group_on(dist.PrefixStore(prefix, dist.FileStore(store_path, size)), rank, size, timeout_s,
+                         bind_host)
+
+
+def gloo_group_on(store, rank: int, size: int, timeout_s: float, bind_host: str = "127.0.0.1"):
+    """A gloo group meeting through ``store`` (a ``torch.distributed.Store``), its device bound to ``bind_host``."""
+    import torch.distributed as dist
+
     options = dist.ProcessGroupGloo._Options()
     options._timeout = datetime.timedelta(seconds=timeout_s)
     options._devices = [dist.ProcessGroupGloo.create_device(hostname=bind_host)]
@@ -59,8 +67,15 @@ def make_nccl_group(store_path: str, prefix: str, rank: int, size: int, timeout_
     import torch
     import torch.distributed as dist
 
+    return nccl_group_on(dist.PrefixStore(prefix, dist.FileStore(store_path, size)), rank, size, timeout_s, device)
+
+
+def nccl_group_on(store, rank: int, size: int, timeout_s: float, device: str):
+    """An NCCL group meeting through ``store``, on ``device`` (made the current device first)."""
+    import torch
+    import torch.distributed as dist
+
     torch.cuda.set_device(torch.device(device))
-    store = dist.PrefixStore(prefix, dist.FileStore(store_path, size))
     options = dist.ProcessGroupNCCL.Options()
     options._timeout = datetime.timedelta(seconds=timeout_s)
     return dist.ProcessGroupNCCL(store, rank, size, options)
@@ -69,8 +84,10 @@ def make_nccl_group(store_path: str, prefix: str, rank: int, size: int, timeout_
 class CollectiveRuntime:
     """This executor's process groups and the axis bindings of the running computation."""
 
-    def __init__(self, bind_host: str = "127.0.0.1", device: str = "cpu", trace=None):
+    def __init__(self, bind_host: str = "127.0.0.1", device: str = "cpu", trace=None, store_factory=None):
         self.bind_host = bind_host
+        # Makes this executor's connection to the controller's rendezvous store (at the first group).
+        self._store_factory, self._store = store_factory, None
         self.trace = trace       # a TraceRecorder: each collective is a span inside its computation
         self.device = device     # NCCL groups on CUDA executors, gloo everywhere else
         self._groups: dict[int, object] = {}
@@ -85,16 +102,27 @@ class CollectiveRuntime:
     def form(self, group_id: int, rank: int, size: int, store_path: str, timeout_s: float) -> None:
         """Join group ``group_id`` (blocks until every member has joined, or the timeout)."""
         try:
+            store = self._rendezvous(store_path, size, timeout_s)
             if self.device.startswith("cuda"):
-                self._groups[group_id] = make_nccl_group(store_path, f"group-{group_id}", rank, size, timeout_s,
-                                                         self.device)
+                self._groups[group_id] = nccl_group_on(store, rank, size, timeout_s, self.device)
             else:
-                self._groups[group_id] = make_gloo_group(store_path, f"group-{group_id}", rank, size, timeout_s,
-                                                         self.bind_host)
+                self._groups[group_id] = gloo_group_on(store, rank, size, timeout_s, self.bind_host)
             self._sizes[group_id] = size
         except Exception as exc:
             self._failures[group_id] = f"{type(exc).__name__}: {exc}"
             raise
+
+    def _rendezvous(self, prefix: str, size: int, timeout_s: float):
+        """The store a group meets through: the controller's, under the group's prefix (``group-G/epoch-E``)."""
+        import torch.distributed as dist
+
+        if self._store_factory is None:
+            raise RuntimeError("this CollectiveRuntime has no rendezvous store (store_factory): it cannot form "
+                               "groups")
+        if self._store is None:
+            self._store = self._store_factory()
+        self._store.set_timeout(datetime.timedelta(seconds=timeout_s))
+        return dist.PrefixStore(prefix, self._store)
 
     def bind(self, axis_groups, seq: int = 0, cache=None):
         """A context manager binding mesh axes to group ids on this thread (for computation ``seq``).

@@ -24,7 +24,7 @@ import zmq
 
 from pathways_torch.wire import SocketLoop, body_name, decode, encode, pb
 from pathways_torch.wire.framing import FramingError
-from pathways_torch.wire.security import (CONTROLLER, HANDSHAKE_FAILURES, HEARTBEAT_SUFFIX, ConnectionWatch,
+from pathways_torch.wire.security import (CONTROLLER, HANDSHAKE_FAILURES, HEARTBEAT_SUFFIX, STORE_SUFFIX, ConnectionWatch,
                                           Credentials, Gatekeeper, KeyDirectory, SecurityError, make_client,
                                           make_server, peer_role)
 from pathways_torch.wire.threads import name_os_thread
@@ -94,7 +94,8 @@ class ExecutorProcess:
         self.backend = make_backend(config.backend, config.device, config.num_threads)
         trace = TraceRecorder(config.max_trace_events)
         self.compiler = CompileCache(self.backend, trace, post=lambda fn: self.loop.call_soon(self._locked(fn)))
-        self.collectives = CollectiveRuntime(config.bind_host, config.device, trace)
+        self.collectives = CollectiveRuntime(config.bind_host, config.device, trace,
+                                             store_factory=self._rendezvous_store)
         if config.backend != "sim":   # the simulated device imports no torch
             from pathways_torch.wire import collective_ops
 
@@ -169,6 +170,13 @@ class ExecutorProcess:
         make_client(socket, self.credentials, self.credentials.public_key(CONTROLLER))
         socket.connect(self.config.controller_address)
         return socket
+
+    def _rendezvous_store(self):
+        """This executor's connection to the controller's rendezvous store (made at its first group; imports
+        torch, which a simulated executor never does: it forms no group)."""
+        from .rendezvous import ControllerStore
+
+        return ControllerStore(self._controller_connection(STORE_SUFFIX), timeout_s=60.0)
 
     def _locked(self, fn):
         def run():

@@ -502,8 +502,40 @@ class FetchReply(_message.Message):
     failed: bool
     def __init__(self, request_id: _Optional[int] = ..., tensor: _Optional[_Union[TensorMeta, _Mapping]] = ..., failure: _Optional[_Union[RemoteFailure, _Mapping]] = ..., failed: _Optional[bool] = ...) -> None: ...
 
+class StoreRequest(_message.Message):
+    __slots__ = ("request_id", "op", "key", "value", "amount", "keys")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    OP_FIELD_NUMBER: _ClassVar[int]
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    VALUE_FIELD_NUMBER: _ClassVar[int]
+    AMOUNT_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    request_id: int
+    op: str
+    key: str
+    value: bytes
+    amount: int
+    keys: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, request_id: _Optional[int] = ..., op: _Optional[str] = ..., key: _Optional[str] = ..., value: _Optional[bytes] = ..., amount: _Optional[int] = ..., keys: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class StoreReply(_message.Message):
+    __slots__ = ("request_id", "ok", "value", "number", "found", "error")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    OK_FIELD_NUMBER: _ClassVar[int]
+    VALUE_FIELD_NUMBER: _ClassVar[int]
+    NUMBER_FIELD_NUMBER: _ClassVar[int]
+    FOUND_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    request_id: int
+    ok: bool
+    value: bytes
+    number: int
+    found: bool
+    error: str
+    def __init__(self, request_id: _Optional[int] = ..., ok: _Optional[bool] = ..., value: _Optional[bytes] = ..., number: _Optional[int] = ..., found: _Optional[bool] = ..., error: _Optional[str] = ...) -> None: ...
+
 class Envelope(_message.Message):
-    __slots__ = ("register", "welcome", "heartbeat", "load_function", "run", "send_shard", "free", "done", "stats_request", "stats", "trace_request", "trace_reply", "shutdown", "form_group", "register_program", "run_program", "put", "put_ack", "transfer", "fetch", "fetch_reply", "frees")
+    __slots__ = ("register", "welcome", "heartbeat", "load_function", "run", "send_shard", "free", "done", "stats_request", "stats", "trace_request", "trace_reply", "shutdown", "form_group", "register_program", "run_program", "put", "put_ack", "transfer", "fetch", "fetch_reply", "store_request", "store_reply", "frees")
     REGISTER_FIELD_NUMBER: _ClassVar[int]
     WELCOME_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_FIELD_NUMBER: _ClassVar[int]
@@ -525,6 +557,8 @@ class Envelope(_message.Message):
     TRANSFER_FIELD_NUMBER: _ClassVar[int]
     FETCH_FIELD_NUMBER: _ClassVar[int]
     FETCH_REPLY_FIELD_NUMBER: _ClassVar[int]
+    STORE_REQUEST_FIELD_NUMBER: _ClassVar[int]
+    STORE_REPLY_FIELD_NUMBER: _ClassVar[int]
     FREES_FIELD_NUMBER: _ClassVar[int]
     register: Register
     welcome: Welcome
@@ -547,5 +581,7 @@ class Envelope(_message.Message):
     transfer: Transfer
     fetch: Fetch
     fetch_reply: FetchReply
+    store_request: StoreRequest
+    store_reply: StoreReply
     frees: _containers.RepeatedCompositeFieldContainer[ShardRef]
-    def __init__(self, register: _Optional[_Union[Register, _Mapping]] = ..., welcome: _Optional[_Union[Welcome, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., load_function: _Optional[_Union[LoadFunction, _Mapping]] = ..., run: _Optional[_Union[Run, _Mapping]] = ..., send_shard: _Optional[_Union[SendShard, _Mapping]] = ..., free: _Optional[_Union[Free, _Mapping]] = ..., done: _Optional[_Union[Done, _Mapping]] = ..., stats_request: _Optional[_Union[StatsRequest, _Mapping]] = ..., stats: _Optional[_Union[Stats, _Mapping]] = ..., trace_request: _Optional[_Union[TraceRequest, _Mapping]] = ..., trace_reply: _Optional[_Union[TraceReply, _Mapping]] = ..., shutdown: _Optional[_Union[Shutdown, _Mapping]] = ..., form_group: _Optional[_Union[FormGroup, _Mapping]] = ..., register_program: _Optional[_Union[RegisterProgram, _Mapping]] = ..., run_program: _Optional[_Union[RunProgram, _Mapping]] = ..., put: _Optional[_Union[Put, _Mapping]] = ..., put_ack: _Optional[_Union[PutAck, _Mapping]] = ..., transfer: _Optional[_Union[Transfer, _Mapping]] = ..., fetch: _Optional[_Union[Fetch, _Mapping]] = ..., fetch_reply: _Optional[_Union[FetchReply, _Mapping]] = ..., frees: _Optional[_Iterable[_Union[ShardRef, _Mapping]]] = ...) -> None: ...
+    def __init__(self, register: _Optional[_Union[Register, _Mapping]] = ..., welcome: _Optional[_Union[Welcome, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., load_function: _Optional[_Union[LoadFunction, _Mapping]] = ..., run: _Optional[_Union[Run, _Mapping]] = ..., send_shard: _Optional[_Union[SendShard, _Mapping]] = ..., free: _Optional[_Union[Free, _Mapping]] = ..., done: _Optional[_Union[Done, _Mapping]] = ..., stats_request: _Optional[_Union[StatsRequest, _Mapping]] = ..., stats: _Optional[_Union[Stats, _Mapping]] = ..., trace_request: _Optional[_Union[TraceRequest, _Mapping]] = ..., trace_reply: _Optional[_Union[TraceReply, _Mapping]] = ..., shutdown: _Optional[_Union[Shutdown, _Mapping]] = ..., form_group: _Optional[_Union[FormGroup, _Mapping]] = ..., register_program: _Optional[_Union[RegisterProgram, _Mapping]] = ..., run_program: _Optional[_Union[RunProgram, _Mapping]] = ..., put: _Optional[_Union[Put, _Mapping]] = ..., put_ack: _Optional[_Union[PutAck, _Mapping]] = ..., transfer: _Optional[_Union[Transfer, _Mapping]] = ..., fetch: _Optional[_Union[Fetch, _Mapping]] = ..., fetch_reply: _Optional[_Union[FetchReply, _Mapping]] = ..., store_request: _Optional[_Union[StoreRequest, _Mapping]] = ..., store_reply: _Optional[_Union[StoreReply, _Mapping]] = ..., frees: _Optional[_Iterable[_Union[ShardRef, _Mapping]]] = ...) -> None: ...

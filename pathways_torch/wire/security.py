@@ -39,7 +39,7 @@ from zmq.auth.thread import ThreadAuthenticator
 from zmq.utils.monitor import parse_monitor_message
 
 __all__ = [
-    "CONTROLLER", "CLIENT", "ZAP_DOMAIN", "HEARTBEAT_SUFFIX", "SecurityError", "KeyPair", "Credentials", "KeyDirectory",
+    "CONTROLLER", "CLIENT", "ZAP_DOMAIN", "HEARTBEAT_SUFFIX", "STORE_SUFFIX", "SecurityError", "KeyPair", "Credentials", "KeyDirectory",
     "Gatekeeper", "make_server", "make_client", "check_role", "peer_role", "ConnectionWatch",
     "HANDSHAKE_FAILURES",
 ]
@@ -51,6 +51,7 @@ CLIENT = "client"
 ZAP_DOMAIN = "pathways"
 # An executor's heartbeat connection has ROUTER identity "<executor id>#heartbeat"; roles never contain '#'.
 HEARTBEAT_SUFFIX = "#heartbeat"
+STORE_SUFFIX = "#store"       # an executor's connection to the controller's rendezvous store
 
 # Role names become file names and ROUTER identities: keep them plain.
 _ROLE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")

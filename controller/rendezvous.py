@@ -1,0 +1,106 @@
+"""The rendezvous store: where an island's executors meet to form a process group, kept by the controller.
+
+Gloo and NCCL need a key-value store to exchange addresses while a group forms. This
+one lives in the controller and is reached only over each executor's CURVE connection
+(identity ``<id>#store``), so it needs no shared disk and opens no port of its own
+(no ``TCPStore`` listening on every interface). A group's keys sit under the prefix
+its ``FormGroup`` names, ``group-G/epoch-E``: keyed by the group and an epoch so that
+the same members can form a group again later. Only the group's members may read or
+write under its prefix; a ``get`` of a key not yet set is answered when it is (the
+executor waits at most its group timeout). Used on the controller's I/O thread;
+`allow` from any thread.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+
+from pathways_torch.wire import pb
+
+__all__ = ["RendezvousStore"]
+
+_MAX_WAITING = 4096          # parked gets, in all (an executor waits for a handful at a time)
+_MAX_KEYS_PER_PREFIX = 4096
+
+
+class RendezvousStore:
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._members: dict[str, frozenset[str]] = {}             # prefix → who may use it
+        self._values: dict[str, dict[str, bytes]] = collections.defaultdict(dict)
+        self._waiting: dict[tuple[str, str], list] = collections.defaultdict(list)   # (prefix, key) → replies
+        self._num_waiting = 0
+
+    def allow(self, prefix: str, members) -> None:
+        """Open ``prefix`` to ``members`` (before their FormGroup is sent)."""
+        with self._lock:
+            self._members[prefix] = frozenset(members)
+
+    def forget(self, prefix: str) -> None:
+        """Drop a formed (or abandoned) group's keys."""
+        with self._lock:
+            self._members.pop(prefix, None)
+            self._values.pop(prefix, None)
+
+    def handle(self, executor_id: str, request: pb.StoreRequest, reply) -> None:
+        """Answer ``request`` through ``reply(pb.StoreReply)`` now, or when the key it waits for is set."""
+        with self._lock:
+            prefix, key = _split(request.key)
+            if prefix is None or executor_id not in self._members.get(prefix, ()):
+                reply(pb.StoreReply(request_id=request.request_id, error=(
+                    f"{executor_id} may not use store key {request.key!r}: it is no member of that group")))
+                return
+            values = self._values[prefix]
+            handler = getattr(self, f"_{request.op}", None)
+            if handler is None:
+                reply(pb.StoreReply(request_id=request.request_id, error=f"unknown store op {request.op!r}"))
+                return
+            handler(prefix, key, values, request, reply)
+
+    # ------------------------------------------------------------ ops (under the lock)
+
+    def _set(self, prefix, key, values, request, reply):
+        if key not in values and len(values) >= _MAX_KEYS_PER_PREFIX:
+            reply(pb.StoreReply(request_id=request.request_id, error=f"too many keys under {prefix!r}"))
+            return
+        values[key] = bytes(request.value)
+        reply(pb.StoreReply(request_id=request.request_id, ok=True))
+        self._wake(prefix, key, values)
+
+    def _get(self, prefix, key, values, request, reply):
+        if key in values:
+            reply(pb.StoreReply(request_id=request.request_id, ok=True, value=values[key], found=True))
+            return
+        if self._num_waiting >= _MAX_WAITING:
+            reply(pb.StoreReply(request_id=request.request_id, error="the store has too many waiting gets"))
+            return
+        self._waiting[(prefix, key)].append((request.request_id, reply))
+        self._num_waiting += 1
+
+    def _add(self, prefix, key, values, request, reply):
+        number = int(values.get(key, b"0") or b"0") + request.amount
+        values[key] = str(number).encode()
+        reply(pb.StoreReply(request_id=request.request_id, ok=True, number=number))
+        self._wake(prefix, key, values)
+
+    def _check(self, prefix, key, values, request, reply):
+        keys = [_split(k)[1] for k in request.keys]
+        reply(pb.StoreReply(request_id=request.request_id, ok=True, found=all(k in values for k in keys)))
+
+    def _delete(self, prefix, key, values, request, reply):
+        found = values.pop(key, None) is not None
+        reply(pb.StoreReply(request_id=request.request_id, ok=True, found=found))
+
+    def _wake(self, prefix, key, values):
+        for request_id, reply in self._waiting.pop((prefix, key), ()):
+            self._num_waiting -= 1
+            reply(pb.StoreReply(request_id=request_id, ok=True, value=values[key], found=True))
+
+
+def _split(full_key: str) -> tuple[str | None, str]:
+    """("group-G/epoch-E", rest) of a key under a group's prefix, or (None, key)."""
+    parts = full_key.split("/", 2)
+    if len(parts) < 3 or not parts[0].startswith("group-") or not parts[1].startswith("epoch-"):
+        return None, full_key
+    return f"{parts[0]}/{parts[1]}", parts[2]
