@@ -15,7 +15,9 @@ import dataclasses
 
 from .errors import PlacementError
 
-__all__ = ["IslandTable", "Island", "check_collectives_in_islands"]
+__all__ = ["IslandTable", "Island", "check_collectives_in_islands", "ISLAND_AXIS"]
+
+ISLAND_AXIS = "island"   # the one mesh axis that may span islands (the outermost); as controller/resources.py
 
 
 @dataclasses.dataclass(frozen=True)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 from ..errors import PlacementError
+from ..islands import ISLAND_AXIS
 from ..training.plans import DataParallel
 
 __all__ = ["Pipeline"]
@@ -56,17 +57,23 @@ class Pipeline:
                                  f"virtual_stages={self.virtual_stages} use schedule='interleaved'")
 
     def check(self, mesh) -> tuple[int, int]:
-        """(pipe ranks, data shards) on ``mesh``; refuses a mesh that does not fit the plan."""
+        """(pipe ranks, data shards) on ``mesh``; refuses a mesh that does not fit the plan.
+
+        On a mesh with an outer ``"island"`` axis the stages run across islands: pipe rank
+        ``island_index x pipe_size + pipe_index`` (activations and gradients cross the link).
+        """
         axes = dict(mesh.axes)
         if self.axis not in axes:
             raise PlacementError(f"pw.Pipeline: the mesh has axes {list(axes)}, no {self.axis!r} axis to put the "
                                  f"stages on; make the mesh with one, e.g. ctx.mesh({{{self.axis!r}: 2}})")
-        stages = axes[self.axis]
+        islands = axes.get(ISLAND_AXIS, 1)
+        stages = axes[self.axis] * islands
         if self.stages is not None and self.stages != stages:
+            across = f" x {islands} islands" if islands > 1 else ""
             raise PlacementError(f"pw.Pipeline: stages={self.stages} but the mesh's {self.axis!r} axis has size "
-                                 f"{stages}; use stages={stages} (or None), or a mesh with {self.axis!r}: "
-                                 f"{self.stages}")
-        others = {a: n for a, n in axes.items() if a != self.axis}
+                                 f"{axes[self.axis]}{across}; use stages={stages} (or None), or a mesh with "
+                                 f"{self.axis!r}: {self.stages}")
+        others = {a: n for a, n in axes.items() if a not in (self.axis, ISLAND_AXIS)}
         if self.data is None:
             if any(n > 1 for n in others.values()):
                 raise PlacementError(f"pw.Pipeline: the mesh has axes {others} besides {self.axis!r} but the plan "

@@ -108,12 +108,19 @@ class PipelineTrainer(Trainer):
         return self._simulation.schedule
 
     def _make_stage_meshes(self) -> list:
-        """One mesh per pipe rank: its executors along the data axis (in data order)."""
+        """One mesh per pipe rank: its executors along the data axis (in data order). Across islands, rank
+        ``island x pipe_size + pipe``: each island holds consecutive stages."""
+        from ..islands import ISLAND_AXIS
+
         mesh, axis = self.mesh, self.plan.axis
-        pipe_dim = mesh.axis_names.index(axis)
+        names = mesh.axis_names
+        pipe_dim, pipe_size = names.index(axis), mesh.axes[axis]
+        island_dim = names.index(ISLAND_AXIS) if ISLAND_AXIS in names else None
         by_rank: dict[int, list] = collections.defaultdict(list)
         for position, executor_id in enumerate(mesh.executor_ids):
-            by_rank[mesh.coords(position)[pipe_dim]].append(executor_id)
+            coords = mesh.coords(position)
+            island = coords[island_dim] if island_dim is not None else 0
+            by_rank[island * pipe_size + coords[pipe_dim]].append(executor_id)
         return [self._context.mesh({self.data.axis: self.num_shards}, executors=by_rank[r])
                 for r in range(self.num_ranks)]
 
