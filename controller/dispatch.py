@@ -416,9 +416,8 @@ class Controller:
             program_id = next(self._next_program_id)
             axis_groups = {index: self._axis_groups(node.mesh, node.collective_axes)
                            for index, node in enumerate(spec.nodes) if node.collective_axes}
-            addresses = {e: info.data_address for e, info in self.resources.executors.items()}
             keys = {e: info.public_key for e, info in self.resources.executors.items()}
-            lowered = lower(spec, program_id, addresses, keys, axis_groups=axis_groups)
+            lowered = lower(spec, program_id, self.resources.address_for, keys, axis_groups=axis_groups)
             for executor_id, plan in lowered.plans.items():
                 self._check_live([executor_id])
                 for function_id in {a.run.function_id for a in plan.actions if a.WhichOneof("kind") == "run"}:
@@ -495,7 +494,8 @@ class Controller:
             return copy   # the same array passed twice: one copy serves both
         routes.append((source, executor_id, copy))
         destination = self.resources.executors[executor_id]
-        request = pb.SendShard(to_address=destination.data_address, to_public_key=destination.public_key,
+        request = pb.SendShard(to_address=self.resources.address_for(source, executor_id),
+                               to_public_key=destination.public_key,
                                call_id=call_id)
         request.shard.CopyFrom(pb.ShardRef(array_id=record.array_id, shard=position))
         request.as_ref.CopyFrom(copy)

@@ -90,10 +90,12 @@ class LoweredProgram:
         return "\n".join(lines)
 
 
-def lower(spec: ProgramSpec, program_id: int, addresses: dict[str, str], keys: dict[str, bytes] | None = None,
+def lower(spec: ProgramSpec, program_id: int, addresses, keys: dict[str, bytes] | None = None,
           axis_groups: dict[int, dict[str, list[int]]] | None = None) -> LoweredProgram:
-    """Lower ``spec``: ``addresses`` gives each executor's data address; ``axis_groups[node][axis][position]``
-    the group of each collective node's shards."""
+    """Lower ``spec``: ``addresses`` gives each executor's data address (a dict), or where a source sends to a
+    destination (a callable: across islands, the link's); ``axis_groups[node][axis][position]`` the group of
+    each collective node's shards."""
+    address_for = addresses if callable(addresses) else (lambda source, destination: addresses[destination])
     keys = keys or {}
     axis_groups = axis_groups or {}
     where = spec.value_meshes()
@@ -124,7 +126,7 @@ def lower(spec: ProgramSpec, program_id: int, addresses: dict[str, str], keys: d
                 run.inputs.add(value=value, shard=position, copy=source != executor_id)
                 if source != executor_id:   # pass 2: the owner pushes its shard here
                     plan_for(source).actions.add().send.CopyFrom(pb.ProgramSend(
-                        value=value, shard=position, to_node=index, to_address=addresses[executor_id],
+                        value=value, shard=position, to_node=index, to_address=address_for(source, executor_id),
                         to_public_key=keys.get(executor_id, b"")))
             if node.collective_axes:
                 run.collective = True

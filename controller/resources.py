@@ -27,6 +27,7 @@ class ExecutorInfo:
     lost: bool = False
     public_key: bytes = b""       # CURVE public key (Z85) of its data socket, checked by the server
     command_address: str = ""     # its command ROUTER, where control messages go
+    link_address: str = ""        # where other islands send it transfers (a shaped link's relay), if not direct
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,6 +95,14 @@ class ResourceManager:
 
     def island_of(self, executor_id: str) -> str:
         return self.executors[executor_id].island
+
+    def address_for(self, source: str, destination: str) -> str:
+        """Where ``source`` sends a transfer to ``destination``: through the link between islands when they
+        differ and a link is set up, else straight to its data socket."""
+        target = self.executors[destination]
+        if target.link_address and self.executors[source].island != target.island:
+            return target.link_address
+        return target.data_address
 
     def allocate(self, axes: dict[str, int], executor_ids: list[str] | None = None) -> MeshAllocation:
         """A mesh over ``executor_ids`` (default: chosen island by island) with the given named axes.

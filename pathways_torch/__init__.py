@@ -19,6 +19,8 @@ __all__ = [
     "DataParallel", "ShardedDataParallel", "Trainer", "UnsupportedOptimizerError",
     # pipelines
     "Pipeline", "pipe_split",
+    # islands
+    "Link",
     # errors
     "PathwaysError", "RemoteError", "CaptureError", "ExecutorLostError", "ReplicationError",
     "PlacementError", "AuthenticationError", "ContextClosedError",
@@ -44,6 +46,7 @@ _WHERE = {
     "ShardedDataParallel": "pathways_torch.training",
     "Trainer": "pathways_torch.training",
     "UnsupportedOptimizerError": "pathways_torch.training",
+    "Link": "pathways_torch.link",
     "Pipeline": "pathways_torch.pipeline",
     "pipe_split": "pathways_torch.pipeline",
     "PathwaysError": "pathways_torch.errors",

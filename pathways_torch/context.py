@@ -58,6 +58,8 @@ class ContextConfig:
     # batches; below about 16 a 2-core host loses throughput, measured).
     max_inflight: int = 256
     max_inflight_steps: int = 16
+    # With islands: shape the link between them (a relay that delays, rate-limits and counts; pathways_torch.link).
+    link: object | None = None
 
     def __post_init__(self):
         for name in ("max_inflight", "max_inflight_steps"):
@@ -139,7 +141,7 @@ class Context:
                                     **options)
         self._closed = False
         self._batched = threading.local()    # see _batched_release
-        self._keys = self._gatekeeper = self._server = self._cluster = self._data = None
+        self._keys = self._gatekeeper = self._server = self._cluster = self._data = self.link = None
         self._zmq = zmq.Context()
         executor_ids = [f"executor-{i}" for i in range(self.config.num_executors)]
         try:
@@ -160,6 +162,7 @@ class Context:
                 heartbeat_timeout_s=self.config.heartbeat_timeout_s, log_dir=self.config.log_dir,
                 cpus=self.config.executor_cpus(), islands=self.config.executor_islands())
             self._wait_for_executors()
+            self.link = self._shape_link()
             client = self._keys.credentials(CLIENT)
             # Every process holds its keys in memory now: none stay on disk, not even if this client is killed.
             self._keys.remove()
@@ -175,6 +178,17 @@ class Context:
         except BaseException:
             self.close()
             raise
+
+    def _shape_link(self):
+        """With ``link=`` and islands: a relay in front of every executor for transfers from other islands."""
+        if self.config.link is None:
+            return None
+        from .link import LinkRelay
+
+        relay = LinkRelay(self.config.link)
+        for info in self.controller.resources.ordered():
+            info.link_address = relay.add(info.data_address)
+        return relay
 
     def _wait_for_executors(self) -> None:
         deadline = time.monotonic() + self.config.start_timeout_s
@@ -234,6 +248,8 @@ class Context:
                 self._gatekeeper.stop()
             if self._keys is not None:
                 self._keys.remove()
+            if getattr(self, "link", None) is not None:
+                self.link.close()
             self._close_zmq()
 
     def _close_zmq(self) -> None:
@@ -257,7 +273,7 @@ class Context:
         """Each island's executors and devices, and how islands are linked (prints as a table)."""
         from .islands import IslandTable
 
-        return IslandTable.of(self.controller.resources)
+        return IslandTable.of(self.controller.resources, self.link)
 
     # ------------------------------------------------------------ meshes and arrays
 

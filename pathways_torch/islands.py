@@ -36,15 +36,17 @@ class IslandTable:
     link: str
 
     @classmethod
-    def of(cls, resources) -> "IslandTable":
+    def of(cls, resources, link=None) -> "IslandTable":
         islands = []
         for name, members in resources.islands().items():
             islands.append(Island(name, tuple(m.executor_id for m in members), tuple(m.device for m in members),
                                   tuple(m.executor_id for m in members if m.lost)))
         hosts = {m.data_address.rsplit(":", 1)[0] for m in resources.ordered()}
-        link = ("ZeroMQ over loopback (one host)" if hosts <= {"tcp://127.0.0.1", "tcp://localhost"}
-                else f"ZeroMQ over TCP ({len(hosts)} hosts)")
-        return cls(tuple(islands), link)
+        described = ("ZeroMQ over loopback (one host)" if hosts <= {"tcp://127.0.0.1", "tcp://localhost"}
+                     else f"ZeroMQ over TCP ({len(hosts)} hosts)")
+        if link is not None:
+            described += f", {link.link.describe()} ({link.bytes_relayed:,} bytes so far)"
+        return cls(tuple(islands), described)
 
     def __len__(self) -> int:
         return len(self.islands)

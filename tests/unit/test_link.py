@@ -1,0 +1,74 @@
+"""The shaped link's relay: bytes pass unchanged in both directions, each chunk no earlier than the delay,
+at most the bandwidth, and every byte is counted."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+
+import pytest
+
+import pathways_torch as pw
+from pathways_torch.link import LinkRelay
+
+pytestmark = pytest.mark.timeout(30)
+
+
+def _echo_server():
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(1)
+
+    def serve():
+        connection, _ = server.accept()
+        with connection:
+            while data := connection.recv(65536):
+                connection.sendall(data)
+
+    threading.Thread(target=serve, daemon=True).start()
+    return server, f"tcp://127.0.0.1:{server.getsockname()[1]}"
+
+
+def _round_trip(relay_address: str, payload: bytes) -> tuple[bytes, float]:
+    host, port = relay_address.removeprefix("tcp://").rsplit(":", 1)
+    with socket.create_connection((host, int(port))) as client:
+        start = time.monotonic()
+        client.sendall(payload)
+        received = b""
+        while len(received) < len(payload):
+            received += client.recv(65536)
+        return received, time.monotonic() - start
+
+
+def test_the_relay_delays_counts_and_passes_bytes_unchanged():
+    server, address = _echo_server()
+    relay = LinkRelay(pw.Link(delay_s=0.05))
+    try:
+        echoed, elapsed = _round_trip(relay.add(address), b"x" * 1000)
+        assert echoed == b"x" * 1000
+        assert elapsed >= 0.05                      # one way through the relay (the echo comes back direct)
+        assert relay.bytes_relayed == 2000 and relay.bytes_to[address] == 2000
+    finally:
+        relay.close()
+        server.close()
+
+
+def test_the_relay_holds_to_its_bandwidth():
+    server, address = _echo_server()
+    relay = LinkRelay(pw.Link(bandwidth_bytes_per_s=2e6))
+    try:
+        payload = bytes(range(256)) * 4096           # 1 MiB each way: 2 MiB through the relay
+        echoed, elapsed = _round_trip(relay.add(address), payload)
+        assert echoed == payload
+        assert elapsed >= 0.4, elapsed               # 1 MiB at 2 MB/s (less one 64 KiB burst) takes >= 0.49 s
+    finally:
+        relay.close()
+        server.close()
+
+
+def test_a_link_refuses_nonsense():
+    with pytest.raises(ValueError, match="delay_s must be >= 0"):
+        pw.Link(delay_s=-1)
+    with pytest.raises(ValueError, match="bandwidth_bytes_per_s must be positive"):
+        pw.Link(bandwidth_bytes_per_s=0)
