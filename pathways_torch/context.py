@@ -326,9 +326,14 @@ class Context:
         keys the dropout masks.
         """
         from .pipeline import Pipeline, PipelineTrainer
-        from .training import Trainer
+        from .training import DataParallel, Trainer
 
         self._check_open()
+        if isinstance(plan, DataParallel) and isinstance(plan.axis, (tuple, list)):
+            from .training.cross_island import CrossIslandTrainer
+
+            return CrossIslandTrainer(self, model, optimizer=optimizer, loss_fn=loss_fn, mesh=mesh, plan=plan,
+                                      max_grad_norm=max_grad_norm, seed=seed)
         if isinstance(plan, Pipeline):
             return PipelineTrainer(self, model, optimizer=optimizer, loss_fn=loss_fn, mesh=mesh, plan=plan,
                                    max_grad_norm=max_grad_norm, seed=seed)

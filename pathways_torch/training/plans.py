@@ -33,10 +33,9 @@ class DataParallel:
     def check(self, mesh) -> int:
         """The number of data shards; refuses a mesh without the axis."""
         if isinstance(self.axis, (tuple, list)):
-            raise PlacementError(f"{type(self).__name__}({tuple(self.axis)!r}): data parallelism over several axes "
-                                 f"(across islands: reduce in each island, exchange over the link) is not "
-                                 f"supported yet; use {type(self).__name__}({self.axis[-1]!r}) on a mesh inside "
-                                 f"one island")
+            raise PlacementError(f"{type(self).__name__}({tuple(self.axis)!r}): several axes are for data "
+                                 f"parallelism across islands, ({'island'!r}, <data axis>), which ctx.wrap trains "
+                                 f"with its own trainer; here one axis is expected")
         if self.axis not in mesh.axes:
             raise PlacementError(f"{type(self).__name__}({self.axis!r}): the mesh has axes {list(mesh.axes)}; "
                                  f"name one of them, e.g. {type(self).__name__}({next(iter(mesh.axes))!r})")

@@ -26,7 +26,7 @@ from .optimizers import DYNAMIC, OptimizerSpec, apply_update
 from .random import counter_rng
 from .sync_batchnorm import global_batch_norm
 
-__all__ = ["StepLayout", "make_step"]
+__all__ = ["StepLayout", "make_step", "loss_and_grads", "gathered_params", "batch_form"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,8 +53,6 @@ class StepLayout:
 def make_step(model, loss_fn: Callable | None, spec: OptimizerSpec, layout: StepLayout, plan, num_shards: int,
               seed: int, max_grad_norm: float | None, batch_forms: dict | None = None) -> Callable:
     """The per-shard step function (to be captured); see the module docstring for its signature."""
-    from torch.func import functional_call, grad_and_value
-
     buckets, num_states = layout.buckets, len(layout.state_names)
 
     batch_forms = batch_forms if batch_forms is not None else {}
@@ -70,16 +68,8 @@ def make_step(model, loss_fn: Callable | None, spec: OptimizerSpec, layout: Step
         form = batch_form(batch_forms, static_key[-1] if static_key else None, batch)
         step_number, hyper = scalars[0], scalars[1:].reshape(layout.num_groups, len(DYNAMIC))
         params = gathered_params(buckets, flats, plan, num_shards)
-
-        def loss_of(params, buffers):
-            # Buffers are inputs of the transformed function so that in-place updates
-            # (e.g. running statistics) are allowed; they act on copies and come back as aux.
-            buffers = {name: b.clone() for name, b in buffers.items()}
-            with counter_rng(seed, step_number, rank), global_batch_norm(model, plan.axis, num_shards):
-                loss = forward_loss(functional_call, model, loss_fn, {**params, **frozen, **buffers}, form, batch)
-            return loss, buffers
-
-        grads, (loss, new_buffers) = grad_and_value(loss_of, has_aux=True)(params, buffers)
+        grads, loss, new_buffers = loss_and_grads(model, loss_fn, params, buffers, frozen, form, batch,
+                                                  (seed, step_number, rank), plan.axis, num_shards)
         padded = [b.padded_numel(num_shards) if plan.sharded_state else b.numel for b in buckets]
         grad_flats, loss = plan.reduce([flatten(b, grads, n) for b, n in zip(buckets, padded)], loss.detach(),
                                        num_shards)
@@ -98,6 +88,23 @@ def make_step(model, loss_fn: Callable | None, spec: OptimizerSpec, layout: Step
 
     step.__name__ = f"train_step[{type(model).__name__}]"
     return step
+
+
+def loss_and_grads(model, loss_fn, params: dict, buffers: dict, frozen: dict, form, batch: list, rng: tuple,
+                   axis: str, num_shards: int) -> tuple:
+    """(gradients by name, loss, new buffers) of one shard's batch; ``rng`` = (seed, step, rank) keys dropout."""
+    from torch.func import functional_call, grad_and_value
+
+    def loss_of(params, buffers):
+        # Buffers are inputs of the transformed function so that in-place updates
+        # (e.g. running statistics) are allowed; they act on copies and come back as aux.
+        buffers = {name: b.clone() for name, b in buffers.items()}
+        with counter_rng(*rng), global_batch_norm(model, axis, num_shards):
+            loss = forward_loss(functional_call, model, loss_fn, {**params, **frozen, **buffers}, form, batch)
+        return loss, buffers
+
+    grads, (loss, new_buffers) = grad_and_value(loss_of, has_aux=True)(params, buffers)
+    return grads, loss, new_buffers
 
 
 def batch_form(batch_forms: dict, key: str | None, batch: list):
