@@ -521,10 +521,18 @@ class Context:
         A ``client`` row shows where the client waited at the run-ahead bound (``max_inflight``,
         ``max_inflight_steps``): spans named ``run-ahead wait (...)``."""
         replies = self.controller.gather("trace")
-        order = {e: i for i, e in enumerate(self.executor_ids)}
-        backends = {info.executor_id: info.backend for info in self.controller.resources.ordered()}
+        resources = self.controller.resources
+        # Rows island by island, then in registration order.
+        ranked = sorted(resources.ordered(), key=lambda info: (list(resources.islands()).index(info.island),
+                                                               info.index))
+        order = {info.executor_id: i for i, info in enumerate(ranked)}
+        backends = {info.executor_id: info.backend for info in resources.ordered()}
+        owners = {info.data_address: info.executor_id for info in resources.ordered()}
+        owners.update({info.link_address: info.executor_id for info in resources.ordered() if info.link_address})
         trace = chrome_trace({executor_id: envelope.trace_reply.events for executor_id, envelope in replies.items()},
-                             order, backends, client_waits=list(self.controller.runahead_waits))
+                             order, backends, client_waits=list(self.controller.runahead_waits),
+                             islands={info.executor_id: info.island for info in resources.ordered()},
+                             address_owner=owners)
         with open(path, "w") as f:
             json.dump(trace, f)
         return trace

@@ -12,15 +12,22 @@ _ENDS = {end: (start, cat, tid) for start, (end, cat, tid) in _SPANS.items()}
 
 
 def chrome_trace(events_by_executor: dict, order: dict[str, int], backends: dict[str, str] | None = None,
-                 client_waits: list | None = None) -> dict:
+                 client_waits: list | None = None, islands: dict[str, str] | None = None,
+                 address_owner: dict[str, str] | None = None) -> dict:
     """One process row per executor (named with its backend, e.g. ``executor-0 (xla:torchax)``): computations as
     complete events, messages as instants. ``client_waits``: (start ns, end ns, in flight, what) spans where
-    the client waited at the run-ahead bound, on a ``client`` row after the executors'."""
+    the client waited at the run-ahead bound, on a ``client`` row after the executors'. With ``islands``
+    (executor → island, more than one island) rows are named and grouped by island, and each transfer is a
+    flow arrow from its send to its receive (``address_owner``: a data or link address → its executor),
+    named "link transfer" where it crosses islands."""
     out = _client_rows(client_waits or [], pid=len(order) + 1)
-    backends = backends or {}
+    backends, islands = backends or {}, islands or {}
+    several = len(set(islands.values())) > 1
     for executor_id, events in events_by_executor.items():
         pid = order.get(executor_id, len(order))
         label = f"{executor_id} ({backends[executor_id]})" if backends.get(executor_id) else executor_id
+        if several:
+            label = f"island {islands.get(executor_id, '?')} · {label}"
         out.append({"ph": "M", "name": "process_name", "pid": pid, "args": {"name": label}})
         out.append({"ph": "M", "name": "thread_name", "pid": pid, "tid": _COMPUTE_TID, "args": {"name": "compute"}})
         out.append({"ph": "M", "name": "thread_name", "pid": pid, "tid": _IO_TID, "args": {"name": "io"}})
@@ -41,7 +48,38 @@ def chrome_trace(events_by_executor: dict, order: dict[str, int], backends: dict
             else:
                 out.append({"ph": "i", "s": "t", "name": f"{e.kind} {e.name}".strip(), "cat": e.kind, "pid": pid,
                             "tid": _IO_TID, "ts": ts_us, "args": args})
+    if several and address_owner:
+        out += _transfer_flows(events_by_executor, order, islands, address_owner)
     return {"traceEvents": out, "displayTimeUnit": "ms"}
+
+
+def _transfer_flows(events_by_executor: dict, order: dict, islands: dict, address_owner: dict) -> list:
+    """A flow arrow per transfer, from its "send transfer" instant to the receiver's "receive transfer"."""
+    sends = {}
+    for executor_id, events in events_by_executor.items():
+        for e in events:
+            if e.kind == "send" and e.name == "transfer" and " -> " in e.detail:
+                array, address = e.detail.split(" -> ", 1)
+                receiver = address_owner.get(address)
+                if receiver is not None:
+                    sends[(e.call_id, array, receiver)] = (executor_id, e.time_ns)
+    flows, next_id = [], 1
+    for receiver, events in events_by_executor.items():
+        for e in events:
+            if e.kind != "receive" or e.name != "transfer":
+                continue
+            sent = sends.pop((e.call_id, e.detail, receiver), None)
+            if sent is None:
+                continue
+            sender, sent_ns = sent
+            crossing = islands.get(sender) != islands.get(receiver)
+            name, category = ("link transfer", "link") if crossing else ("transfer", "transfer")
+            flows.append({"ph": "s", "id": next_id, "name": name, "cat": category, "pid": order.get(sender, 0),
+                          "tid": _IO_TID, "ts": sent_ns / 1000.0})
+            flows.append({"ph": "f", "bp": "e", "id": next_id, "name": name, "cat": category,
+                          "pid": order.get(receiver, 0), "tid": _IO_TID, "ts": e.time_ns / 1000.0})
+            next_id += 1
+    return flows
 
 
 def _client_rows(waits: list, pid: int) -> list:

@@ -231,3 +231,22 @@ def _wait_for_every_island(trainer):
     for island_state in trainer._state:
         for array in island_state:
             array.result(60)
+
+
+def test_the_trace_groups_rows_by_island_and_draws_link_transfers(shaped, tmp_path):
+    import torch.nn as nn
+
+    model = _mlp()
+    trainer = shaped.wrap(model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), loss_fn=nn.MSELoss(),
+                          mesh=shaped.mesh({"island": 2, "data": 1}), plan=pw.DataParallel(("island", "data")))
+    trainer.step(_batches(1, rows=8)[0]).result(60)
+    _wait_for_every_island(trainer)
+    trace = shaped.trace(str(tmp_path / "trace.json"))
+    rows = {e["pid"]: e["args"]["name"] for e in trace["traceEvents"]
+            if e.get("ph") == "M" and e.get("name") == "process_name" and "executor" in e["args"]["name"]}
+    assert [rows[pid].split(" · ")[0] for pid in sorted(rows)] == ["island 0", "island 0", "island 1"]
+    link = [e for e in trace["traceEvents"] if e.get("cat") == "link"]
+    assert link and {e["ph"] for e in link} == {"s", "f"}
+    starts = {e["id"]: rows[e["pid"]] for e in link if e["ph"] == "s"}
+    ends = {e["id"]: rows[e["pid"]] for e in link if e["ph"] == "f"}
+    assert all(starts[i].split(" · ")[0] != ends[i].split(" · ")[0] for i in starts)   # each crosses islands
