@@ -3,6 +3,7 @@
     python examples/train_transformer.py                       # 2 executors, XLA, DataParallel
     python examples/train_transformer.py --plan sharded --executors 4 --backend eager
     python examples/train_transformer.py --plan pipeline --stages 2 --microbatches 8 --timeline step.png
+    python examples/train_transformer.py --islands 2,2 --link-delay-ms 2 --link-mb-s 100   # across islands
 
 The task and model are in ``transformer.py`` next to this file. The loop keeps a
 few steps in flight: it reads the loss of step k-4 while steps k-3..k run, so the
@@ -43,6 +44,11 @@ def parse_args(argv=None):
     p.add_argument("--schedule", choices=("gpipe", "1f1b", "interleaved"), default="1f1b",
                    help="pipeline schedule (--plan pipeline; interleaved uses 2 virtual stages)")
     p.add_argument("--timeline", default=None, help="--plan pipeline: draw the last step to this PNG")
+    p.add_argument("--islands", default=None,
+                   help="local islands, executors per island, e.g. 2,2: data parallel across them (plan data or "
+                        "sharded), or pipeline stages spread over them (plan pipeline)")
+    p.add_argument("--link-delay-ms", type=float, default=0.0, help="--islands: one-way delay of the link")
+    p.add_argument("--link-mb-s", type=float, default=None, help="--islands: bandwidth of the link, MB/s")
     p.add_argument("--backend", choices=pw.BACKEND_NAMES, default=None,
                    help="default: XLA on CPU (the installed route, xla:torchax or xla:torch_xla), inductor on CUDA")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
@@ -66,7 +72,10 @@ def parse_args(argv=None):
 
 
 def make_plan(args, ctx):
-    """The mesh and the plan: a data axis over every executor, or pipe stages x a data axis."""
+    """The mesh and the plan: a data axis over every executor, or pipe stages x a data axis; with --islands,
+    data parallel across the islands, or the stages spread over them."""
+    if args.islands:
+        return make_island_plan(args, ctx)
     if args.plan != "pipeline":
         plan = pw.DataParallel("data") if args.plan == "data" else pw.ShardedDataParallel("data")
         return ctx.mesh({"data": args.executors}), plan
@@ -77,6 +86,23 @@ def make_plan(args, ctx):
     virtual = 2 if args.schedule == "interleaved" else 1
     return ctx.mesh(axes), pw.Pipeline(microbatches=args.microbatches, schedule=args.schedule,
                                        virtual_stages=virtual, data=pw.DataParallel("data") if data > 1 else None)
+
+
+def make_island_plan(args, ctx):
+    sizes = [int(n) for n in args.islands.split(",")]
+    if len(set(sizes)) != 1:
+        raise SystemExit(f"--islands {args.islands}: every island needs the same number of executors")
+    count, per = len(sizes), sizes[0]
+    if args.plan == "pipeline":
+        if per % args.stages and args.stages % count:
+            raise SystemExit(f"--plan pipeline --stages {args.stages} over {count} islands of {per}")
+        stages_per_island = max(1, args.stages // count)
+        data = per // stages_per_island
+        axes = {"island": count, "pipe": stages_per_island, **({"data": data} if data > 1 else {})}
+        return ctx.mesh(axes), pw.Pipeline(microbatches=args.microbatches, schedule=args.schedule,
+                                           data=pw.DataParallel("data") if data > 1 else None)
+    kind = pw.DataParallel if args.plan == "data" else pw.ShardedDataParallel
+    return ctx.mesh({"island": count, "data": per}), kind(("island", "data"))
 
 
 def learning_rate(args, step: int) -> float:
@@ -98,8 +124,16 @@ def main(argv=None) -> int:
     print(f"model: {num_params:,} parameters (width {cfg.width}, depth {cfg.depth}); task: reverse "
           f"{cfg.length} symbols of {cfg.vocab - 2}; {args.executors} executors, plan {args.plan}")
 
-    with pw.Context(num_executors=args.executors, backend=args.backend, device=args.device) as ctx:
+    islands = [int(n) for n in args.islands.split(",")] if args.islands else None
+    if islands is not None:
+        args.executors = sum(islands)
+    link = (pw.Link(delay_s=args.link_delay_ms / 1e3,
+                    bandwidth_bytes_per_s=args.link_mb_s * 1e6 if args.link_mb_s else None) if islands else None)
+    with pw.Context(num_executors=args.executors, backend=args.backend, device=args.device, islands=islands,
+                    link=link) as ctx:
         print(f"backend: {ctx.backend}")
+        if islands:
+            print(ctx.islands())
         mesh, plan = make_plan(args, ctx)
         trainer = ctx.wrap(model, optimizer=optimizer, loss_fn=loss_fn, mesh=mesh, plan=plan,
                            max_grad_norm=args.max_grad_norm, seed=args.seed)
