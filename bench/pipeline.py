@@ -393,16 +393,38 @@ def timed_actions(trace: dict, names: tuple[str, str], window_ns: tuple[int, int
     if len(spans) != len(order):
         raise RuntimeError(f"expected {len(order)} compute spans in the run's window, found {len(spans)}")
     base = min(e["args"]["seq"] for e in spans)
-    return {order[e["args"]["seq"] - base]: (e["pid"], e["ts"] / 1e6, (e["ts"] + e["dur"]) / 1e6) for e in spans}
+    rank = _ranks_by_pid(trace)
+    return {order[e["args"]["seq"] - base]: (rank[e["pid"]], e["ts"] / 1e6, (e["ts"] + e["dur"]) / 1e6)
+            for e in spans}
 
 
-def measure_sim(size: int, args, trace_dir: str) -> dict:
+def _ranks_by_pid(trace: dict) -> dict[int, int]:
+    """Trace row → pipe rank: rank r runs on ``executor-r`` (the rows are named after their executor)."""
+    import re
+
+    ranks = {}
+    for e in trace["traceEvents"]:
+        if e.get("ph") == "M" and e.get("name") == "process_name":
+            found = re.search(r"executor-(\d+)", e["args"]["name"])
+            if found:
+                ranks[e["pid"]] = int(found.group(1))
+    return ranks
+
+
+def measure_sim(size: int, args, trace_dir: str, islands: int = 1) -> dict:
+    """``islands`` > 1: the S stages on that many islands (consecutive stages on one island, the paper's
+    layout), their transfers through a link relay delayed by ``--sim-link-delay-ms``."""
     began = time.perf_counter()
     configs = [(name, m, f) for f in args.forward_s for m in sorted({size, 4 * size}) for name in SCHEDULES]
-    with pw.Context(num_executors=size, backend="sim", start_timeout_s=300) as ctx:
+    layout = {}
+    if islands > 1:
+        layout = dict(islands=[size // islands] * islands,
+                      link=pw.Link(delay_s=args.sim_link_delay_ms / 1e3) if args.sim_link_delay_ms else None)
+    with pw.Context(num_executors=size, backend="sim", start_timeout_s=300, **layout) as ctx:
         start_s = time.perf_counter() - began
-        print(f"sim S={size}: {size} executors up in {start_s:.1f} s", flush=True)
-        meshes = [ctx.mesh({"data": 1}, executors=[r]) for r in range(size)]
+        print(f"sim S={size} on {islands} island(s): {size} executors up in {start_s:.1f} s", flush=True)
+        # By name: executor-r is in island r // (S / islands), so each island holds consecutive stages.
+        meshes = [ctx.mesh({"data": 1}, executors=[f"executor-{r}"]) for r in range(size)]
         x = ctx.put(torch.zeros(1, 8), meshes[0], [pw.Replicate()])
         runs = []
         for name, microbatches, forward in configs:
@@ -421,7 +443,8 @@ def measure_sim(size: int, args, trace_dir: str) -> dict:
                 walls.append(time.perf_counter() - w0)
                 windows.append((t0, time.time_ns()))
                 del outputs
-            runs.append({"schedule": name, "stages": size, "microbatches": microbatches, "virtual_stages": v,
+            runs.append({"schedule": name, "stages": size, "islands": islands, "microbatches": microbatches,
+                         "virtual_stages": v,
                          "forward_ms": forward * 1e3, "chunk_forward_ms": chunk_f * 1e3,
                          "chunk_backward_ms": 2 * chunk_f * 1e3, "run_wall_s": walls,
                          "theory": theoretical_bubble(size, microbatches, v),
@@ -429,7 +452,7 @@ def measure_sim(size: int, args, trace_dir: str) -> dict:
                          "_order": order, "_names": names, "_windows": windows[1:] or windows,
                          "_schedule": simulation.schedule})
             print(f"  {tag}: {args.sim_runs} runs, wall {', '.join(f'{w:.2f}' for w in walls)} s", flush=True)
-        path = os.path.join(trace_dir, f"bench-pipeline-sim-S{size}.json")
+        path = os.path.join(trace_dir, f"bench-pipeline-sim-S{size}-I{islands}.json")
         trace = ctx.trace(path)
     for r in runs:
         order, names, windows = r.pop("_order"), r.pop("_names"), r.pop("_windows")
@@ -448,7 +471,7 @@ def measure_sim(size: int, args, trace_dir: str) -> dict:
                  kept_order=kept_order(timed, schedule),
                  transfer_wait_ms={"median": _median(waits) * 1e3, "max": max(waits, default=float("nan")) * 1e3,
                                    "count": len(waits)})
-    return {"stages": size, "context_start_s": start_s, "runs": runs,
+    return {"stages": size, "islands": islands, "context_start_s": start_s, "runs": runs,
             "trace": path if args.trace_dir else None}
 
 
@@ -463,21 +486,22 @@ def report_sim(sims: list[dict]) -> None:
             ok = r["relative_error"] <= TARGET
             counts = met.setdefault(r["forward_ms"], [0, 0])
             counts[0], counts[1] = counts[0] + ok, counts[1] + 1
-            rows.append([r["stages"], r["microbatches"], r["schedule"], r["virtual_stages"], f"{r['forward_ms']:g}",
+            rows.append([r["stages"], r.get("islands", 1), r["microbatches"], r["schedule"], r["virtual_stages"],
+                         f"{r['forward_ms']:g}",
                          f"{r['makespan_s']:.3f} / {r['simulated_makespan_s']:.3f}",
                          f"{r['measured']:.4f} ({min(r['measured_runs']):.4f}-{max(r['measured_runs']):.4f})",
                          f"{r['theory']:.4f}", f"{r['simulated']:.4f}", f"{r['relative_error']:.1%}",
                          "yes" if ok else "NO", "yes" if r["kept_order"] else "NO",
                          f"{r['transfer_wait_ms']['median']:.2f} / {r['transfer_wait_ms']['max']:.1f}",
                          f"{r['replayed']:.4f}"])
-    print_table(["S", "M", "schedule", "V", "F ms", "makespan s meas / sim", "bubble measured (runs 2-n)", "theory",
+    print_table(["S", "islands", "M", "schedule", "V", "F ms", "makespan s meas / sim", "bubble measured (runs 2-n)", "theory",
                  "simulate()", "rel. error", "within 10%", "order kept", "transfer wait ms med / max",
                  "bubble with that wait"], rows)
     print("notes: theory = (S-1)/(V*M + S-1); simulate() = the schedule simulator's bubble with the same F/B and "
           "free communication; 'transfer wait' = an action's start after its producer's end on another rank, where "
           "that producer ended after the action's own rank was free; 'bubble with that wait' = the schedule replayed "
           "with every transfer taking the median wait: the part of the gap to theory the transfers explain.")
-    starts = ", ".join(f"S={s['stages']} {s['context_start_s']:.1f} s" for s in sims)
+    starts = ", ".join(f"S={s['stages']}/I={s.get('islands', 1)} {s['context_start_s']:.1f} s" for s in sims)
     print("target measured bubble within 10 % of theory: " + ", ".join(
         f"F={f:g} ms {ok}/{n} met" for f, (ok, n) in met.items()) + f"; sim executors started in {starts}")
 
@@ -510,6 +534,11 @@ def main() -> None:
     parser.add_argument("--forward-ms", default=None,
                         help="sim forward time F of a stage, ms, comma-separated (default 10,50; quick 10)")
     parser.add_argument("--sim-runs", type=int, default=None, help="runs per sim program (default 3, quick 2)")
+    parser.add_argument("--sim-islands", type=int, default=0,
+                        help="also run each sim size with its stages on this many islands (e.g. 4: the paper's "
+                             "4-island layout); 0: one island only")
+    parser.add_argument("--sim-link-delay-ms", type=float, default=0.0,
+                        help="with --sim-islands: one-way delay of the relay between islands")
     parser.add_argument("--no-real", action="store_true", help="skip the real executors")
     parser.add_argument("--no-sim", action="store_true", help="skip the simulated executors")
     parser.add_argument("--trace-dir", default=None, help="keep the sim executors' Chrome traces here")
@@ -549,6 +578,8 @@ def main() -> None:
         with tempfile.TemporaryDirectory() as scratch:
             for size in args.sim_stages:
                 sims.append(measure_sim(size, args, args.trace_dir or scratch))
+                if args.sim_islands > 1 and size % args.sim_islands == 0:
+                    sims.append(measure_sim(size, args, args.trace_dir or scratch, islands=args.sim_islands))
     for real, (width, batch) in zip(reals, sizes):
         args.width, args.batch = width, batch
         report_real(real, args)
