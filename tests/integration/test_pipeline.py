@@ -139,11 +139,13 @@ def _activation_peaks(ctx, schedule, microbatches, stages, rows=256, width=32):
     trainer = ctx.wrap(model, optimizer=_adam(model), loss_fn=nn.MSELoss(), mesh=mesh,
                        plan=pw.Pipeline(microbatches=microbatches, schedule=schedule))
     trainer.step(batches[0]).result(120)        # captured; the state is in place
+    trainer.state_dict()                         # every stage's update has run (the loss is ready earlier)
     gc.collect()
     ctx._flush_frees()                           # the state before that step is gone too
     first = mesh.executor_ids[0]
     resting = ctx.stats()["executors"][first]["store_bytes"]
     trainer.step(batches[1]).result(120)
+    trainer.state_dict()                         # the first stage's last backwards and update are done
     peak = ctx.stats()["executors"][first]["store_bytes_high_water"]
     inputs = batches[1][0].nbytes                # the first stage's inputs: every microbatch of x
     del trainer
