@@ -11,7 +11,9 @@ encryption pass through untouched: the relay moves bytes it cannot read.
 
 Shaping is per direction of each connection: a chunk read at time t is written no earlier
 than ``t + delay_s``, and writes draw from a token bucket of ``bandwidth_bytes_per_s``
-(burst: 64 KiB), so a transfer of n bytes takes about ``delay_s + n / bandwidth``.
+(burst: 2 ms of the rate, at least 64 KiB: a smaller bucket would cap fast links at what
+one wake-up of the relay thread can write), so a transfer of n bytes takes about
+``delay_s + n / bandwidth``.
 """
 
 from __future__ import annotations
@@ -56,7 +58,7 @@ class _Direction:
     def __init__(self, source: socket.socket, sink: socket.socket):
         self.source, self.sink = source, sink
         self.queue: collections.deque = collections.deque()   # (due time, bytes)
-        self.tokens, self.stamp, self.closed = float(_BURST), time.monotonic(), False
+        self.tokens, self.stamp, self.closed = 0.0, time.monotonic(), False
 
 
 class LinkRelay:
@@ -64,6 +66,8 @@ class LinkRelay:
 
     def __init__(self, link: Link):
         self.link = link
+        rate = link.bandwidth_bytes_per_s
+        self._burst = max(float(_BURST), rate * 0.002) if rate else float(_BURST)
         self.bytes_relayed = 0                                  # every byte written, both directions
         self.bytes_to: collections.Counter = collections.Counter()   # by destination address
         self._selector = selectors.DefaultSelector()
@@ -121,6 +125,7 @@ class LinkRelay:
             s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             s.setblocking(False)
         forward, backward = _Direction(inbound, outbound), _Direction(outbound, inbound)
+        forward.tokens = backward.tokens = self._burst
         self._directions += [forward, backward]
         self._selector.register(inbound, selectors.EVENT_READ, ("data", forward, target))
         self._selector.register(outbound, selectors.EVENT_READ, ("data", backward, target))
@@ -164,7 +169,7 @@ class LinkRelay:
         rate = self.link.bandwidth_bytes_per_s
         if rate is None:
             return wanted
-        direction.tokens = min(float(_BURST), direction.tokens + (now - direction.stamp) * rate)
+        direction.tokens = min(self._burst, direction.tokens + (now - direction.stamp) * rate)
         direction.stamp = now
         return max(0, min(wanted, int(direction.tokens)))
 

@@ -72,3 +72,14 @@ def test_a_link_refuses_nonsense():
         pw.Link(delay_s=-1)
     with pytest.raises(ValueError, match="bandwidth_bytes_per_s must be positive"):
         pw.Link(bandwidth_bytes_per_s=0)
+
+
+def test_a_fast_links_bucket_holds_two_milliseconds_of_its_rate():
+    """A 64 KiB bucket capped every link near 50 MB/s (one relay wake-up writes at most the bucket); the
+    bucket holds 2 ms of the rate, at least 64 KiB. (Throughput itself is load-dependent: not timed here.)"""
+    fast, slow, unlimited = (LinkRelay(pw.Link(bandwidth_bytes_per_s=rate)) for rate in (1e9, 1e6, None))
+    try:
+        assert fast._burst == pytest.approx(2e6) and slow._burst == 64 * 1024 and unlimited._burst == 64 * 1024
+    finally:
+        for relay in (fast, slow, unlimited):
+            relay.close()
