@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import atexit
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -27,6 +28,9 @@ class LocalCluster:
                  heartbeat_timeout_s: float = 10.0,
                  log_dir: str | None = None, cpus: list[tuple[int, ...]] | None = None,
                  islands: list[str] | None = None):
+        # A log directory made here is removed when every executor ended cleanly (see `stop`): a test run
+        # or a notebook starts many contexts, and each left one behind in /tmp.
+        self._own_log_dir = log_dir is None
         self.log_dir = log_dir or tempfile.mkdtemp(prefix="pathways-logs-")
         self.executor_ids = list(executor_ids)
         self.processes: list[subprocess.Popen] = []
@@ -86,6 +90,14 @@ class LocalCluster:
                 process.kill()
                 process.wait(5)
         atexit.unregister(self.stop)
+        self._remove_logs_if_clean()
+
+    def _remove_logs_if_clean(self) -> None:
+        """Drop our own log directory when every executor exited with code 0 and none died before; keep it
+        (its path is in the error that reported the death) otherwise."""
+        clean = not self._reported and all(p.returncode == 0 for p in self.processes)
+        if self._own_log_dir and clean:
+            shutil.rmtree(self.log_dir, ignore_errors=True)
 
 
 def describe_exit(returncode: int) -> str:
