@@ -35,7 +35,7 @@ from .array import Array
 from .errors import CaptureError, PlacementError
 from .placement import Sharding
 
-__all__ = ["program", "Program", "SymbolicArray", "ProgramGraph", "SequentialProgram", "current_tracer"]
+__all__ = ["program", "Program", "SymbolicArray", "ProgramGraph", "SequentialProgram", "current_tracer", "as_tuple"]
 
 _TRACER: contextvars.ContextVar["_Tracer | None"] = contextvars.ContextVar("pathways_program_tracer", default=None)
 _REPLAY: contextvars.ContextVar["_Replay | None"] = contextvars.ContextVar("pathways_program_replay", default=None)
@@ -43,6 +43,11 @@ _REPLAY: contextvars.ContextVar["_Replay | None"] = contextvars.ContextVar("path
 
 def current_tracer() -> "_Tracer | None":
     return _TRACER.get()
+
+
+def as_tuple(value) -> tuple:
+    """A call's outputs as a tuple: a function with one output returns it bare."""
+    return value if isinstance(value, tuple) else (value,)
 
 
 def replayed_call(function):

@@ -19,7 +19,7 @@ import functools
 from ..errors import CaptureError, PlacementError
 from ..functions import Function
 from ..placement import Replicate, Shard
-from ..programs import Program
+from ..programs import Program, as_tuple
 from ..training.buckets import flatten, make_buckets, unflatten
 from ..training.optimizers import read_optimizer
 from ..training.plans import DataParallel
@@ -124,6 +124,10 @@ class PipelineTrainer(Trainer):
         return [self._context.mesh({self.data.axis: self.num_shards}, executors=by_rank[r])
                 for r in range(self.num_ranks)]
 
+    def _mesh_of(self, chunk: int):
+        """The stage mesh chunk ``chunk`` runs on (its pipe rank's)."""
+        return self._stage_meshes[self._schedule.rank_of(chunk)]
+
     @property
     def schedule(self) -> str:
         """The per-rank actions, with the sends and receives between ranks, as text (parses back)."""
@@ -206,7 +210,7 @@ class PipelineTrainer(Trainer):
                 owner.setdefault(n, p.chunk.index)
         functions = []
         for plan in plans:
-            mesh = self._stage_meshes[self._schedule.rank_of(plan.chunk.index)]
+            mesh = self._mesh_of(plan.chunk.index)
             ag, nb = plan.autograd, len(plan.buckets)
             update_outs = [state] * (nb * (1 + plan.num_states)) + ([Replicate()] if plan.chunk.has_loss else [])
             functions.append({
@@ -233,10 +237,8 @@ class PipelineTrainer(Trainer):
 
     def _program(self, split, plans: list) -> Program:
         functions = self._functions(plans)
-        order = [(None, action) for action in self._compute_actions]
         num_microbatches, num_ranks = self.plan.microbatches, self.num_ranks
         num_states = len(self.layout.state_names)
-        rank_of = self._schedule.rank_of
         update = self._clipped_updates if self.max_grad_norm is not None else self._updates
         update = functools.partial(update, plans, functions)
 
@@ -251,20 +253,20 @@ class PipelineTrainer(Trainer):
             scalars = [next(it) for _ in range(num_ranks)]
             batch = [[[next(it) for _ in plan.chunk.batch_leaves] for plan in plans] for _ in range(num_microbatches)]
             forwards, incoming_grads, accumulated = {}, {}, {}
-            for _, action in order:
+            for action in self._compute_actions:
                 c, m = action.chunk, action.microbatch
                 plan, fns = plans[c], functions[c]
                 if action.kind == "F":
                     incoming = forwards[(c - 1, m)][:len(plan.chunk.incoming)] if c else []
-                    forwards[(c, m)] = _as_tuple(fns["forward"](*flats[c], *consts[c], *batch[m][c], *incoming))
+                    forwards[(c, m)] = as_tuple(fns["forward"](*flats[c], *consts[c], *batch[m][c], *incoming))
                     continue
                 saved = forwards[(c, m)][plan.autograd.num_outputs:]
                 grads_out = incoming_grads.pop((c + 1, m)) if c + 1 < len(plans) else []
                 params = flats[c] if plan.autograd.backward_params else []
                 if c in accumulated:
-                    result = _as_tuple(fns["backward_acc"](*saved, *params, *grads_out, *accumulated[c]))
+                    result = as_tuple(fns["backward_acc"](*saved, *params, *grads_out, *accumulated[c]))
                 else:
-                    result = _as_tuple(fns["backward"](*saved, *params, *grads_out))
+                    result = as_tuple(fns["backward"](*saved, *params, *grads_out))
                 incoming_grads[(c, m)] = result[:plan.num_incoming_grads]
                 accumulated[c] = result[plan.num_incoming_grads:]
             tied = {p.chunk.index: functions[p.chunk.index]["tied"](*accumulated[p.chunk.index])
@@ -284,7 +286,7 @@ class PipelineTrainer(Trainer):
         new_flats, new_states, loss = [], [], None
         for plan in plans:
             c, nb = plan.chunk.index, len(plan.buckets)
-            result = _as_tuple(functions[c]["update"](*flats[c], *states[c], *accumulated[c],
+            result = as_tuple(functions[c]["update"](*flats[c], *states[c], *accumulated[c],
                                                       scalars[self._schedule.rank_of(c)], *extra[c]))
             new_flats.append(result[:nb])
             new_states.append(result[nb:nb * (1 + num_states)])
@@ -297,13 +299,13 @@ class PipelineTrainer(Trainer):
         reduced, squares, loss = {}, [], None
         for plan in plans:
             c, nb = plan.chunk.index, len(plan.buckets)
-            result = _as_tuple(functions[c]["reduce"](*accumulated[c], *extra[c]))
+            result = as_tuple(functions[c]["reduce"](*accumulated[c], *extra[c]))
             reduced[c], loss = result[:nb], result[nb + 1] if plan.chunk.has_loss else loss
             squares.append(result[nb])
         new_flats, new_states = [], []
         for plan in plans:
             c, nb = plan.chunk.index, len(plan.buckets)
-            result = _as_tuple(functions[c]["apply"](*flats[c], *states[c], *reduced[c],
+            result = as_tuple(functions[c]["apply"](*flats[c], *states[c], *reduced[c],
                                                      scalars[self._schedule.rank_of(c)], *squares))
             new_flats.append(result[:nb])
             new_states.append(result[nb:])
@@ -321,7 +323,7 @@ class PipelineTrainer(Trainer):
         plans = self._train_plans()
         chunk_state = []
         for plan in plans:
-            mesh = self._stage_meshes[self._schedule.rank_of(plan.chunk.index)]
+            mesh = self._mesh_of(plan.chunk.index)
             items = [(flatten(b, {s.name: tensors[f"model/{s.name}"].to(b.dtype) for s in b.slots}, n),
                       state_placement) for b, n in zip(plan.buckets, plan.padded)]
             items += [(flatten(b, {s.name: tensors[f"optimizer/{s.name}/{name}"].to(b.dtype) for s in b.slots}, n),
@@ -501,9 +503,8 @@ class PipelineTrainer(Trainer):
                                  "from training; evaluate on the client from trainer.state_dict()")
         plans = [dataclasses.replace(p, chunk=c) for p, c in zip(train.plans, split.chunks)]
         functions = [Function(make_eval_forward(p), out=(Replicate(),) * (len(p.chunk.outgoing) + p.chunk.has_loss),
-                              mesh=self._stage_meshes[self._schedule.rank_of(p.chunk.index)]) for p in plans]
-        mean = Function(make_eval_loss(self.data, self.num_shards), out=Replicate(), mesh=self._stage_meshes[
-            self._schedule.rank_of(plans[-1].chunk.index)])
+                              mesh=self._mesh_of(p.chunk.index)) for p in plans]
+        mean = Function(make_eval_loss(self.data, self.num_shards), out=Replicate(), mesh=self._mesh_of(plans[-1].chunk.index))
         num_microbatches = self.plan.microbatches
 
         def pipeline_evaluate(*arrays):
@@ -517,7 +518,7 @@ class PipelineTrainer(Trainer):
                 incoming = []
                 for plan, fn, leaves in zip(plans, functions, m_batch):
                     c = plan.chunk.index
-                    outputs = _as_tuple(fn(*flats[c], *consts[c], *leaves, *incoming))
+                    outputs = as_tuple(fn(*flats[c], *consts[c], *leaves, *incoming))
                     incoming = list(outputs[:len(plan.chunk.outgoing)])
                 losses.append(outputs[-1])
             return mean(*losses)
@@ -534,6 +535,3 @@ class PipelineTrainer(Trainer):
         return (f"<PipelineTrainer {type(self.model).__name__} {self.plan.schedule} {self.num_ranks} ranks x "
                 f"{self.num_shards} data shards, {self.plan.microbatches} microbatches, step {self.step_count}>")
 
-
-def _as_tuple(value) -> tuple:
-    return value if isinstance(value, tuple) else (value,)

@@ -27,7 +27,7 @@ from ..errors import PlacementError
 from ..functions import Function
 from ..islands import ISLAND_AXIS
 from ..placement import Replicate, Shard
-from ..programs import Program
+from ..programs import Program, as_tuple
 from .buckets import flatten, unflatten
 from .optimizers import DYNAMIC, apply_update, read_optimizer
 from .plans import DataParallel, ShardedDataParallel
@@ -180,14 +180,14 @@ class CrossIslandTrainer(Trainer):
             computed = []
             for mesh, part in zip(islands, parts):
                 flats, rest = part[:nb], part[nb * (1 + ns):]       # buffers, frozen, scalars, rank, batch
-                computed.append(_as_tuple(grads.on(mesh)(*flats, *rest, static_key=static_key)))
+                computed.append(as_tuple(grads.on(mesh)(*flats, *rest, static_key=static_key)))
             losses = [c[0] for c in computed]
             slices = [a for c in computed for a in c[1:1 + nb]]
             buffers0 = computed[0][1 + nb:]
             outputs = []
             for mesh, part in zip(islands, parts):
                 scalars = part[nb * (1 + ns) + nbuf + nfrozen]
-                outputs.extend(_as_tuple(update.on(mesh)(*part[:nb * (1 + ns)], scalars, *losses, *slices,
+                outputs.extend(as_tuple(update.on(mesh)(*part[:nb * (1 + ns)], scalars, *losses, *slices,
                                                          *buffers0)))
             return tuple(outputs)
 
@@ -282,7 +282,3 @@ class CrossIslandTrainer(Trainer):
     def __repr__(self) -> str:
         return (f"<CrossIslandTrainer {type(self.model).__name__} {type(self.plan).__name__}({self.plan.axis!r}) on "
                 f"{self.num_islands} islands x {self.num_shards} shards, step {self.step_count}>")
-
-
-def _as_tuple(value) -> tuple:
-    return value if isinstance(value, tuple) else (value,)
