@@ -58,7 +58,8 @@ class ContextConfig:
     # batches; below about 16 a 2-core host loses throughput, measured).
     max_inflight: int = 256
     max_inflight_steps: int = 16
-    # With islands: shape the link between them (a relay that delays, rate-limits and counts; pathways_torch.link).
+    # With islands: shape the link between them (a relay that delays and counts; the kernel's tbf in a network
+    # namespace or the relay's token bucket limits the rate: pathways_torch.link).
     link: object | None = None
 
     def __post_init__(self):

@@ -45,7 +45,7 @@ class IslandTable:
         described = ("ZeroMQ over loopback (one host)" if hosts <= {"tcp://127.0.0.1", "tcp://localhost"}
                      else f"ZeroMQ over TCP ({len(hosts)} hosts)")
         if link is not None:
-            described += f", {link.link.describe()} ({link.bytes_relayed:,} bytes so far)"
+            described += f", {link.describe()} ({link.bytes_relayed:,} bytes so far)"   # the shaping in force
         return cls(tuple(islands), described)
 
     def __len__(self) -> int:

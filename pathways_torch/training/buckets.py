@@ -13,7 +13,7 @@ import dataclasses
 
 from ..errors import CaptureError
 
-__all__ = ["Slot", "Bucket", "make_buckets", "flatten", "unflatten"]
+__all__ = ["Slot", "Bucket", "make_buckets", "flatten", "unflatten", "split_for_exchange"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,3 +97,42 @@ def flatten(bucket: Bucket, tensors: dict, padded_numel: int | None = None):
 def unflatten(bucket: Bucket, flat) -> dict:
     """Views of a flat buffer as the bucket's named tensors (the padding is ignored)."""
     return {s.name: flat.narrow(0, s.offset, s.numel).view(s.shape) for s in bucket.slots}
+
+
+def split_for_exchange(buckets: list[Bucket], cap_bytes: int, first_cap_bytes: int) -> list[Bucket]:
+    """The buckets cut into pieces of at most ``cap_bytes`` (the first ``first_cap_bytes``), last parameters first.
+
+    A gradient bucket that crosses islands leaves as soon as the backward has produced it, and
+    the backward produces the last layers' gradients first, so the pieces run from the model's
+    last parameter to its first (DDP orders its buckets the same way, with a small first one so
+    that communication starts early). A parameter larger than the cap is a piece of its own.
+    """
+    pieces: list[Bucket] = []
+    for bucket in buckets:
+        members, size = [], 0
+        for slot in reversed(bucket.slots):
+            nbytes = slot.numel * _itemsize(bucket.dtype)
+            cap = first_cap_bytes if not pieces else cap_bytes
+            if members and size + nbytes > cap:
+                pieces.append(_rebased(bucket, members))
+                members, size = [], 0
+            members.append(slot)
+            size += nbytes
+        if members:
+            pieces.append(_rebased(bucket, members))
+    return pieces
+
+
+def _itemsize(dtype) -> int:
+    import torch
+
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def _rebased(bucket: Bucket, slots: list[Slot]) -> Bucket:
+    """A bucket of ``slots`` (given last first) in model order, offsets from 0."""
+    rebased, offset = [], 0
+    for slot in reversed(slots):
+        rebased.append(Slot(slot.name, slot.shape, offset, slot.numel))
+        offset += slot.numel
+    return Bucket(bucket.group, bucket.dtype, tuple(rebased))

@@ -3,20 +3,24 @@
 A step is one registered program over every island's mesh (its executors along the
 ``data`` axis):
 
-1. ``grads`` on each island: forward and backward on the island's part of the batch,
-   then each gradient bucket *reduce-scattered* over the island's ``data`` axis (gloo or
-   NCCL, inside the island): executor d of every island holds slice d of its island's mean;
-2. ``update`` on each island: the slices of the same rank d from every other island arrive
-   as program transfers — executor to executor over ZeroMQ (through the shaped link when
-   there is one), not a collective: two islands' gang orders cannot gate one operation —
-   are added and averaged, all-gathered inside the island (``DataParallel``; a sharded
-   plan keeps its slice), clipped by the global norm if asked, and applied. Buffers (a
-   BatchNorm's running statistics) come from island 0's first shard, as DDP keeps rank 0's.
+1. the gradient *segments* on each island: the step's forward and backward cut per gradient
+   bucket (`bucket_cut`: segment 0 the forward, the loss and the backward of the last layers,
+   each later one the backward of earlier layers), each bucket *reduce-scattered* over the
+   island's ``data`` axis (gloo or NCCL, inside the island) at the end of the segment that
+   completes it: executor d of every island holds slice d of its island's mean;
+2. each slice goes, as soon as its segment has ended, to the same-rank executors of the other
+   islands as a program transfer — executor to executor over ZeroMQ (through the shaped link
+   when there is one), not a collective: two islands' gang orders cannot gate one operation —
+   while the island's next segments run, so the exchange overlaps the rest of the backward;
+3. ``update`` on each island: the slices are added and averaged, all-gathered inside the island
+   (``DataParallel``; a sharded plan keeps its slice), clipped by the global norm if asked, and
+   applied. Buffers (a BatchNorm's running statistics) come from island 0's first shard, as DDP
+   keeps rank 0's.
 
-So per step each executor sends (I - 1) / I of its island's reduced gradient bytes / D
-across the link, and every island holds the same parameters after the update. What is not
-there yet: gradients leave per bucket *during* the backward (the exchange overlapping the
-rest of the backward) — today the exchange starts when the island's backward has ended.
+The buckets are DDP's: ``bucket_mb`` (default 25 MB, the first at most 1 MB), from the model's
+last parameter to its first. Per step each executor sends (I - 1) / I of its island's reduced
+gradient bytes / D across the link, and every island holds the same parameters after the update.
+``nn.SyncBatchNorm`` is refused (its statistics would span one island, not the batch).
 """
 
 from __future__ import annotations
@@ -31,40 +35,62 @@ from ..programs import Program, as_tuple
 from .buckets import flatten, unflatten
 from .optimizers import DYNAMIC, apply_update, read_optimizer
 from .plans import DataParallel, ShardedDataParallel
-from .step import _from_first_shard, batch_form, gathered_params, loss_and_grads
+from .step import _from_first_shard, gathered_params, loss_and_grads
 from .trainer import Trainer
 
-__all__ = ["CrossIslandTrainer", "make_island_grads", "make_island_update"]
+__all__ = ["CrossIslandTrainer", "make_island_joint", "make_segment_function", "make_island_update"]
 
 
-def make_island_grads(model, loss_fn, layout, inner: DataParallel, num_shards: int, seed: int,
-                      batch_forms: dict):
-    """``(*flats, *buffers, *frozen, scalars, rank, *batch) -> (loss, *slices, *buffers)`` on one island."""
-    from ..collectives import all_reduce, reduce_scatter
-
+def make_island_joint(model, loss_fn, layout, inner: DataParallel, num_shards: int, seed: int, form):
+    """``(*flats, *buffers, *frozen, scalars, rank, *batch) -> (loss, *gradient flats, *buffers)`` of one shard:
+    the forward and backward, not yet reduced (the step cut per bucket adds the reductions, `bucket_cut`)."""
     buckets = layout.buckets
 
-    def grads(*tensors, static_key=None):
+    def joint(*tensors):
         it = iter(tensors)
         flats = [next(it) for _ in buckets]
         buffers = {name: next(it) for name in layout.buffer_names}
         frozen = {name: next(it) for name in layout.frozen_names}
         scalars, rank = next(it), next(it)
         batch = list(it)
-        form = batch_form(batch_forms, static_key[-1] if static_key else None, batch)
         params = gathered_params(buckets, flats, inner, num_shards)
         named, loss, new_buffers = loss_and_grads(model, loss_fn, params, buffers, frozen, form, batch,
                                                   (seed, scalars[0], rank), inner.axis, num_shards)
-        slices = [flatten(b, named, b.padded_numel(num_shards)) for b in buckets]
-        loss = loss.detach()
-        if num_shards > 1:
-            slices = [reduce_scatter(g, inner.axis, "mean", 0) for g in slices]
-            loss = all_reduce(loss, inner.axis, "mean")
-        buffers_out = _from_first_shard([new_buffers[n] for n in layout.buffer_names], inner, rank, num_shards)
-        return (loss, *slices, *buffers_out)
+        grads = [flatten(b, named, b.padded_numel(num_shards)) for b in buckets]
+        return (loss.detach(), *grads, *[new_buffers[n] for n in layout.buffer_names])
 
-    grads.__name__ = f"island_grads[{type(model).__name__}]"
-    return grads
+    return joint
+
+
+def make_segment_function(segment, inner: DataParallel, num_buckets: int, num_shards: int, index: int):
+    """Segment ``index`` of the step as a per-shard function: its graph, then the reductions inside the island of
+    what it completes — the loss (mean), its bucket's gradient (reduce-scatter, mean: executor d keeps slice d),
+    the buffers (shard 0's: it then takes the shard's rank as its last input)."""
+    from ..collectives import all_reduce, reduce_scatter
+
+    num_carried = len(segment.carried_out)
+    has_buffers = any(i > num_buckets for i in segment.outputs)
+
+    def run_segment(*tensors):
+        rank, tensors = (tensors[-1], tensors[:-1]) if has_buffers else (None, tensors)
+        values = segment.graph_module(*tensors)
+        carried, returned = list(values[:num_carried]), list(values[num_carried:])
+        buffers = []
+        for position, (output, value) in enumerate(zip(segment.outputs, returned)):
+            if output == 0 and num_shards > 1:
+                returned[position] = all_reduce(value, inner.axis, "mean")
+            elif 0 < output <= num_buckets and num_shards > 1:
+                returned[position] = reduce_scatter(value, inner.axis, "mean", 0)
+            elif output > num_buckets:
+                buffers.append(position)
+        if buffers:
+            shared = _from_first_shard([returned[p] for p in buffers], inner, rank, num_shards)
+            for position, value in zip(buffers, shared):
+                returned[position] = value
+        return (*carried, *returned)
+
+    run_segment.__name__ = f"island_grads[{index}]"
+    return run_segment
 
 
 def make_island_update(spec, layout, inner: DataParallel, num_islands: int, num_shards: int,
@@ -112,13 +138,20 @@ class CrossIslandTrainer(Trainer):
     def __init__(self, context, model, *, optimizer, loss_fn, mesh, plan, max_grad_norm=None, seed=0):
         import torch
 
-        from .buckets import make_buckets
+        from .buckets import make_buckets, split_for_exchange
         from .step import StepLayout
 
         axes = tuple(plan.axis)
         if len(axes) != 2 or axes[0] != ISLAND_AXIS or list(mesh.axes) != list(axes):
             raise PlacementError(f"{type(plan).__name__}({axes!r}): expected ({ISLAND_AXIS!r}, <data axis>) on a mesh "
                                  f"with exactly those axes in that order, got a mesh with {dict(mesh.axes)}")
+        synced = [name for name, m in model.named_modules() if isinstance(m, torch.nn.SyncBatchNorm)]
+        if synced:
+            raise PlacementError(f"{type(plan).__name__}({axes!r}): {type(model).__name__} has nn.SyncBatchNorm "
+                                 f"({', '.join(synced[:3])}{', ...' if len(synced) > 3 else ''}), whose statistics "
+                                 f"span the whole batch; across islands they would span one island only (a "
+                                 f"collective cannot cross islands): use nn.BatchNorm (DDP's per-shard statistics) "
+                                 f"or train inside one island")
         if max_grad_norm is not None and not max_grad_norm > 0:
             raise ValueError(f"max_grad_norm: expected a positive number or None, got {max_grad_norm!r}")
         self._context, self.model, self.optimizer, self.loss_fn = context, model, optimizer, loss_fn
@@ -127,6 +160,7 @@ class CrossIslandTrainer(Trainer):
         self.num_islands, self.num_shards = mesh.axes[ISLAND_AXIS], mesh.axes[axes[1]]
         self._spec = read_optimizer(optimizer)
         buckets, frozen = make_buckets(model, optimizer)
+        buckets = split_for_exchange(buckets, int(plan.bucket_mb * 2**20), int(min(1.0, plan.bucket_mb) * 2**20))
         self.layout = StepLayout(buckets=tuple(buckets), state_names=self._spec.state_names,
                                  buffer_names=tuple(n for n, _ in model.named_buffers()),
                                  frozen_names=tuple(frozen), num_groups=len(optimizer.param_groups))
@@ -149,41 +183,67 @@ class CrossIslandTrainer(Trainer):
         return {self.inner.axis: Shard(0)} if self.inner.sharded_state else Replicate()
 
     def _make_function(self):
-        """The step's two functions (captured on first use, once per island mesh); programs are made per batch."""
+        """The update (captured on first use, once per island mesh); the gradient segments are made per kind of
+        batch (`_program_for`)."""
         layout, state = self.layout, self._state_placement()
-        self._grads = Function(
-            make_island_grads(self.model, self.loss_fn, layout, self.inner, self.num_shards, self.seed,
-                              self._batch_forms),
-            out=(Replicate(), *[{self.inner.axis: Shard(0)}] * len(layout.buckets),
-                 *[Replicate()] * len(layout.buffer_names)), mesh=self._islands[0])
         self._update = Function(
             make_island_update(self._spec, layout, self.inner, self.num_islands, self.num_shards, self.max_grad_norm),
             out=(Replicate(), *[state] * (len(layout.buckets) * (1 + len(layout.state_names))),
                  *[Replicate()] * len(layout.buffer_names)), mesh=self._islands[0])
         self._programs: dict = {}
-        return self._grads
+        return self._update
 
-    def _program_for(self, static_key, num_leaves: int) -> Program:
-        """The step as one program for this kind of batch: grads on every island, then every island's update."""
-        key = (static_key, num_leaves)
+    def _segments_for(self, form, example_inputs: list):
+        """The step's forward and backward cut per bucket (`bucket_cut`), each segment a function."""
+        from .bucket_cut import cut_per_bucket
+
+        layout, nb = self.layout, len(self.layout.buckets)
+        joint = make_island_joint(self.model, self.loss_fn, layout, self.inner, self.num_shards, self.seed, form)
+        cut = cut_per_bucket(joint, example_inputs, nb, {self.inner.axis: self.num_shards})
+        self.bucket_cut = cut
+        sliced = {self.inner.axis: Shard(0)}
+        functions = []
+        for index, segment in enumerate(cut.segments):
+            # A carried value is one shard's own (an activation): it never leaves the executor, never fetched.
+            out = [Replicate()] * len(segment.carried_out)
+            out += [sliced if 0 < i <= nb else Replicate() for i in segment.outputs]
+            functions.append(Function(make_segment_function(segment, self.inner, nb, self.num_shards, index),
+                                      out=tuple(out), mesh=self._islands[0]))
+        return cut, functions
+
+    def _program_for(self, form, static_key, example_inputs: list) -> Program:
+        """The step as one program for this kind of batch: every island's gradient segments, then its update."""
+        key = (static_key, tuple((tuple(t.shape), t.dtype) for t in example_inputs))
         program = self._programs.get(key)
         if program is not None:
             return program
         layout = self.layout
         nb, ns, nbuf, nfrozen = (len(layout.buckets), len(layout.state_names), len(layout.buffer_names),
                                  len(layout.frozen_names))
+        num_leaves = len(example_inputs) - (nb + nbuf + nfrozen + 2)
         per_island = nb * (1 + ns) + nbuf + nfrozen + 2 + num_leaves
-        grads, update, islands = self._grads, self._update, self._islands
+        cut, functions = self._segments_for(form, example_inputs)
+        update, islands = self._update, self._islands
+
+        def island_grads(mesh, part):
+            joint_inputs = (*part[:nb], *part[nb * (1 + ns):])     # flats, buffers, frozen, scalars, rank, batch
+            rank = part[nb * (1 + ns) + nbuf + nfrozen + 1]
+            carried, finished = {}, {}
+            for segment, function in zip(cut.segments, functions):
+                args = [joint_inputs[i] for i in segment.inputs] + [carried[n] for n in segment.carried_in]
+                if any(i > nb for i in segment.outputs):
+                    args.append(rank)
+                values = as_tuple(function.on(mesh)(*args))
+                carried.update(zip(segment.carried_out, values))
+                finished.update(zip(segment.outputs, values[len(segment.carried_out):]))
+            return finished[0], [finished[1 + b] for b in range(nb)], [finished[1 + nb + i] for i in range(nbuf)]
 
         def cross_island_step(*arrays):
             parts = [arrays[i * per_island:(i + 1) * per_island] for i in range(len(islands))]
-            computed = []
-            for mesh, part in zip(islands, parts):
-                flats, rest = part[:nb], part[nb * (1 + ns):]       # buffers, frozen, scalars, rank, batch
-                computed.append(as_tuple(grads.on(mesh)(*flats, *rest, static_key=static_key)))
-            losses = [c[0] for c in computed]
-            slices = [a for c in computed for a in c[1:1 + nb]]
-            buffers0 = computed[0][1 + nb:]
+            computed = [island_grads(mesh, part) for mesh, part in zip(islands, parts)]
+            losses = [loss for loss, _, _ in computed]
+            slices = [s for _, island_slices, _ in computed for s in island_slices]
+            buffers0 = computed[0][2]
             outputs = []
             for mesh, part in zip(islands, parts):
                 scalars = part[nb * (1 + ns) + nbuf + nfrozen]
@@ -212,6 +272,18 @@ class CrossIslandTrainer(Trainer):
                       for b, n in zip(layout.buckets, padded) for name in layout.state_names]
             items += [(tensors[f"model/{n}"], Replicate()) for n in layout.buffer_names + layout.frozen_names]
             self._state.append(self._context.put_many(items, mesh))
+
+    def _state_examples(self) -> list:
+        """Meta tensors shaped as one shard's flats, buffers and frozen parameters (what the joint reads)."""
+        import torch
+
+        layout, num_shards = self.layout, self.num_shards
+        numels = [b.padded_numel(num_shards) // num_shards if self.inner.sharded_state else b.numel
+                  for b in layout.buckets]
+        named = {**dict(self.model.named_parameters()), **dict(self.model.named_buffers())}
+        return ([torch.empty(n, dtype=b.dtype, device="meta") for b, n in zip(layout.buckets, numels)]
+                + [torch.empty(named[n].shape, dtype=named[n].dtype, device="meta")
+                   for n in layout.buffer_names + layout.frozen_names])
 
     def _named_tensors(self) -> dict:
         layout, state = self.layout, self._state[0]   # every island holds the same state
@@ -253,7 +325,10 @@ class CrossIslandTrainer(Trainer):
                                             *[(t[i * rows:(i + 1) * rows], {axis: Shard(0)}) for t in tensors]], mesh)
             arrays += [*self._state[i], fresh[0], self._ranks[i], *fresh[1:]]
         modes = tuple(m.training for m in self.model.modules())
-        program = self._program_for((spec.static_key(), modes, form.key), len(tensors))
+        shard_rows = rows // self.num_shards
+        examples = [*self._state_examples(), scalars, torch.zeros(1, dtype=torch.int64),
+                    *[t[:shard_rows] for t in tensors]]
+        program = self._program_for(form, (spec.static_key(), modes, form.key), examples)
         try:
             outputs = program(*arrays)
         except CaptureError as exc:

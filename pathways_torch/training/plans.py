@@ -28,7 +28,16 @@ class DataParallel:
     """Replicated parameters and optimizer state, batch sharded on ``axis``, gradients all-reduced."""
 
     axis: str = "data"
+    # Across islands (axis ("island", <data axis>)): the size of the gradient buckets exchanged between
+    # islands, each sent as soon as the backward has made it (DDP's bucket_cap_mb; the first is at most
+    # 1 MB so that the exchange starts early). Inside one island a group's gradient is one bucket.
+    bucket_mb: float = 25.0
     sharded_state = False
+
+    def __post_init__(self):
+        if not (isinstance(self.bucket_mb, (int, float)) and self.bucket_mb > 0):
+            raise ValueError(f"{type(self).__name__}: bucket_mb must be a positive number of megabytes, got "
+                             f"{self.bucket_mb!r}")
 
     def check(self, mesh) -> int:
         """The number of data shards; refuses a mesh without the axis."""

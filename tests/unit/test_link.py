@@ -56,12 +56,15 @@ def test_the_relay_delays_counts_and_passes_bytes_unchanged():
 
 def test_the_relay_holds_to_its_bandwidth():
     server, address = _echo_server()
-    relay = LinkRelay(pw.Link(bandwidth_bytes_per_s=2e6))
+    relay = LinkRelay(pw.Link(bandwidth_bytes_per_s=2e6, shaping="relay"))
     try:
         payload = bytes(range(256)) * 4096           # 1 MiB each way: 2 MiB through the relay
         echoed, elapsed = _round_trip(relay.add(address), payload)
         assert echoed == payload
         assert elapsed >= 0.4, elapsed               # 1 MiB at 2 MB/s (less one 64 KiB burst) takes >= 0.49 s
+        assert relay.shaping == "relay" and relay.veth is None and relay.bytes_metered == relay.bytes_relayed
+        assert relay.describe() == ("relayed, 0 ms one-way, 2 MB/s (the relay's token bucket; shaping='relay' "
+                                    "asked for it)")
     finally:
         relay.close()
         server.close()
@@ -72,12 +75,22 @@ def test_a_link_refuses_nonsense():
         pw.Link(delay_s=-1)
     with pytest.raises(ValueError, match="bandwidth_bytes_per_s must be positive"):
         pw.Link(bandwidth_bytes_per_s=0)
+    with pytest.raises(ValueError, match="shaping: expected one of 'auto', 'tbf', 'relay', got 'netem'"):
+        pw.Link(bandwidth_bytes_per_s=1e6, shaping="netem")
+    with pytest.raises(ValueError, match="shaping='tbf' shapes a bandwidth, but bandwidth_bytes_per_s is None"):
+        pw.Link(delay_s=0.001, shaping="tbf")
+
+
+def test_a_link_says_what_it_asks_for():
+    assert pw.Link(delay_s=0.005, bandwidth_bytes_per_s=10e6).describe() == "relayed, 5 ms one-way, 10 MB/s"
+    assert pw.Link(shaping="relay").describe() == "relayed, 0 ms one-way, unlimited rate, shaping='relay'"
 
 
 def test_a_fast_links_bucket_holds_two_milliseconds_of_its_rate():
     """A 64 KiB bucket capped every link near 50 MB/s (one relay wake-up writes at most the bucket); the
     bucket holds 2 ms of the rate, at least 64 KiB. (Throughput itself is load-dependent: not timed here.)"""
-    fast, slow, unlimited = (LinkRelay(pw.Link(bandwidth_bytes_per_s=rate)) for rate in (1e9, 1e6, None))
+    fast, slow, unlimited = (LinkRelay(pw.Link(bandwidth_bytes_per_s=rate, shaping="relay"))
+                             for rate in (1e9, 1e6, None))
     try:
         assert fast._burst == pytest.approx(2e6) and slow._burst == 64 * 1024 and unlimited._burst == 64 * 1024
     finally:

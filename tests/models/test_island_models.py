@@ -1,0 +1,54 @@
+"""Model code written elsewhere trains across two islands as in eager PyTorch: ``DataParallel(("island", "data"))``
+with the step cut per gradient bucket (small buckets, so that each model's backward is cut in several
+places), on the default backend and on eager executors, against the single-process oracle (DDP's, for
+BatchNorm's per-shard statistics)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import pathways_torch as pw
+from tests.models.cases import CASES, ddp_oracle, eager_oracle
+from tests.models.test_conformance import _adamw, _relative
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
+
+ISLAND_CASES = {"default": ["hf-gpt2", "nanogpt", "resnet-batchnorm"],
+                "eager": ["hf-gpt2", "hf-llama", "nanogpt", "torch-transformer", "resnet-batchnorm",
+                          "frozen-and-buffer"]}
+
+
+@pytest.fixture(scope="module", params=["default", "eager"])
+def ctx(request):
+    backend = None if request.param == "default" else "eager"
+    with pw.Context(islands=[1, 1], backend=backend) as ctx:
+        yield ctx
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
+def test_trains_like_the_oracle_across_two_islands(ctx, case):
+    if case.name not in ISLAND_CASES["eager" if ctx.backend == "eager" else "default"]:
+        pytest.skip(f"{case.name} across islands runs on eager executors only (test time)")
+    expected_losses, expected_params = (ddp_oracle(case, _adamw, 2) if case.ddp_buffers else
+                                        eager_oracle(case, _adamw))
+    model = case.make_model()
+    quarter_mb = sum(p.numel() * p.element_size() for p in model.parameters()) / 4 / 2**20   # about 4 buckets
+    trainer = ctx.wrap(model, optimizer=_adamw(model), loss_fn=case.loss_fn, mesh=ctx.mesh({"island": 2, "data": 1}),
+                       plan=pw.DataParallel(("island", "data"), bucket_mb=quarter_mb))
+    losses = [loss.result(240).item() for loss in [trainer.step(b) for b in case.batches()]]
+    assert len(trainer.bucket_cut.segments) == len(trainer.layout.buckets) >= 2, str(trainer.bucket_cut)
+    assert _relative(losses, expected_losses) < case.tolerance, (ctx.backend, losses, expected_losses)
+    state = trainer.state_dict()["model"]
+    for name, value in expected_params.items():
+        assert _relative(state[name], value) < case.tolerance, (ctx.backend, name)
+    outside = {k: v for k, v in ctx.backend_counters("fallback_ops").items() if k.startswith("island_grads") and v}
+    assert not outside or ctx.backend == "eager", outside
+
+
+def test_sync_batchnorm_across_islands_is_refused(ctx):
+    case = next(c for c in CASES if c.name == "resnet-syncbatchnorm")
+    model = case.make_model()
+    with pytest.raises(pw.PlacementError, match=r"SyncBatchNorm .*one island only.*nn.BatchNorm"):
+        ctx.wrap(model, optimizer=_adamw(model), loss_fn=case.loss_fn, mesh=ctx.mesh({"island": 2, "data": 1}),
+                 plan=pw.DataParallel(("island", "data")))
