@@ -39,11 +39,12 @@ Per configuration also:
   islands, so I x D x (I - 1) x G / D = I (I - 1) G bytes per step (2 G for two islands, whatever D) — the same
   as the bandwidth-optimal all-reduce between I parties, 2 (I - 1) / I x G x I, when I = 2;
 - the exchange wait per step, from the executors' trace (``ctx.trace``): on each executor, the start of its
-  ``island_update`` minus the end of its ``island_grads[...]`` of the same step (mean over executors, per step),
-  split into the wait for the other island's backward to end (skew) and the time after the last island's
-  backward ended (the transfer and its hand-off); the link transfers' send-to-receive times; and the compute the
-  executor ran inside its wait. The exchange starts after the island's backward (no overlap implemented yet), so
-  the share of it hidden behind compute is 0 by construction; the trace confirms it;
+  ``island_update`` minus the end of the last of its ``island_grads[k]`` segments of the same step (the backward
+  is cut per gradient bucket, ``--bucket-mb``; mean over executors, per step), split into the wait for the other
+  island's backward to end (skew) and the time after the last island's backward ended (the last transfers and
+  their hand-off); the link transfers' send-to-receive times; and the share of that transfer time during which
+  the receiving executor was still computing (its own backward: the exchange hidden behind compute; a bucket's
+  slice leaves as soon as its segment ends, so only the last bucket's transfer cannot be hidden);
 - what a lone `LinkRelay` of each shape delivers (``relay_rate``: one loopback connection, no executors, measured
   before the groups), so that the link shapes' cost can be modelled at the rate the relay achieves as well as at
   the nominal one;
@@ -127,8 +128,9 @@ class Setup:
             return {"data": self.num_executors}
         return {"island": self.num_islands, "data": self.num_shards}
 
-    def plan(self):
-        return pw.DataParallel("data") if self.islands is None else pw.DataParallel(("island", "data"))
+    def plan(self, bucket_mb: float = 25.0):
+        return (pw.DataParallel("data") if self.islands is None
+                else pw.DataParallel(("island", "data"), bucket_mb=bucket_mb))
 
     def context_options(self) -> dict:
         if self.islands is None:
@@ -282,10 +284,11 @@ def in_windows(t: float, windows: list[tuple[float, float]]) -> bool:
     return any(a <= t <= b for a, b in windows)
 
 
-def exchange_steps(spans: list[tuple[int, str, float, float]], island_of) -> list[dict]:
+def exchange_steps(spans: list[tuple[int, str, float, float]], island_of, segments_per_step: int = 1) -> list[dict]:
     """Per step, from compute spans ``(executor, kind, start, end)`` (kind ``grads``, ``update`` or other
     compute) of the timed steps: on each executor, wait = its update's start - its grads' end of the same step
-    (the k-th grads and the k-th update of each executor are step k); skew = the last grads end of any island -
+    (the step's grads are ``segments_per_step`` spans, the backward cut per bucket: the k-th group of them and the
+    k-th update of each executor are step k; its grads end is the last one's end); skew = the last grads end of any island -
     this executor's grads end; after_last = update start - that last end; inside = compute that executor ran
     inside its wait. Each value the mean over executors (``max_wait``: the largest)."""
     by_executor: dict[int, dict[str, list]] = {}
@@ -296,13 +299,15 @@ def exchange_steps(spans: list[tuple[int, str, float, float]], island_of) -> lis
     for kinds in by_executor.values():
         for values in kinds.values():
             values.sort()
+    per = segments_per_step
     counts = {e: (len(k.get("grads", [])), len(k.get("update", []))) for e, k in by_executor.items()}
-    num_steps = min(min(c) for c in counts.values())
-    if any(c != (num_steps, num_steps) for c in counts.values()):
-        raise RuntimeError(f"exchange_steps: expected as many grads as update spans on every executor, got {counts}")
+    num_steps = min(c[1] for c in counts.values())
+    if any(c != (num_steps * per, num_steps) for c in counts.values()):
+        raise RuntimeError(f"exchange_steps: expected {per} grads spans per update span on every executor, got "
+                           f"(grads, update) = {counts}")
     steps = []
     for k in range(num_steps):
-        grads_end = {e: kinds["grads"][k][1] for e, kinds in by_executor.items()}
+        grads_end = {e: kinds["grads"][k * per + per - 1][1] for e, kinds in by_executor.items()}
         island_end: dict[int, float] = {}
         for e, end in grads_end.items():
             island_end[island_of(e)] = max(end, island_end.get(island_of(e), float("-inf")))
@@ -335,6 +340,28 @@ def link_transfer_times(events: list[dict], windows: list[tuple[float, float]]) 
         elif e.get("ph") == "f":
             ends[e["id"]] = e["ts"] / 1e6
     return [ends[i] - t for i, t in starts.items() if i in ends and in_windows(t, windows)]
+
+
+def transfer_overlap(events: list[dict], windows: list[tuple[float, float]]) -> tuple[float, float]:
+    """(seconds of link transfers during which their receiver was computing, seconds of link transfers), for the
+    transfers sent inside ``windows``: a transfer costs the step nothing while the executor that waits for it
+    still runs its own backward (the exchange hidden behind compute)."""
+    compute: dict[int, list[tuple[float, float]]] = {}
+    for e in events:
+        if e.get("ph") == "X" and e.get("cat") == "compute":
+            compute.setdefault(e["pid"], []).append((e["ts"] / 1e6, (e["ts"] + e["dur"]) / 1e6))
+    starts, ends = {}, {}
+    for e in events:
+        if e.get("cat") == "link" and e.get("ph") in ("s", "f"):
+            (starts if e["ph"] == "s" else ends)[e["id"]] = (e["ts"] / 1e6, e["pid"])
+    hidden = total = 0.0
+    for flow, (sent, _) in starts.items():
+        if flow not in ends or not in_windows(sent, windows):
+            continue
+        received, receiver = ends[flow]
+        total += received - sent
+        hidden += sum(max(0.0, min(b, received) - max(a, sent)) for a, b in compute.get(receiver, []))
+    return hidden, total
 
 
 def classify(name: str) -> str:
@@ -409,9 +436,11 @@ class Run:
         # By group: per timed step (exchange_steps), link transfer times, in-island collective s per executor-step.
         self.exchange: dict[str, list[dict]] = {}
         self.transfers_s: dict[str, list[float]] = {}
+        self.overlap_s: dict[str, list[float]] = {}              # by group: [hidden s, transfer s]
+        self.segments_per_step = 1
         self.collective_s: dict[str, list[float]] = {}
         self.compute_s: dict[str, dict[str, float]] = {}        # by group: kind -> s per executor-step
-        self.backend = self.gradient_bytes = None
+        self.backend = self.gradient_bytes = self.num_buckets = self.shaping = None
         self.rss_mb: list[int] = []
         self._wall_spans: list[tuple[str, float, float]] = []     # (group, start, end) of this context's windows
 
@@ -430,9 +459,11 @@ class Run:
         self.backend = self.ctx.backend
         model, optimizer = make_model(self.cfg)
         self.trainer = self.ctx.wrap(model, optimizer=optimizer, loss_fn=loss_fn, mesh=self.ctx.mesh(setup.mesh_axes()),
-                                     plan=setup.plan())
+                                     plan=setup.plan(args.bucket_mb))
         layout, shards = self.trainer.layout, self.trainer.num_shards
         self.gradient_bytes = sum(b.padded_numel(shards) * b.dtype.itemsize for b in layout.buckets)
+        self.num_buckets = len(layout.buckets)
+        self.shaping = None if self.ctx.link is None else self.ctx.link.describe()
         self.index, self._wall_spans = 0, []
         began = time.perf_counter()
         self._step()
@@ -501,8 +532,13 @@ class Run:
             if self.setup.islands is not None:
                 compute = [(e["pid"], classify(e["name"]), e["ts"] / 1e6, (e["ts"] + e["dur"]) / 1e6)
                            for e in mine if e["cat"] == "compute"]
-                self.exchange.setdefault(group, []).extend(exchange_steps(compute, self.setup.island_of))
+                per = len(self.trainer.bucket_cut.segments)
+                self.exchange.setdefault(group, []).extend(exchange_steps(compute, self.setup.island_of, per))
                 self.transfers_s.setdefault(group, []).extend(link_transfer_times(events, windows))
+                hidden, total = transfer_overlap(events, windows)
+                sums = self.overlap_s.setdefault(group, [0.0, 0.0])
+                sums[0] += hidden
+                sums[1] += total
             per = len(windows) * self.args.steps * self.setup.num_executors
             collective = sum(e["dur"] / 1e6 for e in mine if e["cat"] == "collective")
             self.collective_s.setdefault(group, []).append(collective / per)
@@ -611,7 +647,7 @@ def summarize(measured: dict, args, rates: dict) -> dict:
                 "in_island_collectives_ms_per_step": (statistics.median(run.collective_s[group["name"]]) * 1e3
                                                       if run.collective_s.get(group["name"]) else None),
                 "compute_ms_per_step": {k: v * 1e3 for k, v in run.compute_s.get(group["name"], {}).items()},
-                "relay_rate_bytes_per_s": rates.get(key)}
+                "relay_rate_bytes_per_s": rates.get(key), "link_in_force": run.shaping}
             if setup.islands is not None:
                 steps = run.exchange.get(group["name"], [])
                 entry["exchange"] = {
@@ -624,6 +660,10 @@ def summarize(measured: dict, args, rates: dict) -> dict:
                     "hidden_share": (sum(s["compute_inside"] for s in steps) / sum(s["wait"] for s in steps)
                                      if steps and sum(s["wait"] for s in steps) else 0.0),
                     "link_transfer_ms": spread([t * 1e3 for t in run.transfers_s.get(group["name"], [])]),
+                    "buckets": run.num_buckets,
+                    "transfer_s": run.overlap_s.get(group["name"], [0.0, 0.0])[1],
+                    "transfer_hidden_share": (run.overlap_s[group["name"]][0] / run.overlap_s[group["name"]][1]
+                                              if run.overlap_s.get(group["name"], [0, 0])[1] else 0.0),
                     "per_step_wait_ms": [s["wait"] * 1e3 for s in steps]}
             configs[key] = entry
         groups.append({"name": group["name"], "kind": group["kind"], "reference": group["reference"],
@@ -762,22 +802,27 @@ def report(summary: dict, setups: dict, args, method: str, why: str) -> None:
             spent = " + ".join(f"{kind} {ms:.1f}" for kind, ms in sorted(compute.items(), key=_kind_order))
             if exchange is None:
                 rows.append([group["name"], setup.describe(), spent.replace("other", "train_step"), "-", "-", "-",
-                             "-", "-", "-", "-", "-", "-" if collectives is None else f"{collectives:.1f}"])
+                             "-", "-", "-", "-", "-", "-", "-", "-" if collectives is None else f"{collectives:.1f}"])
                 continue
             rows.append([group["name"], f"{setup.describe()}, {describe_link(setup.link)}", spent, exchange["steps"],
                          _ms(exchange["wait_ms"]), _ms(exchange["max_wait_ms"]), _ms(exchange["skew_ms"]),
                          _ms(exchange["after_last_grads_ms"]), _ms(exchange["link_transfer_ms"]),
                          f"{exchange['compute_inside_wait_ms']:.1f}", f"{exchange['hidden_share']:.0%}",
+                         exchange["buckets"], f"{exchange['transfer_hidden_share']:.0%}",
                          "-" if collectives is None else f"{collectives:.1f}"])
     print_table(["group", "configuration", "compute ms/step (per executor)", "steps",
                  "wait ms (grads end -> update start)", "slowest executor's wait",
                  "waiting for the other island's grads", "after the last island's grads", "link transfer ms",
-                 "compute inside the waits ms (total)", "hidden behind compute", "in-island collectives ms/step"],
+                 "compute inside the waits ms (total)", "wait hidden behind compute", "buckets",
+                 "link transfer time hidden behind the receiver's compute", "in-island collectives ms/step"],
                 rows)
     print("notes: compute = the executors' compute spans per step (one island's train_step holds its all-reduce, "
-          "the last column; the islands' grads hold their in-island reduce-scatter); the exchange starts when the "
-          "island's backward has ended (no overlap implemented yet), so the share of it hidden behind compute is 0 "
-          "by construction (the trace shows no compute inside the waits); "
+          "the last column; the islands' grads — the backward cut per bucket, one span per bucket — hold their "
+          "in-island reduce-scatters); each bucket's slice leaves when its segment ends, so the exchange of the first "
+          "buckets runs during the backward of the rest; 'link transfer time hidden' = the share of the link "
+          "transfers' send-to-receipt time during which the receiving executor was still computing (the last "
+          "bucket's transfer, after the backward, cannot be hidden); 'wait' = what was not hidden: the last grads "
+          "segment's end to the update's start; "
           "'link transfer' = send to receipt of each transfer between islands (both the gradient slices and the "
           "losses); link bytes: every byte the relay wrote (both directions) over the timed steps, against "
           "I(I-1)G = each of the I x D executors sending its G/D slice to each of the I - 1 other islands "
@@ -811,6 +856,8 @@ def main() -> int:
     parser.add_argument("--width", type=int, default=128)
     parser.add_argument("--depth", type=int, default=4)
     parser.add_argument("--batch", type=int, default=128, help="global batch (rows); divisible by 4")
+    parser.add_argument("--bucket-mb", type=float, default=25.0,
+                        help="the gradient buckets exchanged between islands, MB (pw.DataParallel's bucket_mb)")
     parser.add_argument("--steps", type=int, default=None, help="steps per timed window (default 10, quick 4)")
     parser.add_argument("--warmup", type=int, default=None, help="warm-up steps (default 3, quick 2)")
     parser.add_argument("--rounds", type=int, default=None, help="interleaved rounds (default 5, quick 2)")

@@ -8,7 +8,7 @@ import pytest
 import pathways_torch as pw
 from bench.islands import (Setup, choose_method, classify, describe_link, exchange_steps, expected_link_bytes,
                            link_transfer_times, loss_difference, make_groups, modelled_link_s, open_executors,
-                           parse_shapes, relay_rate, round_ratios, shape_key, spread)
+                           parse_shapes, relay_rate, round_ratios, shape_key, spread, transfer_overlap)
 
 
 @pytest.mark.timeout(30)
@@ -68,9 +68,33 @@ def test_exchange_waits_split_into_skew_and_after_the_last_grads():
     assert steps[0]["skew"] == pytest.approx(0.5 / 2) and steps[0]["after_last"] == pytest.approx(0.1)
     assert steps[1]["wait"] == pytest.approx(0.1) and steps[1]["skew"] == 0.0
     assert all(s["compute_inside"] == 0.0 for s in steps)
-    with pytest.raises(RuntimeError, match="as many grads as update"):
+    with pytest.raises(RuntimeError, match="1 grads spans per update span"):
         exchange_steps(spans[:-1], island_of=lambda e: e)
     assert exchange_steps([], island_of=lambda e: e) == []
+
+
+@pytest.mark.timeout(30)
+def test_a_step_cut_in_segments_ends_its_grads_with_the_last_segment():
+    # one executor, 3 segments per step: the wait runs from the third segment's end to the update
+    spans = [(0, "grads", 0.0, 0.2), (0, "grads", 0.2, 0.5), (0, "grads", 0.5, 1.0), (0, "update", 1.25, 1.3)]
+    (step,) = exchange_steps(spans, island_of=lambda e: 0, segments_per_step=3)
+    assert step["wait"] == pytest.approx(0.25)
+    with pytest.raises(RuntimeError, match="2 grads spans per update span"):
+        exchange_steps(spans, island_of=lambda e: 0, segments_per_step=2)
+
+
+@pytest.mark.timeout(30)
+def test_transfer_time_is_hidden_while_its_receiver_computes():
+    # transfer 1 (0 -> 1) from 1.0 to 2.0 s while executor 1 computes from 0.5 to 1.5: half hidden;
+    # transfer 2 is sent outside the window and not counted
+    events = [{"cat": "compute", "ph": "X", "pid": 1, "ts": 0.5e6, "dur": 1.0e6},
+              {"cat": "compute", "ph": "X", "pid": 0, "ts": 1.0e6, "dur": 1.0e6},
+              {"cat": "link", "ph": "s", "id": 1, "pid": 0, "ts": 1.0e6},
+              {"cat": "link", "ph": "f", "id": 1, "pid": 1, "ts": 2.0e6},
+              {"cat": "link", "ph": "s", "id": 2, "pid": 0, "ts": 9.0e6},
+              {"cat": "link", "ph": "f", "id": 2, "pid": 1, "ts": 9.5e6}]
+    hidden, total = transfer_overlap(events, [(0.0, 5.0)])
+    assert total == pytest.approx(1.0) and hidden == pytest.approx(0.5)
 
 
 @pytest.mark.timeout(30)
@@ -86,7 +110,7 @@ def test_link_transfers_pair_flow_starts_with_their_ends_inside_the_windows():
               {"cat": "link", "ph": "s", "id": 2, "ts": 9.0e6}, {"cat": "link", "ph": "f", "id": 2, "ts": 9.5e6},
               {"cat": "compute", "ph": "X", "ts": 1.0e6, "dur": 5}]
     assert link_transfer_times(events, [(0.5, 2.0)]) == [pytest.approx(0.25)]
-    assert classify("island_grads[DecoderOnlyTransformer]") == "grads"
+    assert classify("island_grads[3]") == "grads"
     assert classify("island_update") == "update" and classify("train_step[X]") == "other"
 
 
