@@ -3,7 +3,7 @@
     python examples/train_transformer.py                       # 2 executors, XLA, DataParallel
     python examples/train_transformer.py --plan sharded --executors 4 --backend eager
     python examples/train_transformer.py --plan pipeline --stages 2 --microbatches 8 --timeline step.png
-    python examples/train_transformer.py --islands 2,2 --link-delay-ms 2 --link-mb-s 100   # across islands
+    python examples/train_transformer.py --islands 2,2 --link-delay-ms 2 --link-mb-s 100 --timeline islands.png
 
 The task and model are in ``transformer.py`` next to this file. The loop keeps a
 few steps in flight: it reads the loss of step k-4 while steps k-3..k run, so the
@@ -43,11 +43,13 @@ def parse_args(argv=None):
     p.add_argument("--microbatches", type=int, default=8, help="pipeline microbatches per batch (--plan pipeline)")
     p.add_argument("--schedule", choices=("gpipe", "1f1b", "interleaved"), default="1f1b",
                    help="pipeline schedule (--plan pipeline; interleaved uses 2 virtual stages)")
-    p.add_argument("--timeline", default=None, help="--plan pipeline: draw the last step to this PNG")
+    p.add_argument("--timeline", default=None, help="--plan pipeline or --islands: draw the last step to this PNG")
     p.add_argument("--islands", default=None,
                    help="local islands, executors per island, e.g. 2,2: data parallel across them (plan data or "
                         "sharded), or pipeline stages spread over them (plan pipeline)")
     p.add_argument("--link-delay-ms", type=float, default=0.0, help="--islands: one-way delay of the link")
+    p.add_argument("--bucket-mb", type=float, default=25.0,
+                   help="--islands: size of the gradient buckets exchanged between islands, MB")
     p.add_argument("--link-mb-s", type=float, default=None, help="--islands: bandwidth of the link, MB/s")
     p.add_argument("--backend", choices=pw.BACKEND_NAMES, default=None,
                    help="default: XLA on CPU (the installed route, xla:torchax or xla:torch_xla), inductor on CUDA")
@@ -102,7 +104,7 @@ def make_island_plan(args, ctx):
         return ctx.mesh(axes), pw.Pipeline(microbatches=args.microbatches, schedule=args.schedule,
                                            data=pw.DataParallel("data") if data > 1 else None)
     kind = pw.DataParallel if args.plan == "data" else pw.ShardedDataParallel
-    return ctx.mesh({"island": count, "data": per}), kind(("island", "data"))
+    return ctx.mesh({"island": count, "data": per}), kind(("island", "data"), bucket_mb=args.bucket_mb)
 
 
 def learning_rate(args, step: int) -> float:
@@ -121,12 +123,11 @@ def main(argv=None) -> int:
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
     task, held_out = ReverseTask(cfg, args.seed), ReverseTask(cfg, HELD_OUT_SEED)
     num_params = sum(p.numel() for p in model.parameters())
-    print(f"model: {num_params:,} parameters (width {cfg.width}, depth {cfg.depth}); task: reverse "
-          f"{cfg.length} symbols of {cfg.vocab - 2}; {args.executors} executors, plan {args.plan}")
-
     islands = [int(n) for n in args.islands.split(",")] if args.islands else None
     if islands is not None:
         args.executors = sum(islands)
+    print(f"model: {num_params:,} parameters (width {cfg.width}, depth {cfg.depth}); task: reverse "
+          f"{cfg.length} symbols of {cfg.vocab - 2}; {args.executors} executors, plan {args.plan}")
     link = (pw.Link(delay_s=args.link_delay_ms / 1e3,
                     bandwidth_bytes_per_s=args.link_mb_s * 1e6 if args.link_mb_s else None) if islands else None)
     with pw.Context(num_executors=args.executors, backend=args.backend, device=args.device, islands=islands,
@@ -144,8 +145,8 @@ def main(argv=None) -> int:
         if args.plan == "pipeline":
             print(trainer.stages)
             print(trainer.schedule)
-            if args.timeline:
-                print(f"timeline of the last step: {trainer.timeline(args.timeline)}")
+        if args.timeline and (args.plan == "pipeline" or islands):
+            print(f"timeline of the last step: {trainer.timeline(args.timeline)}")
         state = trainer.state_dict()
         path = trainer.save(args.checkpoint)
         outside = {name: count for name, count in ctx.backend_counters("fallback_ops").items() if count}

@@ -348,6 +348,39 @@ class CrossIslandTrainer(Trainer):
             frozen = self._state[i][nb * (1 + ns) + nbuf:]
             self._state[i] = [*result[1:], *frozen]
 
+    def timeline(self, path: str = "step.png", *, trace_path: str | None = None) -> str:
+        """Draw the last step from the executors' timestamps (matplotlib): rows grouped by island, the
+        backward's segments (one per gradient bucket), the updates, each link transfer an arrow from its send
+        to its receipt; ``trace_path`` also writes that step's Chrome/Perfetto trace. Returns ``path``."""
+        import json
+        import os
+        import tempfile
+
+        from .island_timeline import chrome_step, draw, hidden_share, step_picture
+
+        if self.step_count == 0 or not getattr(self, "bucket_cut", None):
+            raise PlacementError("trainer.timeline: no step has run yet; call trainer.step(batch) first")
+        for island in self._state:          # every island's update has run: its transfers are in the trace
+            for array in island:
+                error = array.exception(timeout_s=600)
+                if error is not None:
+                    raise error
+        handle, scratch = tempfile.mkstemp(suffix=".json")
+        os.close(handle)
+        try:
+            full = self._context.trace(scratch)
+        finally:
+            os.unlink(scratch)
+        spans, flows = step_picture(full, len(self.bucket_cut.segments))
+        title = (f"{self.num_islands} islands x {self.num_shards} executor(s): {len(self.layout.buckets)} gradient "
+                 f"buckets; link transfer time hidden behind the receiver's backward "
+                 f"{hidden_share(spans, flows):.0%}")
+        draw(spans, flows, path, title)
+        if trace_path is not None:
+            with open(trace_path, "w") as f:
+                json.dump(chrome_step(full, len(self.bucket_cut.segments)), f)
+        return path
+
     def evaluate(self, batch):
         raise PlacementError("trainer.evaluate is not supported across islands yet; evaluate on the client from "
                              "trainer.state_dict(), or load a checkpoint into a trainer inside one island")

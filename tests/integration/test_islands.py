@@ -301,3 +301,29 @@ def test_buckets_leave_while_the_backward_of_the_rest_runs(shaped, tmp_path):
             # a bucket this executor sent while its backward of that step still ran
             overlapped += any(began < e["ts"] < ended for e in sends if e["pid"] == pid)
     assert overlapped == 2 * len(batches), (overlapped, [(e["pid"], e["ts"]) for e in sends])
+
+
+def test_timeline_draws_the_step_across_islands(shaped, tmp_path):
+    import torch.nn as nn
+
+    from pathways_torch.training.island_timeline import describe, step_picture
+
+    model = _deep_mlp()
+    trainer = shaped.wrap(model, optimizer=torch.optim.SGD(model.parameters(), lr=0.05), loss_fn=nn.MSELoss(),
+                          mesh=shaped.mesh({"island": 2, "data": 1}),
+                          plan=pw.DataParallel(("island", "data"), bucket_mb=0.02))
+    with pytest.raises(pw.PlacementError, match="no step has run yet"):
+        trainer.timeline(str(tmp_path / "none.png"))
+    trainer.step((torch.randn(16, 64, dtype=torch.float64), torch.randn(16, 3, dtype=torch.float64))).result(60)
+    path = trainer.timeline(str(tmp_path / "step.png"), trace_path=str(tmp_path / "step.json"))
+    with open(path, "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+    import json
+
+    with open(tmp_path / "step.json") as f:
+        spans, flows = step_picture(json.load(f), len(trainer.bucket_cut.segments))
+    text = describe(spans, flows).splitlines()
+    segments = " ".join(f"G{k}" for k in range(len(trainer.bucket_cut.segments)))
+    assert [line.split(": ")[1] for line in text[:2]] == [f"{segments} U"] * 2
+    assert text[0].startswith("island 0 · ") and text[1].startswith("island 1 · ")
+    assert len(flows) >= 2 * len(trainer.layout.buckets)     # every bucket's slice, both ways (and the losses)
