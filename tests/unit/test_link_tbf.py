@@ -18,6 +18,7 @@ import pytest
 import pathways_torch as pw
 from pathways_torch import netns
 from pathways_torch.link import LinkRelay, LinkShapingError
+from tests.unit.test_link import _echo_server, _round_trip
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -70,19 +71,6 @@ def _one_way_rate(relay: LinkRelay, num_bytes: int) -> float:
         server.close()
 
 
-def _echo_server():
-    server = socket.create_server(("127.0.0.1", 0))
-
-    def serve():
-        connection, _ = server.accept()
-        with connection:
-            while data := connection.recv(65536):
-                connection.sendall(data)
-
-    threading.Thread(target=serve, daemon=True).start()
-    return server, f"tcp://127.0.0.1:{server.getsockname()[1]}"
-
-
 def _wait_for(condition, timeout_s: float = 5.0) -> None:
     # The relay counts a chunk after its send returns: the peer may hold the bytes a moment before.
     deadline = time.monotonic() + timeout_s
@@ -132,14 +120,7 @@ def test_both_directions_cross_a_shaped_end_and_close_deletes_the_namespace():
     try:
         address = relay.add(target)
         assert address.startswith(f"tcp://{relay.veth.ns_address}:")
-        host, port = address.removeprefix("tcp://").rsplit(":", 1)
-        with socket.create_connection((host, int(port))) as client:
-            start = time.monotonic()
-            client.sendall(payload)
-            echoed = b""
-            while len(echoed) < len(payload):
-                echoed += client.recv(1 << 20)
-            elapsed = time.monotonic() - start
+        echoed, elapsed = _round_trip(address, payload)
         assert echoed == payload
         assert elapsed >= 2 * 0.02 + len(payload) / _RATE * 0.5, elapsed    # the relay's delay both ways, and tbf
         _wait_for(lambda: relay.bytes_relayed == 2 * len(payload))
