@@ -116,6 +116,8 @@ class Controller:
         self.dropped_messages = 0
         # Called (under the lock) when an executor is lost, e.g. to fail the client's fetches from it.
         self.loss_listeners: list[Callable[[str, ExecutorLostError], None]] = []
+        # Where each executor runs, for the errors that name it (under pathways-run: "node 1 at 10.0.0.2").
+        self.executor_labels: dict[str, str] = {}
         # Asks the launcher whether an executor process has exited (and declares it lost if so).
         # Called before a failure is reported: a collective whose peer was killed fails with a
         # transport error ("connection reset") before any heartbeat could tell, and that failure
@@ -226,7 +228,9 @@ class Controller:
         info = self.resources.executors[executor_id]
         info.lost = True
         self._pending_frees.pop(executor_id, None)
-        error = ExecutorLostError(f"executor {executor_id} lost: {why}", executor_id=executor_id)
+        label = self.executor_labels.get(executor_id)
+        error = ExecutorLostError(f"executor {executor_id}{f' ({label})' if label else ''} lost: {why}",
+                                  executor_id=executor_id)
         log.warning("controller: %s", error)
         # Ready arrays first: a thread woken by a failing future must not see one of them still ready.
         on_it = [record for record in self.arrays.records() if executor_id in record.executor_ids]

@@ -18,15 +18,21 @@ def parse_args(argv=None) -> ExecutorConfig:
     parser = argparse.ArgumentParser(prog="pathways-executor", description="Run one pathways_torch executor.")
     parser.add_argument("--controller", required=True, help="controller endpoint, e.g. tcp://127.0.0.1:5555")
     parser.add_argument("--id", default=f"{socket.gethostname()}-{os.getpid()}", help="executor id")
-    parser.add_argument("--keys", required=True,
-                        help="key directory made by the launcher: public/*.key (allow-list) and secret/ID.key_secret")
+    parser.add_argument("--keys-dir", "--keys", dest="keys", required=True,
+                        help="key directory made by the launcher (`pathways-run --make-keys`): public/*.key (the "
+                             "allow-list) and secret/ID.key_secret (this executor's pair)")
     parser.add_argument("--backend", default="eager", choices=BACKENDS)
     parser.add_argument("--device", default="cpu")
-    parser.add_argument("--bind-host", default="127.0.0.1", help="interface for tensor traffic (loopback by default)")
+    parser.add_argument("--host-addr", "--bind-host", dest="bind_host", default="127.0.0.1",
+                        help="the address this executor binds and advertises for tensor traffic, commands and "
+                             "collectives (loopback by default; another host's executors must reach it)")
     parser.add_argument("--threads", type=int, default=1, help="compute threads (torch.set_num_threads)")
     parser.add_argument("--parent-pid", type=int, default=0, help="exit when this process is gone")
     parser.add_argument("--heartbeat-interval-s", type=float, default=0.5)
-    parser.add_argument("--heartbeat-timeout-s", type=float, default=10.0)
+    parser.add_argument("--heartbeat-timeout-s", type=float, default=10.0,
+                        help="until the controller's Welcome says otherwise (its settings rule once registered)")
+    parser.add_argument("--join-timeout-s", type=float, default=60.0,
+                        help="how long to wait for the controller's first answer before giving up")
     parser.add_argument("--cpus", default="", help="pin the process to these cores, e.g. 0 or 0,1 (default: all)")
     parser.add_argument("--island", default="",
                         help="the island this executor belongs to (its own collectives and gang order; default 0)")
@@ -35,7 +41,7 @@ def parse_args(argv=None) -> ExecutorConfig:
                           backend=args.backend,
                           device=args.device, bind_host=args.bind_host, num_threads=args.threads,
                           parent_pid=args.parent_pid, heartbeat_interval_s=args.heartbeat_interval_s,
-                          heartbeat_timeout_s=args.heartbeat_timeout_s,
+                          heartbeat_timeout_s=args.heartbeat_timeout_s, join_timeout_s=args.join_timeout_s,
                           cpus=tuple(int(c) for c in args.cpus.split(",") if c.strip()), island=args.island)
 
 

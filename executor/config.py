@@ -29,6 +29,8 @@ class ExecutorConfig:
     parent_pid: int = 0
     heartbeat_interval_s: float = 0.5
     heartbeat_timeout_s: float = 10.0
+    # How long to wait for the controller's first answer (it may start after this executor, under a launcher).
+    join_timeout_s: float = 60.0
     max_trace_events: int = 200_000
     # CPU cores this process (and every thread it starts) may run on; empty: all. XLA's CPU runtime
     # keeps its own thread pool whatever num_threads says, so pinning is how it is held to one core.

@@ -251,20 +251,27 @@ class ExecutorProcess:
         socket = self._heartbeat_socket()
         interval, timeout = self.config.heartbeat_interval_s, self.config.heartbeat_timeout_s
         last_answer = next_ping = time.monotonic()
+        answered = False
         while not self.loop._stopping:
             now = time.monotonic()
             if now >= next_ping:
+                interval, timeout = self.core.heartbeat_settings or (interval, timeout)
                 if self.config.parent_pid and not _alive(self.config.parent_pid):
                     self._exit(f"parent process {self.config.parent_pid} is gone")
-                if now - last_answer > timeout:
-                    self._exit(f"no answer from the controller for {now - last_answer:.1f} s (timeout {timeout:g} s)")
+                # Until the controller first answers, it may still be starting (a launcher starts executors
+                # on every node before the script on node 0 has made its controller): wait up to join_timeout_s.
+                limit = timeout if answered else max(timeout, self.config.join_timeout_s)
+                if now - last_answer > limit:
+                    what = "no answer from the controller" if answered else \
+                        f"the controller at {self.config.controller_address} never answered"
+                    self._exit(f"{what} for {now - last_answer:.1f} s (timeout {limit:g} s)")
                 try:
                     socket.send(encode(pb.Envelope(heartbeat=pb.Heartbeat(sent_at=time.time())))[0], zmq.NOBLOCK)
                 except zmq.Again:
                     pass  # not connected yet; the silence check above still runs
                 next_ping = now + interval
             if socket.poll(max(1, int((next_ping - time.monotonic()) * 1000))):
-                last_answer = time.monotonic()
+                last_answer, answered = time.monotonic(), True
                 self._on_heartbeat_answer(socket.recv_multipart())
         socket.close(linger=0)
 

@@ -132,6 +132,7 @@ class ExecutorCore:
         # than waiting forever for a copy that came and went. Bounded, oldest forgotten first.
         self._refused_early: collections.OrderedDict = collections.OrderedDict()
         self.stopped = False
+        self.heartbeat_settings: tuple[float, float] | None = None   # (interval, timeout) from Welcome
 
     # ------------------------------------------------------------ control plane
 
@@ -184,6 +185,10 @@ class ExecutorCore:
 
     def _on_welcome(self, msg: pb.Welcome, payload) -> None:
         self.trace.record("receive", "welcome", detail=f"index {msg.index}")
+        # The controller's heartbeat settings rule (an executor that joined from another host was started
+        # without them): the liveness thread reads this pair on its next beat.
+        if 0 < msg.heartbeat_interval_s < msg.heartbeat_timeout_s:
+            self.heartbeat_settings = (msg.heartbeat_interval_s, msg.heartbeat_timeout_s)
 
     def _on_heartbeat(self, msg: pb.Heartbeat, payload) -> None:
         pass  # liveness is tracked by the process wrapper on any message

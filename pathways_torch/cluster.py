@@ -27,7 +27,7 @@ class LocalCluster:
                  devices: list[str] | None = None, threads: int = 1, heartbeat_interval_s: float = 0.5,
                  heartbeat_timeout_s: float = 10.0,
                  log_dir: str | None = None, cpus: list[tuple[int, ...]] | None = None,
-                 islands: list[str] | None = None):
+                 islands: list[str] | None = None, bind_host: str = "127.0.0.1", join_timeout_s: float = 60.0):
         # A log directory made here is removed when every executor ended cleanly (see `stop`): a test run
         # or a notebook starts many contexts, and each left one behind in /tmp.
         self._own_log_dir = log_dir is None
@@ -47,6 +47,7 @@ class LocalCluster:
                      "--keys", keys_dir, "--backend", backend, "--device", device, "--threads", str(threads),
                      "--parent-pid", str(os.getpid()), "--heartbeat-interval-s", str(heartbeat_interval_s),
                      "--heartbeat-timeout-s", str(heartbeat_timeout_s), "--cpus", ",".join(map(str, cores)),
+                     "--host-addr", bind_host, "--join-timeout-s", str(join_timeout_s),
                      *(["--island", island] if island else [])],
                     stdin=subprocess.DEVNULL, stdout=log_file, stderr=subprocess.STDOUT, env=env,
                     start_new_session=True))

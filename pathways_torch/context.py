@@ -18,7 +18,7 @@ from controller.program import ProgramNodeSpec, ProgramSpec
 from .array import Array
 from .cluster import LocalCluster
 from .data_client import DataClient
-from .errors import PathwaysError, PlacementError, RemoteError
+from .errors import ExecutorLostError, PathwaysError, PlacementError, RemoteError
 from .placement import Mesh, Sharding, local_shape, normalize_placements, split_blocks
 from .programs import ProgramGraph
 from .islands import check_collectives_in_islands
@@ -134,10 +134,15 @@ class Context:
     """
 
     def __init__(self, num_executors: int | None = None, **options):
+        from .launch.environment import LaunchEnvironment
+
         islands = options.pop("islands", None)
         if islands is not None:
             islands = tuple(islands)
             num_executors = sum(islands) if num_executors is None else num_executors
+        self.launch = LaunchEnvironment.from_environ()
+        if self.launch is not None:
+            num_executors = self._launched_count(num_executors, islands, options)
         self.config = ContextConfig(num_executors=4 if num_executors is None else num_executors, islands=islands,
                                     **options)
         self._closed = False
@@ -146,39 +151,68 @@ class Context:
         self._zmq = zmq.Context()
         executor_ids = [f"executor-{i}" for i in range(self.config.num_executors)]
         try:
-            # The launcher's keys: one pair per role; every socket admits exactly these (docs/security.md).
-            self._keys = KeyDirectory.create([CONTROLLER, CLIENT, *executor_ids])
+            if self.launch is None:
+                # The context's own keys: one pair per role; every socket admits exactly these (docs/security.md).
+                self._keys = KeyDirectory.create([CONTROLLER, CLIENT, *executor_ids])
+            else:   # the run's keys, made by `pathways-run --make-keys` (node 0's folder): the user's, kept
+                self._keys = KeyDirectory(self.launch.keys_dir)
             self._gatekeeper = Gatekeeper(self._zmq, self._keys.public_keys())
             self._server = ControllerServer(ControllerConfig(
                 heartbeat_interval_s=self.config.heartbeat_interval_s,
                 heartbeat_timeout_s=self.config.heartbeat_timeout_s, inject_latency_s=self.config.inject_latency_s,
-                max_inflight_calls=self.config.max_inflight),
+                max_inflight_calls=self.config.max_inflight,
+                **({"bind_address": self.launch.controller_bind} if self.launch else {})),
                 self._keys.credentials(CONTROLLER), self._zmq)
             self._server.start()
             self.controller = self._server.controller
-            self._cluster = LocalCluster(
-                self._server.address, executor_ids, keys_dir=self._keys.path, backend=self.config.resolved_backend,
-                devices=self.config.executor_devices(),
-                threads=self.config.executor_threads, heartbeat_interval_s=self.config.heartbeat_interval_s,
-                heartbeat_timeout_s=self.config.heartbeat_timeout_s, log_dir=self.config.log_dir,
-                cpus=self.config.executor_cpus(), islands=self.config.executor_islands())
+            if self.launch is None:
+                self._cluster = LocalCluster(
+                    self._server.address, executor_ids, keys_dir=self._keys.path,
+                    backend=self.config.resolved_backend, devices=self.config.executor_devices(),
+                    threads=self.config.executor_threads, heartbeat_interval_s=self.config.heartbeat_interval_s,
+                    heartbeat_timeout_s=self.config.heartbeat_timeout_s, log_dir=self.config.log_dir,
+                    cpus=self.config.executor_cpus(), islands=self.config.executor_islands())
             self._wait_for_executors()
+            if self.launch is not None:
+                self._label_nodes()
             self.link = self._shape_link()
             client = self._keys.credentials(CLIENT)
-            # Every process holds its keys in memory now: none stay on disk, not even if this client is killed.
-            self._keys.remove()
+            if self.launch is None:
+                # Every process holds its keys in memory now: none stay on disk, not even if this client is killed.
+                self._keys.remove()
             self._data = DataClient(self._zmq, client)
             for info in self.controller.resources.ordered():
                 self._data.connect(info.executor_id, info.data_address, info.public_key)
             self.controller.loss_listeners.append(self._data.executor_lost)
-            # A dead child is lost at once; the heartbeat timeout catches the hung and the remote.
-            self._server.loop.every(self.config.heartbeat_interval_s, self._reap_exited)
-            self.controller.liveness_probe = self._reap_exited
+            if self._cluster is not None:
+                # A dead child is lost at once; the heartbeat timeout catches the hung and the remote.
+                self._server.loop.every(self.config.heartbeat_interval_s, self._reap_exited)
+                self.controller.liveness_probe = self._reap_exited
             self._function_ids: dict[int, tuple] = {}
             self._lowered_programs: dict[int, tuple] = {}
         except BaseException:
             self.close()
             raise
+
+    def _launched_count(self, num_executors, islands, options) -> int:
+        """Under `pathways-run`: the launched executors are the context's; a count or backend asked for that
+        differs from the launch's is an error naming both."""
+        launch = self.launch
+        if num_executors is not None and num_executors != launch.num_executors:
+            raise ValueError(f"pw.Context(num_executors={num_executors}) under pathways-run, which started "
+                             f"{launch.num_executors} executors ({launch.nnodes} node(s) x {launch.nproc_per_node}); "
+                             f"drop num_executors (the context attaches to the launched executors) or launch "
+                             f"with --nproc-per-node/--nnodes to match")
+        if islands is not None:
+            raise ValueError("pw.Context(islands=...) under pathways-run: islands come from each node's "
+                             "--island flag there; drop islands=")
+        backend = options.get("backend")
+        if backend is not None and backend != launch.backend:
+            raise ValueError(f"pw.Context(backend={backend!r}) under pathways-run, whose executors run "
+                             f"{launch.backend!r}; drop backend= or launch with --backend {backend}")
+        options["backend"] = launch.backend
+        options.setdefault("start_timeout_s", launch.join_timeout_s)
+        return launch.num_executors
 
     def _shape_link(self):
         """With ``link=`` and islands: a relay in front of every executor for transfers from other islands."""
@@ -194,13 +228,39 @@ class Context:
     def _wait_for_executors(self) -> None:
         deadline = time.monotonic() + self.config.start_timeout_s
         while True:
-            self._cluster.check_alive()
+            if self._cluster is not None:
+                self._cluster.check_alive()
             try:
                 self.controller.wait_for_executors(self.config.num_executors, 0.2)
                 return
             except PathwaysError:
                 if time.monotonic() > deadline:
+                    if self.launch is not None:
+                        raise self._missing_nodes() from None
                     raise
+
+    def _label_nodes(self) -> None:
+        """Name each launched executor's node and host in the errors about it."""
+        from .launch.environment import node_of
+
+        for info in self.controller.resources.ordered():
+            host = info.data_address.removeprefix("tcp://").rsplit(":", 1)[0]
+            self.controller.executor_labels[info.executor_id] = (
+                f"node {node_of(info.executor_id, self.launch.nproc_per_node)} at {host}")
+
+    def _missing_nodes(self) -> PathwaysError:
+        """The launched executors that never registered, by node, with the address they were told to reach."""
+        from .launch.environment import node_of
+
+        registered = set(self.controller.resources.executors)
+        missing = [e for e in self.launch.executor_ids if e not in registered]
+        nodes = sorted({node_of(e, self.launch.nproc_per_node) for e in missing})
+        return ExecutorLostError(
+            f"pathways-run: expected {self.launch.num_executors} executors to register within "
+            f"{self.config.start_timeout_s:g} s, got {len(registered)}; missing {', '.join(missing)} "
+            f"(node(s) {', '.join(map(str, nodes))}), told to reach the controller at {self.launch.controller_bind}: "
+            f"check that pathways-run runs on those nodes with --master-addr/--master-port naming this host, that "
+            f"the port is open from them, and their logs")
 
     def _reap_exited(self, patience_s: float = 0.0) -> None:
         """Declare lost every executor process that exited; wait up to ``patience_s`` for one to."""
@@ -247,7 +307,7 @@ class Context:
                 self._server.stop()
             if self._gatekeeper is not None:
                 self._gatekeeper.stop()
-            if self._keys is not None:
+            if self._keys is not None and self.launch is None:
                 self._keys.remove()
             if getattr(self, "link", None) is not None:
                 self.link.close()

@@ -559,3 +559,13 @@ def test_a_program_run_whose_handling_raises_is_reported(monkeypatch):
     done = outbox.dones()[-1]
     assert done.call_id == 20 and not done.ok and done.failure.type == "ProgramRunRefused"
     assert "a bug while planning" in done.failure.message
+
+
+def test_the_controllers_heartbeat_settings_rule_once_welcomed():
+    core, _ = make_core()
+    core.on_control(pb.Envelope(welcome=pb.Welcome(index=0)), [])           # none sent: keep the command line's
+    assert core.heartbeat_settings is None
+    core.on_control(pb.Envelope(welcome=pb.Welcome(index=0, heartbeat_interval_s=0.2, heartbeat_timeout_s=3.0)), [])
+    assert core.heartbeat_settings == (0.2, 3.0)
+    core.on_control(pb.Envelope(welcome=pb.Welcome(index=0, heartbeat_interval_s=5.0, heartbeat_timeout_s=1.0)), [])
+    assert core.heartbeat_settings == (0.2, 3.0)                             # nonsense is ignored
