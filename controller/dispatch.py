@@ -69,6 +69,9 @@ class _Call:
     failed: bool = False
     routes: list[tuple[str, str, pb.ShardRef]] = dataclasses.field(default_factory=list)  # (from, to, copy) pushes
     depends_on: frozenset[str] = frozenset()   # executors beyond its mesh it may need (a program's others)
+    # A failure that looks like a lost peer ("connection closed by peer") while other members have yet to report:
+    # held until they do, or until one is declared lost, which fails the call with ExecutorLostError instead.
+    held_failure: pb.RemoteFailure | None = None
 
 
 @dataclasses.dataclass
@@ -532,18 +535,26 @@ class Controller:
             return
         call.waiting.discard(executor_id)
         if not done.ok:
+            peer_loss = _looks_like_peer_loss(done.failure.message)
             if self.liveness_probe is not None:
                 # May fail the call first, with ExecutorLostError. A peer's transport error can arrive while
                 # the killed process is still being torn down (its sockets close before it can be reaped):
                 # then the launcher gets a moment to see the exit.
-                self.liveness_probe(_PEER_LOSS_PATIENCE_S if _looks_like_peer_loss(done.failure.message) else 0.0)
-            self._fail_call(call, self._error_for(call, done.failure))
+                self.liveness_probe(_PEER_LOSS_PATIENCE_S if peer_loss else 0.0)
+            if peer_loss and call.waiting and not call.failed and self.liveness_probe is None:
+                # Executors on other hosts: no process to reap. The peer that went silent is either lost
+                # within the heartbeat bound (ExecutorLostError, naming it) or reports itself.
+                call.held_failure = call.held_failure or done.failure
+            else:
+                self._fail_call(call, self._error_for(call, call.held_failure or done.failure))
         else:
             if done.digests:
                 call.digests[executor_id] = list(done.digests)
             if done.output_shapes:
                 call.shapes[executor_id] = [tuple(meta.shape) for meta in done.output_shapes]
         if not call.waiting:
+            if call.held_failure is not None:
+                self._fail_call(call, self._error_for(call, call.held_failure))
             self._end(call)   # the liveness probe may have ended it already
             if not call.failed:
                 self._complete(call)

@@ -240,9 +240,13 @@ class Context:
                     raise
 
     def _label_nodes(self) -> None:
-        """Name each launched executor's node and host in the errors about it."""
+        """Order the launched executors by their global number (node 0's first, whichever registered first), and
+        name each one's node and host in the errors about it."""
         from .launch.environment import node_of
 
+        order = {e: i for i, e in enumerate(self.launch.executor_ids)}
+        for info in self.controller.resources.ordered():
+            info.index = order.get(info.executor_id, len(order) + info.index)
         for info in self.controller.resources.ordered():
             host = info.data_address.removeprefix("tcp://").rsplit(":", 1)[0]
             self.controller.executor_labels[info.executor_id] = (

@@ -1,0 +1,176 @@
+"""pathways-run launches for real: the example under --standalone gives the losses of a plain ``python`` run;
+two "hosts" on distinct loopback addresses (127.0.0.1 and 127.0.0.2), each with only its own key folder, train
+together and match eager; a node stopped by its scheduler fails the script with an error naming that node; a
+node that never joins is named with the address it was told to reach; nothing is left running."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tests.conftest import REPO_ROOT
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
+
+RUN = [sys.executable, "-m", "pathways_torch.launch.run"]
+
+SCRIPT = '''
+import json, sys, time, torch, torch.nn as nn
+import pathways_torch as pw
+
+steps, pause = int(sys.argv[1]), float(sys.argv[2])
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1)).double()
+g = torch.Generator().manual_seed(1)
+batches = [(torch.randn(8, 4, generator=g, dtype=torch.float64), torch.randn(8, 1, generator=g, dtype=torch.float64))
+           for _ in range(steps)]
+with pw.Context() as ctx:
+    print(json.dumps({"executors": ctx.executor_ids, "backend": ctx.backend}), flush=True)
+    trainer = ctx.wrap(model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), loss_fn=nn.MSELoss(),
+                       mesh=ctx.mesh({"data": len(ctx.executor_ids)}))
+    losses = []
+    try:
+        for batch in batches:
+            losses.append(trainer.step(batch).result(120).item())
+            print(json.dumps({"step": len(losses)}), flush=True)
+            time.sleep(pause)
+    except pw.ExecutorLostError as exc:
+        print(json.dumps({"lost": str(exc)}), flush=True)
+        sys.exit(7)
+    print(json.dumps({"losses": losses}), flush=True)
+'''
+
+
+def _eager_losses(steps: int) -> list[float]:
+    import torch
+    import torch.nn as nn
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1)).double()
+    g = torch.Generator().manual_seed(1)
+    batches = [(torch.randn(8, 4, generator=g, dtype=torch.float64),
+                torch.randn(8, 1, generator=g, dtype=torch.float64)) for _ in range(steps)]
+    optimizer, losses = torch.optim.SGD(model.parameters(), lr=0.1), []
+    for x, y in batches:
+        optimizer.zero_grad()
+        loss = nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    return losses
+
+
+def _lines(text: str) -> list[dict]:
+    return [json.loads(line) for line in text.splitlines() if line.startswith("{")]
+
+
+def _left_running(marker: str) -> list[str]:
+    """Processes whose command line mentions ``marker`` (this test's key folder or script)."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmdline = f.read().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if marker in cmdline and int(pid) != os.getpid():
+            found.append(f"{pid}: {cmdline[:200]}")
+    return found
+
+
+@pytest.fixture()
+def two_hosts(tmp_path):
+    """The run's keys for 2 nodes x 1 executor, the script, and a launcher per node."""
+    keys = str(tmp_path / "keys")
+    subprocess.run([*RUN, "--make-keys", keys, "--nnodes", "2", "--nproc-per-node", "1"], check=True,
+                   capture_output=True, timeout=60)
+    script = tmp_path / "train.py"
+    script.write_text(SCRIPT)
+
+    def launch(node: int, *script_args, port: int, extra=()):
+        return subprocess.Popen(
+            [*RUN, "--nnodes", "2", "--nproc-per-node", "1", "--node-rank", str(node), "--master-addr", "127.0.0.1",
+             "--master-port", str(port), "--host-addr", f"127.0.0.{node + 1}", "--keys-dir",
+             os.path.join(keys, f"node-{node}"), "--backend", "eager", *extra, str(script), *script_args],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO_ROOT)
+
+    yield launch, keys
+    assert _left_running(keys) == []
+
+
+def _port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_two_hosts_on_loopback_addresses_train_like_eager(two_hosts):
+    launch, keys = two_hosts
+    port = _port()
+    other = launch(1, "3", "0", port=port)
+    first = launch(0, "3", "0", port=port)
+    out, _ = first.communicate(timeout=240)
+    assert first.returncode == 0, out
+    other_out, _ = other.communicate(timeout=60)
+    assert other.returncode == 0, other_out
+    records = _lines(out)
+    assert records[0] == {"executors": ["executor-0", "executor-1"], "backend": "eager"}
+    losses = next(r["losses"] for r in records if "losses" in r)
+    expected = _eager_losses(3)
+    assert max(abs(a - b) for a, b in zip(losses, expected)) < 1e-12, (losses, expected)
+    assert "executor-1 on 127.0.0.2, joining tcp://127.0.0.1:" in other_out
+
+
+def test_a_node_stopped_by_its_scheduler_fails_the_script_naming_it(two_hosts):
+    launch, keys = two_hosts
+    port = _port()
+    other = launch(1, "200", "0.2", port=port)
+    first = launch(0, "200", "0.2", port=port)
+    for line in first.stdout:                      # the job trains: stop node 1 as a scheduler would
+        if line.startswith('{"step": 2}'):
+            other.send_signal(signal.SIGTERM)
+            break
+    rest, _ = first.communicate(timeout=120)
+    assert first.returncode == 7, rest                 # the script's own exit code
+    lost = next(r["lost"] for r in _lines(rest) if "lost" in r)
+    assert re.search(r"executor executor-1 \(node 1 at 127\.0\.0\.2\) lost", lost), lost
+    other.communicate(timeout=60)
+    assert other.returncode is not None
+
+
+def test_a_node_that_never_joins_is_named_with_the_address_it_was_told(two_hosts):
+    launch, keys = two_hosts
+    port = _port()
+    first = launch(0, "1", "0", port=port, extra=("--join-timeout-s", "4"))
+    out, _ = first.communicate(timeout=120)
+    assert first.returncode != 0
+    assert re.search(r"missing executor-1 \(node\(s\) 1\), told to reach the controller at tcp://127\.0\.0\.1:"
+                     rf"{port}", out), out
+
+
+@pytest.mark.timeout(400)
+def test_the_example_launches_both_ways_with_the_same_losses(tmp_path):
+    example = os.path.join(REPO_ROOT, "examples", "train_transformer.py")
+    common = ["--steps", "6", "--min-accuracy", "0"]
+
+    def final(out: str) -> list[str]:
+        return [line for line in out.splitlines() if line.startswith(("loss:", "held-out accuracy"))]
+
+    plain = subprocess.run([sys.executable, example, "--executors", "2", *common, "--checkpoint",
+                            str(tmp_path / "plain")], capture_output=True, text=True, timeout=300, cwd=REPO_ROOT)
+    assert plain.returncode == 0, plain.stdout[-2000:] + plain.stderr[-2000:]
+    launched = subprocess.run([*RUN, "--standalone", "--nproc-per-node", "2", example, *common, "--checkpoint",
+                               str(tmp_path / "launched")], capture_output=True, text=True, timeout=300,
+                              cwd=REPO_ROOT)
+    assert launched.returncode == 0, launched.stdout[-2000:] + launched.stderr[-2000:]
+    assert len(final(plain.stdout)) == 2 and final(launched.stdout) == final(plain.stdout)
+    assert "pathways-run: node 0: 2 executor(s)" in launched.stderr

@@ -1,0 +1,112 @@
+"""pathways-run's flags, keys and environment: bad input names the flag, the value and the fix, before anything
+starts; the run's keys are one private folder per node holding only that node's secrets; the PATHWAYS_*
+variables round-trip; a context under a launch refuses a count or backend the launch does not have."""
+
+from __future__ import annotations
+
+import os
+import stat
+
+import pytest
+
+import pathways_torch as pw
+from pathways_torch.launch.environment import LAUNCH_VARIABLES, LaunchEnvironment, node_of
+from pathways_torch.launch.keys import make_run_keys
+from pathways_torch.launch.run import LaunchConfig, LaunchError, parse_args, resolve_nproc, route_address
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def _error(argv) -> str:
+    with pytest.raises(LaunchError) as info:
+        parse_args(argv)
+    return str(info.value)
+
+
+def test_bad_flags_name_the_flag_the_value_and_the_fix(tmp_path):
+    assert "--node-rank 2: expected 0 .. 1 for --nnodes 2" in _error(
+        ["--nnodes", "2", "--node-rank", "2", "--keys-dir", str(tmp_path), "train.py"])
+    assert "--master-addr 'no-such-host.invalid' does not resolve" in _error(
+        ["--master-addr", "no-such-host.invalid", "--keys-dir", str(tmp_path), "train.py"])
+    assert "--keys-dir: required" in _error(["--nnodes", "2", "--node-rank", "1", "train.py"])
+    assert "expected a script" in _error(["--standalone"])
+    assert "--nproc-per-node 'two'" in _error(["--standalone", "--nproc-per-node", "two", "train.py"])
+
+
+def test_nproc_gpu_on_a_host_without_gpus_is_refused():
+    import torch
+
+    if torch.cuda.device_count():
+        pytest.skip("this host has CUDA devices")
+    with pytest.raises(LaunchError, match="--nproc-per-node gpu: this host has no CUDA device"):
+        resolve_nproc("gpu")
+    assert resolve_nproc("cpu") == os.cpu_count() == resolve_nproc("auto")
+    assert resolve_nproc("3") == 3
+
+
+def test_a_standalone_launch_is_one_node_on_loopback():
+    config = parse_args(["--standalone", "--nproc-per-node", "2", "--backend", "eager", "train.py", "--steps", "5"])
+    assert isinstance(config, LaunchConfig)
+    assert (config.nnodes, config.node_rank, config.master_addr, config.host_addr) == (1, 0, "127.0.0.1", "127.0.0.1")
+    assert config.executor_ids == ["executor-0", "executor-1"]
+    assert config.script_args == ("--steps", "5") and config.backend == "eager"
+    assert route_address("127.0.0.1", 1) == "127.0.0.1"
+
+
+def test_node_k_owns_its_executors_and_the_environment_round_trips():
+    config = parse_args(["--nnodes", "3", "--nproc-per-node", "2", "--node-rank", "2", "--keys-dir", "/k",
+                         "--master-port", "29500", "--backend", "eager", "train.py"])
+    assert config.executor_ids == ["executor-4", "executor-5"]
+    assert [node_of(e, 2) for e in config.executor_ids] == [2, 2]
+    env = config.environment()
+    assert set(env.to_environ()) == set(LAUNCH_VARIABLES)
+    assert LaunchEnvironment.from_environ(env.to_environ()) == env
+    assert env.controller_bind == "tcp://127.0.0.1:29500" and env.num_executors == 6
+    assert LaunchEnvironment.from_environ({}) is None
+    with pytest.raises(ValueError, match="lacks PATHWAYS_KEYS_DIR"):
+        LaunchEnvironment.from_environ({k: v for k, v in env.to_environ().items() if k != "PATHWAYS_KEYS_DIR"})
+
+
+def test_the_run_keys_are_one_private_folder_per_node_with_only_its_secrets(tmp_path):
+    root = str(tmp_path / "keys")
+    folders = make_run_keys(root, nnodes=2, nproc_per_node=2)
+    assert folders == [os.path.join(root, "node-0"), os.path.join(root, "node-1")]
+    secrets = [sorted(os.listdir(os.path.join(f, "secret"))) for f in folders]
+    assert secrets == [["client.key_secret", "controller.key_secret", "executor-0.key_secret",
+                        "executor-1.key_secret"], ["executor-2.key_secret", "executor-3.key_secret"]]
+    publics = [sorted(os.listdir(os.path.join(f, "public"))) for f in folders]
+    assert publics[0] == publics[1] == ["client.key", "controller.key", "executor-0.key", "executor-1.key",
+                                        "executor-2.key", "executor-3.key"]
+    for directory, _, files in os.walk(root):
+        assert stat.S_IMODE(os.stat(directory).st_mode) == 0o700, directory
+        for name in files:
+            assert stat.S_IMODE(os.stat(os.path.join(directory, name)).st_mode) == 0o600, name
+    assert sorted(os.listdir(root)) == ["node-0", "node-1"]       # the scratch folder with every pair is gone
+    from pathways_torch.wire.security import SecurityError
+
+    with pytest.raises(SecurityError, match="expected a new or empty folder"):
+        make_run_keys(root, nnodes=2, nproc_per_node=2)
+
+
+def test_a_keys_folder_others_can_read_is_refused_before_anything_starts(tmp_path):
+    from pathways_torch.launch.run import run
+
+    root = str(tmp_path / "keys")
+    make_run_keys(root, nnodes=1, nproc_per_node=1)
+    os.chmod(os.path.join(root, "node-0", "secret"), 0o755)
+    config = parse_args(["--keys-dir", root, "--backend", "eager", "train.py"])
+    with pytest.raises(LaunchError, match=r"--keys-dir .*mode 0755.*chmod 700"):
+        run(config)
+
+
+def test_a_context_under_a_launch_refuses_another_count_or_backend(monkeypatch):
+    env = LaunchEnvironment(controller_bind="tcp://127.0.0.1:1", keys_dir="/nonexistent", nnodes=2,
+                            nproc_per_node=2, backend="eager")
+    for name, value in env.to_environ().items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(ValueError, match=r"num_executors=3\) under pathways-run, which started 4 executors"):
+        pw.Context(num_executors=3)
+    with pytest.raises(ValueError, match=r"backend='xla:torchax'\) under pathways-run, whose executors run 'eager'"):
+        pw.Context(backend="xla:torchax")
+    with pytest.raises(ValueError, match="islands come from each node's --island"):
+        pw.Context(islands=[2, 2])
