@@ -182,6 +182,19 @@ class Controller:
             heartbeat_timeout_s=self.config.heartbeat_timeout_s)))
         self._registered.notify_all()
 
+    def rival_claim(self, executor_id: str, msg: pb.Register) -> str | None:
+        """Why a registration must be refused because a live executor already holds its id (two nodes launched
+        with one --node-rank, or one key folder on two hosts); None if it may register."""
+        with self._lock:
+            info = self.resources.executors.get(executor_id)
+            if info is None or info.lost or info.data_address == msg.data_address:
+                return None
+            if self.clock() - info.last_heard > self.config.heartbeat_timeout_s:
+                return None     # the old one is gone, just not declared yet: a restart may take its place
+            return (f"{executor_id} registered from {msg.data_address} while {executor_id} at {info.data_address} "
+                    f"is alive: two nodes claim it (the same --node-rank on two nodes, or one node's key folder "
+                    f"on two hosts); the second is refused: give each node its own --node-rank and key folder")
+
     def wait_for_executors(self, count: int, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
         with self._lock:

@@ -152,6 +152,11 @@ class ControllerServer:
             if envelope.register.public_key != self.credentials.allowed.get(role):
                 self._drop(f"{executor_id} registered a data-socket key that is not its own")
                 return
+            claim = self.controller.rival_claim(executor_id, envelope.register)
+            if claim is not None:
+                log.error("controller: %s", claim)
+                self._drop(claim)
+                return
             if not self._connect_commands(executor_id, envelope.register):
                 return
         self.controller.on_message(executor_id, envelope, payload)

@@ -232,6 +232,43 @@ def test_a_failure_reported_while_a_peer_is_dead_is_the_lost_executors_error():
     assert patience == [1.0]
 
 
+def _two_member_collective():
+    class Outbox:
+        def to_executor(self, executor_id, envelope, payload=()):
+            pass
+
+    controller = Controller(Outbox(), ControllerConfig())
+    for i in range(2):
+        controller.on_message(f"e{i}", pb.Envelope(register=pb.Register(
+            executor_id=f"e{i}", data_address=f"tcp://127.0.0.{i + 1}:7100", device="cpu", backend="eager")), [])
+    function_id = controller.register_function("step", pb.Graph(), [])
+    mesh = controller.resources.allocate({"data": 2}, ["e0", "e1"])
+    [out] = controller.call(CallSpec(function_id=function_id, name="step", mesh=mesh, inputs=(), num_outputs=1,
+                                     collective_axes=("data",)))
+    failure = pb.RemoteFailure(type="RuntimeError", message="gloo: Connection closed by peer", executor_id="e0")
+    controller.on_message("e0", pb.Envelope(done=pb.Done(call_id=max(controller._calls), ok=False,
+                                                         failure=failure)), [])
+    return controller, out
+
+
+def test_without_a_local_launcher_a_peer_loss_waits_for_the_peer_to_be_lost_or_to_report():
+    """Executors on other hosts (no process to reap): a survivor's "connection closed by peer" is held while the
+    peer has not reported, so the failure is the peer's loss, named, once the heartbeat says so."""
+    from pathways_torch.errors import RemoteError
+
+    controller, out = _two_member_collective()
+    assert out.state == "pending" and out.error is None
+    controller.executor_labels["e1"] = "node 1 at 127.0.0.2"
+    controller.declare_lost("e1", "silent for 10.2 s")
+    assert isinstance(out.error, ExecutorLostError) and "executor e1 (node 1 at 127.0.0.2) lost" in str(out.error)
+
+    controller, out = _two_member_collective()          # the peer is alive and reports: the held failure is it
+    failure = pb.RemoteFailure(type="RuntimeError", message="gloo: timed out", executor_id="e1")
+    controller.on_message("e1", pb.Envelope(done=pb.Done(call_id=max(controller._calls), ok=False,
+                                                         failure=failure)), [])
+    assert isinstance(out.error, RemoteError) and "Connection closed by peer" in str(out.error)
+
+
 def test_an_ordinary_failure_asks_the_launcher_without_waiting():
     from controller import CallSpec, Controller, ControllerConfig
     from pathways_torch.errors import RemoteError
@@ -270,3 +307,15 @@ def test_a_collective_with_no_group_bound_is_an_error_unless_a_dry_run_is_asked_
         assert runtime.run("all_gather", x, "data", size=3, dim=0).shape == (12, 2)
     with pytest.raises(RuntimeError, match="outside a bound computation"):   # the flag ends with the block
         runtime.run("reduce_scatter", x, "data", size=2, op="sum", dim=0)
+
+
+def test_a_second_executor_under_a_live_ones_id_is_refused_naming_both_addresses():
+    controller, _ = _two_member_collective()
+    rival = pb.Register(executor_id="e1", data_address="tcp://127.0.0.9:7100")
+    claim = controller.rival_claim("e1", rival)
+    assert claim is not None and "tcp://127.0.0.9:7100 while e1 at tcp://127.0.0.2:7100 is alive" in claim
+    assert "--node-rank" in claim
+    assert controller.rival_claim("e1", pb.Register(executor_id="e1", data_address="tcp://127.0.0.2:7100")) is None
+    assert controller.rival_claim("e7", rival) is None
+    controller.declare_lost("e1", "silent")
+    assert controller.rival_claim("e1", rival) is None          # a replacement may take a lost one's place
