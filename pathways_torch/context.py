@@ -259,12 +259,16 @@ class Context:
         registered = set(self.controller.resources.executors)
         missing = [e for e in self.launch.executor_ids if e not in registered]
         nodes = sorted({node_of(e, self.launch.nproc_per_node) for e in missing})
+        refused = self._server.refused_connections
+        keys = (f"; {refused} connection(s) failed the CURVE handshake meanwhile: a node with the keys of another "
+                f"run, or none (give node K the folder node-K of this run's pathways-run --make-keys)"
+                if refused else "")
         return ExecutorLostError(
             f"pathways-run: expected {self.launch.num_executors} executors to register within "
             f"{self.config.start_timeout_s:g} s, got {len(registered)}; missing {', '.join(missing)} "
             f"(node(s) {', '.join(map(str, nodes))}), told to reach the controller at {self.launch.controller_bind}: "
             f"check that pathways-run runs on those nodes with --master-addr/--master-port naming this host, that "
-            f"the port is open from them, and their logs")
+            f"the port is open from them, and their logs{keys}")
 
     def _reap_exited(self, patience_s: float = 0.0) -> None:
         """Declare lost every executor process that exited; wait up to ``patience_s`` for one to."""

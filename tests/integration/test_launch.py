@@ -174,3 +174,25 @@ def test_the_example_launches_both_ways_with_the_same_losses(tmp_path):
     assert launched.returncode == 0, launched.stdout[-2000:] + launched.stderr[-2000:]
     assert len(final(plain.stdout)) == 2 and final(launched.stdout) == final(plain.stdout)
     assert "pathways-run: node 0: 2 executor(s)" in launched.stderr
+
+
+def test_a_node_with_a_key_of_another_run_is_refused_and_named(two_hosts, tmp_path):
+    launch, keys = two_hosts
+    foreign = str(tmp_path / "foreign")
+    subprocess.run([*RUN, "--make-keys", foreign, "--nnodes", "2", "--nproc-per-node", "1"], check=True,
+                   capture_output=True, timeout=60)
+    port = _port()
+    script = str(tmp_path / "train.py")
+    other = subprocess.Popen(
+        [*RUN, "--nnodes", "2", "--nproc-per-node", "1", "--node-rank", "1", "--master-addr", "127.0.0.1",
+         "--master-port", str(port), "--host-addr", "127.0.0.2", "--keys-dir", os.path.join(foreign, "node-1"),
+         "--backend", "eager", "--join-timeout-s", "5", script, "1", "0"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO_ROOT)
+    first = launch(0, "1", "0", port=port, extra=("--join-timeout-s", "5"))
+    out, _ = first.communicate(timeout=120)
+    other_out, _ = other.communicate(timeout=120)
+    assert first.returncode != 0 and other.returncode != 0
+    assert "missing executor-1 (node(s) 1)" in out, out
+    assert re.search(r"connection\(s\) failed the CURVE handshake meanwhile: a node with the keys of another run", out)
+    assert "controller: HANDSHAKE_FAILED" in out                    # and node 0's log counts each refusal
+    assert _left_running(foreign) == []
