@@ -31,6 +31,7 @@ class RendezvousStore:
         self._values: dict[str, dict[str, bytes]] = collections.defaultdict(dict)
         self._waiting: dict[tuple[str, str], list] = collections.defaultdict(list)   # (prefix, key) → replies
         self._num_waiting = 0
+        self.requests_served = 0      # requests answered or parked: proof that groups met here (tests)
 
     def allow(self, prefix: str, members) -> None:
         """Open ``prefix`` to ``members`` (before their FormGroup is sent)."""
@@ -46,6 +47,7 @@ class RendezvousStore:
     def handle(self, executor_id: str, request: pb.StoreRequest, reply) -> None:
         """Answer ``request`` through ``reply(pb.StoreReply)`` now, or when the key it waits for is set."""
         with self._lock:
+            self.requests_served += 1
             prefix, key = _split(request.key)
             if prefix is None or executor_id not in self._members.get(prefix, ()):
                 reply(pb.StoreReply(request_id=request.request_id, error=(

@@ -21,31 +21,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
 RUN = [sys.executable, "-m", "pathways_torch.launch.run"]
 
-SCRIPT = '''
-import json, sys, time, torch, torch.nn as nn
-import pathways_torch as pw
-
-steps, pause = int(sys.argv[1]), float(sys.argv[2])
-torch.manual_seed(0)
-model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1)).double()
-g = torch.Generator().manual_seed(1)
-batches = [(torch.randn(8, 4, generator=g, dtype=torch.float64), torch.randn(8, 1, generator=g, dtype=torch.float64))
-           for _ in range(steps)]
-with pw.Context() as ctx:
-    print(json.dumps({"executors": ctx.executor_ids, "backend": ctx.backend}), flush=True)
-    trainer = ctx.wrap(model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), loss_fn=nn.MSELoss(),
-                       mesh=ctx.mesh({"data": len(ctx.executor_ids)}))
-    losses = []
-    try:
-        for batch in batches:
-            losses.append(trainer.step(batch).result(120).item())
-            print(json.dumps({"step": len(losses)}), flush=True)
-            time.sleep(pause)
-    except pw.ExecutorLostError as exc:
-        print(json.dumps({"lost": str(exc)}), flush=True)
-        sys.exit(7)
-    print(json.dumps({"losses": losses}), flush=True)
-'''
+SCRIPT = os.path.join(os.path.dirname(__file__), "launched_training.py")
 
 
 def _eager_losses(steps: int) -> list[float]:
@@ -91,8 +67,7 @@ def two_hosts(tmp_path):
     keys = str(tmp_path / "keys")
     subprocess.run([*RUN, "--make-keys", keys, "--nnodes", "2", "--nproc-per-node", "1"], check=True,
                    capture_output=True, timeout=60)
-    script = tmp_path / "train.py"
-    script.write_text(SCRIPT)
+    script = SCRIPT
 
     def launch(node: int, *script_args, port: int, extra=()):
         return subprocess.Popen(
@@ -182,7 +157,7 @@ def test_a_node_with_a_key_of_another_run_is_refused_and_named(two_hosts, tmp_pa
     subprocess.run([*RUN, "--make-keys", foreign, "--nnodes", "2", "--nproc-per-node", "1"], check=True,
                    capture_output=True, timeout=60)
     port = _port()
-    script = str(tmp_path / "train.py")
+    script = SCRIPT
     other = subprocess.Popen(
         [*RUN, "--nnodes", "2", "--nproc-per-node", "1", "--node-rank", "1", "--master-addr", "127.0.0.1",
          "--master-port", str(port), "--host-addr", "127.0.0.2", "--keys-dir", os.path.join(foreign, "node-1"),
@@ -196,3 +171,58 @@ def test_a_node_with_a_key_of_another_run_is_refused_and_named(two_hosts, tmp_pa
     assert re.search(r"connection\(s\) failed the CURVE handshake meanwhile: a node with the keys of another run", out)
     assert "controller: HANDSHAKE_FAILED" in out                    # and node 0's log counts each refusal
     assert _left_running(foreign) == []
+
+
+# ------------------------------------------------------------ hosts in network and mount namespaces
+
+def test_two_hosts_in_namespaces_train_across_islands_over_a_tbf_link(tmp_path):
+    """Two "hosts", each a network namespace with its own address and a private /tmp holding only its keys,
+    each running pathways-run as a real host would, one island each, the link between them shaped by tc tbf:
+    they train like eager through groups that met in the controller's store (no file, no shared disk); then a
+    second job, whose node 1 launcher is killed, fails naming node 1; nothing is left running in either host."""
+    from tests.integration.namespace_hosts import NamespaceHosts, unavailable
+
+    why = unavailable()
+    if why:
+        pytest.skip(f"namespaces cannot be made here: {why} (the loopback-address tests above still run)")
+    keys = str(tmp_path / "keys")
+    subprocess.run([*RUN, "--make-keys", keys, "--nnodes", "2", "--nproc-per-node", "2"], check=True,
+                   capture_output=True, timeout=60)
+    hosts = NamespaceHosts(2, shaped={1: 20e6})
+    try:
+        def node(k, *script_args):
+            argv = [*RUN, "--nnodes", "2", "--nproc-per-node", "2", "--node-rank", str(k), "--master-addr",
+                    hosts.address(0), "--master-port", "29400", "--keys-dir", "{keys}", "--island", str(k),
+                    "--backend", "eager", SCRIPT, *script_args]
+            return hosts.launch(k, argv, os.path.join(keys, f"node-{k}"), stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True, cwd=REPO_ROOT)
+
+        other, first = node(1, "3", "0", "islands"), node(0, "3", "0", "islands")
+        out, _ = first.communicate(timeout=240)
+        other_out, _ = other.communicate(timeout=60)
+        assert first.returncode == 0 and other.returncode == 0, out + other_out
+        result = next(r for r in _lines(out) if "losses" in r)
+        expected = _eager_losses(3)
+        assert max(abs(a - b) for a, b in zip(result["losses"], expected)) < 1e-12, (result, expected)
+        assert result["islands"] == ["0", "1"]
+        assert result["groups"] >= 2 and result["store_requests"] > 0      # in-island groups met in the store
+        assert f"on {hosts.address(1)}, joining tcp://{hosts.address(0)}:29400" in other_out
+        assert hosts.tbf_sent_bytes(1) > 0                                  # the link was the shaped pair
+        assert hosts.pids(0) == [] and hosts.pids(1) == []
+
+        other, first = node(1, "200", "0.2", "islands"), node(0, "200", "0.2", "islands")
+        for line in first.stdout:
+            if line.startswith('{"step": 2}'):
+                os.kill(other.pid, signal.SIGKILL)       # `ip netns exec` execs: this is node 1's launcher
+                break
+        rest, _ = first.communicate(timeout=120)
+        assert first.returncode == 7, rest
+        lost = next(r["lost"] for r in _lines(rest) if "lost" in r)
+        assert re.search(rf"executor executor-[23] \(node 1 at {re.escape(hosts.address(1))}\) lost", lost), lost
+        other.wait(30)
+        deadline = time.monotonic() + 30
+        while (hosts.pids(0) or hosts.pids(1)) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert hosts.pids(0) == [] and hosts.pids(1) == []
+    finally:
+        hosts.close()

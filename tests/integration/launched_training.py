@@ -1,0 +1,35 @@
+"""The script the launch tests start with pathways-run (not a test): trains a small MLP for ``steps`` steps with
+``pause`` seconds between them, on every launched executor (``islands``: across the launch's two islands), and
+prints one JSON record per line: the executors, each step, the losses, or the ExecutorLostError it met."""
+
+import json, sys, time, torch, torch.nn as nn
+import pathways_torch as pw
+
+steps, pause = int(sys.argv[1]), float(sys.argv[2])
+across_islands = len(sys.argv) > 3 and sys.argv[3] == "islands"
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1)).double()
+g = torch.Generator().manual_seed(1)
+batches = [(torch.randn(8, 4, generator=g, dtype=torch.float64), torch.randn(8, 1, generator=g, dtype=torch.float64))
+           for _ in range(steps)]
+with pw.Context() as ctx:
+    print(json.dumps({"executors": ctx.executor_ids, "backend": ctx.backend}), flush=True)
+    if across_islands:
+        per = len(ctx.executor_ids) // 2
+        mesh, plan = ctx.mesh({"island": 2, "data": per}), pw.DataParallel(("island", "data"))
+    else:
+        mesh, plan = ctx.mesh({"data": len(ctx.executor_ids)}), pw.DataParallel("data")
+    trainer = ctx.wrap(model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), loss_fn=nn.MSELoss(),
+                       mesh=mesh, plan=plan)
+    losses = []
+    try:
+        for batch in batches:
+            losses.append(trainer.step(batch).result(120).item())
+            print(json.dumps({"step": len(losses)}), flush=True)
+            time.sleep(pause)
+    except pw.ExecutorLostError as exc:
+        print(json.dumps({"lost": str(exc)}), flush=True)
+        sys.exit(7)
+    print(json.dumps({"losses": losses, "islands": sorted({i.island for i in ctx.controller.resources.ordered()}),
+                      "groups": len(ctx.controller._groups),
+                      "store_requests": ctx.controller.rendezvous.requests_served}), flush=True)
