@@ -28,6 +28,7 @@ class ExecutorInfo:
     public_key: bytes = b""       # CURVE public key (Z85) of its data socket, checked by the server
     command_address: str = ""     # its command ROUTER, where control messages go
     link_address: str = ""        # where other islands send it transfers (a shaped link's relay), if not direct
+    epoch: int = 1                # registrations of this id so far (a restarted executor registers again)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,7 +79,8 @@ class ResourceManager:
     def register(self, executor_id: str, **info) -> ExecutorInfo:
         existing = self.executors.get(executor_id)
         index = existing.index if existing else len(self.executors)
-        record = ExecutorInfo(executor_id=executor_id, index=index, **info)
+        epoch = existing.epoch + 1 if existing else 1
+        record = ExecutorInfo(executor_id=executor_id, index=index, epoch=epoch, **info)
         self.executors[executor_id] = record
         return record
 

@@ -148,6 +148,7 @@ class Context:
         self._closed = False
         self._batched = threading.local()    # see _batched_release
         self._keys = self._gatekeeper = self._server = self._cluster = self._data = self.link = None
+        self._status_server = None
         self._zmq = zmq.Context()
         executor_ids = [f"executor-{i}" for i in range(self.config.num_executors)]
         try:
@@ -175,6 +176,10 @@ class Context:
             self._wait_for_executors()
             if self.launch is not None:
                 self._label_nodes()
+                if self.launch.status_port:
+                    from .launch.health import serve_status
+
+                    self._status_server = serve_status(self, self.launch.status_port, self.launch.run_id)
             self.link = self._shape_link()
             client = self._keys.credentials(CLIENT)
             if self.launch is None:
@@ -301,6 +306,8 @@ class Context:
             return
         self._closed = True
         try:
+            if self._status_server is not None:
+                self._status_server.stop(grace=0.2)
             if self._server is not None:
                 failed = self.controller.fail_pending(reason)
                 if failed:

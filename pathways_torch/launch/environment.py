@@ -14,7 +14,7 @@ import dataclasses
 import os
 from typing import Mapping
 
-__all__ = ["LaunchEnvironment", "LAUNCH_VARIABLES", "executor_ids", "node_of"]
+__all__ = ["LaunchEnvironment", "LAUNCH_VARIABLES", "OPTIONAL_VARIABLES", "executor_ids", "node_of"]
 
 # name in the environment -> field
 LAUNCH_VARIABLES = {
@@ -25,6 +25,9 @@ LAUNCH_VARIABLES = {
     "PATHWAYS_BACKEND": "backend",                     # what every node's executors were started with
     "PATHWAYS_RUN_ID": "run_id",
     "PATHWAYS_JOIN_TIMEOUT_S": "join_timeout_s",       # how long the controller waits for every executor
+}
+OPTIONAL_VARIABLES = {
+    "PATHWAYS_STATUS_PORT": "status_port",             # serve pathways.Status on 127.0.0.1 here (0: no)
 }
 
 
@@ -39,6 +42,7 @@ class LaunchEnvironment:
     backend: str
     run_id: str = "none"
     join_timeout_s: float = 300.0
+    status_port: int = 0
 
     def __post_init__(self):
         if not self.controller_bind.startswith("tcp://"):
@@ -71,13 +75,17 @@ class LaunchEnvironment:
             return cls(controller_bind=values["controller_bind"], keys_dir=values["keys_dir"],
                        nnodes=int(values["nnodes"]), nproc_per_node=int(values["nproc_per_node"]),
                        backend=values["backend"], run_id=values["run_id"],
-                       join_timeout_s=float(values["join_timeout_s"]))
+                       join_timeout_s=float(values["join_timeout_s"]),
+                       status_port=int(environ.get("PATHWAYS_STATUS_PORT", "0")))
         except ValueError as exc:
             raise ValueError(f"the PATHWAYS_* launch variables do not parse: {exc}") from exc
 
     def to_environ(self) -> dict[str, str]:
         values = dataclasses.asdict(self)
-        return {name: str(values[field]) for name, field in LAUNCH_VARIABLES.items()}
+        out = {name: str(values[field]) for name, field in LAUNCH_VARIABLES.items()}
+        if self.status_port:
+            out["PATHWAYS_STATUS_PORT"] = str(self.status_port)
+        return out
 
 
 def executor_ids(indices) -> list[str]:

@@ -56,6 +56,8 @@ class LaunchConfig:
     max_restarts: int = 0
     backend: str = ""
     join_timeout_s: float = 300.0
+    health_port: int = 0
+    status_port: int = 0
     standalone: bool = False
     script: str = ""
     script_args: tuple[str, ...] = ()
@@ -72,7 +74,8 @@ class LaunchConfig:
     def environment(self) -> LaunchEnvironment:
         return LaunchEnvironment(controller_bind=self.controller_address, keys_dir=self.keys_dir,
                                  nnodes=self.nnodes, nproc_per_node=self.nproc_per_node, backend=self.backend,
-                                 run_id=self.run_id, join_timeout_s=self.join_timeout_s)
+                                 run_id=self.run_id, join_timeout_s=self.join_timeout_s,
+                                 status_port=self.status_port if self.node_rank == 0 else 0)
 
 
 class LaunchError(SystemExit):
@@ -119,6 +122,12 @@ def _parser() -> argparse.ArgumentParser:
                         help="the executors' backend (default: the runtime's, e.g. xla:torchax on CPU)")
     parser.add_argument("--join-timeout-s", type=float, default=300.0,
                         help="how long executors wait for the controller, and the controller for every executor")
+    parser.add_argument("--health-port", type=int, default=0,
+                        help="serve grpc.health.v1 on --host-addr:PORT for the scheduler's probes (service '': this "
+                             "node; 'executor-K': each of its executors); 0: none")
+    parser.add_argument("--status-port", type=int, default=0,
+                        help="node 0: serve the controller's status (pathways-status 127.0.0.1:PORT) on loopback; "
+                             "0: none")
     parser.add_argument("--make-keys", metavar="DIR", default=None,
                         help="write the run's keys for --nnodes x --nproc-per-node executors, one folder per node, "
                              "then exit (distribute node-K to node K only)")
@@ -189,7 +198,8 @@ def parse_args(argv=None) -> LaunchConfig | tuple[str, int, int]:
                         node_rank=args.node_rank, master_addr=master, master_port=args.master_port,
                         keys_dir=args.keys_dir or "", host_addr=host, island=args.island, run_id=args.run_id,
                         max_restarts=args.max_restarts, backend=args.backend or _default_backend(),
-                        join_timeout_s=args.join_timeout_s, standalone=args.standalone, script=args.script,
+                        join_timeout_s=args.join_timeout_s, health_port=args.health_port,
+                        status_port=args.status_port, standalone=args.standalone, script=args.script,
                         script_args=tuple(args.script_args))
 
 
@@ -236,8 +246,9 @@ class Node:
 
     def __init__(self, config: LaunchConfig, keys_dir: str):
         self.config, self.keys_dir = config, keys_dir
-        self.cluster = self.script = None
+        self.cluster = self.script = self.health = None
         self.interrupted = 0
+        self._watching = False
 
     def start(self) -> None:
         from ..cluster import LocalCluster
@@ -255,6 +266,29 @@ class Node:
             environ.update(dataclasses.replace(env, keys_dir=self.keys_dir).to_environ())
             self.script = subprocess.Popen([sys.executable, config.script, *config.script_args], env=environ,
                                            preexec_fn=_die_with_parent)
+        if config.health_port:
+            self._serve_health()
+
+    def _serve_health(self) -> None:
+        """grpc.health.v1 for this node, kept current by a thread: '' serving while everything it started runs."""
+        import threading
+
+        from .health import HealthServer
+
+        self.health = HealthServer(f"{self.config.host_addr}:{self.config.health_port}")
+        self._watching = True
+
+        def watch():
+            while self._watching:
+                alive = {e: p.poll() is None for e, p in zip(self.cluster.executor_ids, self.cluster.processes)}
+                for executor_id, up in alive.items():
+                    self.health.set(executor_id, up)
+                script_up = self.script is None or self.script.poll() is None
+                self.health.set("", all(alive.values()) and script_up)
+                time.sleep(0.5)
+
+        threading.Thread(target=watch, name="pathways-health", daemon=True).start()
+        _say(f"node {self.config.node_rank}: grpc.health.v1 on {self.health.address}")
 
     def wait(self) -> int:
         """The node's exit code: the script's on node 0; elsewhere 0 when every executor ended cleanly."""
@@ -280,6 +314,9 @@ class Node:
                     process.terminate()
 
     def stop(self) -> None:
+        self._watching = False
+        if self.health is not None:
+            self.health.stop()
         if self.script is not None and self.script.poll() is None:
             self.script.kill()
             self.script.wait()

@@ -585,3 +585,47 @@ class Envelope(_message.Message):
     store_reply: StoreReply
     frees: _containers.RepeatedCompositeFieldContainer[ShardRef]
     def __init__(self, register: _Optional[_Union[Register, _Mapping]] = ..., welcome: _Optional[_Union[Welcome, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., load_function: _Optional[_Union[LoadFunction, _Mapping]] = ..., run: _Optional[_Union[Run, _Mapping]] = ..., send_shard: _Optional[_Union[SendShard, _Mapping]] = ..., free: _Optional[_Union[Free, _Mapping]] = ..., done: _Optional[_Union[Done, _Mapping]] = ..., stats_request: _Optional[_Union[StatsRequest, _Mapping]] = ..., stats: _Optional[_Union[Stats, _Mapping]] = ..., trace_request: _Optional[_Union[TraceRequest, _Mapping]] = ..., trace_reply: _Optional[_Union[TraceReply, _Mapping]] = ..., shutdown: _Optional[_Union[Shutdown, _Mapping]] = ..., form_group: _Optional[_Union[FormGroup, _Mapping]] = ..., register_program: _Optional[_Union[RegisterProgram, _Mapping]] = ..., run_program: _Optional[_Union[RunProgram, _Mapping]] = ..., put: _Optional[_Union[Put, _Mapping]] = ..., put_ack: _Optional[_Union[PutAck, _Mapping]] = ..., transfer: _Optional[_Union[Transfer, _Mapping]] = ..., fetch: _Optional[_Union[Fetch, _Mapping]] = ..., fetch_reply: _Optional[_Union[FetchReply, _Mapping]] = ..., store_request: _Optional[_Union[StoreRequest, _Mapping]] = ..., store_reply: _Optional[_Union[StoreReply, _Mapping]] = ..., frees: _Optional[_Iterable[_Union[ShardRef, _Mapping]]] = ...) -> None: ...
+
+class StatusRequest(_message.Message):
+    __slots__ = ("with_stats",)
+    WITH_STATS_FIELD_NUMBER: _ClassVar[int]
+    with_stats: bool
+    def __init__(self, with_stats: _Optional[bool] = ...) -> None: ...
+
+class ExecutorStatus(_message.Message):
+    __slots__ = ("executor_id", "island", "device", "backend", "state", "epoch", "seconds_since_heartbeat", "node", "store_bytes", "queue_high_water")
+    EXECUTOR_ID_FIELD_NUMBER: _ClassVar[int]
+    ISLAND_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    BACKEND_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_SINCE_HEARTBEAT_FIELD_NUMBER: _ClassVar[int]
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    STORE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    QUEUE_HIGH_WATER_FIELD_NUMBER: _ClassVar[int]
+    executor_id: str
+    island: str
+    device: str
+    backend: str
+    state: str
+    epoch: int
+    seconds_since_heartbeat: float
+    node: str
+    store_bytes: int
+    queue_high_water: int
+    def __init__(self, executor_id: _Optional[str] = ..., island: _Optional[str] = ..., device: _Optional[str] = ..., backend: _Optional[str] = ..., state: _Optional[str] = ..., epoch: _Optional[int] = ..., seconds_since_heartbeat: _Optional[float] = ..., node: _Optional[str] = ..., store_bytes: _Optional[int] = ..., queue_high_water: _Optional[int] = ...) -> None: ...
+
+class StatusReply(_message.Message):
+    __slots__ = ("run_id", "executors", "calls_in_flight", "arrays", "stats_error")
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    EXECUTORS_FIELD_NUMBER: _ClassVar[int]
+    CALLS_IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
+    ARRAYS_FIELD_NUMBER: _ClassVar[int]
+    STATS_ERROR_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    executors: _containers.RepeatedCompositeFieldContainer[ExecutorStatus]
+    calls_in_flight: int
+    arrays: int
+    stats_error: str
+    def __init__(self, run_id: _Optional[str] = ..., executors: _Optional[_Iterable[_Union[ExecutorStatus, _Mapping]]] = ..., calls_in_flight: _Optional[int] = ..., arrays: _Optional[int] = ..., stats_error: _Optional[str] = ...) -> None: ...

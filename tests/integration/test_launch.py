@@ -226,3 +226,47 @@ def test_two_hosts_in_namespaces_train_across_islands_over_a_tbf_link(tmp_path):
         assert hosts.pids(0) == [] and hosts.pids(1) == []
     finally:
         hosts.close()
+
+
+def test_health_for_probes_status_for_people_and_ctrl_c_ends_the_job(tmp_path):
+    """--health-port serves grpc.health.v1 (the node, each executor) where a Kubernetes grpc probe asks;
+    --status-port serves the controller's view that pathways-status prints; Ctrl-C (SIGINT to the launcher)
+    interrupts the script, its context stops every executor, and nothing is left running."""
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    health_port, status_port = _port(), _port()
+    launcher = subprocess.Popen(
+        [*RUN, "--standalone", "--nproc-per-node", "2", "--backend", "eager", "--health-port", str(health_port),
+         "--status-port", str(status_port), SCRIPT, "500", "0.1"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO_ROOT)
+    try:
+        for line in launcher.stdout:
+            if line.startswith('{"step": 2}'):
+                break
+        with grpc.insecure_channel(f"127.0.0.1:{health_port}") as channel:
+            check = health_pb2_grpc.HealthStub(channel).Check
+            for service in ("", "executor-0", "executor-1"):
+                assert check(health_pb2.HealthCheckRequest(service=service), timeout=10).status == \
+                    health_pb2.HealthCheckResponse.SERVING, service
+            with pytest.raises(grpc.RpcError) as unknown:
+                check(health_pb2.HealthCheckRequest(service="executor-9"), timeout=10)
+            assert unknown.value.code() == grpc.StatusCode.NOT_FOUND
+        status = subprocess.run([sys.executable, "-m", "pathways_torch.launch.health", f"127.0.0.1:{status_port}"],
+                                capture_output=True, text=True, timeout=60, cwd=REPO_ROOT)
+        assert status.returncode == 0, status.stdout + status.stderr
+        rows = [line.split(" | ") for line in status.stdout.splitlines() if line.startswith("executor-")]
+        assert [(r[0].strip(), r[4].strip(), r[5].strip()) for r in rows] == [("executor-0", "alive", "1"),
+                                                                               ("executor-1", "alive", "1")]
+        assert int(rows[0][8].replace(",", "")) > 0                      # the executors' store bytes
+        assert "2 executors" in status.stdout and "calls in flight" in status.stdout
+        launcher.send_signal(signal.SIGINT)
+        launcher.communicate(timeout=60)
+        assert launcher.returncode != 0
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+    assert _left_running(SCRIPT) == []
+    down = subprocess.run([sys.executable, "-m", "pathways_torch.launch.health", f"127.0.0.1:{status_port}",
+                           "--timeout-s", "2"], capture_output=True, text=True, timeout=60, cwd=REPO_ROOT)
+    assert down.returncode == 1 and "no answer from" in down.stdout

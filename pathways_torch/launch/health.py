@@ -1,0 +1,149 @@
+"""Health and status over gRPC: what a scheduler's probes and ``pathways-status`` ask.
+
+- **Health** (`grpc.health.v1`, from ``grpcio-health-checking``): each node's ``pathways-run
+  --health-port P`` serves it on ``--host-addr:P``, where the kubelet's probes reach the pod. Service
+  ``""`` is the node: SERVING while every executor it started runs (and, on node 0, the script);
+  ``executor-K`` is each of its executors. A Kubernetes probe of type ``grpc`` works unchanged. It is
+  not authenticated: it says SERVING or NOT_SERVING and nothing else (docs/security.md).
+- **Status** (service ``pathways.Status``, method ``Get``, messages in ``pathways.proto``): the
+  controller's view — every executor's island, device, state, epoch, last heartbeat, node, store
+  bytes — and its queue. Served by a launched script's context on **loopback only**
+  (``--status-port``): it names hosts and sizes, so it is read on node 0 (``pathways-status
+  127.0.0.1:PORT``, or ``kubectl exec``), never exposed.
+
+No generated gRPC stubs: the status method is a generic handler over the protobuf messages.
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent import futures
+
+__all__ = ["HealthServer", "serve_status", "get_status", "status_table", "STATUS_METHOD"]
+
+STATUS_METHOD = "/pathways.Status/Get"
+
+
+class HealthServer:
+    """``grpc.health.v1`` on ``address`` (``host:port``); `set` each service's state."""
+
+    def __init__(self, address: str):
+        import grpc
+        from grpc_health.v1 import health, health_pb2_grpc
+
+        self._health = health.HealthServicer()
+        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+        health_pb2_grpc.add_HealthServicer_to_server(self._health, self.server)
+        port = self.server.add_insecure_port(address)
+        if port == 0:
+            raise OSError(f"--health-port: could not listen on {address} (in use, or not this host's address)")
+        self.address = f"{address.rsplit(':', 1)[0]}:{port}"
+        self.server.start()
+
+    def set(self, service: str, serving: bool) -> None:
+        from grpc_health.v1 import health_pb2
+
+        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        self._health.set(service, status)
+
+    def stop(self) -> None:
+        self._health.enter_graceful_shutdown()
+        self.server.stop(grace=0.5)
+
+
+def serve_status(context, port: int, run_id: str = ""):
+    """Serve `pathways.Status` for ``context`` on 127.0.0.1:``port``; returns the gRPC server (stop() it)."""
+    import grpc
+
+    from ..wire import pb
+
+    def get(request, _):
+        return status_of(context, request.with_stats, run_id)
+
+    handler = grpc.method_handlers_generic_handler("pathways.Status", {
+        "Get": grpc.unary_unary_rpc_method_handler(get, request_deserializer=pb.StatusRequest.FromString,
+                                                   response_serializer=pb.StatusReply.SerializeToString)})
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    server.add_generic_rpc_handlers((handler,))
+    if server.add_insecure_port(f"127.0.0.1:{port}") == 0:
+        raise OSError(f"--status-port {port}: could not listen on 127.0.0.1:{port}")
+    server.start()
+    return server
+
+
+def status_of(context, with_stats: bool, run_id: str = ""):
+    """The controller's view of ``context``'s executors and queue, as a `pb.StatusReply`."""
+    from ..wire import pb
+
+    controller = context.controller
+    now = controller.clock()
+    reply = pb.StatusReply(run_id=run_id, calls_in_flight=len(controller._calls), arrays=len(controller.arrays))
+    stats = {}
+    if with_stats:
+        try:
+            stats = context.stats()["executors"]
+        except Exception as exc:   # noqa: BLE001 - a status reader must not fail on a slow executor
+            reply.stats_error = f"{type(exc).__name__}: {exc}"
+    for info in controller.resources.ordered():
+        mine = stats.get(info.executor_id, {})
+        reply.executors.append(pb.ExecutorStatus(
+            executor_id=info.executor_id, island=info.island, device=info.device, backend=info.backend,
+            state="lost" if info.lost else "alive", epoch=info.epoch,
+            seconds_since_heartbeat=max(0.0, now - info.last_heard),
+            node=controller.executor_labels.get(info.executor_id, ""),
+            store_bytes=int(mine.get("store_bytes", 0)), queue_high_water=int(mine.get("queue_high_water", 0))))
+    return reply
+
+
+def get_status(address: str, with_stats: bool = True, timeout_s: float = 10.0):
+    import grpc
+
+    from ..wire import pb
+
+    with grpc.insecure_channel(address) as channel:
+        call = channel.unary_unary(STATUS_METHOD, request_serializer=pb.StatusRequest.SerializeToString,
+                                   response_deserializer=pb.StatusReply.FromString)
+        return call(pb.StatusRequest(with_stats=with_stats), timeout=timeout_s)
+
+
+def status_table(reply) -> str:
+    """The reply as the table ``pathways-status`` prints."""
+    header = ["executor", "island", "device", "backend", "state", "epoch", "heartbeat s ago", "node", "store bytes"]
+    rows = [[e.executor_id, e.island, e.device, e.backend, e.state, str(e.epoch), f"{e.seconds_since_heartbeat:.1f}",
+             e.node or "-", f"{e.store_bytes:,}"] for e in reply.executors]
+    widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(header)]
+    lines = [" | ".join(h.ljust(w) for h, w in zip(header, widths)), "-|-".join("-" * w for w in widths)]
+    lines += [" | ".join(c.ljust(w) for c, w in zip(r, widths)) for r in rows]
+    lines.append(f"run {reply.run_id or '-'}: {len(reply.executors)} executors, {reply.calls_in_flight} calls in "
+                 f"flight, {reply.arrays} arrays" + (f"; stats: {reply.stats_error}" if reply.stats_error else ""))
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    """``pathways-status HOST:PORT``: print the controller's status table."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="pathways-status",
+                                     description="Print a launched job's executors and queue (its --status-port, "
+                                                 "on node 0's loopback).")
+    parser.add_argument("address", help="HOST:PORT of the status service, e.g. 127.0.0.1:29401")
+    parser.add_argument("--no-stats", action="store_true", help="skip the executors' store bytes (no round trip)")
+    parser.add_argument("--timeout-s", type=float, default=10.0)
+    args = parser.parse_args(argv)
+    began = time.monotonic()
+    try:
+        reply = get_status(args.address, not args.no_stats, args.timeout_s)
+    except Exception as exc:   # noqa: BLE001 - say what failed, as a tool should
+        print(f"pathways-status: no answer from {args.address} within {args.timeout_s:g} s "
+              f"({type(exc).__name__}: {getattr(exc, 'details', lambda: exc)()}); is the job running with "
+              f"--status-port, and is this node 0?")
+        return 1
+    print(status_table(reply))
+    print(f"(answered in {time.monotonic() - began:.2f} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    import sys
+
+    sys.exit(main())
