@@ -294,7 +294,9 @@ class Node:
         """The node's exit code: the script's on node 0; elsewhere 0 when every executor ended cleanly."""
         if self.script is not None:
             code = _wait_interruptibly(self.script)
-            self.cluster.stop(grace_s=10.0)    # the script's context told them to stop; kill what did not
+            # The script's context told them to stop (a script that failed before making one did not): kill
+            # what has not stopped by then.
+            self.cluster.stop(grace_s=10.0 if code == 0 else 3.0)
             return code
         while any(p.poll() is None for p in self.cluster.processes):
             time.sleep(0.2)

@@ -2,7 +2,7 @@
 ``pause`` seconds between them, on every launched executor (``islands``: across the launch's two islands), and
 prints one JSON record per line: the executors, each step, the losses, or the ExecutorLostError it met."""
 
-import json, sys, time, torch, torch.nn as nn
+import json, os, sys, time, torch, torch.nn as nn
 import pathways_torch as pw
 
 steps, pause = int(sys.argv[1]), float(sys.argv[2])
@@ -13,7 +13,9 @@ g = torch.Generator().manual_seed(1)
 batches = [(torch.randn(8, 4, generator=g, dtype=torch.float64), torch.randn(8, 1, generator=g, dtype=torch.float64))
            for _ in range(steps)]
 with pw.Context() as ctx:
-    print(json.dumps({"executors": ctx.executor_ids, "backend": ctx.backend}), flush=True)
+    print(json.dumps({"executors": ctx.executor_ids, "backend": ctx.backend,
+                      "torchrun_variables": [v for v in ("RANK", "WORLD_SIZE", "LOCAL_RANK") if v in os.environ]}),
+          flush=True)
     if across_islands:
         per = len(ctx.executor_ids) // 2
         mesh, plan = ctx.mesh({"island": 2, "data": per}), pw.DataParallel(("island", "data"))

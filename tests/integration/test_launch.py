@@ -70,11 +70,12 @@ def two_hosts(tmp_path):
     script = SCRIPT
 
     def launch(node: int, *script_args, port: int, extra=()):
+        environ = dict(os.environ, RANK=str(node), WORLD_SIZE="2", LOCAL_RANK="0")
         return subprocess.Popen(
             [*RUN, "--nnodes", "2", "--nproc-per-node", "1", "--node-rank", str(node), "--master-addr", "127.0.0.1",
              "--master-port", str(port), "--host-addr", f"127.0.0.{node + 1}", "--keys-dir",
              os.path.join(keys, f"node-{node}"), "--backend", "eager", *extra, str(script), *script_args],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO_ROOT)
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO_ROOT, env=environ)
 
     yield launch, keys
     assert _left_running(keys) == []
@@ -98,7 +99,8 @@ def test_two_hosts_on_loopback_addresses_train_like_eager(two_hosts):
     other_out, _ = other.communicate(timeout=60)
     assert other.returncode == 0, other_out
     records = _lines(out)
-    assert records[0] == {"executors": ["executor-0", "executor-1"], "backend": "eager"}
+    # the script sees no RANK / WORLD_SIZE / LOCAL_RANK even where the launcher's own environment has them
+    assert records[0] == {"executors": ["executor-0", "executor-1"], "backend": "eager", "torchrun_variables": []}
     losses = next(r["losses"] for r in records if "losses" in r)
     expected = _eager_losses(3)
     assert max(abs(a - b) for a, b in zip(losses, expected)) < 1e-12, (losses, expected)
@@ -270,3 +272,30 @@ def test_health_for_probes_status_for_people_and_ctrl_c_ends_the_job(tmp_path):
     down = subprocess.run([sys.executable, "-m", "pathways_torch.launch.health", f"127.0.0.1:{status_port}",
                            "--timeout-s", "2"], capture_output=True, text=True, timeout=60, cwd=REPO_ROOT)
     assert down.returncode == 1 and "no answer from" in down.stdout
+
+
+FLAKY_SCRIPT = """
+import os, sys
+import pathways_torch as pw
+marker = sys.argv[1]
+if not os.path.exists(marker):          # the first attempt fails before making its context
+    open(marker, "w").close()
+    sys.exit(3)
+with pw.Context() as ctx:
+    print("attempt 2 on", ctx.executor_ids, flush=True)
+"""
+
+
+def test_max_restarts_starts_the_whole_job_again_and_the_exit_code_is_the_scripts(tmp_path):
+    script = tmp_path / "flaky.py"
+    script.write_text(FLAKY_SCRIPT)
+    once = subprocess.run([*RUN, "--standalone", "--nproc-per-node", "1", "--backend", "eager", str(script),
+                           str(tmp_path / "once")], capture_output=True, text=True, timeout=120, cwd=REPO_ROOT)
+    assert once.returncode == 3, once.stderr                         # no restarts: the script's own code
+    again = subprocess.run([*RUN, "--standalone", "--nproc-per-node", "1", "--backend", "eager", "--max-restarts",
+                            "1", str(script), str(tmp_path / "again")], capture_output=True, text=True, timeout=120,
+                           cwd=REPO_ROOT)
+    assert again.returncode == 0, again.stdout + again.stderr
+    assert "the job failed (exit code 3); restart 1 of 1" in again.stderr
+    assert "attempt 2 on ['executor-0']" in again.stdout
+    assert _left_running(str(script)) == []
