@@ -199,40 +199,25 @@ def test_stats_report_drops_and_refused_connections():
 def test_a_failure_reported_while_a_peer_is_dead_is_the_lost_executors_error():
     """A collective fails with "connection reset" on the survivor before any heartbeat: the
     launcher's liveness probe, asked first, turns it into ExecutorLostError naming the dead one."""
-    from controller import CallSpec, Controller, ControllerConfig
-    from pathways_torch.errors import ExecutorLostError
-    from pathways_torch.wire import pb
-
-    class Outbox:
-        def to_executor(self, executor_id, envelope, payload=()):
-            pass
-
-    controller = Controller(Outbox(), ControllerConfig())
-    for i in range(2):
-        controller.on_message(f"e{i}", pb.Envelope(register=pb.Register(
-            executor_id=f"e{i}", data_address=f"tcp://127.0.0.1:{7100 + i}", device="cpu", backend="eager")), [])
-    function_id = controller.register_function("step", pb.Graph(), [])
-    mesh = controller.resources.allocate({"data": 2}, ["e0", "e1"])
-    [out] = controller.call(CallSpec(function_id=function_id, name="step", mesh=mesh, inputs=(), num_outputs=1,
-                                     collective_axes=("data",)))
     patience = []
 
-    def probe(patience_s):
-        patience.append(patience_s)
-        controller.declare_lost("e1", "process exited (SIGKILL)")
+    def probe_of(controller):
+        def probe(patience_s):
+            patience.append(patience_s)
+            controller.declare_lost("e1", "process exited (SIGKILL)")
+        return probe
 
-    controller.liveness_probe = probe
-    failure = pb.RemoteFailure(type="RuntimeError", message="gloo: Connection reset by peer", executor_id="e0")
-    run_call_id = max(controller._calls)
-    controller.on_message("e0", pb.Envelope(done=pb.Done(call_id=run_call_id, ok=False, failure=failure)), [])
+    controller, out = _two_member_collective(probe_of)
     assert isinstance(out.error, ExecutorLostError) and out.error.executor_id == "e1"
-    assert run_call_id not in controller._calls
+    assert not controller._calls
     # A peer's transport error gives the launcher a moment to see the exit (the killed process's sockets
     # close before it can be reaped); any other failure is reported at once.
     assert patience == [1.0]
 
 
-def _two_member_collective():
+def _two_member_collective(probe_of=None):
+    """A collective on e0 and e1 (at 127.0.0.1 and 127.0.0.2) whose e0 reports "Connection closed by peer";
+    ``probe_of(controller)``: the launcher's liveness probe, if there is a local launcher."""
     class Outbox:
         def to_executor(self, executor_id, envelope, payload=()):
             pass
@@ -245,6 +230,8 @@ def _two_member_collective():
     mesh = controller.resources.allocate({"data": 2}, ["e0", "e1"])
     [out] = controller.call(CallSpec(function_id=function_id, name="step", mesh=mesh, inputs=(), num_outputs=1,
                                      collective_axes=("data",)))
+    if probe_of is not None:
+        controller.liveness_probe = probe_of(controller)
     failure = pb.RemoteFailure(type="RuntimeError", message="gloo: Connection closed by peer", executor_id="e0")
     controller.on_message("e0", pb.Envelope(done=pb.Done(call_id=max(controller._calls), ok=False,
                                                          failure=failure)), [])
