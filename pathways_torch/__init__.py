@@ -16,7 +16,7 @@ __all__ = [
     # collectives (inside a function)
     "all_reduce", "all_gather", "reduce_scatter",
     # training
-    "DataParallel", "ShardedDataParallel", "Trainer", "UnsupportedOptimizerError",
+    "DataParallel", "ShardedDataParallel", "Trainer", "UnsupportedOptimizerError", "load_checkpoint",
     # pipelines
     "Pipeline", "pipe_split",
     # islands
@@ -46,6 +46,7 @@ _WHERE = {
     "ShardedDataParallel": "pathways_torch.training",
     "Trainer": "pathways_torch.training",
     "UnsupportedOptimizerError": "pathways_torch.training",
+    "load_checkpoint": "pathways_torch.training.checkpoint",
     "Link": "pathways_torch.link",
     "Pipeline": "pathways_torch.pipeline",
     "pipe_split": "pathways_torch.pipeline",

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import os
 
-__all__ = ["write_checkpoint", "read_checkpoint", "CHECKPOINT_FILE"]
+__all__ = ["write_checkpoint", "read_checkpoint", "check_matches", "load_checkpoint", "CHECKPOINT_FILE"]
 
 CHECKPOINT_FILE = "trainer.safetensors"
 _FORMAT = "pathways_torch.trainer/1"
@@ -45,3 +45,74 @@ def read_checkpoint(path: str) -> tuple[dict, dict]:
         for name in f.keys():
             tensors[name] = f.get_tensor(name)
     return tensors, json.loads(header["meta"])
+
+
+def check_matches(path: str, tensors: dict, expected: dict) -> None:
+    """Refuse a checkpoint whose names or shapes differ from ``expected`` (name → tensor), listing each."""
+    names = set(expected)
+    missing = sorted(names - set(tensors))
+    unexpected = sorted(set(tensors) - names - {"rng/torch"})
+    shapes = sorted(f"{n}: checkpoint {list(tensors[n].shape)}, here {list(expected[n].shape)}"
+                    for n in names & set(tensors) if tuple(tensors[n].shape) != tuple(expected[n].shape))
+    if missing or unexpected or shapes:
+        parts = [f"missing {_listed(missing)}" if missing else "", f"unexpected {_listed(unexpected)}" if unexpected
+                 else "", f"other shapes {_listed(shapes)}" if shapes else ""]
+        raise ValueError(f"checkpoint {path}: does not match this model and optimizer: "
+                         f"{'; '.join(p for p in parts if p)}; load it into the model (and optimizer kind) it was "
+                         f"saved from")
+
+
+def _listed(items: list, most: int = 8) -> str:
+    shown = ", ".join(items[:most])
+    return f"[{shown}{f', ... ({len(items)} in all)' if len(items) > most else ''}]"
+
+
+def load_checkpoint(path: str, model, optimizer=None) -> dict:
+    """Load a trainer's checkpoint into a plain eager ``nn.Module`` (and a ``torch.optim`` optimizer built from
+    its parameters), whatever plan and mesh saved it; returns the checkpoint's metadata.
+
+    Afterwards eager training continues where the trainer stopped: parameters and buffers, each
+    parameter's optimizer state (``exp_avg``/``exp_avg_sq`` and the step count for Adam/AdamW,
+    ``momentum_buffer`` for SGD) and the client's torch RNG state are restored. A checkpoint that
+    does not match the model (missing or extra names, other shapes) is refused, listing them.
+    """
+    import torch
+
+    from .optimizers import read_optimizer
+
+    tensors, meta = read_checkpoint(path)
+    params = dict(model.named_parameters())
+    expected = {f"model/{n}": t for n, t in model.state_dict().items()}
+    if optimizer is not None:
+        spec = read_optimizer(optimizer)
+        if meta.get("optimizer") != spec.kind:
+            raise ValueError(f"checkpoint {path}: saved with a {meta.get('optimizer')!r} optimizer, this one is "
+                             f"{spec.kind!r} ({type(optimizer).__name__})")
+        trained = {id(p) for group in optimizer.param_groups for p in group["params"]}
+        for name, p in params.items():
+            if id(p) in trained and p.requires_grad:
+                expected.update({f"optimizer/{name}/{state}": p for state in spec.state_names})
+    else:
+        tensors = {n: t for n, t in tensors.items() if not n.startswith("optimizer/")}
+    check_matches(path, tensors, expected)
+    with torch.no_grad():
+        model.load_state_dict({n.removeprefix("model/"): t for n, t in tensors.items() if n.startswith("model/")})
+    if optimizer is not None:
+        _load_optimizer_state(optimizer, params, tensors, int(meta["step"]), spec.kind)
+    if "rng/torch" in tensors:
+        torch.set_rng_state(tensors["rng/torch"])
+    return meta
+
+
+def _load_optimizer_state(optimizer, params: dict, tensors: dict, step: int, kind: str) -> None:
+    import torch
+
+    for key, value in tensors.items():
+        if not key.startswith("optimizer/"):
+            continue
+        name, state = key.removeprefix("optimizer/").rsplit("/", 1)
+        param = params[name]
+        slot = optimizer.state[param]
+        slot[state] = value.to(param.dtype).clone()
+        if kind == "adam":      # torch's Adam/AdamW keep the step count per parameter, as a float tensor
+            slot["step"] = torch.tensor(float(step))

@@ -19,7 +19,7 @@ from ..placement import Replicate, Shard
 from .batches import split_batch
 from .evaluation import make_forward
 from .buckets import flatten, make_buckets, unflatten
-from .checkpoint import read_checkpoint, write_checkpoint
+from .checkpoint import check_matches, read_checkpoint, write_checkpoint
 from .locate import user_frame_summary
 from .optimizers import read_optimizer
 from .plans import DataParallel
@@ -296,11 +296,7 @@ class Trainer:
     def load(self, path: str) -> dict:
         """Restore a checkpoint written by `save` (under any plan and mesh size); returns its metadata."""
         tensors, meta = read_checkpoint(path)
-        expected = set(self._initial_tensors())
-        missing, unexpected = sorted(expected - set(tensors)), sorted(set(tensors) - expected - {"rng/torch"})
-        if missing or unexpected:
-            raise ValueError(f"checkpoint {path}: does not match this model and optimizer; missing {missing[:5]}, "
-                             f"unexpected {unexpected[:5]}; load it into the model it was saved from")
+        check_matches(path, tensors, self._initial_tensors())
         if meta.get("optimizer") != self._spec.kind:
             raise ValueError(f"checkpoint {path}: saved with a {meta.get('optimizer')!r} optimizer, this trainer "
                              f"uses {self._spec.kind!r}")

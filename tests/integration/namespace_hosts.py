@@ -72,10 +72,12 @@ class NamespaceHosts:
     def address(self, k: int) -> str:
         return f"{self.subnet}.{k + 1}"
 
-    def launch(self, k: int, argv: list[str], keys: str, **popen) -> subprocess.Popen:
-        """Run ``argv`` as host k, with ``keys`` copied into its private /tmp (``{keys}`` in argv)."""
+    def launch(self, k: int, argv: list[str], keys: str, keep: tuple[str, ...] = (), **popen) -> subprocess.Popen:
+        """Run ``argv`` as host k, with ``keys`` copied into its private /tmp (``{keys}`` in argv); ``keep``: the
+        folders under /tmp it must still see (the checkout; the interpreter's are added)."""
+        keep = (*keep, sys.prefix, os.path.dirname(os.path.abspath(__file__)))
         return subprocess.Popen(["ip", "netns", "exec", self.names[k], "unshare", "--mount", "--propagation",
-                                 "private", sys.executable, _PRIVATE_HOST, keys, "--", *argv], **popen)
+                                 "private", sys.executable, _PRIVATE_HOST, keys, *keep, "--", *argv], **popen)
 
     def pids(self, k: int) -> list[int]:
         done = subprocess.run(["ip", "netns", "pids", self.names[k]], capture_output=True, text=True)

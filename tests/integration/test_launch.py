@@ -196,7 +196,7 @@ def test_two_hosts_in_namespaces_train_across_islands_over_a_tbf_link(tmp_path):
             argv = [*RUN, "--nnodes", "2", "--nproc-per-node", "2", "--node-rank", str(k), "--master-addr",
                     hosts.address(0), "--master-port", "29400", "--keys-dir", "{keys}", "--island", str(k),
                     "--backend", "eager", SCRIPT, *script_args]
-            return hosts.launch(k, argv, os.path.join(keys, f"node-{k}"), stdout=subprocess.PIPE,
+            return hosts.launch(k, argv, os.path.join(keys, f"node-{k}"), keep=(REPO_ROOT,), stdout=subprocess.PIPE,
                                 stderr=subprocess.STDOUT, text=True, cwd=REPO_ROOT)
 
         other, first = node(1, "3", "0", "islands"), node(0, "3", "0", "islands")

@@ -1,0 +1,102 @@
+"""Checkpoints move: saved under one plan and mesh size, loaded under another (DataParallel at N = 2 ->
+ShardedDataParallel at N = 4 -> DataParallel at N = 2; Pipeline <-> DataParallel) or into plain eager PyTorch
+(pw.load_checkpoint), training goes on with the losses of one uninterrupted eager run; a checkpoint of another
+model is refused listing what differs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+
+import pathways_torch as pw
+from tests.conftest import train_eagerly
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
+
+
+@pytest.fixture(scope="module")
+def ctx():
+    with pw.Context(num_executors=4, backend="eager") as context:
+        yield context
+
+
+def _model(width: int = 16):
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, width), nn.Tanh(), nn.Linear(width, width), nn.Tanh(),
+                         nn.Linear(width, 1)).double()
+
+
+def _batches(count: int):
+    g = torch.Generator().manual_seed(5)
+    return [(torch.randn(16, 4, generator=g, dtype=torch.float64), torch.randn(16, 1, generator=g, dtype=torch.float64))
+            for _ in range(count)]
+
+
+def _adamw(model):
+    return torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
+
+
+def _leg(ctx, mesh_axes, plan, batches, load_from=None, save_to=None, executors=None):
+    """Train ``batches`` under ``plan`` on a fresh trainer (restored from ``load_from``); save to ``save_to``."""
+    model = _model()
+    trainer = ctx.wrap(model, optimizer=_adamw(model), loss_fn=nn.MSELoss(),
+                       mesh=ctx.mesh(mesh_axes, executors=executors), plan=plan)
+    if load_from is not None:
+        trainer.load(load_from)
+    losses = [loss.result(120).item() for loss in [trainer.step(b) for b in batches]]
+    if save_to is not None:
+        trainer.save(save_to)
+    return losses
+
+
+def _expected(batches):
+    reference = _model()
+    return train_eagerly(reference, _adamw(reference), batches, nn.MSELoss())
+
+
+def test_data_parallel_at_2_to_sharded_at_4_and_back(ctx, tmp_path):
+    batches = _batches(8)
+    two = ctx.executor_ids[:2]
+    losses = _leg(ctx, {"data": 2}, pw.DataParallel("data"), batches[:3], save_to=str(tmp_path / "a"), executors=two)
+    losses += _leg(ctx, {"data": 4}, pw.ShardedDataParallel("data"), batches[3:6], load_from=str(tmp_path / "a"),
+                   save_to=str(tmp_path / "b"))
+    losses += _leg(ctx, {"data": 2}, pw.DataParallel("data"), batches[6:], load_from=str(tmp_path / "b"),
+                   executors=two)
+    expected = _expected(batches)
+    assert max(abs(a - b) for a, b in zip(losses, expected)) < 1e-9, (losses, expected)
+
+
+def test_pipeline_to_data_parallel_and_back(ctx, tmp_path):
+    batches = _batches(6)
+    pipeline = pw.Pipeline(microbatches=2, schedule="1f1b")
+    losses = _leg(ctx, {"pipe": 2}, pipeline, batches[:2], save_to=str(tmp_path / "a"), executors=ctx.executor_ids[:2])
+    losses += _leg(ctx, {"data": 4}, pw.DataParallel("data"), batches[2:4], load_from=str(tmp_path / "a"),
+                   save_to=str(tmp_path / "b"))
+    losses += _leg(ctx, {"pipe": 2, "data": 2}, pw.Pipeline(microbatches=2, data=pw.DataParallel("data")),
+                   batches[4:], load_from=str(tmp_path / "b"))
+    expected = _expected(batches)
+    assert max(abs(a - b) for a, b in zip(losses, expected)) < 1e-9, (losses, expected)
+
+
+def test_a_trainers_checkpoint_goes_on_in_plain_eager_pytorch(ctx, tmp_path):
+    batches = _batches(6)
+    losses = _leg(ctx, {"data": 4}, pw.ShardedDataParallel("data"), batches[:3], save_to=str(tmp_path / "a"))
+    model = _model()
+    optimizer = _adamw(model)
+    meta = pw.load_checkpoint(str(tmp_path / "a"), model, optimizer)
+    assert meta["step"] == 3 and meta["plan"] == "ShardedDataParallel"
+    losses += train_eagerly(model, optimizer, batches[3:], nn.MSELoss())
+    expected = _expected(batches)
+    assert max(abs(a - b) for a, b in zip(losses, expected)) < 1e-9, (losses, expected)
+
+
+def test_a_checkpoint_of_another_model_is_refused_listing_the_differences(ctx, tmp_path):
+    _leg(ctx, {"data": 2}, pw.DataParallel("data"), _batches(1), save_to=str(tmp_path / "a"),
+         executors=ctx.executor_ids[:2])
+    wider = _model(width=32)
+    trainer = ctx.wrap(wider, optimizer=_adamw(wider), loss_fn=nn.MSELoss(), mesh=ctx.mesh({"data": 2},
+                       executors=ctx.executor_ids[:2]))
+    with pytest.raises(ValueError, match=r"does not match this model and optimizer: other shapes \[model/0.bias: "
+                                         r"checkpoint \[16\], here \[32\]"):
+        trainer.load(str(tmp_path / "a"))

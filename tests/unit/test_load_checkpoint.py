@@ -1,0 +1,86 @@
+"""pw.load_checkpoint: a trainer's checkpoint into a plain eager nn.Module and torch.optim optimizer, after which
+eager training goes on with the losses of an uninterrupted run; one that does not match is refused, listing
+what differs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+
+import pathways_torch as pw
+from pathways_torch.training.checkpoint import write_checkpoint
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def _model(width: int = 8):
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, width), nn.BatchNorm1d(width), nn.Tanh(), nn.Linear(width, 1)).double()
+
+
+def _batches(count: int):
+    g = torch.Generator().manual_seed(2)
+    return [(torch.randn(16, 4, generator=g, dtype=torch.float64), torch.randn(16, 1, generator=g, dtype=torch.float64))
+            for _ in range(count)]
+
+
+def _train(model, optimizer, batches) -> list[float]:
+    losses = []
+    for x, y in batches:
+        optimizer.zero_grad()
+        loss = nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    return losses
+
+
+def _save_like_a_trainer(path, model, optimizer, step: int, kind: str) -> None:
+    """The trainer's format, written from eager state (what trainer.save writes from the executors)."""
+    tensors = {f"model/{n}": t.detach().clone() for n, t in model.state_dict().items()}
+    params = dict(model.named_parameters())
+    for name, p in params.items():
+        for state, value in optimizer.state[p].items():
+            if state != "step":
+                tensors[f"optimizer/{name}/{state}"] = value.clone()
+    tensors["rng/torch"] = torch.get_rng_state()
+    write_checkpoint(str(path), tensors, {"step": step, "samples_seen": 0, "seed": 0, "optimizer": kind,
+                                          "plan": "DataParallel", "data_position": {}})
+
+
+@pytest.mark.parametrize("make_optimizer,kind", [
+    (lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.01), "adam"),
+    (lambda m: torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9), "sgd")], ids=["adamw", "sgd-momentum"])
+def test_eager_training_goes_on_as_if_never_interrupted(tmp_path, make_optimizer, kind):
+    batches = _batches(6)
+    whole = _model()
+    expected = _train(whole, make_optimizer(whole), batches)
+    first = _model()
+    optimizer = make_optimizer(first)
+    _train(first, optimizer, batches[:3])
+    _save_like_a_trainer(tmp_path, first, optimizer, 3, kind)
+    resumed = _model()           # the initial weights: only the checkpoint makes it equal the trained one
+    resumed_optimizer = make_optimizer(resumed)
+    meta = pw.load_checkpoint(str(tmp_path), resumed, resumed_optimizer)
+    assert meta["step"] == 3
+    assert _train(resumed, resumed_optimizer, batches[3:]) == pytest.approx(expected[3:], abs=1e-12)
+
+
+def test_a_checkpoint_that_does_not_match_lists_what_differs(tmp_path):
+    model = _model()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    _train(model, optimizer, _batches(1))
+    _save_like_a_trainer(tmp_path, model, optimizer, 1, "adam")
+    wider = _model(width=16)
+    with pytest.raises(ValueError, match=r"other shapes \[model/0.bias: checkpoint \[8\], here \[16\]"):
+        pw.load_checkpoint(str(tmp_path), wider, torch.optim.AdamW(wider.parameters()))
+    deeper = nn.Sequential(*_model(), nn.Linear(1, 1).double())
+    with pytest.raises(ValueError, match=r"missing \[model/4.bias, model/4.weight, optimizer/4.bias/exp_avg"):
+        pw.load_checkpoint(str(tmp_path), deeper, torch.optim.AdamW(deeper.parameters()))
+    shallower = nn.Sequential(*list(_model())[:3])
+    with pytest.raises(ValueError, match=r"unexpected \[model/3.bias, model/3.weight"):
+        pw.load_checkpoint(str(tmp_path), shallower)
+    with pytest.raises(ValueError, match="saved with a 'adam' optimizer, this one is 'sgd'"):
+        pw.load_checkpoint(str(tmp_path), _model(), torch.optim.SGD(_model().parameters(), lr=0.1))
+    assert pw.load_checkpoint(str(tmp_path), _model())["step"] == 1     # the model alone, without an optimizer
