@@ -29,11 +29,12 @@ from typing import Callable, Protocol, Sequence
 
 from pathways_torch.wire import pb
 from pathways_torch.wire.framing import PROGRAM_RUN_REFUSED, body_name, log_dropped
-from pathways_torch.wire.tensors import dtype_name
+from pathways_torch.wire.tensors import dtype_name, frame_to_tensor
 
 from .collectives import CollectiveRuntime
 from .compile_cache import CompileCache, graph_key
 from .segments import Segment, SegmentPlan, instantiate, plan_segments, run_step, single
+from .shard_writer import ShardWriter
 from .store import ObjectStore
 from .trace import TraceRecorder
 
@@ -132,6 +133,7 @@ class ExecutorCore:
         # than waiting forever for a copy that came and went. Bounded, oldest forgotten first.
         self._refused_early: collections.OrderedDict = collections.OrderedDict()
         self.stopped = False
+        self.writer = ShardWriter()      # checkpoint shards, on a thread of its own
         self.heartbeat_settings: tuple[float, float] | None = None   # (interval, timeout) from Welcome
 
     # ------------------------------------------------------------ control plane
@@ -379,7 +381,8 @@ class ExecutorCore:
         kind = body_name(envelope)
         handlers = {"put": lambda: self._on_put(identity, envelope.put, payload),
                     "transfer": lambda: self._on_transfer(envelope.transfer, payload),
-                    "fetch": lambda: self._on_fetch(identity, envelope.fetch)}
+                    "fetch": lambda: self._on_fetch(identity, envelope.fetch),
+                    "save_shards": lambda: self._on_save(identity, envelope.save_shards)}
         if kind not in handlers:
             self._drop(f"data message of type {kind!r} not expected")
             return
@@ -400,6 +403,9 @@ class ExecutorCore:
         elif kind == "fetch":
             reply = pb.FetchReply(request_id=msg.request_id, failed=True, failure=failure)
             self.outbox.to_client(identity, pb.Envelope(fetch_reply=reply))
+        elif kind == "save_shards":
+            reply = pb.SaveReply(request_id=msg.request_id, failed=True, failure=failure)
+            self.outbox.to_client(identity, pb.Envelope(save_reply=reply))
         elif self._expects_transfer(_key(msg.shard)):
             self.store.fill(_key(msg.shard), failure=failure)
 
@@ -454,6 +460,60 @@ class ExecutorCore:
             self.hop_bytes["executor->client"] += entry.nbytes
         self.outbox.to_client(identity, pb.Envelope(fetch_reply=reply), payload)
         self.store.unpin(key)
+
+    def _on_save(self, identity: bytes, msg: pb.SaveShards) -> None:
+        """Write shards of this store to one file, once each is ready (checkpoints written by the executors)."""
+        from .shard_writer import check_save_path
+
+        check_save_path(msg.path)
+        if len(msg.names) != len(msg.shards) or len(set(msg.names)) != len(msg.names):
+            raise ValueError(f"save: expected one distinct name per shard, got {len(msg.names)} names for "
+                             f"{len(msg.shards)} shards")
+        keys = [_key(ref) for ref in msg.shards]
+        absent = [k for k in keys if k not in self.store]
+        if absent:
+            raise KeyError(f"executor {self.executor_id} holds no shard {absent[0][1]} of array {absent[0][0]}")
+        tensors: dict = {}
+
+        def ready(name: str, key: tuple, entry) -> None:
+            if name in tensors:
+                return
+            if entry.failure is not None:
+                tensors[name] = entry.failure
+            else:   # a host copy: the store may free the shard at once, the write takes its time
+                meta = pb.TensorMeta()
+                frame = self.backend.to_frame(entry.value, meta, 1)
+                tensors[name] = frame_to_tensor(meta, [frame]).clone()
+            self.store.unpin(key)
+            if len(tensors) == len(keys):
+                self._write_shards(identity, msg, tensors)
+
+        # The span covers the wait for the shards, their host copy and the write (the request is the save's start).
+        self.trace.record("save_start", "save shards", call_id=msg.request_id, detail=msg.path)
+        for name, key in zip(msg.names, keys):
+            self.store.claim(key, pin=True)
+        for name, key in zip(msg.names, keys):
+            self.store.when_ready(key, lambda entry, name=name, key=key: ready(name, key, entry))
+
+    def _write_shards(self, identity: bytes, msg: pb.SaveShards, tensors: dict) -> None:
+        failed = next((t for t in tensors.values() if isinstance(t, pb.RemoteFailure)), None)
+        if failed is not None:   # a shard that never came: its producer's failure is the save's
+            reply = pb.SaveReply(request_id=msg.request_id, failed=True, failure=failed)
+            self.trace.record("save_end", "save shards", call_id=msg.request_id, detail="failed")
+            self.outbox.to_client(identity, pb.Envelope(save_reply=reply))
+            return
+
+        def done(nbytes: int, error) -> None:   # on the writer thread; the outbox is safe from any thread
+            reply = pb.SaveReply(request_id=msg.request_id, bytes=nbytes)
+            if error is not None:
+                reply.failed = True
+                reply.failure.CopyFrom(self._failure(error, origin_call_id=0))
+            self.trace.record("save_end", "save shards", call_id=msg.request_id,
+                              detail=f"{len(tensors)} shards, {nbytes} B -> {msg.path}")
+            self.outbox.to_client(identity, pb.Envelope(save_reply=reply))
+
+        self.hop_bytes["executor->disk"] += sum(t.numel() * t.element_size() for t in tensors.values())
+        self.writer.write(msg.path, tensors, done)
 
     def _push(self, msg: pb.SendShard, key: tuple, entry) -> None:
         transfer = pb.Transfer()
@@ -763,7 +823,7 @@ class ExecutorCore:
         log_dropped(log, self.dropped_messages, self.executor_id, why)
 
 
-_DATA_KINDS = {"put", "transfer", "fetch"}
+_DATA_KINDS = {"put", "transfer", "fetch", "save_shards"}
 _MAX_EARLY_TRANSFERS = 4096
 _MAX_REFUSED_EARLY = 65536
 

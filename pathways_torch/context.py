@@ -393,7 +393,7 @@ class Context:
         return arrays
 
     def wrap(self, model, *, optimizer, mesh: Mesh, loss_fn=None, plan=None, max_grad_norm: float | None = None,
-             seed: int = 0):
+             seed: int = 0, checkpoint_dir: str | None = None, checkpoint_every: int = 0):
         """Train ``model`` with ``optimizer`` on ``mesh``: returns a `pw.Trainer` (see docs/training.md).
 
         ``plan``: ``pw.DataParallel(axis)`` (default, on the mesh's first axis),
@@ -405,6 +405,11 @@ class Context:
         from .training import DataParallel, Trainer
 
         self._check_open()
+        if checkpoint_dir is not None and (isinstance(plan, Pipeline) or isinstance(getattr(plan, "axis", None),
+                                                                                    (tuple, list))):
+            raise PlacementError(f"checkpoint_dir under {type(plan).__name__}: checkpoints written by the executors "
+                                 f"are built for pw.DataParallel and pw.ShardedDataParallel inside one island; save "
+                                 f"from the client with trainer.save(path) every few steps instead")
         if isinstance(plan, DataParallel) and isinstance(plan.axis, (tuple, list)):
             from .training.cross_island import CrossIslandTrainer
 
@@ -414,7 +419,8 @@ class Context:
             return PipelineTrainer(self, model, optimizer=optimizer, loss_fn=loss_fn, mesh=mesh, plan=plan,
                                    max_grad_norm=max_grad_norm, seed=seed)
         return Trainer(self, model, optimizer=optimizer, loss_fn=loss_fn, mesh=mesh, plan=plan,
-                       max_grad_norm=max_grad_norm, seed=seed)
+                       max_grad_norm=max_grad_norm, seed=seed, checkpoint_dir=checkpoint_dir,
+                       checkpoint_every=checkpoint_every)
 
     # ------------------------------------------------------------ used by Function and Array
 

@@ -94,6 +94,17 @@ class DataClient:
         self._send(executor_id, request_id, encode(pb.Envelope(fetch=msg)))
         return future
 
+    def save(self, executor_id: str, refs: list, names: list[str], path: str) -> concurrent.futures.Future:
+        """Ask ``executor_id`` to write its shards ``refs`` (as ``names``) to the file ``path`` once they are
+        ready; the future resolves to the bytes written (no tensor bytes come here)."""
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        request_id = self._register(_Request(executor_id, future=future))
+        msg = pb.SaveShards(request_id=request_id, names=names, path=path)
+        for ref in refs:
+            msg.shards.add().CopyFrom(ref)
+        self._send(executor_id, request_id, encode(pb.Envelope(save_shards=msg)))
+        return future
+
     def executor_lost(self, executor_id: str, error: BaseException) -> None:
         """The controller declared ``executor_id`` lost: fail its requests, now and later (any thread)."""
         self.loop.call_soon(lambda: self._fail_executor(executor_id, error))
@@ -173,7 +184,7 @@ class DataClient:
             log.warning("client: dropped a malformed message: %s", exc)
             return
         kind = envelope.WhichOneof("body")
-        if kind not in ("put_ack", "fetch_reply"):
+        if kind not in ("put_ack", "fetch_reply", "save_reply"):
             log.warning("client: unexpected %s from an executor dropped", kind)
             return
         reply = getattr(envelope, kind)
@@ -191,6 +202,8 @@ class DataClient:
             f = reply.failure
             self._finish(reply.request_id, RemoteError(f.message, executor_id=f.executor_id, remote_type=f.type,
                                                        remote_traceback=f.traceback))
+        elif kind == "save_reply":
+            self._finish(reply.request_id, None, int(reply.bytes))
         else:
             try:
                 tensor = frame_to_tensor(reply.tensor, payload)

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 __all__ = ["chrome_trace"]
 
-_COMPUTE_TID, _IO_TID, _COMPILE_TID = 0, 1, 2
+_COMPUTE_TID, _IO_TID, _COMPILE_TID, _SAVE_TID = 0, 1, 2, 3
 # Paired kinds that make complete spans: (start kind, end kind) → (category, thread).
 _SPANS = {"start": ("end", "compute", _COMPUTE_TID), "compile_start": ("compile_end", "compile", _COMPILE_TID),
-          "collective_start": ("collective_end", "collective", _COMPUTE_TID)}   # nested in its computation
+          "collective_start": ("collective_end", "collective", _COMPUTE_TID),   # nested in its computation
+          "save_start": ("save_end", "save", _SAVE_TID)}   # checkpoint shards written in the background
 _ENDS = {end: (start, cat, tid) for start, (end, cat, tid) in _SPANS.items()}
 
 
@@ -32,6 +33,7 @@ def chrome_trace(events_by_executor: dict, order: dict[str, int], backends: dict
         out.append({"ph": "M", "name": "thread_name", "pid": pid, "tid": _COMPUTE_TID, "args": {"name": "compute"}})
         out.append({"ph": "M", "name": "thread_name", "pid": pid, "tid": _IO_TID, "args": {"name": "io"}})
         out.append({"ph": "M", "name": "thread_name", "pid": pid, "tid": _COMPILE_TID, "args": {"name": "compile"}})
+        out.append({"ph": "M", "name": "thread_name", "pid": pid, "tid": _SAVE_TID, "args": {"name": "save"}})
         started = {}
         for e in events:
             args = {"seq": e.seq, "call_id": e.call_id, "function_id": e.function_id}

@@ -31,8 +31,14 @@ def write_checkpoint(path: str, tensors: dict, meta: dict) -> str:
 
 
 def read_checkpoint(path: str) -> tuple[dict, dict]:
-    """(tensors, meta) of a checkpoint directory (or file) written by `write_checkpoint`."""
+    """(tensors, meta) of a checkpoint directory (or file) written by `write_checkpoint`, or of one written by
+    the executors (`sharded_checkpoint`: its ``latest`` step)."""
     from safetensors import safe_open
+
+    from .sharded_checkpoint import is_sharded, read_sharded
+
+    if is_sharded(path):
+        return read_sharded(path)
 
     target = os.path.join(path, CHECKPOINT_FILE) if os.path.isdir(path) else path
     if not os.path.exists(target):

@@ -9,6 +9,7 @@ the client runs ahead of the executors.
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import logging
 import time
 from typing import Callable
@@ -33,8 +34,15 @@ log = logging.getLogger(__name__)
 class Trainer:
     """Train ``model`` with ``optimizer`` under ``plan`` on ``mesh``; see `Context.wrap`."""
 
+    # Checkpoints written by the executors (set in __init__; the pipeline and cross-island trainers have none).
+    checkpoint_dir: str | None = None
+    checkpoint_every = 0
+    checkpoints_written = 0
+    _checkpoint = None
+
     def __init__(self, context, model, *, optimizer, loss_fn: Callable | None, mesh, plan=None,
-                 max_grad_norm: float | None = None, seed: int = 0):
+                 max_grad_norm: float | None = None, seed: int = 0, checkpoint_dir: str | None = None,
+                 checkpoint_every: int = 0):
         import torch
 
         plan = plan if plan is not None else DataParallel(next(iter(mesh.axes)))
@@ -63,6 +71,12 @@ class Trainer:
         self._unfinished_steps: collections.deque = collections.deque()   # the losses' events, oldest first
         self._rank = context.put(torch.arange(self.num_shards, dtype=torch.int64), mesh, {plan.axis: Shard(0)})
         self._put_state(self._initial_tensors())
+        if checkpoint_every and not checkpoint_dir or checkpoint_every < 0:
+            raise ValueError(f"checkpoint_every={checkpoint_every!r}: expected a number of steps >= 1 with "
+                             f"checkpoint_dir (got checkpoint_dir={checkpoint_dir!r}), or 0 for none")
+        self.checkpoint_dir, self.checkpoint_every = checkpoint_dir, int(checkpoint_every)
+        self._checkpoint: concurrent.futures.Future | None = None   # the save in flight (one at a time)
+        self.checkpoints_written = 0
 
     # ------------------------------------------------------------ set-up
 
@@ -135,7 +149,32 @@ class Trainer:
         with self._context._batched_release():
             loss = self._dispatch_step(form, tensors)
         self._unfinished_steps.append(loss._record.event)
+        if self.checkpoint_every and self.step_count % self.checkpoint_every == 0:
+            self.save_sharded(self.checkpoint_dir)
         return loss
+
+    def save_sharded(self, directory: str) -> "concurrent.futures.Future":
+        """Write a checkpoint **from the executors**, in the background (`sharded_checkpoint`): each writes the
+        shards it holds to ``directory`` (storage every host sees), no tensor bytes through the client; the
+        next steps are dispatched meanwhile. Returns a future of the bytes written, done once ``latest`` names
+        this step. One save at a time: a second waits for the first."""
+        from .sharded_checkpoint import save_sharded
+
+        if self._checkpoint is not None:
+            self._checkpoint.result()     # raises what the previous save met
+        meta = {"step": self.step_count, "samples_seen": self.samples_seen, "seed": self.seed,
+                "optimizer": self._spec.kind, "plan": type(self.plan).__name__, "data_position": {}}
+        self._checkpoint = save_sharded(self._context, self, directory, meta)
+        self._checkpoint.add_done_callback(self._count_checkpoint)
+        return self._checkpoint
+
+    def _count_checkpoint(self, future) -> None:
+        if future.exception() is None:
+            self.checkpoints_written += 1
+
+    def _checkpoint_arrays(self) -> list:
+        """Every array of the training state (what a sharded save holds until it is written)."""
+        return [*self._flats, *self._states, *self._buffers, *self._frozen]
 
     def evaluate(self, batch):
         """The loss on ``batch`` (a replicated 0-d `pw.Array`, at once): forward and loss only, in eval mode,

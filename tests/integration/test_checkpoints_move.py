@@ -100,3 +100,90 @@ def test_a_checkpoint_of_another_model_is_refused_listing_the_differences(ctx, t
     with pytest.raises(ValueError, match=r"does not match this model and optimizer: other shapes \[model/0.bias: "
                                          r"checkpoint \[16\], here \[32\]"):
         trainer.load(str(tmp_path / "a"))
+
+
+# ------------------------------------------------------------ checkpoints written by the executors
+
+def _big_model():
+    torch.manual_seed(0)
+    return nn.Sequential(*[layer for _ in range(3) for layer in (nn.Linear(768, 768), nn.Tanh())],
+                         nn.Linear(768, 1)).double()
+
+
+def test_executors_write_the_checkpoint_in_the_background_and_it_moves(ctx, tmp_path):
+    """checkpoint_every=4 under DataParallel at N = 2: each executor writes its own file, the client receives no
+    tensor bytes, the next step runs while the shards are written (the trace shows it), and the checkpoint
+    loads under ShardedDataParallel at N = 4 with the losses of one uninterrupted eager run."""
+    import json
+    import os
+
+    g = torch.Generator().manual_seed(9)
+    batches = [(torch.randn(64, 768, generator=g, dtype=torch.float64), torch.randn(64, 1, generator=g,
+                                                                                   dtype=torch.float64))
+               for _ in range(6)]
+    reference = _big_model()
+    expected = train_eagerly(reference, _adamw(reference), batches, nn.MSELoss())
+    model = _big_model()
+    directory = str(tmp_path / "ckpt")
+    trainer = ctx.wrap(model, optimizer=_adamw(model), loss_fn=nn.MSELoss(),
+                       mesh=ctx.mesh({"data": 2}, executors=ctx.executor_ids[:2]), checkpoint_dir=directory,
+                       checkpoint_every=4)
+    losses = [trainer.step(b) for b in batches[:3]]
+    before = ctx.stats()["hops"]["executor->client"]
+    trainer.step(batches[3])                     # step 4: a save starts in the background ...
+    saving = trainer._checkpoint
+    for _ in range(3):                           # ... while steps go on (throwaway steps: not compared)
+        trainer.step(batches[3])
+    written = saving.result(120)
+    received = ctx.stats()["hops"]["executor->client"] - before
+    state_bytes = sum(p.numel() for p in model.parameters()) * 8 * 3      # parameters and two Adam states
+    assert written >= state_bytes and received < 1000, (written, received)
+    assert sorted(os.listdir(directory)) == ["latest", "step-00000004"]
+    step_dir = os.path.join(directory, "step-00000004")
+    assert sorted(os.listdir(step_dir)) == sorted(["client.safetensors", "index.json",
+                                                   *[f"{e}.safetensors" for e in trainer.mesh.executor_ids]])
+    with open(os.path.join(step_dir, "index.json")) as f:
+        assert json.load(f)["meta"]["step"] == 4
+    trace = ctx.trace(str(tmp_path / "trace.json"))["traceEvents"]
+    saves = [e for e in trace if e.get("cat") == "save"]
+    computes = [e for e in trace if e.get("cat") == "compute" and e["name"].startswith("train_step")]
+    assert saves and any(c["ts"] < s["ts"] + s["dur"] and c["ts"] + c["dur"] > s["ts"] for s in saves
+                         for c in computes if c["pid"] == s["pid"]), "no step ran while a save was being written"
+    losses = [loss.result(120).item() for loss in losses[:3]]
+    moved = _big_model()
+    resumed = ctx.wrap(moved, optimizer=_adamw(moved), loss_fn=nn.MSELoss(), mesh=ctx.mesh({"data": 4}),
+                       plan=pw.ShardedDataParallel("data"))
+    assert resumed.load(directory)["step"] == 4
+    losses += [float("nan")] + [loss.result(120).item() for loss in [resumed.step(b) for b in batches[4:]]]
+    assert max(abs(a - b) for a, b in zip(losses[:3] + losses[4:], expected[:3] + expected[4:])) < 1e-9, (
+        losses, expected)
+
+
+@pytest.mark.parametrize("delay_s", [0.0, 0.1, 0.3])
+def test_a_process_killed_during_a_save_leaves_the_previous_checkpoint_loadable(tmp_path, delay_s):
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from pathways_torch.training.checkpoint import read_checkpoint
+    from tests.conftest import REPO_ROOT
+
+    directory = str(tmp_path / "ckpt")
+    script = os.path.join(os.path.dirname(__file__), "checkpointing_script.py")
+    process = subprocess.Popen([sys.executable, script, directory], stdout=subprocess.PIPE,
+                               stderr=subprocess.DEVNULL, text=True, cwd=REPO_ROOT)
+    try:
+        for line in process.stdout:           # saves are running, one after the other
+            if line.startswith("saving 3"):
+                break
+        time.sleep(delay_s)
+        process.send_signal(signal.SIGKILL)   # the client, at some point of a save
+        process.wait(30)
+    finally:
+        if process.poll() is None:
+            process.kill()
+    tensors, meta = read_checkpoint(directory)
+    assert meta["step"] >= 1 and "model/0.weight" in tensors and "optimizer/0.weight/exp_avg" in tensors
+    assert tuple(tensors["model/0.weight"].shape) == (512, 512)

@@ -33,18 +33,15 @@ def _eager_losses(steps: int) -> list[float]:
     g = torch.Generator().manual_seed(1)
     batches = [(torch.randn(8, 4, generator=g, dtype=torch.float64),
                 torch.randn(8, 1, generator=g, dtype=torch.float64)) for _ in range(steps)]
-    optimizer, losses = torch.optim.SGD(model.parameters(), lr=0.1), []
-    for x, y in batches:
-        optimizer.zero_grad()
-        loss = nn.functional.mse_loss(model(x), y)
-        loss.backward()
-        optimizer.step()
-        losses.append(loss.item())
-    return losses
+    from tests.conftest import train_eagerly
+
+    return train_eagerly(model, torch.optim.SGD(model.parameters(), lr=0.1), batches, nn.MSELoss())
 
 
 def _lines(text: str) -> list[dict]:
-    return [json.loads(line) for line in text.splitlines() if line.startswith("{")]
+    """The script's JSON records (stderr shares the pipe: a log line may follow a record on its line)."""
+    decoder = json.JSONDecoder()
+    return [decoder.raw_decode(line)[0] for line in text.splitlines() if line.startswith("{")]
 
 
 def _left_running(marker: str) -> list[str]:

@@ -26,14 +26,9 @@ def _batches(count: int):
 
 
 def _train(model, optimizer, batches) -> list[float]:
-    losses = []
-    for x, y in batches:
-        optimizer.zero_grad()
-        loss = nn.functional.mse_loss(model(x), y)
-        loss.backward()
-        optimizer.step()
-        losses.append(loss.item())
-    return losses
+    from tests.conftest import train_eagerly
+
+    return train_eagerly(model, optimizer, batches, nn.MSELoss())
 
 
 def _save_like_a_trainer(path, model, optimizer, step: int, kind: str) -> None:
