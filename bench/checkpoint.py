@@ -4,7 +4,8 @@
 Same trainer throughout (bench/train.py's Transformer at ``--width``/``--depth``, AdamW, DataParallel over
 ``--executors``, the default backend): after a few warm-up steps, each round saves once each way (the order
 alternating), to a fresh folder under ``--dir`` (default: a temporary folder on this disk). Reported per way:
-the wall time from the call until the checkpoint is on disk (median over rounds), the bytes that reached the
+the wall time from the call until the checkpoint is on disk (median over rounds; a training step before each
+save, so that each saves fresh state), the bytes that reached the
 client while saving (``ctx.stats()`` executor->client), and the bytes written; for the executors' way also how
 long the call itself took (the save runs in the background: the next step can be dispatched after that).
 
@@ -80,6 +81,8 @@ def main(argv=None) -> int:
         for r in range(args.rounds):
             order = [("client", _through_client), ("executors", _by_executors)]
             for name, way in (order if r % 2 == 0 else order[::-1]):
+                # A step first: fresh state arrays (a fetched array keeps its value, and would not be fetched again).
+                trainer.step(task.batch(3 + r, 64)).result(600)
                 path = os.path.join(root, f"{name}-{r}")
                 results[name].append(way(ctx, trainer, path))
                 shutil.rmtree(path, ignore_errors=True)
