@@ -174,6 +174,7 @@ class Context:
                     heartbeat_timeout_s=self.config.heartbeat_timeout_s, log_dir=self.config.log_dir,
                     cpus=self.config.executor_cpus(), islands=self.config.executor_islands())
             self._wait_for_executors()
+            self._order_executors(self.launch.executor_ids if self.launch is not None else executor_ids)
             if self.launch is not None:
                 self._label_nodes()
                 if self.launch.status_port:
@@ -244,14 +245,17 @@ class Context:
                         raise self._missing_nodes() from None
                     raise
 
-    def _label_nodes(self) -> None:
-        """Order the launched executors by their global number (node 0's first, whichever registered first), and
-        name each one's node and host in the errors about it."""
-        from .launch.environment import node_of
-
-        order = {e: i for i, e in enumerate(self.launch.executor_ids)}
+    def _order_executors(self, executor_ids: list[str]) -> None:
+        """Executors in the order of their ids (executor-0 first, whichever registered first), so that
+        `executor_ids` and the meshes made from it are the same run after run."""
+        order = {e: i for i, e in enumerate(executor_ids)}
         for info in self.controller.resources.ordered():
             info.index = order.get(info.executor_id, len(order) + info.index)
+
+    def _label_nodes(self) -> None:
+        """Name each launched executor's node and host in the errors about it."""
+        from .launch.environment import node_of
+
         for info in self.controller.resources.ordered():
             host = info.data_address.removeprefix("tcp://").rsplit(":", 1)[0]
             self.controller.executor_labels[info.executor_id] = (

@@ -26,6 +26,8 @@ def test_executors_register_with_their_island(ctx):
     resources = ctx.controller.resources
     assert {e: resources.island_of(e) for e in ctx.executor_ids} == {
         "executor-0": "0", "executor-1": "0", "executor-2": "1", "executor-3": "1"}
+    # in the order of their ids, whichever registered first: meshes are the same run after run
+    assert ctx.executor_ids == ["executor-0", "executor-1", "executor-2", "executor-3"]
 
 
 def test_a_collective_inside_each_island_and_none_across(ctx):
