@@ -266,6 +266,7 @@ def test_health_for_probes_status_for_people_and_ctrl_c_ends_the_job(tmp_path):
         if launcher.poll() is None:
             launcher.kill()
     assert _left_running(SCRIPT) == []
+    assert _left_running("pathways-run-keys-") == []     # the executors (started with the run's standalone keys)
     down = subprocess.run([sys.executable, "-m", "pathways_torch.launch.health", f"127.0.0.1:{status_port}",
                            "--timeout-s", "2"], capture_output=True, text=True, timeout=60, cwd=REPO_ROOT)
     assert down.returncode == 1 and "no answer from" in down.stdout
