@@ -35,9 +35,6 @@ class ShardWriter:
 
         self._pool.submit(run)
 
-    def close(self) -> None:
-        self._pool.shutdown(wait=True)
-
 
 def _write(path: str, tensors: dict) -> int:
     from safetensors.torch import save_file

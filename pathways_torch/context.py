@@ -135,6 +135,7 @@ class Context:
 
     def __init__(self, num_executors: int | None = None, **options):
         from .launch.environment import LaunchEnvironment
+        from .launch.environment import executor_ids as launched_ids
 
         islands = options.pop("islands", None)
         if islands is not None:
@@ -150,7 +151,8 @@ class Context:
         self._keys = self._gatekeeper = self._server = self._cluster = self._data = self.link = None
         self._status_server = None
         self._zmq = zmq.Context()
-        executor_ids = [f"executor-{i}" for i in range(self.config.num_executors)]
+        # The same names as a launch's (node k's j-th executor is executor-{k * nproc + j}): one scheme.
+        executor_ids = launched_ids(range(self.config.num_executors))
         try:
             if self.launch is None:
                 # The context's own keys: one pair per role; every socket admits exactly these (docs/security.md).
@@ -174,7 +176,7 @@ class Context:
                     heartbeat_timeout_s=self.config.heartbeat_timeout_s, log_dir=self.config.log_dir,
                     cpus=self.config.executor_cpus(), islands=self.config.executor_islands())
             self._wait_for_executors()
-            self._order_executors(self.launch.executor_ids if self.launch is not None else executor_ids)
+            self._order_executors(executor_ids)
             if self.launch is not None:
                 self._label_nodes()
                 if self.launch.status_port:

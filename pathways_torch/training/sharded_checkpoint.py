@@ -27,6 +27,7 @@ kind loads under any plan and mesh size, and into eager PyTorch (`checkpoint.loa
 from __future__ import annotations
 
 import concurrent.futures
+import itertools
 import json
 import os
 import threading
@@ -93,7 +94,7 @@ def _plan(trainer, step_dir: str) -> tuple[dict, dict]:
     holders = list(mesh.executor_ids)
     sharded = trainer.plan.sharded_state
     requests: dict[str, list] = {}
-    turn = iter(range(1 << 30))
+    turn = itertools.count()
 
     def place(array, name: str) -> list[dict]:
         positions = range(len(holders)) if sharded and name.startswith("bucket") else [next(turn) % len(holders)]

@@ -162,9 +162,7 @@ class Trainer:
 
         if self._checkpoint is not None:
             self._checkpoint.result()     # raises what the previous save met
-        meta = {"step": self.step_count, "samples_seen": self.samples_seen, "seed": self.seed,
-                "optimizer": self._spec.kind, "plan": type(self.plan).__name__, "data_position": {}}
-        self._checkpoint = save_sharded(self._context, self, directory, meta)
+        self._checkpoint = save_sharded(self._context, self, directory, self._checkpoint_meta())
         self._checkpoint.add_done_callback(self._count_checkpoint)
         return self._checkpoint
 
@@ -323,14 +321,17 @@ class Trainer:
         seed, the client's torch RNG state and the data position (``samples_seen``,
         plus any integers given in ``data_position``).
         """
-        meta = {"step": self.step_count, "samples_seen": self.samples_seen, "seed": self.seed,
-                "optimizer": self._spec.kind, "plan": type(self.plan).__name__,
-                "data_position": dict(data_position or {})}
         import torch
 
         tensors = self._named_tensors()
         tensors["rng/torch"] = torch.get_rng_state()
-        return write_checkpoint(path, tensors, meta)
+        return write_checkpoint(path, tensors, self._checkpoint_meta(data_position))
+
+    def _checkpoint_meta(self, data_position: dict | None = None) -> dict:
+        """What every checkpoint records beside the tensors (either kind: `save`, `save_sharded`)."""
+        return {"step": self.step_count, "samples_seen": self.samples_seen, "seed": self.seed,
+                "optimizer": self._spec.kind, "plan": type(self.plan).__name__,
+                "data_position": dict(data_position or {})}
 
     def load(self, path: str) -> dict:
         """Restore a checkpoint written by `save` (under any plan and mesh size); returns its metadata."""
