@@ -23,6 +23,11 @@ class ArrayRecord:
     producer_call: int = 0
     block_shape: tuple[int, ...] | None = None   # set on completion when the sizes depended on the data
     event: threading.Event = dataclasses.field(default_factory=threading.Event)
+    # A shard sat on an executor that was lost: it is gone for good, even once a replacement takes the
+    # executor's place (a call reading it there would wait forever), so the array may not be an input.
+    shard_lost: bool = False
+    replicated: bool = False      # every shard holds the same value (a Replicate() output)
+    lost_holders: set = dataclasses.field(default_factory=set)   # executors whose replica of it is gone
 
     def settle(self, state: str, error: BaseException | None = None) -> None:
         if self.state != PENDING:
@@ -32,6 +37,9 @@ class ArrayRecord:
 
     def lose(self, error: BaseException) -> None:
         """A shard's executor is gone: fail the array even if it was ready (an earlier failure stays)."""
+        self.shard_lost = True
+        if self.state == READY and self.replicated and len(self.lost_holders) + 1 < len(set(self.executor_ids)):
+            return    # a replica is left: the value stays readable from it (`live_position`)
         if self.state != FAILED:
             self.state, self.error = FAILED, error
             self.event.set()

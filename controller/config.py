@@ -19,13 +19,28 @@ class ControllerConfig:
     heartbeat_interval_s: float = 0.5
     heartbeat_timeout_s: float = 10.0
     request_timeout_s: float = 30.0
-    collective_timeout_s: float = 60.0   # gloo groups: a dead peer surfaces as an error after this
+    # gloo groups: an op that waits this long fails (None: the loss bound, 2 x heartbeat_timeout_s, at least
+    # 20 s: a peer still compiling may keep the others waiting that long). A lost peer ends a blocked op
+    # sooner: the controller tells the survivors (CollectiveRuntime.abandon) once it declares the loss.
+    collective_timeout_s: float | None = None
     # Tests and benchmarks only: delay every controller→executor message by this much,
     # to show that parallel dispatch hides control latency.
     inject_latency_s: float = 0.0
     # Bounded run-ahead: a call waits (on the client's thread) while this many calls are unfinished, so
     # the queues to executors and the tables here stay bounded however far ahead the client runs.
     max_inflight_calls: int = 256
+
+    @property
+    def loss_bound_s(self) -> float:
+        """How long a silent executor may take to be declared lost (docs/faults.md): twice the timeout."""
+        return 2 * self.heartbeat_timeout_s
+
+    @property
+    def group_timeout_s(self) -> float:
+        """The timeout process groups are created with."""
+        if self.collective_timeout_s is not None:
+            return self.collective_timeout_s
+        return max(self.loss_bound_s, _MIN_GROUP_TIMEOUT_S)
 
     def __post_init__(self):
         if not isinstance(self.max_inflight_calls, int) or self.max_inflight_calls < 1:
@@ -36,3 +51,6 @@ class ControllerConfig:
         if not self.bind_address.startswith(("tcp://", "ipc://", "inproc://")):
             raise ValueError(f"bind_address: expected a ZeroMQ endpoint like tcp://127.0.0.1:0, "
                              f"got {self.bind_address!r}")
+
+
+_MIN_GROUP_TIMEOUT_S = 20.0

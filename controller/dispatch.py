@@ -26,7 +26,7 @@ from .arrays import FAILED, PENDING, READY, ArrayRecord, ArrayTable
 from .config import ControllerConfig
 from .program import LoweredProgram, ProgramSpec, lower
 from .rendezvous import RendezvousStore
-from .resources import DEFAULT_ISLAND, MeshAllocation, ResourceManager
+from .resources import DEFAULT_ISLAND, ExecutorInfo, MeshAllocation, ResourceManager
 from .sequencer import Sequencers
 
 __all__ = ["Controller", "CallSpec", "ControllerOutbox"]
@@ -126,7 +126,10 @@ class Controller:
         # transport error ("connection reset") before any heartbeat could tell, and that failure
         # is the lost executor's, not the user's code's.
         self.liveness_probe: Callable[[float], None] | None = None   # argument: how long to wait for an exit
-        self._groups: dict[tuple[str, ...], int] = {}       # members (in rank order) → group id
+        self._groups: dict[tuple[str, ...], int] = {}       # members (in rank order) → group id (live ones)
+        self._lost_peers: dict[str, list[str]] = collections.defaultdict(list)   # island → lost "id@epoch"
+        self._stale_programs: set[int] = set()   # programs to lower again (an executor of theirs was replaced)
+        self.stale_messages = 0                  # refused: sent by an incarnation that was replaced
         self._axis_group_cache: dict[tuple, dict[str, list[int]]] = {}
         self._pending_frees: dict[str, list] = collections.defaultdict(list)   # executor → shards to free
         self._batching_frees = False     # inside release_many (under the lock)
@@ -141,6 +144,11 @@ class Controller:
         kind = body_name(envelope)
         with self._lock:
             info = self.resources.executors.get(executor_id)
+            if info is not None and envelope.epoch and envelope.epoch != info.epoch:
+                self.stale_messages += 1
+                self._drop(f"{kind} from incarnation {envelope.epoch} of {executor_id}, which was replaced by "
+                           f"incarnation {info.epoch}")
+                return
             if info is not None:
                 info.last_heard = self.clock()
             if kind == "register":
@@ -173,14 +181,54 @@ class Controller:
         if msg.executor_id and msg.executor_id != executor_id:
             self._drop(f"executor {executor_id!r} tried to register as {msg.executor_id!r}")
             return
+        previous = self.resources.executors.get(executor_id)
+        if previous is not None and not previous.lost:
+            # Registered again before its loss was declared (restarted within the heartbeat timeout): the old
+            # incarnation's work fails now, as for any loss.
+            self._lose(executor_id, f"it registered again from {msg.data_address} (a new incarnation)")
         info = self.resources.register(executor_id, data_address=msg.data_address, device=msg.device,
                                        backend=msg.backend, pid=msg.pid, last_heard=self.clock(),
                                        public_key=msg.public_key, command_address=msg.command_address,
                                        island=msg.island or DEFAULT_ISLAND)
+        if previous is not None:
+            self._take_place(executor_id, info)
         self._send(executor_id, pb.Envelope(welcome=pb.Welcome(
             index=info.index, heartbeat_interval_s=self.config.heartbeat_interval_s,
-            heartbeat_timeout_s=self.config.heartbeat_timeout_s)))
+            heartbeat_timeout_s=self.config.heartbeat_timeout_s, epoch=info.epoch)))
         self._registered.notify_all()
+
+    def _take_place(self, executor_id: str, info) -> None:
+        """A new incarnation of a lost executor registered: it starts its gang order afresh (at 0, as the new
+        process does), joins new groups (formed at first use), and programs that ran on the old one are
+        lowered again for its address, key and groups at their next run."""
+        self._sequencer_of(executor_id).last_collective[executor_id] = 0
+        self._forget_groups_of(executor_id)
+        self._stale_programs.update(pid for pid, lowered in self._programs.items() if executor_id in lowered.plans)
+        log.warning("controller: %s registered again as incarnation %d (pid %d, %s)", executor_id, info.epoch,
+                    info.pid, info.data_address)
+
+    def admit_key(self, role: str, public_key: bytes) -> None:
+        """Tell every live executor to admit ``public_key`` as ``role`` from now on (a replacement's fresh key;
+        the role's previous key is revoked). Sent before the replacement starts, so they admit it first."""
+        with self._lock:
+            for info in self.resources.ordered():
+                if not info.lost and info.executor_id != role:
+                    self._send(info.executor_id, pb.Envelope(admit_key=pb.AdmitKey(role=role, public_key=public_key)))
+
+    def wait_for_incarnation(self, executor_id: str, epoch: int, timeout_s: float) -> ExecutorInfo:
+        """Wait until incarnation ``epoch`` (or a later one) of ``executor_id`` has registered; return it."""
+        deadline = time.monotonic() + timeout_s
+        with self._lock:
+            while True:
+                info = self.resources.executors.get(executor_id)
+                if info is not None and info.epoch >= epoch and not info.lost:
+                    return info
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise ExecutorLostError(
+                        f"no replacement for {executor_id} registered within {timeout_s:g} s (incarnation {epoch} "
+                        f"expected); see its log, or raise replacement_timeout_s", executor_id=executor_id)
+                self._registered.wait(left)
 
     def rival_claim(self, executor_id: str, msg: pb.Register) -> str | None:
         """Why a registration must be refused because a live executor already holds its id (two nodes launched
@@ -221,16 +269,21 @@ class Controller:
                     self._lose(info.executor_id, f"silent for {now - info.last_heard:.1f} s "
                                                  f"(heartbeat timeout {self.config.heartbeat_timeout_s:g} s)")
 
-    def heard_from(self, executor_id: str) -> str:
-        """An executor's heartbeat arrived: note it; return ``"live"``, ``"lost"`` or ``"unknown"`` (not registered)."""
+    def heard_from(self, executor_id: str, epoch: int = 0) -> tuple[str, list[str]]:
+        """An executor's heartbeat arrived: note it. Returns its state — ``"live"``, ``"lost"``, ``"stale"`` (an
+        incarnation that was replaced) or ``"unknown"`` (not registered) — and the lost incarnations of its
+        island, whose groups it must abandon."""
         with self._lock:
             info = self.resources.executors.get(executor_id)
-            if info is None:
-                return "unknown"
+            if info is None or (info.lost and not epoch):
+                return "unknown", []   # not registered yet (a replacement's Register may still be on its way)
+            if epoch and epoch != info.epoch:
+                self.stale_messages += 1
+                return "stale", []
             if info.lost:
-                return "lost"
+                return "lost", []
             info.last_heard = self.clock()
-            return "live"
+            return "live", self._lost_peers.get(info.island, [])
 
     def declare_lost(self, executor_id: str, why: str) -> None:
         """The launcher saw the executor's process die: fail what depends on it now, not at the timeout."""
@@ -248,10 +301,19 @@ class Controller:
         error = ExecutorLostError(f"executor {executor_id}{f' ({label})' if label else ''} lost: {why}",
                                   executor_id=executor_id)
         log.warning("controller: %s", error)
+        incarnation = f"{executor_id}@{info.epoch}"
+        peers = self._lost_peers[info.island]
+        peers.append(incarnation)       # in every heartbeat answer of the island: survivors abandon its groups
+        del peers[:-_MAX_LOST_PEERS]
+        self.rendezvous.fail_member(executor_id, str(error))
+        failed_calls = [call.call_id for call in self._calls.values()
+                        if executor_id in call.spec.mesh.executor_ids or executor_id in call.depends_on
+                        or any(route[0] == executor_id for route in call.routes)]
         # Ready arrays first: a thread woken by a failing future must not see one of them still ready.
         on_it = [record for record in self.arrays.records() if executor_id in record.executor_ids]
         for record in sorted(on_it, key=lambda r: r.state == PENDING):
             record.lose(error)
+            record.lost_holders.add(executor_id)
         for call in list(self._calls.values()):
             pushes_from_it = [route for route in call.routes if route[0] == executor_id]
             if executor_id in call.spec.mesh.executor_ids or executor_id in call.depends_on or pushes_from_it:
@@ -262,8 +324,28 @@ class Controller:
                     self._end(call)
         for function in self._functions.values():
             function.loaded_on.discard(executor_id)  # a restarted executor loads afresh
+        self._cancel_on_survivors(info, incarnation, failed_calls, self._forget_groups_of(executor_id), error)
         for listener in self.loss_listeners:
             listener(executor_id, error)
+
+    def _cancel_on_survivors(self, info, incarnation: str, call_ids: list[int], group_ids: list[int],
+                             error: ExecutorLostError) -> None:
+        """Tell the lost executor's island what failed with it: its survivors drop those calls' queued work
+        and skip their places in gang order (else the next collective there would wait for them forever)."""
+        if not call_ids and not group_ids:
+            return
+        cancel = pb.Cancel(call_ids=call_ids, group_ids=group_ids, reason=str(error), lost_executor=incarnation)
+        for other in self.resources.ordered():
+            if other.island == info.island and not other.lost and other.executor_id != info.executor_id:
+                self._send(other.executor_id, pb.Envelope(cancel=cancel))
+
+    def _forget_groups_of(self, executor_id: str) -> list[int]:
+        """Drop every group that holds ``executor_id`` (meshes with it form new ones at their next call)."""
+        gone = [group_id for members, group_id in self._groups.items() if executor_id in members]
+        self._groups = {m: g for m, g in self._groups.items() if executor_id not in m}
+        self._axis_group_cache = {k: v for k, v in self._axis_group_cache.items()
+                                  if executor_id not in k[0].executor_ids}
+        return gone
 
     def _unblock(self, call: _Call, pushes, error: ExecutorLostError) -> None:
         """Fail the copies a lost executor will never push, so the runs waiting for them end instead of hanging."""
@@ -319,6 +401,8 @@ class Controller:
             call_id = self._take_call_ids(1)
             seqs = {island: self.sequencers.of(island).take(1) for island in islands}
             outputs = [self.arrays.new(mesh.executor_ids, producer_call=call_id) for _ in range(spec.num_outputs)]
+            for record, replicated in zip(outputs, spec.replicated_outputs):
+                record.replicated = replicated
             call = _Call(spec, call_id, seqs[islands[0]], outputs, waiting=set(mesh.executor_ids))
             self._calls[call_id] = call
             runs = []
@@ -404,10 +488,11 @@ class Controller:
         # same members form a group again (a replacement executor, later).
         store_path = f"group-{group_id}/epoch-{self.group_epoch}"
         self.rendezvous.allow(store_path, members)
+        incarnations = [f"{e}@{self.resources.executors[e].epoch}" for e in members]
         for rank, executor_id in enumerate(members):
             form = pb.FormGroup(seq=seq, prev_collective_seq=sequencer.chain(executor_id, seq), group_id=group_id,
                                 rank=rank, size=len(members), store_path=store_path,
-                                timeout_s=self.config.collective_timeout_s)
+                                timeout_s=self.config.group_timeout_s, members=incarnations)
             self._send(executor_id, pb.Envelope(form_group=form))
         return group_id
 
@@ -433,18 +518,23 @@ class Controller:
         """Lower ``spec`` and register it on every executor it uses (once)."""
         islands = {island for node in spec.nodes for island in self._islands_of(node.mesh)}
         with self.sequencers.taking(islands), self._lock:
-            program_id = next(self._next_program_id)
-            axis_groups = {index: self._axis_groups(node.mesh, node.collective_axes)
-                           for index, node in enumerate(spec.nodes) if node.collective_axes}
-            keys = {e: info.public_key for e, info in self.resources.executors.items()}
-            lowered = lower(spec, program_id, self.resources.address_for, keys, axis_groups=axis_groups)
-            for executor_id, plan in lowered.plans.items():
-                self._check_live([executor_id])
-                for function_id in {a.run.function_id for a in plan.actions if a.WhichOneof("kind") == "run"}:
-                    self._ensure_loaded(function_id, executor_id)
-                self._send(executor_id, pb.Envelope(register_program=plan))
-            self._programs[program_id] = lowered
-            return lowered
+            return self._lower_and_register(spec, next(self._next_program_id))
+
+    def _lower_and_register(self, spec: ProgramSpec, program_id: int) -> LoweredProgram:
+        """Lower ``spec`` for the executors as they are now and send each its plan (under the island's sequencers
+        and the lock: forming a group is sequenced)."""
+        axis_groups = {index: self._axis_groups(node.mesh, node.collective_axes)
+                       for index, node in enumerate(spec.nodes) if node.collective_axes}
+        keys = {e: info.public_key for e, info in self.resources.executors.items()}
+        lowered = lower(spec, program_id, self.resources.address_for, keys, axis_groups=axis_groups)
+        for executor_id, plan in lowered.plans.items():
+            self._check_live([executor_id])
+            for function_id in {a.run.function_id for a in plan.actions if a.WhichOneof("kind") == "run"}:
+                self._ensure_loaded(function_id, executor_id)
+            self._send(executor_id, pb.Envelope(register_program=plan))
+        self._programs[program_id] = lowered
+        self._stale_programs.discard(program_id)
+        return lowered
 
     def run_program(self, program_id: int, input_ids: Sequence[int]) -> list[ArrayRecord]:
         """One run: one ``RunProgram`` per executor; every node gets its own sequence number (of its island's)."""
@@ -455,6 +545,8 @@ class Controller:
             spec = lowered.spec
             self._wait_for_room(len(lowered.reporting_nodes), spec.name)
             self._check_live(list(lowered.plans))
+            if program_id in self._stale_programs:   # one of its executors was replaced: new address and groups
+                lowered = self._lower_and_register(spec, program_id)
             for array_id in input_ids:
                 self._input_record(array_id)
             num_nodes = len(spec.nodes)
@@ -496,10 +588,11 @@ class Controller:
         if record is None or record.released:
             raise ValueError(f"array {array_id} was freed; it cannot be used as an input")
         for executor_id in record.executor_ids:
-            if self.resources.executors[executor_id].lost:
-                raise ExecutorLostError(f"array {array_id} has a shard on executor {executor_id}, which was lost: "
+            if self.resources.executors[executor_id].lost or record.shard_lost:
+                lost = getattr(record.error, "executor_id", "") or executor_id
+                raise ExecutorLostError(f"array {array_id} has a shard on executor {lost}, which was lost: "
                                         f"{record.error}; recompute it (or restore a checkpoint) on live executors",
-                                        executor_id=executor_id)
+                                        executor_id=lost)
         return record
 
     def _route_input(self, record: ArrayRecord, position: int, executor_id: str, call_id: int) -> pb.ShardRef:
@@ -549,7 +642,7 @@ class Controller:
         call.waiting.discard(executor_id)
         if not done.ok:
             peer_loss = _looks_like_peer_loss(done.failure.message)
-            if self.liveness_probe is not None:
+            if self.liveness_probe is not None and not call.failed:   # failed already: a loss was declared
                 # May fail the call first, with ExecutorLostError. A peer's transport error can arrive while
                 # the killed process is still being torn down (its sockets close before it can be reaped):
                 # then the launcher gets a moment to see the exit.
@@ -781,6 +874,9 @@ class Controller:
         self.messages_sent[body_name(envelope)] += 1
         self.outbox.to_executor(executor_id, envelope, payload)
 
+
+# Lost incarnations each heartbeat answer names (per island): the most recent ones.
+_MAX_LOST_PEERS = 64
 
 # Frees wait for the next message to their executor, or for the client to idle; past this
 # many shards per executor they go at once, in a Free of their own.

@@ -44,6 +44,21 @@ class RendezvousStore:
             self._members.pop(prefix, None)
             self._values.pop(prefix, None)
 
+    def fail_member(self, executor_id: str, why: str) -> None:
+        """A member was lost: the gets parked under its groups' prefixes fail now (a rendezvous that waits for it
+        would wait out the group timeout), and its groups' keys go."""
+        with self._lock:
+            doomed = [prefix for prefix, members in self._members.items() if executor_id in members]
+            for (prefix, key), replies in list(self._waiting.items()):
+                if prefix in doomed:
+                    del self._waiting[(prefix, key)]
+                    self._num_waiting -= len(replies)
+                    for request_id, reply in replies:
+                        reply(pb.StoreReply(request_id=request_id, error=f"member {executor_id} was lost: {why}"))
+            for prefix in doomed:
+                self._members.pop(prefix, None)
+                self._values.pop(prefix, None)
+
     def handle(self, executor_id: str, request: pb.StoreRequest, reply) -> None:
         """Answer ``request`` through ``reply(pb.StoreReply)`` now, or when the key it waits for is set."""
         with self._lock:

@@ -3,7 +3,9 @@ one DEALER per executor to the executor's command ROUTER.
 
 Each executor opens two connections to the ROUTER: its control DEALER (identity =
 executor id), on which it registers and reports (Done, replies), and a heartbeat
-DEALER (identity = ``<id>#heartbeat``) driven by a thread of its own. The server
+DEALER (identity = ``<id>#heartbeat``) driven by a thread of its own; each identity
+ends in ``~<nonce>`` of the process, so a replacement never collides with a stopped
+old incarnation's connections (`security.split_identity`). The server
 answers each heartbeat at once, so neither side's view of the other's liveness
 depends on how busy the other's message handling is.
 
@@ -28,7 +30,7 @@ from pathways_torch.wire import SocketLoop, body_name, decode, encode, pb
 from pathways_torch.wire.framing import MAX_ENVELOPE_BYTES, FramingError, log_dropped
 from pathways_torch.wire.loop import frame_nbytes
 from pathways_torch.wire.security import (CLIENT, CONTROLLER, HEARTBEAT_SUFFIX, STORE_SUFFIX, ConnectionWatch, Credentials,
-                                          SecurityError, make_client, make_server, peer_role)
+                                          SecurityError, make_client, make_server, peer_role, split_identity)
 
 from .config import ControllerConfig
 from .dispatch import Controller
@@ -138,14 +140,14 @@ class ControllerServer:
         except (FramingError, UnicodeDecodeError, IndexError) as exc:
             self._drop(f"malformed message: {exc}")
             return
-        executor_id = identity.removesuffix(HEARTBEAT_SUFFIX).removesuffix(STORE_SUFFIX)
+        executor_id, connection = split_identity(identity)
         if role != executor_id or role in (CONTROLLER, CLIENT):
             self._drop(f"a peer authenticated as {role!r} spoke as {identity!r}")
             return
-        if identity.endswith(HEARTBEAT_SUFFIX):
+        if connection == HEARTBEAT_SUFFIX:
             self._on_heartbeat(frames[0], executor_id, envelope)
             return
-        if identity.endswith(STORE_SUFFIX):
+        if connection == STORE_SUFFIX:
             self._on_store(frames[0], executor_id, envelope)
             return
         if body_name(envelope) == "register":
@@ -181,12 +183,22 @@ class ControllerServer:
         if body_name(envelope) != "heartbeat":
             self._drop(f"{body_name(envelope)!r} on {executor_id}'s heartbeat connection")
             return
-        state = self.controller.heard_from(executor_id)
+        state, lost_peers = self.controller.heard_from(executor_id, envelope.heartbeat.epoch or envelope.epoch)
         if state == "unknown":
             return  # its Register is still on the way; an executor never registered times out by itself
         if state == "lost":
             envelope = pb.Envelope(shutdown=pb.Shutdown(reason=f"the controller declared {executor_id} lost"))
+        elif state == "stale":
+            envelope = pb.Envelope(shutdown=pb.Shutdown(
+                reason=f"this process is incarnation {envelope.heartbeat.epoch} of {executor_id}, which was declared "
+                       f"lost and replaced: it may not rejoin"))
+        elif lost_peers:
+            envelope.heartbeat.lost_peers[:] = lost_peers
         self.loop.send_now(_ROUTER, [identity_frame.bytes, envelope.SerializeToString()])
+
+    def admit(self, role: str, public_key: bytes) -> None:
+        """Accept ``public_key`` as ``role``'s registered key from now on (a replacement's fresh key)."""
+        self.credentials.allowed[role] = public_key
 
     def _drop(self, why: str) -> None:
         self.dropped_messages += 1

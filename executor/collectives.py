@@ -3,7 +3,10 @@
 Groups are gloo ``ProcessGroupGloo`` objects that meet through the controller's
 rendezvous store, reached over this executor's CURVE connection to it
 (`executor.rendezvous`; no shared disk, no default world group, no TCPStore listening
-on every interface), with a short timeout so a dead peer surfaces as an error. The
+on every interface), with a timeout of the heartbeat bound so a dead peer surfaces as an error. A group
+knows its members' incarnations (``id@epoch``): when the controller reports one lost
+(`abandon`, from the heartbeat thread), the group is retired at once and a collective
+blocked on it fails within a fraction of a second, whatever gloo's own timeout. The
 gloo device binds to the executor's own interface (loopback unless told
 otherwise). The ``pathways::`` ops call `CollectiveRuntime.run`; while the compute
 thread runs a function, each mesh axis it names is bound to a group. A call with no
@@ -90,27 +93,51 @@ class CollectiveRuntime:
         self._store_factory, self._store = store_factory, None
         self.trace = trace       # a TraceRecorder: each collective is a span inside its computation
         self.device = device     # NCCL groups on CUDA executors, gloo everywhere else
-        self._groups: dict[int, object] = {}
-        self._sizes: dict[int, int] = {}
+        self._groups: dict[int, _Group] = {}
         self._failures: dict[int, str] = {}
+        # Groups abandoned while an op may still run in them: kept referenced, since dropping a gloo group
+        # joins its worker threads, which a blocked op holds until gloo's own timeout.
+        self._retired: list[_Group] = []
+        self.abandoned: set[str] = set()    # lost incarnations ("id@epoch") reported so far
         self._local = threading.local()
         self._ops = {"all_reduce": self._all_reduce, "all_gather": self._all_gather,
                      "reduce_scatter": self._reduce_scatter}
 
     # ------------------------------------------------------------ groups
 
-    def form(self, group_id: int, rank: int, size: int, store_path: str, timeout_s: float) -> None:
+    def form(self, group_id: int, rank: int, size: int, store_path: str, timeout_s: float, members=()) -> None:
         """Join group ``group_id`` (blocks until every member has joined, or the timeout)."""
+        lost = sorted(self.abandoned.intersection(members))
         try:
+            if lost:
+                raise RuntimeError(f"member {lost[0]} was lost before the group formed")
             store = self._rendezvous(store_path, size, timeout_s)
             if self.device.startswith("cuda"):
-                self._groups[group_id] = nccl_group_on(store, rank, size, timeout_s, self.device)
+                group = nccl_group_on(store, rank, size, timeout_s, self.device)
             else:
-                self._groups[group_id] = gloo_group_on(store, rank, size, timeout_s, self.bind_host)
-            self._sizes[group_id] = size
+                group = gloo_group_on(store, rank, size, timeout_s, self.bind_host)
+            # NCCL's wait only orders the stream (the host does not block in it): nothing to slice.
+            self._groups[group_id] = _Group(group, size, frozenset(members), sliced=not self.device.startswith("cuda"))
         except Exception as exc:
             self._failures[group_id] = f"{type(exc).__name__}: {exc}"
             raise
+        if self.abandoned.intersection(members):   # lost while it formed: abandon it now
+            self.abandon(sorted(self.abandoned.intersection(members))[0], "lost while the group formed")
+
+    def abandon(self, member: str, reason: str) -> list[int]:
+        """Retire every group that holds incarnation ``member`` (``id@epoch``): a collective blocked in one fails
+        now, later ones fail at once. Safe from any thread (the heartbeat thread calls it). Returns the ids."""
+        self.abandoned.add(member)
+        retired = []
+        for group_id, handle in list(self._groups.items()):
+            if member in handle.members:
+                self._failures[group_id] = f"member {member} was lost ({reason}); the group was abandoned"
+                handle.abandon(self._failures[group_id])
+                self._groups.pop(group_id, None)
+                self._retired.append(handle)
+                retired.append(group_id)
+        self._retired = [h for h in self._retired if h.busy]   # the rest can go: nothing runs in them
+        return retired
 
     def _rendezvous(self, prefix: str, size: int, timeout_s: float):
         """The store a group meets through: the controller's, under the group's prefix (``group-G/epoch-E``)."""
@@ -154,14 +181,16 @@ class CollectiveRuntime:
                                f"(bound axes: {sorted(binding)})")
         if isinstance(bound, str):
             raise RuntimeError(f"{name}: {bound}")
-        group, size = bound
+        handle = bound
+        if handle.abandoned:
+            raise RuntimeError(f"{name} on axis {axis!r}: {handle.abandoned}")
         kwargs.pop("size", None)  # the traced axis size; the group's own size is authoritative
         trace = self.trace
         if trace is not None:
             label = f"{name} {axis} {x.nbytes} B"
             trace.record("collective_start", label)
         try:
-            return self._ops[name](group, size, x.contiguous(), **kwargs)
+            return self._ops[name](handle, handle.size, x.contiguous(), **kwargs)
         finally:
             if trace is not None:
                 trace.record("collective_end", label)
@@ -175,33 +204,76 @@ class CollectiveRuntime:
                 why = self._failures.get(group_id, "it was never formed")
                 resolved[axis] = f"process group {group_id} for axis {axis!r} is unusable: {why}"
             else:
-                resolved[axis] = (group, self._sizes[group_id])
+                resolved[axis] = group
         return resolved
 
-    def _all_reduce(self, group, size, x, op):
+    def _all_reduce(self, handle, size, x, op):
         out = x.clone()
-        group.allreduce([out], _reduce_options(op)).wait()
+        handle.wait(handle.group.allreduce([out], _reduce_options(op)))
         return out / size if op == "mean" else out
 
-    def _all_gather(self, group, size, x, dim):
+    def _all_gather(self, handle, size, x, dim):
         import torch
 
         parts = [torch.empty_like(x) for _ in range(size)]
-        group.allgather([parts], [x]).wait()
+        handle.wait(handle.group.allgather([parts], [x]))
         return torch.cat(parts, dim=dim)
 
-    def _reduce_scatter(self, group, size, x, op, dim):
+    def _reduce_scatter(self, handle, size, x, op, dim):
         import torch
 
+        group = handle.group
         if op == "max" or not (x.device.type == "cuda" or x.dtype in (torch.float32, torch.float64)):
             # gloo's reduce_scatter does not take every dtype on CPU (int64 hung here, measured):
             # all-reduce and keep our slice.
-            reduced = self._all_reduce(group, size, x, op)
+            reduced = self._all_reduce(handle, size, x, op)
             return reduced.chunk(size, dim=dim)[group.rank()].contiguous()
         chunks = [c.contiguous() for c in x.chunk(size, dim=dim)]
         out = torch.empty_like(chunks[group.rank()])
-        group.reduce_scatter([out], [chunks], _reduce_scatter_sum()).wait()
+        handle.wait(group.reduce_scatter([out], [chunks], _reduce_scatter_sum()))
         return out / size if op == "mean" else out
+
+
+class _Group:
+    """A formed process group, its members' incarnations, and whether it was abandoned (a member lost)."""
+
+    __slots__ = ("group", "size", "members", "abandoned", "_event", "busy", "_sliced")
+
+    def __init__(self, group, size: int, members: frozenset, sliced: bool = True):
+        self.group, self.size, self.members, self._sliced = group, size, members, sliced
+        self.abandoned = ""                 # why, once a member was lost
+        self._event = threading.Event()     # set when abandoned: a blocked wait gives up
+        self.busy = False                   # an op waits in it (an abandoned busy group is kept referenced)
+
+    def abandon(self, reason: str) -> None:
+        self.abandoned = reason
+        self._event.set()
+
+    def wait(self, work) -> None:
+        """Wait for ``work`` in slices, so that abandoning the group ends the wait within one slice.
+
+        A slice that ends before the op costs nothing but a raised-and-caught timeout (an op longer than
+        the slice); an op that completes in time returns at once, as a plain ``wait()`` would.
+        """
+        if not self._sliced:
+            work.wait()
+            return
+        self.busy = True
+        try:
+            while True:
+                try:
+                    work.wait(_WAIT_SLICE)
+                    return
+                except RuntimeError:
+                    if work.is_completed():
+                        raise             # the op itself failed (a peer's connection reset, gloo's timeout)
+                    if self._event.is_set():
+                        raise RuntimeError(f"collective abandoned: {self.abandoned}") from None
+        finally:
+            self.busy = False
+
+
+_WAIT_SLICE = datetime.timedelta(milliseconds=200)
 
 
 class _Binding:

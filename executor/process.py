@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import os
+import secrets
 import threading
 import time
 
@@ -24,9 +25,9 @@ import zmq
 
 from pathways_torch.wire import SocketLoop, body_name, decode, encode, pb
 from pathways_torch.wire.framing import FramingError
-from pathways_torch.wire.security import (CONTROLLER, HANDSHAKE_FAILURES, HEARTBEAT_SUFFIX, STORE_SUFFIX, ConnectionWatch,
-                                          Credentials, Gatekeeper, KeyDirectory, SecurityError, make_client,
-                                          make_server, peer_role)
+from pathways_torch.wire.security import (CONTROLLER, HANDSHAKE_FAILURES, HEARTBEAT_SUFFIX, INCARNATION_MARK,
+                                          STORE_SUFFIX, ConnectionWatch, Credentials, Gatekeeper, KeyDirectory,
+                                          SecurityError, make_client, make_server, peer_role)
 from pathways_torch.wire.threads import name_os_thread
 
 from .backends import make_backend
@@ -54,8 +55,10 @@ class _SocketOutbox:
         self._loop = loop
         self._credentials = credentials
         self.control: ComputeLoop | None = None
+        self.epoch = 0     # this incarnation (from Welcome): every message to the controller carries it
 
     def to_controller(self, envelope, payload=()):
+        envelope.epoch = self.epoch
         self.control.send(encode(envelope, payload))
 
     def to_client(self, identity, envelope, payload=()):
@@ -104,6 +107,9 @@ class ExecutorProcess:
         self.core = ExecutorCore(executor_id=config.executor_id, backend=self.backend, outbox=self.outbox,
                                  submit=self._submit, trace=trace, compiler=self.compiler,
                                  collectives=self.collectives)
+        self.core.admit_key = self._admit_key
+        # Appended to every identity towards the controller: this process's connections are its own.
+        self._nonce = secrets.token_hex(4)
         # ExecutorCore is single-threaded: the I/O thread (data messages, compile results) and
         # the compute thread (control messages, its jobs) take turns under this lock.
         self._core_lock = threading.RLock()   # re-entered: a compile done at once posts its result inline
@@ -166,7 +172,7 @@ class ExecutorProcess:
         """A DEALER to the controller under identity ``<executor id><suffix>``, CURVE to the controller's key."""
         socket = self.zmq.socket(zmq.DEALER)
         socket.setsockopt(zmq.LINGER, 0)
-        socket.setsockopt(zmq.IDENTITY, f"{self.config.executor_id}{suffix}".encode())
+        socket.setsockopt(zmq.IDENTITY, f"{self.config.executor_id}{suffix}{INCARNATION_MARK}{self._nonce}".encode())
         make_client(socket, self.credentials, self.credentials.public_key(CONTROLLER))
         socket.connect(self.config.controller_address)
         return socket
@@ -198,6 +204,8 @@ class ExecutorProcess:
             if envelope.HasField("stats_request"):   # the I/O thread's count, for Stats (an int read)
                 self.core.counters["send_backlog_high_water"] = self.loop.backlog_high_water
             self.core.on_control(envelope, payload)
+            if envelope.HasField("welcome"):
+                self.outbox.epoch = envelope.welcome.epoch
         if self.core.stopped:
             self._stop("the controller asked")
 
@@ -266,7 +274,8 @@ class ExecutorProcess:
                         f"the controller at {self.config.controller_address} never answered"
                     self._exit(f"{what} for {now - last_answer:.1f} s (timeout {limit:g} s)")
                 try:
-                    socket.send(encode(pb.Envelope(heartbeat=pb.Heartbeat(sent_at=time.time())))[0], zmq.NOBLOCK)
+                    beat = pb.Envelope(heartbeat=pb.Heartbeat(sent_at=time.time(), epoch=self.outbox.epoch))
+                    socket.send(encode(beat)[0], zmq.NOBLOCK)
                 except zmq.Again:
                     pass  # not connected yet; the silence check above still runs
                 next_ping = now + interval
@@ -286,6 +295,17 @@ class ExecutorProcess:
             return
         if body_name(envelope) == "shutdown":
             self._exit(f"the controller says: {envelope.shutdown.reason}")
+        for peer in envelope.heartbeat.lost_peers:
+            if peer not in self.collectives.abandoned:
+                # On this thread, not the compute thread: that one may be blocked in a collective with the peer.
+                retired = self.collectives.abandon(peer, "the controller declared it lost")
+                log.warning("executor %s: %s lost; abandoned its process groups %s", self.config.executor_id, peer,
+                            retired)
+
+    def _admit_key(self, role: str, public_key: bytes) -> None:
+        """A replacement's fresh key: admitted from now on, the old incarnation's revoked."""
+        self.gatekeeper.admit(role, public_key)
+        self.credentials.allowed[role] = public_key
 
     def _exit(self, reason: str) -> None:
         log.warning("executor %s exits: %s", self.config.executor_id, reason)

@@ -135,6 +135,13 @@ class ExecutorCore:
         self.stopped = False
         self.writer = ShardWriter()      # checkpoint shards, on a thread of its own
         self.heartbeat_settings: tuple[float, float] | None = None   # (interval, timeout) from Welcome
+        self.epoch = 0                   # this incarnation of the executor id (from Welcome)
+        # Collective actions cancelled before they started (their calls failed with a lost peer): previous
+        # collective seq → the cancelled one's last seq, so gang order steps over them (`_gang_turn`).
+        self._skipped: dict[int, int] = {}
+        self.cancelled = 0               # queued segments and formations dropped by Cancel
+        # Admits a replacement's fresh key on this process's sockets (set by ExecutorProcess; None in tests).
+        self.admit_key: Callable[[str, bytes], None] | None = None
 
     # ------------------------------------------------------------ control plane
 
@@ -191,6 +198,54 @@ class ExecutorCore:
         # without them): the liveness thread reads this pair on its next beat.
         if 0 < msg.heartbeat_interval_s < msg.heartbeat_timeout_s:
             self.heartbeat_settings = (msg.heartbeat_interval_s, msg.heartbeat_timeout_s)
+        self.epoch = msg.epoch
+
+    def _on_admit_key(self, msg: pb.AdmitKey, payload) -> None:
+        self.trace.record("receive", "admit key", detail=msg.role)
+        if self.admit_key is None:
+            self._drop(f"admit_key for {msg.role}: no gatekeeper here")
+            return
+        self.admit_key(msg.role, bytes(msg.public_key))
+
+    def _on_cancel(self, msg: pb.Cancel, payload) -> None:
+        """An executor of this island was lost: drop the queued work of the calls that failed with it (their
+        outputs fail with the loss), skip their places in gang order, abandon queued formations of its groups.
+
+        Work already started is not touched: a collective blocked on the lost peer was ended by the heartbeat
+        thread (`CollectiveRuntime.abandon`); the rest completes, and its Done is ignored.
+        """
+        calls, groups = set(msg.call_ids), set(msg.group_ids)
+        failure = pb.RemoteFailure(type="ExecutorLostError", message=msg.reason,
+                                   executor_id=msg.lost_executor.split("@")[0])
+        kept: collections.deque = collections.deque()
+        for item in self._queue:
+            if isinstance(item, pb.FormGroup):
+                if item.group_id in groups:
+                    self._skip(item.prev_collective_seq, item.seq)
+                    self.cancelled += 1
+                    continue
+            elif any(item.ids(step)[1] in calls for step in item.steps):
+                self._drop_segment(item, failure)
+                continue
+            kept.append(item)
+        self._queue = kept
+        self.trace.record("receive", "cancel", detail=f"{msg.lost_executor} lost: {len(calls)} calls")
+        self._pump()
+
+    def _drop_segment(self, segment: Segment, failure: pb.RemoteFailure) -> None:
+        """A queued segment that will never run: its outputs fail, its inputs are let go, its gang turn passes."""
+        self.cancelled += 1
+        if segment.collective:
+            self._skip(segment.prev_collective_seq, segment.last_collective_seq)
+        for key in segment.output_keys:
+            self.store.fill(key, failure=_with_origin(failure, key[2] or segment.base_call_id), owned=False)
+        for key in segment.input_keys:
+            self.store.unpin(key)
+            if key[2]:   # a copy made for this call alone (it may still be on its way: then it is refused)
+                self.store.free(key)
+
+    def _skip(self, prev_collective_seq: int, last_collective_seq: int) -> None:
+        self._skipped[prev_collective_seq] = last_collective_seq
 
     def _on_heartbeat(self, msg: pb.Heartbeat, payload) -> None:
         pass  # liveness is tracked by the process wrapper on any message
@@ -633,8 +688,12 @@ class ExecutorCore:
 
     def _gang_turn(self, collective: bool, prev_collective_seq: int) -> bool:
         """Whether gang order lets an action start now: a collective one only once the previous
-        collective action it names has started here."""
-        return not (collective and self._gang_order) or prev_collective_seq == self._last_collective_seq
+        collective action it names has started here (or was cancelled: `_on_cancel`)."""
+        if not (collective and self._gang_order):
+            return True
+        while self._skipped and self._last_collective_seq in self._skipped:
+            self._last_collective_seq = self._skipped.pop(self._last_collective_seq)
+        return prev_collective_seq == self._last_collective_seq
 
     def _start(self, segment: Segment, functions: list, entries: list) -> None:
         segment.started, segment.after = True, None   # the next segment of its run may start
@@ -774,7 +833,8 @@ class ExecutorCore:
         form = job.form
         self.trace.record("start", "form group", seq=form.seq, detail=f"group {form.group_id}")
         try:
-            self.collectives.form(form.group_id, form.rank, form.size, form.store_path, form.timeout_s)
+            self.collectives.form(form.group_id, form.rank, form.size, form.store_path, form.timeout_s,
+                                  members=tuple(form.members))
         except Exception as exc:  # runs that use the group fail with this reason
             log.warning("%s: forming group %s failed: %s", self.executor_id, form.group_id, exc)
         self.trace.record("end", "form group", seq=form.seq, detail=f"group {form.group_id}")

@@ -34,24 +34,42 @@ class LocalCluster:
         self.log_dir = log_dir or tempfile.mkdtemp(prefix="pathways-logs-")
         self.executor_ids = list(executor_ids)
         self.processes: list[subprocess.Popen] = []
+        self.replaced: list[subprocess.Popen] = []   # earlier incarnations (a stopped one may still run): killed at stop
         self._reported: set[str] = set()
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
         devices = devices or ["cpu"] * len(self.executor_ids)
         cpus = cpus or [()] * len(self.executor_ids)
         islands = islands or [""] * len(self.executor_ids)
+        self._argv = {}
         for executor_id, device, cores, island in zip(self.executor_ids, devices, cpus, islands):
-            log_path = os.path.join(self.log_dir, f"{executor_id}.log")
-            with open(log_path, "wb") as log_file:
-                self.processes.append(subprocess.Popen(
-                    [sys.executable, "-m", "executor", "--controller", controller_address, "--id", executor_id,
-                     "--keys", keys_dir, "--backend", backend, "--device", device, "--threads", str(threads),
-                     "--parent-pid", str(os.getpid()), "--heartbeat-interval-s", str(heartbeat_interval_s),
-                     "--heartbeat-timeout-s", str(heartbeat_timeout_s), "--cpus", ",".join(map(str, cores)),
-                     "--host-addr", bind_host, "--join-timeout-s", str(join_timeout_s),
-                     *(["--island", island] if island else [])],
-                    stdin=subprocess.DEVNULL, stdout=log_file, stderr=subprocess.STDOUT, env=env,
-                    start_new_session=True))
+            self._argv[executor_id] = [
+                sys.executable, "-m", "executor", "--controller", controller_address, "--id", executor_id,
+                "--backend", backend, "--device", device, "--threads", str(threads),
+                "--parent-pid", str(os.getpid()), "--heartbeat-interval-s", str(heartbeat_interval_s),
+                "--heartbeat-timeout-s", str(heartbeat_timeout_s), "--cpus", ",".join(map(str, cores)),
+                "--host-addr", bind_host, "--join-timeout-s", str(join_timeout_s),
+                *(["--island", island] if island else [])]
+            self.processes.append(self._start(executor_id, keys_dir))
         atexit.register(self.stop, 2.0)
+
+    def _start(self, executor_id: str, keys_dir: str, log_mode: str = "wb") -> subprocess.Popen:
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        with open(os.path.join(self.log_dir, f"{executor_id}.log"), log_mode) as log_file:
+            return subprocess.Popen([*self._argv[executor_id], "--keys", keys_dir], stdin=subprocess.DEVNULL,
+                                    stdout=log_file, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+
+    def respawn(self, executor_id: str, keys_dir: str) -> subprocess.Popen:
+        """Start a new incarnation of ``executor_id`` with the keys in ``keys_dir`` (its log appended to the
+        old one's); the old process is kept (it may be stopped, not dead) and killed at `stop`."""
+        index = self.executor_ids.index(executor_id)
+        with open(os.path.join(self.log_dir, f"{executor_id}.log"), "ab") as log_file:
+            log_file.write(f"\n---- replacement of pid {self.processes[index].pid} ----\n".encode())
+        self.replaced.append(self.processes[index])
+        self.processes[index] = self._start(executor_id, keys_dir, "ab")
+        self._reported.discard(executor_id)
+        return self.processes[index]
+
+    def process_of(self, executor_id: str) -> subprocess.Popen:
+        return self.processes[self.executor_ids.index(executor_id)]
 
     @property
     def pids(self) -> list[int]:
@@ -84,6 +102,10 @@ class LocalCluster:
     def stop(self, grace_s: float = 5.0) -> None:
         """Wait up to ``grace_s`` for executors told to shut down; kill the rest."""
         deadline = time.monotonic() + grace_s
+        for process in self.replaced:   # incarnations declared lost: nothing to wait for
+            if process.poll() is None:
+                process.kill()
+                process.wait(5)
         for process in self.processes:
             try:
                 process.wait(max(0.0, deadline - time.monotonic()))
@@ -96,7 +118,7 @@ class LocalCluster:
     def _remove_logs_if_clean(self) -> None:
         """Drop our own log directory when every executor exited with code 0 and none died before; keep it
         (its path is in the error that reported the death) otherwise."""
-        clean = not self._reported and all(p.returncode == 0 for p in self.processes)
+        clean = not self._reported and not self.replaced and all(p.returncode == 0 for p in self.processes)
         if self._own_log_dir and clean:
             shutil.rmtree(self.log_dir, ignore_errors=True)
 

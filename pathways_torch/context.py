@@ -281,6 +281,68 @@ class Context:
             f"check that pathways-run runs on those nodes with --master-addr/--master-port naming this host, that "
             f"the port is open from them, and their logs{keys}")
 
+    def replace_executor(self, executor_id: str, timeout_s: float = 120.0):
+        """Start a new incarnation of the lost executor ``executor_id`` in its place; return its `ExecutorInfo`.
+
+        The survivors keep their processes, stores and compiled functions. The replacement gets a fresh
+        key pair: every process admits the new public key and revokes the old one before it starts, so
+        the lost incarnation, should it come back (a stopped process continued), cannot reconnect. It
+        registers with the next epoch and takes the lost one's place in every mesh; process groups with it
+        are formed anew and functions and programs are loaded onto it at their next call. Its state is
+        gone: restore it from a checkpoint (the trainer does, with ``checkpoint_every``; docs/faults.md).
+        Raises `ExecutorLostError` if no replacement registers within ``timeout_s``.
+        """
+        self._check_open()
+        info = self.controller.resources.executors.get(executor_id)
+        if info is None:
+            raise ValueError(f"replace_executor: expected one of {self.executor_ids}, got {executor_id!r}")
+        if not info.lost:
+            raise PathwaysError(f"replace_executor: {executor_id} is alive (incarnation {info.epoch}); only an "
+                                f"executor declared lost is replaced")
+        if self._cluster is None:
+            raise PathwaysError(f"replace_executor: {executor_id} runs under pathways-run, whose launcher restarts "
+                                f"it on its own node; starting it from the client is not built (docs/faults.md)")
+        keys = self._replacement_keys(executor_id)
+        try:
+            public = keys.keypair(executor_id).public
+            self._gatekeeper.admit(executor_id, public)
+            self._server.admit(executor_id, public)
+            self.controller.admit_key(executor_id, public)   # the survivors revoke the old key first
+            process = self._cluster.respawn(executor_id, keys.path)
+            new = self._wait_for_incarnation(executor_id, info.epoch + 1, process, timeout_s)
+        finally:
+            keys.remove()    # read at start-up; as for the first incarnations, no key stays on disk
+        self._data.reconnect(executor_id, new.data_address, new.public_key)
+        if self.link is not None:
+            new.link_address = self.link.add(new.data_address)
+        log.warning("%s replaced: incarnation %d, pid %d (was pid %d)", executor_id, new.epoch, new.pid, info.pid)
+        return new
+
+    def _replacement_keys(self, executor_id: str) -> KeyDirectory:
+        """A key folder for a replacement: a fresh pair of its own, every other role's public key."""
+        keys = KeyDirectory.create([executor_id])
+        for role, public in self._server.credentials.allowed.items():
+            if role != executor_id:
+                keys.add_public(role, public)
+        return keys
+
+    def _wait_for_incarnation(self, executor_id: str, epoch: int, process, timeout_s: float):
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                return self.controller.wait_for_incarnation(executor_id, epoch, min(0.2, timeout_s))
+            except ExecutorLostError:
+                if process.poll() is not None:
+                    raise ExecutorLostError(
+                        f"the replacement of {executor_id} (pid {process.pid}) exited with code {process.returncode} "
+                        f"before it registered; its log ends:\n{self._cluster.log_tail(executor_id)}",
+                        executor_id=executor_id) from None
+                if time.monotonic() >= deadline:
+                    process.kill()
+                    raise ExecutorLostError(
+                        f"no replacement for {executor_id} registered within {timeout_s:g} s (replacement_timeout_s); "
+                        f"its log ends:\n{self._cluster.log_tail(executor_id)}", executor_id=executor_id) from None
+
     def _reap_exited(self, patience_s: float = 0.0) -> None:
         """Declare lost every executor process that exited; wait up to ``patience_s`` for one to."""
         deadline = time.monotonic() + patience_s
@@ -399,13 +461,17 @@ class Context:
         return arrays
 
     def wrap(self, model, *, optimizer, mesh: Mesh, loss_fn=None, plan=None, max_grad_norm: float | None = None,
-             seed: int = 0, checkpoint_dir: str | None = None, checkpoint_every: int = 0):
+             seed: int = 0, checkpoint_dir: str | None = None, checkpoint_every: int = 0,
+             recover: bool | None = None, replacement_timeout_s: float = 120.0):
         """Train ``model`` with ``optimizer`` on ``mesh``: returns a `pw.Trainer` (see docs/training.md).
 
         ``plan``: ``pw.DataParallel(axis)`` (default, on the mesh's first axis),
         ``pw.ShardedDataParallel(axis)`` or ``pw.Pipeline(...)`` (docs/pipelines.md). ``loss_fn(output, target)`` reduces to a
         mean; ``max_grad_norm`` clips gradients by their global L2 norm; ``seed``
-        keys the dropout masks.
+        keys the dropout masks. ``checkpoint_dir``/``checkpoint_every=K``: the executors write a checkpoint every
+        K steps, in the background; then a lost executor is replaced and the last checkpoint restored, and at
+        most K steps are run again, their loss futures resolving to the re-run values (``recover=False``:
+        the steps fail with `ExecutorLostError` instead; docs/faults.md).
         """
         from .pipeline import Pipeline, PipelineTrainer
         from .training import DataParallel, Trainer
@@ -426,7 +492,8 @@ class Context:
                                    max_grad_norm=max_grad_norm, seed=seed)
         return Trainer(self, model, optimizer=optimizer, loss_fn=loss_fn, mesh=mesh, plan=plan,
                        max_grad_norm=max_grad_norm, seed=seed, checkpoint_dir=checkpoint_dir,
-                       checkpoint_every=checkpoint_every)
+                       checkpoint_every=checkpoint_every, recover=recover,
+                       replacement_timeout_s=replacement_timeout_s)
 
     # ------------------------------------------------------------ used by Function and Array
 
@@ -486,6 +553,11 @@ class Context:
         return entry[0]
 
     def _fetch_blocks(self, array: Array, positions: list[int], timeout_s: float | None) -> dict:
+        lost = array._record.lost_holders
+        if lost:   # a replicated array that lost replicas: every block comes from a replica that is left
+            live = next(p for p, e in enumerate(array.mesh.executor_ids) if e not in lost)
+            block = self._data.fetch(array.mesh.executor_ids[live], pb.ShardRef(array_id=array.array_id, shard=live))
+            return {p: block.result(timeout_s) for p in positions}
         futures = {p: self._data.fetch(array.mesh.executor_ids[p], pb.ShardRef(array_id=array.array_id, shard=p))
                    for p in positions}
         return {p: f.result(timeout_s) for p, f in futures.items()}

@@ -74,6 +74,16 @@ class DataClient:
 
         self.loop.call_soon(add)
 
+    def reconnect(self, executor_id: str, address: str, public_key: bytes) -> None:
+        """A replacement took ``executor_id``'s place: talk to it (at ``address``, holding ``public_key``) from now
+        on. What was pending to the old incarnation failed when it was declared lost."""
+        def forget():
+            self.loop.close_socket(executor_id)
+            self._unavailable.pop(executor_id, None)
+
+        self.loop.call_soon(forget)
+        self.connect(executor_id, address, public_key)
+
     def put(self, executor_id: str, shards: list, on_done: Callable[[BaseException | None], None]) -> None:
         """Send ``shards`` — (``pb.ShardRef``, tensor) pairs — in one message; ``on_done(None)`` once all
         landed, ``on_done(error)`` if they never will."""

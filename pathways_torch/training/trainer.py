@@ -14,7 +14,7 @@ import logging
 import time
 from typing import Callable
 
-from ..errors import CaptureError, PlacementError
+from ..errors import CaptureError, ExecutorLostError, PlacementError
 from ..functions import Function
 from ..placement import Replicate, Shard
 from .batches import split_batch
@@ -24,6 +24,7 @@ from .checkpoint import check_matches, read_checkpoint, write_checkpoint
 from .locate import user_frame_summary
 from .optimizers import read_optimizer
 from .plans import DataParallel
+from .recovery import MAX_ATTEMPTS, KeptStep, RecoveryLog, StepLoss
 from .step import StepLayout, make_step
 
 __all__ = ["Trainer"]
@@ -39,10 +40,12 @@ class Trainer:
     checkpoint_every = 0
     checkpoints_written = 0
     _checkpoint = None
+    recover = False            # recovery from a lost executor (set in __init__ with checkpoint_every)
+    _recovery: RecoveryLog | None = None
 
     def __init__(self, context, model, *, optimizer, loss_fn: Callable | None, mesh, plan=None,
                  max_grad_norm: float | None = None, seed: int = 0, checkpoint_dir: str | None = None,
-                 checkpoint_every: int = 0):
+                 checkpoint_every: int = 0, recover: bool | None = None, replacement_timeout_s: float = 120.0):
         import torch
 
         plan = plan if plan is not None else DataParallel(next(iter(mesh.axes)))
@@ -69,7 +72,7 @@ class Trainer:
         self._output_specs: dict = {}    # form key → how predict rebuilds the model's output
         self._function = self._make_function()
         self._unfinished_steps: collections.deque = collections.deque()   # the losses' events, oldest first
-        self._rank = context.put(torch.arange(self.num_shards, dtype=torch.int64), mesh, {plan.axis: Shard(0)})
+        self._put_rank()
         self._put_state(self._initial_tensors())
         if checkpoint_every and not checkpoint_dir or checkpoint_every < 0:
             raise ValueError(f"checkpoint_every={checkpoint_every!r}: expected a number of steps >= 1 with "
@@ -77,6 +80,14 @@ class Trainer:
         self.checkpoint_dir, self.checkpoint_every = checkpoint_dir, int(checkpoint_every)
         self._checkpoint: concurrent.futures.Future | None = None   # the save in flight (one at a time)
         self.checkpoints_written = 0
+        if recover and not checkpoint_every:
+            raise ValueError("recover=True: recovery restores the last checkpoint written by the executors; give "
+                             "checkpoint_dir= and checkpoint_every=K (K steps at most are run again)")
+        self.recover = bool(checkpoint_every) if recover is None else bool(recover)
+        self.replacement_timeout_s = float(replacement_timeout_s)
+        self._recovery = RecoveryLog()
+        if self.recover:
+            self.save_sharded(self.checkpoint_dir)   # step 0: a loss before the first K steps restores this
 
     # ------------------------------------------------------------ set-up
 
@@ -102,6 +113,13 @@ class Trainer:
                     value = existing if existing is not None else torch.zeros_like(params[slot.name])
                     tensors[f"optimizer/{slot.name}/{name}"] = value.detach()
         return tensors
+
+    def _put_rank(self) -> None:
+        """Each shard's rank on the mesh (the step reads it: the first shard's buffers, dropout keys)."""
+        import torch
+
+        self._rank = self._context.put(torch.arange(self.num_shards, dtype=torch.int64), self.mesh,
+                                       {self.plan.axis: Shard(0)})
 
     def _optimizer_step_count(self) -> int:
         """The step count of an optimizer that has already stepped (0 for a fresh one)."""
@@ -145,13 +163,88 @@ class Trainer:
         other values are static (a new value captures a new step).
         """
         form, tensors = self._batch_tensors(batch)
-        self._wait_for_room()
-        with self._context._batched_release():
-            loss = self._dispatch_step(form, tensors)
-        self._unfinished_steps.append(loss._record.event)
+        if not self.recover:
+            self._wait_for_room()
+            with self._context._batched_release():
+                loss = self._dispatch_step(form, tensors)
+            self._unfinished_steps.append(loss._record.event)
+            self._maybe_save()
+            return loss
+        return self._recoverable_step(form, tensors)
+
+    def _maybe_save(self) -> None:
         if self.checkpoint_every and self.step_count % self.checkpoint_every == 0:
             self.save_sharded(self.checkpoint_dir)
+
+    # ------------------------------------------------------------ recovery (training.recovery)
+
+    def _recoverable_step(self, form, tensors: list) -> StepLoss:
+        """A step whose loss follows it through recoveries: kept until a checkpoint after it is written."""
+        error = self._recovery.failed()
+        if error is not None:
+            self.recover_from(error)
+        self._wait_for_room()
+        spec, modes = read_optimizer(self.optimizer), tuple(m.training for m in self.model.modules())
+        loss = StepLoss(self, None, self.step_count + 1)
+        kept = KeptStep(number=loss.number, form=form, tensors=tuple(tensors), spec=spec, modes=modes, loss=loss)
+        for attempt in range(MAX_ATTEMPTS + 1):
+            try:
+                with self._context._batched_release():
+                    loss.array = self._dispatch_step(form, tensors, spec=spec, modes=modes)
+                break
+            except ExecutorLostError as exc:   # the mesh has a lost executor: recover, then dispatch it
+                if attempt == MAX_ATTEMPTS or not self.recover_from(exc):
+                    raise
+        self._recovery.keep(kept)
+        self._unfinished_steps.append(loss.array._record.event)
+        self._maybe_save()
         return loss
+
+    def recover_from(self, error: ExecutorLostError, loss: StepLoss | None = None) -> bool:
+        """Recover from ``error`` (see `training.recovery`); False if recovery is off. Raises what makes it fail
+        (no replacement within ``replacement_timeout_s``, no checkpoint)."""
+        if not self.recover:
+            return False
+        if loss is not None and loss.array is not None and loss.array._record.error is not error:
+            return True   # already re-run
+        from .sharded_checkpoint import read_sharded
+
+        started = time.monotonic()
+        ctx = self._context
+        lost = [e for e in self.mesh.executor_ids if ctx.controller.resources.executors[e].lost]
+        if not lost and not any(a._record.shard_lost for a in self._checkpoint_arrays()):
+            return False   # the state is whole (recovered already): this step's loss cannot be run again
+        log.warning("trainer: %s; recovering (replacing %s)", error, ", ".join(lost) or "nothing")
+        if self._checkpoint is not None:
+            # The save in flight ends first: it fails if it needed the lost executor, and must not ask the
+            # replacement for shards it never held.
+            self._checkpoint.exception()
+            self._checkpoint = None
+        for executor_id in lost:
+            ctx.replace_executor(executor_id, timeout_s=self.replacement_timeout_s)
+        tensors, meta = read_sharded(self.checkpoint_dir)
+        restored = int(meta["step"])
+        self._put_rank()
+        self._put_state(tensors)
+        self.step_count, self.samples_seen = restored, int(meta["samples_seen"])
+        rerun = self._recovery.since(restored)
+        recomputed = sum(1 for kept in rerun if kept.loss.array is not None and kept.loss.array.done()
+                         and kept.loss.array._record.error is None)
+        for kept in rerun:
+            with ctx._batched_release():
+                kept.loss.array = self._dispatch_step(kept.form, list(kept.tensors), spec=kept.spec,
+                                                      modes=kept.modes)
+            self._unfinished_steps.append(kept.loss.array._record.event)
+            self._maybe_save()
+        self._recovery.note(lost, restored, len(rerun), recomputed, started)
+        return True
+
+    def stats(self) -> dict:
+        """What recovery did: ``recoveries``, ``steps_rerun`` (dispatched again), ``steps_recomputed`` (of those, the
+        ones that had completed: at most ``checkpoint_every`` per recovery), ``recovery_seconds``, ``kept_steps``
+        (held to be run again), ``last_checkpoint_step`` and one line per recovery (``events``)."""
+        return {"steps": self.step_count, "checkpoints_written": self.checkpoints_written,
+                **self._recovery.stats()}
 
     def save_sharded(self, directory: str) -> "concurrent.futures.Future":
         """Write a checkpoint **from the executors**, in the background (`sharded_checkpoint`): each writes the
@@ -161,14 +254,19 @@ class Trainer:
         from .sharded_checkpoint import save_sharded
 
         if self._checkpoint is not None:
-            self._checkpoint.result()     # raises what the previous save met
+            error = self._checkpoint.exception()     # the previous save's failure is raised here ...
+            if error is not None and not (self.recover and isinstance(error, ExecutorLostError)):
+                raise error                          # ... but one lost with an executor is recovery's to handle
         self._checkpoint = save_sharded(self._context, self, directory, self._checkpoint_meta())
-        self._checkpoint.add_done_callback(self._count_checkpoint)
+        step = self.step_count
+        self._checkpoint.add_done_callback(lambda future: self._count_checkpoint(future, step))
         return self._checkpoint
 
-    def _count_checkpoint(self, future) -> None:
+    def _count_checkpoint(self, future, step: int) -> None:
         if future.exception() is None:
             self.checkpoints_written += 1
+            if self._recovery is not None:
+                self._recovery.saved_step = max(self._recovery.saved_step, step)
 
     def _checkpoint_arrays(self) -> list:
         """Every array of the training state (what a sharded save holds until it is written)."""
@@ -225,10 +323,11 @@ class Trainer:
             steps.popleft().wait()       # set on success, failure, a lost executor or a closed context
         self._context._note_runahead_wait(start, limit, f"training step {self.step_count + 1}")
 
-    def _dispatch_step(self, form, tensors: list):
+    def _dispatch_step(self, form, tensors: list, *, spec=None, modes=None):
         import torch
 
-        spec = read_optimizer(self.optimizer)   # hyper-parameters may change between steps
+        # Hyper-parameters may change between steps (a step run again after a recovery passes its own).
+        spec = spec if spec is not None else read_optimizer(self.optimizer)
         # What schedulers change (lr, momentum, betas, weight decay) rides in as values: no recompile.
         scalars = torch.tensor([self.step_count + 1, *spec.dynamic_values()], dtype=torch.float64)
         ctx, mesh, axis = self._context, self.mesh, self.plan.axis
@@ -239,7 +338,7 @@ class Trainer:
         self._spec = spec
         try:
             # Train/eval modes are read while tracing (dropout, batch statistics): a change re-captures.
-            modes = tuple(m.training for m in self.model.modules())
+            modes = modes if modes is not None else tuple(m.training for m in self.model.modules())
             outputs = self._function(*arrays, static_key=(spec.static_key(), modes, form.key))
         except CaptureError as exc:
             raise self._located(exc) from exc.__cause__

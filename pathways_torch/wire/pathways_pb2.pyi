@@ -119,20 +119,26 @@ class Register(_message.Message):
     def __init__(self, executor_id: _Optional[str] = ..., data_address: _Optional[str] = ..., device: _Optional[str] = ..., backend: _Optional[str] = ..., pid: _Optional[int] = ..., store_bytes: _Optional[int] = ..., public_key: _Optional[bytes] = ..., command_address: _Optional[str] = ..., island: _Optional[str] = ...) -> None: ...
 
 class Welcome(_message.Message):
-    __slots__ = ("index", "heartbeat_interval_s", "heartbeat_timeout_s")
+    __slots__ = ("index", "heartbeat_interval_s", "heartbeat_timeout_s", "epoch")
     INDEX_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_INTERVAL_S_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
     index: int
     heartbeat_interval_s: float
     heartbeat_timeout_s: float
-    def __init__(self, index: _Optional[int] = ..., heartbeat_interval_s: _Optional[float] = ..., heartbeat_timeout_s: _Optional[float] = ...) -> None: ...
+    epoch: int
+    def __init__(self, index: _Optional[int] = ..., heartbeat_interval_s: _Optional[float] = ..., heartbeat_timeout_s: _Optional[float] = ..., epoch: _Optional[int] = ...) -> None: ...
 
 class Heartbeat(_message.Message):
-    __slots__ = ("sent_at",)
+    __slots__ = ("sent_at", "epoch", "lost_peers")
     SENT_AT_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    LOST_PEERS_FIELD_NUMBER: _ClassVar[int]
     sent_at: float
-    def __init__(self, sent_at: _Optional[float] = ...) -> None: ...
+    epoch: int
+    lost_peers: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, sent_at: _Optional[float] = ..., epoch: _Optional[int] = ..., lost_peers: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class LoadFunction(_message.Message):
     __slots__ = ("function_id", "name", "graph", "sim_seconds")
@@ -279,7 +285,7 @@ class Run(_message.Message):
     def __init__(self, seq: _Optional[int] = ..., call_id: _Optional[int] = ..., function_id: _Optional[int] = ..., inputs: _Optional[_Iterable[_Union[ShardRef, _Mapping]]] = ..., outputs: _Optional[_Iterable[_Union[ShardRef, _Mapping]]] = ..., digest_outputs: _Optional[bool] = ..., collective: _Optional[bool] = ..., prev_collective_seq: _Optional[int] = ..., axis_groups: _Optional[_Mapping[str, int]] = ..., quiet: _Optional[bool] = ..., report_shapes: _Optional[bool] = ...) -> None: ...
 
 class FormGroup(_message.Message):
-    __slots__ = ("seq", "prev_collective_seq", "group_id", "rank", "size", "store_path", "timeout_s")
+    __slots__ = ("seq", "prev_collective_seq", "group_id", "rank", "size", "store_path", "timeout_s", "members")
     SEQ_FIELD_NUMBER: _ClassVar[int]
     PREV_COLLECTIVE_SEQ_FIELD_NUMBER: _ClassVar[int]
     GROUP_ID_FIELD_NUMBER: _ClassVar[int]
@@ -287,6 +293,7 @@ class FormGroup(_message.Message):
     SIZE_FIELD_NUMBER: _ClassVar[int]
     STORE_PATH_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    MEMBERS_FIELD_NUMBER: _ClassVar[int]
     seq: int
     prev_collective_seq: int
     group_id: int
@@ -294,7 +301,28 @@ class FormGroup(_message.Message):
     size: int
     store_path: str
     timeout_s: float
-    def __init__(self, seq: _Optional[int] = ..., prev_collective_seq: _Optional[int] = ..., group_id: _Optional[int] = ..., rank: _Optional[int] = ..., size: _Optional[int] = ..., store_path: _Optional[str] = ..., timeout_s: _Optional[float] = ...) -> None: ...
+    members: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, seq: _Optional[int] = ..., prev_collective_seq: _Optional[int] = ..., group_id: _Optional[int] = ..., rank: _Optional[int] = ..., size: _Optional[int] = ..., store_path: _Optional[str] = ..., timeout_s: _Optional[float] = ..., members: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class Cancel(_message.Message):
+    __slots__ = ("call_ids", "group_ids", "reason", "lost_executor")
+    CALL_IDS_FIELD_NUMBER: _ClassVar[int]
+    GROUP_IDS_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    LOST_EXECUTOR_FIELD_NUMBER: _ClassVar[int]
+    call_ids: _containers.RepeatedScalarFieldContainer[int]
+    group_ids: _containers.RepeatedScalarFieldContainer[int]
+    reason: str
+    lost_executor: str
+    def __init__(self, call_ids: _Optional[_Iterable[int]] = ..., group_ids: _Optional[_Iterable[int]] = ..., reason: _Optional[str] = ..., lost_executor: _Optional[str] = ...) -> None: ...
+
+class AdmitKey(_message.Message):
+    __slots__ = ("role", "public_key")
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    PUBLIC_KEY_FIELD_NUMBER: _ClassVar[int]
+    role: str
+    public_key: bytes
+    def __init__(self, role: _Optional[str] = ..., public_key: _Optional[bytes] = ...) -> None: ...
 
 class SendShard(_message.Message):
     __slots__ = ("shard", "to_address", "as_ref", "call_id", "to_public_key")
@@ -559,7 +587,7 @@ class StoreReply(_message.Message):
     def __init__(self, request_id: _Optional[int] = ..., ok: _Optional[bool] = ..., value: _Optional[bytes] = ..., number: _Optional[int] = ..., found: _Optional[bool] = ..., error: _Optional[str] = ...) -> None: ...
 
 class Envelope(_message.Message):
-    __slots__ = ("register", "welcome", "heartbeat", "load_function", "run", "send_shard", "free", "done", "stats_request", "stats", "trace_request", "trace_reply", "shutdown", "form_group", "register_program", "run_program", "put", "put_ack", "transfer", "fetch", "fetch_reply", "store_request", "store_reply", "save_shards", "save_reply", "frees")
+    __slots__ = ("register", "welcome", "heartbeat", "load_function", "run", "send_shard", "free", "done", "stats_request", "stats", "trace_request", "trace_reply", "shutdown", "form_group", "register_program", "run_program", "put", "put_ack", "transfer", "fetch", "fetch_reply", "store_request", "store_reply", "save_shards", "save_reply", "cancel", "admit_key", "frees", "epoch")
     REGISTER_FIELD_NUMBER: _ClassVar[int]
     WELCOME_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_FIELD_NUMBER: _ClassVar[int]
@@ -585,7 +613,10 @@ class Envelope(_message.Message):
     STORE_REPLY_FIELD_NUMBER: _ClassVar[int]
     SAVE_SHARDS_FIELD_NUMBER: _ClassVar[int]
     SAVE_REPLY_FIELD_NUMBER: _ClassVar[int]
+    CANCEL_FIELD_NUMBER: _ClassVar[int]
+    ADMIT_KEY_FIELD_NUMBER: _ClassVar[int]
     FREES_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
     register: Register
     welcome: Welcome
     heartbeat: Heartbeat
@@ -611,8 +642,11 @@ class Envelope(_message.Message):
     store_reply: StoreReply
     save_shards: SaveShards
     save_reply: SaveReply
+    cancel: Cancel
+    admit_key: AdmitKey
     frees: _containers.RepeatedCompositeFieldContainer[ShardRef]
-    def __init__(self, register: _Optional[_Union[Register, _Mapping]] = ..., welcome: _Optional[_Union[Welcome, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., load_function: _Optional[_Union[LoadFunction, _Mapping]] = ..., run: _Optional[_Union[Run, _Mapping]] = ..., send_shard: _Optional[_Union[SendShard, _Mapping]] = ..., free: _Optional[_Union[Free, _Mapping]] = ..., done: _Optional[_Union[Done, _Mapping]] = ..., stats_request: _Optional[_Union[StatsRequest, _Mapping]] = ..., stats: _Optional[_Union[Stats, _Mapping]] = ..., trace_request: _Optional[_Union[TraceRequest, _Mapping]] = ..., trace_reply: _Optional[_Union[TraceReply, _Mapping]] = ..., shutdown: _Optional[_Union[Shutdown, _Mapping]] = ..., form_group: _Optional[_Union[FormGroup, _Mapping]] = ..., register_program: _Optional[_Union[RegisterProgram, _Mapping]] = ..., run_program: _Optional[_Union[RunProgram, _Mapping]] = ..., put: _Optional[_Union[Put, _Mapping]] = ..., put_ack: _Optional[_Union[PutAck, _Mapping]] = ..., transfer: _Optional[_Union[Transfer, _Mapping]] = ..., fetch: _Optional[_Union[Fetch, _Mapping]] = ..., fetch_reply: _Optional[_Union[FetchReply, _Mapping]] = ..., store_request: _Optional[_Union[StoreRequest, _Mapping]] = ..., store_reply: _Optional[_Union[StoreReply, _Mapping]] = ..., save_shards: _Optional[_Union[SaveShards, _Mapping]] = ..., save_reply: _Optional[_Union[SaveReply, _Mapping]] = ..., frees: _Optional[_Iterable[_Union[ShardRef, _Mapping]]] = ...) -> None: ...
+    epoch: int
+    def __init__(self, register: _Optional[_Union[Register, _Mapping]] = ..., welcome: _Optional[_Union[Welcome, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., load_function: _Optional[_Union[LoadFunction, _Mapping]] = ..., run: _Optional[_Union[Run, _Mapping]] = ..., send_shard: _Optional[_Union[SendShard, _Mapping]] = ..., free: _Optional[_Union[Free, _Mapping]] = ..., done: _Optional[_Union[Done, _Mapping]] = ..., stats_request: _Optional[_Union[StatsRequest, _Mapping]] = ..., stats: _Optional[_Union[Stats, _Mapping]] = ..., trace_request: _Optional[_Union[TraceRequest, _Mapping]] = ..., trace_reply: _Optional[_Union[TraceReply, _Mapping]] = ..., shutdown: _Optional[_Union[Shutdown, _Mapping]] = ..., form_group: _Optional[_Union[FormGroup, _Mapping]] = ..., register_program: _Optional[_Union[RegisterProgram, _Mapping]] = ..., run_program: _Optional[_Union[RunProgram, _Mapping]] = ..., put: _Optional[_Union[Put, _Mapping]] = ..., put_ack: _Optional[_Union[PutAck, _Mapping]] = ..., transfer: _Optional[_Union[Transfer, _Mapping]] = ..., fetch: _Optional[_Union[Fetch, _Mapping]] = ..., fetch_reply: _Optional[_Union[FetchReply, _Mapping]] = ..., store_request: _Optional[_Union[StoreRequest, _Mapping]] = ..., store_reply: _Optional[_Union[StoreReply, _Mapping]] = ..., save_shards: _Optional[_Union[SaveShards, _Mapping]] = ..., save_reply: _Optional[_Union[SaveReply, _Mapping]] = ..., cancel: _Optional[_Union[Cancel, _Mapping]] = ..., admit_key: _Optional[_Union[AdmitKey, _Mapping]] = ..., frees: _Optional[_Iterable[_Union[ShardRef, _Mapping]]] = ..., epoch: _Optional[int] = ...) -> None: ...
 
 class StatusRequest(_message.Message):
     __slots__ = ("with_stats",)

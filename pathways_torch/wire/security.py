@@ -41,7 +41,7 @@ from zmq.utils.monitor import parse_monitor_message
 __all__ = [
     "CONTROLLER", "CLIENT", "ZAP_DOMAIN", "HEARTBEAT_SUFFIX", "STORE_SUFFIX", "SecurityError", "KeyPair", "Credentials", "KeyDirectory",
     "Gatekeeper", "make_server", "make_client", "check_role", "peer_role", "ConnectionWatch",
-    "HANDSHAKE_FAILURES",
+    "HANDSHAKE_FAILURES", "INCARNATION_MARK", "split_identity",
 ]
 
 log = logging.getLogger(__name__)
@@ -52,6 +52,19 @@ ZAP_DOMAIN = "pathways"
 # An executor's heartbeat connection has ROUTER identity "<executor id>#heartbeat"; roles never contain '#'.
 HEARTBEAT_SUFFIX = "#heartbeat"
 STORE_SUFFIX = "#store"       # an executor's connection to the controller's rendezvous store
+# Each process appends "~<nonce>" to its identities: an old incarnation of an executor that still holds its
+# connections (stopped, not dead) and its replacement never share a ROUTER identity (ZeroMQ would refuse the
+# replacement's connection while the old one's stays open).
+INCARNATION_MARK = "~"
+
+
+def split_identity(identity: str) -> tuple[str, str]:
+    """``"executor-1#heartbeat~3f2a"`` → ``("executor-1", "#heartbeat")``; the plain control identity → ``(id, "")``."""
+    base = identity.split(INCARNATION_MARK, 1)[0]
+    for suffix in (HEARTBEAT_SUFFIX, STORE_SUFFIX):
+        if base.endswith(suffix):
+            return base[:-len(suffix)], suffix
+    return base, ""
 
 # Role names become file names and ROUTER identities: keep them plain.
 _ROLE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
@@ -149,6 +162,13 @@ class KeyDirectory:
         os.replace(public_file, self._public_file(role))
         return self.keypair(role)
 
+    def add_public(self, role: str, public_key: bytes) -> None:
+        """Allow-list ``role`` with ``public_key`` alone (no secret here): another process holds the pair."""
+        from zmq.auth.certs import _write_key_file
+
+        _check_key(public_key, f"public key of {check_role(role)!r}")
+        _write_key_file(self._public_file(role), "pathways_torch allow-listed public key", public_key)
+
     def keypair(self, role: str) -> KeyPair:
         """The key pair of ``role``, read from ``secret/ROLE.key_secret``."""
         path = os.path.join(self._secret, f"{check_role(role)}.key_secret")
@@ -225,6 +245,14 @@ class Gatekeeper:
         self._auth = _RoleAuthenticator(context, self._roles)
         self._auth.start()
         self._auth.configure_curve_callback(ZAP_DOMAIN, self)
+
+    def admit(self, role: str, public_key: bytes) -> None:
+        """Admit ``public_key`` as ``role`` from now on, revoking the role's previous key (a replacement executor's
+        fresh pair). Connections already made keep their role; new handshakes with the old key fail. Any thread."""
+        key = _check_key(public_key, f"key of {role!r}")
+        for old in [k for k, r in self._roles.items() if r == role and k != key]:
+            self._roles.pop(old, None)
+        self._roles[key] = role
 
     def callback(self, domain: str, key: bytes) -> bool:
         """Called by the ZAP thread for each CURVE handshake: is ``key`` (Z85) on the allow-list?"""

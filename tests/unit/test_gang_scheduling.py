@@ -44,7 +44,7 @@ class FakeGroups:
         self._local = threading.local()
 
     # the CollectiveRuntime protocol the core uses
-    def form(self, group_id, rank, size, store_path, timeout_s):
+    def form(self, group_id, rank, size, store_path, timeout_s, members=()):
         # Like gloo's rendezvous: blocks until every member has come. A member that times out leaves, and
         # the group never forms (a later member times out too): as with gloo, not a group that heals.
         with self._lock:
