@@ -23,11 +23,10 @@ class ArrayRecord:
     producer_call: int = 0
     block_shape: tuple[int, ...] | None = None   # set on completion when the sizes depended on the data
     event: threading.Event = dataclasses.field(default_factory=threading.Event)
-    # A shard sat on an executor that was lost: it is gone for good, even once a replacement takes the
-    # executor's place (a call reading it there would wait forever), so the array may not be an input.
-    shard_lost: bool = False
     replicated: bool = False      # every shard holds the same value (a Replicate() output)
-    lost_holders: set = dataclasses.field(default_factory=set)   # executors whose replica of it is gone
+    # Executors whose shard of it was lost: gone for good, even once a replacement takes the executor's place
+    # (a call reading it there would wait forever), so the array may no longer be an input.
+    lost_holders: set = dataclasses.field(default_factory=set)
 
     def settle(self, state: str, error: BaseException | None = None) -> None:
         if self.state != PENDING:
@@ -35,10 +34,11 @@ class ArrayRecord:
         self.state, self.error = state, error
         self.event.set()
 
-    def lose(self, error: BaseException) -> None:
-        """A shard's executor is gone: fail the array even if it was ready (an earlier failure stays)."""
-        self.shard_lost = True
-        if self.state == READY and self.replicated and len(self.lost_holders) + 1 < len(set(self.executor_ids)):
+    def lose(self, executor_id: str, error: BaseException) -> None:
+        """A shard's executor is gone: fail the array even if it was ready (an earlier failure stays), unless it is
+        replicated and a replica is left."""
+        self.lost_holders.add(executor_id)
+        if self.state == READY and self.replicated and len(self.lost_holders) < len(set(self.executor_ids)):
             return    # a replica is left: the value stays readable from it (`live_position`)
         if self.state != FAILED:
             self.state, self.error = FAILED, error

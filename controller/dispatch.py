@@ -312,8 +312,7 @@ class Controller:
         # Ready arrays first: a thread woken by a failing future must not see one of them still ready.
         on_it = [record for record in self.arrays.records() if executor_id in record.executor_ids]
         for record in sorted(on_it, key=lambda r: r.state == PENDING):
-            record.lose(error)
-            record.lost_holders.add(executor_id)
+            record.lose(executor_id, error)
         for call in list(self._calls.values()):
             pushes_from_it = [route for route in call.routes if route[0] == executor_id]
             if executor_id in call.spec.mesh.executor_ids or executor_id in call.depends_on or pushes_from_it:
@@ -588,11 +587,10 @@ class Controller:
         if record is None or record.released:
             raise ValueError(f"array {array_id} was freed; it cannot be used as an input")
         for executor_id in record.executor_ids:
-            if self.resources.executors[executor_id].lost or record.shard_lost:
-                lost = getattr(record.error, "executor_id", "") or executor_id
-                raise ExecutorLostError(f"array {array_id} has a shard on executor {lost}, which was lost: "
-                                        f"{record.error}; recompute it (or restore a checkpoint) on live executors",
-                                        executor_id=lost)
+            if self.resources.executors[executor_id].lost or executor_id in record.lost_holders:
+                raise ExecutorLostError(f"array {array_id} has a shard on executor {executor_id}, which was lost"
+                                        f"{f': {record.error}' if record.error else ''}; recompute it (or restore a "
+                                        f"checkpoint) on live executors", executor_id=executor_id)
         return record
 
     def _route_input(self, record: ArrayRecord, position: int, executor_id: str, call_id: int) -> pb.ShardRef:

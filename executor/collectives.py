@@ -136,7 +136,9 @@ class CollectiveRuntime:
                 self._groups.pop(group_id, None)
                 self._retired.append(handle)
                 retired.append(group_id)
-        self._retired = [h for h in self._retired if h.busy]   # the rest can go: nothing runs in them
+        # Kept for good (a gloo op given up on still runs until gloo's own timeout, and dropping its group would
+        # join its threads on this thread); only the oldest go, long after any timeout.
+        del self._retired[:-_MAX_RETIRED]
         return retired
 
     def _rendezvous(self, prefix: str, size: int, timeout_s: float):
@@ -237,13 +239,12 @@ class CollectiveRuntime:
 class _Group:
     """A formed process group, its members' incarnations, and whether it was abandoned (a member lost)."""
 
-    __slots__ = ("group", "size", "members", "abandoned", "_event", "busy", "_sliced")
+    __slots__ = ("group", "size", "members", "abandoned", "_event", "_sliced")
 
     def __init__(self, group, size: int, members: frozenset, sliced: bool = True):
         self.group, self.size, self.members, self._sliced = group, size, members, sliced
         self.abandoned = ""                 # why, once a member was lost
         self._event = threading.Event()     # set when abandoned: a blocked wait gives up
-        self.busy = False                   # an op waits in it (an abandoned busy group is kept referenced)
 
     def abandon(self, reason: str) -> None:
         self.abandoned = reason
@@ -258,22 +259,19 @@ class _Group:
         if not self._sliced:
             work.wait()
             return
-        self.busy = True
-        try:
-            while True:
-                try:
-                    work.wait(_WAIT_SLICE)
-                    return
-                except RuntimeError:
-                    if work.is_completed():
-                        raise             # the op itself failed (a peer's connection reset, gloo's timeout)
-                    if self._event.is_set():
-                        raise RuntimeError(f"collective abandoned: {self.abandoned}") from None
-        finally:
-            self.busy = False
+        while True:
+            try:
+                work.wait(_WAIT_SLICE)
+                return
+            except RuntimeError:
+                if work.is_completed():
+                    raise             # the op itself failed (a peer's connection reset, gloo's timeout)
+                if self._event.is_set():
+                    raise RuntimeError(f"collective abandoned: {self.abandoned}") from None
 
 
 _WAIT_SLICE = datetime.timedelta(milliseconds=200)
+_MAX_RETIRED = 256
 
 
 class _Binding:

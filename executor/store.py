@@ -114,6 +114,15 @@ class ObjectStore:
         entry.owned = False
         self._collect(key, entry)
 
+    def abandon(self, key: Key) -> None:
+        """Forget ``key`` whether or not it was filled: a copy whose run was cancelled (nothing pins it any more;
+        should it still arrive, it is refused as late)."""
+        entry = self._entries.get(key)
+        if entry is None or entry.pins:
+            return
+        del self._entries[key]
+        self.bytes -= entry.nbytes
+
     def _collect(self, key: Key, entry: Entry) -> None:
         # A waiter may already have released (and deleted) the entry it was woken for.
         if entry.owned or entry.pins or not entry.ready or self._entries.get(key) is not entry:

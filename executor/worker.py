@@ -242,7 +242,7 @@ class ExecutorCore:
         for key in segment.input_keys:
             self.store.unpin(key)
             if key[2]:   # a copy made for this call alone (it may still be on its way: then it is refused)
-                self.store.free(key)
+                self.store.abandon(key)
 
     def _skip(self, prev_collective_seq: int, last_collective_seq: int) -> None:
         self._skipped[prev_collective_seq] = last_collective_seq

@@ -212,7 +212,7 @@ class Trainer:
         started = time.monotonic()
         ctx = self._context
         lost = [e for e in self.mesh.executor_ids if ctx.controller.resources.executors[e].lost]
-        if not lost and not any(a._record.shard_lost for a in self._checkpoint_arrays()):
+        if not lost and not any(a._record.lost_holders for a in self._checkpoint_arrays()):
             return False   # the state is whole (recovered already): this step's loss cannot be run again
         log.warning("trainer: %s; recovering (replacing %s)", error, ", ".join(lost) or "nothing")
         if self._checkpoint is not None:

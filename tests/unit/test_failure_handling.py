@@ -103,7 +103,8 @@ def test_heartbeats_decide_liveness_and_loss_is_declared_once(setup):
         assert controller.heard_from(executor_id)[0] == "live"
     clock.now += 2
     controller.heartbeat()
-    assert controller.resources.executors["e1"].lost and controller.heard_from("e1")[0] == "lost"
+    assert controller.resources.executors["e1"].lost and controller.heard_from("e1", epoch=1)[0] == "lost"
+    assert controller.heard_from("e1")[0] == "unknown"   # no epoch yet: a replacement not registered yet
     # The survivors' answers name the lost incarnation: they abandon its process groups at once.
     assert controller.heard_from("e0") == ("live", ["e1@1"])
     assert not any(controller.resources.executors[e].lost for e in ("e0", "e2", "e3"))

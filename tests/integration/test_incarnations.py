@@ -1,0 +1,112 @@
+"""A lost executor is replaced and training goes on by itself: real processes on loopback.
+
+SIGKILL in the middle of a run on the default backend: the trainer restores the last checkpoint written by
+the executors onto the replacement, runs the kept steps again, and the loss futures the loop holds resolve
+to exactly the losses of an unbroken run (dropout on). SIGSTOP past the heartbeat timeout while the survivor
+is inside an all-reduce: it fails within the heartbeat bound, not gloo's timeout; the stopped incarnation,
+continued after its replacement registered, is gone and changes nothing.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+
+import pytest
+import torch
+
+import pathways_torch as pw
+from tests.conftest import REPO_ROOT
+
+sys.path.insert(0, os.path.join(REPO_ROOT, "examples"))
+from transformer import DecoderOnlyTransformer, ReverseTask, TransformerConfig, loss_fn  # noqa: E402
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
+
+CFG = TransformerConfig(vocab=12, length=4, width=16, depth=1, heads=2, dropout=0.1)
+HEARTBEAT_TIMEOUT_S = 2.0
+
+
+def _trainer(ctx, **options):
+    torch.manual_seed(0)
+    model = DecoderOnlyTransformer(CFG)
+    return ctx.wrap(model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-2), loss_fn=loss_fn,
+                    mesh=ctx.mesh({"data": 2}), seed=3, **options)
+
+
+def _batches(count):
+    task = ReverseTask(CFG, seed=5)
+    return [task.batch(i, 8) for i in range(count)]
+
+
+def test_sigkill_mid_run_is_recovered_onto_a_replacement_with_the_losses_of_an_unbroken_run(tmp_path):
+    batches = _batches(12)
+    with pw.Context(num_executors=2, heartbeat_timeout_s=HEARTBEAT_TIMEOUT_S) as ctx:   # the default backend
+        unbroken = _trainer(ctx)
+        expected = [loss.result(120).item() for loss in [unbroken.step(b) for b in batches]]
+        trainer = _trainer(ctx, checkpoint_dir=str(tmp_path / "ckpt"), checkpoint_every=3)
+        survivor_pid, victim_pid = ctx.executor_pids
+        losses = [trainer.step(b) for b in batches[:7]]
+        losses[-1].result(120)
+        os.kill(victim_pid, signal.SIGKILL)
+        losses += [trainer.step(b) for b in batches[7:]]      # the loop does not change
+        got = [loss.result(120).item() for loss in losses]
+        stats = trainer.stats()
+        pids = ctx.executor_pids
+        epochs = [info.epoch for info in ctx.controller.resources.ordered()]
+    assert got == expected
+    assert pids[0] == survivor_pid and pids[1] != victim_pid      # only the lost one was replaced
+    assert epochs == [1, 2]
+    assert stats["recoveries"] == 1 and 1 <= stats["steps_recomputed"] <= 3, stats
+    assert "restored step 6" in stats["events"][0]
+
+
+def test_a_stopped_executor_fails_a_blocked_all_reduce_fast_and_its_old_incarnation_cannot_come_back():
+    batches = _batches(30)
+    with pw.Context(num_executors=2, backend="eager", heartbeat_timeout_s=HEARTBEAT_TIMEOUT_S) as ctx:
+        trainer = _trainer(ctx)
+        trainer.step(batches[0]).result(60)
+        victim, victim_pid = ctx.executor_ids[1], ctx.executor_pids[1]
+        # Steps far ahead: the survivor is inside a step's all-reduce when its peer stops.
+        losses = [trainer.step(b) for b in batches[1:]]
+        os.kill(victim_pid, signal.SIGSTOP)
+        stopped_at = time.monotonic()
+        try:
+            errors = [loss.exception(60) for loss in losses]
+            failed_after = time.monotonic() - stopped_at
+            lost = [e for e in errors if e is not None]
+            assert lost and all(isinstance(e, pw.ExecutorLostError) and victim in str(e) for e in lost), lost[:2]
+            assert failed_after < 2 * HEARTBEAT_TIMEOUT_S + 2, failed_after   # the heartbeat bound, not gloo's 20 s
+
+            with pytest.raises(pw.ExecutorLostError, match="no replacement for executor-1 registered within"):
+                ctx.replace_executor(victim, timeout_s=0.05)
+            with pytest.raises(pw.PathwaysError, match="is alive"):
+                ctx.replace_executor(ctx.executor_ids[0])
+            replacement = ctx.replace_executor(victim)
+        finally:
+            os.kill(victim_pid, signal.SIGCONT)
+        assert replacement.epoch == 2 and replacement.pid != victim_pid
+        assert _exits_within(victim_pid, 10), "the old incarnation kept running after SIGCONT"
+        # Nothing on the survivor stayed blocked: a new run on both executors completes at once.
+        fresh = _trainer(ctx)
+        started = time.monotonic()
+        again = [loss.result(60).item() for loss in [fresh.step(b) for b in batches[:3]]]
+        assert time.monotonic() - started < 10
+        stats = ctx.stats()
+    assert len(again) == 3 and all(v > 0 for v in again)
+    assert stats["controller"]["lost_executors"] == []
+
+
+def _exits_within(pid: int, seconds: float) -> bool:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                if f.read().split(")")[-1].split()[0] == "Z":
+                    return True
+        except FileNotFoundError:
+            return True
+        time.sleep(0.05)
+    return False

@@ -1,0 +1,240 @@
+"""Incarnations, in-process: a lost executor's replacement, what the controller resets for it, what survivors
+cancel and abandon, and what an old incarnation may no longer do."""
+
+from __future__ import annotations
+
+import datetime
+import threading
+import time
+
+import pytest
+import torch
+
+from controller import CallSpec, Controller, ControllerConfig
+from controller.rendezvous import RendezvousStore
+from executor.collectives import CollectiveRuntime, gloo_group_on
+from pathways_torch.errors import ExecutorLostError
+from pathways_torch.wire import pb
+from tests.unit.test_controller import FakeClock, FakeOutbox
+from tests.unit.test_executor_core import X, load, make_core, put, ref
+
+pytestmark = pytest.mark.timeout(60)
+
+KEYS = {f"e{i}": bytes([ord("a") + i]) * 40 for i in range(3)}
+
+
+def _register(controller, executor_id, port_offset=0, key=None):
+    register = pb.Register(executor_id=executor_id, data_address=f"tcp://127.0.0.1:{7000 + port_offset}",
+                           device="cpu", backend="eager", pid=1 + port_offset, public_key=key or KEYS[executor_id])
+    controller.on_message(executor_id, pb.Envelope(register=register), [])
+
+
+@pytest.fixture
+def setup():
+    outbox, clock = FakeOutbox(), FakeClock()
+    controller = Controller(outbox, ControllerConfig(heartbeat_interval_s=0.5, heartbeat_timeout_s=5.0), clock=clock)
+    for index, executor_id in enumerate(KEYS):
+        _register(controller, executor_id, index)
+    return controller, outbox, controller.register_function("f", pb.Graph(), [])
+
+
+def _collective_call(controller, function_id, mesh):
+    [out] = controller.call(CallSpec(function_id=function_id, name="f", mesh=mesh, inputs=(), num_outputs=1,
+                                     collective_axes=("data",), replicated_outputs=(True,)))
+    return out
+
+
+# ---------------------------------------------------------------- controller
+
+
+def test_a_replacement_registers_with_the_next_epoch_and_starts_its_gang_order_afresh(setup):
+    controller, outbox, function_id = setup
+    mesh = controller.resources.allocate({"data": 3}, list(KEYS))
+    first = _collective_call(controller, function_id, mesh)
+    (_, form_before), *_ = outbox.of("form_group")
+    assert list(form_before.form_group.members) == ["e0@1", "e1@1", "e2@1"]
+    assert form_before.form_group.timeout_s == 20.0     # the loss bound (2 x 5 s), at least 20 s
+    controller.declare_lost("e1", "killed")
+    assert isinstance(first.error, ExecutorLostError)
+    # The survivors are told which calls failed and which groups are gone; the lost one is told nothing.
+    cancels = outbox.of("cancel")
+    assert sorted(e for e, _ in cancels) == ["e0", "e2"]
+    assert list(cancels[0][1].cancel.call_ids) == [first.producer_call]
+    assert list(cancels[0][1].cancel.group_ids) == [form_before.form_group.group_id]
+    assert cancels[0][1].cancel.lost_executor == "e1@1"
+    assert controller.heard_from("e0") == ("live", ["e1@1"])
+
+    _register(controller, "e1", 7, key=b"z" * 40)
+    info = controller.resources.executors["e1"]
+    assert (info.epoch, info.lost, info.index, info.public_key) == (2, False, 1, b"z" * 40)
+    welcome = [w for e, w in outbox.of("welcome") if e == "e1"][-1]
+    assert welcome.welcome.epoch == 2
+    outbox.sent.clear()
+    _collective_call(controller, function_id, mesh)
+    forms = {e: env.form_group for e, env in outbox.of("form_group")}
+    assert set(forms) == {"e0", "e1", "e2"} and forms["e1"].group_id != form_before.form_group.group_id
+    assert list(forms["e1"].members) == ["e0@1", "e1@2", "e2@1"]
+    assert forms["e1"].prev_collective_seq == 0            # the new process starts its chain at 0 ...
+    assert forms["e0"].prev_collective_seq > 0             # ... the survivors go on with theirs
+
+
+def test_messages_of_a_replaced_incarnation_are_refused_by_their_epoch(setup):
+    controller, outbox, function_id = setup
+    controller.declare_lost("e2", "stopped")
+    _register(controller, "e2", 9)
+    assert controller.heard_from("e2", epoch=1) == ("stale", [])
+    assert controller.heard_from("e2", epoch=2)[0] == "live"
+    mesh = controller.resources.allocate({"data": 1}, ["e2"])
+    [out] = controller.call(CallSpec(function_id=function_id, name="f", mesh=mesh, inputs=(), num_outputs=1))
+    done = pb.Envelope(done=pb.Done(call_id=out.producer_call, ok=True), epoch=1)
+    controller.on_message("e2", done, [])
+    assert out.state == "pending" and controller.stale_messages == 2
+    done.epoch = 2
+    controller.on_message("e2", done, [])
+    assert out.state == "ready"
+
+
+def test_a_replicated_result_stays_readable_from_a_replica_left_and_lost_shards_are_refused_as_inputs(setup):
+    controller, outbox, function_id = setup
+    mesh = controller.resources.allocate({"data": 2}, ["e0", "e1"])
+    replicated = _collective_call(controller, function_id, mesh)
+    for executor_id in ("e0", "e1"):
+        controller.on_message(executor_id, pb.Envelope(done=pb.Done(call_id=replicated.producer_call, ok=True)), [])
+    sharded = controller.new_array(mesh.executor_ids)
+    controller.declare_lost("e1", "killed")
+    assert replicated.state == "ready" and replicated.lost_holders == {"e1"}
+    assert sharded.state == "failed"
+    _register(controller, "e1", 8)
+    with pytest.raises(ExecutorLostError, match="has a shard on executor e1"):
+        controller.call(CallSpec(function_id=function_id, name="f", mesh=mesh, inputs=(replicated.array_id,),
+                                 num_outputs=1))
+
+
+def test_the_rendezvous_fails_the_gets_waiting_for_a_lost_member():
+    store = RendezvousStore()
+    store.allow("group-1/epoch-0", ["e0", "e1"])
+    store.allow("group-2/epoch-0", ["e0", "e2"])
+    replies = []
+    for prefix in ("group-1/epoch-0", "group-2/epoch-0"):
+        store.handle("e0", pb.StoreRequest(request_id=len(replies) + 1, op="get", key=f"{prefix}/rank1"),
+                     replies.append)
+    assert replies == []
+    store.fail_member("e1", "killed")
+    assert len(replies) == 1 and "member e1 was lost" in replies[0].error
+    store.handle("e0", pb.StoreRequest(request_id=9, op="get", key="group-1/epoch-0/x"), replies.append)
+    assert "no member" in replies[-1].error            # the lost member's group is closed for good
+
+
+# ---------------------------------------------------------------- executor core
+
+
+def _collective_run(core, *, seq, call_id, prev, inputs, outputs):
+    run = pb.Run(seq=seq, call_id=call_id, function_id=1, inputs=inputs, outputs=outputs, collective=True,
+                 prev_collective_seq=prev)
+    core.on_control(pb.Envelope(run=run), [])
+
+
+def test_cancel_drops_the_failed_calls_queued_work_and_gang_order_steps_over_it():
+    core, outbox = make_core()
+    load(core, 1, lambda x: x + 1, X)
+    # Call 1 waits for a copy that will never come (its sender was lost); call 2 comes after it in gang order.
+    _collective_run(core, seq=1, call_id=1, prev=0, inputs=[ref(10, tag=1)], outputs=[ref(11)])
+    put(core, ref(20), torch.ones(2, 3))
+    _collective_run(core, seq=2, call_id=2, prev=1, inputs=[ref(20)], outputs=[ref(21)])
+    assert outbox.dones() == []                      # 2 waits for 1's gang turn
+    cancel = pb.Cancel(call_ids=[1], reason="executor e1 lost: killed", lost_executor="e1@1")
+    core.on_control(pb.Envelope(cancel=cancel), [])
+    (done,) = outbox.dones()
+    assert done.call_id == 2 and done.ok             # 1's turn was skipped, 2 ran
+    assert core.store.get((11, 0, 0)).failure.type == "ExecutorLostError"
+    assert (10, 0, 1) not in core.store and core.cancelled == 1
+
+
+def test_cancel_abandons_queued_formations_of_the_lost_executors_groups():
+    core, outbox = make_core()
+    load(core, 1, lambda x: x + 1, X)
+    core.on_control(pb.Envelope(form_group=pb.FormGroup(seq=1, prev_collective_seq=7, group_id=5)), [])
+    put(core, ref(20), torch.ones(2, 3))
+    _collective_run(core, seq=2, call_id=2, prev=1, inputs=[ref(20)], outputs=[ref(21)])
+    core.on_control(pb.Envelope(cancel=pb.Cancel(group_ids=[5], lost_executor="e1@1")), [])
+    assert outbox.dones() == [] and core.cancelled == 1   # the formation's predecessor (7) has not started
+    core._last_collective_seq = 7
+    core._pump()
+    assert [d.call_id for d in outbox.dones()] == [2]
+
+
+def test_admit_key_reaches_the_gatekeeper_hook():
+    core, _ = make_core()
+    admitted = []
+    core.admit_key = lambda role, key: admitted.append((role, key))
+    core.on_control(pb.Envelope(admit_key=pb.AdmitKey(role="e1", public_key=b"k" * 40)), [])
+    assert admitted == [("e1", b"k" * 40)]
+
+
+# ---------------------------------------------------------------- collectives
+
+
+def _pair_of_runtimes():
+    import torch.distributed as dist
+
+    store = dist.HashStore()
+    runtimes = [CollectiveRuntime() for _ in range(2)]
+    groups = [None, None]
+
+    def join(rank):
+        groups[rank] = gloo_group_on(dist.PrefixStore("g", store), rank, 2, timeout_s=3)
+
+    threads = [threading.Thread(target=join, args=(r,)) for r in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    from executor.collectives import _Group
+
+    for rank, runtime in enumerate(runtimes):
+        runtime._groups[1] = _Group(groups[rank], 2, frozenset({"a@1", "b@1"}))
+    return runtimes
+
+
+def test_abandoning_a_lost_peer_ends_a_collective_blocked_on_it_within_the_wait_slice():
+    survivor, _ = _pair_of_runtimes()     # the peer never joins the all-reduce: as if stopped
+    errors = []
+
+    def reduce():
+        try:
+            with survivor.bind({"data": 1}):
+                survivor.run("all_reduce", torch.ones(4), "data", op="sum")
+        except RuntimeError as exc:
+            errors.append((time.monotonic(), exc))
+
+    thread = threading.Thread(target=reduce)
+    thread.start()
+    time.sleep(0.5)
+    assert thread.is_alive()                      # blocked in gloo (its own timeout is 3 s)
+    abandoned_at = time.monotonic()
+    assert survivor.abandon("b@1", "declared lost") == [1]
+    thread.join(5)
+    (ended_at, error), = errors
+    assert ended_at - abandoned_at < 1.0 and "b@1 was lost" in str(error)
+    with pytest.raises(RuntimeError, match="unusable: member b@1 was lost"):
+        with survivor.bind({"data": 1}):
+            survivor.run("all_reduce", torch.ones(4), "data", op="sum")
+    assert survivor.abandon("c@1", "unrelated") == []
+
+
+def test_a_collective_in_time_is_unchanged_by_the_sliced_wait():
+    a, b = _pair_of_runtimes()
+    out = {}
+
+    def reduce(name, runtime, value):
+        with runtime.bind({"data": 1}):
+            out[name] = runtime.run("all_reduce", torch.full((3,), value), "data", op="sum")
+
+    threads = [threading.Thread(target=reduce, args=("a", a, 1.0)),
+               threading.Thread(target=reduce, args=("b", b, 2.0))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    assert torch.equal(out["a"], torch.full((3,), 3.0)) and torch.equal(out["b"], out["a"])
+    assert datetime.timedelta(milliseconds=200) == __import__("executor.collectives").collectives._WAIT_SLICE
