@@ -238,3 +238,29 @@ def test_a_collective_in_time_is_unchanged_by_the_sliced_wait():
         t.join(10)
     assert torch.equal(out["a"], torch.full((3,), 3.0)) and torch.equal(out["b"], out["a"])
     assert datetime.timedelta(milliseconds=200) == __import__("executor.collectives").collectives._WAIT_SLICE
+
+
+def test_a_replacements_key_folder_holds_its_own_pair_and_the_others_public_keys_and_the_old_key_is_revoked():
+    import zmq
+
+    from pathways_torch.wire.security import Gatekeeper, KeyDirectory
+
+    first = KeyDirectory.create(["controller", "e1"])
+    replacement = KeyDirectory.create(["e1"])
+    context = zmq.Context()
+    try:
+        old_key = first.keypair("e1").public
+        replacement.add_public("controller", first.keypair("controller").public)
+        credentials = replacement.credentials("e1")
+        assert credentials.public_key("controller") == first.keypair("controller").public
+        assert credentials.keys.public != old_key
+        gatekeeper = Gatekeeper(context, first.public_keys())
+        assert gatekeeper.callback("pathways", old_key)
+        gatekeeper.admit("e1", credentials.keys.public)
+        assert gatekeeper.callback("pathways", credentials.keys.public)
+        assert not gatekeeper.callback("pathways", old_key) and gatekeeper.refused == 1
+        gatekeeper.stop()
+    finally:
+        first.remove()
+        replacement.remove()
+        context.term()
