@@ -23,6 +23,9 @@ class ControllerConfig:
     # 20 s: a peer still compiling may keep the others waiting that long). A lost peer ends a blocked op
     # sooner: the controller tells the survivors (CollectiveRuntime.abandon) once it declares the loss.
     collective_timeout_s: float | None = None
+    # A transfer between executors not acknowledged this long (plus 1 s per MB) is reported lost and fails the
+    # call that needs it (None: the loss bound, at least 20 s).
+    transfer_timeout_s: float | None = None
     # Tests and benchmarks only: delay every controller→executor message by this much,
     # to show that parallel dispatch hides control latency.
     inject_latency_s: float = 0.0
@@ -40,6 +43,12 @@ class ControllerConfig:
         """The timeout process groups are created with."""
         if self.collective_timeout_s is not None:
             return self.collective_timeout_s
+        return max(self.loss_bound_s, _MIN_GROUP_TIMEOUT_S)
+
+    @property
+    def resolved_transfer_timeout_s(self) -> float:
+        if self.transfer_timeout_s is not None:
+            return self.transfer_timeout_s
         return max(self.loss_bound_s, _MIN_GROUP_TIMEOUT_S)
 
     def __post_init__(self):

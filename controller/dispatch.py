@@ -161,6 +161,8 @@ class Controller:
                     self._on_done(executor_id, envelope.done)
                 except Exception as exc:   # a bug of ours: the call must still end, with the reason
                     self._fail_done_call(call, exc)
+            elif kind == "transfer_lost":
+                self._on_transfer_lost(executor_id, envelope.transfer_lost)
             elif kind in ("stats", "trace_reply"):
                 self._on_reply(executor_id, getattr(envelope, kind).request_id, envelope)
             elif kind != "heartbeat":
@@ -194,7 +196,8 @@ class Controller:
             self._take_place(executor_id, info)
         self._send(executor_id, pb.Envelope(welcome=pb.Welcome(
             index=info.index, heartbeat_interval_s=self.config.heartbeat_interval_s,
-            heartbeat_timeout_s=self.config.heartbeat_timeout_s, epoch=info.epoch)))
+            heartbeat_timeout_s=self.config.heartbeat_timeout_s, epoch=info.epoch,
+            transfer_timeout_s=self.config.resolved_transfer_timeout_s)))
         self._registered.notify_all()
 
     def _take_place(self, executor_id: str, info) -> None:
@@ -345,6 +348,28 @@ class Controller:
         self._axis_group_cache = {k: v for k, v in self._axis_group_cache.items()
                                   if executor_id not in k[0].executor_ids}
         return gone
+
+    def _on_transfer_lost(self, executor_id: str, msg: pb.TransferLost) -> None:
+        """A transfer was not acknowledged in time (its link failed): fail the run waiting for it on the receiver,
+        on the control path, and the call it belongs to; nothing else."""
+        destination = next((info for info in self.resources.ordered()
+                            if msg.to_address in (info.data_address, info.link_address)), None)
+        if destination is None or destination.lost:
+            return   # its loss failed what waited for it already
+        call_id = msg.shard.tag
+        failure = pb.RemoteFailure(
+            type="TransferLost", executor_id=executor_id, origin_call_id=call_id,
+            message=(f"the transfer of array {msg.shard.array_id} shard {msg.shard.shard} ({msg.nbytes} B) from "
+                     f"{executor_id} to {destination.executor_id} at {msg.to_address} was not acknowledged within "
+                     f"{msg.waited_s:.0f} s: the link between them failed (both executors are alive); the calls "
+                     f"that need it fail, later ones are unaffected"))
+        transfer = pb.Transfer(failed=True)
+        transfer.shard.CopyFrom(msg.shard)
+        transfer.failure.CopyFrom(failure)
+        self._send(destination.executor_id, pb.Envelope(transfer=transfer))
+        call = self._calls.get(call_id)
+        if call is not None:
+            self._fail_call(call, _remote_error(call.spec, failure))
 
     def _unblock(self, call: _Call, pushes, error: ExecutorLostError) -> None:
         """Fail the copies a lost executor will never push, so the runs waiting for them end instead of hanging."""

@@ -56,6 +56,7 @@ class _SocketOutbox:
         self._credentials = credentials
         self.control: ComputeLoop | None = None
         self.epoch = 0     # this incarnation (from Welcome): every message to the controller carries it
+        self.on_peer_frames = None   # (address, frames) -> None: what a peer sends back (transfer acks)
 
     def to_controller(self, envelope, payload=()):
         envelope.epoch = self.epoch
@@ -79,7 +80,7 @@ class _SocketOutbox:
                     log.error("transfer to %s dropped: %s (the controller must send the peer's key)", address, exc)
                     return
                 socket.connect(address)
-                self._loop.add_socket(key, socket, None)
+                self._loop.add_socket(key, socket, lambda frames: self.on_peer_frames(address, frames))
             self._loop.send_now(key, frames)
 
         self._loop.call_soon(send)
@@ -108,6 +109,8 @@ class ExecutorProcess:
                                  submit=self._submit, trace=trace, compiler=self.compiler,
                                  collectives=self.collectives)
         self.core.admit_key = self._admit_key
+        self.outbox.on_peer_frames = self._on_peer_frames
+        self.loop.every(_TRANSFER_CHECK_S, self._locked(lambda: self.core.check_transfers(time.monotonic())))
         # Appended to every identity towards the controller: this process's connections are its own.
         self._nonce = secrets.token_hex(4)
         # ExecutorCore is single-threaded: the I/O thread (data messages, compile results) and
@@ -208,6 +211,15 @@ class ExecutorProcess:
                 self.outbox.epoch = envelope.welcome.epoch
         if self.core.stopped:
             self._stop("the controller asked")
+
+    def _on_peer_frames(self, address: str, frames) -> None:
+        with self._core_lock:
+            try:
+                envelope, _ = decode(frames)
+            except FramingError as exc:
+                self.core._drop(str(exc))
+                return
+            self.core.on_peer_reply(address, envelope)
 
     def _on_data(self, frames) -> None:
         with self._core_lock:
@@ -330,6 +342,9 @@ class ExecutorProcess:
         self.loop.run_forever()
         self.gatekeeper.stop()
         log.info("executor %s stopped: %s", self.config.executor_id, self._exit_reason)
+
+
+_TRANSFER_CHECK_S = 1.0   # how often unacknowledged transfers are checked against their deadlines
 
 
 def _alive(pid: int) -> bool:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import time
 import traceback
 from typing import Callable, Protocol, Sequence
 
@@ -142,6 +143,10 @@ class ExecutorCore:
         self.cancelled = 0               # queued segments and formations dropped by Cancel
         # Admits a replacement's fresh key on this process's sockets (set by ExecutorProcess; None in tests).
         self.admit_key: Callable[[str, bytes], None] | None = None
+        # Transfers sent and not yet acknowledged: (to address, copy key) → (deadline, copy ref, bytes, sent at).
+        self._unacked: dict[tuple, tuple] = {}
+        self.transfer_timeout_s = _TRANSFER_TIMEOUT_S   # from Welcome
+        self.transfers_lost = 0
 
     # ------------------------------------------------------------ control plane
 
@@ -198,6 +203,8 @@ class ExecutorCore:
         # without them): the liveness thread reads this pair on its next beat.
         if 0 < msg.heartbeat_interval_s < msg.heartbeat_timeout_s:
             self.heartbeat_settings = (msg.heartbeat_interval_s, msg.heartbeat_timeout_s)
+        if msg.transfer_timeout_s > 0:
+            self.transfer_timeout_s = msg.transfer_timeout_s
         self.epoch = msg.epoch
 
     def _on_admit_key(self, msg: pb.AdmitKey, payload) -> None:
@@ -435,7 +442,7 @@ class ExecutorCore:
         """A put, transfer or fetch; one whose handling raises still ends its request (never a silent drop)."""
         kind = body_name(envelope)
         handlers = {"put": lambda: self._on_put(identity, envelope.put, payload),
-                    "transfer": lambda: self._on_transfer(envelope.transfer, payload),
+                    "transfer": lambda: self._on_transfer(envelope.transfer, payload, identity),
                     "fetch": lambda: self._on_fetch(identity, envelope.fetch),
                     "save_shards": lambda: self._on_save(identity, envelope.save_shards)}
         if kind not in handlers:
@@ -479,8 +486,12 @@ class ExecutorCore:
             self.store.fill(_key(item.shard), tensor)
         self.outbox.to_client(identity, pb.Envelope(put_ack=ack))
 
-    def _on_transfer(self, msg: pb.Transfer, payload) -> None:
+    def _on_transfer(self, msg: pb.Transfer, payload, identity: bytes | None = None) -> None:
         key = _key(msg.shard)
+        if identity is not None:   # from a peer (not the controller's failed copy): it arrived, say so
+            ack = pb.TransferAck()
+            ack.shard.CopyFrom(msg.shard)
+            self.outbox.to_client(identity, pb.Envelope(transfer_ack=ack))
         if not self._expects_transfer(key):
             self._drop(f"transfer of array {key[0]} shard {key[1]} for call {key[2]}: no run waits for it")
             return
@@ -581,8 +592,33 @@ class ExecutorCore:
             payload = [self.backend.to_frame(entry.value, transfer.tensor, 1)]
             self.hop_bytes["executor->executor"] += entry.nbytes
         self.trace.record("send", "transfer", call_id=msg.call_id, detail=f"array {msg.shard.array_id} -> {msg.to_address}")
+        nbytes = 0 if entry.failure is not None else entry.nbytes
+        now = time.monotonic()
+        # A link may take a while for big shards: the deadline grows with the bytes (at 1 MB/s at worst).
+        self._unacked[(msg.to_address, _key(msg.as_ref))] = (now + self.transfer_timeout_s + nbytes / _SLOWEST_LINK,
+                                                             msg.as_ref, nbytes, now)
         self.outbox.to_peer(msg.to_address, pb.Envelope(transfer=transfer), payload, msg.to_public_key)
         self.store.unpin(key)
+
+    def on_peer_reply(self, address: str, envelope: pb.Envelope) -> None:
+        """A message back on the connection to a peer: the acknowledgement of a transfer we sent it."""
+        if body_name(envelope) != "transfer_ack":
+            self._drop(f"{body_name(envelope)!r} from the peer at {address}")
+            return
+        self._unacked.pop((address, _key(envelope.transfer_ack.shard)), None)
+
+    def check_transfers(self, now: float) -> None:
+        """Report each transfer not acknowledged by its deadline (run every second): the controller fails the run
+        that waits for it, which would otherwise wait forever (a frame lost on a cut link)."""
+        expired = [k for k, (deadline, *_rest) in self._unacked.items() if deadline <= now]
+        for address, key in expired:
+            _, ref, nbytes, sent_at = self._unacked.pop((address, key))
+            self.transfers_lost += 1
+            lost = pb.TransferLost(to_address=address, waited_s=now - sent_at, nbytes=nbytes)
+            lost.shard.CopyFrom(ref)
+            log.warning("%s: the transfer of array %d shard %d to %s was not acknowledged within %.0f s",
+                        self.executor_id, ref.array_id, ref.shard, address, now - sent_at)
+            self.outbox.to_controller(pb.Envelope(transfer_lost=lost))
 
     def _expects_transfer(self, key: tuple) -> bool:
         """Whether a transfer for ``key`` fills a copy a run waits for (or may soon wait for).
@@ -884,6 +920,8 @@ class ExecutorCore:
 
 
 _DATA_KINDS = {"put", "transfer", "fetch", "save_shards"}
+_TRANSFER_TIMEOUT_S = 20.0        # until Welcome says (the controller's transfer_timeout_s)
+_SLOWEST_LINK = 1e6               # bytes/s: a transfer's deadline allows this slow a link
 _MAX_EARLY_TRANSFERS = 4096
 _MAX_REFUSED_EARLY = 65536
 

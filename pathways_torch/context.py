@@ -58,6 +58,9 @@ class ContextConfig:
     # batches; below about 16 a 2-core host loses throughput, measured).
     max_inflight: int = 256
     max_inflight_steps: int = 16
+    # A transfer between executors not acknowledged this long (plus 1 s per MB) fails the call that needs it
+    # (a link that failed; None: the loss bound, 2 x heartbeat_timeout_s, at least 20 s).
+    transfer_timeout_s: float | None = None
     # With islands: shape the link between them (a relay that delays and counts; the kernel's tbf in a network
     # namespace or the relay's token bucket limits the rate: pathways_torch.link).
     link: object | None = None
@@ -163,7 +166,7 @@ class Context:
             self._server = ControllerServer(ControllerConfig(
                 heartbeat_interval_s=self.config.heartbeat_interval_s,
                 heartbeat_timeout_s=self.config.heartbeat_timeout_s, inject_latency_s=self.config.inject_latency_s,
-                max_inflight_calls=self.config.max_inflight,
+                max_inflight_calls=self.config.max_inflight, transfer_timeout_s=self.config.transfer_timeout_s,
                 **({"bind_address": self.launch.controller_bind} if self.launch else {})),
                 self._keys.credentials(CONTROLLER), self._zmq)
             self._server.start()

@@ -139,6 +139,8 @@ class LinkRelay:
         self._lock = threading.Lock()
         self._directions: list[_Direction] = []
         self._stopping = self._closed = False
+        self._cut = threading.Event()          # set by `cut`, cleared by the relay thread once done
+        self.cuts = 0
         self._thread = threading.Thread(target=self._run, name="pathways-link", daemon=True)
         self._thread.start()
 
@@ -162,6 +164,15 @@ class LinkRelay:
             return f"relayed, {_delay(link)}, {_rate(link)}"
         return f"relayed, {_delay(link)}, {_rate(link)} (the relay's token bucket; {self.shaping_reason})"
 
+    def cut(self, timeout_s: float = 5.0) -> None:
+        """Cut the link once, as a failing network does: every relayed connection is reset at once and the
+        bytes in flight are dropped. New connections are accepted again at once (ZeroMQ reconnects without a
+        word): what was lost must be found by whoever waits for it (transfers are acknowledged)."""
+        self._cut.set()
+        deadline = time.monotonic() + timeout_s
+        while self._cut.is_set() and time.monotonic() < deadline:
+            time.sleep(0.005)
+
     def close(self) -> None:
         if self._closed:
             return
@@ -177,6 +188,8 @@ class LinkRelay:
 
     def _run(self) -> None:
         while not self._stopping:
+            if self._cut.is_set():
+                self._reset_all()
             with self._lock:
                 events = self._selector.select(self._timeout())
             for key, _ in events:
@@ -256,6 +269,19 @@ class LinkRelay:
         key = self._selector.get_key(direction.source) if direction.source.fileno() >= 0 else None
         if key is not None:
             self.bytes_to[key.data[2]] += sent
+
+    def _reset_all(self) -> None:
+        """Reset every relayed connection (RST: SO_LINGER 0), dropping what waits in the queues (`cut`)."""
+        import struct
+
+        for direction in list(self._directions):
+            direction.queue.clear()
+            for s in (direction.source, direction.sink):
+                if s.fileno() >= 0:
+                    s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            self._close(direction)
+        self.cuts += 1
+        self._cut.clear()
 
     def _close(self, direction: _Direction) -> None:
         for s in (direction.source, direction.sink):

@@ -119,16 +119,18 @@ class Register(_message.Message):
     def __init__(self, executor_id: _Optional[str] = ..., data_address: _Optional[str] = ..., device: _Optional[str] = ..., backend: _Optional[str] = ..., pid: _Optional[int] = ..., store_bytes: _Optional[int] = ..., public_key: _Optional[bytes] = ..., command_address: _Optional[str] = ..., island: _Optional[str] = ...) -> None: ...
 
 class Welcome(_message.Message):
-    __slots__ = ("index", "heartbeat_interval_s", "heartbeat_timeout_s", "epoch")
+    __slots__ = ("index", "heartbeat_interval_s", "heartbeat_timeout_s", "epoch", "transfer_timeout_s")
     INDEX_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_INTERVAL_S_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
     index: int
     heartbeat_interval_s: float
     heartbeat_timeout_s: float
     epoch: int
-    def __init__(self, index: _Optional[int] = ..., heartbeat_interval_s: _Optional[float] = ..., heartbeat_timeout_s: _Optional[float] = ..., epoch: _Optional[int] = ...) -> None: ...
+    transfer_timeout_s: float
+    def __init__(self, index: _Optional[int] = ..., heartbeat_interval_s: _Optional[float] = ..., heartbeat_timeout_s: _Optional[float] = ..., epoch: _Optional[int] = ..., transfer_timeout_s: _Optional[float] = ...) -> None: ...
 
 class Heartbeat(_message.Message):
     __slots__ = ("sent_at", "epoch", "lost_peers")
@@ -510,6 +512,24 @@ class Transfer(_message.Message):
     failed: bool
     def __init__(self, shard: _Optional[_Union[ShardRef, _Mapping]] = ..., tensor: _Optional[_Union[TensorMeta, _Mapping]] = ..., failure: _Optional[_Union[RemoteFailure, _Mapping]] = ..., failed: _Optional[bool] = ...) -> None: ...
 
+class TransferAck(_message.Message):
+    __slots__ = ("shard",)
+    SHARD_FIELD_NUMBER: _ClassVar[int]
+    shard: ShardRef
+    def __init__(self, shard: _Optional[_Union[ShardRef, _Mapping]] = ...) -> None: ...
+
+class TransferLost(_message.Message):
+    __slots__ = ("shard", "to_address", "waited_s", "nbytes")
+    SHARD_FIELD_NUMBER: _ClassVar[int]
+    TO_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    WAITED_S_FIELD_NUMBER: _ClassVar[int]
+    NBYTES_FIELD_NUMBER: _ClassVar[int]
+    shard: ShardRef
+    to_address: str
+    waited_s: float
+    nbytes: int
+    def __init__(self, shard: _Optional[_Union[ShardRef, _Mapping]] = ..., to_address: _Optional[str] = ..., waited_s: _Optional[float] = ..., nbytes: _Optional[int] = ...) -> None: ...
+
 class Fetch(_message.Message):
     __slots__ = ("shard", "request_id")
     SHARD_FIELD_NUMBER: _ClassVar[int]
@@ -587,7 +607,7 @@ class StoreReply(_message.Message):
     def __init__(self, request_id: _Optional[int] = ..., ok: _Optional[bool] = ..., value: _Optional[bytes] = ..., number: _Optional[int] = ..., found: _Optional[bool] = ..., error: _Optional[str] = ...) -> None: ...
 
 class Envelope(_message.Message):
-    __slots__ = ("register", "welcome", "heartbeat", "load_function", "run", "send_shard", "free", "done", "stats_request", "stats", "trace_request", "trace_reply", "shutdown", "form_group", "register_program", "run_program", "put", "put_ack", "transfer", "fetch", "fetch_reply", "store_request", "store_reply", "save_shards", "save_reply", "cancel", "admit_key", "frees", "epoch")
+    __slots__ = ("register", "welcome", "heartbeat", "load_function", "run", "send_shard", "free", "done", "stats_request", "stats", "trace_request", "trace_reply", "shutdown", "form_group", "register_program", "run_program", "put", "put_ack", "transfer", "fetch", "fetch_reply", "store_request", "store_reply", "save_shards", "save_reply", "cancel", "admit_key", "transfer_ack", "transfer_lost", "frees", "epoch")
     REGISTER_FIELD_NUMBER: _ClassVar[int]
     WELCOME_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_FIELD_NUMBER: _ClassVar[int]
@@ -615,6 +635,8 @@ class Envelope(_message.Message):
     SAVE_REPLY_FIELD_NUMBER: _ClassVar[int]
     CANCEL_FIELD_NUMBER: _ClassVar[int]
     ADMIT_KEY_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_ACK_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_LOST_FIELD_NUMBER: _ClassVar[int]
     FREES_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     register: Register
@@ -644,9 +666,11 @@ class Envelope(_message.Message):
     save_reply: SaveReply
     cancel: Cancel
     admit_key: AdmitKey
+    transfer_ack: TransferAck
+    transfer_lost: TransferLost
     frees: _containers.RepeatedCompositeFieldContainer[ShardRef]
     epoch: int
-    def __init__(self, register: _Optional[_Union[Register, _Mapping]] = ..., welcome: _Optional[_Union[Welcome, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., load_function: _Optional[_Union[LoadFunction, _Mapping]] = ..., run: _Optional[_Union[Run, _Mapping]] = ..., send_shard: _Optional[_Union[SendShard, _Mapping]] = ..., free: _Optional[_Union[Free, _Mapping]] = ..., done: _Optional[_Union[Done, _Mapping]] = ..., stats_request: _Optional[_Union[StatsRequest, _Mapping]] = ..., stats: _Optional[_Union[Stats, _Mapping]] = ..., trace_request: _Optional[_Union[TraceRequest, _Mapping]] = ..., trace_reply: _Optional[_Union[TraceReply, _Mapping]] = ..., shutdown: _Optional[_Union[Shutdown, _Mapping]] = ..., form_group: _Optional[_Union[FormGroup, _Mapping]] = ..., register_program: _Optional[_Union[RegisterProgram, _Mapping]] = ..., run_program: _Optional[_Union[RunProgram, _Mapping]] = ..., put: _Optional[_Union[Put, _Mapping]] = ..., put_ack: _Optional[_Union[PutAck, _Mapping]] = ..., transfer: _Optional[_Union[Transfer, _Mapping]] = ..., fetch: _Optional[_Union[Fetch, _Mapping]] = ..., fetch_reply: _Optional[_Union[FetchReply, _Mapping]] = ..., store_request: _Optional[_Union[StoreRequest, _Mapping]] = ..., store_reply: _Optional[_Union[StoreReply, _Mapping]] = ..., save_shards: _Optional[_Union[SaveShards, _Mapping]] = ..., save_reply: _Optional[_Union[SaveReply, _Mapping]] = ..., cancel: _Optional[_Union[Cancel, _Mapping]] = ..., admit_key: _Optional[_Union[AdmitKey, _Mapping]] = ..., frees: _Optional[_Iterable[_Union[ShardRef, _Mapping]]] = ..., epoch: _Optional[int] = ...) -> None: ...
+    def __init__(self, register: _Optional[_Union[Register, _Mapping]] = ..., welcome: _Optional[_Union[Welcome, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., load_function: _Optional[_Union[LoadFunction, _Mapping]] = ..., run: _Optional[_Union[Run, _Mapping]] = ..., send_shard: _Optional[_Union[SendShard, _Mapping]] = ..., free: _Optional[_Union[Free, _Mapping]] = ..., done: _Optional[_Union[Done, _Mapping]] = ..., stats_request: _Optional[_Union[StatsRequest, _Mapping]] = ..., stats: _Optional[_Union[Stats, _Mapping]] = ..., trace_request: _Optional[_Union[TraceRequest, _Mapping]] = ..., trace_reply: _Optional[_Union[TraceReply, _Mapping]] = ..., shutdown: _Optional[_Union[Shutdown, _Mapping]] = ..., form_group: _Optional[_Union[FormGroup, _Mapping]] = ..., register_program: _Optional[_Union[RegisterProgram, _Mapping]] = ..., run_program: _Optional[_Union[RunProgram, _Mapping]] = ..., put: _Optional[_Union[Put, _Mapping]] = ..., put_ack: _Optional[_Union[PutAck, _Mapping]] = ..., transfer: _Optional[_Union[Transfer, _Mapping]] = ..., fetch: _Optional[_Union[Fetch, _Mapping]] = ..., fetch_reply: _Optional[_Union[FetchReply, _Mapping]] = ..., store_request: _Optional[_Union[StoreRequest, _Mapping]] = ..., store_reply: _Optional[_Union[StoreReply, _Mapping]] = ..., save_shards: _Optional[_Union[SaveShards, _Mapping]] = ..., save_reply: _Optional[_Union[SaveReply, _Mapping]] = ..., cancel: _Optional[_Union[Cancel, _Mapping]] = ..., admit_key: _Optional[_Union[AdmitKey, _Mapping]] = ..., transfer_ack: _Optional[_Union[TransferAck, _Mapping]] = ..., transfer_lost: _Optional[_Union[TransferLost, _Mapping]] = ..., frees: _Optional[_Iterable[_Union[ShardRef, _Mapping]]] = ..., epoch: _Optional[int] = ...) -> None: ...
 
 class StatusRequest(_message.Message):
     __slots__ = ("with_stats",)

@@ -110,3 +110,25 @@ def _exits_within(pid: int, seconds: float) -> bool:
             return True
         time.sleep(0.05)
     return False
+
+
+def test_a_cut_link_fails_exactly_the_call_whose_transfer_it_lost_and_the_next_one_crosses():
+    # 0.3 s one way: the copy is still inside the relay when the link is cut (ZeroMQ then reconnects silently).
+    with pw.Context(islands=[1, 1], backend="eager", link=pw.Link(delay_s=0.3, shaping="relay"),
+                    transfer_timeout_s=5.0) as ctx:
+        here, there = (ctx.mesh({"data": 1}, executors=[e]) for e in ctx.executor_ids)
+        x = ctx.put(torch.ones(3), here, {"data": pw.Replicate()})
+        twice = pw.function(lambda t: t * 2).on(there)
+        assert torch.equal(twice(x).result(60), torch.full((3,), 2.0))    # connected, compiled
+        crossing = twice(x)
+        time.sleep(0.15)
+        ctx.link.cut()
+        cut_at = time.monotonic()
+        error = crossing.exception(60)
+        assert isinstance(error, pw.RemoteError) and error.remote_type == "TransferLost", error
+        assert "from executor-0 to executor-1" in str(error) and "not acknowledged" in str(error)
+        assert time.monotonic() - cut_at < 5.0 + 3.0           # its deadline (+1 s per MB), checked every second
+        assert ctx.link.cuts == 1
+        # Nothing else failed: both executors are alive and the next copy crosses the reconnected link.
+        assert torch.equal(twice(x).result(60), torch.full((3,), 2.0))
+        assert ctx.stats()["controller"]["lost_executors"] == []

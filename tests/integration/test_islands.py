@@ -4,6 +4,8 @@ before anything is sent."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -161,7 +163,7 @@ def test_transfers_between_islands_cross_the_shaped_link_and_in_island_ones_do_n
     assert shaped.link.bytes_relayed >= 3 * 2 * 2 * 4 * 6 * 8
     # In the other context (no link) nothing is relayed; here, a copy inside one island is not either.
     trainer.state_dict()                     # the first stage's update read the last gradients: all arrived
-    before = shaped.link.bytes_relayed
+    before = _settled(shaped.link)           # and their acknowledgements came back over the link
     here, there = (shaped.mesh({"data": 1}, executors=[e]) for e in ("executor-0", "executor-1"))
     x = shaped.put(torch.ones(3), here, {"data": pw.Replicate()})
     twice = pw.function(lambda t: t * 2).on(there)      # x moves executor-0 -> executor-1, inside island 0
@@ -170,6 +172,19 @@ def test_transfers_between_islands_cross_the_shaped_link_and_in_island_ones_do_n
     assert shaped.stats()["hops"]["executor->executor"] > moved
     assert shaped.link.bytes_relayed == before
     assert ctx.link is None
+
+
+def _settled(link, quiet_s: float = 0.3, timeout_s: float = 10.0) -> int:
+    """The link's byte count once nothing crossed it for ``quiet_s`` (transfer acknowledgements cross it after
+    the transfers they acknowledge)."""
+    deadline = time.monotonic() + timeout_s
+    count = link.bytes_relayed
+    while time.monotonic() < deadline:
+        time.sleep(quiet_s)
+        if link.bytes_relayed == count:
+            return count
+        count = link.bytes_relayed
+    return count
 
 
 def _mlp():

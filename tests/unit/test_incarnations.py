@@ -264,3 +264,40 @@ def test_a_replacements_key_folder_holds_its_own_pair_and_the_others_public_keys
         first.remove()
         replacement.remove()
         context.term()
+
+
+def test_a_transfer_is_acknowledged_and_one_not_acknowledged_in_time_is_reported_lost():
+    core, outbox = make_core()
+    put(core, ref(5), torch.ones(2, 3))
+    for tag in (7, 8):
+        send = pb.SendShard(to_address="tcp://peer:1", call_id=tag)
+        send.shard.CopyFrom(ref(5))
+        send.as_ref.CopyFrom(ref(5, tag=tag))
+        core.on_control(pb.Envelope(send_shard=send), [])
+    assert len(core._unacked) == 2
+    core.on_peer_reply("tcp://peer:1", pb.Envelope(transfer_ack=pb.TransferAck(shard=ref(5, tag=7))))
+    core.check_transfers(time.monotonic())                      # not due yet
+    assert [env for env, _ in outbox.controller if env.HasField("transfer_lost")] == []
+    core.check_transfers(time.monotonic() + core.transfer_timeout_s + 1)
+    (lost,) = [env.transfer_lost for env, _ in outbox.controller if env.HasField("transfer_lost")]
+    assert lost.shard.tag == 8 and lost.to_address == "tcp://peer:1" and lost.nbytes == 24
+    assert core._unacked == {} and core.transfers_lost == 1
+
+
+def test_a_lost_transfer_fails_the_waiting_run_on_the_receiver_and_its_call_alone(setup):
+    controller, outbox, function_id = setup
+    a = controller.resources.allocate({"data": 1}, ["e0"])
+    b = controller.resources.allocate({"data": 1}, ["e1"])
+    x = controller.new_array(a.executor_ids)
+    [needs_copy] = controller.call(CallSpec(function_id=function_id, name="f", mesh=b, inputs=(x.array_id,),
+                                            num_outputs=1))
+    [other] = controller.call(CallSpec(function_id=function_id, name="f", mesh=b, inputs=(), num_outputs=1))
+    (_, send), = outbox.of("send_shard")
+    lost = pb.TransferLost(to_address=send.send_shard.to_address, waited_s=21, nbytes=24)
+    lost.shard.CopyFrom(send.send_shard.as_ref)
+    controller.on_message("e0", pb.Envelope(transfer_lost=lost), [])
+    assert needs_copy.state == "failed" and needs_copy.error.remote_type == "TransferLost"
+    assert "from e0 to e1" in str(needs_copy.error) and other.state == "pending"
+    (to, failed), = outbox.of("transfer")
+    assert to == "e1" and failed.transfer.failed and failed.transfer.shard == send.send_shard.as_ref
+    assert not any(info.lost for info in controller.resources.ordered())
