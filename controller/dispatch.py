@@ -119,6 +119,9 @@ class Controller:
         self.dropped_messages = 0
         # Called (under the lock) when an executor is lost, e.g. to fail the client's fetches from it.
         self.loss_listeners: list[Callable[[str, ExecutorLostError], None]] = []
+        # Called (under the lock, on the I/O thread) when an executor registers again: a new incarnation took its
+        # place (the client talks to it at its new address from then on).
+        self.incarnation_listeners: list[Callable[[ExecutorInfo], None]] = []
         # Where each executor runs, for the errors that name it (under pathways-run: "node 1 at 10.0.0.2").
         self.executor_labels: dict[str, str] = {}
         # Asks the launcher whether an executor process has exited (and declares it lost if so).
@@ -194,6 +197,8 @@ class Controller:
                                        island=msg.island or DEFAULT_ISLAND)
         if previous is not None:
             self._take_place(executor_id, info)
+            for listener in self.incarnation_listeners:
+                listener(info)
         self._send(executor_id, pb.Envelope(welcome=pb.Welcome(
             index=info.index, heartbeat_interval_s=self.config.heartbeat_interval_s,
             heartbeat_timeout_s=self.config.heartbeat_timeout_s, epoch=info.epoch,
@@ -278,8 +283,9 @@ class Controller:
         island, whose groups it must abandon."""
         with self._lock:
             info = self.resources.executors.get(executor_id)
-            if info is None or (info.lost and not epoch):
-                return "unknown", []   # not registered yet (a replacement's Register may still be on its way)
+            if info is None or not epoch:
+                # Not welcomed yet (its Register may still be on its way, or was refused): it keeps no one alive.
+                return "unknown", []
             if epoch and epoch != info.epoch:
                 self.stale_messages += 1
                 return "stale", []

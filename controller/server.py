@@ -30,7 +30,8 @@ from pathways_torch.wire import SocketLoop, body_name, decode, encode, pb
 from pathways_torch.wire.framing import MAX_ENVELOPE_BYTES, FramingError, log_dropped
 from pathways_torch.wire.loop import frame_nbytes
 from pathways_torch.wire.security import (CLIENT, CONTROLLER, HEARTBEAT_SUFFIX, STORE_SUFFIX, ConnectionWatch, Credentials,
-                                          SecurityError, make_client, make_server, peer_role, split_identity)
+                                          SecurityError, make_client, make_server, peer_role, spare_of,
+                                          split_identity)
 
 from .config import ControllerConfig
 from .dispatch import Controller
@@ -68,6 +69,9 @@ class ControllerServer:
         self.loop.every(self.config.heartbeat_interval_s, self.controller.heartbeat)
         self.dropped_messages = 0   # refused here; the Controller counts what it refuses itself
         self._commands: dict[str, zmq.Socket] = {}   # executor id → DEALER to its command ROUTER
+        # executor id → the role of the key it registered with (its own, or a spare after a replacement)
+        self._active_roles: dict[str, str] = {}
+        self.on_key_revoked = None   # (public key) -> None: the client process's Gatekeeper refuses it (Context)
         self._commands_lock = threading.Lock()       # the DEALERs are used from any thread, one at a time
         self._command_payload_bytes = 0
 
@@ -141,8 +145,13 @@ class ControllerServer:
             self._drop(f"malformed message: {exc}")
             return
         executor_id, connection = split_identity(identity)
-        if role != executor_id or role in (CONTROLLER, CLIENT):
+        if executor_id not in (role, spare_of(role or "")) or role in (CONTROLLER, CLIENT):
             self._drop(f"a peer authenticated as {role!r} spoke as {identity!r}")
+            return
+        active = self._active_roles.get(executor_id)
+        if active is not None and role != active and body_name(envelope) != "register":
+            self._drop(f"{executor_id} spoke with the key of {role!r}, which a replacement's key ({active!r}) "
+                       f"revoked")
             return
         if connection == HEARTBEAT_SUFFIX:
             self._on_heartbeat(frames[0], executor_id, envelope)
@@ -154,14 +163,31 @@ class ControllerServer:
             if envelope.register.public_key != self.credentials.allowed.get(role):
                 self._drop(f"{executor_id} registered a data-socket key that is not its own")
                 return
-            claim = self.controller.rival_claim(executor_id, envelope.register)
+            # A spare key is held by the executor's own node alone: its launcher restarted it (no rival claim).
+            claim = None if spare_of(role) else self.controller.rival_claim(executor_id, envelope.register)
             if claim is not None:
                 log.error("controller: %s", claim)
                 self._drop(claim)
                 return
             if not self._connect_commands(executor_id, envelope.register):
                 return
+            previous = self._active_roles.get(executor_id)
+            self._active_roles[executor_id] = role
+            self.controller.on_message(executor_id, envelope, payload)
+            if previous is not None and previous != role:
+                self._revoke_replaced(executor_id, previous, role)
+            return
         self.controller.on_message(executor_id, envelope, payload)
+
+    def _revoke_replaced(self, executor_id: str, old_role: str, new_role: str) -> None:
+        """A replacement registered with a spare key (started by pathways-run on its node): the key it replaces
+        is refused from now on, here and on every executor."""
+        old_key, new_key = self.credentials.allowed.get(old_role), self.credentials.allowed[new_role]
+        log.warning("controller: %s now uses the key of %s; the key of %s is revoked", executor_id, new_role,
+                    old_role)
+        if old_key is not None and self.on_key_revoked is not None:
+            self.on_key_revoked(old_key)
+        self.controller.admit_key(executor_id, new_key)
 
     def _on_store(self, identity_frame, executor_id: str, envelope: pb.Envelope) -> None:
         """A rendezvous store request: answered on this thread, now or when the key it waits for is set."""

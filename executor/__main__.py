@@ -36,13 +36,17 @@ def parse_args(argv=None) -> ExecutorConfig:
     parser.add_argument("--cpus", default="", help="pin the process to these cores, e.g. 0 or 0,1 (default: all)")
     parser.add_argument("--island", default="",
                         help="the island this executor belongs to (its own collectives and gang order; default 0)")
+    parser.add_argument("--key-role", default="",
+                        help="use this role's key pair instead of the id's: a spare key of the id (a replacement "
+                             "started by pathways-run --max-executor-restarts)")
     args = parser.parse_args(argv)
     return ExecutorConfig(controller_address=args.controller, executor_id=args.id, keys_dir=args.keys,
                           backend=args.backend,
                           device=args.device, bind_host=args.bind_host, num_threads=args.threads,
                           parent_pid=args.parent_pid, heartbeat_interval_s=args.heartbeat_interval_s,
                           heartbeat_timeout_s=args.heartbeat_timeout_s, join_timeout_s=args.join_timeout_s,
-                          cpus=tuple(int(c) for c in args.cpus.split(",") if c.strip()), island=args.island)
+                          cpus=tuple(int(c) for c in args.cpus.split(",") if c.strip()), island=args.island,
+                          key_role=args.key_role)
 
 
 def main(argv=None) -> None:

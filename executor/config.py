@@ -22,6 +22,9 @@ class ExecutorConfig:
     controller_address: str
     executor_id: str
     keys_dir: str                 # the launcher's key directory (see pathways_torch.wire.security)
+    # Whose key pair to use: the id's own (""), or one of its spares ("executor-1.r1": a replacement started by
+    # pathways-run; pathways_torch.launch.keys)
+    key_role: str = ""
     backend: str = "eager"
     device: str = "cpu"
     bind_host: str = "127.0.0.1"

@@ -38,9 +38,13 @@ from .config import ExecutorConfig
 from .trace import TraceRecorder
 from .worker import ComputeJob, ExecutorCore
 
-__all__ = ["ExecutorProcess"]
+__all__ = ["ExecutorProcess", "EXIT_LOST", "EXIT_CONTROLLER_GONE"]
 
 log = logging.getLogger(__name__)
+
+# Exit codes a launcher reads (pathways-run restarts the first kind with --max-executor-restarts, not the second).
+EXIT_LOST = 3              # told to stop as lost, or refused: a replacement may take its place
+EXIT_CONTROLLER_GONE = 4   # the controller (or the parent) is gone: nothing to rejoin
 
 _CONTROL = "control"
 _COMMANDS = "commands"
@@ -91,7 +95,7 @@ class ExecutorProcess:
 
     def __init__(self, config: ExecutorConfig):
         self.config = config
-        self.credentials = KeyDirectory(config.keys_dir).credentials(config.executor_id)
+        self.credentials = KeyDirectory(config.keys_dir).credentials(config.key_role or config.executor_id)
         self.zmq = zmq.Context()
         self.gatekeeper = Gatekeeper(self.zmq, self.credentials.allowed)
         self.loop = SocketLoop(f"executor-{config.executor_id}", self.zmq)
@@ -277,14 +281,14 @@ class ExecutorProcess:
             if now >= next_ping:
                 interval, timeout = self.core.heartbeat_settings or (interval, timeout)
                 if self.config.parent_pid and not _alive(self.config.parent_pid):
-                    self._exit(f"parent process {self.config.parent_pid} is gone")
+                    self._exit(f"parent process {self.config.parent_pid} is gone", EXIT_CONTROLLER_GONE)
                 # Until the controller first answers, it may still be starting (a launcher starts executors
                 # on every node before the script on node 0 has made its controller): wait up to join_timeout_s.
                 limit = timeout if answered else max(timeout, self.config.join_timeout_s)
                 if now - last_answer > limit:
                     what = "no answer from the controller" if answered else \
                         f"the controller at {self.config.controller_address} never answered"
-                    self._exit(f"{what} for {now - last_answer:.1f} s (timeout {limit:g} s)")
+                    self._exit(f"{what} for {now - last_answer:.1f} s (timeout {limit:g} s)", EXIT_CONTROLLER_GONE)
                 try:
                     beat = pb.Envelope(heartbeat=pb.Heartbeat(sent_at=time.time(), epoch=self.outbox.epoch))
                     socket.send(encode(beat)[0], zmq.NOBLOCK)
@@ -319,9 +323,9 @@ class ExecutorProcess:
         self.gatekeeper.admit(role, public_key)
         self.credentials.allowed[role] = public_key
 
-    def _exit(self, reason: str) -> None:
+    def _exit(self, reason: str, code: int = EXIT_LOST) -> None:
         log.warning("executor %s exits: %s", self.config.executor_id, reason)
-        os._exit(3)
+        os._exit(code)
 
     def _stop(self, reason: str) -> None:
         self._exit_reason = reason

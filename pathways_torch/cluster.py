@@ -51,20 +51,22 @@ class LocalCluster:
             self.processes.append(self._start(executor_id, keys_dir))
         atexit.register(self.stop, 2.0)
 
-    def _start(self, executor_id: str, keys_dir: str, log_mode: str = "wb") -> subprocess.Popen:
+    def _start(self, executor_id: str, keys_dir: str, log_mode: str = "wb", extra_args=()) -> subprocess.Popen:
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         with open(os.path.join(self.log_dir, f"{executor_id}.log"), log_mode) as log_file:
-            return subprocess.Popen([*self._argv[executor_id], "--keys", keys_dir], stdin=subprocess.DEVNULL,
-                                    stdout=log_file, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+            return subprocess.Popen([*self._argv[executor_id], "--keys", keys_dir, *extra_args],
+                                    stdin=subprocess.DEVNULL, stdout=log_file, stderr=subprocess.STDOUT, env=env,
+                                    start_new_session=True)
 
-    def respawn(self, executor_id: str, keys_dir: str) -> subprocess.Popen:
+    def respawn(self, executor_id: str, keys_dir: str, extra_args=()) -> subprocess.Popen:
         """Start a new incarnation of ``executor_id`` with the keys in ``keys_dir`` (its log appended to the
-        old one's); the old process is kept (it may be stopped, not dead) and killed at `stop`."""
+        old one's; ``extra_args``: more flags, e.g. the spare key's role); the old process is kept (it may be
+        stopped, not dead) and killed at `stop`."""
         index = self.executor_ids.index(executor_id)
         with open(os.path.join(self.log_dir, f"{executor_id}.log"), "ab") as log_file:
             log_file.write(f"\n---- replacement of pid {self.processes[index].pid} ----\n".encode())
         self.replaced.append(self.processes[index])
-        self.processes[index] = self._start(executor_id, keys_dir, "ab")
+        self.processes[index] = self._start(executor_id, keys_dir, "ab", extra_args)
         self._reported.discard(executor_id)
         return self.processes[index]
 

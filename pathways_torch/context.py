@@ -171,6 +171,7 @@ class Context:
                 self._keys.credentials(CONTROLLER), self._zmq)
             self._server.start()
             self.controller = self._server.controller
+            self._server.on_key_revoked = self._gatekeeper.revoke
             if self.launch is None:
                 self._cluster = LocalCluster(
                     self._server.address, executor_ids, keys_dir=self._keys.path,
@@ -195,6 +196,7 @@ class Context:
             for info in self.controller.resources.ordered():
                 self._data.connect(info.executor_id, info.data_address, info.public_key)
             self.controller.loss_listeners.append(self._data.executor_lost)
+            self.controller.incarnation_listeners.append(self._on_new_incarnation)
             if self._cluster is not None:
                 # A dead child is lost at once; the heartbeat timeout catches the hung and the remote.
                 self._server.loop.every(self.config.heartbeat_interval_s, self._reap_exited)
@@ -302,9 +304,8 @@ class Context:
         if not info.lost:
             raise PathwaysError(f"replace_executor: {executor_id} is alive (incarnation {info.epoch}); only an "
                                 f"executor declared lost is replaced")
-        if self._cluster is None:
-            raise PathwaysError(f"replace_executor: {executor_id} runs under pathways-run, whose launcher restarts "
-                                f"it on its own node; starting it from the client is not built (docs/faults.md)")
+        if self._cluster is None:   # under pathways-run: the executor's node restarts it, with a spare key
+            return self._await_launched_replacement(executor_id, info, timeout_s)
         keys = self._replacement_keys(executor_id)
         try:
             public = keys.keypair(executor_id).public
@@ -315,10 +316,27 @@ class Context:
             new = self._wait_for_incarnation(executor_id, info.epoch + 1, process, timeout_s)
         finally:
             keys.remove()    # read at start-up; as for the first incarnations, no key stays on disk
-        self._data.reconnect(executor_id, new.data_address, new.public_key)
-        if self.link is not None:
-            new.link_address = self.link.add(new.data_address)
         log.warning("%s replaced: incarnation %d, pid %d (was pid %d)", executor_id, new.epoch, new.pid, info.pid)
+        return new
+
+    def _on_new_incarnation(self, info) -> None:
+        """An executor registered again (replaced by this context or by its node's launcher): talk to it at its
+        new address, with its new key, and route other islands' transfers to it through the link."""
+        self._data.reconnect(info.executor_id, info.data_address, info.public_key)
+        if self.link is not None:
+            info.link_address = self.link.add(info.data_address)
+
+    def _await_launched_replacement(self, executor_id: str, info, timeout_s: float):
+        """The replacement a node's pathways-run starts (``--max-executor-restarts``), once it registered."""
+        try:
+            new = self.controller.wait_for_incarnation(executor_id, info.epoch + 1, timeout_s)
+        except ExecutorLostError:
+            raise ExecutorLostError(
+                f"no replacement for {executor_id} ({self.controller.executor_labels.get(executor_id, 'its node')}) "
+                f"registered within {timeout_s:g} s (replacement_timeout_s): start that node's pathways-run with "
+                f"--max-executor-restarts N, and see its log", executor_id=executor_id) from None
+        log.warning("%s replaced by its node: incarnation %d, pid %d (was pid %d)", executor_id, new.epoch, new.pid,
+                    info.pid)
         return new
 
     def _replacement_keys(self, executor_id: str) -> KeyDirectory:

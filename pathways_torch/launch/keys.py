@@ -9,8 +9,8 @@ SLURM job folder readable only by the user); no key travels over the network in 
 
     DIR/              0700
       node-0/         0700  a key directory: public/ every role's .key; secret/ controller, client,
-                            executor-0 .. executor-(P-1)
-      node-1/         0700  public/ the same; secret/ executor-P .. executor-(2P-1)
+                            executor-0 .. executor-(P-1), and each one's spares executor-K.r1 .. .r3
+      node-1/         0700  public/ the same; secret/ executor-P .. executor-(2P-1) and their spares
       ...
 """
 
@@ -19,15 +19,20 @@ from __future__ import annotations
 import os
 import shutil
 
-from ..wire.security import CLIENT, CONTROLLER, KeyDirectory, SecurityError
+from ..wire.security import CLIENT, CONTROLLER, KeyDirectory, SecurityError, spare_of, spare_role
 from .environment import executor_ids
 
-__all__ = ["make_run_keys", "node_folder", "roles_of_node"]
+__all__ = ["make_run_keys", "node_folder", "roles_of_node", "spare_role", "spare_of", "SPARES"]
+
+# Spare key pairs per executor: a replacement started by pathways-run on the executor's node uses the next one,
+# and the controller revokes the one before it (docs/faults.md). Made with the run's keys: no key travels later.
+SPARES = 3
 
 
-def roles_of_node(node: int, nproc_per_node: int) -> list[str]:
-    """The roles whose secret keys node ``node`` holds."""
+def roles_of_node(node: int, nproc_per_node: int, spares: int = 0) -> list[str]:
+    """The roles whose secret keys node ``node`` holds (its executors' and, with ``spares``, their spares')."""
     own = executor_ids(range(node * nproc_per_node, (node + 1) * nproc_per_node))
+    own += [spare_role(e, n) for e in list(own) for n in range(1, spares + 1)]
     return [CONTROLLER, CLIENT, *own] if node == 0 else own
 
 
@@ -45,7 +50,8 @@ def make_run_keys(keys_dir: str, nnodes: int, nproc_per_node: int) -> list[str]:
                             f"{sorted(os.listdir(keys_dir))[:5]}; keys of one run are made once: pick a new folder")
     os.makedirs(keys_dir, mode=0o700, exist_ok=True)
     os.chmod(keys_dir, 0o700)
-    roles = [CONTROLLER, CLIENT, *executor_ids(range(nnodes * nproc_per_node))]
+    executors = executor_ids(range(nnodes * nproc_per_node))
+    roles = [CONTROLLER, CLIENT, *executors, *[spare_role(e, n) for e in executors for n in range(1, SPARES + 1)]]
     every = KeyDirectory.create(roles, parent=keys_dir)     # one scratch folder with every pair, removed below
     try:
         folders = [_write_node(every, keys_dir, node, nproc_per_node) for node in range(nnodes)]
@@ -62,7 +68,7 @@ def _write_node(every: KeyDirectory, keys_dir: str, node: int, nproc_per_node: i
         target = os.path.join(folder, "public", name)
         shutil.copyfile(os.path.join(every.path, "public", name), target)
         os.chmod(target, 0o600)
-    for role in roles_of_node(node, nproc_per_node):
+    for role in roles_of_node(node, nproc_per_node, SPARES):
         target = os.path.join(folder, "secret", f"{role}.key_secret")
         shutil.copyfile(os.path.join(every.path, "secret", f"{role}.key_secret"), target)
         os.chmod(target, 0o600)

@@ -31,6 +31,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 from .environment import LaunchEnvironment, executor_ids
@@ -54,6 +55,7 @@ class LaunchConfig:
     island: str = ""
     run_id: str = "none"
     max_restarts: int = 0
+    max_executor_restarts: int = 0   # per executor of this node, each with the next spare key (keys.SPARES)
     backend: str = ""
     join_timeout_s: float = 300.0
     health_port: int = 0
@@ -111,6 +113,10 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--run-id", "--run_id", default="none", help="a name for the job (shown in logs)")
     parser.add_argument("--max-restarts", "--max_restarts", type=int, default=0,
                         help="start the whole job again at most this many times when it fails")
+    parser.add_argument("--max-executor-restarts", type=int, default=0,
+                        help="start an executor of this node again when it dies, at most this many times each "
+                             "(with its next spare key: at most 3); the script's trainer recovers onto it "
+                             "(checkpoint_every, docs/faults.md)")
     parser.add_argument("--island", default="", help="the island of this node's executors (default: island 0)")
     parser.add_argument("--keys-dir", default=None,
                         help="this run's keys (pathways-run --make-keys): this node's folder, or the folder holding "
@@ -188,6 +194,11 @@ def parse_args(argv=None) -> LaunchConfig | tuple[str, int, int]:
                           f"give each node its own rank (SLURM: $SLURM_NODEID; Kubernetes: the pod's index)")
     if args.max_restarts < 0:
         raise LaunchError(f"--max-restarts {args.max_restarts}: expected >= 0")
+    from .keys import SPARES
+
+    if not 0 <= args.max_executor_restarts <= SPARES:
+        raise LaunchError(f"--max-executor-restarts {args.max_executor_restarts}: expected 0 .. {SPARES} (each "
+                          f"restart uses one of the {SPARES} spare keys --make-keys made per executor)")
     master = _resolve(args.master_addr)
     if not args.standalone and not args.keys_dir:
         raise LaunchError("--keys-dir: required with --nnodes/--master-addr (every connection is authenticated); "
@@ -197,7 +208,8 @@ def parse_args(argv=None) -> LaunchConfig | tuple[str, int, int]:
     return LaunchConfig(nnodes=args.nnodes, nproc_per_node=resolve_nproc(args.nproc_per_node),
                         node_rank=args.node_rank, master_addr=master, master_port=args.master_port,
                         keys_dir=args.keys_dir or "", host_addr=host, island=args.island, run_id=args.run_id,
-                        max_restarts=args.max_restarts, backend=args.backend or _default_backend(),
+                        max_restarts=args.max_restarts, max_executor_restarts=args.max_executor_restarts,
+                        backend=args.backend or _default_backend(),
                         join_timeout_s=args.join_timeout_s, health_port=args.health_port,
                         status_port=args.status_port, standalone=args.standalone, script=args.script,
                         script_args=tuple(args.script_args))
@@ -249,6 +261,9 @@ class Node:
         self.cluster = self.script = self.health = None
         self.interrupted = 0
         self._watching = False
+        self.restarts: dict[str, int] = {}      # executor id → restarts so far (--max-executor-restarts)
+        self._restart_lock = threading.Lock()
+        self._stopping = False
 
     def start(self) -> None:
         from ..cluster import LocalCluster
@@ -268,6 +283,35 @@ class Node:
                                            preexec_fn=_die_with_parent)
         if config.health_port:
             self._serve_health()
+        if config.max_executor_restarts:
+            threading.Thread(target=self._keep_executors, name="pathways-restarts", daemon=True).start()
+
+    def _keep_executors(self) -> None:
+        while not self._stopping:
+            self.restart_lost_executors()
+            time.sleep(0.2)
+
+    def restart_lost_executors(self) -> None:
+        """Start again each executor of this node that died (a signal) or was told it is lost (exit code
+        EXIT_LOST), with its next spare key, while --max-executor-restarts allows; the controller takes the new
+        incarnation in the old one's place and revokes the old key (docs/faults.md)."""
+        from ..cluster import describe_exit
+        from ..wire.security import spare_role
+
+        with self._restart_lock:
+            for executor_id in self.cluster.executor_ids:
+                process = self.cluster.process_of(executor_id)
+                code = process.poll()
+                done = self.restarts.get(executor_id, 0)
+                if (code is None or self._stopping or done >= self.config.max_executor_restarts
+                        or not (code < 0 or code == _EXIT_LOST)):
+                    continue
+                self.restarts[executor_id] = done + 1
+                role = spare_role(executor_id, done + 1)
+                _say(f"node {self.config.node_rank}: {executor_id} (pid {process.pid}) {describe_exit(code)}; "
+                     f"starting it again with the key {role} (restart {done + 1} of "
+                     f"{self.config.max_executor_restarts})")
+                self.cluster.respawn(executor_id, self.keys_dir, extra_args=("--key-role", role))
 
     def _serve_health(self) -> None:
         """grpc.health.v1 for this node, kept current by a thread: '' serving while everything it started runs."""
@@ -294,11 +338,16 @@ class Node:
         """The node's exit code: the script's on node 0; elsewhere 0 when every executor ended cleanly."""
         if self.script is not None:
             code = _wait_interruptibly(self.script)
+            self._stopping = True     # executors that exit from now on are not started again
             # The script's context told them to stop (a script that failed before making one did not): kill
             # what has not stopped by then.
             self.cluster.stop(grace_s=10.0 if code == 0 else 3.0)
             return code
-        while any(p.poll() is None for p in self.cluster.processes):
+        while True:
+            if self.config.max_executor_restarts:
+                self.restart_lost_executors()
+            if all(p.poll() is not None for p in self.cluster.processes):
+                break
             time.sleep(0.2)
         codes = [p.returncode for p in self.cluster.processes]
         self.cluster.stop(grace_s=0.0)
@@ -317,6 +366,7 @@ class Node:
 
     def stop(self) -> None:
         self._watching = False
+        self._stopping = True
         if self.health is not None:
             self.health.stop()
         if self.script is not None and self.script.poll() is None:
@@ -324,6 +374,9 @@ class Node:
             self.script.wait()
         if self.cluster is not None:
             self.cluster.stop(grace_s=2.0)
+
+
+_EXIT_LOST = 3   # executor.process.EXIT_LOST (not imported: that module imports zmq and the executor's parts)
 
 
 def _die_with_parent() -> None:

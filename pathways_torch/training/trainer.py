@@ -220,7 +220,7 @@ class Trainer:
             # replacement for shards it never held.
             self._checkpoint.exception()
             self._checkpoint = None
-        for executor_id in lost:
+        for executor_id in lost:   # (under pathways-run its node may have restarted it already: not lost then)
             ctx.replace_executor(executor_id, timeout_s=self.replacement_timeout_s)
         tensors, meta = read_sharded(self.checkpoint_dir)
         restored = int(meta["step"])

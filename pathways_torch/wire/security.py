@@ -41,7 +41,7 @@ from zmq.utils.monitor import parse_monitor_message
 __all__ = [
     "CONTROLLER", "CLIENT", "ZAP_DOMAIN", "HEARTBEAT_SUFFIX", "STORE_SUFFIX", "SecurityError", "KeyPair", "Credentials", "KeyDirectory",
     "Gatekeeper", "make_server", "make_client", "check_role", "peer_role", "ConnectionWatch",
-    "HANDSHAKE_FAILURES", "INCARNATION_MARK", "split_identity",
+    "HANDSHAKE_FAILURES", "INCARNATION_MARK", "split_identity", "spare_role", "spare_of",
 ]
 
 log = logging.getLogger(__name__)
@@ -56,6 +56,21 @@ STORE_SUFFIX = "#store"       # an executor's connection to the controller's ren
 # connections (stopped, not dead) and its replacement never share a ROUTER identity (ZeroMQ would refuse the
 # replacement's connection while the old one's stays open).
 INCARNATION_MARK = "~"
+
+
+_SPARE_MARK = ".r"
+
+
+def spare_role(executor_id: str, number: int) -> str:
+    """The role of ``executor_id``'s spare key pair ``number`` (1, 2 ...), ``executor-1.r1``: a replacement started
+    on the executor's node uses the next one (`pathways_torch.launch.keys`)."""
+    return f"{executor_id}{_SPARE_MARK}{number}"
+
+
+def spare_of(role: str) -> str | None:
+    """The executor id a spare role belongs to (``executor-1.r2`` → ``executor-1``); None for any other role."""
+    base, mark, number = role.rpartition(_SPARE_MARK)
+    return base if mark and base and number.isdigit() else None
 
 
 def split_identity(identity: str) -> tuple[str, str]:
@@ -253,6 +268,10 @@ class Gatekeeper:
         for old in [k for k, r in self._roles.items() if r == role and k != key]:
             self._roles.pop(old, None)
         self._roles[key] = role
+
+    def revoke(self, public_key: bytes) -> None:
+        """Refuse ``public_key`` from now on (a replaced incarnation's); connections made before keep working."""
+        self._roles.pop(public_key, None)
 
     def callback(self, domain: str, key: bytes) -> bool:
         """Called by the ZAP thread for each CURVE handshake: is ``key`` (Z85) on the allow-list?"""

@@ -66,7 +66,7 @@ def two_hosts(tmp_path):
                    capture_output=True, timeout=60)
     script = SCRIPT
 
-    def launch(node: int, *script_args, port: int, extra=()):
+    def launch(node: int, *script_args, port: int, extra=(), script=script):
         environ = dict(os.environ, RANK=str(node), WORLD_SIZE="2", LOCAL_RANK="0")
         return subprocess.Popen(
             [*RUN, "--nnodes", "2", "--nproc-per-node", "1", "--node-rank", str(node), "--master-addr", "127.0.0.1",
@@ -297,3 +297,23 @@ def test_max_restarts_starts_the_whole_job_again_and_the_exit_code_is_the_script
     assert "the job failed (exit code 3); restart 1 of 1" in again.stderr
     assert "attempt 2 on ['executor-0']" in again.stdout
     assert _left_running(str(script)) == []
+
+
+RECOVERY_SCRIPT = os.path.join(os.path.dirname(__file__), "launched_recovery.py")
+
+
+def test_a_node_restarts_its_lost_executor_with_a_spare_key_and_the_script_recovers(two_hosts, tmp_path):
+    launch, keys = two_hosts
+    port = _port()
+    node0 = launch(0, "8", str(tmp_path / "ckpt"), port=port, script=RECOVERY_SCRIPT)
+    node1 = launch(1, port=port, extra=("--max-executor-restarts", "1"), script=RECOVERY_SCRIPT)
+    out0, _ = node0.communicate(timeout=240)
+    out1, _ = node1.communicate(timeout=60)
+    assert node0.returncode == 0 and node1.returncode == 0, out0 + out1
+    (record,) = [r for r in _lines(out0) if "losses" in r]
+    assert record["losses"] == record["expected"], record         # dropout on: the same steps, recovered
+    assert record["stats"]["recoveries"] == 1 and record["stats"]["steps_recomputed"] <= 2, record["stats"]
+    assert record["epochs"] == {"executor-0": 1, "executor-1": 2}
+    assert record["pids"]["executor-1"] != record["victim"]
+    assert "starting it again with the key executor-1.r1 (restart 1 of 1)" in out1
+    assert "the key of executor-1 is revoked" in out0

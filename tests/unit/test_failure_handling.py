@@ -97,16 +97,16 @@ def test_loss_fails_dependents_frees_waiting_consumers_and_spares_the_rest(setup
 
 def test_heartbeats_decide_liveness_and_loss_is_declared_once(setup):
     controller, outbox, clock, _ = setup
-    assert controller.heard_from("e1") == ("live", []) and controller.heard_from("nobody")[0] == "unknown"
+    assert controller.heard_from("e1", 1) == ("live", []) and controller.heard_from("nobody")[0] == "unknown"
     clock.now += 4
     for executor_id in ("e0", "e2", "e3"):
-        assert controller.heard_from(executor_id)[0] == "live"
+        assert controller.heard_from(executor_id, 1)[0] == "live"
     clock.now += 2
     controller.heartbeat()
     assert controller.resources.executors["e1"].lost and controller.heard_from("e1", epoch=1)[0] == "lost"
-    assert controller.heard_from("e1")[0] == "unknown"   # no epoch yet: a replacement not registered yet
+    assert controller.heard_from("e1")[0] == "unknown"   # no epoch: not welcomed (a replacement on its way)
     # The survivors' answers name the lost incarnation: they abandon its process groups at once.
-    assert controller.heard_from("e0") == ("live", ["e1@1"])
+    assert controller.heard_from("e0", 1) == ("live", ["e1@1"])
     assert not any(controller.resources.executors[e].lost for e in ("e0", "e2", "e3"))
     assert outbox.of("heartbeat") == []     # executors ping; the controller only answers
     losses = []

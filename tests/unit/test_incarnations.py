@@ -62,7 +62,7 @@ def test_a_replacement_registers_with_the_next_epoch_and_starts_its_gang_order_a
     assert list(cancels[0][1].cancel.call_ids) == [first.producer_call]
     assert list(cancels[0][1].cancel.group_ids) == [form_before.form_group.group_id]
     assert cancels[0][1].cancel.lost_executor == "e1@1"
-    assert controller.heard_from("e0") == ("live", ["e1@1"])
+    assert controller.heard_from("e0", 1) == ("live", ["e1@1"])
 
     _register(controller, "e1", 7, key=b"z" * 40)
     info = controller.resources.executors["e1"]

@@ -72,11 +72,15 @@ def test_the_run_keys_are_one_private_folder_per_node_with_only_its_secrets(tmp_
     folders = make_run_keys(root, nnodes=2, nproc_per_node=2)
     assert folders == [os.path.join(root, "node-0"), os.path.join(root, "node-1")]
     secrets = [sorted(os.listdir(os.path.join(f, "secret"))) for f in folders]
-    assert secrets == [["client.key_secret", "controller.key_secret", "executor-0.key_secret",
-                        "executor-1.key_secret"], ["executor-2.key_secret", "executor-3.key_secret"]]
+
+    def own(*executors):   # each executor's pair and its 3 spares (a replacement on its node uses the next)
+        return [f"{e}{spare}.key_secret" for e in executors for spare in ("", ".r1", ".r2", ".r3")]
+
+    assert secrets == [["client.key_secret", "controller.key_secret", *own("executor-0", "executor-1")],
+                       own("executor-2", "executor-3")]
     publics = [sorted(os.listdir(os.path.join(f, "public"))) for f in folders]
-    assert publics[0] == publics[1] == ["client.key", "controller.key", "executor-0.key", "executor-1.key",
-                                        "executor-2.key", "executor-3.key"]
+    assert publics[0] == publics[1] == ["client.key", "controller.key", *[
+        name.replace(".key_secret", ".key") for name in own("executor-0", "executor-1", "executor-2", "executor-3")]]
     for directory, _, files in os.walk(root):
         assert stat.S_IMODE(os.stat(directory).st_mode) == 0o700, directory
         for name in files:
