@@ -488,20 +488,20 @@ class ExecutorCore:
 
     def _on_transfer(self, msg: pb.Transfer, payload, identity: bytes | None = None) -> None:
         key = _key(msg.shard)
-        if identity is not None:   # from a peer (not the controller's failed copy): it arrived, say so
-            ack = pb.TransferAck()
-            ack.shard.CopyFrom(msg.shard)
-            self.outbox.to_client(identity, pb.Envelope(transfer_ack=ack))
         if not self._expects_transfer(key):
             self._drop(f"transfer of array {key[0]} shard {key[1]} for call {key[2]}: no run waits for it")
             return
         if msg.failed:
             self.store.fill(key, failure=msg.failure)
-            return
-        tensor = self.backend.from_frame(msg.tensor, payload)
-        self.hop_bytes["executor->executor received"] += tensor.nbytes
-        self.trace.record("receive", "transfer", call_id=msg.shard.tag, detail=f"array {msg.shard.array_id}")
-        self.store.fill(key, tensor)
+        else:
+            tensor = self.backend.from_frame(msg.tensor, payload)
+            self.hop_bytes["executor->executor received"] += tensor.nbytes
+            self.trace.record("receive", "transfer", call_id=msg.shard.tag, detail=f"array {msg.shard.array_id}")
+            self.store.fill(key, tensor)
+        if identity is not None:   # from a peer (not the controller's failed copy), and kept: say so
+            ack = pb.TransferAck()
+            ack.shard.CopyFrom(msg.shard)
+            self.outbox.to_client(identity, pb.Envelope(transfer_ack=ack))
 
     def _on_fetch(self, identity: bytes, msg: pb.Fetch) -> None:
         key = _key(msg.shard)
