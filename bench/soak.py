@@ -147,6 +147,8 @@ def main(argv=None) -> int:
             stats = trainer.stats()
             time.sleep(2 * args.heartbeat_timeout_s)   # continued old incarnations exit
             leftover = [pid for pid in faults.stopped if _alive(pid)]
+            if trainer._checkpoint is not None:   # a save in flight holds the state it writes: let it end
+                trainer._checkpoint.exception()
             end_bytes = _store_bytes(ctx)
             unbroken = _trainer(ctx, cfg, args)
             expected = _train(unbroken, task, steps=len(losses), until=None, batch=args.batch)
