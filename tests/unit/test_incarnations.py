@@ -301,3 +301,40 @@ def test_a_lost_transfer_fails_the_waiting_run_on_the_receiver_and_its_call_alon
     (to, failed), = outbox.of("transfer")
     assert to == "e1" and failed.transfer.failed and failed.transfer.shard == send.send_shard.as_ref
     assert not any(info.lost for info in controller.resources.ordered())
+
+
+def test_a_program_that_ran_on_a_replaced_executor_is_lowered_again_for_its_new_address_and_groups(setup):
+    from controller.program import ProgramNodeSpec, ProgramSpec
+
+    controller, outbox, function_id = setup
+    pair = controller.resources.allocate({"data": 2}, ["e1", "e2"])
+    on_e0, on_e1 = (controller.resources.allocate({"data": 1}, [e]) for e in ("e0", "e1"))
+    spec = ProgramSpec(name="p", input_values=(0,), input_meshes=(pair,), output_values=(3,), nodes=(
+        ProgramNodeSpec(name="reduce", function_id=function_id, mesh=pair, inputs=(0,), outputs=(1,),
+                        collective_axes=("data",)),
+        ProgramNodeSpec(name="there", function_id=function_id, mesh=on_e0, inputs=(1,), outputs=(2,)),
+        ProgramNodeSpec(name="back", function_id=function_id, mesh=on_e1, inputs=(2,), outputs=(3,))))
+    lowered = controller.register_program(spec)
+    controller.run_program(lowered.program_id, [controller.new_array(pair.executor_ids).array_id])
+    first = {e: env.register_program for e, env in outbox.of("register_program")}
+    controller.declare_lost("e1", "killed")
+    _register(controller, "e1", 11)          # a new process at a new address
+    outbox.sent.clear()
+    y = controller.new_array(pair.executor_ids)
+    controller.run_program(lowered.program_id, [y.array_id])
+    again = {e: env.register_program for e, env in outbox.of("register_program")}
+    assert set(again) == set(first) == {"e0", "e1", "e2"}      # every executor of the program, survivors too
+
+    def send(plan):
+        (action,) = [a.send for a in plan.actions if a.WhichOneof("kind") == "send"]
+        return action.to_address, action.to_public_key
+
+    assert send(first["e0"]) == ("tcp://127.0.0.1:7001", KEYS["e1"])
+    assert send(again["e0"]) == ("tcp://127.0.0.1:7011", KEYS["e1"])   # the replacement's address
+
+    def group(plan):
+        return next(a.run.axis_groups["data"] for a in plan.actions if a.WhichOneof("kind") == "run")
+
+    assert group(again["e2"]) != group(first["e2"]) and group(again["e1"]) == group(again["e2"])   # a new group
+    assert sorted(e for e, _ in outbox.of("form_group")) == ["e1", "e2"]
+    assert list(outbox.of("run_program")[0][1].run_program.input_array_ids) == [y.array_id]
