@@ -72,6 +72,7 @@ class _Call:
     # A failure that looks like a lost peer ("connection closed by peer") while other members have yet to report:
     # held until they do, or until one is declared lost, which fails the call with ExecutorLostError instead.
     held_failure: pb.RemoteFailure | None = None
+    run_base: int = 0        # a program run's node: the run's first call id (a Cancel names the run by it)
 
 
 @dataclasses.dataclass
@@ -315,9 +316,11 @@ class Controller:
         peers.append(incarnation)       # in every heartbeat answer of the island: survivors abandon its groups
         del peers[:-_MAX_LOST_PEERS]
         self.rendezvous.fail_member(executor_id, str(error))
-        failed_calls = [call.call_id for call in self._calls.values()
-                        if executor_id in call.spec.mesh.executor_ids or executor_id in call.depends_on
-                        or any(route[0] == executor_id for route in call.routes)]
+        failing = [call for call in self._calls.values()
+                   if executor_id in call.spec.mesh.executor_ids or executor_id in call.depends_on
+                   or any(route[0] == executor_id for route in call.routes)]
+        # Program runs by their first call id too: a survivor drops every segment of such a run, reporting or not.
+        failed_calls = sorted({c.call_id for c in failing} | {c.run_base for c in failing if c.run_base})
         # Ready arrays first: a thread woken by a failing future must not see one of them still ready.
         on_it = [record for record in self.arrays.records() if executor_id in record.executor_ids]
         for record in sorted(on_it, key=lambda r: r.state == PENDING):
@@ -599,7 +602,7 @@ class Controller:
                                      output_positions=tuple(positions))
                 self._calls[base_call + index] = _Call(call_spec, base_call + index, base_seq + index, records,
                                                        waiting=set(node.mesh.executor_ids),
-                                                       depends_on=frozenset(lowered.plans))
+                                                       depends_on=frozenset(lowered.plans), run_base=base_call)
             for executor_id in lowered.plans:
                 sequencer = self._sequencer_of(executor_id)
                 island_base = base_seqs[sequencer.island]

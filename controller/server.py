@@ -145,7 +145,7 @@ class ControllerServer:
             self._drop(f"malformed message: {exc}")
             return
         executor_id, connection = split_identity(identity)
-        if executor_id not in (role, spare_of(role or "")) or role in (CONTROLLER, CLIENT):
+        if executor_id != (spare_of(role or "") or role) or role in (CONTROLLER, CLIENT):
             self._drop(f"a peer authenticated as {role!r} spoke as {identity!r}")
             return
         active = self._active_roles.get(executor_id)

@@ -265,7 +265,10 @@ class _Group:
                 return
             except RuntimeError:
                 if work.is_completed():
-                    raise             # the op itself failed (a peer's connection reset, gloo's timeout)
+                    # Completed meanwhile (or failed: a peer's connection reset, gloo's timeout): its own outcome,
+                    # not the slice's timeout.
+                    work.wait()
+                    return
                 if self._event.is_set():
                     raise RuntimeError(f"collective abandoned: {self.abandoned}") from None
 

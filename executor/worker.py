@@ -216,7 +216,9 @@ class ExecutorCore:
 
     def _on_cancel(self, msg: pb.Cancel, payload) -> None:
         """An executor of this island was lost: drop the queued work of the calls that failed with it (their
-        outputs fail with the loss), skip their places in gang order, abandon queued formations of its groups.
+        outputs fail with the loss, each reporting step says so in a Done, so the controller ends the call), skip
+        their places in gang order, abandon queued formations of its groups. ``call_ids`` names plain calls and
+        program runs (by their first call id): every segment of a named run goes, reporting or not.
 
         Work already started is not touched: a collective blocked on the lost peer was ended by the heartbeat
         thread (`CollectiveRuntime.abandon`); the rest completes, and its Done is ignored.
@@ -225,23 +227,34 @@ class ExecutorCore:
         failure = pb.RemoteFailure(type="ExecutorLostError", message=msg.reason,
                                    executor_id=msg.lost_executor.split("@")[0])
         kept: collections.deque = collections.deque()
+        dropped = []
         for item in self._queue:
             if isinstance(item, pb.FormGroup):
                 if item.group_id in groups:
                     self._skip(item.prev_collective_seq, item.seq)
                     self.cancelled += 1
                     continue
-            elif any(item.ids(step)[1] in calls for step in item.steps):
-                self._drop_segment(item, failure)
+            elif item.base_call_id in calls or any(item.ids(step)[1] in calls for step in item.steps):
+                dropped.append(item)
                 continue
             kept.append(item)
+        # The queue first, then the drops: filling a dropped output wakes what reads it, and a pass over the queue
+        # must not run inside this one (it would take items from the queue being rebuilt).
         self._queue = kept
-        self.trace.record("receive", "cancel", detail=f"{msg.lost_executor} lost: {len(calls)} calls")
+        pumping, self._pumping = self._pumping, True
+        try:
+            for segment in dropped:
+                self._drop_segment(segment, failure)
+        finally:
+            self._pumping = pumping
+        self.trace.record("receive", "cancel", detail=f"{msg.lost_executor} lost: {len(dropped)} segments dropped")
         self._pump()
 
     def _drop_segment(self, segment: Segment, failure: pb.RemoteFailure) -> None:
-        """A queued segment that will never run: its outputs fail, its inputs are let go, its gang turn passes."""
+        """A queued segment that will never run: its outputs fail, its inputs are let go, its gang turn passes,
+        and the next segment of its run is not held behind it."""
         self.cancelled += 1
+        segment.started, segment.after = True, None
         if segment.collective:
             self._skip(segment.prev_collective_seq, segment.last_collective_seq)
         for key in segment.output_keys:
@@ -250,6 +263,12 @@ class ExecutorCore:
             self.store.unpin(key)
             if key[2]:   # a copy made for this call alone (it may still be on its way: then it is refused)
                 self.store.abandon(key)
+        for step in segment.steps:
+            if step.report:
+                seq, call_id = segment.ids(step)
+                done = pb.Done(call_id=call_id, seq=seq, ok=False)
+                done.failure.CopyFrom(_with_origin(failure, call_id))
+                self.outbox.to_controller(pb.Envelope(done=done))
 
     def _skip(self, prev_collective_seq: int, last_collective_seq: int) -> None:
         self._skipped[prev_collective_seq] = last_collective_seq

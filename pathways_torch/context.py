@@ -153,6 +153,7 @@ class Context:
         self._batched = threading.local()    # see _batched_release
         self._keys = self._gatekeeper = self._server = self._cluster = self._data = self.link = None
         self._status_server = None
+        self._replacing = threading.Lock()
         self._zmq = zmq.Context()
         # The same names as a launch's (node k's j-th executor is executor-{k * nproc + j}): one scheme.
         executor_ids = launched_ids(range(self.config.num_executors))
@@ -298,6 +299,10 @@ class Context:
         Raises `ExecutorLostError` if no replacement registers within ``timeout_s``.
         """
         self._check_open()
+        with self._replacing:   # one replacement at a time: two trainers recovering at once start one process
+            return self._replace_executor(executor_id, timeout_s)
+
+    def _replace_executor(self, executor_id: str, timeout_s: float):
         info = self.controller.resources.executors.get(executor_id)
         if info is None:
             raise ValueError(f"replace_executor: expected one of {self.executor_ids}, got {executor_id!r}")

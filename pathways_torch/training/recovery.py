@@ -102,6 +102,7 @@ class RecoveryLog:
     def __init__(self):
         self.kept: collections.deque[KeptStep] = collections.deque()
         self.saved_step = -1          # the newest checkpoint known written (set from the save's thread)
+        self.saved_path: str | None = None   # its step folder: what recovery restores
         self.recoveries = 0
         self.steps_rerun = 0           # steps dispatched again (their first run failed or was cut short)
         self.steps_recomputed = 0      # of those, the ones that had completed (at most K per recovery)

@@ -43,10 +43,10 @@ def is_sharded(path: str) -> bool:
                                     os.path.exists(os.path.join(path, INDEX)))
 
 
-def save_sharded(context, trainer, directory: str, meta: dict, timeout_s: float = 3600.0
-                 ) -> concurrent.futures.Future:
+def save_sharded(context, trainer, directory: str, meta: dict, timeout_s: float = 3600.0, *,
+                 update_latest: bool = True) -> concurrent.futures.Future:
     """Start writing ``trainer``'s current state under ``directory``; the future resolves to the bytes the
-    executors wrote once ``latest`` names this step."""
+    executors wrote once ``latest`` names this step (``update_latest=False``: ``latest`` is left as it is)."""
     import torch
 
     directory = os.path.abspath(directory)
@@ -72,7 +72,8 @@ def save_sharded(context, trainer, directory: str, meta: dict, timeout_s: float 
             written = sum(f.result(timeout_s) for f in futures)
             _write_client_file(os.path.join(step_dir, CLIENT_FILE), rng)
             _replace(os.path.join(step_dir, INDEX), json.dumps(index, indent=1, sort_keys=True))
-            _replace(os.path.join(directory, LATEST), os.path.basename(step_dir))
+            if update_latest:
+                _replace(os.path.join(directory, LATEST), os.path.basename(step_dir))
             result.set_result(written)
         except BaseException as exc:   # noqa: BLE001 - the caller's future says what failed
             result.set_exception(exc)

@@ -11,10 +11,11 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import logging
+import os
 import time
 from typing import Callable
 
-from ..errors import CaptureError, ExecutorLostError, PlacementError
+from ..errors import CaptureError, ExecutorLostError, PathwaysError, PlacementError
 from ..functions import Function
 from ..placement import Replicate, Shard
 from .batches import split_batch
@@ -87,7 +88,10 @@ class Trainer:
         self.replacement_timeout_s = float(replacement_timeout_s)
         self._recovery = RecoveryLog()
         if self.recover:
-            self.save_sharded(self.checkpoint_dir)   # step 0: a loss before the first K steps restores this
+            # Step 0: a loss before the first K steps restores this. It leaves an existing `latest` alone (a run
+            # being resumed: the user loads it next).
+            latest = os.path.join(self.checkpoint_dir, "latest")
+            self.save_sharded(self.checkpoint_dir, update_latest=not os.path.exists(latest))
 
     # ------------------------------------------------------------ set-up
 
@@ -212,7 +216,7 @@ class Trainer:
         started = time.monotonic()
         ctx = self._context
         lost = [e for e in self.mesh.executor_ids if ctx.controller.resources.executors[e].lost]
-        if not lost and not any(a._record.lost_holders for a in self._checkpoint_arrays()):
+        if not lost and not any(a._record.lost_holders for a in [*self._checkpoint_arrays(), self._rank]):
             return False   # the state is whole (recovered already): this step's loss cannot be run again
         log.warning("trainer: %s; recovering (replacing %s)", error, ", ".join(lost) or "nothing")
         if self._checkpoint is not None:
@@ -220,9 +224,13 @@ class Trainer:
             # replacement for shards it never held.
             self._checkpoint.exception()
             self._checkpoint = None
-        for executor_id in lost:   # (under pathways-run its node may have restarted it already: not lost then)
-            ctx.replace_executor(executor_id, timeout_s=self.replacement_timeout_s)
-        tensors, meta = read_sharded(self.checkpoint_dir)
+        for executor_id in lost:
+            if ctx.controller.resources.executors[executor_id].lost:   # its node may have restarted it meanwhile
+                ctx.replace_executor(executor_id, timeout_s=self.replacement_timeout_s)
+        if self._recovery.saved_path is None:
+            raise PathwaysError(f"recovery from {error}: no checkpoint of this trainer was written yet (the first is "
+                                f"written when the trainer is made, in the background; it failed or is not done)")
+        tensors, meta = read_sharded(self._recovery.saved_path)
         restored = int(meta["step"])
         self._put_rank()
         self._put_state(tensors)
@@ -246,7 +254,7 @@ class Trainer:
         return {"steps": self.step_count, "checkpoints_written": self.checkpoints_written,
                 **self._recovery.stats()}
 
-    def save_sharded(self, directory: str) -> "concurrent.futures.Future":
+    def save_sharded(self, directory: str, *, update_latest: bool = True) -> "concurrent.futures.Future":
         """Write a checkpoint **from the executors**, in the background (`sharded_checkpoint`): each writes the
         shards it holds to ``directory`` (storage every host sees), no tensor bytes through the client; the
         next steps are dispatched meanwhile. Returns a future of the bytes written, done once ``latest`` names
@@ -257,16 +265,19 @@ class Trainer:
             error = self._checkpoint.exception()     # the previous save's failure is raised here ...
             if error is not None and not (self.recover and isinstance(error, ExecutorLostError)):
                 raise error                          # ... but one lost with an executor is recovery's to handle
-        self._checkpoint = save_sharded(self._context, self, directory, self._checkpoint_meta())
+        self._checkpoint = save_sharded(self._context, self, directory, self._checkpoint_meta(),
+                                        update_latest=update_latest)
         step = self.step_count
-        self._checkpoint.add_done_callback(lambda future: self._count_checkpoint(future, step))
+        step_dir = os.path.join(os.path.abspath(directory), f"step-{step:08d}")
+        self._checkpoint.add_done_callback(lambda future: self._count_checkpoint(future, step, step_dir))
         return self._checkpoint
 
-    def _count_checkpoint(self, future, step: int) -> None:
+    def _count_checkpoint(self, future, step: int, step_dir: str) -> None:
         if future.exception() is None:
             self.checkpoints_written += 1
-            if self._recovery is not None:
-                self._recovery.saved_step = max(self._recovery.saved_step, step)
+            if self._recovery is not None and step >= self._recovery.saved_step:
+                # Recovery restores exactly this folder (not whatever `latest` names: another run's, or a load's)
+                self._recovery.saved_step, self._recovery.saved_path = step, step_dir
 
     def _checkpoint_arrays(self) -> list:
         """Every array of the training state (what a sharded save holds until it is written)."""
@@ -297,6 +308,14 @@ class Trainer:
             forward = make_forward(self.model, self.loss_fn, self.layout, self.plan, self.num_shards, kind,
                                    self._batch_forms, self._output_specs)
             function = self._forwards[kind] = Function(forward, out=out, name=forward.__name__, mesh=self.mesh)
+        try:
+            return self._run_forward(function, form, tensors, kind)
+        except ExecutorLostError as exc:   # the state lost a shard: recover (if on), then run it on the restored state
+            if not self.recover_from(exc):
+                raise
+            return self._run_forward(function, form, tensors, kind)
+
+    def _run_forward(self, function, form, tensors: list, kind: str) -> list:
         ctx = self._context
         with ctx._batched_release():
             fresh = ctx.put_many([(t, {self.plan.axis: Shard(0)}) for t in tensors], self.mesh)
@@ -439,6 +458,9 @@ class Trainer:
         if meta.get("optimizer") != self._spec.kind:
             raise ValueError(f"checkpoint {path}: saved with a {meta.get('optimizer')!r} optimizer, this trainer "
                              f"uses {self._spec.kind!r}")
+        if self._checkpoint is not None:   # a save of the state being replaced: let it end first
+            self._checkpoint.exception()
+            self._checkpoint = None
         self._put_state(tensors)
         self.step_count, self.samples_seen = int(meta["step"]), int(meta["samples_seen"])
         self.seed = int(meta["seed"])
@@ -447,6 +469,10 @@ class Trainer:
             import torch
 
             torch.set_rng_state(tensors["rng/torch"])
+        if self.recover:   # what recovery restores is now the loaded state: written again, under checkpoint_dir
+            self._recovery.kept.clear()
+            self._recovery.saved_step, self._recovery.saved_path = -1, None
+            self.save_sharded(self.checkpoint_dir)
         return meta
 
     def __repr__(self) -> str:

@@ -144,10 +144,26 @@ def test_cancel_drops_the_failed_calls_queued_work_and_gang_order_steps_over_it(
     assert outbox.dones() == []                      # 2 waits for 1's gang turn
     cancel = pb.Cancel(call_ids=[1], reason="executor e1 lost: killed", lost_executor="e1@1")
     core.on_control(pb.Envelope(cancel=cancel), [])
-    (done,) = outbox.dones()
+    dropped, done = outbox.dones()
+    assert (dropped.call_id, dropped.ok, dropped.failure.type) == (1, False, "ExecutorLostError")   # the call ends
     assert done.call_id == 2 and done.ok             # 1's turn was skipped, 2 ran
     assert core.store.get((11, 0, 0)).failure.type == "ExecutorLostError"
     assert (10, 0, 1) not in core.store and core.cancelled == 1
+
+
+def test_cancelled_runs_that_read_each_other_are_all_dropped_and_later_work_runs():
+    core, outbox = make_core()
+    load(core, 1, lambda x: x + 1, X)
+    # A survivor's run-ahead: steps k+1, k+2, k+3, each reading the one before, all behind a copy that never comes.
+    _collective_run(core, seq=1, call_id=1, prev=0, inputs=[ref(10, tag=1)], outputs=[ref(11)])
+    _collective_run(core, seq=2, call_id=2, prev=1, inputs=[ref(11)], outputs=[ref(12)])
+    _collective_run(core, seq=3, call_id=3, prev=2, inputs=[ref(12)], outputs=[ref(13)])
+    core.on_control(pb.Envelope(cancel=pb.Cancel(call_ids=[1, 2, 3], lost_executor="e1@1")), [])
+    assert len(core._queue) == 0 and core.cancelled == 3
+    assert [(d.call_id, d.ok) for d in outbox.dones()] == [(1, False), (2, False), (3, False)]
+    put(core, ref(20), torch.ones(2, 3))
+    _collective_run(core, seq=4, call_id=4, prev=3, inputs=[ref(20)], outputs=[ref(21)])
+    assert [(d.call_id, d.ok) for d in outbox.dones()][-1] == (4, True)
 
 
 def test_cancel_abandons_queued_formations_of_the_lost_executors_groups():
