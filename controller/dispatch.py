@@ -335,7 +335,7 @@ class Controller:
                     self._end(call)
         for function in self._functions.values():
             function.loaded_on.discard(executor_id)  # a restarted executor loads afresh
-        self._cancel_on_survivors(info, incarnation, failed_calls, self._forget_groups_of(executor_id), error)
+        self._cancel_on_survivors(info, incarnation, failed_calls, self._forget_island_groups(info.island), error)
         for listener in self.loss_listeners:
             listener(executor_id, error)
 
@@ -349,6 +349,15 @@ class Controller:
         for other in self.resources.ordered():
             if other.island == info.island and not other.lost and other.executor_id != info.executor_id:
                 self._send(other.executor_id, pb.Envelope(cancel=cancel))
+
+    def _forget_island_groups(self, island: str) -> list[int]:
+        """Drop every group of ``island`` at a loss there: its survivors abandon them all (a group without the lost
+        executor may be out of step: `CollectiveRuntime.abandon`); meshes form new ones at their next call."""
+        gone = [g for members, g in self._groups.items() if self.resources.island_of(members[0]) == island]
+        self._groups = {m: g for m, g in self._groups.items() if self.resources.island_of(m[0]) != island}
+        self._axis_group_cache = {k: v for k, v in self._axis_group_cache.items()
+                                  if island not in {self.resources.island_of(e) for e in k[0].executor_ids}}
+        return gone
 
     def _forget_groups_of(self, executor_id: str) -> list[int]:
         """Drop every group that holds ``executor_id`` (meshes with it form new ones at their next call)."""

@@ -125,17 +125,22 @@ class CollectiveRuntime:
             self.abandon(sorted(self.abandoned.intersection(members))[0], "lost while the group formed")
 
     def abandon(self, member: str, reason: str) -> list[int]:
-        """Retire every group that holds incarnation ``member`` (``id@epoch``): a collective blocked in one fails
-        now, later ones fail at once. Safe from any thread (the heartbeat thread calls it). Returns the ids."""
+        """Incarnation ``member`` (``id@epoch``) of this island was lost: retire every group here. A collective
+        blocked in one fails now, later ones fail at once; the controller forms new ones. Every group, not only
+        those that hold it: the survivors drop the failed calls' work each at its own point in its queue, so the
+        members of a group without the lost one may be out of step by an op, and reusing it would pair one
+        member's op with another's next (same shapes: wrong sums, no error). Safe from any thread (the heartbeat
+        thread calls it). Returns the ids."""
         self.abandoned.add(member)
         retired = []
         for group_id, handle in list(self._groups.items()):
-            if member in handle.members:
-                self._failures[group_id] = f"member {member} was lost ({reason}); the group was abandoned"
-                handle.abandon(self._failures[group_id])
-                self._groups.pop(group_id, None)
-                self._retired.append(handle)
-                retired.append(group_id)
+            self._failures[group_id] = (f"member {member} was lost ({reason}); the group was abandoned"
+                                        if member in handle.members else
+                                        f"{member} was lost ({reason}); every group of its island was abandoned")
+            handle.abandon(self._failures[group_id])
+            self._groups.pop(group_id, None)
+            self._retired.append(handle)
+            retired.append(group_id)
         # Kept for good (a gloo op given up on still runs until gloo's own timeout, and dropping its group would
         # join its threads on this thread); only the oldest go, long after any timeout.
         del self._retired[:-_MAX_RETIRED]
