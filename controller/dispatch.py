@@ -137,7 +137,7 @@ class Controller:
         self._axis_group_cache: dict[tuple, dict[str, list[int]]] = {}
         self._pending_frees: dict[str, list] = collections.defaultdict(list)   # executor → shards to free
         self._batching_frees = False     # inside release_many (under the lock)
-        self._next_group_id = itertools.count(1)
+        self._last_group_id = 0   # groups get increasing ids: a loss names the last one made before it
         self.rendezvous = RendezvousStore()   # where groups meet (served on the controller's I/O thread)
         self.group_epoch = 0                  # part of every group's rendezvous prefix
         self.program_constant_bytes = 0   # graph constants are the only tensor bytes we ever send
@@ -313,7 +313,9 @@ class Controller:
         log.warning("controller: %s", error)
         incarnation = f"{executor_id}@{info.epoch}"
         peers = self._lost_peers[info.island]
-        peers.append(incarnation)       # in every heartbeat answer of the island: survivors abandon its groups
+        # In every heartbeat answer of the island: its executors abandon the groups made up to now (not the ones
+        # formed later, with the replacement: "executor-1@1<7" spares group 7 and on).
+        peers.append(f"{incarnation}<{self._last_group_id + 1}")
         del peers[:-_MAX_LOST_PEERS]
         self.rendezvous.fail_member(executor_id, str(error))
         failing = [call for call in self._calls.values()
@@ -523,7 +525,8 @@ class Controller:
         if len(islands) > 1:   # the client refuses such a call first (pathways_torch.islands): a bug if reached
             raise PlacementError(f"a process group may not span islands: members {list(members)} are in islands "
                                  f"{islands}; collectives run inside an island")
-        group_id = self._groups[members] = next(self._next_group_id)
+        self._last_group_id += 1
+        group_id = self._groups[members] = self._last_group_id
         sequencer = self.sequencers.of(islands[0])   # held by the call or program that needs the group
         seq = sequencer.take(1)   # forming a group is a gang-scheduled action of its own
         # The members meet under this prefix of the rendezvous store, open to them alone; the epoch lets the

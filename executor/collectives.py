@@ -124,16 +124,19 @@ class CollectiveRuntime:
         if self.abandoned.intersection(members):   # lost while it formed: abandon it now
             self.abandon(sorted(self.abandoned.intersection(members))[0], "lost while the group formed")
 
-    def abandon(self, member: str, reason: str) -> list[int]:
+    def abandon(self, member: str, reason: str, before_group: int | None = None) -> list[int]:
         """Incarnation ``member`` (``id@epoch``) of this island was lost: retire every group here. A collective
         blocked in one fails now, later ones fail at once; the controller forms new ones. Every group, not only
         those that hold it: the survivors drop the failed calls' work each at its own point in its queue, so the
         members of a group without the lost one may be out of step by an op, and reusing it would pair one
         member's op with another's next (same shapes: wrong sums, no error). Safe from any thread (the heartbeat
-        thread calls it). Returns the ids."""
+        thread calls it). ``before_group``: only groups with a smaller id (those formed before the loss; a
+        replacement's are newer). Returns the ids."""
         self.abandoned.add(member)
         retired = []
         for group_id, handle in list(self._groups.items()):
+            if before_group is not None and group_id >= before_group:
+                continue
             self._failures[group_id] = (f"member {member} was lost ({reason}); the group was abandoned"
                                         if member in handle.members else
                                         f"{member} was lost ({reason}); every group of its island was abandoned")

@@ -311,10 +311,12 @@ class ExecutorProcess:
             return
         if body_name(envelope) == "shutdown":
             self._exit(f"the controller says: {envelope.shutdown.reason}")
-        for peer in envelope.heartbeat.lost_peers:
+        for entry in envelope.heartbeat.lost_peers:
+            peer, _, before = entry.partition("<")     # "executor-1@1<7": groups 1..6 were made before the loss
             if peer not in self.collectives.abandoned:
                 # On this thread, not the compute thread: that one may be blocked in a collective with the peer.
-                retired = self.collectives.abandon(peer, "the controller declared it lost")
+                retired = self.collectives.abandon(peer, "the controller declared it lost",
+                                                   before_group=int(before) if before.isdigit() else None)
                 log.warning("executor %s: %s lost; abandoned its process groups %s", self.config.executor_id, peer,
                             retired)
 

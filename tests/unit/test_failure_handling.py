@@ -106,7 +106,7 @@ def test_heartbeats_decide_liveness_and_loss_is_declared_once(setup):
     assert controller.resources.executors["e1"].lost and controller.heard_from("e1", epoch=1)[0] == "lost"
     assert controller.heard_from("e1")[0] == "unknown"   # no epoch: not welcomed (a replacement on its way)
     # The survivors' answers name the lost incarnation: they abandon its process groups at once.
-    assert controller.heard_from("e0", 1) == ("live", ["e1@1"])
+    assert controller.heard_from("e0", 1) == ("live", ["e1@1<1"])   # no group made yet
     assert not any(controller.resources.executors[e].lost for e in ("e0", "e2", "e3"))
     assert outbox.of("heartbeat") == []     # executors ping; the controller only answers
     losses = []

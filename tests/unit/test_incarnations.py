@@ -62,7 +62,7 @@ def test_a_replacement_registers_with_the_next_epoch_and_starts_its_gang_order_a
     assert list(cancels[0][1].cancel.call_ids) == [first.producer_call]
     assert list(cancels[0][1].cancel.group_ids) == [form_before.form_group.group_id]
     assert cancels[0][1].cancel.lost_executor == "e1@1"
-    assert controller.heard_from("e0", 1) == ("live", ["e1@1"])
+    assert controller.heard_from("e0", 1) == ("live", ["e1@1<2"])   # groups made before the loss: 1
 
     _register(controller, "e1", 7, key=b"z" * 40)
     info = controller.resources.executors["e1"]
@@ -354,3 +354,13 @@ def test_a_program_that_ran_on_a_replaced_executor_is_lowered_again_for_its_new_
     assert group(again["e2"]) != group(first["e2"]) and group(again["e1"]) == group(again["e2"])   # a new group
     assert sorted(e for e, _ in outbox.of("form_group")) == ["e1", "e2"]
     assert list(outbox.of("run_program")[0][1].run_program.input_array_ids) == [y.array_id]
+
+
+def test_a_loss_abandons_the_islands_groups_made_before_it_and_spares_the_replacements():
+    old = _pair_of_runtimes()[0]
+    from executor.collectives import _Group
+
+    old._groups[2] = _Group(object(), 2, frozenset({"a@1", "c@1"}))      # without the lost one: out of step too
+    old._groups[5] = _Group(object(), 2, frozenset({"a@1", "b@2"}))      # formed with the replacement
+    assert sorted(old.abandon("b@1", "declared lost", before_group=5)) == [1, 2]
+    assert sorted(old._groups) == [5]
