@@ -208,10 +208,10 @@ class Controller:
 
     def _take_place(self, executor_id: str, info) -> None:
         """A new incarnation of a lost executor registered: it starts its gang order afresh (at 0, as the new
-        process does), joins new groups (formed at first use), and programs that ran on the old one are
-        lowered again for its address, key and groups at their next run."""
+        process does), joins new groups (formed at first use: its loss forgot every group of its island, and
+        none with it forms while it is lost), and programs that ran on the old one are lowered again for its
+        address, key and groups at their next run."""
         self._sequencer_of(executor_id).last_collective[executor_id] = 0
-        self._forget_groups_of(executor_id)
         self._stale_programs.update(pid for pid, lowered in self._programs.items() if executor_id in lowered.plans)
         log.warning("controller: %s registered again as incarnation %d (pid %d, %s)", executor_id, info.epoch,
                     info.pid, info.data_address)
@@ -359,14 +359,6 @@ class Controller:
         self._groups = {m: g for m, g in self._groups.items() if self.resources.island_of(m[0]) != island}
         self._axis_group_cache = {k: v for k, v in self._axis_group_cache.items()
                                   if island not in {self.resources.island_of(e) for e in k[0].executor_ids}}
-        return gone
-
-    def _forget_groups_of(self, executor_id: str) -> list[int]:
-        """Drop every group that holds ``executor_id`` (meshes with it form new ones at their next call)."""
-        gone = [group_id for members, group_id in self._groups.items() if executor_id in members]
-        self._groups = {m: g for m, g in self._groups.items() if executor_id not in m}
-        self._axis_group_cache = {k: v for k, v in self._axis_group_cache.items()
-                                  if executor_id not in k[0].executor_ids}
         return gone
 
     def _on_transfer_lost(self, executor_id: str, msg: pb.TransferLost) -> None:
