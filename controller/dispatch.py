@@ -131,8 +131,9 @@ class Controller:
         # is the lost executor's, not the user's code's.
         self.liveness_probe: Callable[[float], None] | None = None   # argument: how long to wait for an exit
         self._groups: dict[tuple[str, ...], int] = {}       # members (in rank order) → group id (live ones)
-        self._lost_peers: dict[str, list[str]] = collections.defaultdict(list)   # island → lost "id@epoch"
-        self._stale_programs: set[int] = set()   # programs to lower again (an executor of theirs was replaced)
+        # island → its faults, each "what<first group id after it": a lost "id@epoch" or a lost "transfer:..."
+        self._lost_peers: dict[str, list[str]] = collections.defaultdict(list)
+        self._stale_programs: set[int] = set()   # programs to lower again (new groups, a replaced executor)
         self.stale_messages = 0                  # refused: sent by an incarnation that was replaced
         self._axis_group_cache: dict[tuple, dict[str, list[int]]] = {}
         self._pending_frees: dict[str, list] = collections.defaultdict(list)   # executor → shards to free
@@ -312,11 +313,7 @@ class Controller:
                                   executor_id=executor_id)
         log.warning("controller: %s", error)
         incarnation = f"{executor_id}@{info.epoch}"
-        peers = self._lost_peers[info.island]
-        # In every heartbeat answer of the island: its executors abandon the groups made up to now (not the ones
-        # formed later, with the replacement: "executor-1@1<7" spares group 7 and on).
-        peers.append(f"{incarnation}<{self._last_group_id + 1}")
-        del peers[:-_MAX_LOST_PEERS]
+        group_ids = self._abandon_island_groups(info.island, incarnation)
         self.rendezvous.fail_member(executor_id, str(error))
         failing = [call for call in self._calls.values()
                    if executor_id in call.spec.mesh.executor_ids or executor_id in call.depends_on
@@ -337,7 +334,7 @@ class Controller:
                     self._end(call)
         for function in self._functions.values():
             function.loaded_on.discard(executor_id)  # a restarted executor loads afresh
-        self._cancel_on_survivors(info, incarnation, failed_calls, self._forget_island_groups(info.island), error)
+        self._cancel_on_survivors(info, incarnation, failed_calls, group_ids, error)
         for listener in self.loss_listeners:
             listener(executor_id, error)
 
@@ -352,6 +349,19 @@ class Controller:
             if other.island == info.island and not other.lost and other.executor_id != info.executor_id:
                 self._send(other.executor_id, pb.Envelope(cancel=cancel))
 
+    def _abandon_island_groups(self, island: str, what: str) -> list[int]:
+        """After a fault in ``island`` (``what``: a lost incarnation ``id@epoch``, or a lost transfer): in every
+        heartbeat answer there, its executors are told to abandon the groups made up to now (not the ones formed
+        later, with a replacement: "executor-1@1<7" spares group 7 and on); the controller forgets them, so the
+        next collective forms new ones. Returns the forgotten group ids."""
+        entries = self._lost_peers[island]
+        entries.append(f"{what}<{self._last_group_id + 1}")
+        del entries[:-_MAX_LOST_PEERS]
+        # A registered program names its groups: one with an executor there is lowered again at its next run.
+        self._stale_programs.update(pid for pid, lowered in self._programs.items()
+                                    if any(self.resources.island_of(e) == island for e in lowered.plans))
+        return self._forget_island_groups(island)
+
     def _forget_island_groups(self, island: str) -> list[int]:
         """Drop every group of ``island`` at a loss there: its survivors abandon them all (a group without the lost
         executor may be out of step: `CollectiveRuntime.abandon`); meshes form new ones at their next call."""
@@ -363,7 +373,9 @@ class Controller:
 
     def _on_transfer_lost(self, executor_id: str, msg: pb.TransferLost) -> None:
         """A transfer was not acknowledged in time (its link failed): fail the run waiting for it on the receiver,
-        on the control path, and the call it belongs to; nothing else."""
+        on the control path, and the call it belongs to. The groups of both ends' islands are abandoned: the
+        receiver's run fails at that input while its island's other executors go on into the run's collectives
+        (they would wait for it until gloo's timeout, and the group would be out of step after)."""
         destination = next((info for info in self.resources.ordered()
                             if msg.to_address in (info.data_address, info.link_address)), None)
         if destination is None or destination.lost:
@@ -380,8 +392,15 @@ class Controller:
         transfer.failure.CopyFrom(failure)
         self._send(destination.executor_id, pb.Envelope(transfer=transfer))
         call = self._calls.get(call_id)
-        if call is not None:
-            self._fail_call(call, _remote_error(call.spec, failure))
+        if call is None or call.failed:
+            # Its run failed already (an earlier fault's failure reached it: that fault abandoned the groups). A
+            # late report of the same cut must not abandon the groups formed since, for the steps run again.
+            return
+        self._fail_call(call, _remote_error(call.spec, failure))
+        sender = self.resources.executors[executor_id]
+        what = f"transfer:{msg.shard.array_id}.{msg.shard.shard}:{executor_id}->{destination.executor_id}"
+        for island in sorted({sender.island, destination.island}):
+            self._abandon_island_groups(island, what)
 
     def _unblock(self, call: _Call, pushes, error: ExecutorLostError) -> None:
         """Fail the copies a lost executor will never push, so the runs waiting for them end instead of hanging."""

@@ -84,6 +84,17 @@ def nccl_group_on(store, rank: int, size: int, timeout_s: float, device: str):
     return dist.ProcessGroupNCCL(store, rank, size, options)
 
 
+class CollectiveAbandoned(RuntimeError):
+    """A collective in a group abandoned after a fault in its island (a lost executor, a transfer lost on a link):
+    the run fails at once instead of waiting for a peer that will not come. Its remote type, ``CollectiveAbandoned``,
+    tells the trainer that recovery can run the step again (on new groups)."""
+
+
+class _AbandonedReason(str):
+    """Why an abandoned group is unusable (a ``str``, as every unusable group's reason, but raised as
+    `CollectiveAbandoned`)."""
+
+
 class CollectiveRuntime:
     """This executor's process groups and the axis bindings of the running computation."""
 
@@ -98,7 +109,9 @@ class CollectiveRuntime:
         # Groups abandoned while an op may still run in them: kept referenced, since dropping a gloo group
         # joins its worker threads, which a blocked op holds until gloo's own timeout.
         self._retired: list[_Group] = []
-        self.abandoned: set[str] = set()    # lost incarnations ("id@epoch") reported so far
+        self.abandoned: set[str] = set()    # faults reported so far: lost incarnations ("id@epoch"), lost transfers
+        self._abandoned_below = 0           # groups with a smaller id were made before a fault: abandoned
+        self._abandoned_ids: set[int] = set()
         self._local = threading.local()
         self._ops = {"all_reduce": self._all_reduce, "all_gather": self._all_gather,
                      "reduce_scatter": self._reduce_scatter}
@@ -123,6 +136,8 @@ class CollectiveRuntime:
             raise
         if self.abandoned.intersection(members):   # lost while it formed: abandon it now
             self.abandon(sorted(self.abandoned.intersection(members))[0], "lost while the group formed")
+        elif group_id < self._abandoned_below:      # queued before a fault of the island, formed after it
+            self._abandon_group(group_id, "made before a fault of its island; abandoned when it formed")
 
     def abandon(self, member: str, reason: str, before_group: int | None = None) -> list[int]:
         """Incarnation ``member`` (``id@epoch``) of this island was lost: retire every group here. A collective
@@ -133,21 +148,29 @@ class CollectiveRuntime:
         thread calls it). ``before_group``: only groups with a smaller id (those formed before the loss; a
         replacement's are newer). Returns the ids."""
         self.abandoned.add(member)
+        if before_group is not None:
+            self._abandoned_below = max(self._abandoned_below, before_group)
         retired = []
         for group_id, handle in list(self._groups.items()):
             if before_group is not None and group_id >= before_group:
                 continue
-            self._failures[group_id] = (f"member {member} was lost ({reason}); the group was abandoned"
-                                        if member in handle.members else
-                                        f"{member} was lost ({reason}); every group of its island was abandoned")
-            handle.abandon(self._failures[group_id])
-            self._groups.pop(group_id, None)
-            self._retired.append(handle)
+            self._abandon_group(group_id, f"member {member} was lost ({reason}); the group was abandoned"
+                                if member in handle.members else
+                                f"{member} was lost ({reason}); every group of its island was abandoned")
             retired.append(group_id)
+        return retired
+
+    def _abandon_group(self, group_id: int, failure: str) -> None:
+        handle = self._groups.pop(group_id, None)
+        self._failures[group_id] = failure
+        self._abandoned_ids.add(group_id)
+        if handle is None:
+            return
+        handle.abandon(failure)
         # Kept for good (a gloo op given up on still runs until gloo's own timeout, and dropping its group would
         # join its threads on this thread); only the oldest go, long after any timeout.
+        self._retired.append(handle)
         del self._retired[:-_MAX_RETIRED]
-        return retired
 
     def _rendezvous(self, prefix: str, size: int, timeout_s: float):
         """The store a group meets through: the controller's, under the group's prefix (``group-G/epoch-E``)."""
@@ -190,10 +213,10 @@ class CollectiveRuntime:
             raise RuntimeError(f"{name}: axis {axis!r} has no process group on this executor "
                                f"(bound axes: {sorted(binding)})")
         if isinstance(bound, str):
-            raise RuntimeError(f"{name}: {bound}")
+            raise (CollectiveAbandoned if isinstance(bound, _AbandonedReason) else RuntimeError)(f"{name}: {bound}")
         handle = bound
         if handle.abandoned:
-            raise RuntimeError(f"{name} on axis {axis!r}: {handle.abandoned}")
+            raise CollectiveAbandoned(f"{name} on axis {axis!r}: {handle.abandoned}")
         kwargs.pop("size", None)  # the traced axis size; the group's own size is authoritative
         trace = self.trace
         if trace is not None:
@@ -212,7 +235,8 @@ class CollectiveRuntime:
             group = self._groups.get(group_id)
             if group is None:
                 why = self._failures.get(group_id, "it was never formed")
-                resolved[axis] = f"process group {group_id} for axis {axis!r} is unusable: {why}"
+                reason = f"process group {group_id} for axis {axis!r} is unusable: {why}"
+                resolved[axis] = _AbandonedReason(reason) if group_id in self._abandoned_ids else reason
             else:
                 resolved[axis] = group
         return resolved
@@ -278,7 +302,7 @@ class _Group:
                     work.wait()
                     return
                 if self._event.is_set():
-                    raise RuntimeError(f"collective abandoned: {self.abandoned}") from None
+                    raise CollectiveAbandoned(f"collective abandoned: {self.abandoned}") from None
 
 
 _WAIT_SLICE = datetime.timedelta(milliseconds=200)

@@ -312,11 +312,15 @@ class ExecutorProcess:
         if body_name(envelope) == "shutdown":
             self._exit(f"the controller says: {envelope.shutdown.reason}")
         for entry in envelope.heartbeat.lost_peers:
-            peer, _, before = entry.partition("<")     # "executor-1@1<7": groups 1..6 were made before the loss
+            # "executor-1@1<7": groups 1..6 were made before the loss; "transfer:<array>.<shard>:<from>-><to><7": a
+            # transfer to or from this island was lost on a link (both ends alive, but a run failed at it).
+            peer, _, before = entry.partition("<")
             if peer not in self.collectives.abandoned:
+                link = peer.startswith("transfer:")
                 # On this thread, not the compute thread: that one may be blocked in a collective with the peer.
-                retired = self.collectives.abandon(peer, "the controller declared it lost",
-                                                   before_group=int(before) if before.isdigit() else None)
+                retired = self.collectives.abandon(
+                    peer, "a link lost it; a run of this island failed at it" if link else "the controller declared "
+                    "it lost", before_group=int(before) if before.isdigit() else None)
                 log.warning("executor %s: %s lost; abandoned its process groups %s", self.config.executor_id, peer,
                             retired)
 

@@ -503,16 +503,18 @@ class Context:
         from .training import DataParallel, Trainer
 
         self._check_open()
-        if checkpoint_dir is not None and (isinstance(plan, Pipeline) or isinstance(getattr(plan, "axis", None),
-                                                                                    (tuple, list))):
+        if checkpoint_dir is not None and isinstance(plan, Pipeline):
             raise PlacementError(f"checkpoint_dir under {type(plan).__name__}: checkpoints written by the executors "
-                                 f"are built for pw.DataParallel and pw.ShardedDataParallel inside one island; save "
-                                 f"from the client with trainer.save(path) every few steps instead")
+                                 f"are built for pw.DataParallel and pw.ShardedDataParallel (inside one island or "
+                                 f"across islands); save from the client with trainer.save(path) every few steps "
+                                 f"instead")
         if isinstance(plan, DataParallel) and isinstance(plan.axis, (tuple, list)):
             from .training.cross_island import CrossIslandTrainer
 
             return CrossIslandTrainer(self, model, optimizer=optimizer, loss_fn=loss_fn, mesh=mesh, plan=plan,
-                                      max_grad_norm=max_grad_norm, seed=seed)
+                                      max_grad_norm=max_grad_norm, seed=seed, checkpoint_dir=checkpoint_dir,
+                                      checkpoint_every=checkpoint_every, recover=recover,
+                                      replacement_timeout_s=replacement_timeout_s)
         if isinstance(plan, Pipeline):
             return PipelineTrainer(self, model, optimizer=optimizer, loss_fn=loss_fn, mesh=mesh, plan=plan,
                                    max_grad_norm=max_grad_norm, seed=seed)

@@ -135,7 +135,9 @@ def make_island_update(spec, layout, inner: DataParallel, num_islands: int, num_
 class CrossIslandTrainer(Trainer):
     """Train under ``DataParallel(("island", axis))`` on a mesh ``{"island": I, axis: D}`` (see module doc)."""
 
-    def __init__(self, context, model, *, optimizer, loss_fn, mesh, plan, max_grad_norm=None, seed=0):
+    def __init__(self, context, model, *, optimizer, loss_fn, mesh, plan, max_grad_norm=None, seed=0,
+                 checkpoint_dir: str | None = None, checkpoint_every: int = 0, recover: bool | None = None,
+                 replacement_timeout_s: float = 120.0):
         import torch
 
         from .buckets import make_buckets, split_for_exchange
@@ -169,9 +171,18 @@ class CrossIslandTrainer(Trainer):
         self._unfinished_steps: collections.deque = collections.deque()
         self._islands = self._island_meshes()
         self._program = self._make_function()
-        self._ranks = [context.put(torch.arange(self.num_shards, dtype=torch.int64) + i * self.num_shards, m,
-                                   {self.inner.axis: Shard(0)}) for i, m in enumerate(self._islands)]
+        self._put_rank()
         self._put_state(self._initial_tensors())
+        # Checkpoints come from island 0 (every island holds the same state); a lost executor or a transfer
+        # lost on the link between islands restores the last one on every island (`Trainer.recover_from`).
+        self._set_up_recovery(checkpoint_dir, checkpoint_every, recover, replacement_timeout_s)
+
+    def _put_rank(self) -> None:
+        """Each shard's rank over all islands (island i's shard d is i * D + d: its dropout key)."""
+        import torch
+
+        self._ranks = [self._context.put(torch.arange(self.num_shards, dtype=torch.int64) + i * self.num_shards, m,
+                                         {self.inner.axis: Shard(0)}) for i, m in enumerate(self._islands)]
 
     def _island_meshes(self) -> list:
         per = self.num_shards
@@ -273,6 +284,15 @@ class CrossIslandTrainer(Trainer):
             items += [(tensors[f"model/{n}"], Replicate()) for n in layout.buffer_names + layout.frozen_names]
             self._state.append(self._context.put_many(items, mesh))
 
+    def _checkpoint_arrays(self) -> list:
+        return list(self._state[0])       # every island holds the same state: island 0's executors write it
+
+    def _checkpoint_mesh(self):
+        return self._islands[0]
+
+    def _placed_arrays(self) -> list:
+        return [*(array for island in self._state for array in island), *self._ranks]
+
     def _state_examples(self) -> list:
         """Meta tensors shaped as one shard's flats, buffers and frozen parameters (what the joint reads)."""
         import torch
@@ -307,12 +327,13 @@ class CrossIslandTrainer(Trainer):
         pieces = self.num_islands * self.num_shards
         return pieces, f"{self.num_islands} islands x {self.num_shards} data shards = {pieces}"
 
-    def _dispatch_step(self, form, tensors: list):
+    def _dispatch_step(self, form, tensors: list, *, spec=None, modes=None):
         import torch
 
         from ..errors import CaptureError
 
-        spec = read_optimizer(self.optimizer)
+        # A step run again after a recovery passes the hyper-parameters and modes it had.
+        spec = spec if spec is not None else read_optimizer(self.optimizer)
         if spec.static_key() != self._spec.static_key():   # the update's structure changed: capture it anew
             self._spec = spec
             self._make_function()
@@ -324,7 +345,7 @@ class CrossIslandTrainer(Trainer):
             fresh = self._context.put_many([(scalars, Replicate()),
                                             *[(t[i * rows:(i + 1) * rows], {axis: Shard(0)}) for t in tensors]], mesh)
             arrays += [*self._state[i], fresh[0], self._ranks[i], *fresh[1:]]
-        modes = tuple(m.training for m in self.model.modules())
+        modes = modes if modes is not None else tuple(m.training for m in self.model.modules())
         shard_rows = rows // self.num_shards
         examples = [*self._state_examples(), scalars, torch.zeros(1, dtype=torch.int64),
                     *[t[:shard_rows] for t in tensors]]

@@ -6,7 +6,8 @@ modules' train/eval modes (a `KeptStep`). When a step fails with `ExecutorLostEr
 dispatch, or the wait for its loss), `recover`:
 
 1. has every lost executor of the mesh replaced (`Context.replace_executor`: a new incarnation
-   in its place; the survivors keep their processes and compiled functions);
+   in its place; the survivors keep their processes and compiled functions); a lost transfer
+   replaces nothing (the link has reconnected: ZeroMQ reconnects by itself);
 2. puts the last checkpoint's state back on the mesh (written by the executors: `latest`);
 3. dispatches the kept steps again, in order, with their own step numbers (so dropout masks, which
    are keyed by the step, are the same) and their own hyper-parameters;
@@ -25,14 +26,26 @@ import dataclasses
 import logging
 import time
 
-from ..errors import ExecutorLostError
+from ..errors import ExecutorLostError, RemoteError
 
-__all__ = ["StepLoss", "KeptStep", "RecoveryLog", "MAX_ATTEMPTS"]
+__all__ = ["StepLoss", "KeptStep", "RecoveryLog", "MAX_ATTEMPTS", "is_recoverable", "TRANSFER_LOST"]
 
 log = logging.getLogger(__name__)
 
 # Losses in a row while recovering (a replacement lost too) before the error reaches the user.
 MAX_ATTEMPTS = 3
+
+TRANSFER_LOST = "TransferLost"     # the remote type of a transfer its link lost (controller `_on_transfer_lost`)
+# A collective in a group its island abandoned after a fault (executor.collectives.CollectiveAbandoned): a step
+# dispatched before a recovery, or one whose group a late report of the same fault abandoned.
+COLLECTIVE_ABANDONED = "CollectiveAbandoned"
+
+
+def is_recoverable(error: BaseException | None) -> bool:
+    """Whether recovery can undo ``error``: a lost executor, a transfer lost on a link (both ends alive), a
+    collective abandoned after either."""
+    return isinstance(error, ExecutorLostError) or (isinstance(error, RemoteError) and error.remote_type in
+                                                    (TRANSFER_LOST, COLLECTIVE_ABANDONED))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,11 +73,9 @@ class StepLoss:
     def exception(self, timeout_s: float | None = None, *, timeout: float | None = None):
         try:
             self._follow(lambda array: _raise(array.exception(timeout_s, timeout=timeout)))
-        except ExecutorLostError as exc:   # recovery off, or it failed: the loss is this step's error
-            return exc
         except TimeoutError:
             raise
-        except BaseException as exc:   # noqa: BLE001 - the step's own failure, reported as a future does
+        except BaseException as exc:   # noqa: BLE001 - the step's own failure (or recovery's), as a future reports it
             return exc
         return None
 
@@ -72,17 +83,20 @@ class StepLoss:
         return self.array.done()
 
     def _follow(self, wait):
-        """``wait(array)``; if the array was lost with an executor, recover (once per loss) and wait again."""
+        """``wait(array)``; if the array was lost with an executor or a link, recover (once per loss) and wait
+        again."""
         for _ in range(MAX_ATTEMPTS + 1):
             array = self.array
             try:
                 return wait(array)
-            except ExecutorLostError as exc:
+            except (ExecutorLostError, RemoteError) as exc:
+                if not is_recoverable(exc):
+                    raise
                 if array is not self.array:
                     continue              # re-run meanwhile (another future's wait recovered)
                 if not self._trainer.recover_from(exc, self):
                     raise
-        raise ExecutorLostError(f"step {self.number}: lost again after {MAX_ATTEMPTS} recoveries")
+        raise ExecutorLostError(f"step {self.number}: failed again after {MAX_ATTEMPTS} recoveries")
 
     def __getattr__(self, name):   # shape, dtype, sharding ...: the array's
         return getattr(self.array, name)
@@ -117,22 +131,23 @@ class RecoveryLog:
     def since(self, step: int) -> list[KeptStep]:
         return [k for k in self.kept if k.number > step]
 
-    def failed(self) -> ExecutorLostError | None:
-        """The loss error of a kept step that already failed with one (checked before each new step)."""
+    def failed(self) -> BaseException | None:
+        """The recoverable error of a kept step that already failed with one (checked before each new step)."""
         for kept in reversed(self.kept):
             record = kept.loss.array._record
-            if record.event.is_set() and isinstance(record.error, ExecutorLostError):
+            if record.event.is_set() and is_recoverable(record.error):
                 return record.error
         return None
 
-    def note(self, lost: list[str], restored_step: int, rerun: int, recomputed: int, started: float) -> str:
-        """Count a recovery: ``rerun`` steps dispatched again, of which ``recomputed`` had completed before."""
+    def note(self, cause: str, restored_step: int, rerun: int, recomputed: int, started: float) -> str:
+        """Count a recovery from ``cause`` (what was lost): ``rerun`` steps dispatched again, of which
+        ``recomputed`` had completed before."""
         self.recoveries += 1
         self.steps_rerun += rerun
         self.steps_recomputed += recomputed
         took = time.monotonic() - started
         self.seconds += took
-        event = (f"recovered from the loss of {', '.join(lost) or 'an executor (replaced already)'}: restored "
+        event = (f"recovered from {cause}: restored "
                  f"step {restored_step}, ran {rerun} step(s) again ({recomputed} of them had completed) in "
                  f"{took:.1f} s")
         self.events.append(event)

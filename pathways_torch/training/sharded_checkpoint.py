@@ -91,9 +91,13 @@ def _plan(trainer, step_dir: str) -> tuple[dict, dict]:
     parallel); a sharded one by every holder, its own slice."""
     from ..wire import pb
 
-    layout, mesh = trainer.layout, trainer.mesh
-    holders = list(mesh.executor_ids)
+    layout = trainer.layout
+    holders = list(trainer._checkpoint_mesh().executor_ids)
     sharded = trainer.plan.sharded_state
+    arrays = iter(trainer._checkpoint_arrays())   # flats, states (bucket-major), buffers, frozen
+    flats = [next(arrays) for _ in layout.buckets]
+    states = [next(arrays) for _ in range(len(layout.buckets) * len(layout.state_names))]
+    rest = list(arrays)
     requests: dict[str, list] = {}
     turn = itertools.count()
 
@@ -107,8 +111,8 @@ def _plan(trainer, step_dir: str) -> tuple[dict, dict]:
         return pieces
 
     buckets = []
-    states = iter(trainer._states)   # bucket-major
-    for b, (bucket, flat) in enumerate(zip(layout.buckets, trainer._flats)):
+    states = iter(states)
+    for b, (bucket, flat) in enumerate(zip(layout.buckets, flats)):
         entry = {"group": bucket.group, "dtype": str(bucket.dtype).removeprefix("torch."), "numel": bucket.numel,
                  "slots": [[s.name, list(s.shape), s.offset, s.numel] for s in bucket.slots],
                  "arrays": {"param": place(flat, f"bucket{b}/param")}}
@@ -116,7 +120,7 @@ def _plan(trainer, step_dir: str) -> tuple[dict, dict]:
             entry["arrays"][state] = place(next(states), f"bucket{b}/{state}")
         buckets.append(entry)
     whole = {}
-    for name, array in zip(layout.buffer_names + layout.frozen_names, [*trainer._buffers, *trainer._frozen]):
+    for name, array in zip(layout.buffer_names + layout.frozen_names, rest):
         (piece,) = place(array, f"whole/{name}")
         whole[f"model/{name}"] = piece
     return requests, {"format": FORMAT, "buckets": buckets, "whole": whole, "client": CLIENT_FILE}

@@ -15,7 +15,7 @@ import os
 import time
 from typing import Callable
 
-from ..errors import CaptureError, ExecutorLostError, PathwaysError, PlacementError
+from ..errors import CaptureError, ExecutorLostError, PathwaysError, PlacementError, RemoteError
 from ..functions import Function
 from ..placement import Replicate, Shard
 from .batches import split_batch
@@ -25,7 +25,7 @@ from .checkpoint import check_matches, read_checkpoint, write_checkpoint
 from .locate import user_frame_summary
 from .optimizers import read_optimizer
 from .plans import DataParallel
-from .recovery import MAX_ATTEMPTS, KeptStep, RecoveryLog, StepLoss
+from .recovery import MAX_ATTEMPTS, KeptStep, RecoveryLog, StepLoss, is_recoverable
 from .step import StepLayout, make_step
 
 __all__ = ["Trainer"]
@@ -36,7 +36,7 @@ log = logging.getLogger(__name__)
 class Trainer:
     """Train ``model`` with ``optimizer`` under ``plan`` on ``mesh``; see `Context.wrap`."""
 
-    # Checkpoints written by the executors (set in __init__; the pipeline and cross-island trainers have none).
+    # Checkpoints written by the executors (set in __init__; the pipeline trainer has none).
     checkpoint_dir: str | None = None
     checkpoint_every = 0
     checkpoints_written = 0
@@ -75,6 +75,10 @@ class Trainer:
         self._unfinished_steps: collections.deque = collections.deque()   # the losses' events, oldest first
         self._put_rank()
         self._put_state(self._initial_tensors())
+        self._set_up_recovery(checkpoint_dir, checkpoint_every, recover, replacement_timeout_s)
+
+    def _set_up_recovery(self, checkpoint_dir, checkpoint_every: int, recover, replacement_timeout_s: float) -> None:
+        """Checkpoints written by the executors every ``checkpoint_every`` steps, and recovery from them."""
         if checkpoint_every and not checkpoint_dir or checkpoint_every < 0:
             raise ValueError(f"checkpoint_every={checkpoint_every!r}: expected a number of steps >= 1 with "
                              f"checkpoint_dir (got checkpoint_dir={checkpoint_dir!r}), or 0 for none")
@@ -196,17 +200,18 @@ class Trainer:
                 with self._context._batched_release():
                     loss.array = self._dispatch_step(form, tensors, spec=spec, modes=modes)
                 break
-            except ExecutorLostError as exc:   # the mesh has a lost executor: recover, then dispatch it
-                if attempt == MAX_ATTEMPTS or not self.recover_from(exc):
+            except (ExecutorLostError, RemoteError) as exc:   # the state was lost: recover, then dispatch it
+                if attempt == MAX_ATTEMPTS or not is_recoverable(exc) or not self.recover_from(exc):
                     raise
         self._recovery.keep(kept)
         self._unfinished_steps.append(loss.array._record.event)
         self._maybe_save()
         return loss
 
-    def recover_from(self, error: ExecutorLostError, loss: StepLoss | None = None) -> bool:
-        """Recover from ``error`` (see `training.recovery`); False if recovery is off. Raises what makes it fail
-        (no replacement within ``replacement_timeout_s``, no checkpoint)."""
+    def recover_from(self, error: BaseException, loss: StepLoss | None = None) -> bool:
+        """Recover from ``error`` (a lost executor or a lost transfer: see `training.recovery`); False if recovery
+        is off or the state is whole. Raises what makes it fail (no replacement within ``replacement_timeout_s``,
+        no checkpoint)."""
         if not self.recover:
             return False
         if loss is not None and loss.array is not None and loss.array._record.error is not error:
@@ -216,9 +221,11 @@ class Trainer:
         started = time.monotonic()
         ctx = self._context
         lost = [e for e in self.mesh.executor_ids if ctx.controller.resources.executors[e].lost]
-        if not lost and not any(a._record.lost_holders for a in [*self._checkpoint_arrays(), self._rank]):
+        if not lost and not self._state_broken(error):
             return False   # the state is whole (recovered already): this step's loss cannot be run again
-        log.warning("trainer: %s; recovering (replacing %s)", error, ", ".join(lost) or "nothing")
+        cause = (f"the loss of {', '.join(lost)}" if lost else "a transfer lost on a link" if
+                 isinstance(error, RemoteError) else "the loss of an executor (replaced already)")
+        log.warning("trainer: %s; recovering from %s", error, cause)
         if self._checkpoint is not None:
             # The save in flight ends first: it fails if it needed the lost executor, and must not ask the
             # replacement for shards it never held.
@@ -244,8 +251,22 @@ class Trainer:
                                                       modes=kept.modes)
             self._unfinished_steps.append(kept.loss.array._record.event)
             self._maybe_save()
-        self._recovery.note(lost, restored, len(rerun), recomputed, started)
+        self._recovery.note(cause, restored, len(rerun), recomputed, started)
         return True
+
+    def _state_broken(self, error: BaseException) -> bool:
+        """Whether the state on the mesh is lost (a shard's holder was lost) or failed (a lost transfer made a step
+        fail on one island: every later state there fails too, so the newest shows it once its steps end)."""
+        placed = self._placed_arrays()
+        if any(a._record.lost_holders for a in placed):
+            return True
+        if not isinstance(error, RemoteError):
+            return False
+        return any(is_recoverable(a.exception(timeout_s=600)) for a in placed)
+
+    def _placed_arrays(self) -> list:
+        """Every array the trainer keeps on the mesh: its state and the shards' ranks."""
+        return [*self._checkpoint_arrays(), self._rank]
 
     def stats(self) -> dict:
         """What recovery did: ``recoveries``, ``steps_rerun`` (dispatched again), ``steps_recomputed`` (of those, the
@@ -263,8 +284,8 @@ class Trainer:
 
         if self._checkpoint is not None:
             error = self._checkpoint.exception()     # the previous save's failure is raised here ...
-            if error is not None and not (self.recover and isinstance(error, ExecutorLostError)):
-                raise error                          # ... but one lost with an executor is recovery's to handle
+            if error is not None and not (self.recover and is_recoverable(error)):
+                raise error                          # ... but one lost with an executor or a link is recovery's
         self._checkpoint = save_sharded(self._context, self, directory, self._checkpoint_meta(),
                                         update_latest=update_latest)
         step = self.step_count
@@ -280,8 +301,13 @@ class Trainer:
                 self._recovery.saved_step, self._recovery.saved_path = step, step_dir
 
     def _checkpoint_arrays(self) -> list:
-        """Every array of the training state (what a sharded save holds until it is written)."""
+        """Every array of the training state (what a sharded save holds until it is written): flats, optimizer
+        states (bucket-major), buffers, frozen parameters."""
         return [*self._flats, *self._states, *self._buffers, *self._frozen]
+
+    def _checkpoint_mesh(self):
+        """The mesh whose executors write the checkpoint (they hold `_checkpoint_arrays`)."""
+        return self.mesh
 
     def evaluate(self, batch):
         """The loss on ``batch`` (a replicated 0-d `pw.Array`, at once): forward and loss only, in eval mode,
