@@ -135,6 +135,9 @@ class Controller:
         self._lost_peers: dict[str, list[str]] = collections.defaultdict(list)
         self._stale_programs: set[int] = set()   # programs to lower again (new groups, a replaced executor)
         self.stale_messages = 0                  # refused: sent by an incarnation that was replaced
+        self.transfers_lost = 0                  # reported by their senders: not acknowledged in time (a cut link)
+        self.calls_failed_by_lost_transfers = 0  # of those, the ones a run still waited for (the rest had arrived,
+                                                 # their acknowledgement lost; or their run had failed already)
         self._axis_group_cache: dict[tuple, dict[str, list[int]]] = {}
         self._pending_frees: dict[str, list] = collections.defaultdict(list)   # executor → shards to free
         self._batching_frees = False     # inside release_many (under the lock)
@@ -313,11 +316,15 @@ class Controller:
                                   executor_id=executor_id)
         log.warning("controller: %s", error)
         incarnation = f"{executor_id}@{info.epoch}"
-        group_ids = self._abandon_island_groups(info.island, incarnation)
         self.rendezvous.fail_member(executor_id, str(error))
         failing = [call for call in self._calls.values()
                    if executor_id in call.spec.mesh.executor_ids or executor_id in call.depends_on
                    or any(route[0] == executor_id for route in call.routes)]
+        # The island, and every island where a failing call runs (a program run across islands: its steps there
+        # wait for copies the lost executor will never send, some executors of the island and not others).
+        islands = sorted({info.island} | {self.resources.island_of(e) for call in failing
+                                          for e in call.spec.mesh.executor_ids})
+        group_ids = [g for island in islands for g in self._abandon_island_groups(island, incarnation)]
         # Program runs by their first call id too: a survivor drops every segment of such a run, reporting or not.
         failed_calls = sorted({c.call_id for c in failing} | {c.run_base for c in failing if c.run_base})
         # Ready arrays first: a thread woken by a failing future must not see one of them still ready.
@@ -334,19 +341,20 @@ class Controller:
                     self._end(call)
         for function in self._functions.values():
             function.loaded_on.discard(executor_id)  # a restarted executor loads afresh
-        self._cancel_on_survivors(info, incarnation, failed_calls, group_ids, error)
+        self._cancel_on_survivors(info, islands, incarnation, failed_calls, group_ids, error)
         for listener in self.loss_listeners:
             listener(executor_id, error)
 
-    def _cancel_on_survivors(self, info, incarnation: str, call_ids: list[int], group_ids: list[int],
-                             error: ExecutorLostError) -> None:
-        """Tell the lost executor's island what failed with it: its survivors drop those calls' queued work
-        and skip their places in gang order (else the next collective there would wait for them forever)."""
+    def _cancel_on_survivors(self, info, islands: list[str], incarnation: str, call_ids: list[int],
+                             group_ids: list[int], error: ExecutorLostError) -> None:
+        """Tell the ``islands`` (the lost executor's, and those running calls that failed with it) what failed: their
+        executors drop those calls' queued work and skip their places in gang order (else the next collective there
+        would wait for them forever), and the queued formations of the abandoned groups."""
         if not call_ids and not group_ids:
             return
         cancel = pb.Cancel(call_ids=call_ids, group_ids=group_ids, reason=str(error), lost_executor=incarnation)
         for other in self.resources.ordered():
-            if other.island == info.island and not other.lost and other.executor_id != info.executor_id:
+            if other.island in islands and not other.lost and other.executor_id != info.executor_id:
                 self._send(other.executor_id, pb.Envelope(cancel=cancel))
 
     def _abandon_island_groups(self, island: str, what: str) -> list[int]:
@@ -376,6 +384,7 @@ class Controller:
         on the control path, and the call it belongs to. The groups of both ends' islands are abandoned: the
         receiver's run fails at that input while its island's other executors go on into the run's collectives
         (they would wait for it until gloo's timeout, and the group would be out of step after)."""
+        self.transfers_lost += 1
         destination = next((info for info in self.resources.ordered()
                             if msg.to_address in (info.data_address, info.link_address)), None)
         if destination is None or destination.lost:
@@ -396,6 +405,7 @@ class Controller:
             # Its run failed already (an earlier fault's failure reached it: that fault abandoned the groups). A
             # late report of the same cut must not abandon the groups formed since, for the steps run again.
             return
+        self.calls_failed_by_lost_transfers += 1
         self._fail_call(call, _remote_error(call.spec, failure))
         sender = self.resources.executors[executor_id]
         what = f"transfer:{msg.shard.array_id}.{msg.shard.shard}:{executor_id}->{destination.executor_id}"

@@ -439,7 +439,7 @@ class ExecutorCore:
                          num_computations=self.num_computations, num_function_loads=self.num_function_loads,
                          num_compiles=self.backend.num_compiles(), backend=self.backend.name,
                          queue_high_water=self.queue_high_water,
-                         store_bytes_high_water=self.store.take_high_water())
+                         store_bytes_high_water=self.store.take_high_water(), transfers_lost=self.transfers_lost)
         for name, count in self.backend.counters().items():
             stats.backend_counters[name] = count
         for hop, count in self.hop_bytes.items():

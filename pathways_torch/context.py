@@ -670,7 +670,8 @@ class Context:
         """Object store bytes and bytes per hop, per executor and in total; queue high-water marks
         (``queue_high_water``: runs queued or running on an executor; ``inflight_high_water``: unfinished
         calls; ``send_backlog_high_water``: messages that waited for one slow peer; ``store_bytes_high_water``:
-        the most bytes an executor's store held at once since the previous ``stats()``)."""
+        the most bytes an executor's store held at once since the previous ``stats()``; ``transfers_lost``: its
+        transfers a link lost, not acknowledged in time)."""
         replies = self.controller.gather("stats")
         executors = {}
         hops = {"client->executor": self._data.bytes_sent, "executor->client": self._data.bytes_received,
@@ -689,7 +690,8 @@ class Context:
                                       "queue_high_water": s.queue_high_water,
                                       # the peak since the previous ctx.stats() (each report starts a period)
                                       "store_bytes_high_water": s.store_bytes_high_water,
-                                      "send_backlog_high_water": hop_bytes.pop("send_backlog_high_water", 0)}
+                                      "send_backlog_high_water": hop_bytes.pop("send_backlog_high_water", 0),
+                                      "transfers_lost": s.transfers_lost}
             hops["executor->executor"] += s.hop_bytes.get("executor->executor", 0)
         payload = self._server.payload_bytes
         hops["controller relayed"] = payload["sent"] + payload["received"] - self.controller.program_constant_bytes
@@ -700,6 +702,8 @@ class Context:
                                "refused_connections": self._server.refused_connections,
                                "inflight_high_water": self.controller.inflight_high_water,
                                "send_backlog_high_water": self._server.loop.backlog_high_water,
+                               "transfers_lost": self.controller.transfers_lost,
+                               "calls_failed_by_lost_transfers": self.controller.calls_failed_by_lost_transfers,
                                "lost_executors": sorted(e.executor_id for e in self.controller.resources.ordered()
                                                         if e.lost)}}
 

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import logging
 import selectors
 import socket
 import threading
@@ -41,7 +42,10 @@ from .errors import PathwaysError
 
 __all__ = ["Link", "LinkRelay", "LinkShapingError", "SHAPINGS"]
 
+log = logging.getLogger(__name__)
+
 _CHUNK = 256 * 1024
+_CONNECT_TIMEOUT_S = 2.0   # loopback or the veth pair: a live destination answers at once
 _BURST = 64 * 1024
 SHAPINGS = ("auto", "tbf", "relay")
 
@@ -141,6 +145,7 @@ class LinkRelay:
         self._stopping = self._closed = False
         self._cut = threading.Event()          # set by `cut`, cleared by the relay thread once done
         self.cuts = 0
+        self.refused: collections.Counter = collections.Counter()   # by target: connections it refused (gone)
         self._thread = threading.Thread(target=self._run, name="pathways-link", daemon=True)
         self._thread.start()
 
@@ -210,7 +215,16 @@ class LinkRelay:
             inbound, _ = listener.accept()
         except BlockingIOError:
             return
-        outbound = socket.create_connection(address)
+        try:
+            outbound = socket.create_connection(address, timeout=_CONNECT_TIMEOUT_S)
+        except OSError as exc:
+            # The destination is gone (a lost executor, whose peers' ZeroMQ sockets keep reconnecting to its old
+            # address): refuse this connection as the destination would, and keep relaying the others.
+            inbound.close()
+            if target not in self.refused:
+                log.warning("link: %s refused a relayed connection (%s); refusing its connections", target, exc)
+            self.refused[target] += 1
+            return
         for s in (inbound, outbound):
             s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             s.setblocking(False)

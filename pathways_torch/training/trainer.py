@@ -216,6 +216,17 @@ class Trainer:
             return False
         if loss is not None and loss.array is not None and loss.array._record.error is not error:
             return True   # already re-run
+        for attempt in range(MAX_ATTEMPTS):
+            try:
+                return self._recover_once(error)
+            except (ExecutorLostError, RemoteError) as exc:   # another fault while recovering: recover from it
+                if attempt == MAX_ATTEMPTS - 1 or not is_recoverable(exc):
+                    raise
+                log.warning("trainer: recovery interrupted by %s; recovering again", exc)
+                error = exc
+        raise AssertionError("unreachable")
+
+    def _recover_once(self, error: BaseException) -> bool:
         from .sharded_checkpoint import read_sharded
 
         started = time.monotonic()

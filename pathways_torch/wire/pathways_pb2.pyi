@@ -387,7 +387,7 @@ class StatsRequest(_message.Message):
     def __init__(self, request_id: _Optional[int] = ...) -> None: ...
 
 class Stats(_message.Message):
-    __slots__ = ("request_id", "executor_id", "store_bytes", "store_buffers", "hop_bytes", "num_computations", "num_function_loads", "num_compiles", "backend", "backend_counters", "queue_high_water", "store_bytes_high_water")
+    __slots__ = ("request_id", "executor_id", "store_bytes", "store_buffers", "hop_bytes", "num_computations", "num_function_loads", "num_compiles", "backend", "backend_counters", "queue_high_water", "store_bytes_high_water", "transfers_lost")
     class HopBytesEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -414,6 +414,7 @@ class Stats(_message.Message):
     BACKEND_COUNTERS_FIELD_NUMBER: _ClassVar[int]
     QUEUE_HIGH_WATER_FIELD_NUMBER: _ClassVar[int]
     STORE_BYTES_HIGH_WATER_FIELD_NUMBER: _ClassVar[int]
+    TRANSFERS_LOST_FIELD_NUMBER: _ClassVar[int]
     request_id: int
     executor_id: str
     store_bytes: int
@@ -426,7 +427,8 @@ class Stats(_message.Message):
     backend_counters: _containers.ScalarMap[str, int]
     queue_high_water: int
     store_bytes_high_water: int
-    def __init__(self, request_id: _Optional[int] = ..., executor_id: _Optional[str] = ..., store_bytes: _Optional[int] = ..., store_buffers: _Optional[int] = ..., hop_bytes: _Optional[_Mapping[str, int]] = ..., num_computations: _Optional[int] = ..., num_function_loads: _Optional[int] = ..., num_compiles: _Optional[int] = ..., backend: _Optional[str] = ..., backend_counters: _Optional[_Mapping[str, int]] = ..., queue_high_water: _Optional[int] = ..., store_bytes_high_water: _Optional[int] = ...) -> None: ...
+    transfers_lost: int
+    def __init__(self, request_id: _Optional[int] = ..., executor_id: _Optional[str] = ..., store_bytes: _Optional[int] = ..., store_buffers: _Optional[int] = ..., hop_bytes: _Optional[_Mapping[str, int]] = ..., num_computations: _Optional[int] = ..., num_function_loads: _Optional[int] = ..., num_compiles: _Optional[int] = ..., backend: _Optional[str] = ..., backend_counters: _Optional[_Mapping[str, int]] = ..., queue_high_water: _Optional[int] = ..., store_bytes_high_water: _Optional[int] = ..., transfers_lost: _Optional[int] = ...) -> None: ...
 
 class TraceEvent(_message.Message):
     __slots__ = ("name", "kind", "time_ns", "seq", "call_id", "function_id", "detail")
