@@ -320,10 +320,10 @@ class Controller:
         failing = [call for call in self._calls.values()
                    if executor_id in call.spec.mesh.executor_ids or executor_id in call.depends_on
                    or any(route[0] == executor_id for route in call.routes)]
-        # The island, and every island where a failing call runs (a program run across islands: its steps there
-        # wait for copies the lost executor will never send, some executors of the island and not others).
+        # The island, and every island a failing call runs on or reads from (a program run across islands: its
+        # steps there wait for copies the lost executor will never send, on some executors of an island, not all).
         islands = sorted({info.island} | {self.resources.island_of(e) for call in failing
-                                          for e in call.spec.mesh.executor_ids})
+                                          for e in (*call.spec.mesh.executor_ids, *call.depends_on)})
         group_ids = [g for island in islands for g in self._abandon_island_groups(island, incarnation)]
         # Program runs by their first call id too: a survivor drops every segment of such a run, reporting or not.
         failed_calls = sorted({c.call_id for c in failing} | {c.run_base for c in failing if c.run_base})

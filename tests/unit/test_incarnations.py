@@ -364,3 +364,72 @@ def test_a_loss_abandons_the_islands_groups_made_before_it_and_spares_the_replac
     old._groups[5] = _Group(object(), 2, frozenset({"a@1", "b@2"}))      # formed with the replacement
     assert sorted(old.abandon("b@1", "declared lost", before_group=5)) == [1, 2]
     assert sorted(old._groups) == [5]
+
+
+def test_an_abandoned_groups_collective_raises_collective_abandoned_which_recovery_can_undo():
+    from executor.collectives import CollectiveAbandoned
+    from pathways_torch.errors import RemoteError
+    from pathways_torch.training.recovery import is_recoverable
+
+    runtime = _pair_of_runtimes()[0]
+    runtime.abandon("transfer:7.0:a->b", "a link lost it", before_group=2)
+    with pytest.raises(CollectiveAbandoned, match="transfer:7.0:a->b was lost"):
+        with runtime.bind({"data": 1}):
+            runtime.run("all_reduce", torch.ones(4), "data", op="sum")
+    # A group queued before the fault and formed after it is abandoned as it forms.
+    assert runtime._abandoned_below == 2 and 1 in runtime._abandoned_ids
+    assert is_recoverable(RemoteError("x", remote_type="CollectiveAbandoned"))
+    assert is_recoverable(RemoteError("x", remote_type="TransferLost"))
+    assert is_recoverable(ExecutorLostError("x"))
+    assert not is_recoverable(RemoteError("x", remote_type="ValueError")) and not is_recoverable(None)
+
+
+def _two_island_program():
+    """Islands a (e0, e1) and b (e2, e3), and one run of a program reducing on a, then on b (a copy crosses)."""
+    from controller.program import ProgramNodeSpec, ProgramSpec
+
+    outbox, clock = FakeOutbox(), FakeClock()
+    controller = Controller(outbox, ControllerConfig(heartbeat_interval_s=0.5, heartbeat_timeout_s=5.0), clock=clock)
+    for index, (executor_id, island) in enumerate([("e0", "a"), ("e1", "a"), ("e2", "b"), ("e3", "b")]):
+        controller.on_message(executor_id, pb.Envelope(register=pb.Register(
+            executor_id=executor_id, data_address=f"tcp://127.0.0.1:{7000 + index}", device="cpu",
+            backend="eager", pid=1 + index, public_key=bytes([97 + index]) * 40, island=island)), [])
+    function_id = controller.register_function("f", pb.Graph(), [])
+    here, there = (controller.resources.allocate({"data": 2}, ids) for ids in (["e0", "e1"], ["e2", "e3"]))
+    spec = ProgramSpec(name="p", input_values=(0,), input_meshes=(here,), output_values=(2,), nodes=(
+        ProgramNodeSpec(name="reduce", function_id=function_id, mesh=here, inputs=(0,), outputs=(1,),
+                        collective_axes=("data",)),
+        ProgramNodeSpec(name="across", function_id=function_id, mesh=there, inputs=(1,), outputs=(2,),
+                        collective_axes=("data",))))
+    lowered = controller.register_program(spec)
+    [out] = controller.run_program(lowered.program_id, [controller.new_array(here.executor_ids).array_id])
+    return controller, outbox, lowered, out
+
+
+def test_a_loss_cancels_and_abandons_on_every_island_its_program_run_spans():
+    # e3 (island b) is lost: island a's steps of the run would wait for nothing (or one executor of a would enter
+    # a collective its peer skipped), so island a is told too.
+    controller, outbox, lowered, out = _two_island_program()
+    controller.declare_lost("e3", "killed")
+    assert isinstance(out.error, ExecutorLostError)
+    assert sorted(e for e, _ in outbox.of("cancel")) == ["e0", "e1", "e2"]
+    assert controller.heard_from("e0", 1)[1] == controller.heard_from("e2", 1)[1] == ["e3@1<3"]
+    assert controller._groups == {} and lowered.program_id in controller._stale_programs
+
+
+def test_a_lost_transfer_abandons_both_islands_groups_and_lowers_their_programs_again_but_a_late_report_does_not():
+    controller, outbox, lowered, out = _two_island_program()
+    (action,) = [a.send for a in outbox.of("register_program")[0][1].register_program.actions
+                 if a.WhichOneof("kind") == "send"]
+    lost = pb.TransferLost(to_address=action.to_address, waited_s=4, nbytes=16)
+    lost.shard.CopyFrom(pb.ShardRef(array_id=99, shard=0, tag=out.producer_call))
+    controller.on_message("e0", pb.Envelope(transfer_lost=lost), [])
+    assert out.state == "failed" and out.error.remote_type == "TransferLost"
+    # Both islands' executors abandon the groups made so far; the program is lowered again with new ones.
+    assert controller.heard_from("e1", 1)[1] == controller.heard_from("e3", 1)[1] == ["transfer:99.0:e0->e2<3"]
+    assert controller._groups == {} and lowered.program_id in controller._stale_programs
+    assert (controller.transfers_lost, controller.calls_failed_by_lost_transfers) == (1, 1)
+    # The same cut reported late, for the run that failed already: the groups formed since are left alone.
+    controller.on_message("e1", pb.Envelope(transfer_lost=lost), [])
+    assert controller.heard_from("e1", 1)[1] == ["transfer:99.0:e0->e2<3"]
+    assert (controller.transfers_lost, controller.calls_failed_by_lost_transfers) == (2, 1)

@@ -101,3 +101,25 @@ def test_a_fast_links_bucket_holds_two_milliseconds_of_its_rate():
     finally:
         for relay in (fast, slow, unlimited):
             relay.close()
+
+
+def test_a_gone_destination_is_refused_and_the_relay_goes_on_relaying_the_others():
+    # A lost executor's peers keep reconnecting to its old relayed port: the relay refuses those connections (as
+    # the gone destination would) and must not die of it, which would cut every island off.
+    gone = socket.socket()
+    gone.bind(("127.0.0.1", 0))
+    gone_address = f"tcp://127.0.0.1:{gone.getsockname()[1]}"
+    gone.close()                                    # nothing listens there any more
+    server, address = _echo_server()
+    relay = LinkRelay(pw.Link(delay_s=0.001, shaping="relay"))
+    try:
+        host, port = relay.add(gone_address).removeprefix("tcp://").rsplit(":", 1)
+        with socket.create_connection((host, int(port))) as refused:
+            refused.settimeout(5)
+            assert refused.recv(1) == b""           # closed by the relay
+        assert relay.refused[gone_address] == 1
+        echoed, _ = _round_trip(relay.add(address), b"still relayed")
+        assert echoed == b"still relayed"
+    finally:
+        relay.close()
+        server.close()
