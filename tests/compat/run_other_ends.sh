@@ -1,36 +1,57 @@
 #!/usr/bin/env bash
 # The other ends of what the project supports, each running the tests marked `compat` (capture and
 # the wire schema, stage plans, both XLA routes, the torchax shims, one training run of the example).
-# The whole suite runs at the newest torch on Python 3.11 (the README's test command, before this).
+# The whole suite runs at the newest torch on Python 3.11 (tests/run_all.sh runs it, then this).
 #  1. the oldest torch, where both XLA routes exist: torch 2.9.0 with torch_xla 2.9.0 (the 'torch-xla'
 #     extra) and torchax + jax, Python 3.11;
 #  2. Python 3.12 with the newest torch and jax pip takes (the GPU machine's Python).
+#
+#   bash tests/compat/run_other_ends.sh            install both ends, then test them
+#   bash tests/compat/run_other_ends.sh install    only install (tests/run_all.sh does it while the suite runs)
+#   bash tests/compat/run_other_ends.sh test       only test (installed before)
 set -euo pipefail
 cd "$(dirname "$0")/../.."
+what="${1:-all}"
+case "$what" in all|install|test) ;; *) echo "usage: $0 [all|install|test], got '$what'" >&2; exit 2 ;; esac
 
-echo "== compat 1/2: torch 2.9.0 + torch_xla 2.9.0, Python 3.11"
-python3.11 -m venv .venv-oldest
-.venv-oldest/bin/pip install -q -e '.[dev,torch-xla]'
-# torch_xla 2.9.0's wheel carries its own torchax (0.0.6, which needs flax) and overwrites the
-# installed one; put the torchax the project needs back (docs/backends.md says the same to users).
-.venv-oldest/bin/pip install -q --force-reinstall --no-deps 'torchax>=0.0.13,<0.1'
-.venv-oldest/bin/python -c "import torch; v = torch.__version__; assert v.startswith('2.9.'), v; print('torch', v)"
-# pytest exits 5 when nothing is collected: with `set -e` that fails the run.
-.venv-oldest/bin/python -m pytest -m compat -q
+find_python312() {
+    if python3.12 -c '' 2>/dev/null; then
+        command -v python3.12
+    else   # a pyenv shim that is not enabled answers but does not run: look where pyenv keeps it
+        ls -d "${PYENV_ROOT:-$HOME/.pyenv}"/versions/3.12*/bin/python3.12 /usr/bin/python3.12 2>/dev/null \
+            | head -n 1 || true
+    fi
+}
 
-echo "== compat 2/2: Python 3.12, newest torch"
-python312=""
-if python3.12 -c '' 2>/dev/null; then
-    python312=$(command -v python3.12)
-else   # a pyenv shim that is not enabled answers but does not run: look where pyenv keeps it
-    python312=$(ls -d "${PYENV_ROOT:-$HOME/.pyenv}"/versions/3.12*/bin/python3.12 /usr/bin/python3.12 2>/dev/null \
-                | head -n 1 || true)
-fi
-if [ -z "$python312" ]; then
-    echo "NOT RUN: no Python 3.12 interpreter on this machine (install one to run this end)" >&2
-    exit 1
-fi
-"$python312" -m venv .venv-py312
-.venv-py312/bin/pip install -q -e '.[dev]'
-.venv-py312/bin/python -c "import sys, torch, jax; print('python', sys.version.split()[0], 'torch', torch.__version__, 'jax', jax.__version__)"
-.venv-py312/bin/python -m pytest -m compat -q
+install() {
+    echo "== install compat 1/2: torch 2.9.0 + torch_xla 2.9.0, Python 3.11"
+    python3.11 -m venv .venv-oldest
+    # --no-compile: no bytecode for the whole of torch up front (it runs beside the main suite; Python
+    # compiles what the compat tests import, when they import it).
+    .venv-oldest/bin/pip install -q --no-compile -e '.[dev,torch-xla]'
+    # torch_xla 2.9.0's wheel carries its own torchax (0.0.6, which needs flax) and overwrites the
+    # installed one; put the torchax the project needs back (docs/backends.md says the same to users).
+    .venv-oldest/bin/pip install -q --no-compile --force-reinstall --no-deps 'torchax>=0.0.13,<0.1'
+    echo "== install compat 2/2: Python 3.12, newest torch"
+    local python312
+    python312=$(find_python312)
+    if [ -z "$python312" ]; then
+        echo "NOT RUN: no Python 3.12 interpreter on this machine (install one to run this end)" >&2
+        exit 1
+    fi
+    "$python312" -m venv .venv-py312
+    .venv-py312/bin/pip install -q --no-compile -e '.[dev]'
+}
+
+run_tests() {
+    echo "== compat 1/2: torch 2.9.0 + torch_xla 2.9.0, Python 3.11"
+    .venv-oldest/bin/python -c "import torch; v = torch.__version__; assert v.startswith('2.9.'), v; print('torch', v)"
+    # pytest exits 5 when nothing is collected: with `set -e` that fails the run.
+    .venv-oldest/bin/python -m pytest -m compat -q
+    echo "== compat 2/2: Python 3.12, newest torch"
+    .venv-py312/bin/python -c "import sys, torch, jax; print('python', sys.version.split()[0], 'torch', torch.__version__, 'jax', jax.__version__)"
+    .venv-py312/bin/python -m pytest -m compat -q
+}
+
+if [ "$what" != test ]; then install; fi
+if [ "$what" != install ]; then run_tests; fi

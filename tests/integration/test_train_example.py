@@ -48,12 +48,15 @@ def _held_out_accuracy(tmp_path, *flags) -> float:
     return float(re.search(r"held-out accuracy \(1024 sequences\): ([\d.]+)% of answer tokens", result.stdout)[1])
 
 
+# The data-parallel run of the example reaches 100.0 % of answer tokens in 200 steps (measured on the 2-core machine;
+# 100 % in 300, README): the pipelined run must come within a point of it.
+DATA_PARALLEL_ACCURACY = 100.0
+
+
 def test_example_pipeline_run_reaches_the_data_parallel_accuracy(tmp_path):
     """As docs/pipelines.md runs it: 2 stages x 8 microbatches, 1F1B, dropout and clipping on; 200 steps."""
     pipelined = _held_out_accuracy(tmp_path, "--plan", "pipeline", "--stages", "2", "--microbatches", "8")
-    data_parallel = _held_out_accuracy(tmp_path)
-    assert data_parallel >= 90.0, data_parallel
-    assert pipelined >= data_parallel - 1.0, (pipelined, data_parallel)
+    assert pipelined >= DATA_PARALLEL_ACCURACY - 1.0, pipelined
 
 
 @pytest.mark.parametrize("plan", [pw.DataParallel("data"), pw.ShardedDataParallel("data")], ids=["dp", "sdp"])

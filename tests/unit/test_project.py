@@ -22,10 +22,15 @@ def _readme_commands() -> list[str]:
 def test_readme_opens_with_two_commands_and_ci_runs_the_second():
     commands = _readme_commands()
     assert len(commands) == 2
-    assert "examples/" in commands[0] and "pytest" in commands[1]
+    assert "examples/" in commands[0] and commands[1].endswith("bash tests/run_all.sh")
     with open(f"{REPO_ROOT}/.ci/run") as f:
         ci_lines = [line.strip() for line in f if line.strip() and not line.startswith("#")]
     assert commands[1] in ci_lines
+    # The script runs the whole suite, then the compat ends; any failure (pytest's 5, no test, too) is its exit code.
+    with open(f"{REPO_ROOT}/tests/run_all.sh") as f:
+        script = f.read()
+    assert "set -euo pipefail" in script and ".venv/bin/python -m pytest || suite=$?" in script
+    assert 'exit "$suite"' in script and script.rstrip().endswith("bash tests/compat/run_other_ends.sh test")
 
 
 def test_importing_the_package_and_wire_is_light():
