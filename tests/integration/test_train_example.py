@@ -27,11 +27,13 @@ def test_example_trainer_loss_falls_and_checkpoint_is_written(tmp_path):
     checkpoint = tmp_path / "ckpt"
     result = subprocess.run(
         [sys.executable, os.path.join(REPO_ROOT, "examples", "train_transformer.py"),
-         "--steps", "80", "--checkpoint", str(checkpoint), "--min-accuracy", "0"],
+         "--steps", "80", "--checkpoint", str(checkpoint)],
         capture_output=True, text=True, timeout=240, cwd=str(tmp_path))
-    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]   # it exits 1 below 90 % held out
     first, last = map(float, re.search(r"loss: ([\d.]+) -> ([\d.]+)", result.stdout).groups())
     assert last < first / 3, result.stdout
+    accuracy = float(re.search(r"held-out accuracy \(1024 sequences\): ([\d.]+)% of answer tokens", result.stdout)[1])
+    assert accuracy >= 90.0, result.stdout       # 100.0 % measured in 80 steps on the 2-core machine
     assert (checkpoint / "trainer.safetensors").exists()
     assert f"checkpoint: {checkpoint / 'trainer.safetensors'}" in result.stdout
     assert "tok_s=" in result.stderr          # the progress bar shows throughput
