@@ -15,6 +15,7 @@ controller's key, and a peer DEALER only the key the controller gave for that pe
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import secrets
@@ -27,7 +28,8 @@ from pathways_torch.wire import SocketLoop, body_name, decode, encode, pb
 from pathways_torch.wire.framing import FramingError
 from pathways_torch.wire.security import (CONTROLLER, HANDSHAKE_FAILURES, HEARTBEAT_SUFFIX, INCARNATION_MARK,
                                           STORE_SUFFIX, ConnectionWatch, Credentials, Gatekeeper, KeyDirectory,
-                                          SecurityError, make_client, make_server, peer_role)
+                                          SecurityError, make_client, make_server, peer_role,
+                                          without_replaced_keys)
 from pathways_torch.wire.threads import name_os_thread
 
 from .backends import make_backend
@@ -38,13 +40,14 @@ from .config import ExecutorConfig
 from .trace import TraceRecorder
 from .worker import ComputeJob, ExecutorCore
 
-__all__ = ["ExecutorProcess", "EXIT_LOST", "EXIT_CONTROLLER_GONE"]
+__all__ = ["ExecutorProcess", "EXIT_LOST", "EXIT_CONTROLLER_GONE", "EXIT_REFUSED"]
 
 log = logging.getLogger(__name__)
 
 # Exit codes a launcher reads (pathways-run restarts the first kind with --max-executor-restarts, not the second).
 EXIT_LOST = 3              # told to stop as lost, or refused: a replacement may take its place
 EXIT_CONTROLLER_GONE = 4   # the controller (or the parent) is gone: nothing to rejoin
+EXIT_REFUSED = 5           # its key was refused: another key of the same folder would not fare better
 
 _CONTROL = "control"
 _COMMANDS = "commands"
@@ -96,6 +99,9 @@ class ExecutorProcess:
     def __init__(self, config: ExecutorConfig):
         self.config = config
         self.credentials = KeyDirectory(config.keys_dir).credentials(config.key_role or config.executor_id)
+        if config.key_role:   # a replacement: the keys of the incarnations it replaces are not admitted
+            self.credentials = dataclasses.replace(self.credentials, allowed=without_replaced_keys(
+                self.credentials.allowed, config.executor_id, config.key_role))
         self.zmq = zmq.Context()
         self.gatekeeper = Gatekeeper(self.zmq, self.credentials.allowed)
         self.loop = SocketLoop(f"executor-{config.executor_id}", self.zmq)
@@ -173,7 +179,8 @@ class ExecutorProcess:
             # The keys do not match: fail now, visibly, instead of waiting unheard.
             self._exit(f"could not authenticate with the controller at {self.config.controller_address} ({event}): "
                        f"its key in {self.config.keys_dir} is not the controller's, or this executor's key is "
-                       f"not on its allow-list; use the key directory the launcher made for this cluster")
+                       f"not on its allow-list; use the key directory the launcher made for this cluster",
+                       EXIT_REFUSED)
 
     def _controller_connection(self, suffix: str) -> zmq.Socket:
         """A DEALER to the controller under identity ``<executor id><suffix>``, CURVE to the controller's key."""

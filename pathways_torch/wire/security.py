@@ -41,7 +41,7 @@ from zmq.utils.monitor import parse_monitor_message
 __all__ = [
     "CONTROLLER", "CLIENT", "ZAP_DOMAIN", "HEARTBEAT_SUFFIX", "STORE_SUFFIX", "SecurityError", "KeyPair", "Credentials", "KeyDirectory",
     "Gatekeeper", "make_server", "make_client", "check_role", "peer_role", "ConnectionWatch",
-    "HANDSHAKE_FAILURES", "INCARNATION_MARK", "split_identity", "spare_role", "spare_of",
+    "HANDSHAKE_FAILURES", "INCARNATION_MARK", "split_identity", "spare_role", "spare_of", "without_replaced_keys",
 ]
 
 log = logging.getLogger(__name__)
@@ -71,6 +71,13 @@ def spare_of(role: str) -> str | None:
     """The executor id a spare role belongs to (``executor-1.r2`` → ``executor-1``); None for any other role."""
     base, mark, number = role.rpartition(_SPARE_MARK)
     return base if mark and base and number.isdigit() else None
+
+
+def without_replaced_keys(allowed: Mapping[str, bytes], executor_id: str, role: str) -> dict[str, bytes]:
+    """The allow-list of a replacement speaking for ``executor_id`` with key ``role`` (a spare): without the id's
+    other keys, those of the incarnations it replaces (a stopped one that is continued must not reach it)."""
+    return {r: key for r, key in allowed.items()
+            if r == role or (r != executor_id and spare_of(r) != executor_id)}
 
 
 def split_identity(identity: str) -> tuple[str, str]:

@@ -235,7 +235,7 @@ def test_an_executor_whose_key_is_not_allowed_exits_at_once(ctx, tmp_path):
                           "--keys", keys.path, "--backend", "eager", "--heartbeat-timeout-s", "60"],
                          capture_output=True, text=True, timeout=60, cwd=REPO_ROOT,
                          env=dict(os.environ, PYTHONPATH=REPO_ROOT))
-    assert out.returncode == 3, out.stderr
+    assert out.returncode == 5, out.stderr    # EXIT_REFUSED: a node does not start it again with a spare key
     assert "could not authenticate with the controller" in out.stderr and "HANDSHAKE_FAILED_AUTH" in out.stderr
     assert time.monotonic() - started < 30   # mostly importing torch; never the 60 s heartbeat timeout
     assert "executor-9" not in ctx.controller.resources.executors

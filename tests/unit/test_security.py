@@ -178,3 +178,13 @@ def test_a_failure_without_detail_is_a_rejection_only_when_it_repeats():
     assert not watch.rejected
     feed(zmq.EVENT_HANDSHAKE_FAILED_AUTH)
     assert watch.rejected                    # our key was refused: at once
+
+
+def test_a_replacement_admits_none_of_the_keys_of_the_incarnations_it_replaces():
+    from pathways_torch.wire.security import without_replaced_keys
+
+    allowed = {"controller": b"c", "client": b"k", "executor-0": b"0", "executor-1": b"1", "executor-1.r1": b"a",
+               "executor-1.r2": b"b", "executor-10": b"x", "executor-0.r1": b"z"}
+    assert without_replaced_keys(allowed, "executor-1", "executor-1.r2") == {
+        "controller": b"c", "client": b"k", "executor-0": b"0", "executor-1.r2": b"b", "executor-10": b"x",
+        "executor-0.r1": b"z"}
