@@ -33,6 +33,7 @@ import pathways_torch as pw
 from bench.common import print_table, write_results
 from bench.train import ReverseTask, loss_fn, make_config, make_model
 from pathways_torch.islands import ISLAND_AXIS
+from pathways_torch.process_state import is_gone
 
 __all__ = ["main"]
 
@@ -191,7 +192,7 @@ def main(argv=None) -> int:
             stats = trainer.stats()
             per_fault = faults.per_fault(stats["recoveries"], ctx.controller.calls_failed_by_lost_transfers)
             time.sleep(2 * args.heartbeat_timeout_s)   # continued old incarnations exit
-            leftover = [pid for pid in faults.stopped if _alive(pid)]
+            leftover = [pid for pid in faults.stopped if not is_gone(pid)]
             if trainer._checkpoint is not None:   # a save in flight holds the state it writes: let it end
                 trainer._checkpoint.exception()
             end_bytes = _store_bytes(ctx)
@@ -235,14 +236,6 @@ def _harmless(fault: dict) -> bool:
     """A cut that failed no call (no transfer in flight, or only acknowledgements lost: ZeroMQ reconnects) leaves
     nothing to recover."""
     return fault["kind"] == CUT and fault["failed_calls"] == 0
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(")")[-1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
 
 
 if __name__ == "__main__":

@@ -24,6 +24,7 @@ import time
 
 import zmq
 
+from pathways_torch.process_state import is_gone
 from pathways_torch.wire import SocketLoop, body_name, decode, encode, pb
 from pathways_torch.wire.framing import FramingError
 from pathways_torch.wire.security import (CONTROLLER, HANDSHAKE_FAILURES, HEARTBEAT_SUFFIX, INCARNATION_MARK,
@@ -371,9 +372,4 @@ def _alive(pid: int) -> bool:
         return False
     except PermissionError:
         return True
-    # A zombie parent is dead for our purposes.
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(")")[-1].split()[0] != "Z"
-    except OSError:
-        return True
+    return not is_gone(pid)    # a zombie parent is dead for our purposes

@@ -27,11 +27,9 @@ def wait_until(predicate, timeout_s: float, interval_s: float = 0.05) -> bool:
 
 def process_gone(pid: int) -> bool:
     """True when ``pid`` no longer runs (a zombie counts as gone)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(")")[-1].split()[0] in ("Z", "X")
-    except (FileNotFoundError, ProcessLookupError):
-        return True
+    from pathways_torch.process_state import is_gone
+
+    return is_gone(pid)
 
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -56,6 +56,8 @@ class LaunchConfig:
     run_id: str = "none"
     max_restarts: int = 0
     max_executor_restarts: int = 0   # per executor of this node, each with the next spare key (keys.SPARES)
+    # With restarts: an executor stopped (SIGSTOP, a tracer) this long is killed, then restarted like a dead one.
+    kill_stopped_after_s: float = 60.0
     backend: str = ""
     join_timeout_s: float = 300.0
     health_port: int = 0
@@ -117,6 +119,10 @@ def _parser() -> argparse.ArgumentParser:
                         help="start an executor of this node again when it dies, at most this many times each "
                              "(with its next spare key: at most 3); the script's trainer recovers onto it "
                              "(checkpoint_every, docs/faults.md)")
+    parser.add_argument("--kill-stopped-after-s", type=float, default=60.0,
+                        help="with --max-executor-restarts: an executor of this node stopped (SIGSTOP, a tracer) "
+                             "this long is killed and started again like one that died (the controller has "
+                             "declared it lost by then if its heartbeat bound is shorter)")
     parser.add_argument("--island", default="", help="the island of this node's executors (default: island 0)")
     parser.add_argument("--keys-dir", default=None,
                         help="this run's keys (pathways-run --make-keys): this node's folder, or the folder holding "
@@ -196,6 +202,8 @@ def parse_args(argv=None) -> LaunchConfig | tuple[str, int, int]:
         raise LaunchError(f"--max-restarts {args.max_restarts}: expected >= 0")
     from .keys import SPARES
 
+    if not args.kill_stopped_after_s > 0:
+        raise LaunchError(f"--kill-stopped-after-s {args.kill_stopped_after_s}: expected a positive number of seconds")
     if not 0 <= args.max_executor_restarts <= SPARES:
         raise LaunchError(f"--max-executor-restarts {args.max_executor_restarts}: expected 0 .. {SPARES} (each "
                           f"restart uses one of the {SPARES} spare keys --make-keys made per executor)")
@@ -209,6 +217,7 @@ def parse_args(argv=None) -> LaunchConfig | tuple[str, int, int]:
                         node_rank=args.node_rank, master_addr=master, master_port=args.master_port,
                         keys_dir=args.keys_dir or "", host_addr=host, island=args.island, run_id=args.run_id,
                         max_restarts=args.max_restarts, max_executor_restarts=args.max_executor_restarts,
+                        kill_stopped_after_s=args.kill_stopped_after_s,
                         backend=args.backend or _default_backend(),
                         join_timeout_s=args.join_timeout_s, health_port=args.health_port,
                         status_port=args.status_port, standalone=args.standalone, script=args.script,
@@ -262,6 +271,7 @@ class Node:
         self.interrupted = 0
         self._watching = False
         self.restarts: dict[str, int] = {}      # executor id → restarts so far (--max-executor-restarts)
+        self._stopped_since: dict[int, float] = {}   # pid → when it was first seen stopped
         self._restart_lock = threading.Lock()
         self._stopping = False
 
@@ -303,6 +313,9 @@ class Node:
                 process = self.cluster.process_of(executor_id)
                 code = process.poll()
                 done = self.restarts.get(executor_id, 0)
+                if code is None and done < self.config.max_executor_restarts and not self._stopping:
+                    self._kill_if_stopped_too_long(executor_id, process)
+                    continue
                 if (code is None or self._stopping or done >= self.config.max_executor_restarts
                         or not (code < 0 or code == _EXIT_LOST)):
                     continue
@@ -312,6 +325,22 @@ class Node:
                      f"starting it again with the key {role} (restart {done + 1} of "
                      f"{self.config.max_executor_restarts})")
                 self.cluster.respawn(executor_id, self.keys_dir, extra_args=("--key-role", role))
+
+    def _kill_if_stopped_too_long(self, executor_id: str, process) -> None:
+        """A stopped executor is a live process to this node but lost to the controller, which cannot replace it
+        here: past --kill-stopped-after-s it is killed, and the next pass starts it again as one that died."""
+        from ..process_state import is_stopped
+
+        if not is_stopped(process.pid):
+            self._stopped_since.pop(process.pid, None)
+            return
+        since = self._stopped_since.setdefault(process.pid, time.monotonic())
+        if time.monotonic() - since >= self.config.kill_stopped_after_s:
+            _say(f"node {self.config.node_rank}: {executor_id} (pid {process.pid}) has been stopped for "
+                 f"{time.monotonic() - since:.0f} s (--kill-stopped-after-s {self.config.kill_stopped_after_s:g}); "
+                 f"killing it to start it again")
+            process.send_signal(signal.SIGKILL)
+            del self._stopped_since[process.pid]
 
     def _serve_health(self) -> None:
         """grpc.health.v1 for this node, kept current by a thread: '' serving while everything it started runs."""

@@ -1,11 +1,12 @@
 """The script a launch test starts with pathways-run (not a test): trains a small MLP with dropout twice on the
-launched executors, unbroken and with a checkpoint every 2 steps, killing executor-1 (on node 1) after step 3 of
-the second run; prints one JSON record: both loss lists, the trainer's stats and each executor's epoch."""
+launched executors, unbroken and with a checkpoint every 2 steps, killing (or stopping: argv[3]) executor-1 (on node
+1) after step 3 of the second run; prints one JSON record: both loss lists, the trainer's stats and each executor's epoch."""
 
 import json, os, signal, sys, time, torch, torch.nn as nn
 import pathways_torch as pw
 
 steps, directory = int(sys.argv[1]), sys.argv[2]
+fault = getattr(signal, sys.argv[3] if len(sys.argv) > 3 else "SIGKILL")
 g = torch.Generator().manual_seed(1)
 batches = [(torch.randn(8, 4, generator=g, dtype=torch.float64), torch.randn(8, 1, generator=g, dtype=torch.float64))
            for _ in range(steps)]
@@ -28,7 +29,7 @@ with pw.Context() as ctx:
         losses.append(recovering.step(batch))
         if index == 3:
             losses[-1].result(120)
-            os.kill(victim, signal.SIGKILL)
+            os.kill(victim, fault)
     print(json.dumps({"expected": expected, "losses": [loss.result(120).item() for loss in losses],
                       "stats": recovering.stats(), "victim": victim,
                       "epochs": {i.executor_id: i.epoch for i in ctx.controller.resources.ordered()},

@@ -302,11 +302,14 @@ def test_max_restarts_starts_the_whole_job_again_and_the_exit_code_is_the_script
 RECOVERY_SCRIPT = os.path.join(os.path.dirname(__file__), "launched_recovery.py")
 
 
-def test_a_node_restarts_its_lost_executor_with_a_spare_key_and_the_script_recovers(two_hosts, tmp_path):
+@pytest.mark.parametrize("fault", ["SIGKILL", "SIGSTOP"])
+def test_a_node_restarts_its_lost_executor_with_a_spare_key_and_the_script_recovers(two_hosts, tmp_path, fault):
+    # SIGSTOP: a live process to its node, lost to the controller; the node kills it after --kill-stopped-after-s.
     launch, keys = two_hosts
     port = _port()
-    node0 = launch(0, "8", str(tmp_path / "ckpt"), port=port, script=RECOVERY_SCRIPT)
-    node1 = launch(1, port=port, extra=("--max-executor-restarts", "1"), script=RECOVERY_SCRIPT)
+    node0 = launch(0, "8", str(tmp_path / "ckpt"), fault, port=port, script=RECOVERY_SCRIPT)
+    node1 = launch(1, port=port, extra=("--max-executor-restarts", "1", "--kill-stopped-after-s", "2"),
+                   script=RECOVERY_SCRIPT)
     out0, _ = node0.communicate(timeout=240)
     out1, _ = node1.communicate(timeout=60)
     assert node0.returncode == 0 and node1.returncode == 0, out0 + out1
@@ -317,3 +320,4 @@ def test_a_node_restarts_its_lost_executor_with_a_spare_key_and_the_script_recov
     assert record["pids"]["executor-1"] != record["victim"]
     assert "starting it again with the key executor-1.r1 (restart 1 of 1)" in out1
     assert "the key of executor-1 is revoked" in out0
+    assert ("has been stopped for 2 s (--kill-stopped-after-s 2); killing it" in out1) == (fault == "SIGSTOP"), out1

@@ -13,6 +13,7 @@ import pathways_torch as pw
 from pathways_torch.launch.environment import LAUNCH_VARIABLES, LaunchEnvironment, node_of
 from pathways_torch.launch.keys import make_run_keys
 from pathways_torch.launch.run import LaunchConfig, LaunchError, parse_args, resolve_nproc, route_address
+from tests.conftest import wait_until
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -114,3 +115,24 @@ def test_a_context_under_a_launch_refuses_another_count_or_backend(monkeypatch):
         pw.Context(backend="xla:torchax")
     with pytest.raises(ValueError, match="islands come from each node's --island"):
         pw.Context(islands=[2, 2])
+
+
+def test_process_state_tells_running_stopped_and_gone_apart():
+    import signal
+    import subprocess
+
+    from pathways_torch.process_state import is_gone, is_stopped, process_state
+
+    child = subprocess.Popen(["sleep", "30"])
+    try:
+        assert process_state(child.pid) is not None and not is_stopped(child.pid)   # R, S or D: running
+        child.send_signal(signal.SIGSTOP)
+        assert wait_until(lambda: is_stopped(child.pid), 5)
+        child.send_signal(signal.SIGCONT)
+        assert wait_until(lambda: not is_stopped(child.pid), 5)
+        child.kill()
+        assert wait_until(lambda: is_gone(child.pid), 5)      # a zombie until reaped: gone already
+    finally:
+        child.kill()
+        child.wait()
+    assert is_gone(child.pid)
