@@ -73,6 +73,7 @@ class _Call:
     # held until they do, or until one is declared lost, which fails the call with ExecutorLostError instead.
     held_failure: pb.RemoteFailure | None = None
     run_base: int = 0        # a program run's node: the run's first call id (a Cancel names the run by it)
+    run_nodes: int = 0       # ... and how many call ids the run holds (run_base .. run_base + run_nodes - 1)
 
 
 @dataclasses.dataclass
@@ -400,17 +401,28 @@ class Controller:
         transfer.shard.CopyFrom(msg.shard)
         transfer.failure.CopyFrom(failure)
         self._send(destination.executor_id, pb.Envelope(transfer=transfer))
-        call = self._calls.get(call_id)
-        if call is None or call.failed:
-            # Its run failed already (an earlier fault's failure reached it: that fault abandoned the groups). A
-            # late report of the same cut must not abandon the groups formed since, for the steps run again.
+        run = self._live_calls_of_run(call_id)
+        if not run or any(c.failed for c in run):
+            # Its run ended, or failed already (an earlier fault's failure reached it, or another transfer of the
+            # same cut: that fault abandoned the groups). A late report must not abandon the groups formed since,
+            # for the steps run again.
             return
         self.calls_failed_by_lost_transfers += 1
-        self._fail_call(call, _remote_error(call.spec, failure))
+        call = self._calls.get(call_id)
+        if call is not None:        # a reporting node (the others fail with the run on the receiver)
+            self._fail_call(call, _remote_error(call.spec, failure))
         sender = self.resources.executors[executor_id]
         what = f"transfer:{msg.shard.array_id}.{msg.shard.shard}:{executor_id}->{destination.executor_id}"
         for island in sorted({sender.island, destination.island}):
             self._abandon_island_groups(island, what)
+
+    def _live_calls_of_run(self, call_id: int) -> list[_Call]:
+        """The unfinished calls of the program run holding ``call_id`` (any node's, reporting or not); the call
+        alone for a plain call."""
+        call = self._calls.get(call_id)
+        if call is not None and not call.run_base:
+            return [call]
+        return [c for c in self._calls.values() if c.run_base and c.run_base <= call_id < c.run_base + c.run_nodes]
 
     def _unblock(self, call: _Call, pushes, error: ExecutorLostError) -> None:
         """Fail the copies a lost executor will never push, so the runs waiting for them end instead of hanging."""
@@ -635,7 +647,8 @@ class Controller:
                                      output_positions=tuple(positions))
                 self._calls[base_call + index] = _Call(call_spec, base_call + index, base_seq + index, records,
                                                        waiting=set(node.mesh.executor_ids),
-                                                       depends_on=frozenset(lowered.plans), run_base=base_call)
+                                                       depends_on=frozenset(lowered.plans), run_base=base_call,
+                                                       run_nodes=num_nodes)
             for executor_id in lowered.plans:
                 sequencer = self._sequencer_of(executor_id)
                 island_base = base_seqs[sequencer.island]

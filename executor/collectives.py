@@ -156,7 +156,8 @@ class CollectiveRuntime:
                 continue
             self._abandon_group(group_id, f"member {member} was lost ({reason}); the group was abandoned"
                                 if member in handle.members else
-                                f"{member} was lost ({reason}); every group of its island was abandoned")
+                                f"{member} was lost ({reason}); every group of this island made before was "
+                                f"abandoned")
             retired.append(group_id)
         return retired
 

@@ -45,7 +45,9 @@ __all__ = ["Link", "LinkRelay", "LinkShapingError", "SHAPINGS"]
 log = logging.getLogger(__name__)
 
 _CHUNK = 256 * 1024
-_CONNECT_TIMEOUT_S = 2.0   # loopback or the veth pair: a live destination answers at once
+# Loopback or the veth pair: a live destination answers at once, a gone one refuses at once. Short, since the relay
+# thread waits it out (every direction holds meanwhile).
+_CONNECT_TIMEOUT_S = 0.5
 _BURST = 64 * 1024
 SHAPINGS = ("auto", "tbf", "relay")
 

@@ -8,32 +8,36 @@
 #  2. the whole suite runs in .venv (Python 3.11, the newest torch);
 #  3. once both are done, the tests marked `compat` run at the other ends (tests/compat/run_other_ends.sh).
 #
-# Fails if any step fails; pytest's exit code 5 (no test collected) fails too.
+# Fails if any step fails, with the main suite's pytest exit code when it failed (5: no test collected).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-
-install_log=$(mktemp -t pathways-compat-install.XXXXXX)
-bash tests/compat/run_other_ends.sh install > "$install_log" 2>&1 &
-installer=$!
-# Whatever ends this script, the background install does not outlive it.
-trap 'kill "$installer" 2>/dev/null || true' EXIT
 
 if [ ! -x .venv/bin/python ]; then
     echo "no .venv here: install it first (python3.11 -m venv .venv && .venv/bin/pip install -e '.[dev]')" >&2
     exit 2
 fi
+
+install_log=$(mktemp -t pathways-compat-install.XXXXXX)
+# A session of its own (setsid): stopping it stops its pip processes too, not only the shell that runs them.
+setsid bash tests/compat/run_other_ends.sh install > "$install_log" 2>&1 < /dev/null &
+installer=$!
+stop_installer() { kill -TERM -- "-$installer" 2>/dev/null || true; }
+trap stop_installer EXIT
+trap 'stop_installer; exit 130' INT TERM
+
 suite=0
 .venv/bin/python -m pytest || suite=$?
-
-echo "== waiting for the compat venvs (installing since the start: $install_log)"
-if ! wait "$installer"; then
-    echo "installing the compat venvs failed; the end of its log:" >&2
-    tail -n 40 "$install_log" >&2
-    exit 1
-fi
-trap - EXIT
 if [ "$suite" -ne 0 ]; then
     echo "the main suite failed (pytest exit code $suite); the compat ends are not run" >&2
     exit "$suite"
 fi
+
+echo "== waiting for the compat venvs (installing since the suite started; log: $install_log)"
+if ! wait "$installer"; then
+    echo "installing the compat venvs failed; the end of its log ($install_log):" >&2
+    tail -n 40 "$install_log" >&2
+    exit 1
+fi
+trap - EXIT INT TERM
+rm -f "$install_log"
 bash tests/compat/run_other_ends.sh test

@@ -276,13 +276,14 @@ class CrossIslandTrainer(Trainer):
         def bucket_flat(bucket, n, key):
             return flatten(bucket, {s.name: tensors[key(s.name)].to(bucket.dtype) for s in bucket.slots}, n)
 
-        self._state = []
+        state = []       # assigned whole at the end: a put that fails (a loss) leaves the previous state
         for mesh in self._islands:
             items = [(bucket_flat(b, n, lambda s: f"model/{s}"), placement) for b, n in zip(layout.buckets, padded)]
             items += [(bucket_flat(b, n, lambda s, name=name: f"optimizer/{s}/{name}"), placement)
                       for b, n in zip(layout.buckets, padded) for name in layout.state_names]
             items += [(tensors[f"model/{n}"], Replicate()) for n in layout.buffer_names + layout.frozen_names]
-            self._state.append(self._context.put_many(items, mesh))
+            state.append(self._context.put_many(items, mesh))
+        self._state = state
 
     def _checkpoint_arrays(self) -> list:
         return list(self._state[0])       # every island holds the same state: island 0's executors write it

@@ -28,7 +28,8 @@ import time
 
 from ..errors import ExecutorLostError, RemoteError
 
-__all__ = ["StepLoss", "KeptStep", "RecoveryLog", "MAX_ATTEMPTS", "is_recoverable", "TRANSFER_LOST"]
+__all__ = ["StepLoss", "KeptStep", "RecoveryLog", "RecoveryFailed", "MAX_ATTEMPTS", "is_recoverable",
+           "TRANSFER_LOST", "COLLECTIVE_ABANDONED", "describe_cause"]
 
 log = logging.getLogger(__name__)
 
@@ -41,11 +42,30 @@ TRANSFER_LOST = "TransferLost"     # the remote type of a transfer its link lost
 COLLECTIVE_ABANDONED = "CollectiveAbandoned"
 
 
+class RecoveryFailed(ExecutorLostError):
+    """Recovery itself failed for good (no replacement registered in time, or it exited at once): not tried
+    again. An `ExecutorLostError`, as the loss it could not undo."""
+
+
 def is_recoverable(error: BaseException | None) -> bool:
     """Whether recovery can undo ``error``: a lost executor, a transfer lost on a link (both ends alive), a
     collective abandoned after either."""
+    if isinstance(error, RecoveryFailed):
+        return False
     return isinstance(error, ExecutorLostError) or (isinstance(error, RemoteError) and error.remote_type in
                                                     (TRANSFER_LOST, COLLECTIVE_ABANDONED))
+
+
+def describe_cause(error: BaseException, lost: list[str]) -> str:
+    """What a recovery recovers from, for its log line and ``trainer.stats()["events"]``."""
+    if lost:
+        return f"the loss of {', '.join(lost)}"
+    kind = getattr(error, "remote_type", "")
+    if kind == TRANSFER_LOST:
+        return "a transfer lost on a link"
+    if kind == COLLECTIVE_ABANDONED:
+        return "a collective abandoned after a fault in its island"
+    return "the loss of an executor (replaced already)"
 
 
 @dataclasses.dataclass(frozen=True)

@@ -25,12 +25,14 @@ from .checkpoint import check_matches, read_checkpoint, write_checkpoint
 from .locate import user_frame_summary
 from .optimizers import read_optimizer
 from .plans import DataParallel
-from .recovery import MAX_ATTEMPTS, KeptStep, RecoveryLog, StepLoss, is_recoverable
+from .recovery import MAX_ATTEMPTS, KeptStep, RecoveryFailed, RecoveryLog, StepLoss, describe_cause, is_recoverable
 from .step import StepLayout, make_step
 
 __all__ = ["Trainer"]
 
 log = logging.getLogger(__name__)
+
+_STATE_WAIT_S = 600.0     # how long recovery waits for the newest state to end, to see whether it failed
 
 
 class Trainer:
@@ -234,8 +236,7 @@ class Trainer:
         lost = [e for e in self.mesh.executor_ids if ctx.controller.resources.executors[e].lost]
         if not lost and not self._state_broken(error):
             return False   # the state is whole (recovered already): this step's loss cannot be run again
-        cause = (f"the loss of {', '.join(lost)}" if lost else "a transfer lost on a link" if
-                 isinstance(error, RemoteError) else "the loss of an executor (replaced already)")
+        cause = describe_cause(error, lost)
         log.warning("trainer: %s; recovering from %s", error, cause)
         if self._checkpoint is not None:
             # The save in flight ends first: it fails if it needed the lost executor, and must not ask the
@@ -244,7 +245,10 @@ class Trainer:
             self._checkpoint = None
         for executor_id in lost:
             if ctx.controller.resources.executors[executor_id].lost:   # its node may have restarted it meanwhile
-                ctx.replace_executor(executor_id, timeout_s=self.replacement_timeout_s)
+                try:
+                    ctx.replace_executor(executor_id, timeout_s=self.replacement_timeout_s)
+                except ExecutorLostError as exc:   # no replacement: trying again would only wait as long again
+                    raise RecoveryFailed(f"recovery from {error}: {exc}", executor_id=executor_id) from exc
         if self._recovery.saved_path is None:
             raise PathwaysError(f"recovery from {error}: no checkpoint of this trainer was written yet (the first is "
                                 f"written when the trainer is made, in the background; it failed or is not done)")
@@ -273,7 +277,12 @@ class Trainer:
             return True
         if not isinstance(error, RemoteError):
             return False
-        return any(is_recoverable(a.exception(timeout_s=600)) for a in placed)
+        deadline = time.monotonic() + _STATE_WAIT_S      # the newest steps end (they fail at once after the fault)
+        try:
+            return any(is_recoverable(a.exception(timeout_s=max(0.0, deadline - time.monotonic()))) for a in placed)
+        except TimeoutError:
+            raise PathwaysError(f"recovery from {error}: the trainer's newest state did not end within "
+                                f"{_STATE_WAIT_S:.0f} s (its steps still run); nothing was restored") from None
 
     def _placed_arrays(self) -> list:
         """Every array the trainer keeps on the mesh: its state and the shards' ranks."""

@@ -376,7 +376,6 @@ def test_an_abandoned_groups_collective_raises_collective_abandoned_which_recove
     with pytest.raises(CollectiveAbandoned, match="transfer:7.0:a->b was lost"):
         with runtime.bind({"data": 1}):
             runtime.run("all_reduce", torch.ones(4), "data", op="sum")
-    # A group queued before the fault and formed after it is abandoned as it forms.
     assert runtime._abandoned_below == 2 and 1 in runtime._abandoned_ids
     assert is_recoverable(RemoteError("x", remote_type="CollectiveAbandoned"))
     assert is_recoverable(RemoteError("x", remote_type="TransferLost"))
@@ -433,3 +432,47 @@ def test_a_lost_transfer_abandons_both_islands_groups_and_lowers_their_programs_
     controller.on_message("e1", pb.Envelope(transfer_lost=lost), [])
     assert controller.heard_from("e1", 1)[1] == ["transfer:99.0:e0->e2<3"]
     assert (controller.transfers_lost, controller.calls_failed_by_lost_transfers) == (2, 1)
+
+
+def test_a_group_queued_before_a_fault_and_formed_after_it_is_abandoned_as_it_forms(monkeypatch):
+    import executor.collectives as collectives
+
+    runtime = CollectiveRuntime()
+    monkeypatch.setattr(runtime, "_rendezvous", lambda *args: None)
+    monkeypatch.setattr(collectives, "gloo_group_on", lambda *args: object())
+    runtime.abandon("transfer:7.0:a->b", "a link lost it", before_group=4)   # groups 1..3 were made before it
+    runtime.form(3, rank=0, size=2, store_path="", timeout_s=1, members=("a@1", "b@1"))
+    runtime.form(4, rank=0, size=2, store_path="", timeout_s=1, members=("a@1", "b@1"))
+    assert sorted(runtime._groups) == [4] and runtime._abandoned_ids == {3}
+    with pytest.raises(collectives.CollectiveAbandoned, match="made before a fault of its island"):
+        with runtime.bind({"data": 3}):
+            runtime.run("all_reduce", torch.ones(4), "data", op="sum")
+
+
+def test_a_fault_during_recovery_recovers_again_but_a_replacement_that_never_registers_fails_at_once():
+    from pathways_torch.training.recovery import MAX_ATTEMPTS, RecoveryFailed
+    from pathways_torch.training.trainer import Trainer
+
+    class Recovering(Trainer):
+        def __init__(self, faults):
+            self.recover, self.faults, self.errors = True, list(faults), []
+
+        def _recover_once(self, error):
+            self.errors.append(error)
+            if self.faults:
+                raise self.faults.pop(0)
+            return True
+
+    again = ExecutorLostError("executor-2 lost meanwhile")
+    trainer = Recovering([again])
+    assert trainer.recover_from(ExecutorLostError("executor-1 lost")) is True
+    assert trainer.errors[1] is again                        # the second attempt recovers from the new fault
+    never = RecoveryFailed("no replacement for executor-1 registered within 1 s", executor_id="executor-1")
+    trainer = Recovering([never])
+    with pytest.raises(RecoveryFailed):
+        trainer.recover_from(ExecutorLostError("executor-1 lost"))
+    assert len(trainer.errors) == 1 and isinstance(never, ExecutorLostError)   # not tried again
+    trainer = Recovering([ExecutorLostError(f"lost {i}") for i in range(MAX_ATTEMPTS)])
+    with pytest.raises(ExecutorLostError, match=f"lost {MAX_ATTEMPTS - 1}"):
+        trainer.recover_from(ExecutorLostError("first"))
+    assert len(trainer.errors) == MAX_ATTEMPTS
