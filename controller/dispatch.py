@@ -18,7 +18,7 @@ import time
 from typing import Callable, Protocol, Sequence
 
 from pathways_torch.errors import (ContextClosedError, ExecutorLostError, PathwaysError, PlacementError, RemoteError,
-                                   ReplicationError)
+                                   ReplicationError, TRANSFER_LOST)
 from pathways_torch.wire import pb
 from pathways_torch.wire.framing import PROGRAM_RUN_REFUSED, body_name, log_dropped
 
@@ -137,8 +137,9 @@ class Controller:
         self._stale_programs: set[int] = set()   # programs to lower again (new groups, a replaced executor)
         self.stale_messages = 0                  # refused: sent by an incarnation that was replaced
         self.transfers_lost = 0                  # reported by their senders: not acknowledged in time (a cut link)
-        self.calls_failed_by_lost_transfers = 0  # of those, the ones a run still waited for (the rest had arrived,
-                                                 # their acknowledgement lost; or their run had failed already)
+        self.calls_failed_by_lost_transfers = 0  # of those, the ones a run still waited for (its receiver says: the
+                                                 # rest had arrived, their acknowledgement lost, or their run had
+                                                 # failed already)
         self._axis_group_cache: dict[tuple, dict[str, list[int]]] = {}
         self._pending_frees: dict[str, list] = collections.defaultdict(list)   # executor → shards to free
         self._batching_frees = False     # inside release_many (under the lock)
@@ -381,39 +382,51 @@ class Controller:
         return gone
 
     def _on_transfer_lost(self, executor_id: str, msg: pb.TransferLost) -> None:
-        """A transfer was not acknowledged in time (its link failed): fail the run waiting for it on the receiver,
-        on the control path, and the call it belongs to. The groups of both ends' islands are abandoned: the
-        receiver's run fails at that input while its island's other executors go on into the run's collectives
-        (they would wait for it until gloo's timeout, and the group would be out of step after)."""
+        """A transfer was not acknowledged in time (its link failed): the sender says so (`_on_unacknowledged`),
+        and the receiver, told, says whether a run there did lack it (`_on_copy_missing`)."""
+        if msg.missing:
+            self._on_copy_missing(executor_id, msg)
+        else:
+            self._on_unacknowledged(executor_id, msg)
+
+    def _on_unacknowledged(self, sender: str, msg: pb.TransferLost) -> None:
+        """The sender's report: tell the receiver its copy will not come, on the control path. Nothing fails yet:
+        the copy may have arrived, its acknowledgement alone lost (then the receiver ignores this)."""
         self.transfers_lost += 1
         destination = next((info for info in self.resources.ordered()
                             if msg.to_address in (info.data_address, info.link_address)), None)
         if destination is None or destination.lost:
             return   # its loss failed what waited for it already
-        call_id = msg.shard.tag
         failure = pb.RemoteFailure(
-            type="TransferLost", executor_id=executor_id, origin_call_id=call_id,
+            type=TRANSFER_LOST, executor_id=sender, origin_call_id=msg.shard.tag,
             message=(f"the transfer of array {msg.shard.array_id} shard {msg.shard.shard} ({msg.nbytes} B) from "
-                     f"{executor_id} to {destination.executor_id} at {msg.to_address} was not acknowledged within "
+                     f"{sender} to {destination.executor_id} at {msg.to_address} was not acknowledged within "
                      f"{msg.waited_s:.0f} s: the link between them failed (both executors are alive); the calls "
                      f"that need it fail, later ones are unaffected"))
         transfer = pb.Transfer(failed=True)
         transfer.shard.CopyFrom(msg.shard)
         transfer.failure.CopyFrom(failure)
         self._send(destination.executor_id, pb.Envelope(transfer=transfer))
+
+    def _on_copy_missing(self, receiver: str, msg: pb.TransferLost) -> None:
+        """The receiver's answer: a run there waited for the lost copy and now fails at that input. Fail its call,
+        and abandon the groups of both ends' islands: the receiver's peers go on into the run's collectives
+        without it (they would wait until gloo's timeout, and the group would be out of step after)."""
+        call_id = msg.shard.tag
         run = self._live_calls_of_run(call_id)
         if not run or any(c.failed for c in run):
             # Its run ended, or failed already (an earlier fault's failure reached it, or another transfer of the
-            # same cut: that fault abandoned the groups). A late report must not abandon the groups formed since,
+            # same cut: that fault abandoned the groups). A late answer must not abandon the groups formed since,
             # for the steps run again.
             return
         self.calls_failed_by_lost_transfers += 1
         call = self._calls.get(call_id)
         if call is not None:        # a reporting node (the others fail with the run on the receiver)
-            self._fail_call(call, _remote_error(call.spec, failure))
-        sender = self.resources.executors[executor_id]
-        what = f"transfer:{msg.shard.array_id}.{msg.shard.shard}:{executor_id}->{destination.executor_id}"
-        for island in sorted({sender.island, destination.island}):
+            self._fail_call(call, _remote_error(call.spec, msg.failure))
+        sender = msg.failure.executor_id
+        islands = {self.resources.island_of(e) for e in (sender, receiver) if e in self.resources.executors}
+        what = f"transfer:{msg.shard.array_id}.{msg.shard.shard}:{sender}->{receiver}"
+        for island in sorted(islands):
             self._abandon_island_groups(island, what)
 
     def _live_calls_of_run(self, call_id: int) -> list[_Call]:

@@ -28,6 +28,7 @@ import time
 import traceback
 from typing import Callable, Protocol, Sequence
 
+from pathways_torch.errors import TRANSFER_LOST
 from pathways_torch.wire import pb
 from pathways_torch.wire.framing import PROGRAM_RUN_REFUSED, body_name, log_dropped
 from pathways_torch.wire.tensors import dtype_name, frame_to_tensor
@@ -512,6 +513,11 @@ class ExecutorCore:
             return
         if msg.failed:
             self.store.fill(key, failure=msg.failure)
+            if identity is None and msg.failure.type == TRANSFER_LOST:
+                # A copy the sender's link lost, which a run here did wait for: say so (the controller abandons the
+                # island's groups only then; a copy that had arrived lost only its acknowledgement).
+                confirm = pb.TransferLost(shard=msg.shard, missing=True, failure=msg.failure)
+                self.outbox.to_controller(pb.Envelope(transfer_lost=confirm))
         else:
             tensor = self.backend.from_frame(msg.tensor, payload)
             self.hop_bytes["executor->executor received"] += tensor.nbytes

@@ -11,7 +11,14 @@ from __future__ import annotations
 __all__ = [
     "PathwaysError", "RemoteError", "CaptureError", "PlacementError",
     "ReplicationError", "ExecutorLostError", "AuthenticationError", "ProtocolError", "ContextClosedError",
+    "TRANSFER_LOST", "COLLECTIVE_ABANDONED",
 ]
+
+# `RemoteError.remote_type` of the failures the runtime itself makes (not the user's code): a transfer its link lost
+# (the controller, from the sender's report), a collective in a group abandoned after a fault in its island (the
+# executor's `CollectiveAbandoned`). Training recovers from both (`training.recovery`).
+TRANSFER_LOST = "TransferLost"
+COLLECTIVE_ABANDONED = "CollectiveAbandoned"
 
 
 class PathwaysError(Exception):

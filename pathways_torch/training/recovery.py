@@ -26,7 +26,7 @@ import dataclasses
 import logging
 import time
 
-from ..errors import ExecutorLostError, RemoteError
+from ..errors import COLLECTIVE_ABANDONED, TRANSFER_LOST, ExecutorLostError, RemoteError
 
 __all__ = ["StepLoss", "KeptStep", "RecoveryLog", "RecoveryFailed", "MAX_ATTEMPTS", "is_recoverable",
            "TRANSFER_LOST", "COLLECTIVE_ABANDONED", "describe_cause"]
@@ -36,10 +36,6 @@ log = logging.getLogger(__name__)
 # Losses in a row while recovering (a replacement lost too) before the error reaches the user.
 MAX_ATTEMPTS = 3
 
-TRANSFER_LOST = "TransferLost"     # the remote type of a transfer its link lost (controller `_on_transfer_lost`)
-# A collective in a group its island abandoned after a fault (executor.collectives.CollectiveAbandoned): a step
-# dispatched before a recovery, or one whose group a late report of the same fault abandoned.
-COLLECTIVE_ABANDONED = "CollectiveAbandoned"
 
 
 class RecoveryFailed(ExecutorLostError):

@@ -521,16 +521,20 @@ class TransferAck(_message.Message):
     def __init__(self, shard: _Optional[_Union[ShardRef, _Mapping]] = ...) -> None: ...
 
 class TransferLost(_message.Message):
-    __slots__ = ("shard", "to_address", "waited_s", "nbytes")
+    __slots__ = ("shard", "to_address", "waited_s", "nbytes", "missing", "failure")
     SHARD_FIELD_NUMBER: _ClassVar[int]
     TO_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     WAITED_S_FIELD_NUMBER: _ClassVar[int]
     NBYTES_FIELD_NUMBER: _ClassVar[int]
+    MISSING_FIELD_NUMBER: _ClassVar[int]
+    FAILURE_FIELD_NUMBER: _ClassVar[int]
     shard: ShardRef
     to_address: str
     waited_s: float
     nbytes: int
-    def __init__(self, shard: _Optional[_Union[ShardRef, _Mapping]] = ..., to_address: _Optional[str] = ..., waited_s: _Optional[float] = ..., nbytes: _Optional[int] = ...) -> None: ...
+    missing: bool
+    failure: RemoteFailure
+    def __init__(self, shard: _Optional[_Union[ShardRef, _Mapping]] = ..., to_address: _Optional[str] = ..., waited_s: _Optional[float] = ..., nbytes: _Optional[int] = ..., missing: _Optional[bool] = ..., failure: _Optional[_Union[RemoteFailure, _Mapping]] = ...) -> None: ...
 
 class Fetch(_message.Message):
     __slots__ = ("shard", "request_id")

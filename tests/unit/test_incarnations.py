@@ -312,11 +312,35 @@ def test_a_lost_transfer_fails_the_waiting_run_on_the_receiver_and_its_call_alon
     lost = pb.TransferLost(to_address=send.send_shard.to_address, waited_s=21, nbytes=24)
     lost.shard.CopyFrom(send.send_shard.as_ref)
     controller.on_message("e0", pb.Envelope(transfer_lost=lost), [])
+    (to, failed), = outbox.of("transfer")           # the receiver is told its copy will not come ...
+    assert to == "e1" and failed.transfer.failed and failed.transfer.shard == send.send_shard.as_ref
+    assert needs_copy.state == "pending"            # ... but the copy may have arrived (its acknowledgement lost)
+    # The receiver's run did lack it: its answer fails the call, and nothing else.
+    controller.on_message("e1", pb.Envelope(transfer_lost=_missing(failed.transfer)), [])
     assert needs_copy.state == "failed" and needs_copy.error.remote_type == "TransferLost"
     assert "from e0 to e1" in str(needs_copy.error) and other.state == "pending"
-    (to, failed), = outbox.of("transfer")
-    assert to == "e1" and failed.transfer.failed and failed.transfer.shard == send.send_shard.as_ref
     assert not any(info.lost for info in controller.resources.ordered())
+
+
+def _missing(transfer: pb.Transfer) -> pb.TransferLost:
+    """The receiver's answer to the controller's failed copy: a run here did lack it."""
+    return pb.TransferLost(shard=transfer.shard, missing=True, failure=transfer.failure)
+
+
+def test_the_receiver_answers_a_lost_copy_only_when_a_run_waits_for_it():
+    core, outbox = make_core()
+    failed = pb.Transfer(failed=True, shard=ref(5, tag=9),
+                         failure=pb.RemoteFailure(type="TransferLost", executor_id="e1", origin_call_id=9))
+    core.store.claim((5, 0, 9))                     # a run here waits for the copy
+    core.on_control(pb.Envelope(transfer=failed), [])
+    (answer,) = [env.transfer_lost for env, _ in outbox.controller if env.HasField("transfer_lost")]
+    assert answer.missing and answer.shard == ref(5, tag=9) and answer.failure.executor_id == "e1"
+    assert core.store.get((5, 0, 9)).failure.type == "TransferLost"
+    outbox.controller.clear()
+    core.store.fill((6, 0, 9), torch.ones(1))       # this copy arrived: only its acknowledgement was lost
+    core.on_control(pb.Envelope(transfer=pb.Transfer(failed=True, shard=ref(6, tag=9), failure=failed.failure)), [])
+    assert [env for env, _ in outbox.controller if env.HasField("transfer_lost")] == []
+    assert core.store.get((6, 0, 9)).failure is None
 
 
 def test_a_program_that_ran_on_a_replaced_executor_is_lowered_again_for_its_new_address_and_groups(setup):
@@ -423,13 +447,17 @@ def test_a_lost_transfer_abandons_both_islands_groups_and_lowers_their_programs_
     lost = pb.TransferLost(to_address=action.to_address, waited_s=4, nbytes=16)
     lost.shard.CopyFrom(pb.ShardRef(array_id=99, shard=0, tag=out.producer_call))
     controller.on_message("e0", pb.Envelope(transfer_lost=lost), [])
+    assert out.state == "pending" and controller.heard_from("e1", 1)[1] == []   # not before the receiver answers
+    ((to, failed),) = outbox.of("transfer")
+    controller.on_message(to, pb.Envelope(transfer_lost=_missing(failed.transfer)), [])
     assert out.state == "failed" and out.error.remote_type == "TransferLost"
     # Both islands' executors abandon the groups made so far; the program is lowered again with new ones.
     assert controller.heard_from("e1", 1)[1] == controller.heard_from("e3", 1)[1] == ["transfer:99.0:e0->e2<3"]
     assert controller._groups == {} and lowered.program_id in controller._stale_programs
     assert (controller.transfers_lost, controller.calls_failed_by_lost_transfers) == (1, 1)
-    # The same cut reported late, for the run that failed already: the groups formed since are left alone.
+    # Another copy of the same cut, answered late, for the run that failed already: the groups formed since stay.
     controller.on_message("e1", pb.Envelope(transfer_lost=lost), [])
+    controller.on_message(to, pb.Envelope(transfer_lost=_missing(failed.transfer)), [])
     assert controller.heard_from("e1", 1)[1] == ["transfer:99.0:e0->e2<3"]
     assert (controller.transfers_lost, controller.calls_failed_by_lost_transfers) == (2, 1)
 
