@@ -32,7 +32,7 @@ from ..functions import Function
 from ..islands import ISLAND_AXIS
 from ..placement import Replicate, Shard
 from ..programs import Program, as_tuple
-from .buckets import flatten, unflatten
+from .buckets import flatten
 from .optimizers import DYNAMIC, apply_update, read_optimizer
 from .plans import DataParallel, ShardedDataParallel
 from .step import _from_first_shard, gathered_params, loss_and_grads
@@ -305,22 +305,6 @@ class CrossIslandTrainer(Trainer):
         return ([torch.empty(n, dtype=b.dtype, device="meta") for b, n in zip(layout.buckets, numels)]
                 + [torch.empty(named[n].shape, dtype=named[n].dtype, device="meta")
                    for n in layout.buffer_names + layout.frozen_names])
-
-    def _named_tensors(self) -> dict:
-        layout, state = self.layout, self._state[0]   # every island holds the same state
-        nb, ns = len(layout.buckets), len(layout.state_names)
-        tensors = {}
-        for bucket, flat in zip(layout.buckets, state[:nb]):
-            tensors.update({f"model/{n}": t.clone() for n, t in unflatten(bucket, flat.result()).items()})
-        states = iter(state[nb:nb * (1 + ns)])
-        for bucket in layout.buckets:
-            for name in layout.state_names:
-                values = unflatten(bucket, next(states).result())
-                tensors.update({f"optimizer/{n}/{name}": t.clone() for n, t in values.items()})
-        rest = state[nb * (1 + ns):]
-        for name, array in zip(layout.buffer_names + layout.frozen_names, rest):
-            tensors[f"model/{name}"] = array.result()
-        return tensors
 
     # ------------------------------------------------------------ stepping
 

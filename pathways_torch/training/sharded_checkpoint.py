@@ -94,10 +94,7 @@ def _plan(trainer, step_dir: str) -> tuple[dict, dict]:
     layout = trainer.layout
     holders = list(trainer._checkpoint_mesh().executor_ids)
     sharded = trainer.plan.sharded_state
-    arrays = iter(trainer._checkpoint_arrays())   # flats, states (bucket-major), buffers, frozen
-    flats = [next(arrays) for _ in layout.buckets]
-    states = [next(arrays) for _ in range(len(layout.buckets) * len(layout.state_names))]
-    rest = list(arrays)
+    flats, states, buffers, frozen = layout.split_state(trainer._checkpoint_arrays())
     requests: dict[str, list] = {}
     turn = itertools.count()
 
@@ -120,7 +117,7 @@ def _plan(trainer, step_dir: str) -> tuple[dict, dict]:
             entry["arrays"][state] = place(next(states), f"bucket{b}/{state}")
         buckets.append(entry)
     whole = {}
-    for name, array in zip(layout.buffer_names + layout.frozen_names, rest):
+    for name, array in zip(layout.buffer_names + layout.frozen_names, [*buffers, *frozen]):
         (piece,) = place(array, f"whole/{name}")
         whole[f"model/{name}"] = piece
     return requests, {"format": FORMAT, "buckets": buckets, "whole": whole, "client": CLIENT_FILE}

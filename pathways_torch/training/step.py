@@ -43,6 +43,14 @@ class StepLayout:
     def num_state_inputs(self) -> int:
         return len(self.buckets) * (1 + len(self.state_names)) + len(self.buffer_names)
 
+    def split_state(self, arrays: list) -> tuple[list, list, list, list]:
+        """``arrays`` in state order (flats, optimizer states bucket-major, buffers, frozen parameters) as those
+        four lists."""
+        nb, ns, nbuf = len(self.buckets), len(self.state_names), len(self.buffer_names)
+        states_end = nb * (1 + ns)
+        return (list(arrays[:nb]), list(arrays[nb:states_end]), list(arrays[states_end:states_end + nbuf]),
+                list(arrays[states_end + nbuf:]))
+
     def describe(self) -> str:
         lines = [f"bucket {i}: {b.describe()}" for i, b in enumerate(self.buckets)]
         lines.append(f"optimizer state per bucket: {list(self.state_names)}")

@@ -153,13 +153,8 @@ class Trainer:
         items += [(bucket_flat(b, n, lambda s, name=name: f"optimizer/{s}/{name}"), placement)
                   for b, n in zip(layout.buckets, padded) for name in layout.state_names]
         items += [(tensors[f"model/{n}"], Replicate()) for n in layout.buffer_names + layout.frozen_names]
-        arrays = self._context.put_many(items, self.mesh)
-        num_buckets, num_states = len(layout.buckets), len(layout.state_names)
-        self._flats = arrays[:num_buckets]
-        self._states = arrays[num_buckets:num_buckets * (1 + num_states)]
-        rest = arrays[num_buckets * (1 + num_states):]
-        self._buffers = rest[:len(layout.buffer_names)]
-        self._frozen = rest[len(layout.buffer_names):]
+        self._flats, self._states, self._buffers, self._frozen = layout.split_state(
+            self._context.put_many(items, self.mesh))
 
     # ------------------------------------------------------------ stepping
 
@@ -218,15 +213,15 @@ class Trainer:
             return False
         if loss is not None and loss.array is not None and loss.array._record.error is not error:
             return True   # already re-run
-        for attempt in range(MAX_ATTEMPTS):
+        for _ in range(MAX_ATTEMPTS - 1):
             try:
                 return self._recover_once(error)
             except (ExecutorLostError, RemoteError) as exc:   # another fault while recovering: recover from it
-                if attempt == MAX_ATTEMPTS - 1 or not is_recoverable(exc):
+                if not is_recoverable(exc):
                     raise
                 log.warning("trainer: recovery interrupted by %s; recovering again", exc)
                 error = exc
-        raise AssertionError("unreachable")
+        return self._recover_once(error)      # the last attempt: what fails it reaches the caller
 
     def _recover_once(self, error: BaseException) -> bool:
         from .sharded_checkpoint import read_sharded
@@ -465,16 +460,15 @@ class Trainer:
     def _named_tensors(self) -> dict:
         tensors = {}
         layout = self.layout
-        for bucket, flat in zip(layout.buckets, self._flats):
+        flats, states, buffers, frozen = layout.split_state(self._checkpoint_arrays())
+        for bucket, flat in zip(layout.buckets, flats):
             tensors.update({f"model/{n}": t.clone() for n, t in unflatten(bucket, flat.result()).items()})
-        states = iter(self._states)   # bucket-major
+        states = iter(states)   # bucket-major
         for bucket in layout.buckets:
             for name in layout.state_names:
                 values = unflatten(bucket, next(states).result())
                 tensors.update({f"optimizer/{n}/{name}": t.clone() for n, t in values.items()})
-        for name, array in zip(layout.buffer_names, self._buffers):
-            tensors[f"model/{name}"] = array.result()
-        for name, array in zip(layout.frozen_names, self._frozen):
+        for name, array in zip(layout.buffer_names + layout.frozen_names, [*buffers, *frozen]):
             tensors[f"model/{name}"] = array.result()
         return tensors
 
