@@ -403,10 +403,7 @@ class Controller:
                      f"{sender} to {destination.executor_id} at {msg.to_address} was not acknowledged within "
                      f"{msg.waited_s:.0f} s: the link between them failed (both executors are alive); the calls "
                      f"that need it fail, later ones are unaffected"))
-        transfer = pb.Transfer(failed=True)
-        transfer.shard.CopyFrom(msg.shard)
-        transfer.failure.CopyFrom(failure)
-        self._send(destination.executor_id, pb.Envelope(transfer=transfer))
+        self._fail_copy(destination.executor_id, msg.shard, failure)
 
     def _on_copy_missing(self, receiver: str, msg: pb.TransferLost) -> None:
         """The receiver's answer: a run there waited for the lost copy and now fails at that input. Fail its call,
@@ -442,11 +439,13 @@ class Controller:
         for _, destination, copy in pushes:
             if self.resources.executors[destination].lost:
                 continue
-            transfer = pb.Transfer(failed=True)
-            transfer.shard.CopyFrom(copy)
-            transfer.failure.CopyFrom(pb.RemoteFailure(type="ExecutorLostError", message=str(error),
-                                                       executor_id=error.executor_id, origin_call_id=call.call_id))
-            self._send(destination, pb.Envelope(transfer=transfer))
+            self._fail_copy(destination, copy, pb.RemoteFailure(
+                type="ExecutorLostError", message=str(error), executor_id=error.executor_id,
+                origin_call_id=call.call_id))
+
+    def _fail_copy(self, destination: str, copy: pb.ShardRef, failure: pb.RemoteFailure) -> None:
+        """Tell ``destination`` the copy ``copy`` it may wait for will not come (on the control path): it fails."""
+        self._send(destination, pb.Envelope(transfer=pb.Transfer(failed=True, shard=copy, failure=failure)))
 
     # ------------------------------------------------------------ functions and calls
 
