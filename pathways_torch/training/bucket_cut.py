@@ -156,13 +156,16 @@ def _trace(joint, example_inputs: list, mesh_axes: dict):
     from torch.func import functionalize
     from torch.fx.experimental.proxy_tensor import make_fx
 
+    from ..attention import portable_attention
     from ..capture import _CAPTURE_LOCK
     from ..collectives import tracing_mesh
 
     with FakeTensorMode(static_shapes=True):
         fakes = [torch.empty(t.shape, dtype=t.dtype) for t in example_inputs]
     try:
-        with _CAPTURE_LOCK, tracing_mesh(mesh_axes):   # make_fx patches process-wide state: one trace at a time
+        # make_fx patches process-wide state: one trace at a time. GQA attention is rewritten as capture.py
+        # does it: the XLA routes cannot lower SDPA's kernel on fewer key/value heads (Llama failed here).
+        with _CAPTURE_LOCK, tracing_mesh(mesh_axes), portable_attention():
             return make_fx(functionalize(joint, remove="mutations"), tracing_mode="fake")(*fakes)
     except CaptureError:
         raise

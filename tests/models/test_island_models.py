@@ -14,9 +14,9 @@ from tests.models.test_conformance import _adamw, _relative
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 
-ISLAND_CASES = {"default": ["hf-gpt2", "nanogpt", "resnet-batchnorm"],
-                "eager": ["hf-gpt2", "hf-llama", "nanogpt", "torch-transformer", "resnet-batchnorm",
-                          "frozen-and-buffer"]}
+# Every case but SyncBatchNorm (refused across islands, below), on both backends: the README and
+# docs/islands.md claim each of them on the default backend.
+ISLAND_CASES = [c for c in CASES if c.name != "resnet-syncbatchnorm"]
 
 
 @pytest.fixture(scope="module", params=["default", "eager"])
@@ -26,10 +26,8 @@ def ctx(request):
         yield ctx
 
 
-@pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
+@pytest.mark.parametrize("case", ISLAND_CASES, ids=[c.name for c in ISLAND_CASES])
 def test_trains_like_the_oracle_across_two_islands(ctx, case):
-    if case.name not in ISLAND_CASES["eager" if ctx.backend == "eager" else "default"]:
-        pytest.skip(f"{case.name} across islands runs on eager executors only (test time)")
     expected_losses, expected_params = (ddp_oracle(case, _adamw, 2) if case.ddp_buffers else
                                         eager_oracle(case, _adamw))
     model = case.make_model()
