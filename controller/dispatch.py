@@ -28,6 +28,7 @@ from .program import LoweredProgram, ProgramSpec, lower
 from .rendezvous import RendezvousStore
 from .resources import DEFAULT_ISLAND, ExecutorInfo, MeshAllocation, ResourceManager
 from .sequencer import Sequencers
+from .transfer_reports import report_refusal
 
 __all__ = ["Controller", "CallSpec", "ControllerOutbox"]
 
@@ -74,6 +75,7 @@ class _Call:
     held_failure: pb.RemoteFailure | None = None
     run_base: int = 0        # a program run's node: the run's first call id (a Cancel names the run by it)
     run_nodes: int = 0       # ... and how many call ids the run holds (run_base .. run_base + run_nodes - 1)
+    program_id: int = 0      # ... and its program, whose plan names who sends each copy to whom
 
 
 @dataclasses.dataclass
@@ -119,6 +121,7 @@ class Controller:
         self.messages_sent: collections.Counter = collections.Counter()
         self._shut_down = False
         self.dropped_messages = 0
+        self.handled_messages: collections.Counter = collections.Counter()   # by kind, on executors' control
         # Called (under the lock) when an executor is lost, e.g. to fail the client's fetches from it.
         self.loss_listeners: list[Callable[[str, ExecutorLostError], None]] = []
         # Called (under the lock, on the I/O thread) when an executor registers again: a new incarnation took its
@@ -130,12 +133,14 @@ class Controller:
         # Called before a failure is reported: a collective whose peer was killed fails with a
         # transport error ("connection reset") before any heartbeat could tell, and that failure
         # is the lost executor's, not the user's code's.
-        self.liveness_probe: Callable[[float], None] | None = None   # argument: how long to wait for an exit
+        # Arguments: how long to wait for an exit, and with a wait, what to call (on the I/O thread) once it ends.
+        self.liveness_probe: Callable[..., None] | None = None
         self._groups: dict[tuple[str, ...], int] = {}       # members (in rank order) → group id (live ones)
         # island → its faults, each "what<first group id after it": a lost "id@epoch" or a lost "transfer:..."
         self._lost_peers: dict[str, list[str]] = collections.defaultdict(list)
         self._stale_programs: set[int] = set()   # programs to lower again (new groups, a replaced executor)
         self.stale_messages = 0                  # refused: sent by an incarnation that was replaced
+        self.refused_reports = 0                 # transfer reports from an executor that is neither end of the copy
         self.transfers_lost = 0                  # reported by their senders: not acknowledged in time (a cut link)
         self.calls_failed_by_lost_transfers = 0  # of those, the ones a run still waited for (its receiver says: the
                                                  # rest had arrived, their acknowledgement lost, or their run had
@@ -144,7 +149,7 @@ class Controller:
         self._pending_frees: dict[str, list] = collections.defaultdict(list)   # executor → shards to free
         self._batching_frees = False     # inside release_many (under the lock)
         self._last_group_id = 0   # groups get increasing ids: a loss names the last one made before it
-        self.rendezvous = RendezvousStore()   # where groups meet (served on the controller's I/O thread)
+        self.rendezvous = RendezvousStore(self.config.group_timeout_s)   # where groups meet (on the I/O thread)
         self.group_epoch = 0                  # part of every group's rendezvous prefix
         self.program_constant_bytes = 0   # graph constants are the only tensor bytes we ever send
 
@@ -161,6 +166,8 @@ class Controller:
                 return
             if info is not None:
                 info.last_heard = self.clock()
+            if kind == "register" or (info is not None and not info.lost and kind in _HANDLED):
+                self.handled_messages[kind] += 1   # reached its handler (what bench/fuzz.py reports)
             if kind == "register":
                 self._on_register(executor_id, envelope.register)
             elif info is None or info.lost:
@@ -177,6 +184,16 @@ class Controller:
                 self._on_reply(executor_id, getattr(envelope, kind).request_id, envelope)
             elif kind != "heartbeat":
                 self._drop(f"unexpected {kind!r} from {executor_id}")
+
+    def _on_probed_done(self, executor_id: str, done: pb.Done) -> None:
+        """The liveness probe a failed Done waited for has ended: handle the Done, unless its call ended."""
+        with self._lock:
+            call = self._calls.get(done.call_id)
+            if call is not None and executor_id in call.waiting:
+                try:
+                    self._on_done(executor_id, done, probed=True)
+                except Exception as exc:   # as in on_message: the call must still end, with the reason
+                    self._fail_done_call(call, exc)
 
     def _fail_done_call(self, call: _Call | None, exc: BaseException) -> None:
         import traceback
@@ -376,6 +393,7 @@ class Controller:
         """Drop every group of ``island`` at a loss there: its survivors abandon them all (a group without the lost
         executor may be out of step: `CollectiveRuntime.abandon`); meshes form new ones at their next call."""
         gone = [g for members, g in self._groups.items() if self.resources.island_of(members[0]) == island]
+        self.rendezvous.forget_groups(gone)
         self._groups = {m: g for m, g in self._groups.items() if self.resources.island_of(m[0]) != island}
         self._axis_group_cache = {k: v for k, v in self._axis_group_cache.items()
                                   if island not in {self.resources.island_of(e) for e in k[0].executor_ids}}
@@ -392,9 +410,11 @@ class Controller:
     def _on_unacknowledged(self, sender: str, msg: pb.TransferLost) -> None:
         """The sender's report: tell the receiver its copy will not come, on the control path. Nothing fails yet:
         the copy may have arrived, its acknowledgement alone lost (then the receiver ignores this)."""
-        self.transfers_lost += 1
         destination = next((info for info in self.resources.ordered()
                             if msg.to_address in (info.data_address, info.link_address)), None)
+        if destination is not None and not self._believed(sender, sender, destination.executor_id, msg.shard):
+            return
+        self.transfers_lost += 1
         if destination is None or destination.lost:
             return   # its loss failed what waited for it already
         failure = pb.RemoteFailure(
@@ -416,15 +436,29 @@ class Controller:
             # same cut: that fault abandoned the groups). A late answer must not abandon the groups formed since,
             # for the steps run again.
             return
+        sender = msg.failure.executor_id
+        if not self._believed(receiver, sender, receiver, msg.shard):
+            return
         self.calls_failed_by_lost_transfers += 1
         call = self._calls.get(call_id)
         if call is not None:        # a reporting node (the others fail with the run on the receiver)
             self._fail_call(call, _remote_error(call.spec, msg.failure))
-        sender = msg.failure.executor_id
         islands = {self.resources.island_of(e) for e in (sender, receiver) if e in self.resources.executors}
         what = f"transfer:{msg.shard.array_id}.{msg.shard.shard}:{sender}->{receiver}"
         for island in sorted(islands):
             self._abandon_island_groups(island, what)
+
+    def _believed(self, reporter: str, sender: str, receiver: str, copy: pb.ShardRef) -> bool:
+        """Whether a report on ``copy`` (``sender`` → ``receiver``) comes from one of its ends by the routes of the
+        live calls that wait for it; else it is dropped and counted (`controller.transfer_reports`). A report on a
+        copy no live call waits for is late: believed, as it can fail nothing."""
+        run = self._live_calls_of_run(copy.tag)
+        why = report_refusal(run, copy, self._programs, reporter=reporter, sender=sender, receiver=receiver) \
+            if run else None
+        if why:
+            self.refused_reports += 1
+            self._drop(why)
+        return not why
 
     def _live_calls_of_run(self, call_id: int) -> list[_Call]:
         """The unfinished calls of the program run holding ``call_id`` (any node's, reporting or not); the call
@@ -652,6 +686,9 @@ class Controller:
                 node = spec.nodes[index]
                 positions = [i for i, v in enumerate(node.outputs) if v in by_value]
                 records = [by_value[node.outputs[i]] for i in positions]
+                # As for a call: a replicated output (a pipeline's loss) stays readable after losing a replica.
+                for i, record in zip(positions, records):
+                    record.replicated = bool(node.replicated_outputs) and node.replicated_outputs[i]
                 call_spec = CallSpec(function_id=node.function_id, name=node.name, mesh=node.mesh, inputs=(),
                                      num_outputs=len(records), call_site=node.call_site,
                                      replicated_outputs=tuple(node.replicated_outputs[i] for i in positions)
@@ -660,7 +697,7 @@ class Controller:
                 self._calls[base_call + index] = _Call(call_spec, base_call + index, base_seq + index, records,
                                                        waiting=set(node.mesh.executor_ids),
                                                        depends_on=frozenset(lowered.plans), run_base=base_call,
-                                                       run_nodes=num_nodes)
+                                                       run_nodes=num_nodes, program_id=program_id)
             for executor_id in lowered.plans:
                 sequencer = self._sequencer_of(executor_id)
                 island_base = base_seqs[sequencer.island]
@@ -715,7 +752,7 @@ class Controller:
         self.program_constant_bytes += sum(memoryview(c).nbytes for c in function.constants)
         function.loaded_on.add(executor_id)
 
-    def _on_done(self, executor_id: str, done: pb.Done) -> None:
+    def _on_done(self, executor_id: str, done: pb.Done, probed: bool = False) -> None:
         if not done.ok and done.failure.type == PROGRAM_RUN_REFUSED:
             # The executor does not hold a program we sent it: none of that run's calls (nor later gang work)
             # can complete there. What depends on it fails now, as for a lost executor.
@@ -729,14 +766,18 @@ class Controller:
         if call is None or executor_id not in call.waiting:
             self._drop(f"Done for unknown call {done.call_id} from {executor_id}")
             return
+        if not (done.ok or probed or call.failed) and self.liveness_probe is not None \
+                and _looks_like_peer_loss(done.failure.message):
+            # A peer's transport error can arrive while the killed process is still being torn down (its sockets
+            # close before it can be reaped): the launcher gets a moment to see the exit, then this Done is handled.
+            # Polled later, never slept here: this is the I/O thread, under the lock, and heartbeats would wait.
+            self.liveness_probe(_PEER_LOSS_PATIENCE_S, lambda: self._on_probed_done(executor_id, done))
+            return
         call.waiting.discard(executor_id)
         if not done.ok:
             peer_loss = _looks_like_peer_loss(done.failure.message)
             if self.liveness_probe is not None and not call.failed:   # failed already: a loss was declared
-                # May fail the call first, with ExecutorLostError. A peer's transport error can arrive while
-                # the killed process is still being torn down (its sockets close before it can be reaped):
-                # then the launcher gets a moment to see the exit.
-                self.liveness_probe(_PEER_LOSS_PATIENCE_S if peer_loss else 0.0)
+                self.liveness_probe(0.0)   # may fail the call first, with ExecutorLostError
             if peer_loss and call.waiting and not call.failed and self.liveness_probe is None:
                 # Executors on other hosts: no process to reap. The peer that went silent is either lost
                 # within the heartbeat bound (ExecutorLostError, naming it) or reports itself.
@@ -965,6 +1006,7 @@ class Controller:
         self.outbox.to_executor(executor_id, envelope, payload)
 
 
+_HANDLED = ("done", "transfer_lost", "stats", "trace_reply", "heartbeat")   # on_message's kinds (and register)
 # Lost incarnations each heartbeat answer names (per island): the most recent ones.
 _MAX_LOST_PEERS = 64
 

@@ -8,8 +8,9 @@ thread owns the heartbeat connection. `ExecutorCore` is shared by the first two
 under one lock.
 
 Every socket speaks CURVE (`pathways_torch.wire.security`): the data and command
-ROUTERs admit only allow-listed keys, and the command ROUTER only messages sent
-with the controller's; the control and heartbeat DEALERs accept only the
+ROUTERs admit only allow-listed keys, the command ROUTER only messages sent
+with the controller's, and the data ROUTER each kind only from its role's keys
+(`executor.data_roles`); the control and heartbeat DEALERs accept only the
 controller's key, and a peer DEALER only the key the controller gave for that peer.
 """
 
@@ -65,6 +66,7 @@ class _SocketOutbox:
         self.control: ComputeLoop | None = None
         self.epoch = 0     # this incarnation (from Welcome): every message to the controller carries it
         self.on_peer_frames = None   # (address, frames) -> None: what a peer sends back (transfer acks)
+        self.peer_keys: dict[str, bytes] = {}   # peer address -> the key its socket authenticates (I/O thread)
 
     def to_controller(self, envelope, payload=()):
         envelope.epoch = self.epoch
@@ -89,9 +91,21 @@ class _SocketOutbox:
                     return
                 socket.connect(address)
                 self._loop.add_socket(key, socket, lambda frames: self.on_peer_frames(address, frames))
+                self.peer_keys[address] = public_key
             self._loop.send_now(key, frames)
 
         self._loop.call_soon(send)
+
+    def close_peers_with_key(self, public_key: bytes) -> None:
+        """Close the connections to a replaced incarnation (they authenticate its revoked key): its address is
+        dead, and ZeroMQ would retry it every 100 ms for good. Its replacement has an address of its own."""
+        def close():
+            for address in [a for a, key in self.peer_keys.items() if key == public_key]:
+                del self.peer_keys[address]
+                self._loop.close_socket(f"peer:{address}")
+                log.info("closed the connection to %s (a replaced incarnation's address)", address)
+
+        self._loop.call_soon(close)
 
 
 class ExecutorProcess:
@@ -124,6 +138,7 @@ class ExecutorProcess:
         self.loop.every(_TRANSFER_CHECK_S, self._locked(lambda: self.core.check_transfers(time.monotonic())))
         # Appended to every identity towards the controller: this process's connections are its own.
         self._nonce = secrets.token_hex(4)
+        self._heartbeats_sent = 0   # written by the heartbeat thread alone; reported with Stats
         # ExecutorCore is single-threaded: the I/O thread (data messages, compile results) and
         # the compute thread (control messages, its jobs) take turns under this lock.
         self._core_lock = threading.RLock()   # re-entered: a compile done at once posts its result inline
@@ -169,11 +184,13 @@ class ExecutorProcess:
 
     def _connect_control(self) -> zmq.Socket:
         """The connection replies leave on, for the compute thread; its handshake events go to the I/O loop."""
-        socket = self._controller_connection("")
-        # Set up here, before the compute thread takes the socket over.
-        self.loop.monitor(_CONTROL, ConnectionWatch("control socket", self._on_control_event).on_frames,
-                          socket=socket)
-        return socket
+        watch = ConnectionWatch("control socket", self._on_control_event)
+        # Watched from before it connects (and set up here, before the compute thread takes the socket over): a
+        # refused key is refused once, at the first handshake (ZeroMQ does not try again after an authentication
+        # failure), and on a loaded machine that handshake can be over before the line after connect() runs. A
+        # watch set up after it missed the refusal: the executor waited unheard for the join timeout.
+        return self._controller_connection(
+            "", before_connect=lambda socket: self.loop.monitor(_CONTROL, watch.on_frames, socket=socket))
 
     def _on_control_event(self, event: str, watch: ConnectionWatch) -> None:
         if event in HANDSHAKE_FAILURES and watch.rejected:
@@ -183,12 +200,15 @@ class ExecutorProcess:
                        f"not on its allow-list; use the key directory the launcher made for this cluster",
                        EXIT_REFUSED)
 
-    def _controller_connection(self, suffix: str) -> zmq.Socket:
-        """A DEALER to the controller under identity ``<executor id><suffix>``, CURVE to the controller's key."""
+    def _controller_connection(self, suffix: str, before_connect=None) -> zmq.Socket:
+        """A DEALER to the controller under identity ``<executor id><suffix>``, CURVE to the controller's key;
+        ``before_connect(socket)`` runs before it connects (a monitor that must see the first handshake)."""
         socket = self.zmq.socket(zmq.DEALER)
         socket.setsockopt(zmq.LINGER, 0)
         socket.setsockopt(zmq.IDENTITY, f"{self.config.executor_id}{suffix}{INCARNATION_MARK}{self._nonce}".encode())
         make_client(socket, self.credentials, self.credentials.public_key(CONTROLLER))
+        if before_connect is not None:
+            before_connect(socket)
         socket.connect(self.config.controller_address)
         return socket
 
@@ -218,6 +238,8 @@ class ExecutorProcess:
                 return
             if envelope.HasField("stats_request"):   # the I/O thread's count, for Stats (an int read)
                 self.core.counters["send_backlog_high_water"] = self.loop.backlog_high_water
+                self.core.counters["heartbeats_sent"] = self._heartbeats_sent
+                self.core.counters["peer_connections"] = len(self.outbox.peer_keys)   # open now, to peers
             self.core.on_control(envelope, payload)
             if envelope.HasField("welcome"):
                 self.outbox.epoch = envelope.welcome.epoch
@@ -240,7 +262,8 @@ class ExecutorProcess:
                 return
             try:
                 envelope, payload = decode(frames[1:])
-                self.core.on_data(frames[0].bytes, envelope, payload)
+                # The role of the key that sent it decides what it may do here (executor/data_roles.py).
+                self.core.on_data(frames[0].bytes, envelope, payload, role=peer_role(frames[-1]))
             except (FramingError, ValueError) as exc:
                 self.core._drop(str(exc))
 
@@ -300,6 +323,7 @@ class ExecutorProcess:
                 try:
                     beat = pb.Envelope(heartbeat=pb.Heartbeat(sent_at=time.time(), epoch=self.outbox.epoch))
                     socket.send(encode(beat)[0], zmq.NOBLOCK)
+                    self._heartbeats_sent += 1
                 except zmq.Again:
                     pass  # not connected yet; the silence check above still runs
                 next_ping = now + interval
@@ -323,6 +347,7 @@ class ExecutorProcess:
             # "executor-1@1<7": groups 1..6 were made before the loss; "transfer:<array>.<shard>:<from>-><to><7": a
             # transfer to or from this island was lost on a link (both ends alive, but a run failed at it).
             peer, _, before = entry.partition("<")
+            self.core.data_gate.retire(peer)   # what the lost incarnation still sends on its connections is refused
             if peer not in self.collectives.abandoned:
                 link = peer.startswith("transfer:")
                 # On this thread, not the compute thread: that one may be blocked in a collective with the peer.
@@ -333,9 +358,13 @@ class ExecutorProcess:
                             retired)
 
     def _admit_key(self, role: str, public_key: bytes) -> None:
-        """A replacement's fresh key: admitted from now on, the old incarnation's revoked."""
+        """A replacement's fresh key: admitted from now on, the old incarnation's revoked (and its connections
+        closed)."""
+        old = self.credentials.allowed.get(role)
         self.gatekeeper.admit(role, public_key)
         self.credentials.allowed[role] = public_key
+        if old is not None and old != public_key:
+            self.outbox.close_peers_with_key(old)
 
     def _exit(self, reason: str, code: int = EXIT_LOST) -> None:
         log.warning("executor %s exits: %s", self.config.executor_id, reason)

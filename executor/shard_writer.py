@@ -3,14 +3,17 @@
 A `SaveShards` request names shards of this executor's store and a file: once every shard is
 ready, the worker copies them to host tensors (so the store may free them at once) and hands
 them here; one background thread writes them as one safetensors file (no pickle), to
-``path + ".partial"``, flushed to disk, then renamed into place — a process killed mid-write
-leaves no file under the final name. The reply says how many bytes were written.
+``path + ".partial"``, flushed to disk, then renamed into place and the folder flushed too
+(`pathways_torch.wire.durable`) — a process killed or a power lost mid-write leaves no file under the
+final name. The reply says how many bytes were written.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
 import os
+
+from pathways_torch.wire.durable import replace_durably
 
 __all__ = ["ShardWriter", "check_save_path"]
 
@@ -42,7 +45,5 @@ def _write(path: str, tensors: dict) -> int:
     os.makedirs(os.path.dirname(path), exist_ok=True)
     partial = path + ".partial"
     save_file({n: t.contiguous() for n, t in tensors.items()}, partial)
-    with open(partial, "rb+") as f:
-        os.fsync(f.fileno())
-    os.replace(partial, path)
+    replace_durably(partial, path)
     return sum(t.numel() * t.element_size() for t in tensors.values())

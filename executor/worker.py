@@ -35,6 +35,7 @@ from pathways_torch.wire.tensors import dtype_name, frame_to_tensor
 
 from .collectives import CollectiveRuntime
 from .compile_cache import CompileCache, graph_key
+from .data_roles import DataGate
 from .segments import Segment, SegmentPlan, instantiate, plan_segments, run_step, single
 from .shard_writer import ShardWriter
 from .store import ObjectStore
@@ -148,6 +149,7 @@ class ExecutorCore:
         self._unacked: dict[tuple, tuple] = {}
         self.transfer_timeout_s = _TRANSFER_TIMEOUT_S   # from Welcome
         self.transfers_lost = 0
+        self.data_gate = DataGate()      # who may send what on the data socket
 
     # ------------------------------------------------------------ control plane
 
@@ -157,12 +159,14 @@ class ExecutorCore:
         kind = body_name(envelope)
         if kind == "transfer" and envelope.transfer.failed:
             # The controller fails a copy whose sender was lost: no one else will ever push it.
+            self.counters["handled:command:transfer"] += 1
             self._on_transfer(envelope.transfer, payload)
             return
         handler = getattr(self, f"_on_{kind}", None)
         if handler is None or kind in _DATA_KINDS:
             self._drop(f"control message of type {kind!r} not expected from the controller")
             return
+        self.counters[f"handled:command:{kind}"] += 1   # reached its handler (Stats reports it; bench/fuzz.py)
         try:
             handler(getattr(envelope, kind), payload)
         except Exception as exc:
@@ -224,6 +228,7 @@ class ExecutorCore:
         Work already started is not touched: a collective blocked on the lost peer was ended by the heartbeat
         thread (`CollectiveRuntime.abandon`); the rest completes, and its Done is ignored.
         """
+        self.data_gate.retire(msg.lost_executor)   # its transfers still on their way are refused from now on
         calls, groups = set(msg.call_ids), set(msg.group_ids)
         failure = pb.RemoteFailure(type="ExecutorLostError", message=msg.reason,
                                    executor_id=msg.lost_executor.split("@")[0])
@@ -458,8 +463,15 @@ class ExecutorCore:
 
     # ------------------------------------------------------------ data plane
 
-    def on_data(self, identity: bytes, envelope: pb.Envelope, payload: list) -> None:
-        """A put, transfer or fetch; one whose handling raises still ends its request (never a silent drop)."""
+    def on_data(self, identity: bytes, envelope: pb.Envelope, payload: list, *, role: str | None) -> None:
+        """A put, transfer or fetch sent with a key of ``role`` (its connection's User-Id); one whose handling raises
+        still ends its request (never a silent drop). One from a sender its kind does not admit (`DataGate`) is
+        dropped unanswered: it came from no one we would answer."""
+        refused = self.data_gate.refusal(role, envelope)
+        if refused:
+            self.counters["refused_data_messages"] += 1
+            self._drop(refused)
+            return
         kind = body_name(envelope)
         handlers = {"put": lambda: self._on_put(identity, envelope.put, payload),
                     "transfer": lambda: self._on_transfer(envelope.transfer, payload, identity),
@@ -468,6 +480,7 @@ class ExecutorCore:
         if kind not in handlers:
             self._drop(f"data message of type {kind!r} not expected")
             return
+        self.counters[f"handled:data:{kind}"] += 1
         try:
             handlers[kind]()
         except Exception as exc:
@@ -622,7 +635,9 @@ class ExecutorCore:
         # A link may take a while for big shards: the deadline grows with the bytes (at 1 MB/s at worst).
         self._unacked[(msg.to_address, _key(msg.as_ref))] = (now + self.transfer_timeout_s + nbytes / _SLOWEST_LINK,
                                                              msg.as_ref, nbytes, now)
-        self.outbox.to_peer(msg.to_address, pb.Envelope(transfer=transfer), payload, msg.to_public_key)
+        # The epoch names this incarnation: once it is replaced, the receiver refuses what it still sends.
+        self.outbox.to_peer(msg.to_address, pb.Envelope(transfer=transfer, epoch=self.epoch), payload,
+                            msg.to_public_key)
         self.store.unpin(key)
 
     def on_peer_reply(self, address: str, envelope: pb.Envelope) -> None:

@@ -236,7 +236,7 @@ class Context:
 
         relay = LinkRelay(self.config.link)
         for info in self.controller.resources.ordered():
-            info.link_address = relay.add(info.data_address)
+            info.link_address = relay.add(info.data_address, owner=info.executor_id)
         return relay
 
     def _wait_for_executors(self) -> None:
@@ -328,8 +328,8 @@ class Context:
         """An executor registered again (replaced by this context or by its node's launcher): talk to it at its
         new address, with its new key, and route other islands' transfers to it through the link."""
         self._data.reconnect(info.executor_id, info.data_address, info.public_key)
-        if self.link is not None:
-            info.link_address = self.link.add(info.data_address)
+        if self.link is not None:   # the old incarnation's port goes: its address is dead, its peers stop retrying it
+            info.link_address = self.link.add(info.data_address, owner=info.executor_id)
 
     def _await_launched_replacement(self, executor_id: str, info, timeout_s: float):
         """The replacement a node's pathways-run starts (``--max-executor-restarts``), once it registered."""
@@ -369,16 +369,22 @@ class Context:
                         f"no replacement for {executor_id} registered within {timeout_s:g} s (replacement_timeout_s); "
                         f"its log ends:\n{self._cluster.log_tail(executor_id)}", executor_id=executor_id) from None
 
-    def _reap_exited(self, patience_s: float = 0.0) -> None:
-        """Declare lost every executor process that exited; wait up to ``patience_s`` for one to."""
+    def _reap_exited(self, patience_s: float = 0.0, then=None) -> None:
+        """Declare lost every executor process that exited. With ``patience_s``: look again every 20 ms until one
+        has or the time is up, then call ``then()``. Looked at later on the controller's I/O thread, never slept
+        for: the caller holds the controller's lock there, and heartbeats would go unanswered meanwhile."""
         deadline = time.monotonic() + patience_s
-        while True:
+
+        def look() -> None:
             exited = self._cluster.newly_exited()
             for executor_id, why in exited:
                 self.controller.declare_lost(executor_id, why)
-            if exited or time.monotonic() >= deadline:
-                return
-            time.sleep(0.02)
+            if not exited and time.monotonic() < deadline:
+                self._server.loop.call_later(0.02, look)
+            elif then is not None:
+                then()
+
+        look()
 
     # ------------------------------------------------------------ lifecycle
 
@@ -488,7 +494,7 @@ class Context:
 
     def wrap(self, model, *, optimizer, mesh: Mesh, loss_fn=None, plan=None, max_grad_norm: float | None = None,
              seed: int = 0, checkpoint_dir: str | None = None, checkpoint_every: int = 0,
-             recover: bool | None = None, replacement_timeout_s: float = 120.0):
+             recover: bool | None = None, replacement_timeout_s: float = 120.0, checkpoint_keep: int = 3):
         """Train ``model`` with ``optimizer`` on ``mesh``: returns a `pw.Trainer` (see docs/training.md).
 
         ``plan``: ``pw.DataParallel(axis)`` (default, on the mesh's first axis),
@@ -497,31 +503,31 @@ class Context:
         keys the dropout masks. ``checkpoint_dir``/``checkpoint_every=K``: the executors write a checkpoint every
         K steps, in the background; then a lost executor is replaced and the last checkpoint restored, and at
         most K steps are run again, their loss futures resolving to the re-run values (``recover=False``:
-        the steps fail with `ExecutorLostError` instead; docs/faults.md).
+        the steps fail with `ExecutorLostError` instead; docs/faults.md). ``checkpoint_keep``: how many of the
+        newest checkpoints stay in ``checkpoint_dir`` (0: all).
         """
         from .pipeline import Pipeline, PipelineTrainer
         from .training import DataParallel, Trainer
+        from .training.checkpoint_folders import check_keep
 
         self._check_open()
-        if checkpoint_dir is not None and isinstance(plan, Pipeline):
-            raise PlacementError(f"checkpoint_dir under {type(plan).__name__}: checkpoints written by the executors "
-                                 f"are built for pw.DataParallel and pw.ShardedDataParallel (inside one island or "
-                                 f"across islands); save from the client with trainer.save(path) every few steps "
-                                 f"instead")
+        check_keep(checkpoint_keep)
         if isinstance(plan, DataParallel) and isinstance(plan.axis, (tuple, list)):
             from .training.cross_island import CrossIslandTrainer
 
             return CrossIslandTrainer(self, model, optimizer=optimizer, loss_fn=loss_fn, mesh=mesh, plan=plan,
                                       max_grad_norm=max_grad_norm, seed=seed, checkpoint_dir=checkpoint_dir,
                                       checkpoint_every=checkpoint_every, recover=recover,
-                                      replacement_timeout_s=replacement_timeout_s)
+                                      replacement_timeout_s=replacement_timeout_s, checkpoint_keep=checkpoint_keep)
         if isinstance(plan, Pipeline):
             return PipelineTrainer(self, model, optimizer=optimizer, loss_fn=loss_fn, mesh=mesh, plan=plan,
-                                   max_grad_norm=max_grad_norm, seed=seed)
+                                   max_grad_norm=max_grad_norm, seed=seed, checkpoint_dir=checkpoint_dir,
+                                   checkpoint_every=checkpoint_every, recover=recover,
+                                   replacement_timeout_s=replacement_timeout_s, checkpoint_keep=checkpoint_keep)
         return Trainer(self, model, optimizer=optimizer, loss_fn=loss_fn, mesh=mesh, plan=plan,
                        max_grad_norm=max_grad_norm, seed=seed, checkpoint_dir=checkpoint_dir,
                        checkpoint_every=checkpoint_every, recover=recover,
-                       replacement_timeout_s=replacement_timeout_s)
+                       replacement_timeout_s=replacement_timeout_s, checkpoint_keep=checkpoint_keep)
 
     # ------------------------------------------------------------ used by Function and Array
 
@@ -687,11 +693,17 @@ class Context:
                                       # Counts that ride in hop_bytes until Stats has fields for them.
                                       "dropped_messages": hop_bytes.pop("dropped_messages", 0),
                                       "refused_connections": hop_bytes.pop("refused_connections", 0),
+                                      # data messages from a role their kind does not admit (executor/data_roles.py)
+                                      "refused_data_messages": hop_bytes.pop("refused_data_messages", 0),
                                       "queue_high_water": s.queue_high_water,
                                       # the peak since the previous ctx.stats() (each report starts a period)
                                       "store_bytes_high_water": s.store_bytes_high_water,
                                       "send_backlog_high_water": hop_bytes.pop("send_backlog_high_water", 0),
-                                      "transfers_lost": s.transfers_lost}
+                                      "transfers_lost": s.transfers_lost,
+                                      # "data:put", "command:run" ...: messages that reached their handler
+                                      "handled_messages": {k.split(":", 1)[1]: hop_bytes.pop(k)
+                                                           for k in [k for k in hop_bytes if k.startswith("handled:")]},
+                                      "heartbeats_sent": hop_bytes.pop("heartbeats_sent", 0)}
             hops["executor->executor"] += s.hop_bytes.get("executor->executor", 0)
         payload = self._server.payload_bytes
         hops["controller relayed"] = payload["sent"] + payload["received"] - self.controller.program_constant_bytes
@@ -705,7 +717,11 @@ class Context:
                                "transfers_lost": self.controller.transfers_lost,
                                "calls_failed_by_lost_transfers": self.controller.calls_failed_by_lost_transfers,
                                "lost_executors": sorted(e.executor_id for e in self.controller.resources.ordered()
-                                                        if e.lost)}}
+                                                        if e.lost),
+                               # from executors, reached their handler: "control:done" ..., "heartbeat", "store"
+                               "handled_messages": {**{f"control:{k}": n for k, n in
+                                                       self.controller.handled_messages.items()},
+                                                    **self._server.handled_messages}}}
 
     def trace(self, path: str) -> dict:
         """Collect every executor's events into one Chrome/Perfetto trace JSON file at ``path``.

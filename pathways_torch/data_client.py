@@ -56,6 +56,7 @@ class DataClient:
         self._room = threading.Condition(self._lock)       # notified as requests finish
         self._in_flight: collections.Counter = collections.Counter()   # executor → requests pending
         self._request_ids = itertools.count(1)
+        self.dropped_replies = 0    # malformed, unexpected, or not an answer to a request sent to their sender
         self.loop.start()
 
     def connect(self, executor_id: str, address: str, public_key: bytes) -> None:
@@ -67,7 +68,8 @@ class DataClient:
             socket.setsockopt(zmq.LINGER, 0)
             make_client(socket, self._credentials, public_key)
             socket.connect(address)
-            self.loop.add_socket(executor_id, socket, self._on_frames)
+            # Each socket's replies are read as that executor's: a reply matches a request sent there alone.
+            self.loop.add_socket(executor_id, socket, lambda frames: self._on_frames(executor_id, frames))
             watch = ConnectionWatch(f"client → {executor_id}",
                                     lambda event, w: self._on_connection_event(executor_id, event, w))
             self.loop.monitor(executor_id, watch.on_frames)
@@ -187,21 +189,32 @@ class DataClient:
         else:
             request.future.set_result(result)
 
-    def _on_frames(self, frames) -> None:
+    def _drop_reply(self, why: str, *args) -> None:
+        self.dropped_replies += 1
+        if self.dropped_replies <= 10 or self.dropped_replies % 1000 == 0:   # a peer must not flood the log
+            log.warning("client: " + why, *args)
+
+    def _on_frames(self, executor_id: str, frames) -> None:
+        """A message from ``executor_id`` (the socket it came on): the answer to a request sent to it, or dropped."""
         try:
             envelope, payload = decode(frames)
         except FramingError as exc:
-            log.warning("client: dropped a malformed message: %s", exc)
+            self._drop_reply("dropped a malformed message from %s: %s", executor_id, exc)
             return
         kind = envelope.WhichOneof("body")
         if kind not in ("put_ack", "fetch_reply", "save_reply"):
-            log.warning("client: unexpected %s from an executor dropped", kind)
+            self._drop_reply("unexpected %s from %s dropped", kind, executor_id)
             return
         reply = getattr(envelope, kind)
         with self._lock:
             request = self._pending.get(reply.request_id)
         if request is None or (kind == "put_ack") != (request.on_done is not None):
-            log.warning("client: %s for unknown request %s dropped", kind, reply.request_id)
+            self._drop_reply("%s for unknown request %s from %s dropped", kind, reply.request_id, executor_id)
+            return
+        if request.executor_id != executor_id:
+            # Request ids are sequential: another executor could guess one and answer for the one asked.
+            self._drop_reply("%s for request %s came from %s, but the request went to %s: dropped", kind,
+                             reply.request_id, executor_id, request.executor_id)
             return
         if kind == "put_ack":
             f = reply.failure

@@ -2,14 +2,17 @@
 
 The file holds unsharded tensors named ``model/<name>``, ``optimizer/<param>/<state>``
 and ``rng/torch``, so a checkpoint saved under one plan or mesh size loads under
-any other. It is written to a temporary name and renamed into place, so a run
-killed mid-save leaves the previous checkpoint whole.
+any other. It is written to a temporary name, flushed to disk and renamed into place (the
+directory flushed too: `wire.durable`), so a run killed or a power lost mid-save leaves the previous
+checkpoint whole.
 """
 
 from __future__ import annotations
 
 import json
 import os
+
+from ..wire.durable import replace_durably
 
 __all__ = ["write_checkpoint", "read_checkpoint", "check_matches", "load_checkpoint", "CHECKPOINT_FILE"]
 
@@ -26,7 +29,7 @@ def write_checkpoint(path: str, tensors: dict, meta: dict) -> str:
     partial = target + ".partial"
     contiguous = {name: t.detach().contiguous() for name, t in tensors.items()}
     save_file(contiguous, partial, metadata={"format": _FORMAT, "meta": json.dumps(meta, sort_keys=True)})
-    os.replace(partial, target)
+    replace_durably(partial, target)
     return target
 
 

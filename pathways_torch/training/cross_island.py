@@ -33,6 +33,7 @@ from ..islands import ISLAND_AXIS
 from ..placement import Replicate, Shard
 from ..programs import Program, as_tuple
 from .buckets import flatten
+from .checkpoint_folders import DEFAULT_KEEP, check_keep
 from .optimizers import DYNAMIC, apply_update, read_optimizer
 from .plans import DataParallel, ShardedDataParallel
 from .step import _from_first_shard, gathered_params, loss_and_grads
@@ -137,12 +138,13 @@ class CrossIslandTrainer(Trainer):
 
     def __init__(self, context, model, *, optimizer, loss_fn, mesh, plan, max_grad_norm=None, seed=0,
                  checkpoint_dir: str | None = None, checkpoint_every: int = 0, recover: bool | None = None,
-                 replacement_timeout_s: float = 120.0):
+                 replacement_timeout_s: float = 120.0, checkpoint_keep: int = DEFAULT_KEEP):
         import torch
 
         from .buckets import make_buckets, split_for_exchange
         from .step import StepLayout
 
+        check_keep(checkpoint_keep)      # before anything is put on the mesh
         axes = tuple(plan.axis)
         if len(axes) != 2 or axes[0] != ISLAND_AXIS or list(mesh.axes) != list(axes):
             raise PlacementError(f"{type(plan).__name__}({axes!r}): expected ({ISLAND_AXIS!r}, <data axis>) on a mesh "
@@ -175,7 +177,8 @@ class CrossIslandTrainer(Trainer):
         self._put_state(self._initial_tensors())
         # Checkpoints come from island 0 (every island holds the same state); a lost executor or a transfer
         # lost on the link between islands restores the last one on every island (`Trainer.recover_from`).
-        self._set_up_recovery(checkpoint_dir, checkpoint_every, recover, replacement_timeout_s)
+        self._set_up_recovery(checkpoint_dir, checkpoint_every, recover, replacement_timeout_s,
+                              checkpoint_keep=checkpoint_keep)
 
     def _put_rank(self) -> None:
         """Each shard's rank over all islands (island i's shard d is i * D + d: its dropout key)."""

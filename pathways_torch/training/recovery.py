@@ -25,8 +25,10 @@ import collections
 import dataclasses
 import logging
 import time
+import weakref
 
 from ..errors import COLLECTIVE_ABANDONED, TRANSFER_LOST, ExecutorLostError, RemoteError
+from .checkpoint_folders import pin, unpin
 
 __all__ = ["StepLoss", "KeptStep", "RecoveryLog", "RecoveryFailed", "MAX_ATTEMPTS", "is_recoverable",
            "TRANSFER_LOST", "COLLECTIVE_ABANDONED", "describe_cause"]
@@ -121,6 +123,11 @@ class StepLoss:
         return f"StepLoss(step {self.number}, {self.array!r})"
 
 
+def _unpin_all(paths: list) -> None:
+    for path in paths:
+        unpin(path)
+
+
 def _raise(error):
     if error is not None:
         raise error
@@ -133,11 +140,33 @@ class RecoveryLog:
         self.kept: collections.deque[KeptStep] = collections.deque()
         self.saved_step = -1          # the newest checkpoint known written (set from the save's thread)
         self.saved_path: str | None = None   # its step folder: what recovery restores
+        # The pinned folders (saved_path's): a list the finalizer shares, so a dropped trainer unpins too.
+        self._pinned: list[str] = []
+        weakref.finalize(self, _unpin_all, self._pinned)
         self.recoveries = 0
         self.steps_rerun = 0           # steps dispatched again (their first run failed or was cut short)
         self.steps_recomputed = 0      # of those, the ones that had completed (at most K per recovery)
         self.seconds = 0.0
         self.events: list[str] = []
+
+    def note_saved(self, step: int, step_dir: str) -> None:
+        """Checkpoint ``step`` is written in ``step_dir`` (called from the save's thread, before older folders are
+        removed): the newest becomes what recovery restores, pinned so no clean-up removes it meanwhile."""
+        if step < self.saved_step:
+            return
+        pin(step_dir)
+        previous, self.saved_step, self.saved_path = self.saved_path, step, step_dir
+        self._pinned.append(step_dir)
+        if previous is not None:
+            self._pinned.remove(previous)
+            unpin(previous)
+
+    def forget_saved(self) -> None:
+        """No checkpoint to restore any more (a load replaced the state)."""
+        for step_dir in self._pinned:
+            unpin(step_dir)
+        self._pinned.clear()
+        self.saved_step, self.saved_path = -1, None
 
     def keep(self, step: KeptStep) -> None:
         while self.kept and self.kept[0].number <= self.saved_step:

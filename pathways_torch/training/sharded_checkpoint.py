@@ -14,28 +14,36 @@ client), then writes the index and swaps the ``latest`` pointer:
 
 The save runs in the background: it holds the step's state arrays (a snapshot: the next step makes
 new arrays, it does not overwrite these), so step k + 1 is dispatched while step k's shards are
-written. Each file is written under a ``.partial`` name and renamed; the index comes after every
-file and ``latest`` after the index, so a process killed at any point leaves the previous
-checkpoint loadable. ``directory`` must be storage every host sees (a network filesystem, an object
-store mount): each executor writes where it runs. No pickle anywhere.
+written. Each file is written under a ``.partial`` name, flushed to disk and renamed, its folder
+flushed too (`wire.durable`); the index comes after every file and ``latest`` after the index, so a
+process killed or a power lost at any point leaves the previous checkpoint loadable. Each save
+writes a folder no save used before, and only the ``keep`` newest are kept (`checkpoint_folders`).
+``directory`` must be storage every host sees (a network filesystem, an object store mount): each
+executor writes where it runs. No pickle anywhere.
 
 `read_sharded` rebuilds the unsharded named tensors (``model/<name>``, ``optimizer/<param>/<state>``,
 ``rng/torch``) that `checkpoint.read_checkpoint` returns for a client-written checkpoint, so either
-kind loads under any plan and mesh size, and into eager PyTorch (`checkpoint.load_checkpoint`).
+kind loads under any plan and mesh size, and into eager PyTorch (`checkpoint.load_checkpoint`). A
+folder whose pieces do not add up to a bucket's padded length is refused, naming the files.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import itertools
 import json
+import math
 import os
 import threading
 
-__all__ = ["save_sharded", "read_sharded", "is_sharded", "FORMAT", "LATEST", "INDEX"]
+from ..wire.durable import fsync_dir, replace_durably
+from .checkpoint_folders import INDEX, LATEST
+
+__all__ = ["save_sharded", "read_sharded", "is_sharded", "CheckpointPart", "FORMAT", "LATEST", "INDEX"]
 
 FORMAT = "pathways_torch.sharded/1"
-LATEST, INDEX, CLIENT_FILE = "latest", "index.json", "client.safetensors"
+CLIENT_FILE = "client.safetensors"
 
 
 def is_sharded(path: str) -> bool:
@@ -44,19 +52,30 @@ def is_sharded(path: str) -> bool:
 
 
 def save_sharded(context, trainer, directory: str, meta: dict, timeout_s: float = 3600.0, *,
-                 update_latest: bool = True) -> concurrent.futures.Future:
+                 update_latest: bool = True, keep: int = 0, on_written=None) -> concurrent.futures.Future:
     """Start writing ``trainer``'s current state under ``directory``; the future resolves to the bytes the
-    executors wrote once ``latest`` names this step (``update_latest=False``: ``latest`` is left as it is)."""
+    executors wrote once ``latest`` names this step (``update_latest=False``: ``latest`` is left as it is).
+
+    The step folder is a fresh one (`checkpoint_folders.claim`; the future's ``step_dir``); once it is
+    complete, ``on_written(step_dir)`` runs, then all but the ``keep`` newest checkpoints are removed
+    (``keep=0``, or ``update_latest=False``: none)."""
     import torch
 
+    from .checkpoint_folders import claim, remove_old, unpin
+
     directory = os.path.abspath(directory)
-    step_dir = os.path.join(directory, f"step-{trainer.step_count:08d}")
-    os.makedirs(step_dir, exist_ok=True)
-    requests, index = _plan(trainer, step_dir)
+    step_dir = claim(directory, trainer.step_count)      # pinned until no executor writes into it
+    try:
+        requests, index = _plan(trainer, step_dir)
+    except BaseException:
+        unpin(step_dir)           # empty: the next save's clean-up removes it
+        raise
     index["meta"] = meta
     rng = torch.get_rng_state()
     snapshot = list(trainer._checkpoint_arrays())   # held until the shards are written: the step's own state
     result: concurrent.futures.Future = concurrent.futures.Future()
+    result.step_dir = step_dir
+    futures: list = []
 
     def finish():
         try:
@@ -66,40 +85,69 @@ def save_sharded(context, trainer, directory: str, meta: dict, timeout_s: float 
                 error = array.exception(timeout_s=timeout_s)
                 if error is not None:
                     raise error
-            futures = [context._data.save(executor_id, [ref for ref, _ in items], [name for _, name in items],
-                                          os.path.join(step_dir, f"{executor_id}.safetensors"))
-                       for executor_id, items in requests.items()]
+            futures.extend(context._data.save(executor_id, [ref for ref, _ in items], [name for _, name in items],
+                                              os.path.join(step_dir, f"{executor_id}.safetensors"))
+                           for executor_id, items in requests.items())
             written = sum(f.result(timeout_s) for f in futures)
             _write_client_file(os.path.join(step_dir, CLIENT_FILE), rng)
             _replace(os.path.join(step_dir, INDEX), json.dumps(index, indent=1, sort_keys=True))
+            fsync_dir(directory)      # the step folder's own entry reaches the disk before `latest` names it
             if update_latest:
                 _replace(os.path.join(directory, LATEST), os.path.basename(step_dir))
+            if on_written is not None:
+                on_written(step_dir)
+            if update_latest and keep:
+                remove_old(directory, keep, step_dir)
             result.set_result(written)
         except BaseException as exc:   # noqa: BLE001 - the caller's future says what failed
             result.set_exception(exc)
         finally:
             snapshot.clear()
+            _when_all_done(futures, lambda: unpin(step_dir))
 
     threading.Thread(target=finish, name="pathways-checkpoint", daemon=True).start()
     return result
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class CheckpointPart:
+    """A piece of a trainer's state with one layout and one set of holders (`Trainer._checkpoint_parts`): the whole
+    state under a data-parallel plan, one chunk's under a pipeline (each stage's executors write their chunks)."""
+
+    buckets: tuple            # `buckets.Bucket` s: how each flat rebuilds its named parameters
+    state_names: tuple        # the optimizer's state names (``exp_avg`` ...), one flat per bucket each
+    flats: list               # per bucket, its parameters' flat array
+    states: list              # the optimizer state flats, bucket-major
+    wholes: list              # (checkpoint name, replicated array): buffers, frozen parameters
+    holders: tuple            # the executors holding the arrays, in shard order
+    sharded: bool             # flats and states sliced over ``holders`` (each writes its own slice)
+
+    @classmethod
+    def of_layout(cls, layout, arrays: list, mesh, sharded: bool) -> "CheckpointPart":
+        """The whole state of a `step.StepLayout` (``arrays`` as `StepLayout.split_state` takes them) on ``mesh``."""
+        flats, states, buffers, frozen = layout.split_state(arrays)
+        names = layout.buffer_names + layout.frozen_names
+        return cls(buckets=layout.buckets, state_names=layout.state_names, flats=flats, states=states,
+                   wholes=[(f"model/{n}", a) for n, a in zip(names, [*buffers, *frozen])],
+                   holders=tuple(mesh.executor_ids), sharded=sharded)
 
 
 def _plan(trainer, step_dir: str) -> tuple[dict, dict]:
     """Which executor writes which shard under which name, and the index that rebuilds the named tensors.
 
     A replicated array is written once, by one of its holders, taken in turn (the executors write in
-    parallel); a sharded one by every holder, its own slice."""
+    parallel); a sharded one by every holder, its own slice. Buckets are numbered across the trainer's parts
+    (one executor may hold several pipeline chunks); a name two parts hold (a tied parameter, a buffer two
+    chunks read) is rebuilt from the first part that holds it, as `Trainer.state_dict` does."""
     from ..wire import pb
 
-    layout = trainer.layout
-    holders = list(trainer._checkpoint_mesh().executor_ids)
-    sharded = trainer.plan.sharded_state
-    flats, states, buffers, frozen = layout.split_state(trainer._checkpoint_arrays())
     requests: dict[str, list] = {}
     turn = itertools.count()
+    numbers = itertools.count()
 
-    def place(array, name: str) -> list[dict]:
-        positions = range(len(holders)) if sharded and name.startswith("bucket") else [next(turn) % len(holders)]
+    def place(part: CheckpointPart, array, name: str, sharded: bool) -> list[dict]:
+        holders = part.holders
+        positions = range(len(holders)) if sharded else [next(turn) % len(holders)]
         pieces = []
         for position in positions:
             executor_id = holders[position]
@@ -107,58 +155,93 @@ def _plan(trainer, step_dir: str) -> tuple[dict, dict]:
             pieces.append({"file": f"{executor_id}.safetensors", "tensor": name})
         return pieces
 
-    buckets = []
-    states = iter(states)
-    for b, (bucket, flat) in enumerate(zip(layout.buckets, flats)):
-        entry = {"group": bucket.group, "dtype": str(bucket.dtype).removeprefix("torch."), "numel": bucket.numel,
-                 "slots": [[s.name, list(s.shape), s.offset, s.numel] for s in bucket.slots],
-                 "arrays": {"param": place(flat, f"bucket{b}/param")}}
-        for state in layout.state_names:
-            entry["arrays"][state] = place(next(states), f"bucket{b}/{state}")
-        buckets.append(entry)
-    whole = {}
-    for name, array in zip(layout.buffer_names + layout.frozen_names, [*buffers, *frozen]):
-        (piece,) = place(array, f"whole/{name}")
-        whole[f"model/{name}"] = piece
+    buckets, whole, named = [], {}, set()
+    for part in trainer._checkpoint_parts():
+        states = iter(part.states)
+        for bucket, flat in zip(part.buckets, part.flats):
+            bucket_states = [next(states) for _ in part.state_names]
+            slots = [s for s in bucket.slots if s.name not in named]
+            if not slots:
+                continue     # every parameter in it is written already (another chunk's copy)
+            named.update(s.name for s in slots)
+            b = next(numbers)
+            entry = {"group": bucket.group, "dtype": str(bucket.dtype).removeprefix("torch."), "numel": bucket.numel,
+                     "slots": [[s.name, list(s.shape), s.offset, s.numel] for s in slots],
+                     "arrays": {"param": place(part, flat, f"bucket{b}/param", part.sharded)}}
+            for state, array in zip(part.state_names, bucket_states):
+                entry["arrays"][state] = place(part, array, f"bucket{b}/{state}", part.sharded)
+            buckets.append(entry)
+        for key, array in part.wholes:
+            if key not in whole:
+                (whole[key],) = place(part, array, f"whole/{key.removeprefix('model/')}", False)
     return requests, {"format": FORMAT, "buckets": buckets, "whole": whole, "client": CLIENT_FILE}
+
+
+def _when_all_done(futures: list, then) -> None:
+    """``then()`` once every future is done: a failed save's other executors may still be writing its folder."""
+    pending = [f for f in futures if not f.done()]
+    if not pending:
+        then()
+        return
+    count, lock = [len(pending)], threading.Lock()
+
+    def one_done(_future):
+        with lock:
+            count[0] -= 1
+            last = count[0] == 0
+        if last:
+            then()
+
+    for future in pending:
+        future.add_done_callback(one_done)
 
 
 def _write_client_file(path: str, rng) -> None:
     from safetensors.torch import save_file
 
     save_file({"rng/torch": rng}, path + ".partial")
-    os.replace(path + ".partial", path)
+    replace_durably(path + ".partial", path)
 
 
 def _replace(path: str, text: str) -> None:
     with open(path + ".partial", "w") as f:
         f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(path + ".partial", path)
+    replace_durably(path + ".partial", path)
 
 
 def read_sharded(path: str) -> tuple[dict, dict]:
-    """(named unsharded tensors, meta) of the checkpoint ``latest`` names in ``path`` (or of the step folder)."""
+    """(named unsharded tensors, meta) of the checkpoint ``latest`` names in ``path`` (or of the step folder).
+    The folder is pinned while it is read (no save's clean-up removes it); a bucket whose pieces do not add up
+    to its padded length is refused before any tensor is read."""
+    from .checkpoint_folders import reading
+
+    with reading(path) as step_dir:
+        return _read_step_dir(step_dir)
+
+
+def _read_step_dir(step_dir: str) -> tuple[dict, dict]:
     import torch
     from safetensors import safe_open
 
-    step_dir = path
-    if os.path.exists(os.path.join(path, LATEST)):
-        with open(os.path.join(path, LATEST)) as f:
-            step_dir = os.path.join(path, f.read().strip())
     with open(os.path.join(step_dir, INDEX)) as f:
         index = json.load(f)
     if index.get("format") != FORMAT:
         raise ValueError(f"checkpoint {step_dir}: expected format {FORMAT!r}, got {index.get('format')!r}")
     files: dict = {}
 
-    def tensor(piece: dict):
-        handle = files.get(piece["file"])
-        if handle is None:
-            handle = files[piece["file"]] = safe_open(os.path.join(step_dir, piece["file"]), framework="pt")
-        return handle.get_tensor(piece["tensor"])
+    def handle(piece: dict):
+        opened = files.get(piece["file"])
+        if opened is None:
+            opened = files[piece["file"]] = safe_open(os.path.join(step_dir, piece["file"]), framework="pt")
+        return opened
 
+    def tensor(piece: dict):
+        return handle(piece).get_tensor(piece["tensor"])
+
+    for b, bucket in enumerate(index["buckets"]):      # every size first (headers only): nothing half loaded
+        for state, pieces in bucket["arrays"].items():
+            sizes = [math.prod(handle(p).get_slice(p["tensor"]).get_shape()) for p in pieces]
+            _check_pieces(step_dir, b, state, bucket["numel"], pieces, sizes)
     tensors = {}
     for bucket in index["buckets"]:
         for state, pieces in bucket["arrays"].items():
@@ -171,3 +254,17 @@ def read_sharded(path: str) -> tuple[dict, dict]:
     with safe_open(os.path.join(step_dir, index["client"]), framework="pt") as f:
         tensors["rng/torch"] = f.get_tensor("rng/torch")
     return tensors, index["meta"]
+
+
+def _check_pieces(step_dir: str, b: int, state: str, numel: int, pieces: list, sizes: list) -> None:
+    """A bucket's pieces are its flat padded to a multiple of their count (`buckets.Bucket.padded_numel`: one
+    piece per holder under a sharded plan, one under a replicated one) and split evenly: refuse any other."""
+    count = len(pieces)
+    padded = -(-numel // count) * count
+    each = padded // count
+    wrong = [f"{p['file']} holds {size} ({p['tensor']})" for p, size in zip(pieces, sizes) if size != each]
+    if sum(sizes) != padded or wrong:
+        raise ValueError(
+            f"checkpoint {step_dir}: bucket {b} {state!r} has {numel} elements, padded to {padded} over {count} "
+            f"piece(s) of {each}, but its pieces hold {sum(sizes)} in all: {'; '.join(wrong)}. The folder is "
+            f"incomplete or mixes two saves; nothing was loaded: load another step-* folder of that directory")

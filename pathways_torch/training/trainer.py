@@ -22,6 +22,7 @@ from .batches import split_batch
 from .evaluation import make_forward
 from .buckets import flatten, make_buckets, unflatten
 from .checkpoint import check_matches, read_checkpoint, write_checkpoint
+from .checkpoint_folders import DEFAULT_KEEP, check_keep
 from .locate import user_frame_summary
 from .optimizers import read_optimizer
 from .plans import DataParallel
@@ -38,9 +39,10 @@ _STATE_WAIT_S = 600.0     # how long recovery waits for the newest state to end,
 class Trainer:
     """Train ``model`` with ``optimizer`` under ``plan`` on ``mesh``; see `Context.wrap`."""
 
-    # Checkpoints written by the executors (set in __init__; the pipeline trainer has none).
+    # Checkpoints written by the executors (set in `_set_up_recovery`).
     checkpoint_dir: str | None = None
     checkpoint_every = 0
+    checkpoint_keep = DEFAULT_KEEP
     checkpoints_written = 0
     _checkpoint = None
     recover = False            # recovery from a lost executor (set in __init__ with checkpoint_every)
@@ -48,9 +50,11 @@ class Trainer:
 
     def __init__(self, context, model, *, optimizer, loss_fn: Callable | None, mesh, plan=None,
                  max_grad_norm: float | None = None, seed: int = 0, checkpoint_dir: str | None = None,
-                 checkpoint_every: int = 0, recover: bool | None = None, replacement_timeout_s: float = 120.0):
+                 checkpoint_every: int = 0, recover: bool | None = None, replacement_timeout_s: float = 120.0,
+                 checkpoint_keep: int = DEFAULT_KEEP):
         import torch
 
+        check_keep(checkpoint_keep)      # before anything is put on the mesh
         plan = plan if plan is not None else DataParallel(next(iter(mesh.axes)))
         if not isinstance(plan, DataParallel):
             raise PlacementError(f"plan: expected pw.DataParallel(axis) or pw.ShardedDataParallel(axis), got {plan!r}")
@@ -77,10 +81,14 @@ class Trainer:
         self._unfinished_steps: collections.deque = collections.deque()   # the losses' events, oldest first
         self._put_rank()
         self._put_state(self._initial_tensors())
-        self._set_up_recovery(checkpoint_dir, checkpoint_every, recover, replacement_timeout_s)
+        self._set_up_recovery(checkpoint_dir, checkpoint_every, recover, replacement_timeout_s,
+                              checkpoint_keep=checkpoint_keep)
 
-    def _set_up_recovery(self, checkpoint_dir, checkpoint_every: int, recover, replacement_timeout_s: float) -> None:
-        """Checkpoints written by the executors every ``checkpoint_every`` steps, and recovery from them."""
+    def _set_up_recovery(self, checkpoint_dir, checkpoint_every: int, recover, replacement_timeout_s: float, *,
+                         checkpoint_keep: int = DEFAULT_KEEP) -> None:
+        """Checkpoints written by the executors every ``checkpoint_every`` steps, and recovery from them; the
+        ``checkpoint_keep`` newest kept (0: all; `checkpoint_folders`)."""
+        self.checkpoint_keep = check_keep(checkpoint_keep)
         if checkpoint_every and not checkpoint_dir or checkpoint_every < 0:
             raise ValueError(f"checkpoint_every={checkpoint_every!r}: expected a number of steps >= 1 with "
                              f"checkpoint_dir (got checkpoint_dir={checkpoint_dir!r}), or 0 for none")
@@ -294,26 +302,26 @@ class Trainer:
         """Write a checkpoint **from the executors**, in the background (`sharded_checkpoint`): each writes the
         shards it holds to ``directory`` (storage every host sees), no tensor bytes through the client; the
         next steps are dispatched meanwhile. Returns a future of the bytes written, done once ``latest`` names
-        this step. One save at a time: a second waits for the first."""
+        this step (in a fresh folder: the future's ``step_dir``) and all but the ``checkpoint_keep`` newest
+        checkpoints there are removed. One save at a time: a second waits for the first."""
         from .sharded_checkpoint import save_sharded
 
         if self._checkpoint is not None:
             error = self._checkpoint.exception()     # the previous save's failure is raised here ...
             if error is not None and not (self.recover and is_recoverable(error)):
                 raise error                          # ... but one lost with an executor or a link is recovery's
-        self._checkpoint = save_sharded(self._context, self, directory, self._checkpoint_meta(),
-                                        update_latest=update_latest)
         step = self.step_count
-        step_dir = os.path.join(os.path.abspath(directory), f"step-{step:08d}")
-        self._checkpoint.add_done_callback(lambda future: self._count_checkpoint(future, step, step_dir))
+        self._checkpoint = save_sharded(self._context, self, directory, self._checkpoint_meta(),
+                                        update_latest=update_latest, keep=self.checkpoint_keep,
+                                        on_written=lambda step_dir: self._count_checkpoint(step, step_dir))
         return self._checkpoint
 
-    def _count_checkpoint(self, future, step: int, step_dir: str) -> None:
-        if future.exception() is None:
-            self.checkpoints_written += 1
-            if self._recovery is not None and step >= self._recovery.saved_step:
-                # Recovery restores exactly this folder (not whatever `latest` names: another run's, or a load's)
-                self._recovery.saved_step, self._recovery.saved_path = step, step_dir
+    def _count_checkpoint(self, step: int, step_dir: str) -> None:
+        # From the save's thread, before older folders go. Recovery restores exactly this folder (not whatever
+        # `latest` names: another run's, or a load's).
+        self.checkpoints_written += 1
+        if self._recovery is not None:
+            self._recovery.note_saved(step, step_dir)
 
     def _checkpoint_arrays(self) -> list:
         """Every array of the training state (what a sharded save holds until it is written): flats, optimizer
@@ -323,6 +331,14 @@ class Trainer:
     def _checkpoint_mesh(self):
         """The mesh whose executors write the checkpoint (they hold `_checkpoint_arrays`)."""
         return self.mesh
+
+    def _checkpoint_parts(self) -> list:
+        """The state as `sharded_checkpoint.CheckpointPart` s, each one layout on one set of holders (what the
+        executors write): here one, `_checkpoint_arrays` on `_checkpoint_mesh`."""
+        from .sharded_checkpoint import CheckpointPart
+
+        return [CheckpointPart.of_layout(self.layout, self._checkpoint_arrays(), self._checkpoint_mesh(),
+                                         self.plan.sharded_state)]
 
     def evaluate(self, batch):
         """The loss on ``batch`` (a replicated 0-d `pw.Array`, at once): forward and loss only, in eval mode,
@@ -511,8 +527,8 @@ class Trainer:
             torch.set_rng_state(tensors["rng/torch"])
         if self.recover:   # what recovery restores is now the loaded state: written again, under checkpoint_dir
             self._recovery.kept.clear()
-            self._recovery.saved_step, self._recovery.saved_path = -1, None
-            self.save_sharded(self.checkpoint_dir)
+            self._recovery.forget_saved()
+            self.save_sharded(self.checkpoint_dir)     # a fresh folder: never the one just read
         return meta
 
     def __repr__(self) -> str:

@@ -1,9 +1,12 @@
 """Checkpoints move: saved under one plan and mesh size, loaded under another (DataParallel at N = 2 ->
 ShardedDataParallel at N = 4 -> DataParallel at N = 2; Pipeline <-> DataParallel) or into plain eager PyTorch
 (pw.load_checkpoint), training goes on with the losses of one uninterrupted eager run; a checkpoint of another
-model is refused listing what differs."""
+model is refused listing what differs. Executors' checkpoints keep the disk: only ``checkpoint_keep`` step folders
+stay, a resumed run saves into a fresh folder, a bad ``checkpoint_keep`` is refused before anything is sent."""
 
 from __future__ import annotations
+
+import os
 
 import pytest
 import torch
@@ -189,3 +192,69 @@ def test_a_process_killed_during_a_save_leaves_the_previous_checkpoint_loadable(
     tensors, meta = read_checkpoint(directory)
     assert meta["step"] >= 1 and "model/0.weight" in tensors and "optimizer/0.weight/exp_avg" in tensors
     assert tuple(tensors["model/0.weight"].shape) == (512, 512)
+
+
+# ------------------------------------------------------------ checkpoints that keep the disk (issue 26)
+
+def _executor_steps(directory) -> list[str]:
+    return sorted(n for n in os.listdir(directory) if n != "latest")
+
+
+def test_only_the_newest_checkpoints_stay_and_the_latest_loads(ctx, tmp_path):
+    """checkpoint_every=1, checkpoint_keep=2: after 5 steps (6 saves, step 0's too) two step folders remain, and
+    the latest loads under ShardedDataParallel at N = 4 (its buckets padded: 369 elements over 4) and goes on
+    with the losses of one uninterrupted eager run."""
+    batches = _batches(7)
+    directory = str(tmp_path / "ckpt")
+    model = _model()
+    trainer = ctx.wrap(model, optimizer=_adamw(model), loss_fn=nn.MSELoss(), checkpoint_dir=directory,
+                       mesh=ctx.mesh({"data": 2}, executors=ctx.executor_ids[:2]), checkpoint_every=1,
+                       checkpoint_keep=2)
+    losses = [loss.result(120).item() for loss in [trainer.step(b) for b in batches[:5]]]
+    trainer._checkpoint.result(120)
+    assert _executor_steps(directory) == ["step-00000004", "step-00000005"]
+    assert trainer.stats()["checkpoints_written"] == 6
+    losses += _leg(ctx, {"data": 4}, pw.ShardedDataParallel("data"), batches[5:], load_from=directory)
+    expected = _expected(batches)
+    assert max(abs(a - b) for a, b in zip(losses, expected)) < 1e-9, (losses, expected)
+
+
+def test_a_resumed_run_saves_into_a_fresh_folder_and_never_rewrites_the_one_it_loaded(ctx, tmp_path):
+    batches = _batches(4)
+    directory = str(tmp_path / "ckpt")
+    mesh = ctx.mesh({"data": 2}, executors=ctx.executor_ids[:2])
+    model = _model()
+    first = ctx.wrap(model, optimizer=_adamw(model), loss_fn=nn.MSELoss(), mesh=mesh, checkpoint_dir=directory,
+                     checkpoint_every=2)
+    losses = [loss.result(120).item() for loss in [first.step(b) for b in batches[:2]]]
+    first._checkpoint.result(120)
+    loaded = os.path.join(directory, "step-00000002")
+    with open(os.path.join(directory, "latest")) as f:
+        assert f.read() == "step-00000002"
+    files = {n: os.stat(os.path.join(loaded, n)) for n in os.listdir(loaded)}
+    model = _model()
+    resumed = ctx.wrap(model, optimizer=_adamw(model), loss_fn=nn.MSELoss(), mesh=mesh, checkpoint_dir=directory,
+                       checkpoint_every=2)
+    assert resumed.load(directory)["step"] == 2
+    resumed._checkpoint.result(120)          # the loaded state, written again for recovery: elsewhere
+    with open(os.path.join(directory, "latest")) as f:
+        assert f.read() == "step-00000002-1"
+    assert {n: os.stat(os.path.join(loaded, n)) for n in os.listdir(loaded)} == files
+    losses += [loss.result(120).item() for loss in [resumed.step(b) for b in batches[2:]]]
+    expected = _expected(batches)
+    assert max(abs(a - b) for a, b in zip(losses, expected)) < 1e-9, (losses, expected)
+
+
+def test_a_bad_checkpoint_keep_is_refused_under_every_plan_before_anything_is_sent(ctx, tmp_path):
+    sent, put = dict(ctx.controller.messages_sent), ctx._data.bytes_sent
+    plans = [(pw.DataParallel("data"), {"data": 2}), (pw.ShardedDataParallel("data"), {"data": 2}),
+             (pw.Pipeline(microbatches=2), {"pipe": 2})]
+    for plan, axes in plans:
+        for value, error in [(-1, ValueError), (True, TypeError), ("2", TypeError)]:
+            model = _model()
+            with pytest.raises(error, match=rf"checkpoint_keep={value!r}: expected"):
+                ctx.wrap(model, optimizer=_adamw(model), loss_fn=nn.MSELoss(), plan=plan,
+                         mesh=ctx.mesh(axes, executors=ctx.executor_ids[:2]), checkpoint_dir=str(tmp_path),
+                         checkpoint_every=1, checkpoint_keep=value)
+    assert dict(ctx.controller.messages_sent) == sent and ctx._data.bytes_sent == put
+    assert os.listdir(tmp_path) == []

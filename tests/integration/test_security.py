@@ -223,6 +223,45 @@ def test_a_client_with_a_foreign_key_gets_an_error_not_a_hang(ctx, mesh, add_one
     _still_serves(ctx, mesh, add_one)
 
 
+def test_an_executor_key_can_neither_fetch_nor_put_nor_save_on_another_executor(monkeypatch, zctx, tmp_path):
+    """Every executor's key passes a data socket's handshake (transfers need it), but only the client's key may
+    fetch, put or save there: executor-1's key gets no answer, nothing is stored or written, and each is counted."""
+    import shutil
+
+    kept: list[str] = []   # the context's key folder, kept on disk just long enough to read executor-1's pair
+    monkeypatch.setattr(KeyDirectory, "remove", lambda self: kept.append(self.path))
+    with pw.Context(num_executors=2, backend="eager") as ctx:
+        try:
+            thief = KeyDirectory(kept[0]).credentials("executor-1")
+        finally:
+            shutil.rmtree(kept[0], ignore_errors=True)
+        x = ctx.put(torch.arange(4.0), ctx.mesh({"data": 2}), [pw.Shard(0)])   # shard 0 lives on executor-0
+        x.result(timeout_s=30)
+        info = ctx.controller.resources.executors["executor-0"]
+        before = ctx.stats()["executors"]["executor-0"]
+        client = DataClient(zctx, thief)
+        try:
+            client.connect("executor-0", info.data_address, info.public_key)
+            fetched = client.fetch("executor-0", pb.ShardRef(array_id=x.array_id, shard=0))
+            put_results: list = []
+            client.put("executor-0", [(pb.ShardRef(array_id=10**9, shard=0), torch.ones(2))], put_results.append)
+            saved = client.save("executor-0", [pb.ShardRef(array_id=x.array_id, shard=0)], ["w"],
+                                str(tmp_path / "stolen.safetensors"))
+            assert wait_until(lambda: ctx.stats()["executors"]["executor-0"]["refused_data_messages"]
+                              >= before["refused_data_messages"] + 3, 10)
+            # Refused where they arrived, in order: had any been answered, the answer would have left by now.
+            assert not fetched.done() and not saved.done() and put_results == []
+            assert not (tmp_path / "stolen.safetensors").exists()
+            after = ctx.stats()["executors"]["executor-0"]
+            assert after["refused_data_messages"] == before["refused_data_messages"] + 3
+            assert after["dropped_messages"] == before["dropped_messages"] + 3
+            assert (after["store_buffers"], after["store_bytes"]) == (before["store_buffers"], before["store_bytes"])
+        finally:
+            client.close()
+        torch.testing.assert_close(x.result(timeout_s=30), torch.arange(4.0))   # the client's key still may
+    shutil.rmtree(kept[0], ignore_errors=True)
+
+
 def test_an_executor_whose_key_is_not_allowed_exits_at_once(ctx, tmp_path):
     """The controller refuses it; it says why in its log and exits instead of waiting unheard."""
     keys = KeyDirectory.create(["executor-9"], parent=str(tmp_path))

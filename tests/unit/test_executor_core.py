@@ -66,7 +66,7 @@ def put(core, shard_ref, tensor, request_id=1):
     msg = pb.Put(request_id=request_id)
     msg.shard.CopyFrom(shard_ref)
     frame = tensor_to_frame(tensor, msg.tensor, 1)
-    core.on_data(CLIENT, pb.Envelope(put=msg), [bytes(memoryview(frame))])
+    core.on_data(CLIENT, pb.Envelope(put=msg), [bytes(memoryview(frame))], role="client")
 
 
 def run(core, *, seq, call_id, function_id, inputs, outputs):
@@ -78,7 +78,7 @@ def fetch(core, outbox, shard_ref, request_id=100):
     before = len(outbox.fetch_replies())
     msg = pb.Fetch(request_id=request_id)
     msg.shard.CopyFrom(shard_ref)
-    core.on_data(CLIENT, pb.Envelope(fetch=msg), [])
+    core.on_data(CLIENT, pb.Envelope(fetch=msg), [], role="client")
     replies = outbox.fetch_replies()
     assert len(replies) == before + 1, "no fetch reply"
     reply, payload = replies[-1]
@@ -194,7 +194,7 @@ def test_fetch_before_ready_waits():
     run(core, seq=1, call_id=1, function_id=1, inputs=[ref(1)], outputs=[ref(2)])
     msg = pb.Fetch(request_id=7)
     msg.shard.CopyFrom(ref(2))
-    core.on_data(CLIENT, pb.Envelope(fetch=msg), [])
+    core.on_data(CLIENT, pb.Envelope(fetch=msg), [], role="client")
     assert outbox.fetch_replies() == []
     put(core, ref(1), X)
     (reply, payload), = outbox.fetch_replies()
@@ -327,7 +327,7 @@ def test_received_transfer_feeds_a_run():
     transfer = pb.Transfer()
     transfer.shard.CopyFrom(ref(1))
     frame = tensor_to_frame(X, transfer.tensor, 1)
-    core.on_data(b"peer", pb.Envelope(transfer=transfer), [bytes(memoryview(frame))])
+    core.on_data(b"peer", pb.Envelope(transfer=transfer), [bytes(memoryview(frame))], role="e1")
     assert outbox.dones()[0].ok
     assert fetch_tensor(core, outbox, ref(2)).item() == X.sum().item()
 
@@ -419,7 +419,7 @@ def test_transient_input_that_arrives_failed_is_deleted():
     transfer = pb.Transfer(failed=True)
     transfer.shard.CopyFrom(transient)
     transfer.failure.CopyFrom(pb.RemoteFailure(type="ValueError", message="upstream", origin_call_id=60))
-    core.on_data(b"peer", pb.Envelope(transfer=transfer), [])
+    core.on_data(b"peer", pb.Envelope(transfer=transfer), [], role="e1")
     done, = outbox.dones()
     assert not done.ok and done.failure.origin_call_id == 60
     assert (1, 0, 72) not in core.store
@@ -457,8 +457,8 @@ def test_unknown_message_kinds_are_dropped_and_core_keeps_working():
     core.on_control(pb.Envelope(), [])                                   # no body
     core.on_control(pb.Envelope(register=pb.Register(executor_id="x")), [])  # not for executors
     core.on_control(pb.Envelope(put=pb.Put()), [])                       # data kind on the control socket
-    core.on_data(CLIENT, pb.Envelope(run=pb.Run(call_id=1)), [])         # control kind on the data socket
-    core.on_data(CLIENT, pb.Envelope(done=pb.Done()), [])
+    core.on_data(CLIENT, pb.Envelope(run=pb.Run(call_id=1)), [], role="client")         # control kind on the data socket
+    core.on_data(CLIENT, pb.Envelope(done=pb.Done()), [], role="client")
     assert core.dropped_messages == 5
     assert outbox.controller == [] and outbox.peers == []
     # Still works.
@@ -510,7 +510,7 @@ def test_a_put_whose_frame_does_not_match_its_header_is_answered_with_a_failure(
     msg = pb.Put(request_id=7)
     msg.shard.CopyFrom(ref(20))
     tensor_to_frame(torch.zeros(4), msg.tensor, 1)
-    core.on_data(CLIENT, pb.Envelope(put=msg), [bytes(12)])        # 12 bytes where the header says 16
+    core.on_data(CLIENT, pb.Envelope(put=msg), [bytes(12)], role="client")        # 12 bytes where the header says 16
     acks = [e.put_ack for _, e, _ in outbox.clients if e.WhichOneof("body") == "put_ack"]
     assert len(acks) == 1 and acks[0].request_id == 7 and acks[0].failed
     assert "needs 16 bytes, frame has 12" in acks[0].failure.message
@@ -528,7 +528,7 @@ def test_an_early_transfer_refused_for_want_of_room_fails_its_run(monkeypatch):
         msg = pb.Transfer()
         msg.shard.CopyFrom(ref(30 + call_id, tag=call_id))
         frame = tensor_to_frame(torch.ones(2), msg.tensor, 1)
-        core.on_data(b"peer", pb.Envelope(transfer=msg), [bytes(memoryview(frame))])
+        core.on_data(b"peer", pb.Envelope(transfer=msg), [bytes(memoryview(frame))], role="e1")
     run(core, seq=1, call_id=10, function_id=1, inputs=[ref(40, tag=10)], outputs=[ref(50)])
     run(core, seq=2, call_id=11, function_id=1, inputs=[ref(41, tag=11)], outputs=[ref(51)])
     first, second = outbox.dones()[-2:]

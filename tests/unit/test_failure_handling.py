@@ -149,7 +149,7 @@ def _transfer(core, shard_ref, tensor=None, *, failed=False, channel="data"):
     else:
         frames = [bytes(memoryview(tensor_to_frame(tensor, msg.tensor, 1)))]
     if channel == "data":
-        core.on_data(b"peer", pb.Envelope(transfer=msg), frames)
+        core.on_data(b"peer", pb.Envelope(transfer=msg), frames, role="e1")
     else:
         core.on_control(pb.Envelope(transfer=msg), frames)
 
@@ -192,7 +192,7 @@ def test_the_controller_can_fail_a_copy_whose_sender_was_lost():
 
 def test_stats_report_drops_and_refused_connections():
     core, outbox = make_core()
-    core.on_data(b"peer", pb.Envelope(done=pb.Done()), [])
+    core.on_data(b"peer", pb.Envelope(done=pb.Done()), [], role="e1")
     core.counters["refused_connections"] = 4
     core.on_control(pb.Envelope(stats_request=pb.StatsRequest(request_id=1)), [])
     stats = outbox.controller[-1][0].stats
@@ -205,9 +205,11 @@ def test_a_failure_reported_while_a_peer_is_dead_is_the_lost_executors_error():
     patience = []
 
     def probe_of(controller):
-        def probe(patience_s):
+        def probe(patience_s, then=None):
             patience.append(patience_s)
             controller.declare_lost("e1", "process exited (SIGKILL)")
+            if then is not None:
+                then()
         return probe
 
     controller, out = _two_member_collective(probe_of)
@@ -218,9 +220,10 @@ def test_a_failure_reported_while_a_peer_is_dead_is_the_lost_executors_error():
     assert patience == [1.0]
 
 
-def _two_member_collective(probe_of=None):
+def _two_member_collective(probe_of=None, deliver=lambda handle: handle()):
     """A collective on e0 and e1 (at 127.0.0.1 and 127.0.0.2) whose e0 reports "Connection closed by peer";
-    ``probe_of(controller)``: the launcher's liveness probe, if there is a local launcher."""
+    ``probe_of(controller)``: the launcher's liveness probe, if there is a local launcher; ``deliver``: runs the
+    handling of e0's Done (e.g. on an I/O loop)."""
     class Outbox:
         def to_executor(self, executor_id, envelope, payload=()):
             pass
@@ -236,9 +239,67 @@ def _two_member_collective(probe_of=None):
     if probe_of is not None:
         controller.liveness_probe = probe_of(controller)
     failure = pb.RemoteFailure(type="RuntimeError", message="gloo: Connection closed by peer", executor_id="e0")
-    controller.on_message("e0", pb.Envelope(done=pb.Done(call_id=max(controller._calls), ok=False,
-                                                         failure=failure)), [])
+    done = pb.Envelope(done=pb.Done(call_id=max(controller._calls), ok=False, failure=failure))
+    deliver(lambda: controller.on_message("e0", done, []))
     return controller, out
+
+
+@pytest.mark.parametrize("exits", [True, False])
+def test_heartbeats_are_answered_while_the_launcher_is_asked_about_a_lost_peer(exits):
+    """A survivor's "connection closed by peer" has the launcher looked at for up to 1 s (the killed process may
+    not be reaped yet). The looking is on the I/O loop's timers, not a sleep under the controller's lock on its
+    thread: a heartbeat sent meanwhile is answered while the probe still waits, at once."""
+    import time
+    import types
+
+    from pathways_torch.context import Context
+    from pathways_torch.errors import RemoteError
+    from pathways_torch.wire.loop import SocketLoop
+
+    class Launcher:   # e1's exit shows 0.8 s after the failed Done, or never
+        exits_at = time.monotonic() + 0.8 if exits else float("inf")
+
+        def newly_exited(self):
+            if time.monotonic() < self.exits_at:
+                return []
+            self.exits_at = float("inf")
+            return [("e1", "process exited (SIGKILL)")]
+
+    def probe_of(controller):
+        controllers.append(controller)
+        context = types.SimpleNamespace(_cluster=Launcher(), controller=controller,
+                                        _server=types.SimpleNamespace(loop=loop))
+        return types.MethodType(Context._reap_exited, context)
+
+    def heartbeat(sent):   # what the controller's server does with e0's heartbeat, on its I/O thread
+        controller = controllers[0]
+        pending = any(not call.failed for call in controller._calls.values())
+        state, _ = controller.heard_from("e0", controller.resources.executors["e0"].epoch)
+        answers.append((time.monotonic() - sent, pending, state))
+
+    def deliver(handle):   # the Done, then a heartbeat of e0 sent just after it, both on the I/O thread
+        sent = time.monotonic()
+        loop.call_soon(handle)
+        loop.call_soon(lambda: heartbeat(sent))
+
+    controllers, answers = [], []
+    loop = SocketLoop("test-controller")
+    loop.start()
+    try:
+        controller, out = _two_member_collective(probe_of, deliver)
+        deadline = time.monotonic() + 10
+        while (not answers or out.state == "pending") and time.monotonic() < deadline:
+            time.sleep(0.01)
+    finally:
+        loop.stop()
+    (waited_s, pending_then, answer), = answers
+    assert answer == "live" and pending_then and waited_s < 0.5, answers
+    if exits:   # the probe saw the exit: the failure is the lost executor's, named, and the call is over
+        assert isinstance(out.error, ExecutorLostError) and out.error.executor_id == "e1"
+        assert not controller._calls
+    else:       # nothing exited within the patience: the survivor's own report (the call waits for e1's Done)
+        assert isinstance(out.error, RemoteError) and "Connection closed by peer" in str(out.error)
+        assert controller._calls[max(controller._calls)].waiting == {"e1"}
 
 
 def test_without_a_local_launcher_a_peer_loss_waits_for_the_peer_to_be_lost_or_to_report():

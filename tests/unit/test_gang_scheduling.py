@@ -253,7 +253,7 @@ def _run(gang_order: bool, seed: int = 0, order: str = "shuffled"):
                 put.shard.CopyFrom(pb.ShardRef(array_id=start.array_id, shard=shard))
                 frame = bytes(memoryview(tensor_to_frame(torch.ones(1), put.tensor, 1)))
                 executors[executor_id].post_data(lambda core=core, put=put, frame=frame: core.on_data(
-                    b"client", pb.Envelope(put=put), [frame]))
+                    b"client", pb.Envelope(put=put), [frame], role="client"))
             for envelope, payload in loads + actions:
                 executors[executor_id].post_control(lambda core=core, e=envelope, p=payload: core.on_control(e, p))
         finished = all(r.event.wait(10) for rs in results.values() for r in rs)
@@ -299,7 +299,7 @@ def test_an_out_of_order_collective_arrival_is_held_back():
     put = pb.Put(request_id=1)
     put.shard.CopyFrom(pb.ShardRef(array_id=1, shard=0))
     frame = bytes(memoryview(tensor_to_frame(torch.ones(1), put.tensor, 1)))
-    core.on_data(b"c", pb.Envelope(put=put), [frame])
+    core.on_data(b"c", pb.Envelope(put=put), [frame], role="client")
     late = pb.Run(seq=5, call_id=2, function_id=1, collective=True, prev_collective_seq=3,
                   inputs=[pb.ShardRef(array_id=1, shard=0)], outputs=[pb.ShardRef(array_id=2, shard=0)])
     late.axis_groups["data"] = 1

@@ -455,8 +455,15 @@ def test_a_lost_transfer_abandons_both_islands_groups_and_lowers_their_programs_
     assert controller.heard_from("e1", 1)[1] == controller.heard_from("e3", 1)[1] == ["transfer:99.0:e0->e2<3"]
     assert controller._groups == {} and lowered.program_id in controller._stale_programs
     assert (controller.transfers_lost, controller.calls_failed_by_lost_transfers) == (1, 1)
-    # Another copy of the same cut, answered late, for the run that failed already: the groups formed since stay.
-    controller.on_message("e1", pb.Envelope(transfer_lost=lost), [])
+    # Another copy of the same cut (e1's to e3), answered late, for the run that failed already: the groups formed
+    # since stay.
+    plans = {e: env.register_program for e, env in outbox.of("register_program")}
+    (other,) = [a.send for a in plans["e1"].actions if a.WhichOneof("kind") == "send"]
+    late = pb.TransferLost(to_address=other.to_address, waited_s=4, nbytes=16)
+    late.shard.CopyFrom(pb.ShardRef(array_id=99, shard=1, tag=out.producer_call))
+    controller.on_message("e1", pb.Envelope(transfer_lost=late), [])
+    ((to, failed),) = outbox.of("transfer")[1:]
+    assert to == "e3"
     controller.on_message(to, pb.Envelope(transfer_lost=_missing(failed.transfer)), [])
     assert controller.heard_from("e1", 1)[1] == ["transfer:99.0:e0->e2<3"]
     assert (controller.transfers_lost, controller.calls_failed_by_lost_transfers) == (2, 1)

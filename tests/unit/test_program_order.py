@@ -44,7 +44,7 @@ def _transfer(core, shard_ref, tensor) -> None:
     msg = pb.Transfer()
     msg.shard.CopyFrom(shard_ref)
     frame = tensor_to_frame(tensor, msg.tensor, 1)
-    core.on_data(b"peer", pb.Envelope(transfer=msg), [bytes(memoryview(frame))])
+    core.on_data(b"peer", pb.Envelope(transfer=msg), [bytes(memoryview(frame))], role="e1")
 
 
 # ---------------------------------------------------------------- one executor, one run
@@ -403,7 +403,7 @@ def _pipeline(seed: int, late: bool, program_order: bool = True):
                 frame = bytes(memoryview(tensor_to_frame(shards[shard], msg.tensor, 1)))
                 core = executors[executor_id].core
                 executors[executor_id].post_data(
-                    lambda core=core, msg=msg, frame=frame: core.on_data(b"client", pb.Envelope(put=msg), [frame]))
+                    lambda core=core, msg=msg, frame=frame: core.on_data(b"client", pb.Envelope(put=msg), [frame], role="client"))
         streams = {}
         for executor_id, messages in outbox.by_executor.items():
             forms = [m for m in messages if m[0].WhichOneof("body") == "form_group"]
@@ -435,7 +435,7 @@ def _pipeline(seed: int, late: bool, program_order: bool = True):
                     destination, envelope, frames = network.pending.pop(what)
                 core = executors[destination].core
                 executors[destination].post_data(
-                    lambda core=core, e=envelope, f=frames: core.on_data(b"peer", e, f))
+                    lambda core=core, e=envelope, f=frames: core.on_data(b"peer", e, f, role="e1"))
             if not late and rng.random() < 0.3:
                 time.sleep(rng.random() * 0.002)
         finished = all(r.event.wait(5) for r in pending)

@@ -1,0 +1,82 @@
+"""Who may send what on an executor's data socket.
+
+The CURVE handshake admits every key on the allow-list, the client's and every executor's. Were that all, one
+executor's key could fetch any array from another executor, put under any id (the first fill wins, so it could
+pre-empt a computed result), or make another host write a ``.safetensors`` file. So each message is also checked
+against the role of the key that sent it (its connection's ``User-Id``, `pathways_torch.wire.security.peer_role`):
+puts, fetches and saves come from the client alone; transfers from executors alone, and only from an incarnation
+that was not replaced. Transfer acknowledgements never arrive here: they come back on the DEALER the sender opened,
+which talks only to the holder of the receiver's key.
+
+This module imports no torch (the simulated executor uses it).
+"""
+
+from __future__ import annotations
+
+import threading
+
+from pathways_torch.wire import pb
+from pathways_torch.wire.framing import body_name
+from pathways_torch.wire.security import CLIENT, CONTROLLER, spare_of
+
+__all__ = ["DataGate", "CLIENT_KINDS", "EXECUTOR_KINDS", "executor_of_role"]
+
+CLIENT_KINDS = frozenset({"put", "fetch", "save_shards"})   # data messages only the client may send
+EXECUTOR_KINDS = frozenset({"transfer"})                    # data messages only executors may send
+
+
+def executor_of_role(role: str | None) -> str | None:
+    """The executor id a key's role speaks for (``executor-1``; a spare ``executor-1.r2`` → ``executor-1``), or None
+    for the client, the controller, or a message without a role."""
+    if not role or role in (CLIENT, CONTROLLER):
+        return None
+    return spare_of(role) or role
+
+
+class DataGate:
+    """Checks each data message's sender; one per executor. Thread-safe: the I/O thread checks, the heartbeat and
+    compute threads tell it of replaced incarnations.
+
+    An executor learns that an incarnation was replaced in two ways: the controller names the lost one
+    (``executor-1@2`` in a heartbeat answer's lost peers or a ``Cancel``), and a transfer arrives from a newer one
+    (every transfer carries its sender's epoch, from its ``Welcome``). From then on, a transfer sent by an earlier
+    incarnation on a connection it still holds (its key is revoked only for new handshakes) is refused.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._floor: dict[str, int] = {}   # executor id → its earliest incarnation still admitted
+
+    def refusal(self, role: str | None, envelope: pb.Envelope) -> str | None:
+        """Why the message in ``envelope``, sent with a key of ``role``, is refused here; None if it is not."""
+        kind = body_name(envelope)
+        if kind in CLIENT_KINDS:
+            if role != CLIENT:
+                return f"{kind} from {role!r}: expected it from the client alone (refused)"
+            return None
+        if kind not in EXECUTOR_KINDS:
+            return None   # not a data message at all: the executor drops it as unexpected
+        executor_id = executor_of_role(role)
+        if executor_id is None:
+            return f"{kind} from {role!r}: expected it from an executor (refused)"
+        with self._lock:
+            floor = self._floor.get(executor_id, 0)
+            if envelope.epoch < floor:
+                return (f"{kind} from incarnation {envelope.epoch} of {executor_id}: expected incarnation {floor} or "
+                        f"later, the earlier ones were replaced (refused)")
+            self._floor[executor_id] = envelope.epoch   # a newer incarnation speaks: the ones before it are replaced
+        return None
+
+    def retire(self, incarnation: str) -> None:
+        """The controller declared ``incarnation`` (``"executor-1@2"``) lost: refuse its transfers, and its
+        predecessors', from now on. Anything else (a lost transfer ``"transfer:..."``) is ignored."""
+        executor_id, at, epoch = incarnation.rpartition("@")
+        if not at or not executor_id or not epoch.isdigit() or incarnation.startswith("transfer:"):
+            return
+        with self._lock:
+            self._floor[executor_id] = max(self._floor.get(executor_id, 0), int(epoch) + 1)
+
+    def floor(self, executor_id: str) -> int:
+        """The earliest incarnation of ``executor_id`` whose transfers are admitted (0: none was replaced)."""
+        with self._lock:
+            return self._floor.get(executor_id, 0)
