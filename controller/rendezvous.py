@@ -9,55 +9,100 @@ the same members can form a group again later. Only the group's members may read
 write under its prefix; a ``get`` of a key not yet set is answered when it is (the
 executor waits at most its group timeout). Used on the controller's I/O thread;
 `allow` from any thread.
+
+Nothing stays: a group's keys go once it has formed (each member adds 1 to `FORMED_KEY` when its
+group stands; the last one's add forgets the prefix), when a member is lost (`fail_member`), when the
+controller abandons the group (`forget_groups`), or when a get under it waits past the group timeout
+(`expire`, every second: that member's formation failed, so the group never forms).
 """
 
 from __future__ import annotations
 
 import collections
 import threading
+import time
 
 from pathways_torch.wire import pb
 
-__all__ = ["RendezvousStore"]
+__all__ = ["RendezvousStore", "FORMED_KEY"]
+
+# Under a group's prefix: each member adds 1 once its group stands; at the group's size no member reads its keys again.
+FORMED_KEY = "pathways-formed"
 
 _MAX_WAITING = 4096          # parked gets, in all (an executor waits for a handful at a time)
 _MAX_KEYS_PER_PREFIX = 4096
 
 
 class RendezvousStore:
-    def __init__(self):
+    """The groups' keys, open to their members; ``timeout_s``: the group timeout (a get parked longer fails)."""
+
+    def __init__(self, timeout_s: float = 60.0, clock=time.monotonic):
         self._lock = threading.Lock()
+        self.timeout_s, self._clock = timeout_s, clock
         self._members: dict[str, frozenset[str]] = {}             # prefix → who may use it
         self._values: dict[str, dict[str, bytes]] = collections.defaultdict(dict)
-        self._waiting: dict[tuple[str, str], list] = collections.defaultdict(list)   # (prefix, key) → replies
+        # (prefix, key) → parked gets: (request id, reply, deadline)
+        self._waiting: dict[tuple[str, str], list] = collections.defaultdict(list)
         self._num_waiting = 0
         self.requests_served = 0      # requests answered or parked: proof that groups met here (tests)
+        self.groups_forgotten = 0     # formed, abandoned or failed, their keys gone
+
+    def sizes(self) -> dict[str, int]:
+        """What the store holds now: open groups, keys, parked gets (nothing, between formations)."""
+        with self._lock:
+            return {"groups": len(self._members), "keys": sum(len(v) for v in self._values.values()),
+                    "waiting": self._num_waiting}
 
     def allow(self, prefix: str, members) -> None:
         """Open ``prefix`` to ``members`` (before their FormGroup is sent)."""
         with self._lock:
             self._members[prefix] = frozenset(members)
 
-    def forget(self, prefix: str) -> None:
-        """Drop a formed (or abandoned) group's keys."""
+    def forget(self, prefix: str, why: str = "the group was abandoned") -> None:
+        """Drop a formed (or abandoned) group's keys; a get still parked under it fails with ``why``."""
         with self._lock:
-            self._members.pop(prefix, None)
-            self._values.pop(prefix, None)
+            self._forget([prefix], why)
+
+    def forget_groups(self, group_ids, why: str = "the controller abandoned the group") -> None:
+        """Drop the keys of groups ``group_ids`` (every epoch): the controller abandoned them."""
+        ids = {f"group-{g}" for g in group_ids}
+        with self._lock:
+            self._forget([p for p in self._members if p.split("/", 1)[0] in ids], why)
 
     def fail_member(self, executor_id: str, why: str) -> None:
         """A member was lost: the gets parked under its groups' prefixes fail now (a rendezvous that waits for it
         would wait out the group timeout), and its groups' keys go."""
         with self._lock:
-            doomed = [prefix for prefix, members in self._members.items() if executor_id in members]
-            for (prefix, key), replies in list(self._waiting.items()):
-                if prefix in doomed:
-                    del self._waiting[(prefix, key)]
-                    self._num_waiting -= len(replies)
-                    for request_id, reply in replies:
-                        reply(pb.StoreReply(request_id=request_id, error=f"member {executor_id} was lost: {why}"))
-            for prefix in doomed:
-                self._members.pop(prefix, None)
-                self._values.pop(prefix, None)
+            self._forget([prefix for prefix, members in self._members.items() if executor_id in members],
+                         f"member {executor_id} was lost: {why}")
+
+    def expire(self) -> int:
+        """Fail the gets parked longer than the group timeout (their executor gave up: its group cannot form)
+        and forget their groups. Returns how many failed. On the I/O thread, every second."""
+        now = self._clock()
+        with self._lock:
+            late = sorted({prefix for (prefix, _), parked in self._waiting.items()
+                           if any(deadline <= now for _, _, deadline in parked)})
+            before = self._num_waiting
+            self._forget(late, f"no member answered within the group timeout ({self.timeout_s:g} s): the group "
+                               f"did not form")
+            return before - self._num_waiting
+
+    def _forget(self, prefixes, why: str) -> None:
+        """Under the lock: fail the gets parked under ``prefixes`` and drop their keys and members."""
+        doomed = set(prefixes)
+        if not doomed:
+            return
+        for (prefix, key), parked in list(self._waiting.items()):
+            if prefix in doomed:
+                del self._waiting[(prefix, key)]
+                self._num_waiting -= len(parked)
+                for request_id, reply, _ in parked:
+                    reply(pb.StoreReply(request_id=request_id, error=why))
+        for prefix in doomed:
+            if self._members.pop(prefix, None) is not None:
+                self.groups_forgotten += 1
+            self._values.pop(prefix, None)
 
     def handle(self, executor_id: str, request: pb.StoreRequest, reply) -> None:
         """Answer ``request`` through ``reply(pb.StoreReply)`` now, or when the key it waits for is set."""
@@ -92,7 +137,7 @@ class RendezvousStore:
         if self._num_waiting >= _MAX_WAITING:
             reply(pb.StoreReply(request_id=request.request_id, error="the store has too many waiting gets"))
             return
-        self._waiting[(prefix, key)].append((request.request_id, reply))
+        self._waiting[(prefix, key)].append((request.request_id, reply, self._clock() + self.timeout_s))
         self._num_waiting += 1
 
     def _add(self, prefix, key, values, request, reply):
@@ -100,6 +145,8 @@ class RendezvousStore:
         values[key] = str(number).encode()
         reply(pb.StoreReply(request_id=request.request_id, ok=True, number=number))
         self._wake(prefix, key, values)
+        if key == FORMED_KEY and number >= len(self._members.get(prefix, ())):
+            self._forget([prefix], "the group has formed")   # every member stands: none reads its keys again
 
     def _check(self, prefix, key, values, request, reply):
         keys = [_split(k)[1] for k in request.keys]
@@ -110,7 +157,7 @@ class RendezvousStore:
         reply(pb.StoreReply(request_id=request.request_id, ok=True, found=found))
 
     def _wake(self, prefix, key, values):
-        for request_id, reply in self._waiting.pop((prefix, key), ()):
+        for request_id, reply, _ in self._waiting.pop((prefix, key), ()):
             self._num_waiting -= 1
             reply(pb.StoreReply(request_id=request_id, ok=True, value=values[key], found=True))
 

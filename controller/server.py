@@ -21,6 +21,7 @@ ROUTER identity, so an executor can speak only as itself.
 
 from __future__ import annotations
 
+import collections
 import logging
 import threading
 
@@ -67,7 +68,12 @@ class ControllerServer:
         self.loop.monitor(_ROUTER, self.connections.on_frames)
         self.controller = Controller(self, self.config)
         self.loop.every(self.config.heartbeat_interval_s, self.controller.heartbeat)
+        # Gets parked past the group timeout fail, and their groups' keys go (their executors gave up waiting).
+        self.loop.every(1.0, self.controller.rendezvous.expire)
         self.dropped_messages = 0   # refused here; the Controller counts what it refuses itself
+        # Messages that reached the heartbeat and store handlers, by connection (the Controller counts the control
+        # connection's): bench/fuzz.py reports how many fuzzed ones got this far.
+        self.handled_messages: collections.Counter = collections.Counter()
         self._commands: dict[str, zmq.Socket] = {}   # executor id → DEALER to its command ROUTER
         # executor id → the role of the key it registered with (its own, or a spare after a replacement)
         self._active_roles: dict[str, str] = {}
@@ -194,13 +200,19 @@ class ControllerServer:
         if body_name(envelope) != "store_request":
             self._drop(f"{body_name(envelope)!r} on {executor_id}'s store connection")
             return
+        self.handled_messages["store"] += 1
         identity = identity_frame.bytes
 
-        def reply(answer: pb.StoreReply) -> None:
+        def send(answer: pb.StoreReply) -> None:
             try:
                 self.loop.send_now(_ROUTER, [identity, pb.Envelope(store_reply=answer).SerializeToString()])
             except zmq.ZMQError as exc:   # the executor went away while it waited: nothing to answer
                 self._drop(f"store reply to {executor_id} undeliverable: {exc}")
+
+        def reply(answer: pb.StoreReply) -> None:
+            # A parked get may be answered from another thread (a member lost, groups forgotten): the socket is
+            # the I/O thread's alone. On that thread call_soon runs at once.
+            self.loop.call_soon(lambda: send(answer))
 
         self.controller.rendezvous.handle(executor_id, envelope.store_request, reply)
 
@@ -209,6 +221,7 @@ class ControllerServer:
         if body_name(envelope) != "heartbeat":
             self._drop(f"{body_name(envelope)!r} on {executor_id}'s heartbeat connection")
             return
+        self.handled_messages["heartbeat"] += 1
         state, lost_peers = self.controller.heard_from(executor_id, envelope.heartbeat.epoch or envelope.epoch)
         if state == "unknown":
             return  # its Register is still on the way; an executor never registered times out by itself

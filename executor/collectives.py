@@ -19,9 +19,13 @@ from __future__ import annotations
 import contextlib
 import datetime
 import functools
+import logging
 import threading
+import time
 
 __all__ = ["CollectiveRuntime", "make_gloo_group", "make_nccl_group", "gloo_group_on", "nccl_group_on", "dry_runs"]
+
+log = logging.getLogger(__name__)
 
 _dry = threading.local()
 
@@ -106,9 +110,10 @@ class CollectiveRuntime:
         self.device = device     # NCCL groups on CUDA executors, gloo everywhere else
         self._groups: dict[int, _Group] = {}
         self._failures: dict[int, str] = {}
-        # Groups abandoned while an op may still run in them: kept referenced, since dropping a gloo group
-        # joins its worker threads, which a blocked op holds until gloo's own timeout.
+        # Abandoned groups whose ops may still run: kept referenced, since dropping a gloo group joins its worker
+        # threads, which a blocked op holds until gloo's own timeout. Released once quiet (`_prune_retired`).
         self._retired: list[_Group] = []
+        self._retired_lock = threading.Lock()    # the heartbeat thread retires, the compute thread forms
         self.abandoned: set[str] = set()    # faults reported so far: lost incarnations ("id@epoch"), lost transfers
         self._abandoned_below = 0           # groups with a smaller id were made before a fault: abandoned
         self._abandoned_ids: set[int] = set()
@@ -120,6 +125,7 @@ class CollectiveRuntime:
 
     def form(self, group_id: int, rank: int, size: int, store_path: str, timeout_s: float, members=()) -> None:
         """Join group ``group_id`` (blocks until every member has joined, or the timeout)."""
+        self._prune_retired()     # on this thread, which may wait: the heartbeat thread's abandon must not
         lost = sorted(self.abandoned.intersection(members))
         try:
             if lost:
@@ -129,8 +135,10 @@ class CollectiveRuntime:
                 group = nccl_group_on(store, rank, size, timeout_s, self.device)
             else:
                 group = gloo_group_on(store, rank, size, timeout_s, self.bind_host)
+                _mark_formed(store, group_id)
             # NCCL's wait only orders the stream (the host does not block in it): nothing to slice.
-            self._groups[group_id] = _Group(group, size, frozenset(members), sliced=not self.device.startswith("cuda"))
+            self._groups[group_id] = _Group(group, size, frozenset(members), sliced=not self.device.startswith("cuda"),
+                                            timeout_s=timeout_s)
         except Exception as exc:
             self._failures[group_id] = f"{type(exc).__name__}: {exc}"
             raise
@@ -151,11 +159,13 @@ class CollectiveRuntime:
         if before_group is not None:
             self._abandoned_below = max(self._abandoned_below, before_group)
         retired = []
-        for group_id, handle in list(self._groups.items()):
+        # By id, not a list of the groups: that list would hold them all until this returns, so the oldest let go
+        # (`_abandon_group`) would drop here, on the heartbeat thread, instead of on their own thread.
+        for group_id in list(self._groups):
             if before_group is not None and group_id >= before_group:
                 continue
             self._abandon_group(group_id, f"member {member} was lost ({reason}); the group was abandoned"
-                                if member in handle.members else
+                                if member in self._groups[group_id].members else
                                 f"{member} was lost ({reason}); every group of this island made before was "
                                 f"abandoned")
             retired.append(group_id)
@@ -168,10 +178,22 @@ class CollectiveRuntime:
         if handle is None:
             return
         handle.abandon(failure)
-        # Kept for good (a gloo op given up on still runs until gloo's own timeout, and dropping its group would
-        # join its threads on this thread); only the oldest go, long after any timeout.
-        self._retired.append(handle)
-        del self._retired[:-_MAX_RETIRED]
+        with self._retired_lock:
+            self._retired.append(handle)
+            excess, self._retired = self._retired[:-_MAX_RETIRED], self._retired[-_MAX_RETIRED:]
+        if excess:   # never on this thread (the heartbeat's, often): their ops may still run, and the drop waits
+            threading.Thread(target=excess.clear, name="pathways-group-release", daemon=True).start()
+
+    def _prune_retired(self) -> None:
+        """Let go of the abandoned groups that are quiet: no op given up on still runs in them (a killed peer's
+        connection resets at once), or older than their timeout plus a grace (gloo's own timeout ended them).
+        On the compute thread, before it forms a group: it runs no collective then, so dropping a group joins
+        idle threads only (the heartbeat thread, which abandons, must never wait for one)."""
+        now = time.monotonic()
+        with self._retired_lock:
+            release = [h for h in self._retired if h.quiet() or now - h.retired_at > h.timeout_s + _GRACE_S]
+            self._retired = [h for h in self._retired if h not in release]
+        # `release` goes when this returns, outside the lock.
 
     def _rendezvous(self, prefix: str, size: int, timeout_s: float):
         """The store a group meets through: the controller's, under the group's prefix (``group-G/epoch-E``)."""
@@ -272,16 +294,23 @@ class CollectiveRuntime:
 class _Group:
     """A formed process group, its members' incarnations, and whether it was abandoned (a member lost)."""
 
-    __slots__ = ("group", "size", "members", "abandoned", "_event", "_sliced")
+    __slots__ = ("group", "size", "members", "abandoned", "timeout_s", "retired_at", "_pending", "_event", "_sliced")
 
-    def __init__(self, group, size: int, members: frozenset, sliced: bool = True):
+    def __init__(self, group, size: int, members: frozenset, sliced: bool = True, timeout_s: float = 60.0):
         self.group, self.size, self.members, self._sliced = group, size, members, sliced
         self.abandoned = ""                 # why, once a member was lost
+        self.timeout_s, self.retired_at = timeout_s, 0.0
+        self._pending: list = []            # ops given up on (abandoned while waited for): they may still run
         self._event = threading.Event()     # set when abandoned: a blocked wait gives up
 
     def abandon(self, reason: str) -> None:
         self.abandoned = reason
+        self.retired_at = time.monotonic()
         self._event.set()
+
+    def quiet(self) -> bool:
+        """No op given up on still runs here: dropping the group joins idle threads only."""
+        return all(work.is_completed() for work in self._pending)
 
     def wait(self, work) -> None:
         """Wait for ``work`` in slices, so that abandoning the group ends the wait within one slice.
@@ -303,11 +332,27 @@ class _Group:
                     work.wait()
                     return
                 if self._event.is_set():
+                    self._pending.append(work)
                     raise CollectiveAbandoned(f"collective abandoned: {self.abandoned}") from None
 
 
 _WAIT_SLICE = datetime.timedelta(milliseconds=200)
-_MAX_RETIRED = 256
+# controller.rendezvous.FORMED_KEY (not imported: the executor does not import the controller package).
+_FORMED_KEY = "pathways-formed"
+# Abandoned groups kept while an op may run in them; a group older than its timeout plus this is let go anyway.
+_MAX_RETIRED = 8
+_GRACE_S = 5.0
+
+
+def _mark_formed(store, group_id: int) -> None:
+    """The group stands here: tell the store, which forgets its keys once every member has (an NCCL group connects
+    at its first collective, reading them then: its keys go when it is abandoned). Best effort: the group is formed
+    whatever the store answers, and failing it here alone would put this member out of step with the others."""
+    try:
+        store.add(_FORMED_KEY, 1)
+    except Exception as exc:
+        log.warning("group %d formed, but the rendezvous store did not take its mark (%s): its keys stay until the "
+                    "group is abandoned", group_id, exc)
 
 
 class _Binding:

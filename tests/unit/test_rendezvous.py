@@ -87,3 +87,48 @@ def test_the_executors_store_speaks_to_it():
         client.close(0)
         server.close(0)
         context.term()
+
+
+def test_a_groups_keys_go_once_every_member_has_formed_it():
+    from controller.rendezvous import FORMED_KEY
+    from executor import collectives
+
+    assert collectives._FORMED_KEY == FORMED_KEY              # the executor's mark is the store's
+    store = RendezvousStore()
+    store.allow(PREFIX, ["e0", "e1"])
+    _ask(store, "e0", op="set", key=f"{PREFIX}/addr0", value=b"x")
+    _ask(store, "e1", op="set", key=f"{PREFIX}/addr1", value=b"y")
+    assert _ask(store, "e0", op="add", key=f"{PREFIX}/{FORMED_KEY}", amount=1)[0].number == 1
+    assert store.sizes() == {"groups": 1, "keys": 3, "waiting": 0}    # e1 may still read e0's address
+    assert _ask(store, "e1", op="add", key=f"{PREFIX}/{FORMED_KEY}", amount=1)[0].number == 2
+    assert store.sizes() == {"groups": 0, "keys": 0, "waiting": 0} and store.groups_forgotten == 1
+
+
+def test_a_get_parked_past_the_group_timeout_fails_and_its_group_goes():
+    now = [0.0]
+    store = RendezvousStore(timeout_s=20.0, clock=lambda: now[0])
+    store.allow(PREFIX, ["e0", "e1"])
+    store.allow("group-2/epoch-0", ["e0", "e1"])
+    _ask(store, "e0", op="set", key=f"{PREFIX}/addr0", value=b"x")
+    late = _ask(store, "e0", op="get", key=f"{PREFIX}/addr1")      # e1 never comes
+    now[0] = 10.0
+    fresh = _ask(store, "e0", op="get", key="group-2/epoch-0/addr1")
+    assert store.expire() == 0 and late == [] and fresh == []
+    now[0] = 20.5
+    assert store.expire() == 1
+    assert not late[0].ok and "no member answered within the group timeout (20 s)" in late[0].error
+    assert fresh == [] and store.sizes() == {"groups": 1, "keys": 0, "waiting": 1}
+    now[0] = 31.0
+    assert store.expire() == 1 and store.sizes() == {"groups": 0, "keys": 0, "waiting": 0}
+
+
+def test_abandoned_groups_are_forgotten_and_their_parked_gets_fail_at_once():
+    store = RendezvousStore()
+    store.allow("group-3/epoch-0", ["e0", "e1"])
+    store.allow("group-4/epoch-0", ["e0", "e1"])
+    parked = _ask(store, "e0", op="get", key="group-3/epoch-0/addr1")
+    _ask(store, "e0", op="set", key="group-4/epoch-0/addr0", value=b"x")
+    store.forget_groups([3])
+    assert not parked[0].ok and "abandoned" in parked[0].error
+    assert store.sizes() == {"groups": 1, "keys": 1, "waiting": 0}
+    assert not _ask(store, "e1", op="get", key="group-3/epoch-0/addr1")[0].ok     # no member any more
