@@ -53,8 +53,8 @@ def tbf_unavailable() -> str | None:
     if os.geteuid() != 0:
         return f"not root (euid {os.geteuid()}): network namespaces and tc qdiscs need root"
     for tool in ("ip", "tc"):
-        if shutil.which(tool) is None:
-            return f"`{tool}` is not on PATH (it comes with iproute2)"
+        if _tool_path(tool) is None:
+            return f"`{tool}` is not in {':'.join(_SYSTEM_DIRS)} (it comes with iproute2)"
     return None
 
 
@@ -155,9 +155,21 @@ class TbfVeth:
 
 # ---------------------------------------------------------------- commands and names
 
+# Where iproute2 lives. Not PATH: these commands run as root, and a PATH entry someone else can write to would
+# run their `ip` instead.
+_SYSTEM_DIRS = ("/usr/sbin", "/sbin", "/usr/bin", "/bin")
+
+
+def _tool_path(tool: str) -> str | None:
+    return shutil.which(tool, path=os.pathsep.join(_SYSTEM_DIRS))
+
+
 def _command(*argv: str) -> subprocess.CompletedProcess:
-    """Run one iproute2 command (tests replace this to fake a host where it fails)."""
-    return subprocess.run(argv, capture_output=True, text=True, timeout=10)
+    """Run one iproute2 command, from the system's folders (tests replace this to fake a host where it fails)."""
+    path = _tool_path(argv[0])
+    if path is None:
+        raise FileNotFoundError(f"`{argv[0]}`: expected it in {':'.join(_SYSTEM_DIRS)} (iproute2), found none there")
+    return subprocess.run((path, *argv[1:]), capture_output=True, text=True, timeout=10)
 
 
 def _check(*argv: str) -> str:

@@ -29,7 +29,7 @@ from .graph_stages import Stage, split_stages
 from .torch_based import bytes_digest, meta_examples
 from .torchax_compat import has_lowering, import_torchax
 
-__all__ = ["TorchaxBackend", "cache_dir"]
+__all__ = ["TorchaxBackend", "cache_dir", "cache_dir_refusal"]
 
 log = logging.getLogger(__name__)
 
@@ -38,6 +38,27 @@ def cache_dir() -> str:
     """Where compiled XLA executables persist between runs (``PATHWAYS_CACHE_DIR`` overrides)."""
     root = os.environ.get("PATHWAYS_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "pathways_torch")
     return os.path.join(root, "jax")
+
+
+def cache_dir_refusal(path: str) -> str | None:
+    """Why the executable cache at ``path`` must not be used (None: it may). An executable loaded from there runs
+    as this process: a folder on its way that another user owns, or that others may write to, could hand it theirs.
+    """
+    path = os.path.abspath(path)
+    if not os.path.exists(path):   # made by us, 0700: only the folder it goes in must not let others swap it
+        parent = os.path.dirname(path)
+        while not os.path.exists(parent):
+            parent = os.path.dirname(parent)
+        info = os.stat(parent)
+        if info.st_mode & 0o022 and not info.st_mode & 0o1000:   # others may write there, and it is not sticky
+            return f"{parent} has mode {oct(info.st_mode & 0o777)}: writable by others; chmod go-w it"
+        return None
+    info = os.stat(path)
+    if info.st_uid != os.geteuid():
+        return f"{path} is owned by uid {info.st_uid}, expected this user ({os.geteuid()})"
+    if info.st_mode & 0o022:
+        return f"{path} has mode {oct(info.st_mode & 0o777)}: writable by others; chmod go-w it"
+    return None
 
 
 class _Prepared:
@@ -64,10 +85,16 @@ class TorchaxBackend:
 
         # torch semantics: int64 indices and float64 stay 64-bit.
         jax.config.update("jax_enable_x64", True)
-        jax.config.update("jax_compilation_cache_dir", cache_dir())
-        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-        # Bounded: the least recently used executables go once the folder passes this size.
-        jax.config.update("jax_compilation_cache_max_size", _CACHE_MAX_BYTES)
+        refusal = cache_dir_refusal(cache_dir())
+        if refusal is None:
+            os.makedirs(cache_dir(), mode=0o700, exist_ok=True)
+            jax.config.update("jax_compilation_cache_dir", cache_dir())
+            jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+            # Bounded: the least recently used executables go once the folder passes this size.
+            jax.config.update("jax_compilation_cache_max_size", _CACHE_MAX_BYTES)
+        else:
+            log.warning("not using the XLA executable cache at %s (every run compiles afresh): %s; set "
+                        "PATHWAYS_CACHE_DIR to a folder of your own", cache_dir(), refusal)
         # On CPU an executable runs on the calling thread: a compute span is the computation, and no
         # hand-over to XLA's thread pool (measured: Chained 2,600 -> 3,300 steps/s at N=2).
         jax.config.update("jax_cpu_enable_async_dispatch", False)

@@ -72,3 +72,22 @@ def test_graph_key_depends_on_graph_and_constants():
     assert graph_key(b"g", []) == graph_key(b"g", [])
     assert graph_key(b"g", []) != graph_key(b"h", [])
     assert graph_key(b"g", [b"\x00\x01"]) != graph_key(b"g", [b"\x00\x02"])
+
+
+@pytest.mark.timeout(10)
+def test_an_executable_cache_others_can_write_to_is_refused(tmp_path):
+    from executor.backends.torchax_route import cache_dir_refusal
+
+    mine = tmp_path / "mine"
+    mine.mkdir(mode=0o700)
+    assert cache_dir_refusal(str(mine)) is None
+    assert cache_dir_refusal(str(mine / "jax" / "new")) is None          # made by us later, 0700
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)
+    assert "writable by others" in cache_dir_refusal(str(shared))
+    assert "writable by others" in cache_dir_refusal(str(shared / "jax"))  # someone else could make it first
+    sticky = tmp_path / "sticky"
+    sticky.mkdir()
+    sticky.chmod(0o1777)
+    assert cache_dir_refusal(str(sticky / "jax")) is None                  # like /tmp: nobody can swap ours

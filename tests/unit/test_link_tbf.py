@@ -196,3 +196,16 @@ def test_a_failing_ip_netns_add_is_named_with_its_stderr(monkeypatch):
     relay.close()
     assert relay.shaping == "relay" and "`ip netns add pathways-link-" in relay.shaping_reason
     assert not [argv for argv in calls if argv[:2] in (("ip", "link"), ("tc", "qdisc"))]   # stopped at the failure
+
+
+@pytest.mark.timeout(10)
+def test_iproute2_runs_from_the_system_folders_not_from_path(tmp_path, monkeypatch):
+    # A PATH entry that shadows `ip` must not be what a root process runs.
+    fake = tmp_path / "ip"
+    fake.write_text("#!/bin/sh\necho shadowed\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ.get('PATH', '')}")
+    path = netns._tool_path("ip")
+    assert path is None or not path.startswith(str(tmp_path)), path
+    if path is not None:
+        assert "shadowed" not in netns._command("ip", "-V").stdout
