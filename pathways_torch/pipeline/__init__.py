@@ -5,7 +5,9 @@
 - `autograd`: each chunk's forward and backward graphs (what the forward keeps for the backward);
 - `schedules`: GPipe, 1F1B and interleaved 1F1B as per-rank action lists, text in and out, simulated;
 - `chunk_functions`: the per-chunk functions of a step (forward, backward, tied gradients, update);
-- `plan`: `Pipeline`, the plan for ``ctx.wrap``; `trainer`: `PipelineTrainer`.
+- `plan`: `Pipeline`, the plan for ``ctx.wrap``; `trainer`: `PipelineTrainer`;
+- `evaluation`: its ``evaluate`` (forwards only, in eval mode); `checkpoints`: its executor-written
+  checkpoints (each stage writes its own chunks) and recovery.
 """
 
 import importlib

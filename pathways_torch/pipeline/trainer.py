@@ -21,12 +21,15 @@ from ..functions import Function
 from ..placement import Replicate, Shard
 from ..programs import Program, as_tuple
 from ..training.buckets import flatten, make_buckets, unflatten
+from ..training.checkpoint_folders import DEFAULT_KEEP
 from ..training.optimizers import read_optimizer
 from ..training.plans import DataParallel
 from ..training.step import StepLayout
 from ..training.trainer import Trainer
 from .autograd import partition_chunk
+from .checkpoints import PipelineCheckpoints
 from .chunk_functions import ChunkPlan, make_apply, make_backward, make_forward, make_reduce, make_tied, make_update
+from .evaluation import evaluate
 from .plan import Pipeline
 from .schedules import Schedule, ScheduleError, make_schedule, simulate
 from .split import split_model
@@ -45,16 +48,13 @@ class _Built:
     num_nodes: int              # nodes in the step's program (computations, tied gradients, updates)
 
 
-@dataclasses.dataclass
-class _EvalProgram:
-    chunks: tuple
-    program: Program
+class PipelineTrainer(PipelineCheckpoints, Trainer):
+    """Train ``model`` under a `Pipeline` plan on ``mesh`` (see `Context.wrap`); checkpoints and recovery:
+    `checkpoints`."""
 
-
-class PipelineTrainer(Trainer):
-    """Train ``model`` under a `Pipeline` plan on ``mesh`` (see `Context.wrap`)."""
-
-    def __init__(self, context, model, *, optimizer, loss_fn, mesh, plan: Pipeline, max_grad_norm=None, seed=0):
+    def __init__(self, context, model, *, optimizer, loss_fn, mesh, plan: Pipeline, max_grad_norm=None, seed=0,
+                 checkpoint_dir: str | None = None, checkpoint_every: int = 0, recover: bool | None = None,
+                 replacement_timeout_s: float = 120.0, checkpoint_keep: int = DEFAULT_KEEP):
         import torch
 
         if not isinstance(model, torch.nn.Module):
@@ -81,6 +81,8 @@ class PipelineTrainer(Trainer):
         self._assignment = None          # chunk → its parameter names, fixed by the first split
         self._host_state = self._initial_tensors()   # put on the executors once the split is known
         self._chunk_state: list | None = None        # per chunk: (flats, states, constants) arrays
+        self._set_up_recovery(checkpoint_dir, checkpoint_every, recover, replacement_timeout_s,
+                              checkpoint_keep=checkpoint_keep)
 
     # ------------------------------------------------------------ set-up
 
@@ -145,11 +147,11 @@ class PipelineTrainer(Trainer):
 
     # ------------------------------------------------------------ building the step
 
-    def _build(self, form, tensors: list) -> _Built:
+    def _build(self, form, tensors: list, modes: tuple | None = None) -> _Built:
         import torch
 
         rows = tensors[0].shape[0] // (self.plan.microbatches * self.num_shards)
-        modes = tuple(m.training for m in self.model.modules())
+        modes = modes if modes is not None else tuple(m.training for m in self.model.modules())
         key = (self._spec.static_key(), modes, form.key, tuple((tuple(t.shape), t.dtype) for t in tensors))
         built = self._built.get(key)
         if built is not None:
@@ -332,10 +334,16 @@ class PipelineTrainer(Trainer):
             arrays = self._context.put_many(items, mesh)
             nb, ns = len(plan.buckets), len(self.layout.state_names)
             chunk_state.append([arrays[:nb], arrays[nb:nb * (1 + ns)], arrays[nb * (1 + ns):]])
+        self._put_loose(tensors, plans)
         self._chunk_state, self._host_state = chunk_state, None
 
     def _train_plans(self) -> list:
         return next(b for b in self._built.values() if isinstance(b, _Built)).plans
+
+    def _state_on_executors(self) -> bool:
+        """Whether the state is on the chunks' meshes and their layout known (not before the first step, nor
+        between a `load` and the next step)."""
+        return self._chunk_state is not None and any(isinstance(b, _Built) for b in self._built.values())
 
     def _make_function(self):
         self._built.clear()
@@ -356,6 +364,8 @@ class PipelineTrainer(Trainer):
                 for state_name in self.layout.state_names:
                     for name, t in unflatten(bucket, next(it).result()).items():
                         tensors.setdefault(f"optimizer/{name}/{state_name}", t.clone())
+        for name, array in self._loose:          # what no chunk holds (never updated by a step)
+            tensors.setdefault(name, array.result())
         return tensors
 
     def _constants_on_host(self) -> dict:
@@ -370,13 +380,13 @@ class PipelineTrainer(Trainer):
         pieces = self.plan.microbatches * self.num_shards
         return pieces, f"{self.plan.microbatches} microbatches x {self.num_shards} data shards = {pieces}"
 
-    def _dispatch_step(self, form, tensors: list):
+    def _dispatch_step(self, form, tensors: list, *, spec=None, modes=None):
         import torch
 
-        self._spec = read_optimizer(self.optimizer)
-        built = self._last_built = self._build(form, tensors)
-        if self._chunk_state is None:
-            self._put_state(self._host_state)
+        # A step run again after a recovery passes the hyper-parameters and modes it had.
+        self._spec = spec if spec is not None else read_optimizer(self.optimizer)
+        built = self._last_built = self._build(form, tensors, modes)
+        self._place_state()
         scalars = torch.tensor([self.step_count + 1, *self._spec.dynamic_values()], dtype=torch.float64)
         ctx, axis = self._context, self.data.axis
         per_mesh: dict[int, list] = collections.defaultdict(list)   # rank → items, in program input order
@@ -459,73 +469,8 @@ class PipelineTrainer(Trainer):
 
     def evaluate(self, batch):
         """The loss on ``batch`` (a replicated 0-d `pw.Array`, at once): the chunks' forwards only, in eval mode,
-        microbatch after microbatch, on the parameters where they live (one program per call)."""
-        form, tensors = self._batch_tensors(batch)
-        self._spec = read_optimizer(self.optimizer)
-        train = self._build(form, tensors)          # the state's layout (and its first put) come from it
-        if self._chunk_state is None:
-            self._put_state(self._host_state)
-        program, rows = self._eval_program(form, tensors, train)
-        per_mesh: dict[int, list] = collections.defaultdict(list)
-        for m in range(self.plan.microbatches):
-            for chunk in program.chunks:
-                r = self._schedule.rank_of(chunk.index)
-                for leaf in chunk.batch_leaves:
-                    per_mesh[r].append((tensors[leaf][m * rows:(m + 1) * rows], {self.data.axis: Shard(0)}))
-        put = {r: iter(self._context.put_many(items, self._stage_meshes[r])) for r, items in per_mesh.items()}
-        batch_arrays = [next(put[self._schedule.rank_of(c.index)])
-                        for _ in range(self.plan.microbatches) for c in program.chunks for _ in c.batch_leaves]
-        state = [a for flats, _, consts in self._chunk_state for a in (*flats, *consts)]
-        return program.program(*state, *batch_arrays)
-
-    def _eval_program(self, form, tensors: list, train: _Built):
-        """The evaluation program for this kind of batch: the model split in eval mode, forwards only."""
-        import torch
-
-        from ..training.evaluation import eval_mode
-        from .chunk_functions import make_eval_forward, make_eval_loss
-
-        key = ("eval", form.key, tuple((tuple(t.shape), t.dtype) for t in tensors))
-        known = self._built.get(key)
-        if known is not None:
-            return known, train.leaf_rows * self.num_shards
-        examples = [torch.empty((train.leaf_rows, *t.shape[1:]), dtype=t.dtype, device="meta") for t in tensors]
-        trained = [s.name for b in self.layout.buckets for s in b.slots]
-        constants = list(self.layout.buffer_names) + list(self.layout.frozen_names)
-        with eval_mode(self.model):
-            try:
-                split = split_model(self.model, self.loss_fn, form, examples, trained=trained, constants=constants,
-                                    num_chunks=self._schedule.num_chunks, seed=self.seed, allow_buffer_reads=True)
-            except CaptureError as exc:
-                raise self._located(exc, "evaluate") from exc.__cause__
-        if tuple(c.params for c in split.chunks) != self._assignment:
-            raise PlacementError("trainer.evaluate: the model in eval mode splits its parameters differently "
-                                 "from training; evaluate on the client from trainer.state_dict()")
-        plans = [dataclasses.replace(p, chunk=c) for p, c in zip(train.plans, split.chunks)]
-        functions = [Function(make_eval_forward(p), out=(Replicate(),) * (len(p.chunk.outgoing) + p.chunk.has_loss),
-                              mesh=self._mesh_of(p.chunk.index)) for p in plans]
-        mean = Function(make_eval_loss(self.data, self.num_shards), out=Replicate(), mesh=self._mesh_of(plans[-1].chunk.index))
-        num_microbatches = self.plan.microbatches
-
-        def pipeline_evaluate(*arrays):
-            it = iter(arrays)
-            flats, consts = [], []
-            for plan in plans:
-                flats.append([next(it) for _ in plan.buckets])
-                consts.append([next(it) for _ in plan.chunk.constants])
-            losses = []
-            for m_batch in [[[next(it) for _ in p.chunk.batch_leaves] for p in plans] for _ in range(num_microbatches)]:
-                incoming = []
-                for plan, fn, leaves in zip(plans, functions, m_batch):
-                    c = plan.chunk.index
-                    outputs = as_tuple(fn(*flats[c], *consts[c], *leaves, *incoming))
-                    incoming = list(outputs[:len(plan.chunk.outgoing)])
-                losses.append(outputs[-1])
-            return mean(*losses)
-
-        known = self._built[key] = _EvalProgram(split.chunks, Program(
-            pipeline_evaluate, name=f"pipeline_evaluate[{type(self.model).__name__}]"))
-        return known, train.leaf_rows * self.num_shards
+        microbatch after microbatch, on the parameters where they live (one program per call; `evaluation`)."""
+        return evaluate(self, batch)
 
     def predict(self, batch):
         raise PlacementError("trainer.predict is not supported under pw.Pipeline yet; use trainer.evaluate for the "

@@ -110,10 +110,13 @@ class StepLoss:
             except (ExecutorLostError, RemoteError) as exc:
                 if not is_recoverable(exc):
                     raise
-                if array is not self.array:
-                    continue              # re-run meanwhile (another future's wait recovered)
-                if not self._trainer.recover_from(exc, self):
-                    raise
+                if array is not self.array or self._trainer.recover_from(exc, self):
+                    # Re-run (by another future's wait, or now). The error stays on the failed array's record and
+                    # in the controller's failures: its traceback's frames would keep this loss, the failed array
+                    # and the re-run one's bytes alive for the rest of the run (the soak's leftover scalars).
+                    exc.__traceback__ = None
+                    continue
+                raise
         raise ExecutorLostError(f"step {self.number}: failed again after {MAX_ATTEMPTS} recoveries")
 
     def __getattr__(self, name):   # shape, dtype, sharding ...: the array's
