@@ -1,18 +1,21 @@
-"""Fuzz every ZeroMQ port of a local cluster; report inputs, crashes, hangs and peak memory.
+"""Fuzz every ZeroMQ port of a local cluster from every kind of sender; report, per port, the inputs sent, how
+many reached a handler and how many were refused before one, and crashes, hangs and peak memory.
 
-Targets: the controller's ROUTER, and each executor's data and command ROUTERs. Senders:
-an authenticated peer (the client's CURVE key, as the real client holds it) and
-unauthenticated ones (the NULL mechanism, and a CURVE key on no allow-list). Inputs:
-valid messages of every kind, then mutated — random bytes, truncated or extended
-frames, frames dropped or added, wrong sizes, huge declared shapes, unknown dtypes and
-op names, out-of-range ids, valid messages sent where they are not expected (the wrong
-port, the wrong order). Every ``--probe-every`` inputs a well-formed call must return the
-right result within ``--hang-s`` (else a hang); a process that exits is a crash. At the
-end: the executors computed only the probes (nothing ran that the controller did not
-send), and each process's peak RSS (VmHWM).
+Ports: the controller's ROUTER, on each of its three connections (control: Register, Done, Stats, TransferLost,
+trace replies, heartbeats; heartbeat; rendezvous store), and each executor's data and command ROUTERs.
+Senders: each executor's own CURVE key (read from the key folder the context made, before it is deleted),
+speaking under an identity the controller accepts (``<id><connection>~<nonce>``), to the controller and to
+the *other* executors' data and command ports; the client's key, to every port; and unauthenticated ones
+(the NULL mechanism, and a key on no allow-list). Inputs (`bench.fuzz_inputs`): a message of every body kind
+of the schema, fields drawn from edge values and the cluster's real ids, then mostly mutated.
 
-The same generator drives `tests/integration/test_fuzz.py` (a short budget, through
-hypothesis); this runs the long one:
+Every ``--probe-every`` inputs a well-formed call must return the right result within ``--hang-s`` (else a
+hang); an executor process that exits is a crash. The runtime counts the messages that reach each handler
+(``ctx.stats()[...]["handled_messages"]``); the fuzzer reads them around each batch of inputs and subtracts
+the cluster's own traffic in that window (its executors' heartbeats, the stats requests that read them).
+At the end a small model trains on the fuzzed cluster; its losses must equal eager training's (1e-9).
+An executor's key may legitimately disturb its own calls: that is what the probes and the training check
+measure, on calls made after the inputs that could disturb them.
 
     .venv/bin/python -m bench.fuzz [--inputs 100000] [--seed 0]
 """
@@ -20,7 +23,12 @@ hypothesis); this runs the long one:
 from __future__ import annotations
 
 import argparse
+import collections
+import contextlib
+import os
 import random
+import shutil
+import tempfile
 import time
 
 import torch
@@ -28,147 +36,51 @@ import zmq
 
 import pathways_torch as pw
 from bench.common import print_table, write_results
-from pathways_torch.wire import pb
-from pathways_torch.wire.security import KeyPair
+from bench.fuzz_inputs import BODY_KINDS, Hints, RandomChooser, hints_of, message
+from pathways_torch.wire.security import (CLIENT, HEARTBEAT_SUFFIX, INCARNATION_MARK, STORE_SUFFIX, KeyDirectory,
+                                          KeyPair)
 
-__all__ = ["RandomChooser", "Target", "targets", "message", "send", "probe", "status_kb"]
+__all__ = ["RandomChooser", "Target", "targets", "message", "send", "probe", "status_kb", "keys_kept", "Window",
+           "alive", "trains_like_eager", "BODY_KINDS", "Hints", "hints_of"]
 
-
-class RandomChooser:
-    """The choices a generator makes, from `random.Random` (the bench); the test draws them from hypothesis."""
-
-    def __init__(self, rng: random.Random):
-        self.rng = rng
-
-    def integer(self, low: int, high: int) -> int:
-        return self.rng.randint(low, high)
-
-    def choice(self, options):
-        return options[self.rng.randrange(len(options))]
-
-    def raw(self, size: int) -> bytes:
-        return self.rng.randbytes(size)
+CONTROLLER_CONNECTIONS = {"control": "", "heartbeat": HEARTBEAT_SUFFIX, "store": STORE_SUFFIX}
+# The kinds each port's handlers take (half of a port's inputs are of these; the rest of any kind).
+HANDLED_KINDS = {"controller control": ("register", "done", "transfer_lost", "stats", "trace_reply", "heartbeat"),
+                 "controller heartbeat": ("heartbeat",), "controller store": ("store_request",),
+                 "data": ("put", "fetch", "transfer", "save_shards"),
+                 "command": tuple(k for k in BODY_KINDS if k not in ("put", "fetch", "save_shards", "register"))}
 
 
-def _ref(c, **extra) -> pb.ShardRef:
-    ids = (0, 1, 2, 7, 2**31 - 1, 2**32, 2**63 - 1, 2**64 - 1)
-    return pb.ShardRef(array_id=c.choice(ids), shard=c.choice((0, 1, 5, 2**32 - 1)), tag=c.choice((0, 1, 2**63)),
-                       **extra)
+@contextlib.contextmanager
+def keys_kept():
+    """While a `pw.Context` starts inside: every key pair of its key folder, read (into the dict yielded) just
+    before the context deletes the folder. The fuzzer speaks with the executors' own keys."""
+    pairs: dict[str, KeyPair] = {}
+    original = KeyDirectory.remove
 
+    def remove(self) -> None:
+        KeyDirectory.remove = original       # the first removal only (a context removes its folder twice)
+        with contextlib.suppress(OSError):
+            for role in self.public_keys():
+                pairs[role] = self.keypair(role)
+        original(self)
 
-def _meta(c) -> pb.TensorMeta:
-    dtype = c.choice(("float32", "float64", "int64", "bool", "bfloat16", "__class__", "", "float32\x00"))
-    shape = c.choice(([], [2], [0], [3, 5], [1 << 31, 1 << 31], [2**62], [2**63 - 1]))
-    return pb.TensorMeta(dtype=dtype, shape=shape, frame=c.choice((0, 1, 2, 99)))
-
-
-def _graph(c) -> pb.Graph:
-    graph = pb.Graph()
-    node = graph.nodes.add()
-    node.name, node.op = "n0", c.choice(("call_function", "placeholder", "output", "bogus"))
-    node.target = c.choice(("aten.add.Tensor", "os.system", "builtins.eval", "pathways::all_reduce", "", "aten.x.y"))
-    return graph
-
-
-def _body(c) -> pb.Envelope:
-    """One valid message of a kind every port might see."""
-    kind = c.choice(("put", "fetch", "transfer", "run", "run_program", "load_function", "free", "send_shard",
-                     "register", "done", "heartbeat", "stats_request", "trace_request", "shutdown", "form_group",
-                     "put_ack", "fetch_reply"))
-    if kind == "put":
-        put = pb.Put(request_id=c.integer(0, 2**32))
-        put.shard.CopyFrom(_ref(c))
-        put.tensor.CopyFrom(_meta(c))
-        return pb.Envelope(put=put)
-    if kind == "fetch":
-        fetch = pb.Fetch(request_id=c.integer(0, 2**32))
-        fetch.shard.CopyFrom(_ref(c))
-        return pb.Envelope(fetch=fetch)
-    if kind == "transfer":
-        transfer = pb.Transfer(failed=c.choice((False, True)))
-        transfer.shard.CopyFrom(_ref(c))
-        transfer.tensor.CopyFrom(_meta(c))
-        return pb.Envelope(transfer=transfer)
-    if kind == "run":
-        run = pb.Run(seq=c.integer(0, 2**40), call_id=c.integer(0, 2**40), function_id=c.integer(0, 5),
-                     collective=c.choice((False, True)))
-        run.inputs.append(_ref(c))
-        run.outputs.append(_ref(c))
-        return pb.Envelope(run=run)
-    if kind == "run_program":
-        return pb.Envelope(run_program=pb.RunProgram(program_id=c.integer(0, 5), base_seq=c.integer(0, 2**40)))
-    if kind == "load_function":
-        load = pb.LoadFunction(function_id=c.integer(0, 5), name="fuzz")
-        load.graph.CopyFrom(_graph(c))
-        return pb.Envelope(load_function=load)
-    if kind == "free":
-        return pb.Envelope(free=pb.Free(shards=[_ref(c)]))
-    if kind == "send_shard":
-        request = pb.SendShard(to_address=c.choice(("tcp://10.0.0.1:1", "tcp://127.0.0.1:1", "", "ipc:///x")))
-        request.shard.CopyFrom(_ref(c))
-        return pb.Envelope(send_shard=request)
-    if kind == "register":
-        return pb.Envelope(register=pb.Register(executor_id=c.choice(("executor-0", "client", "x" * 300)),
-                                                data_address=c.choice(("tcp://127.0.0.1:1", "junk"))))
-    if kind == "done":
-        return pb.Envelope(done=pb.Done(call_id=c.integer(0, 2**40), ok=c.choice((False, True))))
-    if kind == "shutdown":
-        return pb.Envelope(shutdown=pb.Shutdown(reason="fuzz"))
-    if kind == "form_group":
-        return pb.Envelope(form_group=pb.FormGroup(seq=c.integer(0, 2**40), group_id=c.integer(0, 9), size=2))
-    if kind == "put_ack":
-        return pb.Envelope(put_ack=pb.PutAck(request_id=c.integer(0, 2**32)))
-    if kind == "fetch_reply":
-        return pb.Envelope(fetch_reply=pb.FetchReply(request_id=c.integer(0, 2**32)))
-    if kind == "heartbeat":
-        return pb.Envelope(heartbeat=pb.Heartbeat(sent_at=1.0))
-    if kind == "stats_request":
-        return pb.Envelope(stats_request=pb.StatsRequest(request_id=c.integer(0, 2**32)))
-    return pb.Envelope(trace_request=pb.TraceRequest(request_id=c.integer(0, 2**32)))
-
-
-def message(c) -> list[bytes]:
-    """One input: a valid message of some kind, then (mostly) mutated."""
-    frames = [_body(c).SerializeToString()]
-    if c.integer(0, 3):
-        frames.append(torch.ones(c.choice((0, 1, 2, 3, 1000))).numpy().tobytes())
-    for _ in range(c.integer(0, 3)):
-        frames = _mutate(c, frames)
-    return frames
-
-
-def _mutate(c, frames: list[bytes]) -> list[bytes]:
-    how = c.choice(("random", "truncate", "extend", "flip", "drop frame", "add frame", "empty", "huge frame"))
-    index = c.integer(0, len(frames) - 1) if frames else 0
-    frames = list(frames) or [b""]
-    frame = frames[index]
-    if how == "random":
-        frames[index] = c.raw(c.integer(0, 64))
-    elif how == "truncate":
-        frames[index] = frame[:c.integer(0, max(0, len(frame) - 1))]
-    elif how == "extend":
-        frames[index] = frame + c.raw(c.integer(1, 32))
-    elif how == "flip" and frame:
-        at = c.integer(0, len(frame) - 1)
-        frames[index] = frame[:at] + bytes([frame[at] ^ (1 << c.integer(0, 7))]) + frame[at + 1:]
-    elif how == "drop frame" and len(frames) > 1:
-        del frames[index]
-    elif how == "add frame":
-        frames.insert(c.integer(0, len(frames)), c.raw(c.integer(0, 16)))
-    elif how == "empty":
-        frames = [b""] * c.integer(1, 3)
-    elif how == "huge frame":
-        frames.append(b"\0" * c.choice((1 << 16, 1 << 20)))
-    return frames
+    KeyDirectory.remove = remove
+    try:
+        yield pairs
+    finally:
+        KeyDirectory.remove = original
 
 
 class Target:
     """One port and one sender: a DEALER made once and kept (a fresh connection per input would fuzz TCP)."""
 
-    def __init__(self, zctx: zmq.Context, name: str, address: str, server_key: bytes, keys: KeyPair | None,
-                 identity: bytes | None = None, admitted: bool = False):
-        self.name = name
-        self.admitted = admitted      # the port admits this sender's key: its inputs reach our handlers
+    def __init__(self, zctx: zmq.Context, port: str, sender: str, address: str, server_key: bytes,
+                 keys: KeyPair | None, identity: bytes | None = None, admitted: bool = False):
+        self.port, self.sender = port, sender
+        self.kinds = HANDLED_KINDS.get(port) or HANDLED_KINDS[port.rsplit(" ", 1)[-1]]
+        self.name = f"{port} ({sender})"
+        self.admitted = admitted      # the port's allow-list holds this sender's key: its inputs arrive
         self.socket = zctx.socket(zmq.DEALER)
         self.socket.linger = 0
         # A few queued messages at most: a port that refused us never takes them, and they are our memory.
@@ -179,29 +91,46 @@ class Target:
             self.socket.curve_serverkey, self.socket.curve_publickey = server_key, keys.public
             self.socket.curve_secretkey = keys.secret
         self.socket.connect(address)
-        self.sent = 0
+        self.sent = self.answers = 0
 
     def drain(self) -> None:
-        """Read (and discard) whatever the port answered: replies to our puts and fetches."""
+        """Read (and count, and discard) whatever the port answered: acks, replies, heartbeat echoes."""
         while self.socket.poll(0):
             self.socket.recv_multipart()
+            self.answers += 1
 
 
-def targets(ctx, zctx: zmq.Context) -> list[Target]:
-    """Every port of the cluster, from the client's key, from no key (NULL) and from a key no one allows."""
+def targets(ctx, zctx: zmq.Context, keys: dict[str, KeyPair]) -> list[Target]:
+    """Every (port, sender) pair: executor keys to the controller's three connections and to the other
+    executors' data and command ports; the client's key to every port; no key and an unknown key to every
+    port. ``keys``: the cluster's key pairs by role (`keys_kept`)."""
     client_keys = ctx._data._credentials.keys
     public, secret = zmq.curve_keypair()
     stranger = KeyPair(public=public, secret=secret)
-    ports = [("controller", ctx._server.address, ctx._server.credentials.keys.public)]
-    for info in ctx.controller.resources.ordered():
-        ports += [(f"{info.executor_id} data", info.data_address, info.public_key),
-                  (f"{info.executor_id} commands", info.command_address, info.public_key)]
+    infos = ctx.controller.resources.ordered()
+    controller = (ctx._server.address, ctx._server.credentials.keys.public)
     made = []
-    for name, address, key in ports:
-        made.append(Target(zctx, f"{name} (client key)", address, key, client_keys,
-                           identity=b"client" if name == "controller" else None, admitted=True))
-        made.append(Target(zctx, f"{name} (no key)", address, key, None))
-        made.append(Target(zctx, f"{name} (unknown key)", address, key, stranger))
+    for connection, suffix in CONTROLLER_CONNECTIONS.items():
+        port = f"controller {connection}"
+        for info in infos:
+            identity = f"{info.executor_id}{suffix}{INCARNATION_MARK}fuzz".encode()
+            made.append(Target(zctx, port, f"{info.executor_id} key", *controller, keys[info.executor_id],
+                               identity=identity, admitted=True))
+    made.append(Target(zctx, "controller control", "client key", *controller, client_keys, identity=CLIENT.encode(),
+                       admitted=True))
+    ports = [("controller control", *controller)]
+    for info in infos:
+        for kind, address in (("data", info.data_address), ("command", info.command_address)):
+            port = f"{info.executor_id} {kind}"
+            ports.append((port, address, info.public_key))
+            made.append(Target(zctx, port, "client key", address, info.public_key, client_keys, admitted=True))
+            for other in infos:
+                if other.executor_id != info.executor_id:
+                    made.append(Target(zctx, port, f"{other.executor_id} key", address, info.public_key,
+                                       keys[other.executor_id], admitted=True))
+    for port, address, key in ports:
+        made.append(Target(zctx, port, "no key", address, key, None))
+        made.append(Target(zctx, port, "unknown key", address, key, stranger))
     return made
 
 
@@ -220,11 +149,100 @@ def send(target: Target, frames: list[bytes]) -> bool:
 
 
 def probe(ctx, mesh, add_one, timeout_s: float) -> None:
-    """A well-formed call: raises (TimeoutError: a hang) unless it returns the right result in time."""
+    """A well-formed call: raises (TimeoutError: a hang) unless it returns the right result in time. Returns once
+    the controller has handled every Done of it (so none arrives in the next fuzzing window)."""
     x = torch.arange(8.0)
     got = add_one(ctx.put(x, mesh, [pw.Shard(0)])).result(timeout_s=timeout_s)
     if not torch.equal(got, x + 1):
         raise AssertionError(f"a probe after fuzzing returned {got}, expected {x + 1}")
+    deadline = time.monotonic() + timeout_s
+    while ctx.controller._calls and time.monotonic() < deadline:
+        time.sleep(0.005)
+
+
+def alive(ctx) -> list[str]:
+    """Executors whose process exited, or that the controller declared lost: crashes."""
+    gone = [e for e, p in zip(ctx.executor_ids, ctx._cluster.processes) if p.poll() is not None]
+    return sorted(set(gone) | set(ctx.stats()["controller"]["lost_executors"]))
+
+
+def _counts(ctx, sent_to: collections.Counter) -> dict:
+    """Handled and dropped messages per port, and the cluster's own traffic, as of now (one ctx.stats()).
+    ``sent_to``: the controller's messages to each executor so far."""
+    stats = ctx.stats()
+    controller = stats["controller"]["handled_messages"]
+    counts = collections.Counter({
+        "controller control": sum(n for k, n in controller.items() if k.startswith("control:")),
+        "controller heartbeat": controller.get("heartbeat", 0), "controller store": controller.get("store", 0),
+        "controller dropped": stats["controller"]["dropped_messages"],
+        "legit heartbeats": sum(s["heartbeats_sent"] for s in stats["executors"].values())})
+    counts.update({f"{e} command sent": n for e, n in sent_to.items()})   # read after the stats replies came
+    for executor_id, s in stats["executors"].items():
+        for key, n in s["handled_messages"].items():
+            counts[f"{executor_id} {key.split(':', 1)[0]}"] += n
+        counts[f"{executor_id} dropped"] = s["dropped_messages"]
+    return counts
+
+
+class Window:
+    """Counts what reached each port's handlers between `open` and `close` (no probe in between), less the
+    cluster's own traffic then: its executors' heartbeats, the Stats replies `close` reads, and on each command
+    port every message the controller sent it (counted here, at the controller's one way out)."""
+
+    def __init__(self, ctx):
+        self.ctx, self.reached = ctx, collections.Counter()
+        self._before = None
+        self._sent_to: collections.Counter = collections.Counter()
+        server, send = ctx._server, ctx._server.to_executor
+
+        def counted(executor_id, envelope, payload=()):
+            self._sent_to[executor_id] += 1
+            send(executor_id, envelope, payload)
+
+        server.to_executor = counted
+
+    def open(self) -> None:
+        self._before = _counts(self.ctx, self._sent_to)
+
+    def close(self, settle_s: float = 0.2) -> None:
+        time.sleep(settle_s)     # inputs still on their way are handled
+        after = _counts(self.ctx, self._sent_to)
+        delta = collections.Counter({k: after[k] - self._before.get(k, 0) for k in after})
+        delta["controller control"] -= len(self.ctx.executor_ids)   # the Stats replies `close` read
+        delta["controller heartbeat"] -= delta.pop("legit heartbeats")
+        for executor_id in self.ctx.executor_ids:
+            # What the controller sent it (the stats request, failed copies fuzzed reports caused ...).
+            delta[f"{executor_id} controller's"] = delta.pop(f"{executor_id} command sent", 0)
+            delta[f"{executor_id} command"] -= delta[f"{executor_id} controller's"]
+        self.reached.update(delta)
+
+
+def trains_like_eager(ctx, mesh, steps: int = 5) -> float:
+    """Train a small float64 model on ``mesh`` (data parallel: a collective group forms through the controller's
+    store) and in this process; the largest relative difference of the losses."""
+    def model():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1)).double()
+
+    def loss_fn(out, target):
+        return torch.nn.functional.mse_loss(out, target)
+
+    generator = torch.Generator().manual_seed(1)
+    batches = [(torch.randn(8, 4, generator=generator, dtype=torch.float64),
+                torch.randn(8, 1, generator=generator, dtype=torch.float64)) for _ in range(steps)]
+    eager, expected = model(), []
+    optimizer = torch.optim.SGD(eager.parameters(), lr=0.1)
+    for x, y in batches:
+        optimizer.zero_grad()
+        loss = loss_fn(eager(x), y)
+        loss.backward()
+        optimizer.step()
+        expected.append(loss.item())
+    remote = model()
+    trainer = ctx.wrap(remote, optimizer=torch.optim.SGD(remote.parameters(), lr=0.1), loss_fn=loss_fn, mesh=mesh,
+                       plan=pw.DataParallel("data"))
+    got = [trainer.step(b).result(60).item() for b in batches]
+    return max(abs(a - b) / max(abs(b), 1e-30) for a, b in zip(got, expected))
 
 
 def status_kb(pid: int, field: str) -> int:
@@ -235,72 +253,102 @@ def status_kb(pid: int, field: str) -> int:
     raise KeyError(field)
 
 
-def main() -> None:
+def port_rows(fuzzed: list[Target], reached: collections.Counter) -> list[list]:
+    """One row per port: inputs sent by authenticated senders (by sender), reached a handler, refused before one;
+    attempts of unauthenticated senders (refused in the handshake: they never leave)."""
+    rows = []
+    for port in dict.fromkeys(t.port for t in fuzzed):
+        mine = [t for t in fuzzed if t.port == port]
+        sent = sum(t.sent for t in mine if t.admitted)
+        by = ", ".join(f"{t.sender} {t.sent:,}" for t in mine if t.admitted)
+        got = reached.get(port, 0)
+        rows.append([port, f"{sent:,}", by, f"{got:,}", f"{sent - got:,}",
+                     f"{sum(t.answers for t in mine):,}", f"{sum(t.sent for t in mine if not t.admitted):,}"])
+    return rows
+
+
+def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--inputs", type=int, default=100_000)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--probe-every", type=int, default=2000)
     parser.add_argument("--hang-s", type=float, default=30.0)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     chooser = RandomChooser(random.Random(args.seed))
-    crashes = hangs = probes = 0
+    crashes, hangs, wrong, probes = [], 0, [], 0
     zctx = zmq.Context()
+    save_dir = tempfile.mkdtemp(prefix="pathways-fuzz-")
     began = time.monotonic()
-    with pw.Context(num_executors=2, backend="eager") as ctx:
-        mesh = ctx.mesh({"data": 2})
-        add_one = pw.function(lambda x: x + 1, name="add_one")
-        probe(ctx, mesh, add_one, args.hang_s)
-        pids = {"client+controller": None, **dict(zip(ctx.executor_ids, ctx.executor_pids))}
-        rss_start = {name: status_kb(pid or _self_pid(), "VmRSS") for name, pid in pids.items()}
-        computed_before = {e: s["num_computations"] for e, s in ctx.stats()["executors"].items()}
-        fuzzed = targets(ctx, zctx)
-        i = offered = 0
-        while i < args.inputs:     # inputs that reached a port that admits the sender
-            target = chooser.choice(fuzzed)
-            sent = send(target, message(chooser))
-            offered += 1
-            if not (sent and target.admitted):
-                continue
-            i += 1
-            if i % args.probe_every == 0 or i == args.inputs:
+    try:
+        with keys_kept() as keys, pw.Context(num_executors=2, backend="eager") as ctx:
+            mesh = ctx.mesh({"data": 2})
+            add_one = pw.function(lambda x: x + 1, name="add_one")
+            probe(ctx, mesh, add_one, args.hang_s)
+            pids = {"client+controller": os.getpid(), **dict(zip(ctx.executor_ids, ctx.executor_pids))}
+            rss_start = {name: status_kb(pid, "VmRSS") for name, pid in pids.items()}
+            fuzzed = targets(ctx, zctx, keys)
+            window, i, offered = Window(ctx), 0, 0
+            window.open()
+            while i < args.inputs:     # inputs that reached a port whose allow-list holds the sender
+                hints = hints_of(ctx, save_dir)
+                for _ in range(args.probe_every):
+                    target = chooser.choice(fuzzed)
+                    offered += 1
+                    if send(target, message(chooser, hints, target.kinds)) and target.admitted:
+                        i += 1
+                        if i >= args.inputs:
+                            break
+                window.close()
                 try:
                     probe(ctx, mesh, add_one, args.hang_s)
                     probes += 1
                 except TimeoutError:
                     hangs += 1
-                exited = ctx._cluster.newly_exited()
-                crashes += len(exited)
-                if i % (10 * args.probe_every) == 0 or i == args.inputs:
-                    print(f"{i:,} inputs, {time.monotonic() - began:.0f} s: crashes {crashes}, hangs {hangs}",
-                          flush=True)
-        stats = ctx.stats()
-        computed = {e: s["num_computations"] - computed_before[e] for e, s in stats["executors"].items()}
-        peak = {name: status_kb(pid or _self_pid(), "VmHWM") for name, pid in pids.items()}
-        rss_end = {name: status_kb(pid or _self_pid(), "VmRSS") for name, pid in pids.items()}
-        dropped = {"controller": stats["controller"]["dropped_messages"],
-                   **{e: s["dropped_messages"] for e, s in stats["executors"].items()}}
-    zctx.destroy(linger=0)
-    rows = [[name, f"{rss_start[name] / 1024:.0f}", f"{rss_end[name] / 1024:.0f}", f"{peak[name] / 1024:.0f}",
-             dropped.get(name.split("+")[-1], dropped.get(name, "")), computed.get(name, "")] for name in pids]
+                except Exception as exc:   # noqa: BLE001 - a wrong or failed probe is a finding, not the end
+                    wrong.append(f"after {i:,} inputs: {type(exc).__name__}: {str(exc)[:300]}")
+                crashes = alive(ctx)
+                window.open()
+                if i % (10 * args.probe_every) == 0 or i >= args.inputs:
+                    print(f"{i:,} inputs, {time.monotonic() - began:.0f} s: crashes {len(crashes)}, hangs {hangs}, "
+                          f"failed probes {len(wrong)}", flush=True)
+            for target in fuzzed:
+                target.drain()
+            largest = trains_like_eager(ctx, mesh)
+            crashes = alive(ctx)
+            stats = ctx.stats()
+            peak = {name: status_kb(pid, "VmHWM") for name, pid in pids.items()}
+            rss_end = {name: status_kb(pid, "VmRSS") for name, pid in pids.items()}
+    finally:
+        zctx.destroy(linger=0)
+        shutil.rmtree(save_dir, ignore_errors=True)
+    reached = window.reached
+    controllers = sum(reached[f"{e} controller's"] for e in ctx.executor_ids)
     print()
-    print(f"{args.inputs:,} inputs delivered to admitting ports ({offered:,} offered to {len(fuzzed)} (port, sender) "
-          f"pairs; the rest went to refused connections) in {time.monotonic() - began:.0f} s; "
-          f"crashes {crashes}, hangs {hangs}, probes passed {probes}")
-    print("delivered per port:", ", ".join(f"{t.name}: {t.sent:,}" for t in fuzzed if t.admitted))
-    print_table(["process", "RSS start MB", "RSS end MB", "peak RSS MB", "dropped messages",
-                 "computations (probes only)"], rows)
-    print("expected computations per executor (the probes after the first):", probes)
+    print(f"{i:,} inputs sent by admitted keys ({offered:,} offered to {len(fuzzed)} (port, sender) pairs; the rest "
+          f"went to connections refused in the handshake) in {time.monotonic() - began:.0f} s; body kinds: "
+          f"{len(BODY_KINDS)}; crashes {len(crashes)} {crashes or ''}, hangs {hangs}, probes passed {probes}, "
+          f"failed {len(wrong)}; trained after fuzzing: largest relative loss difference to eager {largest:.1e}")
+    print_table(["port", "sent", "sent by", "reached a handler", "refused before one", "answers", "unauth. attempts"],
+                port_rows(fuzzed, reached))
+    print(f"command ports: 'reached' is what they handled less the controller's own messages to them meanwhile "
+          f"({controllers:,}: stats requests, and failed copies that fuzzed TransferLost reports caused)")
+    print_table(["process", "RSS start MB", "RSS end MB", "peak RSS MB", "dropped messages (all)"],
+                [[name, f"{rss_start[name] / 1024:.0f}", f"{rss_end[name] / 1024:.0f}", f"{peak[name] / 1024:.0f}",
+                  stats["controller"]["dropped_messages"] if name == "client+controller"
+                  else stats["executors"][name]["dropped_messages"]] for name in pids])
+    for line in wrong[:5]:
+        print("failed probe:", line)
+    past_role_check = sum(reached[f"{e} command"] for e in ctx.executor_ids)
+    ok = not crashes and not hangs and largest < 1e-9 and past_role_check == 0
     print("written to", write_results("fuzz", {
-        "inputs": args.inputs, "offered": offered, "seed": args.seed, "crashes": crashes, "hangs": hangs, "probes": probes,
-        "rss_start_kb": rss_start, "rss_end_kb": rss_end, "peak_rss_kb": peak, "computations": computed,
-        "dropped": dropped, "sent": {t.name: t.sent for t in fuzzed}}))
-
-
-def _self_pid() -> int:
-    import os
-
-    return os.getpid()
+        "inputs": i, "offered": offered, "seed": args.seed, "crashes": crashes, "hangs": hangs, "probes": probes,
+        "failed_probes": wrong, "train_relative_difference": largest, "reached": dict(reached),
+        "ports": {r[0]: {"sent": r[1], "reached": r[3], "refused": r[4], "answers": r[5]}
+                  for r in port_rows(fuzzed, reached)},
+        "sent": {t.name: t.sent for t in fuzzed}, "answers": {t.name: t.answers for t in fuzzed},
+        "rss_start_kb": rss_start, "rss_end_kb": rss_end, "peak_rss_kb": peak, "ok": ok}))
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

@@ -9,7 +9,10 @@ not acknowledged and fail their step, both executors alive). The trainer writes 
 write it) and recovers by itself (docs/faults.md). Reported: steps completed, faults, recoveries, steps
 run again and recomputed, the loss curve against an unbroken run of the same steps (same seed, same
 batches: on this runtime they should be equal), and the executors' object-store bytes at the end
-against the start.
+against the start. It exits 1 (`verdict`, each reason printed) when a fault was not recovered, an old
+incarnation is left, a loss differs from the unbroken run's at all, or an executor's store ends larger than
+it started by more than the losses the trainer still keeps (`kept_loss_bytes`: those of the steps since its
+last checkpoint, held to be run again).
 
     .venv/bin/python -m bench.soak [--minutes 2] [--fault-every-s 20] [--executors 2] [--backend eager]
     .venv/bin/python -m bench.soak --islands 1,1 [--link-delay-ms 20] [--transfer-timeout-s 3]
@@ -20,6 +23,7 @@ from __future__ import annotations
 import argparse
 import collections
 import itertools
+import math
 import os
 import shutil
 import signal
@@ -35,7 +39,7 @@ from bench.train import ReverseTask, loss_fn, make_config, make_model
 from pathways_torch.islands import ISLAND_AXIS
 from pathways_torch.process_state import is_gone
 
-__all__ = ["main"]
+__all__ = ["main", "verdict", "kept_loss_bytes"]
 
 IN_FLIGHT = 4          # steps dispatched ahead of the loss the loop reads (as the example does)
 
@@ -114,6 +118,49 @@ def _signal(pid: int, sig) -> None:
         pass
 
 
+def kept_loss_bytes(trainer) -> dict[str, int]:
+    """The bytes each executor holds for the losses of the steps the trainer keeps (since its last checkpoint, to
+    run them again after a fault): what its store may hold beyond what it held at the start."""
+    held: collections.Counter = collections.Counter()
+    recovery = getattr(trainer, "_recovery", None)
+    for kept in list(recovery.kept if recovery is not None else ()):
+        array = kept.loss.array
+        if array._record.error is not None:
+            continue                    # a failed step's loss holds no bytes
+        nbytes = math.prod(array.block_shape) * array.dtype.itemsize
+        for executor_id in set(array._record.executor_ids):
+            held[executor_id] += nbytes
+    return dict(held)
+
+
+def verdict(*, losses: list[float], expected: list[float], start_bytes: dict, end_bytes: dict, kept_start: dict,
+            kept_end: dict, per_fault: list[dict], leftover: list[int]) -> list[str]:
+    """Why the soak failed, one line each; empty if it passed. A store may end larger than it started only by
+    the kept losses' bytes it gained (``kept_end`` less ``kept_start``, per executor)."""
+    problems = []
+    unrecovered = [f for f in per_fault if not f["recoveries"] and not _harmless(f)]
+    if unrecovered:
+        problems.append(f"{len(unrecovered)} fault(s) not recovered: "
+                        f"{', '.join(f['kind'] + ' ' + f['executor'] for f in unrecovered)}")
+    if leftover:
+        problems.append(f"old incarnations still running: pids {leftover}")
+    if len(losses) != len(expected):
+        problems.append(f"{len(losses)} losses against {len(expected)} of the unbroken run")
+    differ = [i for i, (a, b) in enumerate(zip(losses, expected)) if a != b]
+    if differ:
+        i = differ[0]
+        problems.append(f"{len(differ)} loss(es) differ from the unbroken run's; the first at step {i + 1}: "
+                        f"{losses[i]!r}, expected {expected[i]!r}")
+    for executor_id in sorted(end_bytes):
+        allowed = start_bytes.get(executor_id, 0) + kept_end.get(executor_id, 0) - kept_start.get(executor_id, 0)
+        if end_bytes[executor_id] > allowed:
+            problems.append(f"{executor_id}'s store ended at {end_bytes[executor_id]:,} bytes, expected at most "
+                            f"{allowed:,} (start {start_bytes.get(executor_id, 0):,}, kept losses "
+                            f"{kept_start.get(executor_id, 0)} -> {kept_end.get(executor_id, 0)} bytes): "
+                            f"{end_bytes[executor_id] - allowed:,} bytes leaked")
+    return problems
+
+
 def _store_bytes(ctx) -> dict:
     ctx._flush_frees()
     time.sleep(0.5)      # the frees reach the executors
@@ -179,7 +226,7 @@ def main(argv=None) -> int:
         with pw.Context(backend=args.backend, heartbeat_timeout_s=args.heartbeat_timeout_s, **topology) as ctx:
             trainer = _trainer(ctx, cfg, args, checkpoint_dir=directory, checkpoint_every=args.checkpoint_every)
             first = _train(trainer, task, steps=1, until=None, batch=args.batch)   # compiled, state placed
-            start_bytes = _store_bytes(ctx)
+            start_bytes, kept_start = _store_bytes(ctx), kept_loss_bytes(trainer)
             faults = FaultInjector(ctx, trainer, args.fault_every_s, hold_s=4 * args.heartbeat_timeout_s + 30)
             began = time.monotonic()
             faults.start()
@@ -195,7 +242,7 @@ def main(argv=None) -> int:
             leftover = [pid for pid in faults.stopped if not is_gone(pid)]
             if trainer._checkpoint is not None:   # a save in flight holds the state it writes: let it end
                 trainer._checkpoint.exception()
-            end_bytes = _store_bytes(ctx)
+            end_bytes, kept_end = _store_bytes(ctx), kept_loss_bytes(trainer)
             unbroken = _trainer(ctx, cfg, args)
             expected = _train(unbroken, task, steps=len(losses), until=None, batch=args.batch)
             backend = ctx.backend
@@ -218,18 +265,25 @@ def main(argv=None) -> int:
                 [[i + 1, f["kind"], f["executor"], f"{f['at_s'] - began:.0f}", f["failed_calls"], f["recoveries"],
                   "yes" if f["recoveries"] else "nothing to recover" if _harmless(f) else "NO"]
                  for i, f in enumerate(per_fault)])
-    print_table(["executor", "incarnations", "store bytes at start", "store bytes at end"],
-                [[e, epochs[e], f"{start_bytes.get(e, 0):,}", f"{end_bytes.get(e, 0):,}"] for e in sorted(epochs)])
+    print_table(["executor", "incarnations", "store bytes at start", "store bytes at end", "kept losses' bytes "
+                 "(start -> end)"],
+                [[e, epochs[e], f"{start_bytes.get(e, 0):,}", f"{end_bytes.get(e, 0):,}",
+                  f"{kept_start.get(e, 0)} -> {kept_end.get(e, 0)}"] for e in sorted(epochs)])
     curve = [(i, losses[i], expected[i]) for i in range(0, len(losses), max(1, len(losses) // 8))]
     print_table(["step", "loss (faults)", "loss (unbroken)"], [[i + 1, f"{a:.4f}", f"{b:.4f}"] for i, a, b in curve])
+    problems = verdict(losses=losses, expected=expected, start_bytes=start_bytes, end_bytes=end_bytes,
+                       kept_start=kept_start, kept_end=kept_end, per_fault=per_fault, leftover=leftover)
     path = write_results("soak", {"backend": backend, "seconds": took, "steps": len(losses), "faults": per_fault,
                                   "stats": stats, "losses": losses, "unbroken": expected, "equal": equal,
                                   "largest_difference": worst, "store_bytes_start": start_bytes,
                                   "store_bytes_end": end_bytes, "old_incarnations_left": leftover,
-                                  "args": vars(args)})
+                                  "kept_loss_bytes_start": kept_start, "kept_loss_bytes_end": kept_end,
+                                  "problems": problems, "args": vars(args)})
     print(f"written to {path}")
-    unrecovered = [f for f in per_fault if not f["recoveries"] and not _harmless(f)]
-    return 0 if not unrecovered and not leftover else 1
+    for problem in problems:
+        print("FAILED:", problem)
+    print("soak:", "FAILED" if problems else "passed (exit 0)")
+    return 1 if problems else 0
 
 
 def _harmless(fault: dict) -> bool:
