@@ -49,3 +49,41 @@ def train_eagerly(model, optimizer, batches, loss_fn, max_grad_norm: float | Non
         optimizer.step()
         losses.append(loss.item())
     return losses
+
+
+def listening_tcp(pid: int) -> list[tuple[str, int]]:
+    """(address, port) of every TCP socket that process ``pid`` listens on, IPv4 and IPv6, read from /proc
+    (its socket inodes in /proc/PID/fd, their addresses in /proc/PID/net/tcp and tcp6)."""
+    import ipaddress
+    import sys
+
+    inodes = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:   # closed meanwhile
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[len("socket:["):-1])
+    found = []
+    for table in ("tcp", "tcp6"):
+        with open(f"/proc/{pid}/net/{table}") as f:
+            next(f)   # the header
+            for fields in map(str.split, f):
+                local, state, inode = fields[1], fields[3], fields[9]
+                if state != "0A" or inode not in inodes:   # 0A: LISTEN
+                    continue
+                address, port = local.split(":")
+                raw = bytes.fromhex(address)
+                if sys.byteorder == "little":   # the kernel prints each 32-bit word in host order
+                    raw = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))
+                found.append((str(ipaddress.ip_address(raw)), int(port, 16)))
+    return found
+
+
+def on_loopback(address: str) -> bool:
+    """Whether ``address`` is on 127.0.0.0/8 or ::1 (an IPv4-mapped IPv6 address by its IPv4 one)."""
+    import ipaddress
+
+    ip = ipaddress.ip_address(address)
+    return (getattr(ip, "ipv4_mapped", None) or ip).is_loopback

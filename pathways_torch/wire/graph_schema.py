@@ -5,8 +5,10 @@ writes each node's op, its target's qualified name and its arguments in a closed
 set of kinds (node refs, ints, floats, bools, None, strings, dtypes, memory
 formats, layouts, devices, lists, tensor constants). Decoding resolves every
 target against ``torch.ops`` (plus ``operator.getitem``) on the receiving side and
-rebuilds a GraphModule; an unknown op or a malformed graph is refused with an
-error that names it.
+rebuilds a GraphModule; an unknown op, an op off the allow-list (`op_allowlist`:
+what capture produces, and the collectives) or a malformed graph is refused with an
+error that names it. Encoding refuses an op off the allow-list too, so a function
+that needs one fails at capture, on the client.
 """
 
 from __future__ import annotations
@@ -15,12 +17,13 @@ import operator
 from typing import Any
 
 from . import pathways_pb2 as pb
+from .op_allowlist import is_allowed
 from .tensors import dtype_from_name, dtype_name, frame_to_tensor, tensor_to_frame
 
 __all__ = ["encode_graph", "decode_graph", "GraphSchemaError", "ALLOWED_NAMESPACES"]
 
-# Op namespaces an executor will resolve. Anything else is refused.
-ALLOWED_NAMESPACES = ("aten", "prims", "pathways", "_c10d_functional")
+# Op namespaces an executor will resolve; within them, only the ops of `op_allowlist`.
+ALLOWED_NAMESPACES = ("aten", "pathways")
 
 _NODE_OPS = ("placeholder", "call_function", "output")
 
@@ -105,7 +108,10 @@ def _target_name(target, node) -> str:
         namespace = target.namespace
         if namespace not in ALLOWED_NAMESPACES:
             raise GraphSchemaError(f"node {node.name}: op namespace {namespace!r} is not one of {ALLOWED_NAMESPACES}")
-        return f"{namespace}.{target._schema.name.split('::')[1]}.{target._overloadname}"
+        name = f"{namespace}.{target._schema.name.split('::')[1]}.{target._overloadname}"
+        if not is_allowed(name):
+            raise GraphSchemaError(_not_allowed(name, f"node {node.name}"))
+        return name
     raise GraphSchemaError(
         f"node {node.name}: target {target!r} is not an aten op; capture with make_fx so every call is a torch op")
 
@@ -260,7 +266,7 @@ def _torch_enum(name: str, kind, where: str):
 
 
 def resolve_target(name: str, where: str = "graph"):
-    """Resolve ``"aten.mm.default"`` against ``torch.ops``; refuse anything else."""
+    """Resolve ``"aten.mm.default"`` against ``torch.ops``; refuse anything unknown or off the allow-list."""
     if name == "operator.getitem":
         return operator.getitem
     import torch
@@ -280,5 +286,12 @@ def resolve_target(name: str, where: str = "graph"):
         raise GraphSchemaError(f"{where}: unknown op {name!r}: this executor's torch has no such operator") from None
     if not isinstance(target, torch._ops.OpOverload):
         raise GraphSchemaError(f"{where}: {name!r} is not an operator overload")
+    if not is_allowed(name):
+        raise GraphSchemaError(_not_allowed(name, where))
     return target
 
+
+def _not_allowed(name: str, where: str) -> str:
+    return (f"{where}: op {name!r} is not on the allow-list of ops a graph may name (expected what capture and its "
+            f"decompositions produce, or a pathways collective); if a model needs it, add its family to "
+            f"pathways_torch/wire/op_allowlist.py, with a test that captures a function using it")

@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from tests.conftest import REPO_ROOT
+from tests.conftest import REPO_ROOT, listening_tcp, on_loopback
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
@@ -42,6 +42,24 @@ def _lines(text: str) -> list[dict]:
     """The script's JSON records (stderr shares the pipe: a log line may follow a record on its line)."""
     decoder = json.JSONDecoder()
     return [decoder.raw_decode(line)[0] for line in text.splitlines() if line.startswith("{")]
+
+
+def _descendants(pid: int) -> list[int]:
+    """Every process below ``pid`` (children, their children ...), from /proc/PID/stat."""
+    children: dict[int, list[int]] = {}
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                parent = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):   # gone meanwhile
+            continue
+        children.setdefault(parent, []).append(int(entry))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
 
 
 def _left_running(marker: str) -> list[str]:
@@ -251,6 +269,12 @@ def test_health_for_probes_status_for_people_and_ctrl_c_ends_the_job(tmp_path):
             with pytest.raises(grpc.RpcError) as unknown:
                 check(health_pb2.HealthCheckRequest(service="executor-9"), timeout=10)
             assert unknown.value.code() == grpc.StatusCode.NOT_FOUND
+        # Every socket the run listens on (launcher: health; script: controller, status; executors: command, data,
+        # gloo) is on loopback, as --standalone's --host-addr is (test_security.py checks an in-process run alike).
+        listening = [s for pid in [launcher.pid, *_descendants(launcher.pid)] for s in listening_tcp(pid)]
+        assert {health_port, status_port} <= {port for _, port in listening}, listening
+        assert len(listening) >= 2 + 1 + 2 * 3, listening
+        assert all(on_loopback(address) for address, _ in listening), listening
         status = subprocess.run([sys.executable, "-m", "pathways_torch.launch.health", f"127.0.0.1:{status_port}"],
                                 capture_output=True, text=True, timeout=60, cwd=REPO_ROOT)
         assert status.returncode == 0, status.stdout + status.stderr

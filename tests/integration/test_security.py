@@ -24,7 +24,7 @@ import pathways_torch as pw
 from pathways_torch.data_client import DataClient
 from pathways_torch.wire import pb
 from pathways_torch.wire.security import CLIENT, CONTROLLER, Credentials, KeyDirectory, KeyPair
-from tests.conftest import REPO_ROOT, wait_until
+from tests.conftest import REPO_ROOT, listening_tcp, on_loopback, wait_until
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 
@@ -123,12 +123,30 @@ def _ping(target: str) -> list:
     return [pb.Envelope(fetch=fetch).SerializeToString()]
 
 
-def test_every_socket_listens_on_loopback_and_no_key_stays_on_disk(ctx):
+def test_every_socket_listens_on_loopback_and_no_key_stays_on_disk(ctx, mesh):
+    """Every TCP socket the client and the executors listen on, as the kernel lists them (not the addresses we were
+    told): the controller's, each executor's command and data sockets and its gloo groups' (a collective ran
+    first). A launched run's health and status servers: tests/integration/test_launch.py, with the same check."""
+    total = pw.function(lambda a: pw.all_reduce(a.sum(), axis="data"), name="total")
+    assert total(ctx.put(torch.arange(8.0), mesh, [pw.Shard(0)])).result(timeout_s=60).tolist() == [28.0, 28.0]
     assert ctx._server.address.startswith("tcp://127.0.0.1:")
+    client = listening_tcp(os.getpid())
+    assert ("127.0.0.1", _port_of(ctx._server.address)) in client, client
     for info in ctx.controller.resources.ordered():
         assert info.data_address.startswith("tcp://127.0.0.1:"), info
         assert len(info.public_key) == 40 and info.public_key == ctx._server.credentials.allowed[info.executor_id]
+        listening = listening_tcp(info.pid)
+        ours = {_port_of(info.data_address), _port_of(info.command_address)}
+        assert ours <= {port for _, port in listening}, (info, listening)
+        assert len(listening) > len(ours), f"{info.executor_id}: no gloo listener among {listening}"
+        client += listening
+    outside = [(address, port) for address, port in client if not on_loopback(address)]
+    assert not outside, f"expected every listening socket on 127.0.0.0/8, got {outside}"
     assert not os.path.exists(ctx._keys.path)   # every process read its keys at start-up
+
+
+def _port_of(address: str) -> int:
+    return int(address.rsplit(":", 1)[1])
 
 
 @pytest.mark.parametrize("target", ["controller", "executor"])
@@ -263,20 +281,23 @@ def test_an_executor_key_can_neither_fetch_nor_put_nor_save_on_another_executor(
 
 
 def test_an_executor_whose_key_is_not_allowed_exits_at_once(ctx, tmp_path):
-    """The controller refuses it; it says why in its log and exits instead of waiting unheard."""
+    """The controller refuses it; it says why in its log and exits instead of waiting unheard. (The refusal comes
+    once: the executor watches its connection from before it connects, tests/unit/test_security.py.)"""
     keys = KeyDirectory.create(["executor-9"], parent=str(tmp_path))
     # It knows the real controller's key, but its own is not on the controller's allow-list.
     with open(os.path.join(keys.path, "public", f"{CONTROLLER}.key"), "w") as f:
         f.write(f'curve\n    public-key = "{ctx._server.credentials.keys.public.decode()}"\n')
     refused_before = ctx.stats()["controller"]["refused_connections"]
     started = time.monotonic()
+    # The simulated backend imports no torch: the executor is up in a second or two even on a loaded machine, so
+    # the bound below tells exiting on the refusal from the 60 s join timeout, whatever the load.
     out = subprocess.run([sys.executable, "-m", "executor", "--controller", ctx._server.address, "--id", "executor-9",
-                          "--keys", keys.path, "--backend", "eager", "--heartbeat-timeout-s", "60"],
-                         capture_output=True, text=True, timeout=60, cwd=REPO_ROOT,
+                          "--keys", keys.path, "--backend", "sim", "--heartbeat-timeout-s", "60"],
+                         capture_output=True, text=True, timeout=90, cwd=REPO_ROOT,
                          env=dict(os.environ, PYTHONPATH=REPO_ROOT))
     assert out.returncode == 5, out.stderr    # EXIT_REFUSED: a node does not start it again with a spare key
     assert "could not authenticate with the controller" in out.stderr and "HANDSHAKE_FAILED_AUTH" in out.stderr
-    assert time.monotonic() - started < 30   # mostly importing torch; never the 60 s heartbeat timeout
+    assert time.monotonic() - started < 30, out.stderr   # never the 60 s join timeout
     assert "executor-9" not in ctx.controller.resources.executors
     assert ctx.stats()["controller"]["refused_connections"] > refused_before
 

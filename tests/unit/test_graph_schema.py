@@ -288,3 +288,48 @@ def test_generated_pb2_matches_proto(tmp_path):
     generated = (tmp_path / "pathways_pb2.py").read_text()
     checked_in = (WIRE_DIR / "pathways_pb2.py").read_text()
     assert generated == checked_in, "pathways_pb2.py is stale: regenerate it from pathways.proto with grpc_tools.protoc"
+
+
+# ---------------------------------------------------------------- the op allow-list
+
+@pytest.mark.parametrize("name", ["aten.from_file.default", "aten.set_.source_Storage",
+                                  "aten.set_.source_Storage_storage_offset"])
+def test_ops_that_reach_files_or_storage_are_refused(good_graph, name):
+    """``aten.from_file(..., shared=True)`` creates and writes a file on the executor's host; ``set_`` with a
+    Storage source makes a tensor over any storage. Both are real aten ops: the allow-list refuses them by name."""
+    _, op, overload = name.split(".")
+    assert isinstance(getattr(getattr(torch.ops.aten, op), overload), torch._ops.OpOverload)   # not "unknown op"
+    message, constants = good_graph
+    node = _call_nodes(message)[0]
+    node.target = name
+    with pytest.raises(GraphSchemaError) as info:
+        decode_graph(message, constants)
+    assert name in str(info.value) and node.name in str(info.value)
+    assert "allow-list" in str(info.value) and "op_allowlist.py" in str(info.value)   # and how to get one added
+    with pytest.raises(GraphSchemaError, match="allow-list"):
+        resolve_target(name)
+
+
+def test_encoding_refuses_an_op_off_the_allow_list():
+    """The client finds out at capture, before anything is sent."""
+    graph = torch.fx.Graph()
+    graph.output(graph.call_function(torch.ops.aten.from_file.default, ("/tmp/pathways-x", True, 4)))
+    with pytest.raises(GraphSchemaError) as info:
+        encode_graph(torch.fx.GraphModule(torch.nn.Module(), graph))
+    assert "'aten.from_file.default' is not on the allow-list" in str(info.value)
+
+
+def test_a_model_and_its_backward_round_trip_on_the_allow_list():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Conv1d(2, 4, 3, padding=1), torch.nn.Flatten(), torch.nn.LayerNorm(24),
+                                torch.nn.GELU(), torch.nn.Dropout(0.0), torch.nn.Linear(24, 3))
+    names = [name for name, _ in model.named_parameters()]
+
+    def step(x, y, *weights):
+        out = torch.func.functional_call(model, dict(zip(names, weights)), (x,))
+        loss = torch.nn.functional.cross_entropy(out.softmax(-1).log(), y) + out.pow(2).mean()
+        return (loss, *torch.autograd.grad(loss, weights))
+
+    weights = [p.detach().requires_grad_() for p in model.parameters()]
+    message, _, _ = assert_round_trip(step, torch.randn(5, 2, 6), torch.tensor([0, 2, 1, 1, 0]), *weights)
+    assert "aten.convolution_backward.default" in [n.target for n in message.nodes]

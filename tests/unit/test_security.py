@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import threading
 import time
 
 import pytest
@@ -188,3 +189,52 @@ def test_a_replacement_admits_none_of_the_keys_of_the_incarnations_it_replaces()
     assert without_replaced_keys(allowed, "executor-1", "executor-1.r2") == {
         "controller": b"c", "client": b"k", "executor-0": b"0", "executor-1.r2": b"b", "executor-10": b"x",
         "executor-0.r1": b"z"}
+
+
+def test_an_executor_whose_key_is_refused_exits_even_if_the_refusal_comes_before_connect_returns(
+        keys, zctx, tmp_path, monkeypatch):
+    """ZeroMQ refuses a key once: after an authentication failure it does not connect again. On a loaded machine
+    that one handshake can be over before the executor's line after ``connect()`` runs; the executor must see it
+    all the same and exit (EXIT_REFUSED), not wait unheard for the join timeout."""
+    from executor.config import ExecutorConfig
+    from executor.process import EXIT_REFUSED, ExecutorProcess
+
+    gatekeeper = Gatekeeper(zctx, keys.public_keys())        # the controller's allow-list: no executor-9 on it
+    _, address = _server(zctx, keys.credentials(CONTROLLER))
+    (tmp_path / "stranger").mkdir()
+    own = KeyDirectory.create(["executor-9"], parent=str(tmp_path / "stranger"))
+    with open(os.path.join(own.path, "public", f"{CONTROLLER}.key"), "w") as f:
+        f.write(f'curve\n    public-key = "{keys.public_keys()[CONTROLLER].decode()}"\n')
+    connect = zmq.Socket.connect
+
+    def connect_then_stall(socket, where):   # the executor descheduled until its handshake was refused
+        result = connect(socket, where)
+        deadline = time.monotonic() + 10
+        while where == address and not gatekeeper.refused and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(0.2)
+        return result
+
+    monkeypatch.setattr(zmq.Socket, "connect", connect_then_stall)
+    process = ExecutorProcess(ExecutorConfig(controller_address=address, executor_id="executor-9", keys_dir=own.path,
+                                             backend="sim"))
+    monkeypatch.setattr(zmq.Socket, "connect", connect)
+    exits = []
+
+    def record_exit(reason, code=None):
+        exits.append((code, reason))
+        process.loop.stop()
+
+    monkeypatch.setattr(process, "_exit", record_exit)
+    try:
+        assert gatekeeper.refused == 1
+        loop = threading.Thread(target=process.loop.run_forever, daemon=True)
+        loop.start()
+        loop.join(10)
+        assert exits and exits[0][0] == EXIT_REFUSED, exits
+        assert "could not authenticate with the controller" in exits[0][1] and "HANDSHAKE_FAILED_AUTH" in exits[0][1]
+    finally:
+        process.loop.stop()
+        process.gatekeeper.stop()
+        gatekeeper.stop()
+        process.zmq.destroy(linger=0)
