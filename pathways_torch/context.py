@@ -629,6 +629,9 @@ class Context:
         """``error``, with the user's line of the op a backend could not compile when it names one."""
         if isinstance(error, RemoteError) and error.node_index and not error.user_line:
             error.locate(self._user_line)
+        # The same object is raised by every future it failed, and the controller keeps it: each raise would add
+        # its frames (and their locals: arrays, losses) to one traceback that lives as long as the run.
+        error.__traceback__ = None
         return error
 
     def _user_line(self, function_id: int, node_index: int) -> str:

@@ -370,3 +370,29 @@ def test_a_second_executor_under_a_live_ones_id_is_refused_naming_both_addresses
     assert controller.rival_claim("e7", rival) is None
     controller.declare_lost("e1", "silent")
     assert controller.rival_claim("e1", rival) is None          # a replacement may take a lost one's place
+
+
+@pytest.mark.timeout(10)
+def test_a_failure_raised_again_keeps_no_frames_of_the_raises_before():
+    # The controller keeps a failure for the run; were each raise's frames kept on it, their locals (arrays,
+    # losses) would live as long as the run (the soak found one re-run loss kept per recovery).
+    import gc
+    import weakref
+
+    from pathways_torch.context import Context
+
+    class Held:
+        pass
+
+    error = RuntimeError("failed")
+
+    def user_loop():
+        held = Held()
+        user_loop.held = weakref.ref(held)
+        raise Context._explained(None, error)
+
+    with pytest.raises(RuntimeError):
+        user_loop()
+    Context._explained(None, error)      # the next result() raising it
+    gc.collect()
+    assert user_loop.held() is None, "the first raise's frame (and its locals) is still held by the failure"
