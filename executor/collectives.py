@@ -162,10 +162,11 @@ class CollectiveRuntime:
         # By id, not a list of the groups: that list would hold them all until this returns, so the oldest let go
         # (`_abandon_group`) would drop here, on the heartbeat thread, instead of on their own thread.
         for group_id in list(self._groups):
-            if before_group is not None and group_id >= before_group:
+            group = self._groups.get(group_id)   # another thread's abandon (the compute thread's form) may be first
+            if group is None or (before_group is not None and group_id >= before_group):
                 continue
             self._abandon_group(group_id, f"member {member} was lost ({reason}); the group was abandoned"
-                                if member in self._groups[group_id].members else
+                                if member in group.members else
                                 f"{member} was lost ({reason}); every group of this island made before was "
                                 f"abandoned")
             retired.append(group_id)

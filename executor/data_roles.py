@@ -14,6 +14,7 @@ This module imports no torch (the simulated executor uses it).
 from __future__ import annotations
 
 import threading
+from typing import Callable
 
 from pathways_torch.wire import pb
 from pathways_torch.wire.framing import body_name
@@ -37,18 +38,23 @@ class DataGate:
     """Checks each data message's sender; one per executor. Thread-safe: the I/O thread checks, the heartbeat and
     compute threads tell it of replaced incarnations.
 
-    An executor learns that an incarnation was replaced in two ways: the controller names the lost one
-    (``executor-1@2`` in a heartbeat answer's lost peers or a ``Cancel``), and a transfer arrives from a newer one
-    (every transfer carries its sender's epoch, from its ``Welcome``). From then on, a transfer sent by an earlier
-    incarnation on a connection it still holds (its key is revoked only for new handshakes) is refused.
+    A replaced incarnation is told apart in two ways. Its key: every executor revokes it when the controller admits
+    the replacement's (``AdmitKey``, sent to every live executor of every island), and each message carries the key
+    its connection authenticated with (`peer_key`), so what the old incarnation still sends on a connection made
+    before is refused. Its epoch, as a second line: the controller names the lost incarnation (``executor-1@2`` in
+    a heartbeat answer's lost peers or a ``Cancel``), and a transfer claiming that epoch or an earlier one is
+    refused. The epoch is the sender's own word, so it never raises the floor: only the controller does.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, admits_key: Callable[[bytes], bool] | None = None) -> None:
         self._lock = threading.Lock()
         self._floor: dict[str, int] = {}   # executor id → its earliest incarnation still admitted
+        # Whether a key is on this executor's allow-list now (`Gatekeeper.admits`); None in tests without one.
+        self._admits_key = admits_key
 
-    def refusal(self, role: str | None, envelope: pb.Envelope) -> str | None:
-        """Why the message in ``envelope``, sent with a key of ``role``, is refused here; None if it is not."""
+    def refusal(self, role: str | None, envelope: pb.Envelope, key: bytes | None = None) -> str | None:
+        """Why the message in ``envelope``, sent with a key of ``role`` (the key itself: ``key``, when the
+        connection carries it), is refused here; None if it is not."""
         kind = body_name(envelope)
         if kind in CLIENT_KINDS:
             if role != CLIENT:
@@ -59,12 +65,18 @@ class DataGate:
         executor_id = executor_of_role(role)
         if executor_id is None:
             return f"{kind} from {role!r}: expected it from an executor (refused)"
+        if key is not None and self._admits_key is not None and not self._admits_key(key):
+            # The authenticated key, not anything the message says: a replaced incarnation shares its role with
+            # its replacement, and its connections made before the revocation still deliver.
+            return (f"{kind} from {executor_id} with a key revoked when that executor was replaced: expected its "
+                    f"current incarnation's key (refused)")
         with self._lock:
             floor = self._floor.get(executor_id, 0)
-            if envelope.epoch < floor:
-                return (f"{kind} from incarnation {envelope.epoch} of {executor_id}: expected incarnation {floor} or "
-                        f"later, the earlier ones were replaced (refused)")
-            self._floor[executor_id] = envelope.epoch   # a newer incarnation speaks: the ones before it are replaced
+        if envelope.epoch < floor:
+            # The epoch is what the sender says; it only ever lowers what a message may do (the floor is raised by
+            # the controller's word alone, `retire`), so a false one cannot shut a real incarnation out.
+            return (f"{kind} from incarnation {envelope.epoch} of {executor_id}: expected incarnation {floor} or "
+                    f"later, the earlier ones were replaced (refused)")
         return None
 
     def retire(self, incarnation: str) -> None:

@@ -30,7 +30,7 @@ from pathways_torch.wire import SocketLoop, body_name, decode, encode, pb
 from pathways_torch.wire.framing import FramingError
 from pathways_torch.wire.security import (CONTROLLER, HANDSHAKE_FAILURES, HEARTBEAT_SUFFIX, INCARNATION_MARK,
                                           STORE_SUFFIX, ConnectionWatch, Credentials, Gatekeeper, KeyDirectory,
-                                          SecurityError, make_client, make_server, peer_role,
+                                          SecurityError, make_client, make_server, peer_key, peer_role,
                                           without_replaced_keys)
 from pathways_torch.wire.threads import name_os_thread
 
@@ -39,6 +39,7 @@ from .collectives import CollectiveRuntime
 from .compile_cache import CompileCache
 from .compute_loop import ComputeLoop
 from .config import ExecutorConfig
+from .data_roles import DataGate
 from .trace import TraceRecorder
 from .worker import ComputeJob, ExecutorCore
 
@@ -134,6 +135,7 @@ class ExecutorProcess:
                                  submit=self._submit, trace=trace, compiler=self.compiler,
                                  collectives=self.collectives)
         self.core.admit_key = self._admit_key
+        self.core.data_gate = DataGate(self.gatekeeper.admits)   # a revoked key's old connections are refused
         self.outbox.on_peer_frames = self._on_peer_frames
         self.loop.every(_TRANSFER_CHECK_S, self._locked(lambda: self.core.check_transfers(time.monotonic())))
         # Appended to every identity towards the controller: this process's connections are its own.
@@ -263,7 +265,8 @@ class ExecutorProcess:
             try:
                 envelope, payload = decode(frames[1:])
                 # The role of the key that sent it decides what it may do here (executor/data_roles.py).
-                self.core.on_data(frames[0].bytes, envelope, payload, role=peer_role(frames[-1]))
+                self.core.on_data(frames[0].bytes, envelope, payload, role=peer_role(frames[-1]),
+                                  key=peer_key(frames[-1]))
             except (FramingError, ValueError) as exc:
                 self.core._drop(str(exc))
 
@@ -329,7 +332,10 @@ class ExecutorProcess:
                 next_ping = now + interval
             if socket.poll(max(1, int((next_ping - time.monotonic()) * 1000))):
                 last_answer, answered = time.monotonic(), True
-                self._on_heartbeat_answer(socket.recv_multipart())
+                try:
+                    self._on_heartbeat_answer(socket.recv_multipart())
+                except Exception:   # a bug of ours in one answer must not end the heartbeats (we would be lost)
+                    log.exception("executor %s: handling a heartbeat answer failed", self.config.executor_id)
         socket.close(linger=0)
 
     def _heartbeat_socket(self) -> zmq.Socket:

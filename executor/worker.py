@@ -463,11 +463,12 @@ class ExecutorCore:
 
     # ------------------------------------------------------------ data plane
 
-    def on_data(self, identity: bytes, envelope: pb.Envelope, payload: list, *, role: str | None) -> None:
+    def on_data(self, identity: bytes, envelope: pb.Envelope, payload: list, *, role: str | None,
+                key: bytes | None = None) -> None:
         """A put, transfer or fetch sent with a key of ``role`` (its connection's User-Id); one whose handling raises
         still ends its request (never a silent drop). One from a sender its kind does not admit (`DataGate`) is
         dropped unanswered: it came from no one we would answer."""
-        refused = self.data_gate.refusal(role, envelope)
+        refused = self.data_gate.refusal(role, envelope, key)
         if refused:
             self.counters["refused_data_messages"] += 1
             self._drop(refused)

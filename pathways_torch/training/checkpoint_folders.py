@@ -27,6 +27,7 @@ import itertools
 import logging
 import numbers
 import os
+import re
 import shutil
 import threading
 
@@ -39,6 +40,7 @@ DEFAULT_KEEP = 3
 # The directory's two names every reader and writer agrees on (`sharded_checkpoint` writes them).
 LATEST, INDEX = "latest", "index.json"
 _STEP, _REMOVING = "step-", ".removing-"
+_OURS = re.compile(r"^step-\d{8}(-\d+)?$")   # the names `claim` makes
 
 # Folders in use in this process (real path → how many users); taken with every removal decision, so a
 # folder pinned before `remove_old` looks is never removed, and one removed is never handed to a reader.
@@ -144,7 +146,7 @@ def remove_old(directory: str, keep: int, newest: str) -> list[str]:
             if name.startswith(_REMOVING):
                 removing.append(path)         # a removal a crash interrupted
                 continue
-            if not name.startswith(_STEP) or not os.path.isdir(path):
+            if not _OURS.match(name) or not os.path.isdir(path):   # a user's own "step-best" is not ours to remove
                 continue
             index_ns = _mtime_ns(os.path.join(path, INDEX))
             if index_ns >= 0:

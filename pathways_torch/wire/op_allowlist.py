@@ -84,7 +84,7 @@ _LINEAR_ALGEBRA = """
 _SHAPES_AND_INDEXING = """
     alias as_strided as_strided_scatter cat chunk col2im constant_pad_nd copy copy_ detach detach_ expand
     expand_as flip gather im2col index index_add index_add_ index_copy index_copy_ index_fill index_fill_
-    index_put index_put_ _index_put_impl_ index_reduce index_reduce_ index_select lift lift_fresh lift_fresh_copy
+    index_put index_put_ index_reduce index_reduce_ index_select lift lift_fresh lift_fresh_copy
     masked_scatter masked_scatter_ masked_select narrow narrow_copy nonzero nonzero_static permute
     pixel_shuffle pixel_unshuffle channel_shuffle native_channel_shuffle put put_ reflection_pad1d
     reflection_pad1d_backward reflection_pad2d reflection_pad2d_backward reflection_pad3d
@@ -92,7 +92,7 @@ _SHAPES_AND_INDEXING = """
     replication_pad2d replication_pad2d_backward replication_pad3d replication_pad3d_backward roll rot90
     scatter scatter_ scatter_add scatter_add_ scatter_reduce scatter_reduce_ select select_backward
     select_scatter slice slice_backward slice_scatter split split_with_sizes squeeze squeeze_ stack t t_ take
-    transpose transpose_ unbind unfold unfold_backward _unsafe_index _unsafe_index_put unsafe_chunk
+    transpose transpose_ unbind unfold unfold_backward unsafe_chunk
     unsafe_split unsafe_split_with_sizes unsqueeze unsqueeze_ _unsafe_view view clone _to_copy
     _reshape_alias _reshape_copy alias_copy as_strided_copy detach_copy diagonal_copy expand_copy permute_copy
     select_copy slice_copy split_copy split_with_sizes_copy squeeze_copy t_copy transpose_copy unbind_copy
@@ -140,7 +140,6 @@ _NETWORK_LAYERS = """
     _scaled_dot_product_efficient_attention _scaled_dot_product_efficient_attention_backward
     _scaled_dot_product_cudnn_attention _scaled_dot_product_cudnn_attention_backward
     _scaled_dot_product_fused_attention_overrideable _scaled_dot_product_fused_attention_overrideable_backward
-    _flash_attention_forward _flash_attention_backward _efficient_attention_forward _efficient_attention_backward
 """
 
 # Optimizer kernels (whole families: math over lists of tensors) and mixed precision's loss scaling.
@@ -172,6 +171,14 @@ NEVER_ALLOWED: frozenset[str] = frozenset({
     "aten.resize_", "aten.resize_as_", "aten._resize_output_", "aten.as_strided_",   # re-point a tensor in place
     "aten._pin_memory", "aten.pin_memory", "aten.record_stream", "aten._local_scalar_dense", "aten.item",
     "aten._print", "aten.sym_size", "aten.sym_stride", "aten.sym_numel", "aten.sym_storage_offset",
+    # Index without bounds checks where a backend trusts them (inductor lowers these with check=False; unsafe=True
+    # skips the check on CUDA): an index from the graph would read or write outside the buffer. Capture never
+    # makes them; a backend's own decompositions may, after the graph is checked.
+    "aten._unsafe_index", "aten._unsafe_index_put", "aten._unsafe_masked_index",
+    "aten._unsafe_masked_index_put_accumulate", "aten._index_put_impl_",
+    # Attention kernels that trust caller-given sequence offsets (cu_seqlens, seqlen_k) as memory bounds.
+    "aten._flash_attention_forward", "aten._flash_attention_backward", "aten._efficient_attention_forward",
+    "aten._efficient_attention_backward",
 })
 
 

@@ -29,6 +29,7 @@ import os
 import re
 import shutil
 import stat
+import struct
 import tempfile
 from typing import Callable, Iterable, Mapping
 
@@ -40,7 +41,7 @@ from zmq.utils.monitor import parse_monitor_message
 
 __all__ = [
     "CONTROLLER", "CLIENT", "ZAP_DOMAIN", "HEARTBEAT_SUFFIX", "STORE_SUFFIX", "SecurityError", "KeyPair", "Credentials", "KeyDirectory",
-    "Gatekeeper", "make_server", "make_client", "check_role", "peer_role", "ConnectionWatch",
+    "Gatekeeper", "make_server", "make_client", "check_role", "peer_role", "peer_key", "ConnectionWatch",
     "HANDSHAKE_FAILURES", "INCARNATION_MARK", "split_identity", "spare_role", "spare_of", "without_replaced_keys",
 ]
 
@@ -243,14 +244,34 @@ def _check_private(directory: str) -> None:
 
 
 class _RoleAuthenticator(ThreadAuthenticator):
-    """pyzmq's ZAP thread, naming each admitted connection by its role instead of its key."""
+    """pyzmq's ZAP thread, naming each admitted connection by its role instead of its key, and attaching the key
+    itself as the connection's ``X-Key`` property: a replaced incarnation and its replacement share a role, and
+    only the key tells the old one's open connections from the new one's (`peer_key`)."""
 
     def __init__(self, context: zmq.Context, roles: Mapping[bytes, str]):
         super().__init__(context, log=logging.getLogger(f"{__name__}.zap"))
         self._roles = roles
+        self._admitted_key = b""   # the key of the handshake being answered (the ZAP thread answers one at a time)
 
     def curve_user_id(self, client_public_key: bytes) -> str:
-        return self._roles[zmq.utils.z85.encode(client_public_key)]
+        self._admitted_key = zmq.utils.z85.encode(client_public_key)
+        return self._roles[self._admitted_key]
+
+    def _send_zap_reply(self, request_id: bytes, status_code: bytes, status_text: bytes,
+                        user_id: str = "anonymous") -> None:
+        """pyzmq's reply, with the admitted key as ZAP metadata (ZMTP properties: 1-byte name length, name, 4-byte
+        value length, value), which libzmq puts on every message of the connection."""
+        admitted = status_code == b"200"
+        user = user_id.encode() if admitted and isinstance(user_id, str) else (user_id if admitted else b"")
+        metadata = b""
+        if admitted and self._admitted_key:
+            metadata = bytes([len(_KEY_PROPERTY)]) + _KEY_PROPERTY + struct.pack(">I", len(self._admitted_key)) + \
+                self._admitted_key
+        self._admitted_key = b""
+        self.zap_socket.send_multipart([b"1.0", request_id, status_code, status_text, user, metadata])
+
+
+_KEY_PROPERTY = b"X-Key"
 
 
 class Gatekeeper:
@@ -275,6 +296,11 @@ class Gatekeeper:
         for old in [k for k, r in self._roles.items() if r == role and k != key]:
             self._roles.pop(old, None)
         self._roles[key] = role
+
+    def admits(self, public_key: bytes) -> bool:
+        """Whether ``public_key`` (Z85) is on the allow-list now: False for a replaced incarnation's revoked key,
+        whose connections made before still deliver (`peer_key` tells their messages apart). Any thread."""
+        return public_key in self._roles
 
     def revoke(self, public_key: bytes) -> None:
         """Refuse ``public_key`` from now on (a replaced incarnation's); connections made before keep working."""
@@ -313,6 +339,15 @@ def make_client(socket: zmq.Socket, credentials: Credentials, server_key: bytes)
     socket.curve_publickey = credentials.keys.public
     socket.curve_secretkey = credentials.keys.secret
     return socket
+
+
+def peer_key(frame) -> bytes | None:
+    """The public key (Z85) that a received frame's connection authenticated with, or None."""
+    try:
+        key = frame.get(_KEY_PROPERTY.decode())
+    except (AttributeError, zmq.ZMQError):
+        return None
+    return key.encode() if isinstance(key, str) else key
 
 
 def peer_role(frame) -> str | None:

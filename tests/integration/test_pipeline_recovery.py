@@ -131,6 +131,7 @@ def _recovers_exactly(ctx, tmp_path):
     assert victim in trainer._stage_meshes[1].executor_ids
     losses = [trainer.step(b) for b in batches[:7]]
     losses[-1].result(240)
+    trainer._checkpoint.result(120)    # step 6's background save is on disk: the restored step is known
     os.kill(ctx.executor_pids[3], signal.SIGKILL)
     losses += [trainer.step(b) for b in batches[7:]]        # the loop does not change
     got = [loss.result(240).item() for loss in losses]

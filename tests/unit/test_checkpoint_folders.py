@@ -61,6 +61,16 @@ def test_newest_means_last_written_not_the_highest_step(tmp_path):
     assert _steps(tmp_path) == ["step-00000002-1", "step-00000003"]
 
 
+def test_folders_the_saves_did_not_name_are_left_alone(tmp_path):
+    """A user's own ``step-best`` (a client-written checkpoint: no index) beside the executors' is not theirs."""
+    _checkpoint(tmp_path, "step-best", 900.0, complete=False)
+    _checkpoint(tmp_path, "step-00000001", 1000.0, complete=False)     # a killed save's leftover: ours, removed
+    _checkpoint(tmp_path, "step-00000002", 1100.0)
+    _point_latest(tmp_path, "step-00000002")
+    folders.remove_old(str(tmp_path), 1, str(tmp_path / "step-00000002"))
+    assert _steps(tmp_path) == ["step-00000002", "step-best"]
+
+
 def test_latest_a_folder_being_written_and_one_being_read_are_never_removed(tmp_path):
     directory = str(tmp_path)
     _checkpoint(directory, "step-00000001", 1000.0)      # what `latest` names (a load went back to it)

@@ -293,7 +293,8 @@ def test_generated_pb2_matches_proto(tmp_path):
 # ---------------------------------------------------------------- the op allow-list
 
 @pytest.mark.parametrize("name", ["aten.from_file.default", "aten.set_.source_Storage",
-                                  "aten.set_.source_Storage_storage_offset"])
+                                  "aten.set_.source_Storage_storage_offset", "aten._unsafe_index.Tensor",
+                                  "aten._unsafe_index_put.default", "aten._index_put_impl_.default"])
 def test_ops_that_reach_files_or_storage_are_refused(good_graph, name):
     """``aten.from_file(..., shared=True)`` creates and writes a file on the executor's host; ``set_`` with a
     Storage source makes a tensor over any storage. Both are real aten ops: the allow-list refuses them by name."""

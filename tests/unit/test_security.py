@@ -12,7 +12,7 @@ from zmq.utils.monitor import recv_monitor_message
 
 from pathways_torch.wire.security import (CLIENT, CONTROLLER, HANDSHAKE_FAILURES, ConnectionWatch, Credentials,
                                           Gatekeeper, KeyDirectory, KeyPair, SecurityError, check_role, make_client,
-                                          make_server, peer_role)
+                                          make_server, peer_key, peer_role)
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -116,6 +116,29 @@ def test_gatekeeper_admits_exactly_the_allow_list_and_names_roles(keys, zctx):
         assert "HANDSHAKE_FAILED_AUTH" in _events(bad_monitor, {"HANDSHAKE_FAILED_AUTH"})
         assert not server.poll(200)
         assert gatekeeper.refused == 1
+    finally:
+        gatekeeper.stop()
+
+
+def test_each_message_carries_the_key_its_connection_authenticated_with_and_a_revoked_one_is_told_apart(keys, zctx):
+    # A replacement shares its role with the incarnation it replaces; only the key tells their connections apart.
+    gatekeeper = Gatekeeper(zctx, keys.public_keys())
+    try:
+        server, address = _server(zctx, keys.credentials(CONTROLLER))
+        old_key = keys.public_keys()["executor-0"]
+        old, _ = _client(zctx, keys.credentials("executor-0"), keys.public_keys()[CONTROLLER], address)
+        old.send(b"before")
+        assert server.poll(5000)
+        frames = server.recv_multipart(copy=False)
+        assert peer_role(frames[-1]) == "executor-0" and peer_key(frames[-1]) == old_key
+        assert gatekeeper.admits(old_key)
+        new_public, _ = zmq.curve_keypair()
+        gatekeeper.admit("executor-0", new_public)            # the replacement's key; the old one is revoked
+        old.send(b"after")                                    # on the connection made before: still delivered
+        assert server.poll(5000)
+        frames = server.recv_multipart(copy=False)
+        assert peer_role(frames[-1]) == "executor-0" and peer_key(frames[-1]) == old_key
+        assert not gatekeeper.admits(old_key) and gatekeeper.admits(new_public)
     finally:
         gatekeeper.stop()
 
