@@ -97,11 +97,12 @@ class _SocketOutbox:
 
         self._loop.call_soon(send)
 
-    def close_peers_with_key(self, public_key: bytes) -> None:
-        """Close the connections to a replaced incarnation (they authenticate its revoked key): its address is
-        dead, and ZeroMQ would retry it every 100 ms for good. Its replacement has an address of its own."""
+    def close_peers_not_admitted(self, admits) -> None:
+        """Close the connections to replaced incarnations (their keys, ``admits(key)`` False, were revoked): their
+        addresses are dead, and ZeroMQ would retry them every 100 ms for good. A replacement has an address of its
+        own."""
         def close():
-            for address in [a for a, key in self.peer_keys.items() if key == public_key]:
+            for address in [a for a, key in self.peer_keys.items() if not admits(key)]:
                 del self.peer_keys[address]
                 self._loop.close_socket(f"peer:{address}")
                 log.info("closed the connection to %s (a replaced incarnation's address)", address)
@@ -366,11 +367,11 @@ class ExecutorProcess:
     def _admit_key(self, role: str, public_key: bytes) -> None:
         """A replacement's fresh key: admitted from now on, the old incarnation's revoked (and its connections
         closed)."""
-        old = self.credentials.allowed.get(role)
         self.gatekeeper.admit(role, public_key)
         self.credentials.allowed[role] = public_key
-        if old is not None and old != public_key:
-            self.outbox.close_peers_with_key(old)
+        # Every connection whose key is revoked now, not only the one this process listed for the role: one started
+        # after an earlier replacement may have reached that incarnation under a key it lists as a spare's.
+        self.outbox.close_peers_not_admitted(self.gatekeeper.admits)
 
     def _exit(self, reason: str, code: int = EXIT_LOST) -> None:
         log.warning("executor %s exits: %s", self.config.executor_id, reason)

@@ -54,6 +54,7 @@ _CHUNK = 256 * 1024
 # Loopback or the veth pair: a live destination answers at once, a gone one refuses at once. Short, since the relay
 # thread waits it out (every direction holds meanwhile).
 _CONNECT_TIMEOUT_S = 0.5
+_BLOCKED_RETRY_S = 0.002   # how soon a sink that took nothing is tried again (about 500 tries a second, not 2,000)
 _BURST = 64 * 1024
 # For the queue bound only: a link without a bandwidth limit is taken to move this much, so a delayed one can keep
 # its delay's worth of bytes in flight.
@@ -124,13 +125,14 @@ def _shape(link: Link, burst: float) -> tuple[netns.TbfVeth | None, str]:
 class _Direction:
     """Bytes read from one socket, waiting to be written to the other."""
 
-    __slots__ = ("source", "sink", "target", "queue", "queued", "paused", "tokens", "stamp", "closed")
+    __slots__ = ("source", "sink", "target", "queue", "queued", "paused", "blocked", "tokens", "stamp", "closed")
 
     def __init__(self, source: socket.socket, sink: socket.socket, target: str = ""):
         self.source, self.sink, self.target = source, sink, target
         self.queue: collections.deque = collections.deque()   # (due time, bytes)
         self.queued = 0          # bytes in the queue
         self.paused = False      # its source is not read (the queue is full)
+        self.blocked = False     # its sink took nothing at the last try (the destination reads slowly)
         self.tokens, self.stamp, self.closed = 0.0, time.monotonic(), False
 
 
@@ -307,8 +309,10 @@ class LinkRelay:
             self.refused.pop(target, None)
 
     def _timeout(self) -> float:
-        due = [d.queue[0][0] for d in self._directions if d.queue]
-        # At least half a millisecond: a queue held back by the rate limit is due but must not spin.
+        due = [d.queue[0][0] if not d.blocked else time.monotonic() + _BLOCKED_RETRY_S
+               for d in self._directions if d.queue]
+        # At least half a millisecond: a queue held back by the rate limit is due but must not spin. A sink that
+        # took nothing is tried again after a while, not every turn: back-pressure may hold it for seconds.
         return max(0.0005, min(due) - time.monotonic()) if due else 0.05
 
     def _accept(self, listener, address, target) -> None:
@@ -393,10 +397,12 @@ class LinkRelay:
             try:
                 sent = direction.sink.send(data[:allowed])
             except BlockingIOError:
+                direction.blocked = True
                 break
             except OSError:
                 self._close(direction)
                 return
+            direction.blocked = False
             self.bytes_relayed += sent
             if self._metering:
                 self.bytes_metered += sent

@@ -31,6 +31,8 @@ import re
 import shutil
 import threading
 
+from ..wire.durable import fsync_dir
+
 __all__ = ["check_keep", "claim", "pin", "unpin", "reading", "resolve", "remove_old", "DEFAULT_KEEP", "LATEST",
            "INDEX"]
 
@@ -122,6 +124,27 @@ def reading(path: str):
         unpin(step_dir)
 
 
+def _scan(directory: str, keep: int, newest: str) -> tuple[list[str], list[str]]:
+    """(removals a crash interrupted, the step folders to remove: all but the ``keep`` newest complete ones, and
+    index-less ones older than ``newest``)."""
+    newest_ns = _mtime_ns(os.path.join(newest, INDEX))
+    removing, complete, abandoned = [], [], []
+    for name in os.listdir(directory):
+        path = os.path.join(directory, name)
+        if name.startswith(_REMOVING):
+            removing.append(path)
+            continue
+        if not _OURS.match(name) or not os.path.isdir(path):   # a user's own "step-best" is not ours to remove
+            continue
+        index_ns = _mtime_ns(os.path.join(path, INDEX))
+        if index_ns >= 0:
+            complete.append((index_ns, name))
+        elif _mtime_ns(path) < newest_ns:
+            abandoned.append(name)
+    complete.sort(reverse=True)
+    return removing, [name for _, name in complete[keep:]] + abandoned
+
+
 def _mtime_ns(path: str) -> int:
     try:
         return os.stat(path).st_mtime_ns
@@ -136,38 +159,26 @@ def remove_old(directory: str, keep: int, newest: str) -> list[str]:
     if keep == 0:
         return []
     directory = os.path.abspath(directory)
-    removing = []
-    with _lock:
-        protected = set(_pins) | {_real(newest), _real(resolve(directory))}
-        newest_ns = _mtime_ns(os.path.join(newest, INDEX))
-        complete, abandoned = [], []
-        for name in os.listdir(directory):
-            path = os.path.join(directory, name)
-            if name.startswith(_REMOVING):
-                removing.append(path)         # a removal a crash interrupted
+    removing, doomed = _scan(directory, keep, newest)   # no lock: a listing and a stat per folder take a while
+    removed = []
+    for name in doomed:
+        path = os.path.join(directory, name)
+        target = os.path.join(directory, f"{_REMOVING}{name}")
+        # Each folder is judged under the lock just before its rename: a reader or a save that pinned it since the
+        # scan keeps it, and one that pins after the rename finds it gone. The lock is held for one rename only:
+        # `unpin` runs on the data client's I/O thread, which must not wait behind a scan of network storage.
+        with _lock:
+            if _real(path) in _pins or _real(path) in {_real(newest), _real(resolve(directory))}:
                 continue
-            if not _OURS.match(name) or not os.path.isdir(path):   # a user's own "step-best" is not ours to remove
-                continue
-            index_ns = _mtime_ns(os.path.join(path, INDEX))
-            if index_ns >= 0:
-                complete.append((index_ns, name))
-            elif _mtime_ns(path) < newest_ns:
-                abandoned.append(name)
-        complete.sort(reverse=True)
-        doomed = [name for _, name in complete[keep:]] + abandoned
-        removed = []
-        for name in doomed:
-            path = os.path.join(directory, name)
-            if _real(path) in protected:
-                continue
-            target = os.path.join(directory, f"{_REMOVING}{name}")
             try:
                 os.rename(path, target)       # out of `step-*` at once: never a half-removed checkpoint
             except OSError as exc:
                 log.warning("checkpoint: could not remove %s (%s); it stays", path, exc)
                 continue
-            removing.append(target)
-            removed.append(name)
+        removing.append(target)
+        removed.append(name)
+    if removed:
+        fsync_dir(directory)   # the renames, before the contents go: a power loss never brings back half a folder
     for path in removing:     # outside the lock: removing a large folder takes a while
         try:
             shutil.rmtree(path)

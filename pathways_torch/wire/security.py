@@ -74,6 +74,11 @@ def spare_of(role: str) -> str | None:
     return base if mark and base and number.isdigit() else None
 
 
+def _spare_number(role: str, executor_id: str) -> int | None:
+    """``n`` of ``executor_id``'s spare role ``<executor_id>.r<n>``; None for any other role."""
+    return int(role.rpartition(_SPARE_MARK)[2]) if spare_of(role) == executor_id else None
+
+
 def without_replaced_keys(allowed: Mapping[str, bytes], executor_id: str, role: str) -> dict[str, bytes]:
     """The allow-list of a replacement speaking for ``executor_id`` with key ``role`` (a spare): without the id's
     other keys, those of the incarnations it replaces (a stopped one that is continued must not reach it)."""
@@ -293,7 +298,12 @@ class Gatekeeper:
         """Admit ``public_key`` as ``role`` from now on, revoking the role's previous key (a replacement executor's
         fresh pair). Connections already made keep their role; new handshakes with the old key fail. Any thread."""
         key = _check_key(public_key, f"key of {role!r}")
-        for old in [k for k, r in self._roles.items() if r == role and k != key]:
+        # A spare key (`executor-1.r3`) replaces the role's own and the spares before it: an executor started after
+        # an earlier replacement still lists that one's key under its spare role (`executor-1.r2`). Later spares
+        # stay: the launcher may start them before this process hears of them.
+        rank = _spare_number(self._roles.get(key, ""), role)
+        for old in [k for k, r in self._roles.items() if k != key and (
+                r == role or (rank is not None and (_spare_number(r, role) or rank) < rank))]:
             self._roles.pop(old, None)
         self._roles[key] = role
 

@@ -143,6 +143,20 @@ def test_each_message_carries_the_key_its_connection_authenticated_with_and_a_re
         gatekeeper.stop()
 
 
+def test_a_spare_key_revokes_the_role_and_the_spares_before_it_but_not_those_after(zctx):
+    # An executor started after executor-1's first replacement lists that one's key under its spare role.
+    pairs = {role: zmq.curve_keypair()[0] for role in ("executor-1", "executor-1.r1", "executor-1.r2",
+                                                        "executor-1.r3", "executor-2")}
+    gatekeeper = Gatekeeper(zctx, pairs)
+    try:
+        gatekeeper.admit("executor-1", pairs["executor-1.r2"])     # the second replacement registered
+        assert [gatekeeper.admits(pairs[r]) for r in ("executor-1", "executor-1.r1", "executor-1.r2",
+                                                      "executor-1.r3", "executor-2")] == [False, False, True, True,
+                                                                                          True]
+    finally:
+        gatekeeper.stop()
+
+
 def test_a_server_without_a_gatekeeper_admits_no_one(keys, zctx):
     """Fail closed: ZAP_ENFORCE_DOMAIN makes a CURVE server with no running allow-list refuse everyone."""
     server, address = _server(zctx, keys.credentials(CONTROLLER))
