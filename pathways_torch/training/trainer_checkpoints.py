@@ -1,0 +1,139 @@
+"""`TrainerCheckpoints`: the trainer's state as named host tensors, and its checkpoints of either kind.
+
+``trainer.save`` writes one file from the client (`checkpoint`); ``trainer.save_sharded`` (and
+``checkpoint_every``) has the executors write their shards (`sharded_checkpoint`); ``trainer.load`` reads
+either, under any plan and mesh size. A mixin of `Trainer`: it reads the trainer's layout and arrays through
+``_checkpoint_arrays``/``_checkpoint_mesh``/``_checkpoint_parts``, which other plans override (the pipeline's
+`PipelineCheckpoints`, the cross-island trainer).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+
+from .buckets import unflatten
+from .checkpoint import check_matches, read_checkpoint, write_checkpoint
+from .recovery import is_recoverable
+
+__all__ = ["TrainerCheckpoints"]
+
+
+class TrainerCheckpoints:
+    """`Trainer`'s half that reads its state out and writes and loads checkpoints."""
+
+    def save_sharded(self, directory: str, *, update_latest: bool = True) -> "concurrent.futures.Future":
+        """Write a checkpoint **from the executors**, in the background (`sharded_checkpoint`): each writes the
+        shards it holds to ``directory`` (storage every host sees), no tensor bytes through the client; the
+        next steps are dispatched meanwhile. Returns a future of the bytes written, done once ``latest`` names
+        this step (in a fresh folder: the future's ``step_dir``) and all but the ``checkpoint_keep`` newest
+        checkpoints there are removed. One save at a time: a second waits for the first."""
+        from .sharded_checkpoint import save_sharded
+
+        if self._checkpoint is not None:
+            error = self._checkpoint.exception()     # the previous save's failure is raised here ...
+            if error is not None and not (self.recover and is_recoverable(error)):
+                raise error                          # ... but one lost with an executor or a link is recovery's
+        step = self.step_count
+        self._checkpoint = save_sharded(self._context, self, directory, self._checkpoint_meta(),
+                                        update_latest=update_latest, keep=self.checkpoint_keep,
+                                        on_written=lambda step_dir: self._count_checkpoint(step, step_dir))
+        return self._checkpoint
+
+    def _count_checkpoint(self, step: int, step_dir: str) -> None:
+        # From the save's thread, before older folders go. Recovery restores exactly this folder (not whatever
+        # `latest` names: another run's, or a load's).
+        self.checkpoints_written += 1
+        if self._recovery is not None:
+            self._recovery.note_saved(step, step_dir)
+
+    def _checkpoint_arrays(self) -> list:
+        """Every array of the training state (what a sharded save holds until it is written): flats, optimizer
+        states (bucket-major), buffers, frozen parameters."""
+        return [*self._flats, *self._states, *self._buffers, *self._frozen]
+
+    def _checkpoint_mesh(self):
+        """The mesh whose executors write the checkpoint (they hold `_checkpoint_arrays`)."""
+        return self.mesh
+
+    def _checkpoint_parts(self) -> list:
+        """The state as `sharded_checkpoint.CheckpointPart` s, each one layout on one set of holders (what the
+        executors write): here one, `_checkpoint_arrays` on `_checkpoint_mesh`."""
+        from .sharded_checkpoint import CheckpointPart
+
+        return [CheckpointPart.of_layout(self.layout, self._checkpoint_arrays(), self._checkpoint_mesh(),
+                                         self.plan.sharded_state)]
+
+    # ------------------------------------------------------------ state
+
+    def state_dict(self) -> dict:
+        """The training state as ordinary host tensors: ``{"model": ..., "optimizer": ..., "step": int}``.
+
+        ``model`` is keyed like ``model.state_dict()``; ``optimizer`` maps each trained
+        parameter's name to its state tensors. Waits for the dispatched steps.
+        """
+        tensors = self._named_tensors()
+        model = {k.removeprefix("model/"): v for k, v in tensors.items() if k.startswith("model/")}
+        optimizer: dict = {}
+        for key, value in tensors.items():
+            if key.startswith("optimizer/"):
+                name, state = key.removeprefix("optimizer/").rsplit("/", 1)
+                optimizer.setdefault(name, {})[state] = value
+        return {"model": model, "optimizer": optimizer, "step": self.step_count}
+
+    def _named_tensors(self) -> dict:
+        tensors = {}
+        layout = self.layout
+        flats, states, buffers, frozen = layout.split_state(self._checkpoint_arrays())
+        for bucket, flat in zip(layout.buckets, flats):
+            tensors.update({f"model/{n}": t.clone() for n, t in unflatten(bucket, flat.result()).items()})
+        states = iter(states)   # bucket-major
+        for bucket in layout.buckets:
+            for name in layout.state_names:
+                values = unflatten(bucket, next(states).result())
+                tensors.update({f"optimizer/{n}/{name}": t.clone() for n, t in values.items()})
+        for name, array in zip(layout.buffer_names + layout.frozen_names, [*buffers, *frozen]):
+            tensors[f"model/{name}"] = array.result()
+        return tensors
+
+    def save(self, path: str, *, data_position: dict | None = None) -> str:
+        """Write a checkpoint directory (safetensors + JSON, no pickle); returns the file written.
+
+        Holds parameters, buffers, optimizer state, the step count, the dropout RNG
+        seed, the client's torch RNG state and the data position (``samples_seen``,
+        plus any integers given in ``data_position``).
+        """
+        import torch
+
+        tensors = self._named_tensors()
+        tensors["rng/torch"] = torch.get_rng_state()
+        return write_checkpoint(path, tensors, self._checkpoint_meta(data_position))
+
+    def _checkpoint_meta(self, data_position: dict | None = None) -> dict:
+        """What every checkpoint records beside the tensors (either kind: `save`, `save_sharded`)."""
+        return {"step": self.step_count, "samples_seen": self.samples_seen, "seed": self.seed,
+                "optimizer": self._spec.kind, "plan": type(self.plan).__name__,
+                "data_position": dict(data_position or {})}
+
+    def load(self, path: str) -> dict:
+        """Restore a checkpoint written by `save` (under any plan and mesh size); returns its metadata."""
+        tensors, meta = read_checkpoint(path)
+        check_matches(path, tensors, self._initial_tensors())
+        if meta.get("optimizer") != self._spec.kind:
+            raise ValueError(f"checkpoint {path}: saved with a {meta.get('optimizer')!r} optimizer, this trainer "
+                             f"uses {self._spec.kind!r}")
+        if self._checkpoint is not None:   # a save of the state being replaced: let it end first
+            self._checkpoint.exception()
+            self._checkpoint = None
+        self._put_state(tensors)
+        self.step_count, self.samples_seen = int(meta["step"]), int(meta["samples_seen"])
+        self.seed = int(meta["seed"])
+        self._function = self._make_function()
+        if "rng/torch" in tensors:
+            import torch
+
+            torch.set_rng_state(tensors["rng/torch"])
+        if self.recover:   # what recovery restores is now the loaded state: written again, under checkpoint_dir
+            self._recovery.kept.clear()
+            self._recovery.forget_saved()
+            self.save_sharded(self.checkpoint_dir)     # a fresh folder: never the one just read
+        return meta
