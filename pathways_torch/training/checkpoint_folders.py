@@ -166,7 +166,7 @@ def remove_old(directory: str, keep: int, newest: str) -> list[str]:
         target = os.path.join(directory, f"{_REMOVING}{name}")
         # Each folder is judged under the lock just before its rename: a reader or a save that pinned it since the
         # scan keeps it, and one that pins after the rename finds it gone. The lock is held for one rename only:
-        # `unpin` runs on the data client's I/O thread, which must not wait behind a scan of network storage.
+        # a step's dispatch (a save's `claim`) must not wait behind a scan of network storage.
         with _lock:
             if _real(path) in _pins or _real(path) in {_real(newest), _real(resolve(directory))}:
                 continue

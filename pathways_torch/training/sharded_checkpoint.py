@@ -103,7 +103,10 @@ def save_sharded(context, trainer, directory: str, meta: dict, timeout_s: float 
             result.set_exception(exc)
         finally:
             snapshot.clear()
-            _when_all_done(futures, lambda: unpin(step_dir))
+            # Unpinned once no executor writes into the folder: a failed save's others may still be writing. Waited
+            # for here, on this background thread, not in the futures' callbacks on the data client's I/O thread.
+            concurrent.futures.wait(futures)
+            unpin(step_dir)
 
     threading.Thread(target=finish, name="pathways-checkpoint", daemon=True).start()
     return result
@@ -175,25 +178,6 @@ def _plan(trainer, step_dir: str) -> tuple[dict, dict]:
             if key not in whole:
                 (whole[key],) = place(part, array, f"whole/{key.removeprefix('model/')}", False)
     return requests, {"format": FORMAT, "buckets": buckets, "whole": whole, "client": CLIENT_FILE}
-
-
-def _when_all_done(futures: list, then) -> None:
-    """``then()`` once every future is done: a failed save's other executors may still be writing its folder."""
-    pending = [f for f in futures if not f.done()]
-    if not pending:
-        then()
-        return
-    count, lock = [len(pending)], threading.Lock()
-
-    def one_done(_future):
-        with lock:
-            count[0] -= 1
-            last = count[0] == 0
-        if last:
-            then()
-
-    for future in pending:
-        future.add_done_callback(one_done)
 
 
 def _write_client_file(path: str, rng) -> None:
