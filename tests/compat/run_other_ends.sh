@@ -24,6 +24,10 @@ find_python312() {
 }
 
 install() {
+    # Two more venvs of torch (several GB each, a CUDA build from PyPI for the second): pip's cache would keep
+    # a second copy of every wheel it downloads, and a CI machine once ran out of disk here (Errno 28).
+    export PIP_NO_CACHE_DIR=1
+    echo "== free disk before the compat installs: $(df -h --output=avail . | tail -n 1 | tr -d ' ')"
     echo "== install compat 1/2: torch 2.9.0 + torch_xla 2.9.0, Python 3.11"
     python3.11 -m venv .venv-oldest
     # Bytecode is compiled here, in the background of the main suite (with --no-compile the compat tests
