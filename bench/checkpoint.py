@@ -24,7 +24,7 @@ import time
 import torch
 
 import pathways_torch as pw
-from bench.common import print_table, write_results
+from bench.common import add_backend_argument, add_model_arguments, print_table, write_results
 from bench.train import ReverseTask, loss_fn, make_config, make_model
 
 __all__ = ["main"]
@@ -60,11 +60,10 @@ def _by_executors(ctx, trainer, path: str) -> dict:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--width", type=int, default=512)
-    parser.add_argument("--depth", type=int, default=8)
+    add_model_arguments(parser, width=512, depth=8)
     parser.add_argument("--executors", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--backend", default=None)
+    add_backend_argument(parser)
     parser.add_argument("--dir", default=None, help="where checkpoints are written (default: a temporary folder)")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)

@@ -1,4 +1,4 @@
-"""Shared helpers for the benchmarks: tables, JSON results, trace spans."""
+"""Shared helpers for the benchmarks: the flags they share, tables, JSON results, trace spans."""
 
 from __future__ import annotations
 
@@ -8,7 +8,8 @@ import platform
 import statistics
 import time
 
-__all__ = ["write_results", "print_table", "spans", "machine", "add_run_arguments", "timed_calls", "process_cpu_s"]
+__all__ = ["write_results", "print_table", "spans", "machine", "add_run_arguments", "add_quick_and_json",
+           "add_backend_argument", "add_model_arguments", "add_trace_dir_argument", "timed_calls", "process_cpu_s"]
 
 RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
@@ -18,18 +19,49 @@ def machine() -> dict:
             "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
 
 
-def add_run_arguments(parser, *, sizes: str, steps: int, repeats: int) -> None:
+def add_run_arguments(parser, *, sizes: str, steps: int, repeats: int,
+                      sizes_help: str = "comma-separated executor counts", steps_help: str | None = None,
+                      repeats_help: str | None = None) -> None:
     """The flags every scaling benchmark takes: executor counts, steps per window, windows."""
-    parser.add_argument("--sizes", default=sizes, help="comma-separated executor counts")
-    parser.add_argument("--steps", type=int, default=steps)
-    parser.add_argument("--repeats", type=int, default=repeats)
+    parser.add_argument("--sizes", default=sizes, help=sizes_help)
+    parser.add_argument("--steps", type=int, default=steps, help=steps_help)
+    parser.add_argument("--repeats", type=int, default=repeats, help=repeats_help)
 
 
-def write_results(name: str, payload: dict) -> str:
-    os.makedirs(RESULTS_DIR, exist_ok=True)
-    path = os.path.join(RESULTS_DIR, f"{name}.json")
+def add_quick_and_json(parser, name: str, *, quick_help: str) -> None:
+    """``--quick`` (a short run; ``quick_help`` says what it leaves out) and ``--json PATH`` (where
+    `write_results` writes; default bench/results/<name>.json)."""
+    parser.add_argument("--quick", action="store_true", help=quick_help)
+    parser.add_argument("--json", default=None, help=f"where to write the results (default bench/results/{name}.json)")
+
+
+def add_backend_argument(parser, help: str = "the executors' backend (default: the runtime's)") -> None:
+    """``--backend``: the executors' backend, None for the runtime's default."""
+    parser.add_argument("--backend", default=None, help=help)
+
+
+def add_model_arguments(parser, *, width: int | None, depth: int, batch: int | None = None,
+                        depth_help: str | None = None, batch_help: str | None = None) -> None:
+    """``--width`` and ``--depth`` of the benchmark's model, and ``--batch`` (rows) unless ``batch`` is
+    None and no ``batch_help`` is given."""
+    parser.add_argument("--width", type=int, default=width)
+    parser.add_argument("--depth", type=int, default=depth, help=depth_help)
+    if batch is not None or batch_help is not None:
+        parser.add_argument("--batch", type=int, default=batch, help=batch_help)
+
+
+def add_trace_dir_argument(parser, whose: str = "the executors'") -> None:
+    """``--trace-dir``: keep the Chrome traces of the run here."""
+    parser.add_argument("--trace-dir", default=None, help=f"keep {whose} Chrome traces here")
+
+
+def write_results(name: str, payload: dict, path: str | None = None, **dump) -> str:
+    """``payload`` after this machine's description, as JSON at ``path`` (``--json``; default
+    bench/results/<name>.json); ``dump``: more `json.dump` options. Returns the path."""
+    path = path or os.path.join(RESULTS_DIR, f"{name}.json")
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w") as f:
-        json.dump({"machine": machine(), **payload}, f, indent=2)
+        json.dump({"machine": machine(), **payload}, f, indent=2, **dump)
     return path
 
 

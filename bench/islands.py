@@ -81,7 +81,8 @@ for _path in (_ROOT, os.path.join(_ROOT, "examples")):
 import torch  # noqa: E402
 
 import pathways_torch as pw  # noqa: E402
-from bench.common import RESULTS_DIR, machine, print_table  # noqa: E402
+from bench.common import (add_backend_argument, add_model_arguments, add_quick_and_json,  # noqa: E402
+                          add_trace_dir_argument, print_table, write_results)
 from bench.pipeline import rotated  # noqa: E402
 from bench.train import make_config, make_model  # noqa: E402
 from transformer import ReverseTask, loss_fn  # noqa: E402
@@ -388,7 +389,7 @@ def relay_rate(link: pw.Link, num_bytes: int) -> float:
     import socket
     import threading
 
-    from pathways_torch.link import LinkRelay
+    from pathways_torch.local.link import LinkRelay
 
     server = socket.create_server(("127.0.0.1", 0))
     relay = LinkRelay(link)
@@ -849,13 +850,10 @@ def run_bytes(c: dict) -> float:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true",
-                        help="2 rounds of 4 steps, one link shape (100 MB/s, 1 ms), no 2 x 2 (under two minutes)")
-    parser.add_argument("--json", default=None, help="where to write the results (default bench/results/islands.json)")
-    parser.add_argument("--backend", default=None, help="the executors' backend (default: the runtime's)")
-    parser.add_argument("--width", type=int, default=128)
-    parser.add_argument("--depth", type=int, default=4)
-    parser.add_argument("--batch", type=int, default=128, help="global batch (rows); divisible by 4")
+    add_quick_and_json(parser, "islands",
+                       quick_help="2 rounds of 4 steps, one link shape (100 MB/s, 1 ms), no 2 x 2 (under two minutes)")
+    add_backend_argument(parser)
+    add_model_arguments(parser, width=128, depth=4, batch=128, batch_help="global batch (rows); divisible by 4")
     parser.add_argument("--bucket-mb", type=float, default=25.0,
                         help="the gradient buckets exchanged between islands, MB (pw.DataParallel's bucket_mb)")
     parser.add_argument("--steps", type=int, default=None, help="steps per timed window (default 10, quick 4)")
@@ -868,7 +866,7 @@ def main() -> int:
                         help="which groups to run, comma-separated: gated (a), 2x2 (b), shapes (c)")
     parser.add_argument("--method", choices=("auto", "open", "alternate"), default="auto",
                         help="keep a group's contexts open together, or one context per window (auto: by memory)")
-    parser.add_argument("--trace-dir", default=None, help="keep the executors' Chrome traces here")
+    add_trace_dir_argument(parser)
     args = parser.parse_args()
     quick = args.quick
     args.steps = args.steps or (4 if quick else 10)
@@ -918,14 +916,11 @@ def main() -> int:
     failures = [f"{k} in {g['name']}: |loss difference| {c['loss_difference']:.2e} over {c['loss_steps_compared']} "
                 f"steps" for g in summary["groups"] for k, c in g["configs"].items()
                 if c["loss_difference"] is not None and c["loss_difference"] > LOSS_TOLERANCE]
-    payload = {"machine": machine(), "args": vars(args), "method": method, "method_why": why,
+    payload = {"args": vars(args), "method": method, "method_why": why,
                "load_average_before": load_before, "load_average_after": load_after,
                "target": TARGET, "loss_tolerance": LOSS_TOLERANCE, "loss_failures": failures, **summary,
                "elapsed_s": elapsed}
-    path = args.json or os.path.join(RESULTS_DIR, "islands.json")
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    with open(path, "w") as f:
-        json.dump(payload, f, indent=2, default=str)
+    path = write_results("islands", payload, args.json, default=str)
     print(f"\nwritten to {path} ({elapsed:.0f} s)")
     if failures:
         print("LOSSES DISAGREE (same weights, same batches): " + "; ".join(failures))

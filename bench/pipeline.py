@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import os
 import statistics
 import sys
@@ -56,7 +55,8 @@ for _path in (_ROOT, os.path.join(_ROOT, "examples")):
 import torch  # noqa: E402
 
 import pathways_torch as pw  # noqa: E402
-from bench.common import RESULTS_DIR, machine, print_table  # noqa: E402
+from bench.common import (add_backend_argument, add_model_arguments, add_quick_and_json,  # noqa: E402
+                          add_trace_dir_argument, print_table, write_results)
 from bench.train import make_config, make_model  # noqa: E402
 from pathways_torch.pipeline.schedules import Action, make_schedule, simulate, theoretical_bubble  # noqa: E402
 from transformer import ReverseTask, loss_fn  # noqa: E402
@@ -514,17 +514,15 @@ def _ints(text: str) -> list[int]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true",
-                        help="fewer rounds and steps, sim S=4 at F=10 ms only (about a minute)")
-    parser.add_argument("--json", default=None, help="where to write the results (default bench/results/pipeline.json)")
-    parser.add_argument("--backend", default=None, help="the real executors' backend (default: the runtime's)")
+    add_quick_and_json(parser, "pipeline",
+                       quick_help="fewer rounds and steps, sim S=4 at F=10 ms only (about a minute)")
+    add_backend_argument(parser, help="the real executors' backend (default: the runtime's)")
     parser.add_argument("--sizes", default=None,
                         help="real-executor model sizes, comma-separated: small (width 64, batch 64: 8-row "
                              "microbatches, overhead-bound), large (width 128, batch 512: 64-row microbatches); "
                              "default both, quick small; --width/--batch give one size of your own")
-    parser.add_argument("--width", type=int, default=None)
-    parser.add_argument("--depth", type=int, default=4, help="blocks; even, so that 2 stages balance (>= 4)")
-    parser.add_argument("--batch", type=int, default=None, help="global batch (rows)")
+    add_model_arguments(parser, width=None, depth=4, depth_help="blocks; even, so that 2 stages balance (>= 4)",
+                        batch_help="global batch (rows)")
     parser.add_argument("--microbatches", type=int, default=8)
     parser.add_argument("--steps", type=int, default=None, help="steps per timed window (default 10, quick 5)")
     parser.add_argument("--warmup", type=int, default=3)
@@ -541,7 +539,7 @@ def main() -> None:
                         help="with --sim-islands: one-way delay of the relay between islands")
     parser.add_argument("--no-real", action="store_true", help="skip the real executors")
     parser.add_argument("--no-sim", action="store_true", help="skip the simulated executors")
-    parser.add_argument("--trace-dir", default=None, help="keep the sim executors' Chrome traces here")
+    add_trace_dir_argument(parser, "the sim executors'")
     args = parser.parse_args()
     quick = args.quick
     args.steps = args.steps or (5 if quick else 10)
@@ -586,12 +584,8 @@ def main() -> None:
     if sims:
         report_sim(sims)
     elapsed = time.perf_counter() - started
-    payload = {"machine": machine(), "args": {k: v for k, v in vars(args).items()}, "real": reals, "sim": sims,
-               "elapsed_s": elapsed}
-    path = args.json or os.path.join(RESULTS_DIR, "pipeline.json")
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    with open(path, "w") as f:
-        json.dump(payload, f, indent=2)
+    path = write_results("pipeline", {"args": {k: v for k, v in vars(args).items()}, "real": reals, "sim": sims,
+                                      "elapsed_s": elapsed}, args.json)
     print(f"\nwritten to {path} ({elapsed:.0f} s)")
 
 

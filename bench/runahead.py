@@ -30,7 +30,7 @@ import types
 import torch
 
 import pathways_torch as pw
-from bench.common import print_table, write_results
+from bench.common import add_run_arguments, print_table, write_results
 from bench.dispatch import MODES, PathwaysLoops
 from bench.train import loss_fn, make_batches, make_config, make_model, tokens_per_s
 
@@ -134,10 +134,9 @@ def measure(size: int, args) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--sizes", default="2", help="comma-separated executor counts")
+    add_run_arguments(parser, sizes="2", steps=200, repeats=4, steps_help="OpByOp computations per window",
+                      repeats_help="Chained / Fused calls per window")
     parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--steps", type=int, default=200, help="OpByOp computations per window")
-    parser.add_argument("--repeats", type=int, default=4, help="Chained / Fused calls per window")
     parser.add_argument("--train-steps", type=int, default=30, help="training steps per window")
     parser.add_argument("--unawaited", type=int, default=5000, help="unawaited tiny calls per window")
     parser.add_argument("--kinds", default=",".join(KINDS), help="what to time, comma-separated")

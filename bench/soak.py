@@ -34,10 +34,10 @@ import time
 import torch
 
 import pathways_torch as pw
-from bench.common import print_table, write_results
+from bench.common import add_backend_argument, add_model_arguments, print_table, write_results
 from bench.train import ReverseTask, loss_fn, make_config, make_model
 from pathways_torch.islands import ISLAND_AXIS
-from pathways_torch.process_state import is_gone
+from pathways_torch.wire.process_state import is_gone
 
 __all__ = ["main", "verdict", "kept_loss_bytes"]
 
@@ -125,10 +125,10 @@ def kept_loss_bytes(trainer) -> dict[str, int]:
     recovery = getattr(trainer, "_recovery", None)
     for kept in list(recovery.kept if recovery is not None else ()):
         array = kept.loss.array
-        if array._record.error is not None:
+        if array.failure is not None:
             continue                    # a failed step's loss holds no bytes
         nbytes = math.prod(array.block_shape) * array.dtype.itemsize
-        for executor_id in set(array._record.executor_ids):
+        for executor_id in set(array.mesh.executor_ids):
             held[executor_id] += nbytes
     return dict(held)
 
@@ -204,10 +204,8 @@ def main(argv=None) -> int:
     parser.add_argument("--minutes", type=float, default=2.0, help="how long the faulty run trains")
     parser.add_argument("--fault-every-s", type=float, default=20.0)
     parser.add_argument("--executors", type=int, default=2)
-    parser.add_argument("--backend", default=None, help="default: the default backend (XLA)")
-    parser.add_argument("--width", type=int, default=64)
-    parser.add_argument("--depth", type=int, default=2)
-    parser.add_argument("--batch", type=int, default=16)
+    add_backend_argument(parser, help="default: the default backend (XLA)")
+    add_model_arguments(parser, width=64, depth=2, batch=16)
     parser.add_argument("--checkpoint-every", type=int, default=10)
     parser.add_argument("--heartbeat-timeout-s", type=float, default=3.0)
     parser.add_argument("--islands", type=_islands, default=None,

@@ -74,7 +74,8 @@ for _path in (_ROOT, os.path.join(_ROOT, "examples")):
 import torch  # noqa: E402
 
 import pathways_torch as pw  # noqa: E402
-from bench.common import print_table, process_cpu_s, write_results  # noqa: E402
+from bench.common import (add_model_arguments, add_run_arguments, add_trace_dir_argument,  # noqa: E402
+                          print_table, process_cpu_s, write_results)
 from bench.ddp_train_baseline import DDPWorkers, status_field  # noqa: E402
 from transformer import DecoderOnlyTransformer, ReverseTask, TransformerConfig, loss_fn  # noqa: E402
 
@@ -399,21 +400,19 @@ def _mib(kib) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--sizes", default="1,2,4", help="executor / DDP process counts")
-    parser.add_argument("--width", type=int, default=64)
-    parser.add_argument("--depth", type=int, default=2)
-    parser.add_argument("--batch", type=int, default=64, help="global batch (rows); must divide by every size")
-    parser.add_argument("--steps", type=int, default=30, help="steps per timed window")
+    add_run_arguments(parser, sizes="1,2,4", steps=30, repeats=5, sizes_help="executor / DDP process counts",
+                      steps_help="steps per timed window",
+                      repeats_help="rounds of timed windows (runtime, DDP, eager interleaved); the median counts")
+    add_model_arguments(parser, width=64, depth=2, batch=64,
+                        batch_help="global batch (rows); must divide by every size")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps first (waited for)")
-    parser.add_argument("--repeats", type=int, default=5,
-                        help="rounds of timed windows (runtime, DDP, eager interleaved); the median counts")
     parser.add_argument("--xla-sizes", default="1,2", help="runtime sizes to run with backend='xla' too")
     parser.add_argument("--no-xla", action="store_true", help="skip the XLA comparison")
     parser.add_argument("--xla-backend", default="xla",
                         help="the XLA backend to compare with eager: xla (the installed default route), "
                              "xla:torchax or xla:torch_xla")
     parser.add_argument("--no-memory", action="store_true", help="skip the ShardedDataParallel memory run")
-    parser.add_argument("--trace-dir", default=None, help="keep each runtime run's Chrome trace here")
+    add_trace_dir_argument(parser, "each runtime run's")
     args = parser.parse_args()
     sizes = _ints(args.sizes)
     xla_sizes = [] if args.no_xla else _ints(args.xla_sizes)

@@ -8,7 +8,8 @@ client↔executor, transfers executor→executor.
 from .config import ControllerConfig
 from .resources import ExecutorInfo, MeshAllocation, ResourceManager
 from .arrays import ArrayRecord, ArrayTable
-from .dispatch import Controller, CallSpec
+from .call_spec import CallSpec
+from .dispatch import Controller
 from .server import ControllerServer
 
 __all__ = ["ControllerConfig", "ExecutorInfo", "MeshAllocation", "ResourceManager", "ArrayRecord",

@@ -1,11 +1,19 @@
-"""The table of arrays: where each array's shards live, its state, and who still holds it."""
+"""Arrays and their lifetimes: where each array's shards live, its state, who still holds it, and its frees.
+
+`ArrayTable` holds the records; `Lifetimes` follows a put's shards landing and the client's releases, and sends
+the Free messages once nothing holds an array (riding on the next message to the executor where it can).
+"""
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import threading
+from typing import Callable
 
-__all__ = ["ArrayRecord", "ArrayTable", "PENDING", "READY", "FAILED"]
+from pathways_torch.wire import pb
+
+__all__ = ["ArrayRecord", "ArrayTable", "Lifetimes", "PENDING", "READY", "FAILED"]
 
 PENDING, READY, FAILED = "pending", "ready", "failed"
 
@@ -27,22 +35,29 @@ class ArrayRecord:
     # Executors whose shard of it was lost: gone for good, even once a replacement takes the executor's place
     # (a call reading it there would wait forever), so the array may no longer be an input.
     lost_holders: set = dataclasses.field(default_factory=set)
+    # Told of every change (settled, or a holder lost), on the thread that made it, under the controller's lock:
+    # the client's own state of the array follows it (pathways_torch.client). Must be quick and not block.
+    listener: Callable[["ArrayRecord"], None] | None = dataclasses.field(default=None, repr=False, compare=False)
 
     def settle(self, state: str, error: BaseException | None = None) -> None:
         if self.state != PENDING:
             return  # the earliest outcome is kept
         self.state, self.error = state, error
         self.event.set()
+        if self.listener is not None:
+            self.listener(self)
 
     def lose(self, executor_id: str, error: BaseException) -> None:
         """A shard's executor is gone: fail the array even if it was ready (an earlier failure stays), unless it is
         replicated and a replica is left."""
         self.lost_holders.add(executor_id)
         if self.state == READY and self.replicated and len(self.lost_holders) < len(set(self.executor_ids)):
-            return    # a replica is left: the value stays readable from it (`live_position`)
-        if self.state != FAILED:
+            pass      # a replica is left: the value stays readable from it (`live_position`)
+        elif self.state != FAILED:
             self.state, self.error = FAILED, error
             self.event.set()
+        if self.listener is not None:
+            self.listener(self)
 
 
 class ArrayTable:
@@ -75,3 +90,94 @@ class ArrayTable:
 
     def records(self) -> list[ArrayRecord]:
         return list(self._records.values())
+
+
+# Frees wait for the next message to their executor, or for the client to idle; past this
+# many shards per executor they go at once, in a Free of their own.
+_MAX_PENDING_FREES = 256
+
+
+class Lifetimes:
+    """The `Controller`'s array lifetimes: puts landing, handles released, shards freed.
+
+    Its public methods take the controller's lock; `take_pending_frees` expects it held.
+    """
+
+    def __init__(self, controller):
+        self._controller = controller
+        self._lock, self.arrays, self.resources = controller._lock, controller.arrays, controller.resources
+        self._send = controller._send
+        self._pending_frees: dict[str, list] = collections.defaultdict(list)   # executor → shards to free
+        self._batching_frees = False     # inside release_many (under the lock)
+
+    def new_array(self, executor_ids: tuple[str, ...], *, landing: int = 0) -> ArrayRecord:
+        """An array whose shards the client puts itself (``landing`` shards still on their way)."""
+        with self._lock:
+            self._controller.members.check_live(executor_ids)
+            record = self.arrays.new(executor_ids, landing=landing)
+            if landing == 0:
+                record.settle(READY)
+            return record
+
+    def landed(self, array_id: int, error: BaseException | None = None) -> None:
+        """One put shard arrived on its executor (the client saw the ack), or never will (``error``)."""
+        with self._lock:
+            record = self.arrays.get(array_id)
+            if record is None:
+                return
+            if error is not None:
+                record.settle(FAILED, error)
+            record.landing -= 1
+            if record.landing == 0:
+                record.settle(READY)
+            self._maybe_forget(record)
+
+    def release(self, array_id: int) -> None:
+        """The client dropped its handle; free the shards once nothing else holds them."""
+        with self._lock:
+            record = self.arrays.get(array_id)
+            if record is None or record.released:
+                return
+            record.released = True
+            self._maybe_forget(record)
+
+    def _maybe_forget(self, record: ArrayRecord) -> None:
+        if not record.released or record.landing > 0:
+            return
+        self.arrays.forget(record.array_id)
+        for position, executor_id in enumerate(record.executor_ids):
+            pending = self._pending_frees[executor_id]
+            pending.append(pb.ShardRef(array_id=record.array_id, shard=position))
+            if len(pending) >= _MAX_PENDING_FREES and not self._batching_frees:
+                self._flush_frees()
+        self._controller.completion.output_forgotten(record.producer_call)
+
+    def release_many(self, array_ids) -> None:
+        """`release` several arrays, with one Free message per executor for all of them.
+
+        Sent at once, on the calling thread: a Free must never overtake a Run this thread
+        queued earlier that still reads the array (deferring the send could reorder them).
+        """
+        with self._lock:
+            self._batching_frees = True
+            try:
+                for array_id in array_ids:
+                    self.release(array_id)
+            finally:
+                self._batching_frees = False
+                self._flush_frees()
+
+    def flush_frees(self) -> None:
+        """Send every pending free now (the client is idle, or closing)."""
+        with self._lock:
+            self._flush_frees()
+
+    def _flush_frees(self) -> None:
+        pending, self._pending_frees = self._pending_frees, collections.defaultdict(list)
+        for executor_id, shards in pending.items():
+            if not self.resources.executors[executor_id].lost:
+                self._send(executor_id, pb.Envelope(free=pb.Free(shards=shards)))
+
+    def take_pending_frees(self, executor_id: str) -> list | None:
+        """The frees waiting for ``executor_id``, no longer pending (they ride on a message to it, or it is lost)."""
+        return self._pending_frees.pop(executor_id, None)

@@ -4,20 +4,20 @@ from __future__ import annotations
 
 import dataclasses
 
+from pathways_torch.wire.liveness import Liveness
+
 __all__ = ["ControllerConfig"]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class ControllerConfig:
-    """Where the controller listens and how it watches executors.
+class ControllerConfig(Liveness):
+    """Where the controller listens and how it watches executors (the heartbeat: `Liveness`).
 
     ``bind_address`` is loopback unless told otherwise (executors run code the
     controller sends; see docs/security.md).
     """
 
     bind_address: str = "tcp://127.0.0.1:0"
-    heartbeat_interval_s: float = 0.5
-    heartbeat_timeout_s: float = 10.0
     request_timeout_s: float = 30.0
     # gloo groups: an op that waits this long fails (None: the loss bound, 2 x heartbeat_timeout_s, at least
     # 20 s: a peer still compiling may keep the others waiting that long). A lost peer ends a blocked op
@@ -34,32 +34,19 @@ class ControllerConfig:
     max_inflight_calls: int = 256
 
     @property
-    def loss_bound_s(self) -> float:
-        """How long a silent executor may take to be declared lost (docs/faults.md): twice the timeout."""
-        return 2 * self.heartbeat_timeout_s
-
-    @property
     def group_timeout_s(self) -> float:
         """The timeout process groups are created with."""
-        if self.collective_timeout_s is not None:
-            return self.collective_timeout_s
-        return max(self.loss_bound_s, _MIN_GROUP_TIMEOUT_S)
+        return self.or_loss_bound(self.collective_timeout_s)
 
     @property
     def resolved_transfer_timeout_s(self) -> float:
-        if self.transfer_timeout_s is not None:
-            return self.transfer_timeout_s
-        return max(self.loss_bound_s, _MIN_GROUP_TIMEOUT_S)
+        return self.or_loss_bound(self.transfer_timeout_s)
 
     def __post_init__(self):
         if not isinstance(self.max_inflight_calls, int) or self.max_inflight_calls < 1:
             raise ValueError(f"max_inflight_calls: expected a positive int, got {self.max_inflight_calls!r}")
-        if not 0 < self.heartbeat_interval_s < self.heartbeat_timeout_s:
-            raise ValueError(f"heartbeats: expected 0 < interval ({self.heartbeat_interval_s}) "
-                             f"< timeout ({self.heartbeat_timeout_s})")
+        super().__post_init__()
         if not self.bind_address.startswith(("tcp://", "ipc://", "inproc://")):
             raise ValueError(f"bind_address: expected a ZeroMQ endpoint like tcp://127.0.0.1:0, "
                              f"got {self.bind_address!r}")
 
-
-_MIN_GROUP_TIMEOUT_S = 20.0

@@ -16,30 +16,21 @@ import dataclasses
 
 from pathways_torch.wire import pb
 
+from .call_spec import CallSpec
 from .resources import MeshAllocation
 
-__all__ = ["ProgramNodeSpec", "ProgramSpec", "LoweredProgram", "lower"]
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class ProgramNodeSpec:
-    name: str
-    function_id: int
-    mesh: MeshAllocation
-    inputs: tuple[int, ...]
-    outputs: tuple[int, ...]
-    collective_axes: tuple[str, ...] = ()
-    call_site: str = ""
-    replicated_outputs: tuple[bool, ...] = ()   # outputs declared Replicate()
-    debug: bool = False                         # digest replicated program outputs and compare them
+__all__ = ["ProgramSpec", "LoweredProgram", "lower"]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ProgramSpec:
+    """A traced program: its input values (on their meshes), its nodes (each a call of a function on a mesh, whose
+    inputs and outputs are values), and the values it returns."""
+
     name: str
     input_values: tuple[int, ...]
     input_meshes: tuple[MeshAllocation, ...]
-    nodes: tuple[ProgramNodeSpec, ...]
+    nodes: tuple[CallSpec, ...]
     output_values: tuple[int, ...]
 
     def value_meshes(self) -> dict[int, MeshAllocation]:

@@ -8,6 +8,6 @@ of ``pathways_torch`` but ``wire`` and ``errors``.
 
 from .config import ExecutorConfig
 from .store import ObjectStore
-from .worker import ExecutorCore
+from .core import ExecutorCore
 
 __all__ = ["ExecutorConfig", "ObjectStore", "ExecutorCore"]

@@ -5,13 +5,14 @@ from __future__ import annotations
 import dataclasses
 
 from pathways_torch.wire.backend_names import BACKEND_NAMES as BACKENDS
+from pathways_torch.wire.liveness import Liveness
 
 __all__ = ["ExecutorConfig", "BACKENDS"]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class ExecutorConfig:
-    """How one executor process runs.
+class ExecutorConfig(Liveness):
+    """How one executor process runs (its heartbeat: `Liveness`).
 
     ``controller_address`` is the controller's ZeroMQ endpoint; ``bind_host`` is
     where this executor listens for tensor bytes (loopback unless told otherwise).
@@ -30,8 +31,6 @@ class ExecutorConfig:
     bind_host: str = "127.0.0.1"
     num_threads: int = 1
     parent_pid: int = 0
-    heartbeat_interval_s: float = 0.5
-    heartbeat_timeout_s: float = 10.0
     # How long to wait for the controller's first answer (it may start after this executor, under a launcher).
     join_timeout_s: float = 60.0
     max_trace_events: int = 200_000
@@ -50,9 +49,7 @@ class ExecutorConfig:
             raise ValueError(f"cpus: expected core numbers >= 0, got {self.cpus}")
         if self.num_threads < 1:
             raise ValueError(f"num_threads: expected >= 1, got {self.num_threads}")
-        if not 0 < self.heartbeat_interval_s < self.heartbeat_timeout_s:
-            raise ValueError(
-                f"heartbeats: expected 0 < interval ({self.heartbeat_interval_s}) < timeout ({self.heartbeat_timeout_s})")
+        super().__post_init__()
         if not self.controller_address.startswith(("tcp://", "ipc://", "inproc://")):
             raise ValueError(f"controller_address: expected a ZeroMQ endpoint like tcp://127.0.0.1:5555, "
                              f"got {self.controller_address!r}")

@@ -25,7 +25,7 @@ import time
 
 import zmq
 
-from pathways_torch.process_state import is_gone
+from pathways_torch.wire.process_state import is_alive
 from pathways_torch.wire import SocketLoop, body_name, decode, encode, pb
 from pathways_torch.wire.framing import FramingError
 from pathways_torch.wire.security import (CONTROLLER, HANDSHAKE_FAILURES, HEARTBEAT_SUFFIX, INCARNATION_MARK,
@@ -39,9 +39,10 @@ from .collectives import CollectiveRuntime
 from .compile_cache import CompileCache
 from .compute_loop import ComputeLoop
 from .config import ExecutorConfig
+from .core import ExecutorCore
 from .data_roles import DataGate
+from .jobs import ComputeJob
 from .trace import TraceRecorder
-from .worker import ComputeJob, ExecutorCore
 
 __all__ = ["ExecutorProcess", "EXIT_LOST", "EXIT_CONTROLLER_GONE", "EXIT_REFUSED"]
 
@@ -315,7 +316,7 @@ class ExecutorProcess:
             now = time.monotonic()
             if now >= next_ping:
                 interval, timeout = self.core.heartbeat_settings or (interval, timeout)
-                if self.config.parent_pid and not _alive(self.config.parent_pid):
+                if self.config.parent_pid and not is_alive(self.config.parent_pid):
                     self._exit(f"parent process {self.config.parent_pid} is gone", EXIT_CONTROLLER_GONE)
                 # Until the controller first answers, it may still be starting (a launcher starts executors
                 # on every node before the script on node 0 has made its controller): wait up to join_timeout_s.
@@ -400,12 +401,3 @@ class ExecutorProcess:
 
 _TRANSFER_CHECK_S = 1.0   # how often unacknowledged transfers are checked against their deadlines
 
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return not is_gone(pid)    # a zombie parent is dead for our purposes

@@ -47,7 +47,7 @@ _WHERE = {
     "Trainer": "pathways_torch.training",
     "UnsupportedOptimizerError": "pathways_torch.training",
     "load_checkpoint": "pathways_torch.training.checkpoint",
-    "Link": "pathways_torch.link",
+    "Link": "pathways_torch.local.link",
     "Pipeline": "pathways_torch.pipeline",
     "pipe_split": "pathways_torch.pipeline",
     "PathwaysError": "pathways_torch.errors",

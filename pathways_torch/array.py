@@ -19,19 +19,19 @@ class Array:
     (or losing every reference) frees the shards on the executors.
     """
 
-    def __init__(self, context, record, shape, dtype, sharding: Sharding, block_shape):
+    def __init__(self, context, state, shape, dtype, sharding: Sharding, block_shape):
         self._context = context
-        self._record = record
+        self._state = state   # the client's own ArrayState (pathways_torch.controller_api), kept by its events
         self.shape = tuple(shape)
         self.dtype = dtype
         self.sharding = sharding
         self.block_shape = tuple(block_shape)
         self._value = None    # the assembled tensor, once fetched: readable after the context closes
-        self._finalizer = weakref.finalize(self, context._release, record.array_id)
+        self._finalizer = weakref.finalize(self, context._dispatch.release, state.array_id)
 
     @property
     def array_id(self) -> int:
-        return self._record.array_id
+        return self._state.array_id
 
     @property
     def mesh(self):
@@ -39,13 +39,33 @@ class Array:
 
     def done(self) -> bool:
         """True once the array is computed (or has failed)."""
-        return self._record.event.is_set()
+        return self._state.done()
+
+    def wait(self, timeout_s: float | None = None) -> bool:
+        """Wait until the array is computed or failed; True if it settled within ``timeout_s``. Never raises
+        the array's error (`exception` and `result` do)."""
+        try:
+            self._wait(timeout_s)
+        except TimeoutError:
+            return False
+        return True
+
+    @property
+    def failure(self) -> BaseException | None:
+        """The error the array settled with, as the controller reported it (not waited for; None while running
+        or after success). Recovery compares these by identity: one fault fails many arrays with one error."""
+        return self._state.error
+
+    @property
+    def lost_holders(self) -> tuple[str, ...]:
+        """The executors that held a shard of this array and were lost (its shards there are gone)."""
+        return self._state.lost_holders
 
     def exception(self, timeout_s: float | None = None, *, timeout: float | None = None) -> BaseException | None:
         """Wait for the array; return the error it failed with, or None. ``timeout`` is the
         ``concurrent.futures`` spelling of ``timeout_s``."""
         self._wait(_timeout(timeout_s, timeout))
-        return self._context._explained(self._record.error) if self._record.error is not None else None
+        return self._context._explained(self._state.error) if self._state.error is not None else None
 
     def result(self, timeout_s: float | None = None, *, timeout: float | None = None):
         """Wait, then fetch the shards straight from their executors and assemble them.
@@ -58,8 +78,8 @@ class Array:
         if self._value is not None:
             return self._value.clone()
         self._wait(timeout_s)
-        if self._record.error is not None:
-            raise self._context._explained(self._record.error)
+        if self._state.error is not None:
+            raise self._context._explained(self._state.error)
         if self._context.closed:
             from .errors import ContextClosedError
 
@@ -67,7 +87,7 @@ class Array:
                                      f"shards are gone; fetch it (.result()) inside the `with pw.Context` block")
         self._learn_shape()
         positions = positions_needed(self.block_shape, self.sharding.placements, self.mesh)
-        blocks = self._context._fetch_blocks(self, positions, timeout_s)
+        blocks = self._context._dispatch.fetch_blocks(self, positions, self._state.lost_holders, timeout_s)
         # Kept as assembled (a lone block is a read-only view of the received message: no copy to keep it);
         # the caller always gets a copy of its own.
         self._value = assemble_blocks(blocks, self.block_shape, self.sharding.placements, self.mesh)
@@ -83,26 +103,26 @@ class Array:
         if self.shape_known:
             return
         self._wait(timeout_s)
-        if self._record.error is not None:
-            raise self._context._explained(self._record.error)
-        self.block_shape = tuple(self._record.block_shape)
+        if self._state.error is not None:
+            raise self._context._explained(self._state.error)
+        self.block_shape = tuple(self._state.block_shape)
         self.shape = global_shape(self.block_shape, self.sharding.placements, self.mesh)
 
     def _wait(self, timeout_s: float | None) -> None:
-        event = self._record.event
-        if event.is_set():
+        state = self._state
+        if state.done():
             return
         # Frees of dropped arrays ride on the client's next call; a client that waits a
         # while sends them now, so the executors do not hold that memory meanwhile.
         first = _IDLE_FLUSH_S if timeout_s is None else min(timeout_s, _IDLE_FLUSH_S)
-        if event.wait(first):
+        if state.wait(first):
             return
-        self._context._flush_frees()
-        if not event.wait(None if timeout_s is None else timeout_s - first):
+        self._context._dispatch.flush_frees()
+        if not state.wait(None if timeout_s is None else timeout_s - first):
             raise TimeoutError(f"array {self.array_id} not ready within {timeout_s} s")
 
     def __repr__(self) -> str:
-        state = self._record.state
+        state = self._state.state
         return f"Array(id={self.array_id}, shape={self.shape}, dtype={self.dtype}, {self.sharding}, {state})"
 
 

@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import threading
 from typing import Callable, Sequence
 
 from .attention import portable_attention
 from .errors import CaptureError
+from .graph_cut import CAPTURE_LOCK as _CAPTURE_LOCK
 from .user_code import library_dirs
 from .wire import pb
 from .wire.graph_schema import GraphSchemaError, encode_graph
@@ -72,11 +72,6 @@ class CapturedVersion:
         ins = ", ".join(map(str, self.inputs))
         outs = ", ".join(map(str, self.outputs))
         return f"{self.name}({ins}) -> ({outs})"
-
-
-# make_fx patches process-wide state while it traces (dispatch modes, Module.__call__): two client threads
-# capturing at once would see each other's. Captures are rare (once per signature), so they take turns.
-_CAPTURE_LOCK = threading.RLock()
 
 
 def capture(fn: Callable, name: str, inputs: Sequence[InputSpec], rebuild: Callable) -> CapturedVersion:

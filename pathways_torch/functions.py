@@ -9,8 +9,6 @@ concatenated along dim 0; 0-d blocks stacked), ``Replicate()`` on the others.
 from __future__ import annotations
 
 import functools
-import linecache
-import os
 import sys
 from typing import Callable
 
@@ -19,10 +17,9 @@ from .capture import CapturedVersion, InputSpec, capture
 from .collectives import tracing_mesh
 from .errors import CaptureError, PlacementError
 from .placement import Replicate, Shard, Sharding, data_dependent_global_shape, normalize_placements
+from .tracing import SymbolicArray, call_site, current_tracer, replayed_call
 
 __all__ = ["function", "Function"]
-
-_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
 
 
 def function(fn: Callable | None = None, *, out=None, name: str | None = None, sim_time_s: float = 0.0):
@@ -61,8 +58,6 @@ class Function:
         return bound
 
     def __call__(self, *args, **kwargs):
-        from .programs import SymbolicArray, current_tracer, replayed_call
-
         tracer = current_tracer()
         if tracer is not None:
             return self._record(tracer, args, kwargs, SymbolicArray)
@@ -102,7 +97,7 @@ class Function:
                 self._calls.clear()
             known = self._calls[(signature, mesh)] = (version, layouts)
         version, layouts = known
-        outputs = context._call(version, mesh, arrays, layouts, _call_site())
+        outputs = context._dispatch.call(version, mesh, arrays, layouts, call_site())
         return outputs[0] if version.single_output else tuple(outputs)
 
     def _record(self, tracer, args, kwargs, symbolic_type):
@@ -208,36 +203,4 @@ def _static_key(value, name: str):
                        f"static Python value (int, float, bool, str, None, dtype, tuple of those)")
 
 
-def _call_site() -> str:
-    """The innermost frame outside pathways_torch, formatted like a traceback line.
-
-    Taken on every call (errors name it), so both questions — is a code object ours, what
-    does a line say — are answered once and remembered.
-    """
-    frame = sys._getframe(1)
-    while frame is not None and _is_ours(frame.f_code):
-        frame = frame.f_back
-    if frame is None:
-        return ""
-    key = (frame.f_code, frame.f_lineno)
-    site = _SITES.get(key)
-    if site is None:
-        filename, lineno = frame.f_code.co_filename, frame.f_lineno
-        line = linecache.getline(filename, lineno).strip()
-        site = f'  File "{filename}", line {lineno}, in {frame.f_code.co_name}\n    {line}\n'
-        if len(_SITES) < _MAX_SITES:
-            _SITES[key] = site
-    return site
-
-
-def _is_ours(code) -> bool:
-    ours = _OURS.get(code)
-    if ours is None:
-        ours = _OURS[code] = os.path.abspath(code.co_filename).startswith(_PACKAGE_DIR)
-    return ours
-
-
 _MAX_CACHED_CALLS = 1024
-_SITES: dict = {}
-_OURS: dict = {}
-_MAX_SITES = 4096

@@ -15,7 +15,7 @@ import dataclasses
 
 from .errors import PlacementError
 
-__all__ = ["IslandTable", "Island", "check_collectives_in_islands", "ISLAND_AXIS"]
+__all__ = ["IslandTable", "Island", "check_collectives_in_islands", "island_key", "ISLAND_AXIS"]
 
 ISLAND_AXIS = "island"   # the one mesh axis that may span islands (the outermost); as controller/resources.py
 
@@ -36,12 +36,18 @@ class IslandTable:
     link: str
 
     @classmethod
-    def of(cls, resources, link=None) -> "IslandTable":
+    def of(cls, executors, link=None) -> "IslandTable":
+        """The table of ``executors`` (`ExecutorView`s in order, or anything with ``ordered()`` giving them)."""
+        executors = list(executors.ordered() if hasattr(executors, "ordered") else executors)
+        by_island: dict[str, list] = {}
+        for info in executors:
+            by_island.setdefault(info.island, []).append(info)
         islands = []
-        for name, members in resources.islands().items():
+        for name in sorted(by_island, key=island_key):
+            members = by_island[name]
             islands.append(Island(name, tuple(m.executor_id for m in members), tuple(m.device for m in members),
                                   tuple(m.executor_id for m in members if m.lost)))
-        hosts = {m.data_address.rsplit(":", 1)[0] for m in resources.ordered()}
+        hosts = {m.data_address.rsplit(":", 1)[0] for m in executors}
         described = ("ZeroMQ over loopback (one host)" if hosts <= {"tcp://127.0.0.1", "tcp://localhost"}
                      else f"ZeroMQ over TCP ({len(hosts)} hosts)")
         if link is not None:
@@ -64,8 +70,14 @@ class IslandTable:
         return "\n".join(lines)
 
 
+def island_key(name: str) -> tuple:
+    """How islands are ordered: numbers by value ("2" before "10"), then the other names."""
+    return (not name.isdigit(), int(name) if name.isdigit() else 0, name)
+
+
 def check_collectives_in_islands(version, allocation, resources) -> None:
-    """Refuse a function whose collective axis would join executors of two islands (before it is sent)."""
+    """Refuse a function whose collective axis would join executors of two islands (before it is sent).
+    ``resources``: anything with ``island_of(executor_id)`` (the `ControllerClient`)."""
     for axis in getattr(version, "collective_axes", ()):
         names = [name for name, _ in allocation.axes]
         if axis not in names:

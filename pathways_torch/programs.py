@@ -26,86 +26,20 @@ the program, or express it in tensor ops.
 
 from __future__ import annotations
 
-import contextvars
 import dataclasses
 import functools
 from typing import Callable
 
 from .array import Array
 from .errors import CaptureError, PlacementError
-from .placement import Sharding
+from .tracing import (DataDependentNode, NodeRecord, Replay, SymbolicArray, Tracer, current_tracer, replaying,
+                      tracing)
 
 __all__ = ["program", "Program", "SymbolicArray", "ProgramGraph", "SequentialProgram", "current_tracer", "as_tuple"]
-
-_TRACER: contextvars.ContextVar["_Tracer | None"] = contextvars.ContextVar("pathways_program_tracer", default=None)
-_REPLAY: contextvars.ContextVar["_Replay | None"] = contextvars.ContextVar("pathways_program_replay", default=None)
-
-
-def current_tracer() -> "_Tracer | None":
-    return _TRACER.get()
-
 
 def as_tuple(value) -> tuple:
     """A call's outputs as a tuple: a function with one output returns it bare."""
     return value if isinstance(value, tuple) else (value,)
-
-
-def replayed_call(function):
-    """Inside a sequential program's replay: the outputs of the prefix node this call stands for, or None."""
-    replay = _REPLAY.get()
-    return None if replay is None else replay.take(function)
-
-
-class SymbolicArray:
-    """A value inside a program trace: layout known, value not."""
-
-    def __init__(self, tracer: "_Tracer", value: int, shape, dtype, sharding: Sharding, block_shape):
-        self._tracer, self.value = tracer, value
-        self.shape, self.dtype, self.sharding, self.block_shape = tuple(shape), dtype, sharding, tuple(block_shape)
-
-    @property
-    def mesh(self):
-        return self.sharding.mesh
-
-    def _no_value(self, what: str):
-        from .functions import _call_site
-
-        raise CaptureError(
-            f"{what} needs the value of %{self.value} inside @pw.program {self._tracer.name!r}, which is not known "
-            f"while the program is traced; decide outside the program (run it, then look at the result), or "
-            f"express the choice with tensor ops (torch.where)\nat:\n{_call_site()}")
-
-    def result(self, *args, **kwargs):
-        self._no_value("result()")
-
-    def done(self):
-        self._no_value("done()")
-
-    def exception(self, *args, **kwargs):
-        self._no_value("exception()")
-
-    def __bool__(self):
-        self._no_value("bool()")
-
-    def __index__(self):
-        self._no_value("int()")
-
-    def __float__(self):
-        self._no_value("float()")
-
-    def __repr__(self) -> str:
-        return f"%{self.value}"
-
-
-@dataclasses.dataclass(frozen=True)
-class NodeRecord:
-    index: int
-    function: object          # the Function
-    version: object           # its CapturedVersion
-    mesh: object              # the Mesh it runs on
-    inputs: tuple[int, ...]
-    outputs: tuple[int, ...]
-    layouts: tuple            # (shape, dtype, sharding, block) per output
 
 
 @dataclasses.dataclass
@@ -157,55 +91,6 @@ class SequentialProgram:
                 f"such an output waits for its producer")
 
 
-class _Replay:
-    """Answers a sequential program's first calls with the outputs of its prefix program, in trace order."""
-
-    def __init__(self, name: str, calls: list[tuple["NodeRecord", list]]):
-        self._name, self._calls, self._next = name, calls, 0   # (traced node, its output arrays)
-
-    def take(self, function):
-        if self._next >= len(self._calls):
-            return None
-        node, outputs = self._calls[self._next]
-        # `.on(mesh)` copies share the trace cache: that is the function's identity.
-        if node.function._versions is not function._versions:
-            raise CaptureError(f"program {self._name!r} called {function.name!r} where its trace called "
-                               f"{node.function.name!r}; a program body must call the same functions in the same "
-                               f"order every time it runs")
-        self._next += 1
-        return outputs[0] if node.version.single_output else tuple(outputs)
-
-
-class _DataDependentNode(Exception):
-    """Raised inside a program trace at the first node with data-dependent output sizes."""
-
-    def __init__(self, node: int, function: str):
-        super().__init__(function)
-        self.node, self.function = node, function
-
-
-class _Tracer:
-    def __init__(self, name: str):
-        self.name = name
-        self.layouts: dict[int, tuple] = {}
-        self.nodes: list[NodeRecord] = []
-        self._next_value = 0
-
-    def new_value(self, layout) -> SymbolicArray:
-        value = self._next_value
-        self._next_value += 1
-        self.layouts[value] = layout
-        return SymbolicArray(self, value, *layout)
-
-    def add_node(self, function, version, mesh, inputs, layouts) -> list[SymbolicArray]:
-        if version.data_dependent:
-            raise _DataDependentNode(len(self.nodes), version.name)
-        outs = [self.new_value(layout) for layout in layouts]
-        self.nodes.append(NodeRecord(len(self.nodes), function, version, mesh, tuple(a.value for a in inputs),
-                                     tuple(o.value for o in outs), tuple(layouts)))
-        return outs
-
-
 def program(fn: Callable | None = None, *, name: str | None = None):
     """Decorate a Python function that calls ``@pw.function``s; each call of it runs as one program."""
     if fn is None:
@@ -243,21 +128,18 @@ class Program:
         graph = self.graph(*arrays)
         if isinstance(graph, SequentialProgram):
             return self._run_sequential(graph, arrays)
-        outputs = arrays[0]._context._run_program(self, graph, arrays)
+        outputs = arrays[0]._context._dispatch.run_program(graph, arrays)
         return outputs[0] if graph.single_output else tuple(outputs)
 
     def _run_sequential(self, plan: SequentialProgram, arrays):
         """Run the static prefix as one program, then the body call by call, replaying the prefix's calls."""
         replay = None
         if plan.prefix is not None:
-            outputs = arrays[0]._context._run_program(self, plan.prefix, arrays)
+            outputs = arrays[0]._context._dispatch.run_program(plan.prefix, arrays)
             by_value = dict(zip(plan.prefix.output_values, outputs))
-            replay = _Replay(self.name, [(n, [by_value[v] for v in n.outputs]) for n in plan.prefix.nodes])
-        token = _REPLAY.set(replay)
-        try:
+            replay = Replay(self.name, [(n, [by_value[v] for v in n.outputs]) for n in plan.prefix.nodes])
+        with replaying(replay):
             return self.fn(*arrays)
-        finally:
-            _REPLAY.reset(token)
 
     def _check_inputs(self, arrays) -> None:
         if not arrays:
@@ -267,7 +149,7 @@ class Program:
                 raise PlacementError(f"program {self.name!r}: every argument must be a pw.Array (made by ctx.put "
                                      f"or a call), got {type(a).__name__}; bake other values into the functions")
 
-    def _prefix(self, tracer: _Tracer, symbols) -> ProgramGraph | None:
+    def _prefix(self, tracer: Tracer, symbols) -> ProgramGraph | None:
         """The nodes traced before a data-dependent one, as a program whose outputs are all they produce."""
         if not tracer.nodes:
             return None
@@ -276,15 +158,13 @@ class Program:
                             list(tracer.nodes), produced, single_output=False)
 
     def _trace(self, arrays) -> ProgramGraph:
-        tracer = _Tracer(self.name)
+        tracer = Tracer(self.name)
         symbols = [tracer.new_value((a.shape, a.dtype, a.sharding, a.block_shape)) for a in arrays]
-        token = _TRACER.set(tracer)
         try:
-            out = self.fn(*symbols)
-        except _DataDependentNode as stop:
+            with tracing(tracer):
+                out = self.fn(*symbols)
+        except DataDependentNode as stop:
             return SequentialProgram(self.name, stop.node, stop.function, self._prefix(tracer, symbols))
-        finally:
-            _TRACER.reset(token)
         single = not isinstance(out, (tuple, list))
         outs = [out] if single else list(out)
         for o in outs:

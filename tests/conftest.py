@@ -27,7 +27,7 @@ def wait_until(predicate, timeout_s: float, interval_s: float = 0.05) -> bool:
 
 def process_gone(pid: int) -> bool:
     """True when ``pid`` no longer runs (a zombie counts as gone)."""
-    from pathways_torch.process_state import is_gone
+    from pathways_torch.wire.process_state import is_gone
 
     return is_gone(pid)
 

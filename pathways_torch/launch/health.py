@@ -7,9 +7,9 @@
   not authenticated: it says SERVING or NOT_SERVING and nothing else (docs/security.md).
 - **Status** (service ``pathways.Status``, method ``Get``, messages in ``pathways.proto``): the
   controller's view — every executor's island, device, state, epoch, last heartbeat, node, store
-  bytes — and its queue. Served by a launched script's context on **loopback only**
-  (``--status-port``): it names hosts and sizes, so it is read on node 0 (``pathways-status
-  127.0.0.1:PORT``, or ``kubectl exec``), never exposed.
+  bytes — and its queue. The controller serves it (`controller.status`) for a launched script's
+  context on **loopback only** (``--status-port``); here is its reader, ``pathways-status
+  127.0.0.1:PORT`` (on node 0, or through ``kubectl exec``).
 
 No generated gRPC stubs: the status method is a generic handler over the protobuf messages.
 """
@@ -19,9 +19,9 @@ from __future__ import annotations
 import time
 from concurrent import futures
 
-__all__ = ["HealthServer", "serve_status", "get_status", "status_table", "STATUS_METHOD"]
+__all__ = ["HealthServer", "get_status", "status_table", "STATUS_METHOD"]
 
-STATUS_METHOD = "/pathways.Status/Get"
+STATUS_METHOD = "/pathways.Status/Get"   # served by controller/status.py
 
 
 class HealthServer:
@@ -49,50 +49,6 @@ class HealthServer:
     def stop(self) -> None:
         self._health.enter_graceful_shutdown()
         self.server.stop(grace=0.5)
-
-
-def serve_status(context, port: int, run_id: str = ""):
-    """Serve `pathways.Status` for ``context`` on 127.0.0.1:``port``; returns the gRPC server (stop() it)."""
-    import grpc
-
-    from ..wire import pb
-
-    def get(request, _):
-        return status_of(context, request.with_stats, run_id)
-
-    handler = grpc.method_handlers_generic_handler("pathways.Status", {
-        "Get": grpc.unary_unary_rpc_method_handler(get, request_deserializer=pb.StatusRequest.FromString,
-                                                   response_serializer=pb.StatusReply.SerializeToString)})
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
-    server.add_generic_rpc_handlers((handler,))
-    if server.add_insecure_port(f"127.0.0.1:{port}") == 0:
-        raise OSError(f"--status-port {port}: could not listen on 127.0.0.1:{port}")
-    server.start()
-    return server
-
-
-def status_of(context, with_stats: bool, run_id: str = ""):
-    """The controller's view of ``context``'s executors and queue, as a `pb.StatusReply`."""
-    from ..wire import pb
-
-    controller = context.controller
-    now = controller.clock()
-    reply = pb.StatusReply(run_id=run_id, calls_in_flight=len(controller._calls), arrays=len(controller.arrays))
-    stats = {}
-    if with_stats:
-        try:
-            stats = context.stats()["executors"]
-        except Exception as exc:   # noqa: BLE001 - a status reader must not fail on a slow executor
-            reply.stats_error = f"{type(exc).__name__}: {exc}"
-    for info in controller.resources.ordered():
-        mine = stats.get(info.executor_id, {})
-        reply.executors.append(pb.ExecutorStatus(
-            executor_id=info.executor_id, island=info.island, device=info.device, backend=info.backend,
-            state="lost" if info.lost else "alive", epoch=info.epoch,
-            seconds_since_heartbeat=max(0.0, now - info.last_heard),
-            node=controller.executor_labels.get(info.executor_id, ""),
-            store_bytes=int(mine.get("store_bytes", 0)), queue_high_water=int(mine.get("queue_high_water", 0))))
-    return reply
 
 
 def get_status(address: str, with_stats: bool = True, timeout_s: float = 10.0):

@@ -239,9 +239,10 @@ def _free_port() -> int:
 
 
 def _default_backend() -> str:
-    from ..context import ContextConfig
+    """What ``pw.Context()`` would run on this (CPU) host: the installed XLA route."""
+    from ..wire.backend_names import default_backend, resolve_backend_name
 
-    return ContextConfig(num_executors=1).resolved_backend
+    return resolve_backend_name(default_backend("cpu"))
 
 
 def _node_keys(config: LaunchConfig) -> str:
@@ -276,7 +277,7 @@ class Node:
         self._stopping = False
 
     def start(self) -> None:
-        from ..cluster import LocalCluster
+        from ..local.cluster import LocalCluster
 
         config = self.config
         env = config.environment()
@@ -305,7 +306,7 @@ class Node:
         """Start again each executor of this node that died (a signal) or was told it is lost (exit code
         EXIT_LOST), with its next spare key, while --max-executor-restarts allows; the controller takes the new
         incarnation in the old one's place and revokes the old key (docs/faults.md)."""
-        from ..cluster import describe_exit
+        from ..local.cluster import describe_exit
         from ..wire.security import spare_role
 
         with self._restart_lock:
@@ -329,7 +330,7 @@ class Node:
     def _kill_if_stopped_too_long(self, executor_id: str, process) -> None:
         """A stopped executor is a live process to this node but lost to the controller, which cannot replace it
         here: past --kill-stopped-after-s it is killed, and the next pass starts it again as one that died."""
-        from ..process_state import is_stopped
+        from ..wire.process_state import is_stopped
 
         if not is_stopped(process.pid):
             self._stopped_since.pop(process.pid, None)

@@ -3,11 +3,15 @@
 - `marker`: ``pw.pipe_split()``, where a chunk ends;
 - `split`: the traced forward + loss cut into chunk graphs (markers, or a block list balanced);
 - `autograd`: each chunk's forward and backward graphs (what the forward keeps for the backward);
-- `schedules`: GPipe, 1F1B and interleaved 1F1B as per-rank action lists, text in and out, simulated;
+- `schedules`: GPipe, 1F1B and interleaved 1F1B as per-rank action lists, text in and out, simulated
+  (a package: the action IR, communication, the generators, the simulator);
 - `chunk_functions`: the per-chunk functions of a step (forward, backward, tied gradients, update);
 - `plan`: `Pipeline`, the plan for ``ctx.wrap``; `trainer`: `PipelineTrainer`;
 - `evaluation`: its ``evaluate`` (forwards only, in eval mode); `checkpoints`: its executor-written
   checkpoints (each stage writes its own chunks) and recovery.
+
+The fx carver the splitter shares with the bucket cut is `pathways_torch.graph_cut`; the step's
+picture (``trainer.timeline``) is `pathways_torch.observe.timeline`.
 """
 
 import importlib

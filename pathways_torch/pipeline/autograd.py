@@ -20,7 +20,9 @@ from __future__ import annotations
 
 import dataclasses
 
-__all__ = ["ChunkAutograd", "partition_chunk", "views_as_reshapes"]
+from ..graph_cut import CAPTURE_LOCK, ancestors, views_as_reshapes
+
+__all__ = ["ChunkAutograd", "partition_chunk"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,9 +108,7 @@ def _trace_joint(joint, example_inputs, tangents):
     with FakeTensorMode(static_shapes=True):
         primals = [torch.empty(t.shape, dtype=t.dtype) for t in example_inputs]
         fakes = [torch.empty(t.shape, dtype=t.dtype) for t in tangents]
-    from ..capture import _CAPTURE_LOCK
-
-    with _CAPTURE_LOCK:   # make_fx patches process-wide state: one trace at a time (capture.py)
+    with CAPTURE_LOCK:   # make_fx patches process-wide state: one trace at a time
         return make_fx(joint, tracing_mode="fake")(primals, fakes)
 
 
@@ -143,7 +143,7 @@ def _partition(graph_module, num_inputs, num_outputs, differentiable, grad_outpu
         recomputable = {n for n in forward_nodes if n not in reads_data or _is_view(n)}
     recomputable |= trainable_primals
     needed = {a for n in backward_nodes for a in n.all_input_nodes} | set(grads)
-    recomputed = _closure([n for n in needed if n in recomputable], recomputable)
+    recomputed = ancestors([n for n in needed if n in recomputable], within=recomputable)
     boundary = (needed - recomputed) | {a for n in recomputed for a in n.all_input_nodes if a not in recomputed}
     keepable = set(forward_nodes) | {p for p in primals if p not in trainable_primals}
     saved = [n for n in forward_nodes if n in boundary and n in keepable]
@@ -175,33 +175,5 @@ def _partition(graph_module, num_inputs, num_outputs, differentiable, grad_outpu
                          num_outputs, len(saved), differentiable, grad_outputs, backward_params, layouts)
 
 
-def views_as_reshapes(graph) -> None:
-    """``aten.view`` → ``aten.reshape`` in ``graph``: the same values whatever the input's strides.
-
-    A graph traced here meets its inputs later with other strides than the trace saw: a kept
-    value that was a strided op's output arrives contiguous (captured on contiguous examples,
-    stored, sent), and a view remade in the backward reads it. ``view`` refuses strides it
-    cannot express; ``reshape`` is ``view`` where it can be and a copy where it cannot.
-    """
-    import torch
-
-    aten = torch.ops.aten
-    for node in graph.nodes:
-        if node.op == "call_function" and node.target in (aten.view.default, aten._unsafe_view.default):
-            node.target = aten.reshape.default
-
-
 def _is_view(node) -> bool:
     return node.op == "call_function" and getattr(node.target, "is_view", False)
-
-
-def _closure(roots: list, allowed: set) -> set:
-    """``roots`` and every node in ``allowed`` they are computed from."""
-    seen, stack = set(), list(roots)
-    while stack:
-        node = stack.pop()
-        if node in seen or node not in allowed:
-            continue
-        seen.add(node)
-        stack.extend(node.all_input_nodes)
-    return seen

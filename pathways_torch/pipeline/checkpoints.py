@@ -6,8 +6,8 @@ chunks' state — one `CheckpointPart` per chunk: its buckets and their optimize
 its slice under a sharded ``data`` plan), its buffers and frozen parameters — to one folder, whose index
 rebuilds the same named tensors as every other checkpoint (``model/<name>``,
 ``optimizer/<param>/<state>``), so it loads into eager PyTorch and under any other plan. A lost
-executor is replaced, every chunk's state is put back from the last checkpoint, and the kept steps
-run again (`Trainer.recover_from`).
+executor is replaced, every chunk's state is put back from the last checkpoint (the runner's
+``restore``), and the kept steps run again (`recovery.TrainerRecovery.recover_from`).
 
 Two things differ from a data-parallel trainer:
 
@@ -29,17 +29,17 @@ __all__ = ["PipelineCheckpoints"]
 
 
 class PipelineCheckpoints:
-    """`PipelineTrainer`'s half that deals with executor-written checkpoints (a mixin before `Trainer`)."""
+    """`PipelineRunner`'s half that deals with executor-written checkpoints and the state they hold."""
 
     _deferred_save: tuple | None = None   # (directory, update_latest, future) of a save asked before the first put
     _loose: tuple | list = ()             # (checkpoint name, replicated array) of names no chunk holds
 
-    def save_sharded(self, directory: str, *, update_latest: bool = True) -> concurrent.futures.Future:
-        """`Trainer.save_sharded`; before the first step (the state is still on the client, the model not yet
-        split) it is written at the next step's dispatch, and the future resolves then (its ``step_dir`` is set
-        then too)."""
+    def defer_save(self, directory: str, update_latest: bool) -> concurrent.futures.Future | None:
+        """Before the first step (the state is still on the client, the model not yet split) a sharded save is
+        written at the next step's dispatch: its future, which resolves then (its ``step_dir`` is set then
+        too). None once the state is on the executors (the trainer saves now)."""
         if self._state_on_executors():
-            return super().save_sharded(directory, update_latest=update_latest)
+            return None
         future = self._deferred_save[2] if self._deferred_save is not None else concurrent.futures.Future()
         self._deferred_save = (directory, update_latest, future)   # a later ask replaces an earlier one: one state
         return future
@@ -48,13 +48,13 @@ class PipelineCheckpoints:
         """Put the state on the chunks' meshes if it is still on the client (the split is known: a step is being
         dispatched), then write a save that was asked before."""
         if self._chunk_state is None:
-            self._put_state(self._host_state)
+            self.put_state(self._host_state)
         if self._deferred_save is None:
             return
         directory, update_latest, future = self._deferred_save
         self._deferred_save = None
         try:
-            started = super().save_sharded(directory, update_latest=update_latest)
+            started = self.trainer._start_sharded_save(directory, update_latest=update_latest)
         except BaseException as exc:
             future.set_exception(exc)
             raise
@@ -70,10 +70,11 @@ class PipelineCheckpoints:
                     held.add(f"model/{slot.name}")
                     held.update(f"optimizer/{slot.name}/{state}" for state in self.layout.state_names)
         names = [n for n in tensors if n not in held and n.startswith(("model/", "optimizer/"))]
-        arrays = self._context.put_many([(tensors[n], Replicate()) for n in names], self._stage_meshes[0])
+        arrays = self.trainer._context.put_many([(tensors[n], Replicate()) for n in names], self._stage_meshes[0])
         self._loose = list(zip(names, arrays))
 
-    def _checkpoint_parts(self) -> list:
+    def checkpoint_parts(self) -> list:
+        """One `CheckpointPart` per chunk, written by its stage's executors, and one of the loose names."""
         sharded = self.data.sharded_state and self.num_shards > 1
         parts = [CheckpointPart(buckets=plan.buckets, state_names=self.layout.state_names, flats=flats, states=states,
                                 wholes=[(f"model/{n}", a) for n, a in zip(plan.chunk.constants, constants)],
@@ -85,17 +86,14 @@ class PipelineCheckpoints:
                                         sharded=False))
         return parts
 
-    def _checkpoint_arrays(self) -> list:
+    def checkpoint_arrays(self) -> list:
         if self._chunk_state is None:
             return []
         return [*(a for flats, states, constants in self._chunk_state for a in (*flats, *states, *constants)),
                 *(array for _, array in self._loose)]
 
-    def _placed_arrays(self) -> list:
-        return self._checkpoint_arrays()     # no shard ranks: the dropout keys ride in with each batch
-
-    def _put_rank(self) -> None:
-        """Nothing: a pipeline keeps no per-shard rank array (recovery calls this before `_put_state`)."""
+    def placed_arrays(self) -> list:
+        return self.checkpoint_arrays()     # no shard ranks: the dropout keys ride in with each batch
 
 
 def _settle(future: concurrent.futures.Future, done: concurrent.futures.Future) -> None:

@@ -20,7 +20,7 @@ import torch
 
 from ..errors import CaptureError
 
-__all__ = ["pipe_split", "MARKER"]
+__all__ = ["pipe_split", "MARKER", "count_markers_into", "stop_counting_into"]
 
 
 @torch.library.custom_op("pathways::pipe_split", mutates_args=())
@@ -44,10 +44,22 @@ def pipe_split() -> None:
         raise CaptureError(f"pw.pipe_split() at {caller.f_code.co_filename}:{caller.f_lineno} is inside "
                            f"{branch}: the number of pipeline chunks must not depend on a branch; put the marker "
                            f"at the top level of forward (a for loop over the blocks is fine)")
-    from .split import count_marker
-
-    count_marker()
+    if _RECORDER:
+        _RECORDER[-1].markers += 1
     torch.ops.pathways.pipe_split()
+
+
+_RECORDER: list = []   # the recorders of the traces in progress; pipe_split counts into the innermost
+
+
+def count_markers_into(recorder) -> None:
+    """Until `stop_counting_into`, each ``pipe_split()`` call adds one to ``recorder.markers``."""
+    _RECORDER.append(recorder)
+
+
+def stop_counting_into(recorder) -> None:
+    """End `count_markers_into`."""
+    _RECORDER.remove(recorder)
 
 
 @functools.lru_cache(maxsize=256)

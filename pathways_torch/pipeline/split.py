@@ -22,7 +22,8 @@ from __future__ import annotations
 import dataclasses
 
 from ..errors import CaptureError, PlacementError
-from .marker import MARKER, pipe_split
+from ..graph_cut import CAPTURE_LOCK, carve
+from .marker import MARKER, count_markers_into, pipe_split, stop_counting_into
 
 __all__ = ["Chunk", "SplitModel", "split_model", "find_blocks", "balanced_boundaries"]
 
@@ -186,10 +187,8 @@ def _trace(model, loss_fn, form, leaves: list, names: list[str], seed: int):
     with FakeTensorMode(static_shapes=True):
         fakes = [torch.empty(tensors[n].shape, dtype=tensors[n].dtype) for n in names]
         fakes += [torch.empty(t.shape, dtype=t.dtype) for t in leaves]
-    from ..capture import _CAPTURE_LOCK
-
     try:
-        with _CAPTURE_LOCK:   # make_fx patches process-wide state: one trace at a time (capture.py)
+        with CAPTURE_LOCK:   # make_fx patches process-wide state: one trace at a time
             return make_fx(whole, tracing_mode="fake")(*fakes)
     except CaptureError:
         raise
@@ -207,8 +206,6 @@ def _has_markers(model, loss_fn, form, leaves, names, seed: int) -> bool:
 def _cut(graph_module, trained: list[str], constants: list[str], num_chunks: int, how: str,
          refuse_buffer_writes: bool = True) -> SplitModel:
     """Assign every op to a chunk (the markers before it) and build one graph per chunk."""
-    import torch.fx as fx
-
     placeholders = [n for n in graph_module.graph.nodes if n.op == "placeholder"]
     names = trained + constants
     role = {}   # placeholder node → ("param" | "constant", name) or ("batch", leaf index)
@@ -245,7 +242,7 @@ def _cut(graph_module, trained: list[str], constants: list[str], num_chunks: int
     for c in range(num_chunks):
         members = [n for n in graph_module.graph.nodes if chunk_of.get(n) == c]
         outgoing = tuple(numbering[n] for n in crossing if chunk_of[n] <= c < last_use[n])
-        chunk = _chunk_graph(fx, graph_module, c, members, role, incoming, outgoing, numbering,
+        chunk = _chunk_graph(graph_module, c, members, role, incoming, outgoing, numbering,
                              loss_node if c == num_chunks - 1 else None)
         chunks.append(chunk)
         incoming = outgoing
@@ -276,11 +273,7 @@ def _view_base(value):
     return value
 
 
-def _chunk_graph(fx, graph_module, index, members, role, incoming, outgoing, numbering, loss_node) -> Chunk:
-    import torch
-
-    graph = fx.Graph()
-    env = {}
+def _chunk_graph(graph_module, index, members, role, incoming, outgoing, numbering, loss_node) -> Chunk:
     used = {arg for n in members for arg in n.all_input_nodes if arg.op == "placeholder"}
     if loss_node is not None and loss_node.op == "placeholder":
         used.add(loss_node)
@@ -288,26 +281,11 @@ def _chunk_graph(fx, graph_module, index, members, role, incoming, outgoing, num
     params = [n for n in ordered if role[n][0] == "param"]
     consts = [n for n in ordered if role[n][0] == "constant"]
     batch = [n for n in ordered if role[n][0] == "batch"]
-    for node in params + consts + batch:
-        env[node] = graph.placeholder(f"{role[node][0]}_{numbering[node]}")
-        env[node].meta.update(node.meta)
     by_number = {numbering[n]: n for n in graph_module.graph.nodes}
-    for value in incoming:
-        env[by_number[value]] = graph.placeholder(f"incoming_{value}")
-        env[by_number[value]].meta.update(by_number[value].meta)
-    root = torch.nn.Module()
-    for node in members:
-        if node.op == "get_attr":
-            setattr(root, node.target, getattr(graph_module, node.target))
-        env[node] = graph.node_copy(node, lambda arg: env[arg])
-    results = [env[by_number[v]] for v in outgoing]
-    if loss_node is not None:
-        results.append(env[loss_node])
-    graph.output(tuple(results))
-    from .autograd import views_as_reshapes
-
-    views_as_reshapes(graph)   # an incoming value may arrive with other strides than the trace saw
-    module = fx.GraphModule(root, graph)
+    inputs = [(node, f"{role[node][0]}_{numbering[node]}") for node in params + consts + batch]
+    inputs += [(by_number[value], f"incoming_{value}") for value in incoming]
+    results = [by_number[v] for v in outgoing] + ([loss_node] if loss_node is not None else [])
+    module = carve(graph_module, members, inputs, results)
     return Chunk(index=index, graph_module=module, params=tuple(role[n][1] for n in params),
                  constants=tuple(role[n][1] for n in consts), batch_leaves=tuple(role[n][1] for n in batch),
                  incoming=tuple(incoming), outgoing=tuple(outgoing), has_loss=loss_node is not None,
@@ -343,7 +321,7 @@ class _ModuleEntries:
         # that starts a chunk is counted in it.
         self._hooks = [module.register_forward_pre_hook(self._entered)
                        for module in self._modules.values()]
-        _RECORDER.append(self)
+        count_markers_into(self)
         return self
 
     def _entered(self, module, args):
@@ -353,18 +331,10 @@ class _ModuleEntries:
     def __exit__(self, *exc):
         for hook in self._hooks:
             hook.remove()
-        _RECORDER.remove(self)
+        stop_counting_into(self)
 
     def by_chunk(self, num_chunks: int) -> list[tuple[str, ...]]:
         out = [[] for _ in range(num_chunks)]
         for name, chunk in self.entries.items():
             out[min(chunk, num_chunks - 1)].append(name)
         return [tuple(names) for names in out]
-
-
-_RECORDER: list = []   # the recorder of the trace in progress (pipe_split counts markers into it)
-
-
-def count_marker() -> None:
-    if _RECORDER:
-        _RECORDER[-1].markers += 1

@@ -26,6 +26,7 @@ import dataclasses
 import operator
 
 from ..errors import CaptureError
+from ..graph_cut import CAPTURE_LOCK, ancestors, carve
 
 __all__ = ["Segment", "BucketCut", "cut_per_bucket"]
 
@@ -72,14 +73,14 @@ def cut_per_bucket(joint, example_inputs: list, num_buckets: int, mesh_axes: dic
                            f"{len(results)} outputs")
     grads = results[1:1 + num_buckets]
     # The buckets in the order their gradients complete (the last op each one needs).
-    ancestry = [_ancestors(g) for g in grads]
+    ancestry = [ancestors([g]) for g in grads]
     order = sorted(range(num_buckets), key=lambda b: (max((numbering[n] for n in ancestry[b]), default=-1), b))
     wanted = [[0, 1 + order[0]]] + [[1 + b] for b in order[1:]]
     wanted[-1] += list(range(1 + num_buckets, len(results)))
     segment_of = {}
     for k, outs in enumerate(wanted):
         for index in outs:
-            for node in _ancestors(results[index]) if hasattr(results[index], "op") else ():
+            for node in ancestors([results[index]]) if hasattr(results[index], "op") else ():
                 if node.op not in ("placeholder", "output"):
                     segment_of.setdefault(node, k)
     # A multi-output op (native_batch_norm) returns a tuple that only its getitems read: they go with it, so
@@ -110,41 +111,14 @@ def _read_later_as_output(node, k: int, wanted: list, results: list) -> bool:
     return any(results[i] is node for outs in wanted[k + 1:] for i in outs)
 
 
-def _ancestors(node) -> set:
-    seen, stack = set(), [node]
-    while stack:
-        current = stack.pop()
-        if current in seen:
-            continue
-        seen.add(current)
-        stack.extend(current.all_input_nodes)
-    return seen
-
-
 def _segment_graph(graph_module, members, placeholders, carried_in, carried_out, returned, outs, numbering):
-    import torch
-    import torch.fx as fx
-
-    from ..pipeline.autograd import views_as_reshapes
-
-    graph, env = fx.Graph(), {}
     used = {a for n in members for a in n.all_input_nodes if a.op == "placeholder"}
     used |= {r for r in returned if getattr(r, "op", None) == "placeholder"}
     inputs = [p for p in placeholders if p in used]
-    for node in inputs:
-        env[node] = graph.placeholder(f"input_{placeholders.index(node)}")
-        env[node].meta.update(node.meta)
-    for node in carried_in:
-        env[node] = graph.placeholder(f"carried_{numbering[node]}")
-        env[node].meta.update(node.meta)
-    root = torch.nn.Module()
-    for node in members:
-        if node.op == "get_attr":
-            setattr(root, node.target, getattr(graph_module, node.target))
-        env[node] = graph.node_copy(node, lambda arg: env[arg])
-    graph.output(tuple([env[n] for n in carried_out] + [env[r] if hasattr(r, "op") else r for r in returned]))
-    views_as_reshapes(graph)   # a carried value may arrive with other strides than the trace saw
-    return Segment(graph_module=fx.GraphModule(root, graph), inputs=tuple(placeholders.index(p) for p in inputs),
+    named = [(p, f"input_{placeholders.index(p)}") for p in inputs]
+    named += [(n, f"carried_{numbering[n]}") for n in carried_in]
+    return Segment(graph_module=carve(graph_module, members, named, [*carried_out, *returned]),
+                   inputs=tuple(placeholders.index(p) for p in inputs),
                    carried_in=tuple(numbering[n] for n in carried_in),
                    carried_out=tuple(numbering[n] for n in carried_out), outputs=tuple(outs),
                    num_ops=sum(1 for n in members if n.op == "call_function"))
@@ -157,7 +131,6 @@ def _trace(joint, example_inputs: list, mesh_axes: dict):
     from torch.fx.experimental.proxy_tensor import make_fx
 
     from ..attention import portable_attention
-    from ..capture import _CAPTURE_LOCK
     from ..collectives import tracing_mesh
 
     with FakeTensorMode(static_shapes=True):
@@ -165,7 +138,7 @@ def _trace(joint, example_inputs: list, mesh_axes: dict):
     try:
         # make_fx patches process-wide state: one trace at a time. GQA attention is rewritten as capture.py
         # does it: the XLA routes cannot lower SDPA's kernel on fewer key/value heads (Llama failed here).
-        with _CAPTURE_LOCK, tracing_mesh(mesh_axes), portable_attention():
+        with CAPTURE_LOCK, tracing_mesh(mesh_axes), portable_attention():
             return make_fx(functionalize(joint, remove="mutations"), tracing_mode="fake")(*fakes)
     except CaptureError:
         raise

@@ -1,5 +1,7 @@
 """Data parallelism across islands: ``pw.DataParallel(("island", "data"))`` (or ``ShardedDataParallel``).
 
+`CrossIslandRunner` is that plan's `runner.StepRunner`.
+
 A step is one registered program over every island's mesh (its executors along the
 ``data`` axis):
 
@@ -25,24 +27,20 @@ gradient bytes / D across the link, and every island holds the same parameters a
 
 from __future__ import annotations
 
-import collections
-
 from ..errors import PlacementError
 from ..functions import Function
 from ..islands import ISLAND_AXIS
 from ..placement import Replicate, Shard
 from ..programs import Program, as_tuple
 from .buckets import flatten
-from .checkpoint_folders import DEFAULT_KEEP, check_keep
-from .optimizers import DYNAMIC, apply_update, read_optimizer
-from .plans import DataParallel, ShardedDataParallel
-from .step import _from_first_shard, gathered_params, loss_and_grads
-from .trainer import Trainer
+from .optimizers import DYNAMIC, apply_update
+from .step import _from_first_shard, gathered_params, loss_and_grads, make_layout
 
-__all__ = ["CrossIslandTrainer", "make_island_joint", "make_segment_function", "make_island_update"]
+__all__ = ["CrossIslandRunner", "make_island_joint", "make_segment_function",
+           "make_island_update"]
 
 
-def make_island_joint(model, loss_fn, layout, inner: DataParallel, num_shards: int, seed: int, form):
+def make_island_joint(model, loss_fn, layout, inner: "plans.DataParallel", num_shards: int, seed: int, form):
     """``(*flats, *buffers, *frozen, scalars, rank, *batch) -> (loss, *gradient flats, *buffers)`` of one shard:
     the forward and backward, not yet reduced (the step cut per bucket adds the reductions, `bucket_cut`)."""
     buckets = layout.buckets
@@ -63,7 +61,7 @@ def make_island_joint(model, loss_fn, layout, inner: DataParallel, num_shards: i
     return joint
 
 
-def make_segment_function(segment, inner: DataParallel, num_buckets: int, num_shards: int, index: int):
+def make_segment_function(segment, inner: "plans.DataParallel", num_buckets: int, num_shards: int, index: int):
     """Segment ``index`` of the step as a per-shard function: its graph, then the reductions inside the island of
     what it completes — the loss (mean), its bucket's gradient (reduce-scatter, mean: executor d keeps slice d),
     the buffers (shard 0's: it then takes the shard's rank as its last input)."""
@@ -94,7 +92,7 @@ def make_segment_function(segment, inner: DataParallel, num_buckets: int, num_sh
     return run_segment
 
 
-def make_island_update(spec, layout, inner: DataParallel, num_islands: int, num_shards: int,
+def make_island_update(spec, layout, inner: "plans.DataParallel", num_islands: int, num_shards: int,
                        max_grad_norm: float | None):
     """``(*flats, *states, scalars, *losses[I], *slices[I][buckets], *buffers of island 0)
     -> (loss, *flats, *states, *buffers)``: the islands' slices averaged, gathered, applied."""
@@ -133,18 +131,17 @@ def make_island_update(spec, layout, inner: DataParallel, num_islands: int, num_
     return update
 
 
-class CrossIslandTrainer(Trainer):
-    """Train under ``DataParallel(("island", axis))`` on a mesh ``{"island": I, axis: D}`` (see module doc)."""
+class CrossIslandRunner:
+    """The `StepRunner` of ``DataParallel(("island", axis))`` on a mesh ``{"island": I, axis: D}`` (module doc)."""
 
-    def __init__(self, context, model, *, optimizer, loss_fn, mesh, plan, max_grad_norm=None, seed=0,
-                 checkpoint_dir: str | None = None, checkpoint_every: int = 0, recover: bool | None = None,
-                 replacement_timeout_s: float = 120.0, checkpoint_keep: int = DEFAULT_KEEP):
+    # The plan's own views, and what tests and benches read through the trainer.
+    exposed = ("bucket_cut", "timeline", "inner", "num_islands", "_state", "_ranks", "_islands", "_programs",
+               "_update")
+
+    def __init__(self, trainer, plan):
         import torch
 
-        from .buckets import make_buckets, split_for_exchange
-        from .step import StepLayout
-
-        check_keep(checkpoint_keep)      # before anything is put on the mesh
+        model, mesh = trainer.model, trainer.mesh
         axes = tuple(plan.axis)
         if len(axes) != 2 or axes[0] != ISLAND_AXIS or list(mesh.axes) != list(axes):
             raise PlacementError(f"{type(plan).__name__}({axes!r}): expected ({ISLAND_AXIS!r}, <data axis>) on a mesh "
@@ -156,63 +153,105 @@ class CrossIslandTrainer(Trainer):
                                  f"span the whole batch; across islands they would span one island only (a "
                                  f"collective cannot cross islands): use nn.BatchNorm (DDP's per-shard statistics) "
                                  f"or train inside one island")
-        if max_grad_norm is not None and not max_grad_norm > 0:
-            raise ValueError(f"max_grad_norm: expected a positive number or None, got {max_grad_norm!r}")
-        self._context, self.model, self.optimizer, self.loss_fn = context, model, optimizer, loss_fn
-        self.mesh, self.plan, self.max_grad_norm, self.seed = mesh, plan, max_grad_norm, int(seed)
-        self.inner = (ShardedDataParallel if plan.sharded_state else DataParallel)(axes[1])
+        self.trainer, self.plan = trainer, plan
+        # The same kind of plan on the data axis alone (the plan's own class: plans.py imports this module).
+        self.inner = type(plan)(axes[1])
         self.num_islands, self.num_shards = mesh.axes[ISLAND_AXIS], mesh.axes[axes[1]]
-        self._spec = read_optimizer(optimizer)
-        buckets, frozen = make_buckets(model, optimizer)
-        buckets = split_for_exchange(buckets, int(plan.bucket_mb * 2**20), int(min(1.0, plan.bucket_mb) * 2**20))
-        self.layout = StepLayout(buckets=tuple(buckets), state_names=self._spec.state_names,
-                                 buffer_names=tuple(n for n, _ in model.named_buffers()),
-                                 frozen_names=tuple(frozen), num_groups=len(optimizer.param_groups))
-        self.samples_seen, self.step_count = 0, self._optimizer_step_count()
-        self._batch_forms: dict = {}
-        self._unfinished_steps: collections.deque = collections.deque()
+
+    def build(self):
+        from .buckets import split_for_exchange
+
+        t, mb = self.trainer, self.plan.bucket_mb
+        self.layout = make_layout(t.model, t.optimizer, t._spec, lambda buckets: split_for_exchange(
+            buckets, int(mb * 2**20), int(min(1.0, mb) * 2**20)))
         self._islands = self._island_meshes()
-        self._program = self._make_function()
-        self._put_rank()
-        self._put_state(self._initial_tensors())
-        # Checkpoints come from island 0 (every island holds the same state); a lost executor or a transfer
-        # lost on the link between islands restores the last one on every island (`Trainer.recover_from`).
-        self._set_up_recovery(checkpoint_dir, checkpoint_every, recover, replacement_timeout_s,
-                              checkpoint_keep=checkpoint_keep)
+        self.recapture()
+        return self.layout
+
+    def _island_meshes(self) -> list:
+        per, ctx = self.num_shards, self.trainer._context
+        ids = self.trainer.mesh.executor_ids
+        return [ctx.mesh({self.inner.axis: per}, executors=list(ids[i * per:(i + 1) * per]))
+                for i in range(self.num_islands)]
+
+    def recapture(self) -> None:
+        """The update (captured on first use, once per island mesh); the gradient segments are made per kind of
+        batch (`_program_for`)."""
+        t, layout, state = self.trainer, self.layout, self._state_placement()
+        self._update_key = t._spec.static_key()      # the optimizer's structure the update was made for
+        self._update = Function(
+            make_island_update(t._spec, layout, self.inner, self.num_islands, self.num_shards, t.max_grad_norm),
+            out=(Replicate(), *[state] * (len(layout.buckets) * (1 + len(layout.state_names))),
+                 *[Replicate()] * len(layout.buffer_names)), mesh=self._islands[0])
+        self._programs: dict = {}
+
+    def batch_pieces(self) -> tuple[int, str]:
+        pieces = self.num_islands * self.num_shards
+        return pieces, f"{self.num_islands} islands x {self.num_shards} data shards = {pieces}"
+
+    def _state_placement(self):
+        return {self.inner.axis: Shard(0)} if self.inner.sharded_state else Replicate()
+
+    # ------------------------------------------------------------ state
+
+    def restore(self, tensors: dict) -> None:
+        self._put_rank()       # a lost executor took its rank's shard too
+        self.put_state(tensors)
 
     def _put_rank(self) -> None:
         """Each shard's rank over all islands (island i's shard d is i * D + d: its dropout key)."""
         import torch
 
-        self._ranks = [self._context.put(torch.arange(self.num_shards, dtype=torch.int64) + i * self.num_shards, m,
-                                         {self.inner.axis: Shard(0)}) for i, m in enumerate(self._islands)]
+        ctx = self.trainer._context
+        self._ranks = [ctx.put(torch.arange(self.num_shards, dtype=torch.int64) + i * self.num_shards, m,
+                               {self.inner.axis: Shard(0)}) for i, m in enumerate(self._islands)]
 
-    def _island_meshes(self) -> list:
-        per = self.num_shards
-        ids = self.mesh.executor_ids
-        return [self._context.mesh({self.inner.axis: per}, executors=list(ids[i * per:(i + 1) * per]))
-                for i in range(self.num_islands)]
+    def put_state(self, tensors: dict) -> None:
+        """The same state on every island (each island's own copy, under the inner plan's placement)."""
+        layout, ctx = self.layout, self.trainer._context
+        padded = [b.padded_numel(self.num_shards) if self.inner.sharded_state else b.numel for b in layout.buckets]
+        items = layout.state_items(tensors, padded, self._state_placement())
+        # Assigned whole at the end: a put that fails (a loss) leaves the previous state.
+        self._state = [ctx.put_many(items, mesh) for mesh in self._islands]
 
-    def _state_placement(self):
-        return {self.inner.axis: Shard(0)} if self.inner.sharded_state else Replicate()
+    def named_tensors(self) -> dict:
+        return self.layout.named_tensors(self.checkpoint_arrays())
 
-    def _make_function(self):
-        """The update (captured on first use, once per island mesh); the gradient segments are made per kind of
-        batch (`_program_for`)."""
-        layout, state = self.layout, self._state_placement()
-        self._update = Function(
-            make_island_update(self._spec, layout, self.inner, self.num_islands, self.num_shards, self.max_grad_norm),
-            out=(Replicate(), *[state] * (len(layout.buckets) * (1 + len(layout.state_names))),
-                 *[Replicate()] * len(layout.buffer_names)), mesh=self._islands[0])
-        self._programs: dict = {}
-        return self._update
+    def checkpoint_arrays(self) -> list:
+        return list(self._state[0])       # every island holds the same state: island 0's executors write it
+
+    def checkpoint_parts(self) -> list:
+        from .sharded_checkpoint import CheckpointPart
+
+        return [CheckpointPart.of_layout(self.layout, self.checkpoint_arrays(), self._islands[0],
+                                         self.plan.sharded_state)]
+
+    def placed_arrays(self) -> list:
+        return [*(array for island in self._state for array in island), *self._ranks]
+
+    def defer_save(self, directory: str, update_latest: bool):
+        return None       # the state is on the executors from the start
+
+    def _state_examples(self) -> list:
+        """Meta tensors shaped as one shard's flats, buffers and frozen parameters (what the joint reads)."""
+        import torch
+
+        layout, num_shards, model = self.layout, self.num_shards, self.trainer.model
+        numels = [b.padded_numel(num_shards) // num_shards if self.inner.sharded_state else b.numel
+                  for b in layout.buckets]
+        named = {**dict(model.named_parameters()), **dict(model.named_buffers())}
+        return ([torch.empty(n, dtype=b.dtype, device="meta") for b, n in zip(layout.buckets, numels)]
+                + [torch.empty(named[n].shape, dtype=named[n].dtype, device="meta")
+                   for n in layout.buffer_names + layout.frozen_names])
+
+    # ------------------------------------------------------------ the step's program
 
     def _segments_for(self, form, example_inputs: list):
         """The step's forward and backward cut per bucket (`bucket_cut`), each segment a function."""
         from .bucket_cut import cut_per_bucket
 
-        layout, nb = self.layout, len(self.layout.buckets)
-        joint = make_island_joint(self.model, self.loss_fn, layout, self.inner, self.num_shards, self.seed, form)
+        t, layout, nb = self.trainer, self.layout, len(self.layout.buckets)
+        joint = make_island_joint(t.model, t.loss_fn, layout, self.inner, self.num_shards, t.seed, form)
         cut = cut_per_bucket(joint, example_inputs, nb, {self.inner.axis: self.num_shards})
         self.bucket_cut = cut
         sliced = {self.inner.axis: Shard(0)}
@@ -266,89 +305,37 @@ class CrossIslandTrainer(Trainer):
             return tuple(outputs)
 
         program = self._programs[key] = Program(cross_island_step,
-                                                name=f"cross_island_step[{type(self.model).__name__}]")
+                                                name=f"cross_island_step[{type(self.trainer.model).__name__}]")
         return program
-
-    # ------------------------------------------------------------ state
-
-    def _put_state(self, tensors: dict) -> None:
-        layout, placement = self.layout, self._state_placement()
-        sharded = self.inner.sharded_state
-        padded = [b.padded_numel(self.num_shards) if sharded else b.numel for b in layout.buckets]
-
-        def bucket_flat(bucket, n, key):
-            return flatten(bucket, {s.name: tensors[key(s.name)].to(bucket.dtype) for s in bucket.slots}, n)
-
-        state = []       # assigned whole at the end: a put that fails (a loss) leaves the previous state
-        for mesh in self._islands:
-            items = [(bucket_flat(b, n, lambda s: f"model/{s}"), placement) for b, n in zip(layout.buckets, padded)]
-            items += [(bucket_flat(b, n, lambda s, name=name: f"optimizer/{s}/{name}"), placement)
-                      for b, n in zip(layout.buckets, padded) for name in layout.state_names]
-            items += [(tensors[f"model/{n}"], Replicate()) for n in layout.buffer_names + layout.frozen_names]
-            state.append(self._context.put_many(items, mesh))
-        self._state = state
-
-    def _checkpoint_arrays(self) -> list:
-        return list(self._state[0])       # every island holds the same state: island 0's executors write it
-
-    def _checkpoint_mesh(self):
-        return self._islands[0]
-
-    def _placed_arrays(self) -> list:
-        return [*(array for island in self._state for array in island), *self._ranks]
-
-    def _state_examples(self) -> list:
-        """Meta tensors shaped as one shard's flats, buffers and frozen parameters (what the joint reads)."""
-        import torch
-
-        layout, num_shards = self.layout, self.num_shards
-        numels = [b.padded_numel(num_shards) // num_shards if self.inner.sharded_state else b.numel
-                  for b in layout.buckets]
-        named = {**dict(self.model.named_parameters()), **dict(self.model.named_buffers())}
-        return ([torch.empty(n, dtype=b.dtype, device="meta") for b, n in zip(layout.buckets, numels)]
-                + [torch.empty(named[n].shape, dtype=named[n].dtype, device="meta")
-                   for n in layout.buffer_names + layout.frozen_names])
 
     # ------------------------------------------------------------ stepping
 
-    def _batch_pieces(self) -> tuple[int, str]:
-        pieces = self.num_islands * self.num_shards
-        return pieces, f"{self.num_islands} islands x {self.num_shards} data shards = {pieces}"
-
-    def _dispatch_step(self, form, tensors: list, *, spec=None, modes=None):
+    def dispatch(self, form, tensors: list, scalars, modes: tuple):
         import torch
 
         from ..errors import CaptureError
 
-        # A step run again after a recovery passes the hyper-parameters and modes it had.
-        spec = spec if spec is not None else read_optimizer(self.optimizer)
-        if spec.static_key() != self._spec.static_key():   # the update's structure changed: capture it anew
-            self._spec = spec
-            self._make_function()
-        self._spec = spec
-        scalars = torch.tensor([self.step_count + 1, *spec.dynamic_values()], dtype=torch.float64)
+        t = self.trainer
+        if t._spec.static_key() != self._update_key:   # the update's structure changed: capture it anew
+            self.recapture()
         rows, axis = tensors[0].shape[0] // self.num_islands, self.inner.axis
         arrays = []
         for i, mesh in enumerate(self._islands):
-            fresh = self._context.put_many([(scalars, Replicate()),
-                                            *[(t[i * rows:(i + 1) * rows], {axis: Shard(0)}) for t in tensors]], mesh)
+            fresh = t._context.put_many([(scalars, Replicate()),
+                                         *[(x[i * rows:(i + 1) * rows], {axis: Shard(0)}) for x in tensors]], mesh)
             arrays += [*self._state[i], fresh[0], self._ranks[i], *fresh[1:]]
-        modes = modes if modes is not None else tuple(m.training for m in self.model.modules())
         shard_rows = rows // self.num_shards
         examples = [*self._state_examples(), scalars, torch.zeros(1, dtype=torch.int64),
-                    *[t[:shard_rows] for t in tensors]]
-        program = self._program_for(form, (spec.static_key(), modes, form.key), examples)
+                    *[x[:shard_rows] for x in tensors]]
+        program = self._program_for(form, (t._spec.static_key(), modes, form.key), examples)
         try:
             outputs = program(*arrays)
         except CaptureError as exc:
-            raise self._located(exc) from exc.__cause__
-        self._take_island_outputs(outputs)
-        self.optimizer._opt_called = True
-        self.step_count += 1
-        self.samples_seen += int(tensors[0].shape[0])
+            raise t._located(exc) from exc.__cause__
+        self._take_outputs(outputs)
         return outputs[0]
 
-    def _take_island_outputs(self, outputs) -> None:
+    def _take_outputs(self, outputs) -> None:
         layout = self.layout
         nb, ns, nbuf = len(layout.buckets), len(layout.state_names), len(layout.buffer_names)
         width = 1 + nb * (1 + ns) + nbuf
@@ -365,9 +352,10 @@ class CrossIslandTrainer(Trainer):
         import os
         import tempfile
 
-        from .island_timeline import chrome_step, draw, hidden_share, step_picture
+        from ..observe.timeline import (draw_islands as draw, hidden_share, island_chrome_step as chrome_step,
+                                        island_picture as step_picture)
 
-        if self.step_count == 0 or not getattr(self, "bucket_cut", None):
+        if self.trainer.step_count == 0 or not getattr(self, "bucket_cut", None):
             raise PlacementError("trainer.timeline: no step has run yet; call trainer.step(batch) first")
         for island in self._state:          # every island's update has run: its transfers are in the trace
             for array in island:
@@ -377,7 +365,7 @@ class CrossIslandTrainer(Trainer):
         handle, scratch = tempfile.mkstemp(suffix=".json")
         os.close(handle)
         try:
-            full = self._context.trace(scratch)
+            full = self.trainer._context.trace(scratch)
         finally:
             os.unlink(scratch)
         spans, flows = step_picture(full, len(self.bucket_cut.segments))
@@ -396,6 +384,8 @@ class CrossIslandTrainer(Trainer):
 
     predict = evaluate
 
-    def __repr__(self) -> str:
-        return (f"<CrossIslandTrainer {type(self.model).__name__} {type(self.plan).__name__}({self.plan.axis!r}) on "
-                f"{self.num_islands} islands x {self.num_shards} shards, step {self.step_count}>")
+    def describe(self) -> str:
+        t = self.trainer
+        return (f"<CrossIslandTrainer {type(t.model).__name__} {type(self.plan).__name__}({self.plan.axis!r}) on "
+                f"{self.num_islands} islands x {self.num_shards} shards, step {t.step_count}>")
+

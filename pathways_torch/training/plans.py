@@ -39,6 +39,18 @@ class DataParallel:
             raise ValueError(f"{type(self).__name__}: bucket_mb must be a positive number of megabytes, got "
                              f"{self.bucket_mb!r}")
 
+    def make_runner(self, trainer):
+        """The `runner.StepRunner` that runs ``trainer``'s steps under this plan: one mesh, or across islands
+        when the axis is ``("island", <data axis>)``."""
+        # Imported here: the runners import the plans (no circle at import time), and a plan stays light.
+        if isinstance(self.axis, (tuple, list)):
+            from .cross_island import CrossIslandRunner
+
+            return CrossIslandRunner(trainer, self)
+        from .data_parallel import DataParallelRunner
+
+        return DataParallelRunner(trainer, self)
+
     def check(self, mesh) -> int:
         """The number of data shards; refuses a mesh without the axis."""
         if isinstance(self.axis, (tuple, list)):

@@ -24,20 +24,22 @@ from __future__ import annotations
 import collections
 import dataclasses
 import logging
+import os
 import time
 import weakref
 
-from ..errors import COLLECTIVE_ABANDONED, TRANSFER_LOST, ExecutorLostError, RemoteError
-from .checkpoint_folders import pin, unpin
+from ..errors import COLLECTIVE_ABANDONED, TRANSFER_LOST, ExecutorLostError, PathwaysError, RemoteError
+from .checkpoint_folders import DEFAULT_KEEP, check_keep, pin, unpin
+from .optimizers import read_optimizer
 
 __all__ = ["StepLoss", "KeptStep", "RecoveryLog", "RecoveryFailed", "MAX_ATTEMPTS", "is_recoverable",
-           "TRANSFER_LOST", "COLLECTIVE_ABANDONED", "describe_cause"]
+           "TRANSFER_LOST", "COLLECTIVE_ABANDONED", "describe_cause", "TrainerRecovery"]
 
 log = logging.getLogger(__name__)
 
 # Losses in a row while recovering (a replacement lost too) before the error reaches the user.
 MAX_ATTEMPTS = 3
-
+_STATE_WAIT_S = 600.0     # how long recovery waits for the newest state to end, to see whether it failed
 
 
 class RecoveryFailed(ExecutorLostError):
@@ -182,9 +184,9 @@ class RecoveryLog:
     def failed(self) -> BaseException | None:
         """The recoverable error of a kept step that already failed with one (checked before each new step)."""
         for kept in reversed(self.kept):
-            record = kept.loss.array._record
-            if record.event.is_set() and is_recoverable(record.error):
-                return record.error
+            array = kept.loss.array
+            if array.done() and is_recoverable(array.failure):
+                return array.failure
         return None
 
     def note(self, cause: str, restored_step: int, rerun: int, recomputed: int, started: float) -> str:
@@ -207,3 +209,149 @@ class RecoveryLog:
                 "steps_recomputed": self.steps_recomputed,
                 "recovery_seconds": round(self.seconds, 3), "kept_steps": len(self.kept),
                 "last_checkpoint_step": self.saved_step, "events": list(self.events)}
+
+
+class TrainerRecovery:
+    """`Trainer`'s half that keeps steps and recovers from a loss; the state goes back through its runner
+    (``runner.restore``), whatever the plan."""
+
+    recover = False            # recovery from a lost executor (set in `_set_up_recovery` with checkpoint_every)
+    _recovery: RecoveryLog | None = None
+
+    def _set_up_recovery(self, checkpoint_dir, checkpoint_every: int, recover, replacement_timeout_s: float, *,
+                         checkpoint_keep: int = DEFAULT_KEEP) -> None:
+        """Checkpoints written by the executors every ``checkpoint_every`` steps, and recovery from them; the
+        ``checkpoint_keep`` newest kept (0: all; `checkpoint_folders`)."""
+        self.checkpoint_keep = check_keep(checkpoint_keep)
+        if checkpoint_every and not checkpoint_dir or checkpoint_every < 0:
+            raise ValueError(f"checkpoint_every={checkpoint_every!r}: expected a number of steps >= 1 with "
+                             f"checkpoint_dir (got checkpoint_dir={checkpoint_dir!r}), or 0 for none")
+        self.checkpoint_dir, self.checkpoint_every = checkpoint_dir, int(checkpoint_every)
+        self._checkpoint = None    # the save in flight (one at a time): a concurrent.futures.Future
+        self.checkpoints_written = 0
+        if recover and not checkpoint_every:
+            raise ValueError("recover=True: recovery restores the last checkpoint written by the executors; give "
+                             "checkpoint_dir= and checkpoint_every=K (K steps at most are run again)")
+        self.recover = bool(checkpoint_every) if recover is None else bool(recover)
+        self.replacement_timeout_s = float(replacement_timeout_s)
+        self._recovery = RecoveryLog()
+        if self.recover:
+            # Step 0: a loss before the first K steps restores this. It leaves an existing `latest` alone (a run
+            # being resumed: the user loads it next).
+            latest = os.path.join(self.checkpoint_dir, "latest")
+            self.save_sharded(self.checkpoint_dir, update_latest=not os.path.exists(latest))
+
+    def _recoverable_step(self, form, tensors: list) -> StepLoss:
+        """A step whose loss follows it through recoveries: kept until a checkpoint after it is written."""
+        error = self._recovery.failed()
+        if error is not None:
+            self.recover_from(error)
+        self._wait_for_room()
+        spec, modes = read_optimizer(self.optimizer), self._modes()
+        loss = StepLoss(self, None, self.step_count + 1)
+        kept = KeptStep(number=loss.number, form=form, tensors=tuple(tensors), spec=spec, modes=modes, loss=loss)
+        for attempt in range(MAX_ATTEMPTS + 1):
+            try:
+                with self._context._batched_release():
+                    loss.array = self._dispatch_step(form, tensors, spec=spec, modes=modes)
+                break
+            except (ExecutorLostError, RemoteError) as exc:   # the state was lost: recover, then dispatch it
+                if attempt == MAX_ATTEMPTS or not is_recoverable(exc) or not self.recover_from(exc):
+                    raise
+        self._recovery.keep(kept)
+        self._unfinished_steps.append(loss.array)
+        self._maybe_save()
+        return loss
+
+    def _after_recovery(self, run):
+        """``run()``; if the state lost a shard meanwhile, recover (if on) and run it again on the restored
+        state (evaluation and prediction: their results are not kept to follow a later recovery)."""
+        try:
+            return run()
+        except ExecutorLostError as exc:
+            if not self.recover_from(exc):
+                raise
+            return run()
+
+    def recover_from(self, error: BaseException, loss: StepLoss | None = None) -> bool:
+        """Recover from ``error`` (a lost executor or a lost transfer: see `training.recovery`); False if recovery
+        is off or the state is whole. Raises what makes it fail (no replacement within ``replacement_timeout_s``,
+        no checkpoint)."""
+        if not self.recover:
+            return False
+        if loss is not None and loss.array is not None and loss.array.failure is not error:
+            return True   # already re-run
+        for _ in range(MAX_ATTEMPTS - 1):
+            try:
+                return self._recover_once(error)
+            except (ExecutorLostError, RemoteError) as exc:   # another fault while recovering: recover from it
+                if not is_recoverable(exc):
+                    raise
+                log.warning("trainer: recovery interrupted by %s; recovering again", exc)
+                error = exc
+        return self._recover_once(error)      # the last attempt: what fails it reaches the caller
+
+    def _recover_once(self, error: BaseException) -> bool:
+        from .sharded_checkpoint import read_sharded
+
+        started = time.monotonic()
+        lost = [e for e in self.mesh.executor_ids if self._context.is_lost(e)]
+        if not lost and not self._state_broken(error):
+            return False   # the state is whole (recovered already): this step's loss cannot be run again
+        cause = describe_cause(error, lost)
+        log.warning("trainer: %s; recovering from %s", error, cause)
+        if self._checkpoint is not None:
+            # The save in flight ends first: it fails if it needed the lost executor, and must not ask the
+            # replacement for shards it never held.
+            self._checkpoint.exception()
+            self._checkpoint = None
+        self._replace(lost, error)
+        if self._recovery.saved_path is None:
+            raise PathwaysError(f"recovery from {error}: no checkpoint of this trainer was written yet (the first is "
+                                f"written when the trainer is made, in the background; it failed or is not done)")
+        tensors, meta = read_sharded(self._recovery.saved_path)
+        restored = int(meta["step"])
+        self._runner.restore(tensors)
+        self.step_count, self.samples_seen = restored, int(meta["samples_seen"])
+        rerun = self._recovery.since(restored)
+        recomputed = sum(1 for kept in rerun if kept.loss.array is not None and kept.loss.array.done()
+                         and kept.loss.array.failure is None)
+        for kept in rerun:
+            with self._context._batched_release():
+                kept.loss.array = self._dispatch_step(kept.form, list(kept.tensors), spec=kept.spec,
+                                                      modes=kept.modes)
+            self._unfinished_steps.append(kept.loss.array)
+            self._maybe_save()
+        self._recovery.note(cause, restored, len(rerun), recomputed, started)
+        return True
+
+    def _replace(self, lost: list, error: BaseException) -> None:
+        """Have every lost executor of the mesh replaced (a new incarnation in its place)."""
+        for executor_id in lost:
+            if self._context.is_lost(executor_id):   # its node may have restarted it meanwhile
+                try:
+                    self._context.replace_executor(executor_id, timeout_s=self.replacement_timeout_s)
+                except ExecutorLostError as exc:   # no replacement: trying again would only wait as long again
+                    raise RecoveryFailed(f"recovery from {error}: {exc}", executor_id=executor_id) from exc
+
+    def _state_broken(self, error: BaseException) -> bool:
+        """Whether the state on the mesh is lost (a shard's holder was lost) or failed (a lost transfer made a step
+        fail on one island: every later state there fails too, so the newest shows it once its steps end)."""
+        placed = self._runner.placed_arrays()
+        if any(a.lost_holders for a in placed):
+            return True
+        if not isinstance(error, RemoteError):
+            return False
+        deadline = time.monotonic() + _STATE_WAIT_S      # the newest steps end (they fail at once after the fault)
+        try:
+            return any(is_recoverable(a.exception(timeout_s=max(0.0, deadline - time.monotonic()))) for a in placed)
+        except TimeoutError:
+            raise PathwaysError(f"recovery from {error}: the trainer's newest state did not end within "
+                                f"{_STATE_WAIT_S:.0f} s (its steps still run); nothing was restored") from None
+
+    def stats(self) -> dict:
+        """What recovery did: ``recoveries``, ``steps_rerun`` (dispatched again), ``steps_recomputed`` (of those, the
+        ones that had completed: at most ``checkpoint_every`` per recovery), ``recovery_seconds``, ``kept_steps``
+        (held to be run again), ``last_checkpoint_step`` and one line per recovery (``events``)."""
+        return {"steps": self.step_count, "checkpoints_written": self.checkpoints_written,
+                **self._recovery.stats()}

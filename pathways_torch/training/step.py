@@ -21,12 +21,12 @@ import dataclasses
 from typing import Callable
 
 from .batches import forward_loss, split_batch
-from .buckets import Bucket, flatten, unflatten
+from .buckets import Bucket, flatten, make_buckets, unflatten
 from .optimizers import DYNAMIC, OptimizerSpec, apply_update
 from .random import counter_rng
 from .sync_batchnorm import global_batch_norm
 
-__all__ = ["StepLayout", "make_step", "loss_and_grads", "gathered_params", "batch_form"]
+__all__ = ["StepLayout", "make_layout", "make_step", "loss_and_grads", "gathered_params", "batch_form"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,11 +51,53 @@ class StepLayout:
         return (list(arrays[:nb]), list(arrays[nb:states_end]), list(arrays[states_end:states_end + nbuf]),
                 list(arrays[states_end + nbuf:]))
 
+    def state_items(self, tensors: dict, padded: list, placement) -> list:
+        """``(host tensor, placement)`` of the named state ``tensors`` in state order: each bucket's flat
+        parameters padded to ``padded`` elements, then their optimizer state (bucket-major), both under
+        ``placement``; buffers and frozen parameters replicated."""
+        from ..placement import Replicate
+
+        def bucket_flat(bucket, n, key):
+            return flatten(bucket, {s.name: tensors[key(s.name)].to(bucket.dtype) for s in bucket.slots}, n)
+
+        items = [(bucket_flat(b, n, lambda s: f"model/{s}"), placement) for b, n in zip(self.buckets, padded)]
+        items += [(bucket_flat(b, n, lambda s, name=name: f"optimizer/{s}/{name}"), placement)
+                  for b, n in zip(self.buckets, padded) for name in self.state_names]
+        items += [(tensors[f"model/{n}"], Replicate()) for n in self.buffer_names + self.frozen_names]
+        return items
+
+    def named_tensors(self, arrays: list) -> dict:
+        """The state held in ``arrays`` (state order) as named host tensors (``model/<name>``,
+        ``optimizer/<param>/<state>``); waits for them."""
+        tensors = {}
+        flats, states, buffers, frozen = self.split_state(arrays)
+        for bucket, flat in zip(self.buckets, flats):
+            tensors.update({f"model/{n}": t.clone() for n, t in unflatten(bucket, flat.result()).items()})
+        states = iter(states)   # bucket-major
+        for bucket in self.buckets:
+            for name in self.state_names:
+                values = unflatten(bucket, next(states).result())
+                tensors.update({f"optimizer/{n}/{name}": t.clone() for n, t in values.items()})
+        for name, array in zip(self.buffer_names + self.frozen_names, [*buffers, *frozen]):
+            tensors[f"model/{name}"] = array.result()
+        return tensors
+
     def describe(self) -> str:
         lines = [f"bucket {i}: {b.describe()}" for i, b in enumerate(self.buckets)]
         lines.append(f"optimizer state per bucket: {list(self.state_names)}")
         lines.append(f"buffers: {list(self.buffer_names)}; frozen: {list(self.frozen_names)}")
         return "\n".join(lines)
+
+
+def make_layout(model, optimizer, spec: OptimizerSpec, regroup: Callable | None = None) -> StepLayout:
+    """The layout of ``model``'s training state under ``optimizer``: DDP's buckets (``regroup``: cut again,
+    as the exchange across islands does), the optimizer's state names, buffers and frozen parameters."""
+    buckets, frozen = make_buckets(model, optimizer)
+    if regroup is not None:
+        buckets = regroup(buckets)
+    return StepLayout(buckets=tuple(buckets), state_names=spec.state_names,
+                      buffer_names=tuple(n for n, _ in model.named_buffers()),
+                      frozen_names=tuple(frozen), num_groups=len(optimizer.param_groups))
 
 
 def make_step(model, loss_fn: Callable | None, spec: OptimizerSpec, layout: StepLayout, plan, num_shards: int,

@@ -2,17 +2,16 @@
 
 ``trainer.save`` writes one file from the client (`checkpoint`); ``trainer.save_sharded`` (and
 ``checkpoint_every``) has the executors write their shards (`sharded_checkpoint`); ``trainer.load`` reads
-either, under any plan and mesh size. A mixin of `Trainer`: it reads the trainer's layout and arrays through
-``_checkpoint_arrays``/``_checkpoint_mesh``/``_checkpoint_parts``, which other plans override (the pipeline's
-`PipelineCheckpoints`, the cross-island trainer).
+either, under any plan and mesh size. A mixin of `Trainer`: where the state lives and how it is laid out is
+the plan's runner's (``runner.named_tensors``, ``checkpoint_arrays``, ``checkpoint_parts``, ``put_state``).
 """
 
 from __future__ import annotations
 
 import concurrent.futures
 
-from .buckets import unflatten
 from .checkpoint import check_matches, read_checkpoint, write_checkpoint
+from .checkpoint_folders import DEFAULT_KEEP
 from .recovery import is_recoverable
 
 __all__ = ["TrainerCheckpoints"]
@@ -21,12 +20,27 @@ __all__ = ["TrainerCheckpoints"]
 class TrainerCheckpoints:
     """`Trainer`'s half that reads its state out and writes and loads checkpoints."""
 
+    # Checkpoints written by the executors (set in `TrainerRecovery._set_up_recovery`).
+    checkpoint_dir: str | None = None
+    checkpoint_every = 0
+    checkpoint_keep = DEFAULT_KEEP
+    checkpoints_written = 0
+    _checkpoint = None
+
     def save_sharded(self, directory: str, *, update_latest: bool = True) -> "concurrent.futures.Future":
         """Write a checkpoint **from the executors**, in the background (`sharded_checkpoint`): each writes the
         shards it holds to ``directory`` (storage every host sees), no tensor bytes through the client; the
         next steps are dispatched meanwhile. Returns a future of the bytes written, done once ``latest`` names
         this step (in a fresh folder: the future's ``step_dir``) and all but the ``checkpoint_keep`` newest
-        checkpoints there are removed. One save at a time: a second waits for the first."""
+        checkpoints there are removed. One save at a time: a second waits for the first. Under a pipeline,
+        before the first step (the state still on the client), it is written at the next step's dispatch."""
+        deferred = self._runner.defer_save(directory, update_latest)
+        if deferred is not None:
+            return deferred
+        return self._start_sharded_save(directory, update_latest=update_latest)
+
+    def _start_sharded_save(self, directory: str, *, update_latest: bool) -> "concurrent.futures.Future":
+        """`save_sharded` of the state on the executors now."""
         from .sharded_checkpoint import save_sharded
 
         if self._checkpoint is not None:
@@ -47,21 +61,13 @@ class TrainerCheckpoints:
             self._recovery.note_saved(step, step_dir)
 
     def _checkpoint_arrays(self) -> list:
-        """Every array of the training state (what a sharded save holds until it is written): flats, optimizer
-        states (bucket-major), buffers, frozen parameters."""
-        return [*self._flats, *self._states, *self._buffers, *self._frozen]
-
-    def _checkpoint_mesh(self):
-        """The mesh whose executors write the checkpoint (they hold `_checkpoint_arrays`)."""
-        return self.mesh
+        """Every array of the training state (what a sharded save holds until it is written)."""
+        return self._runner.checkpoint_arrays()
 
     def _checkpoint_parts(self) -> list:
         """The state as `sharded_checkpoint.CheckpointPart` s, each one layout on one set of holders (what the
-        executors write): here one, `_checkpoint_arrays` on `_checkpoint_mesh`."""
-        from .sharded_checkpoint import CheckpointPart
-
-        return [CheckpointPart.of_layout(self.layout, self._checkpoint_arrays(), self._checkpoint_mesh(),
-                                         self.plan.sharded_state)]
+        executors write)."""
+        return self._runner.checkpoint_parts()
 
     # ------------------------------------------------------------ state
 
@@ -81,18 +87,21 @@ class TrainerCheckpoints:
         return {"model": model, "optimizer": optimizer, "step": self.step_count}
 
     def _named_tensors(self) -> dict:
-        tensors = {}
-        layout = self.layout
-        flats, states, buffers, frozen = layout.split_state(self._checkpoint_arrays())
-        for bucket, flat in zip(layout.buckets, flats):
-            tensors.update({f"model/{n}": t.clone() for n, t in unflatten(bucket, flat.result()).items()})
-        states = iter(states)   # bucket-major
-        for bucket in layout.buckets:
-            for name in layout.state_names:
-                values = unflatten(bucket, next(states).result())
-                tensors.update({f"optimizer/{n}/{name}": t.clone() for n, t in values.items()})
-        for name, array in zip(layout.buffer_names + layout.frozen_names, [*buffers, *frozen]):
-            tensors[f"model/{name}"] = array.result()
+        return self._runner.named_tensors()
+
+    def _initial_tensors(self) -> dict:
+        """Named host tensors of the whole training state, from the user's model and optimizer."""
+        import torch
+
+        params = dict(self.model.named_parameters())
+        tensors = {f"model/{n}": t.detach() for n, t in self.model.named_buffers()}
+        tensors.update({f"model/{n}": p.detach() for n, p in params.items()})
+        for name in self.layout.state_names:
+            for bucket in self.layout.buckets:
+                for slot in bucket.slots:
+                    existing = self.optimizer.state.get(params[slot.name], {}).get(name)
+                    value = existing if existing is not None else torch.zeros_like(params[slot.name])
+                    tensors[f"optimizer/{slot.name}/{name}"] = value.detach()
         return tensors
 
     def save(self, path: str, *, data_position: dict | None = None) -> str:
@@ -124,10 +133,10 @@ class TrainerCheckpoints:
         if self._checkpoint is not None:   # a save of the state being replaced: let it end first
             self._checkpoint.exception()
             self._checkpoint = None
-        self._put_state(tensors)
+        self._runner.put_state(tensors)
         self.step_count, self.samples_seen = int(meta["step"]), int(meta["samples_seen"])
         self.seed = int(meta["seed"])
-        self._function = self._make_function()
+        self._runner.recapture()     # the dropout seed may differ
         if "rng/torch" in tensors:
             import torch
 

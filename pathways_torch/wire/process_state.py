@@ -7,7 +7,7 @@ A zombie counts as gone: it runs nothing, and its parent has not reaped it yet.
 
 from __future__ import annotations
 
-__all__ = ["process_state", "is_gone", "is_stopped"]
+__all__ = ["process_state", "is_alive", "is_gone", "is_stopped"]
 
 GONE = None
 _GONE_STATES = ("Z", "X")        # zombie, dead
@@ -26,6 +26,11 @@ def process_state(pid: int) -> str | None:
 
 def is_gone(pid: int) -> bool:
     return process_state(pid) is GONE
+
+
+def is_alive(pid: int) -> bool:
+    """Running or stopped; a zombie is dead for every watcher here (it runs nothing)."""
+    return not is_gone(pid)
 
 
 def is_stopped(pid: int) -> bool:

@@ -33,5 +33,5 @@ with pw.Context() as ctx:
         print(json.dumps({"lost": str(exc)}), flush=True)
         sys.exit(7)
     print(json.dumps({"losses": losses, "islands": sorted({i.island for i in ctx.controller.resources.ordered()}),
-                      "groups": len(ctx.controller._groups),
+                      "groups": len(ctx.controller.groups.by_members),
                       "store_requests": ctx.controller.rendezvous.requests_served}), flush=True)

@@ -44,7 +44,7 @@ def test_a_collective_inside_each_island_and_none_across(ctx):
     blocks = total(x)
     assert blocks.shape == (2,) and torch.equal(blocks.result(), torch.tensor([1.0, 5.0]))
     resources = ctx.controller.resources
-    for members in ctx.controller._groups:
+    for members in ctx.controller.groups.by_members:
         assert len({resources.island_of(e) for e in members}) == 1, members
 
     @pw.function(out=pw.Replicate())
@@ -136,7 +136,7 @@ def shaped():
 def test_transfers_between_islands_cross_the_shaped_link_and_in_island_ones_do_not(shaped, ctx):
     import torch.nn as nn
 
-    from pathways_torch import netns
+    from pathways_torch.local import netns
     from tests.conftest import train_eagerly
 
     described = str(shaped.islands()).splitlines()[0]
@@ -225,7 +225,7 @@ def test_data_parallel_across_islands_equals_eager(ctx, plan, clip):
     state = trainer.state_dict()["model"]
     assert max((state[n] - p.detach()).abs().max().item() for n, p in reference.state_dict().items()) < 1e-9
     resources = ctx.controller.resources
-    for members in ctx.controller._groups:       # the reductions stayed inside each island
+    for members in ctx.controller.groups.by_members:       # the reductions stayed inside each island
         assert len({resources.island_of(e) for e in members}) == 1
 
 
@@ -326,7 +326,7 @@ def test_buckets_leave_while_the_backward_of_the_rest_runs(shaped, tmp_path):
 def test_timeline_draws_the_step_across_islands(shaped, tmp_path):
     import torch.nn as nn
 
-    from pathways_torch.training.island_timeline import describe, step_picture
+    from pathways_torch.observe.timeline import describe, island_picture as step_picture
 
     model = _deep_mlp()
     trainer = shaped.wrap(model, optimizer=torch.optim.SGD(model.parameters(), lr=0.05), loss_fn=nn.MSELoss(),

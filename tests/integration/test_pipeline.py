@@ -335,7 +335,7 @@ def test_timeline_draws_the_last_step_from_executor_timestamps(ctx, tmp_path):
     pytest.importorskip("matplotlib")
     import json
 
-    from pathways_torch.pipeline.timeline import describe
+    from pathways_torch.observe.timeline import describe
 
     model = _blocks(depth=4)
     plan = pw.Pipeline(microbatches=4, schedule="1f1b", data=pw.DataParallel("data"))

@@ -219,7 +219,7 @@ def test_a_done_whose_handling_raises_still_ends_its_call(setup, monkeypatch):
     def broken(call):
         raise ZeroDivisionError("a bug while completing")
 
-    monkeypatch.setattr(controller, "_complete", broken)
+    monkeypatch.setattr(controller.completion, "_complete", broken)
     _done(controller, "e0", call_id)
     assert out.state == "failed" and isinstance(out.error, PathwaysError)
     assert "a bug while completing" in str(out.error) and "train.py" in str(out.error)

@@ -5,7 +5,7 @@ import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from executor.backends.torch_based import EagerBackend
-from executor.worker import ExecutorCore
+from executor.core import ExecutorCore
 from pathways_torch.wire import pb
 from pathways_torch.wire.graph_schema import encode_graph
 from pathways_torch.wire.tensors import frame_to_tensor, tensor_to_frame
@@ -519,7 +519,7 @@ def test_a_put_whose_frame_does_not_match_its_header_is_answered_with_a_failure(
 
 def test_an_early_transfer_refused_for_want_of_room_fails_its_run(monkeypatch):
     """Past the cap of early copies a copy cannot be kept: its Run fails at once, naming why, not waits forever."""
-    import executor.worker as worker
+    import executor.data_plane as worker
 
     monkeypatch.setattr(worker, "_MAX_EARLY_TRANSFERS", 1)
     core, outbox = make_core()
@@ -552,7 +552,7 @@ def test_a_program_run_whose_handling_raises_is_reported(monkeypatch):
     def broken(plan, msg):
         raise KeyError("a bug while planning")
 
-    import executor.worker as worker
+    import executor.run_queue as worker
 
     monkeypatch.setattr(worker, "_value_ids", broken)
     core.on_control(pb.Envelope(run_program=pb.RunProgram(program_id=5, base_seq=2, base_call_id=20)), [])

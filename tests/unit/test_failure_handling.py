@@ -252,7 +252,7 @@ def test_heartbeats_are_answered_while_the_launcher_is_asked_about_a_lost_peer(e
     import time
     import types
 
-    from pathways_torch.context import Context
+    from pathways_torch.client import InProcessClient as Context   # where the exit watch lives
     from pathways_torch.errors import RemoteError
     from pathways_torch.wire.loop import SocketLoop
 

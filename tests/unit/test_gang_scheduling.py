@@ -21,7 +21,7 @@ import torch
 
 from controller import CallSpec, Controller
 from executor.backends.torch_based import EagerBackend
-from executor.worker import ExecutorCore
+from executor.core import ExecutorCore
 from pathways_torch.capture import InputSpec, capture
 from pathways_torch.collectives import all_reduce, tracing_mesh
 from pathways_torch.wire import collective_ops, pb

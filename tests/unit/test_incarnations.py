@@ -344,16 +344,16 @@ def test_the_receiver_answers_a_lost_copy_only_when_a_run_waits_for_it():
 
 
 def test_a_program_that_ran_on_a_replaced_executor_is_lowered_again_for_its_new_address_and_groups(setup):
-    from controller.program import ProgramNodeSpec, ProgramSpec
+    from controller.program import ProgramSpec
 
     controller, outbox, function_id = setup
     pair = controller.resources.allocate({"data": 2}, ["e1", "e2"])
     on_e0, on_e1 = (controller.resources.allocate({"data": 1}, [e]) for e in ("e0", "e1"))
     spec = ProgramSpec(name="p", input_values=(0,), input_meshes=(pair,), output_values=(3,), nodes=(
-        ProgramNodeSpec(name="reduce", function_id=function_id, mesh=pair, inputs=(0,), outputs=(1,),
-                        collective_axes=("data",)),
-        ProgramNodeSpec(name="there", function_id=function_id, mesh=on_e0, inputs=(1,), outputs=(2,)),
-        ProgramNodeSpec(name="back", function_id=function_id, mesh=on_e1, inputs=(2,), outputs=(3,))))
+        CallSpec(name="reduce", function_id=function_id, mesh=pair, inputs=(0,), outputs=(1,),
+                 collective_axes=("data",)),
+        CallSpec(name="there", function_id=function_id, mesh=on_e0, inputs=(1,), outputs=(2,)),
+        CallSpec(name="back", function_id=function_id, mesh=on_e1, inputs=(2,), outputs=(3,))))
     lowered = controller.register_program(spec)
     controller.run_program(lowered.program_id, [controller.new_array(pair.executor_ids).array_id])
     first = {e: env.register_program for e, env in outbox.of("register_program")}
@@ -409,7 +409,7 @@ def test_an_abandoned_groups_collective_raises_collective_abandoned_which_recove
 
 def _two_island_program():
     """Islands a (e0, e1) and b (e2, e3), and one run of a program reducing on a, then on b (a copy crosses)."""
-    from controller.program import ProgramNodeSpec, ProgramSpec
+    from controller.program import ProgramSpec
 
     outbox, clock = FakeOutbox(), FakeClock()
     controller = Controller(outbox, ControllerConfig(heartbeat_interval_s=0.5, heartbeat_timeout_s=5.0), clock=clock)
@@ -420,10 +420,10 @@ def _two_island_program():
     function_id = controller.register_function("f", pb.Graph(), [])
     here, there = (controller.resources.allocate({"data": 2}, ids) for ids in (["e0", "e1"], ["e2", "e3"]))
     spec = ProgramSpec(name="p", input_values=(0,), input_meshes=(here,), output_values=(2,), nodes=(
-        ProgramNodeSpec(name="reduce", function_id=function_id, mesh=here, inputs=(0,), outputs=(1,),
-                        collective_axes=("data",)),
-        ProgramNodeSpec(name="across", function_id=function_id, mesh=there, inputs=(1,), outputs=(2,),
-                        collective_axes=("data",))))
+        CallSpec(name="reduce", function_id=function_id, mesh=here, inputs=(0,), outputs=(1,),
+                 collective_axes=("data",)),
+        CallSpec(name="across", function_id=function_id, mesh=there, inputs=(1,), outputs=(2,),
+                 collective_axes=("data",))))
     lowered = controller.register_program(spec)
     [out] = controller.run_program(lowered.program_id, [controller.new_array(here.executor_ids).array_id])
     return controller, outbox, lowered, out
@@ -437,7 +437,7 @@ def test_a_loss_cancels_and_abandons_on_every_island_its_program_run_spans():
     assert isinstance(out.error, ExecutorLostError)
     assert sorted(e for e, _ in outbox.of("cancel")) == ["e0", "e1", "e2"]
     assert controller.heard_from("e0", 1)[1] == controller.heard_from("e2", 1)[1] == ["e3@1<3"]
-    assert controller._groups == {} and lowered.program_id in controller._stale_programs
+    assert controller.groups.by_members == {} and lowered.program_id in controller._stale_programs
 
 
 def test_a_lost_transfer_abandons_both_islands_groups_and_lowers_their_programs_again_but_a_late_report_does_not():
@@ -453,7 +453,7 @@ def test_a_lost_transfer_abandons_both_islands_groups_and_lowers_their_programs_
     assert out.state == "failed" and out.error.remote_type == "TransferLost"
     # Both islands' executors abandon the groups made so far; the program is lowered again with new ones.
     assert controller.heard_from("e1", 1)[1] == controller.heard_from("e3", 1)[1] == ["transfer:99.0:e0->e2<3"]
-    assert controller._groups == {} and lowered.program_id in controller._stale_programs
+    assert controller.groups.by_members == {} and lowered.program_id in controller._stale_programs
     assert (controller.transfers_lost, controller.calls_failed_by_lost_transfers) == (1, 1)
     # Another copy of the same cut (e1's to e3), answered late, for the run that failed already: the groups formed
     # since stay.

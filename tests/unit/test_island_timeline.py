@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from pathways_torch.training.island_timeline import chrome_step, describe, hidden_share, step_picture
+from pathways_torch.observe.timeline import describe, hidden_share
+from pathways_torch.observe.timeline import island_chrome_step as chrome_step, island_picture as step_picture
 
 pytestmark = pytest.mark.timeout(30)
 

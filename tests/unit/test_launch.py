@@ -121,7 +121,7 @@ def test_process_state_tells_running_stopped_and_gone_apart():
     import signal
     import subprocess
 
-    from pathways_torch.process_state import is_gone, is_stopped, process_state
+    from pathways_torch.wire.process_state import is_gone, is_stopped, process_state
 
     child = subprocess.Popen(["sleep", "30"])
     try:

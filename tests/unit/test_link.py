@@ -10,7 +10,7 @@ import time
 import pytest
 
 import pathways_torch as pw
-from pathways_torch.link import LinkRelay
+from pathways_torch.local.link import LinkRelay
 
 pytestmark = pytest.mark.timeout(30)
 

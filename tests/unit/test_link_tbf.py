@@ -16,8 +16,8 @@ import time
 import pytest
 
 import pathways_torch as pw
-from pathways_torch import netns
-from pathways_torch.link import LinkRelay, LinkShapingError
+from pathways_torch.local import netns
+from pathways_torch.local.link import LinkRelay, LinkShapingError
 from tests.unit.test_link import _echo_server, _round_trip
 
 pytestmark = pytest.mark.timeout(60)

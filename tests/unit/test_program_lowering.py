@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from controller.program import ProgramNodeSpec, ProgramSpec, lower
+from controller import CallSpec
+from controller.program import ProgramSpec, lower
 from controller.resources import MeshAllocation
 
 pytestmark = pytest.mark.timeout(30)
@@ -19,10 +20,10 @@ def _spec():
     return ProgramSpec(
         name="chain", input_values=(0,), input_meshes=(MESH_A,), output_values=(2, 3),
         nodes=(
-            ProgramNodeSpec(name="inc", function_id=7, mesh=MESH_A, inputs=(0,), outputs=(1,)),
-            ProgramNodeSpec(name="inc", function_id=7, mesh=MESH_B, inputs=(1,), outputs=(2,)),
-            ProgramNodeSpec(name="total", function_id=8, mesh=MESH_B, inputs=(2,), outputs=(3,),
-                            collective_axes=("data",)),
+            CallSpec(name="inc", function_id=7, mesh=MESH_A, inputs=(0,), outputs=(1,)),
+            CallSpec(name="inc", function_id=7, mesh=MESH_B, inputs=(1,), outputs=(2,)),
+            CallSpec(name="total", function_id=8, mesh=MESH_B, inputs=(2,), outputs=(3,),
+                     collective_axes=("data",)),
         ))
 
 
@@ -52,10 +53,10 @@ executor e3:
 def test_consecutive_collectives_chain_on_each_executor():
     spec = ProgramSpec(
         name="two", input_values=(0,), input_meshes=(MESH_A,), output_values=(2,),
-        nodes=(ProgramNodeSpec(name="ar", function_id=1, mesh=MESH_A, inputs=(0,), outputs=(1,),
-                               collective_axes=("data",)),
-               ProgramNodeSpec(name="ar", function_id=1, mesh=MESH_A, inputs=(1,), outputs=(2,),
-                               collective_axes=("data",))))
+        nodes=(CallSpec(name="ar", function_id=1, mesh=MESH_A, inputs=(0,), outputs=(1,),
+                        collective_axes=("data",)),
+               CallSpec(name="ar", function_id=1, mesh=MESH_A, inputs=(1,), outputs=(2,),
+                        collective_axes=("data",))))
     text = lower(spec, 2, ADDRESSES, axis_groups={0: {"data": [3, 3]}, 1: {"data": [3, 3]}}).describe()
     assert "n0: %1[0] = ar(%0[0])  [collective, first here in the run]" in text
     assert "n1: %2[0] = ar(%1[0])  [collective, after n0; report]" in text
@@ -65,10 +66,10 @@ def test_consecutive_collectives_chain_on_each_executor():
 def test_debug_mode_digests_only_replicated_outputs_of_reporting_nodes():
     spec = ProgramSpec(
         name="dbg", input_values=(0,), input_meshes=(MESH_A,), output_values=(2,),
-        nodes=(ProgramNodeSpec(name="inc", function_id=1, mesh=MESH_A, inputs=(0,), outputs=(1,),
-                               replicated_outputs=(True,), debug=True),          # internal: no Done, no digest
-               ProgramNodeSpec(name="total", function_id=2, mesh=MESH_A, inputs=(1,), outputs=(2,),
-                               replicated_outputs=(True,), debug=True)))
+        nodes=(CallSpec(name="inc", function_id=1, mesh=MESH_A, inputs=(0,), outputs=(1,),
+                        replicated_outputs=(True,), debug=True),          # internal: no Done, no digest
+               CallSpec(name="total", function_id=2, mesh=MESH_A, inputs=(1,), outputs=(2,),
+                        replicated_outputs=(True,), debug=True)))
     text = lower(spec, 3, ADDRESSES).describe()
     assert "n0: %1[0] = inc(%0[0])\n" in text
     assert "n1: %2[0] = total(%1[0])  [report; digest]" in text

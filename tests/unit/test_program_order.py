@@ -18,11 +18,11 @@ import time
 import pytest
 import torch
 
-from controller import Controller
-from controller.program import ProgramNodeSpec, ProgramSpec, lower
+from controller import CallSpec, Controller
+from controller.program import ProgramSpec, lower
 from controller.resources import MeshAllocation
 from executor.backends.torch_based import EagerBackend
-from executor.worker import ExecutorCore
+from executor.core import ExecutorCore
 from pathways_torch.capture import InputSpec, capture
 from pathways_torch.collectives import all_reduce, tracing_mesh
 from pathways_torch.wire import collective_ops, pb
@@ -55,10 +55,10 @@ def test_a_later_local_segment_of_a_run_does_not_pass_one_waiting_for_a_copy():
     # Before: C started as soon as it was queued, ahead of B ([A, C, B]).
     e0, e1 = MeshAllocation(1, (("data", 1),), ("e0",)), MeshAllocation(2, (("data", 1),), ("e1",))
     spec = ProgramSpec(name="abc", input_values=(0, 1), input_meshes=(e0, e1), output_values=(4, 5), nodes=(
-        ProgramNodeSpec(name="A", function_id=1, mesh=e0, inputs=(0,), outputs=(2,)),
-        ProgramNodeSpec(name="P", function_id=4, mesh=e1, inputs=(1,), outputs=(3,)),
-        ProgramNodeSpec(name="B", function_id=2, mesh=e0, inputs=(2, 3), outputs=(4,)),
-        ProgramNodeSpec(name="C", function_id=3, mesh=e0, inputs=(0,), outputs=(5,))))
+        CallSpec(name="A", function_id=1, mesh=e0, inputs=(0,), outputs=(2,)),
+        CallSpec(name="P", function_id=4, mesh=e1, inputs=(1,), outputs=(3,)),
+        CallSpec(name="B", function_id=2, mesh=e0, inputs=(2, 3), outputs=(4,)),
+        CallSpec(name="C", function_id=3, mesh=e0, inputs=(0,), outputs=(5,))))
     plan = lower(spec, 7, {"e0": "inproc://e0", "e1": "inproc://e1"}).plans["e0"]
     core, outbox = make_core()
     load(core, 1, lambda x: x + 1, V, name="A")
@@ -384,8 +384,8 @@ def _pipeline(seed: int, late: bool, program_order: bool = True):
     spec = ProgramSpec(
         name="pipeline", input_values=(0, 1, 2, 3), input_meshes=tuple(meshes[value_mesh[v]] for v in range(4)),
         output_values=OUTPUTS, nodes=tuple(
-            ProgramNodeSpec(name=name, function_id=function_ids[name], mesh=meshes[stage], inputs=ins, outputs=outs,
-                            collective_axes=axes[name]) for name, stage, ins, outs in NODES))
+            CallSpec(name=name, function_id=function_ids[name], mesh=meshes[stage], inputs=ins, outputs=outs,
+                     collective_axes=axes[name]) for name, stage, ins, outs in NODES))
     lowered = controller.register_program(spec)
     inputs = {"w0": [V + 1, V - 3], "x0": [V * 2, -V], "x1": [V / 2, V + 5], "w1": [V * 0.5, V - 1]}
     records = [controller.new_array(meshes[value_mesh[v]].executor_ids) for v in range(4)]

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from controller.program import ProgramNodeSpec, ProgramSpec, lower
+from controller import CallSpec
+from controller.program import ProgramSpec, lower
 from controller.resources import MeshAllocation
 from executor.segments import plan_segments
 from pathways_torch.wire import pb
@@ -19,8 +20,8 @@ ADDRESSES = {f"e{i}": f"tcp://127.0.0.1:900{i}" for i in range(4)}
 
 
 def _node(index, mesh, inputs, outputs, collective=False):
-    return ProgramNodeSpec(name=f"f{index}", function_id=1, mesh=mesh, inputs=inputs, outputs=outputs,
-                           collective_axes=("data",) if collective else ())
+    return CallSpec(name=f"f{index}", function_id=1, mesh=mesh, inputs=inputs, outputs=outputs,
+                    collective_axes=("data",) if collective else ())
 
 
 def _describe(items) -> list[str]:

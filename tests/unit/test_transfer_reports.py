@@ -57,6 +57,6 @@ def test_a_report_on_a_program_runs_copy_is_believed_only_from_the_ends_its_plan
     for reporter, sender in (("e3", "e0"), ("e2", "e1"), ("e0", "e0")):
         controller.on_message(reporter, pb.Envelope(transfer_lost=_missing(_failed_copy(copy, sender))), [])
     assert out.state == "pending" and controller.heard_from("e0", 1)[1] == controller.heard_from("e2", 1)[1] == []
-    assert controller._groups and controller.refused_reports == 3
+    assert controller.groups.by_members and controller.refused_reports == 3
     controller.on_message("e2", pb.Envelope(transfer_lost=_missing(_failed_copy(copy, "e0"))), [])
     assert out.state == "failed" and controller.heard_from("e0", 1)[1] == ["transfer:99.0:e0->e2<3"]

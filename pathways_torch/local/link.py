@@ -12,7 +12,7 @@ loopback in the root network namespace whatever the shaping.
 Who sets the rate (``Link.shaping``):
 
 - ``"tbf"``: the kernel. The relay makes a network namespace joined to the root one by a
-  veth pair with ``tc tbf`` on both ends (`pathways_torch.netns`) and listens inside it, on
+  veth pair with ``tc tbf`` on both ends (`pathways_torch.local.netns`) and listens inside it, on
   the namespace's end: a sender's bytes cross the pair root -> namespace before the relay
   reads them, and the replies the relay writes cross it namespace -> root, each direction
   shaped on its egress. Needs root and iproute2; raises `LinkShapingError` where it cannot.
@@ -44,7 +44,7 @@ import threading
 import time
 
 from . import netns
-from .errors import PathwaysError
+from ..errors import PathwaysError
 
 __all__ = ["Link", "LinkRelay", "LinkShapingError", "SHAPINGS"]
 

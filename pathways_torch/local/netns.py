@@ -24,6 +24,8 @@ import subprocess
 import threading
 import weakref
 
+from ..wire.process_state import is_alive
+
 __all__ = ["TbfVeth", "TbfUnavailable", "NAMESPACE_PREFIX", "tbf_unavailable", "remove_stale_namespaces"]
 
 log = logging.getLogger(__name__)
@@ -63,7 +65,7 @@ def remove_stale_namespaces() -> list[str]:
     removed = []
     for name in _namespaces():
         match = _OURS.match(name)
-        if match and not _alive(int(match.group(1))):
+        if match and not is_alive(int(match.group(1))):
             if _command("ip", "netns", "delete", name).returncode == 0:
                 removed.append(name)
     if removed:
@@ -204,15 +206,6 @@ def _namespaces() -> list[str]:
     # Lines look like "pathways-link-123-0 (id: 3)".
     return [line.split()[0] for line in done.stdout.splitlines() if line.strip()] if done.returncode == 0 else []
 
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:                            # someone else's process: alive
-        pass
-    return True
 
 
 def _fresh_names() -> tuple[str, str]:

@@ -1,0 +1,290 @@
+"""Calls and program runs on their way out: functions, sequence numbers, input routes and the run-ahead bound.
+
+Every computation gets its island's next sequence number. A call is sent to every executor of its mesh at once;
+inputs that live on other executors are pushed there executor→executor (`SendShard`), never through the
+controller. A program is lowered once and then run with one ``RunProgram`` per executor. A client thread past
+``max_inflight_calls`` unfinished calls waits here (bounded run-ahead) until enough have ended.
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import threading
+import time
+from typing import Sequence
+
+from pathways_torch.errors import ContextClosedError, ExecutorLostError
+from pathways_torch.wire import pb
+
+from .arrays import FAILED, PENDING, ArrayRecord
+from .call_spec import CallSpec, InFlightCall, RegisteredFunction
+from .program import LoweredProgram, ProgramSpec, lower
+from .resources import MeshAllocation
+
+__all__ = ["Dispatcher"]
+
+
+class Dispatcher:
+    """The `Controller`'s dispatch of calls and program runs.
+
+    Its public methods take the island sequencers they need, then the controller's lock, as the client's threads
+    call them; `end` and `sequencer_of` expect the lock held.
+    """
+
+    def __init__(self, controller):
+        self._controller = controller
+        self._lock, self._calls, self._functions = controller._lock, controller._calls, controller._functions
+        self._programs, self._stale_programs = controller._programs, controller._stale_programs
+        self.resources, self.arrays, self.sequencers = controller.resources, controller.arrays, controller.sequencers
+        self._send = controller._send
+        # Notified whenever a call leaves the calls in flight: a client thread past the run-ahead bound waits on it.
+        self._room = threading.Condition(self._lock)
+        self.closing_reason = ""             # set by fail_pending: a waiting call must not dispatch after it
+        self.inflight_high_water = 0         # the most calls ever unfinished at once
+        # Run-ahead waits, (start ns, end ns, calls in flight) on the wall clock the executors' traces use.
+        self.runahead_waits: collections.deque = collections.deque(maxlen=10_000)
+        self._next_function_id = itertools.count(1)
+        self.last_call_id = 0
+        self._mesh_islands: dict[int, tuple[str, ...]] = {}   # mesh id → its islands (cached per mesh)
+        self._next_program_id = itertools.count(1)
+        self.program_constant_bytes = 0   # graph constants are the only tensor bytes we ever send
+
+    # ------------------------------------------------------------ functions and calls
+
+    def register_function(self, name: str, graph: pb.Graph, constants: list, *, sim_seconds: float = 0.0) -> int:
+        with self._lock:
+            function_id = next(self._next_function_id)
+            self._functions[function_id] = RegisteredFunction(name, graph, list(constants), sim_seconds=sim_seconds)
+            return function_id
+
+    def call(self, spec: CallSpec) -> list[ArrayRecord]:
+        """Dispatch one call to every executor of its mesh; return its output records at once
+        (after waiting, if ``max_inflight_calls`` are unfinished, for one to finish)."""
+        mesh = spec.mesh
+        islands = self._islands_of(mesh)
+        with self.sequencers.taking(islands), self._lock:
+            self._wait_for_room(1, spec.name)
+            self._controller.members.check_live(mesh.executor_ids)
+            inputs = [self._input_record(array_id) for array_id in spec.inputs]
+            axis_groups = self._controller.groups.axis_groups(mesh, spec.collective_axes)
+            call_id = self._take_call_ids(1)
+            seqs = {island: self.sequencers.of(island).take(1) for island in islands}
+            outputs = [self.arrays.new(mesh.executor_ids, producer_call=call_id) for _ in range(spec.num_outputs)]
+            for record, replicated in zip(outputs, spec.replicated_outputs):
+                record.replicated = replicated
+            call = InFlightCall(spec, call_id, seqs[islands[0]], outputs, waiting=set(mesh.executor_ids))
+            self._calls[call_id] = call
+            runs = []
+            for position, executor_id in enumerate(mesh.executor_ids):
+                self._ensure_loaded(spec.function_id, executor_id)
+                sequencer = self.sequencer_of(executor_id)
+                seq = seqs[sequencer.island]
+                run = pb.Run(seq=seq, call_id=call_id, function_id=spec.function_id,
+                             digest_outputs=spec.debug and any(spec.replicated_outputs),
+                             report_shapes=spec.report_shapes)
+                if spec.collective_axes:
+                    run.collective = True
+                    run.prev_collective_seq = sequencer.chain(executor_id, seq)
+                    for axis in spec.collective_axes:
+                        run.axis_groups[axis] = axis_groups[axis][position]
+                for record in inputs:
+                    run.inputs.append(self._route_input(record, position, executor_id, call_id))
+                for record in outputs:
+                    run.outputs.add(array_id=record.array_id, shard=position)
+                runs.append((executor_id, run))
+            # Only now the runs: every push this call's inputs need was requested first. An
+            # executor may start a run (a collective blocks there) as soon as it reads it,
+            # before it reads what the controller sent after it (executor/compute_loop.py).
+            for executor_id, run in runs:
+                self._send(executor_id, pb.Envelope(run=run))
+            return outputs
+
+    def _wait_for_room(self, count: int, name: str) -> None:
+        """Bounded run-ahead: wait (the lock released) until ``count`` more calls fit under the bound.
+
+        A program with more calls than the bound runs once nothing else is in flight. Each
+        wait is kept for the trace (`runahead_waits`): a client that waits here runs ahead as
+        far as it may, and the executors are its pace.
+        """
+        def room(limit: int) -> bool:
+            return self.closing_reason != "" or not self._calls or len(self._calls) + count <= limit
+
+        if not room(self._controller.config.max_inflight_calls):
+            # Once at the bound, wait down to the low-water mark: one wake-up per quarter of the bound,
+            # not one per finished call (which costs the client a thread switch per call).
+            start, waiting, low = time.time_ns(), len(self._calls), self._low_water()
+            self._room.wait_for(lambda: room(low))
+            self.runahead_waits.append((start, time.time_ns(), waiting, name))
+        if self.closing_reason:
+            raise ContextClosedError(f"{self.closing_reason} while {name!r} waited to be dispatched")
+        self.inflight_high_water = max(self.inflight_high_water, len(self._calls) + count)
+
+    def end(self, call: InFlightCall) -> None:
+        """The call is no longer in flight (finished, failed or its executors lost): make room for another."""
+        if self._calls.pop(call.call_id, None) is not None and len(self._calls) <= self._low_water():
+            self._room.notify_all()
+
+    def _low_water(self) -> int:
+        limit = self._controller.config.max_inflight_calls
+        return limit - max(1, limit // 4)
+
+    def sequencer_of(self, executor_id: str):
+        """The sequencer of the executor's island."""
+        return self.sequencers.of(self.resources.island_of(executor_id))
+
+    def _islands_of(self, mesh: MeshAllocation) -> tuple[str, ...]:
+        """The islands of a mesh's executors, in name order (cached: a mesh's executors never change)."""
+        islands = self._mesh_islands.get(mesh.mesh_id)
+        if islands is None:
+            islands = self._mesh_islands[mesh.mesh_id] = tuple(sorted(
+                {self.resources.island_of(e) for e in mesh.executor_ids}))
+        return islands
+
+    def _take_call_ids(self, count: int) -> int:
+        first = self.last_call_id + 1
+        self.last_call_id += count
+        return first
+
+    # ------------------------------------------------------------ programs
+
+    def register_program(self, spec: ProgramSpec) -> LoweredProgram:
+        """Lower ``spec`` and register it on every executor it uses (once)."""
+        islands = {island for node in spec.nodes for island in self._islands_of(node.mesh)}
+        with self.sequencers.taking(islands), self._lock:
+            return self._lower_and_register(spec, next(self._next_program_id))
+
+    def _lower_and_register(self, spec: ProgramSpec, program_id: int) -> LoweredProgram:
+        """Lower ``spec`` for the executors as they are now and send each its plan (under the island's sequencers
+        and the lock: forming a group is sequenced)."""
+        groups = self._controller.groups
+        axis_groups = {index: groups.axis_groups(node.mesh, node.collective_axes)
+                       for index, node in enumerate(spec.nodes) if node.collective_axes}
+        keys = {e: info.public_key for e, info in self.resources.executors.items()}
+        lowered = lower(spec, program_id, self.resources.address_for, keys, axis_groups=axis_groups)
+        for executor_id, plan in lowered.plans.items():
+            self._controller.members.check_live([executor_id])
+            for function_id in {a.run.function_id for a in plan.actions if a.WhichOneof("kind") == "run"}:
+                self._ensure_loaded(function_id, executor_id)
+            self._send(executor_id, pb.Envelope(register_program=plan))
+        self._programs[program_id] = lowered
+        self._stale_programs.discard(program_id)
+        return lowered
+
+    def run_program(self, program_id: int, input_ids: Sequence[int]) -> list[ArrayRecord]:
+        """One run: one ``RunProgram`` per executor; every node gets its own sequence number (of its island's)."""
+        with self._lock:
+            lowered = self._programs[program_id]
+        islands = {self.resources.island_of(e) for e in lowered.plans}
+        with self.sequencers.taking(islands), self._lock:
+            spec = lowered.spec
+            self._wait_for_room(len(lowered.reporting_nodes), spec.name)
+            self._controller.members.check_live(list(lowered.plans))
+            if program_id in self._stale_programs:   # one of its executors was replaced: new address and groups
+                lowered = self._lower_and_register(spec, program_id)
+            for array_id in input_ids:
+                self._input_record(array_id)
+            num_nodes = len(spec.nodes)
+            base_seqs = {island: self.sequencers.of(island).take(num_nodes) for island in sorted(islands)}
+            base_seq, base_call = base_seqs[min(islands)], self._take_call_ids(num_nodes)
+            meshes = spec.value_meshes()
+            producer = {v: index for index, node in enumerate(spec.nodes) for v in node.outputs}
+            outputs = [self.arrays.new(meshes[v].executor_ids, producer_call=base_call + producer[v])
+                       for v in spec.output_values]
+            by_value = dict(zip(spec.output_values, outputs))
+            first_intermediate = self.arrays.reserve(1 + max(producer))
+            for index in lowered.reporting_nodes:
+                node = spec.nodes[index]
+                positions = [i for i, v in enumerate(node.outputs) if v in by_value]
+                records = [by_value[node.outputs[i]] for i in positions]
+                # As for a call: a replicated output (a pipeline's loss) stays readable after losing a replica.
+                for i, record in zip(positions, records):
+                    record.replicated = bool(node.replicated_outputs) and node.replicated_outputs[i]
+                # The node's call covers its outputs that are program outputs: the arrays it reports.
+                call_spec = CallSpec(function_id=node.function_id, name=node.name, mesh=node.mesh, inputs=(),
+                                     num_outputs=len(records), call_site=node.call_site,
+                                     replicated_outputs=tuple(node.replicated_outputs[i] for i in positions)
+                                     if node.replicated_outputs else (), debug=node.debug,
+                                     output_positions=tuple(positions))
+                self._calls[base_call + index] = InFlightCall(
+                    call_spec, base_call + index, base_seq + index, records, waiting=set(node.mesh.executor_ids),
+                    depends_on=frozenset(lowered.plans), run_base=base_call, run_nodes=num_nodes,
+                    program_id=program_id)
+            for executor_id in lowered.plans:
+                sequencer = self.sequencer_of(executor_id)
+                island_base = base_seqs[sequencer.island]
+                run = pb.RunProgram(program_id=program_id, base_seq=island_base, base_call_id=base_call,
+                                    input_array_ids=list(input_ids), output_array_ids=[r.array_id for r in outputs],
+                                    first_intermediate_id=first_intermediate,
+                                    prev_collective_seq=sequencer.last_collective[executor_id])
+                last = lowered.last_collective_node.get(executor_id, 0)
+                if last:
+                    sequencer.chain(executor_id, island_base + last - 1)
+                self._send(executor_id, pb.Envelope(run_program=run))
+            return outputs
+
+    # ------------------------------------------------------------ inputs and functions on executors
+
+    def _input_record(self, array_id: int) -> ArrayRecord:
+        record = self.arrays.get(array_id)
+        if record is None or record.released:
+            raise ValueError(f"array {array_id} was freed; it cannot be used as an input")
+        for executor_id in record.executor_ids:
+            if self.resources.executors[executor_id].lost or executor_id in record.lost_holders:
+                raise ExecutorLostError(f"array {array_id} has a shard on executor {executor_id}, which was lost"
+                                        f"{f': {record.error}' if record.error else ''}; recompute it (or restore a "
+                                        f"checkpoint) on live executors", executor_id=executor_id)
+        return record
+
+    def _route_input(self, record: ArrayRecord, position: int, executor_id: str, call_id: int) -> pb.ShardRef:
+        """Where executor ``executor_id`` finds shard ``position`` of ``record`` for this call."""
+        source = record.executor_ids[position]
+        if source == executor_id:
+            return pb.ShardRef(array_id=record.array_id, shard=position)
+        # The shard lives elsewhere: its owner pushes a copy tagged with this call.
+        copy = pb.ShardRef(array_id=record.array_id, shard=position, tag=call_id)
+        routes = self._calls[call_id].routes
+        if (source, executor_id, copy) in routes:
+            return copy   # the same array passed twice: one copy serves both
+        routes.append((source, executor_id, copy))
+        destination = self.resources.executors[executor_id]
+        request = pb.SendShard(to_address=self.resources.address_for(source, executor_id),
+                               to_public_key=destination.public_key,
+                               call_id=call_id)
+        request.shard.CopyFrom(pb.ShardRef(array_id=record.array_id, shard=position))
+        request.as_ref.CopyFrom(copy)
+        self._send(source, pb.Envelope(send_shard=request))
+        return copy
+
+    def _ensure_loaded(self, function_id: int, executor_id: str) -> None:
+        function = self._functions[function_id]
+        if executor_id in function.loaded_on:
+            return
+        load = pb.LoadFunction(function_id=function_id, name=function.name, sim_seconds=function.sim_seconds)
+        load.graph.CopyFrom(function.graph)
+        self._send(executor_id, pb.Envelope(load_function=load), function.constants)
+        self.program_constant_bytes += sum(memoryview(c).nbytes for c in function.constants)
+        function.loaded_on.add(executor_id)
+
+    # ------------------------------------------------------------ closing
+
+    def fail_pending(self, reason: str) -> int:
+        """Fail every array still pending with `ContextClosedError` naming the call that would have made it
+        (the client is closing: nothing will complete them). Returns how many were failed."""
+        failed = 0
+        with self._lock:
+            for call in list(self._calls.values()):
+                error = ContextClosedError(f"{reason} before {call.spec.name!r} finished; it was called from:\n"
+                                           f"{call.spec.call_site.rstrip() or '(unknown)'}")
+                for record in call.outputs:
+                    if record.state == PENDING:
+                        record.settle(FAILED, error)
+                        failed += 1
+            self._calls.clear()
+            self.closing_reason = reason
+            self._room.notify_all()
+            for record in self.arrays.records():   # puts not yet acknowledged, a program's inputs
+                if record.state == PENDING:
+                    record.settle(FAILED, ContextClosedError(f"{reason} before array {record.array_id} was ready"))
+                    failed += 1
+        return failed

@@ -1,0 +1,59 @@
+"""The controller's status service over gRPC: its view of the executors and its queue, for ``pathways-status``.
+
+Service ``pathways.Status``, method ``Get``, messages in ``pathways.proto``: every executor's island, device,
+state, epoch, last heartbeat, node and store bytes, and the number of calls in flight and arrays. Served on
+**loopback only** (a launched script's ``--status-port``): it names hosts and sizes, so it is read on node 0
+(``pathways-status 127.0.0.1:PORT``, or ``kubectl exec``), never exposed. It reads only the controller's public
+state. No generated gRPC stubs: the method is a generic handler over the protobuf messages.
+"""
+
+from __future__ import annotations
+
+from concurrent import futures
+
+from pathways_torch.wire import pb
+
+__all__ = ["serve_status", "status_of"]
+
+# Its reader (pathways_torch.launch.health) calls "/pathways.Status/Get".
+_SERVICE, _METHOD = "pathways.Status", "Get"
+
+
+def serve_status(controller, port: int, run_id: str = ""):
+    """Serve `pathways.Status` for ``controller`` on 127.0.0.1:``port``; returns the gRPC server (stop() it)."""
+    import grpc   # only a launched script serves status: plain imports of the controller need no gRPC
+
+    def get(request, _):
+        return status_of(controller, request.with_stats, run_id)
+
+    handler = grpc.method_handlers_generic_handler(_SERVICE, {
+        _METHOD: grpc.unary_unary_rpc_method_handler(get, request_deserializer=pb.StatusRequest.FromString,
+                                                   response_serializer=pb.StatusReply.SerializeToString)})
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    server.add_generic_rpc_handlers((handler,))
+    if server.add_insecure_port(f"127.0.0.1:{port}") == 0:
+        raise OSError(f"--status-port {port}: could not listen on 127.0.0.1:{port}")
+    server.start()
+    return server
+
+
+def status_of(controller, with_stats: bool, run_id: str = "") -> pb.StatusReply:
+    """The controller's view of its executors and queue (``with_stats``: and each executor's store, asked now)."""
+    now = controller.clock()
+    reply = pb.StatusReply(run_id=run_id, calls_in_flight=controller.calls_in_flight, arrays=len(controller.arrays))
+    stats = {}
+    if with_stats:
+        try:
+            stats = {executor_id: envelope.stats for executor_id, envelope in controller.gather("stats").items()}
+        except Exception as exc:   # noqa: BLE001 - a status reader must not fail on a slow executor
+            reply.stats_error = f"{type(exc).__name__}: {exc}"
+    for info in controller.resources.ordered():
+        mine = stats.get(info.executor_id)
+        reply.executors.append(pb.ExecutorStatus(
+            executor_id=info.executor_id, island=info.island, device=info.device, backend=info.backend,
+            state="lost" if info.lost else "alive", epoch=info.epoch,
+            seconds_since_heartbeat=max(0.0, now - info.last_heard),
+            node=controller.executor_labels.get(info.executor_id, ""),
+            store_bytes=mine.store_bytes if mine is not None else 0,
+            queue_high_water=mine.queue_high_water if mine is not None else 0))
+    return reply

@@ -1,0 +1,172 @@
+"""The step interpreter: what the compute thread does with a job, looked up in a table by the job's kind.
+
+`StepInterpreter.compute` maps each kind of job (`executor/jobs.py`) to its handler, as
+torch.distributed.pipelining's `_PipelineScheduleRuntime` maps action kinds to handlers: a segment
+runs its steps in order, values passing between them in slots; a plain run started at once runs its
+one step; a group formation forms the group. A step runs its function on the backend inside its
+process groups (`CollectiveRuntime.bind`), or, when an input is a failure or the function cannot run
+those inputs (`_refusal`), passes a failure on instead: the dataflow carries failures.
+
+It runs outside the core's lock and touches no shared state but the trace: what a job made is
+stored by `RunQueue.finish`, on the same thread, right after.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Callable
+
+from pathways_torch.wire import pb
+from pathways_torch.wire.tensors import dtype_name
+
+from .collectives import CollectiveRuntime
+from .jobs import ComputeJob, FormJob, LoadedFunction, RunJob, SegmentJob
+from .messages import remote_failure, value_or_failure, with_origin
+from .trace import TraceRecorder
+
+__all__ = ["StepInterpreter"]
+
+log = logging.getLogger(__name__)
+
+
+class StepInterpreter:
+    """Runs jobs on the compute thread: ``compute(job)`` never raises; ``fail`` covers a bug of ours."""
+
+    def __init__(self, *, executor_id: str, backend, collectives: CollectiveRuntime, trace: TraceRecorder):
+        self.executor_id = executor_id
+        self.backend = backend
+        self.collectives = collectives
+        self.trace = trace
+        # Bound once: the lookup per job allocates nothing.
+        self._by_kind: dict[type, Callable[[ComputeJob], ComputeJob]] = {
+            SegmentJob: self._compute_segment,
+            RunJob: self._compute_run,
+            FormJob: self._form_group,
+        }
+
+    def compute(self, job: ComputeJob) -> ComputeJob:
+        """Run a job's steps in order (called on the compute thread); never raises.
+
+        Values pass from step to step in slots; a failed step's outputs hold its failure,
+        which reaches every step that reads them (the dataflow carries failures).
+        """
+        return self._by_kind[type(job)](job)
+
+    def _compute_segment(self, job: SegmentJob) -> SegmentJob:
+        segment = job.segment
+        slots = [None] * segment.num_slots
+        for index, entry in enumerate(job.entries):
+            slots[index] = value_or_failure(entry)
+        for step, function in zip(segment.steps, job.functions):
+            self._run_step(job, step, function, slots)
+        job.values = [slots[slot] for slot in segment.output_slots]
+        return job
+
+    def _compute_run(self, job: RunJob) -> RunJob:
+        """A plain run started at once (`RunQueue._start_now`): its one step, on its entries' values."""
+        outputs, failure, done = self._step(job.step, job.function, [value_or_failure(e) for e in job.entries],
+                                            job.seq, job.call_id)
+        job.values = [failure] * len(job.output_keys) if outputs is None else outputs
+        job.computed = int(outputs is not None)
+        if done is not None:
+            job.dones.append(done)
+        return job
+
+    def _run_step(self, job: SegmentJob, step, function: LoadedFunction | None, slots: list) -> None:
+        seq, call_id = job.segment.ids(step)
+        outputs, failure, done = self._step(step, function, [slots[slot] for slot in step.inputs], seq, call_id)
+        for index, slot in enumerate(step.outputs):
+            slots[slot] = failure if outputs is None else outputs[index]
+        if outputs is not None:
+            job.computed += 1
+        if done is not None:
+            job.dones.append(done)
+
+    def _step(self, step, function: LoadedFunction | None, inputs: list, seq: int, call_id: int) -> tuple:
+        """Run one step on its input values (a value may be a failure, which it passes on).
+
+        Returns (outputs, None, Done) or (None, failure, Done); the Done is None for a quiet step.
+        """
+        failure = None
+        for value in inputs:
+            if isinstance(value, pb.RemoteFailure):
+                failure = value
+                break
+        if failure is None:
+            # Only values from outside the segment can be a bad put or a hostile peer's; the
+            # rest were just made here by functions with traced output signatures.
+            failure = self._refusal(call_id, step, function, inputs if step.external else None)
+        outputs, digests = None, []
+        if failure is None:
+            name = function.name
+            # Visible in the trace: what reads these outputs is dispatched only after this ends.
+            detail = "data-dependent output shapes: sequential dispatch" if step.report_shapes else ""
+            self.trace.record("start", name, seq=seq, call_id=call_id, function_id=step.function_id, detail=detail)
+            try:
+                with self.collectives.bind(step.axis_groups, seq=seq, cache=step):
+                    outputs = self.backend.run(function.compiled, inputs)
+                if len(outputs) != len(step.outputs):
+                    raise RuntimeError(f"function returned {len(outputs)} outputs, the call expects "
+                                       f"{len(step.outputs)}")
+                digests = [self.backend.digest(t) for t in outputs] if step.digest else []
+            except Exception as exc:
+                outputs, failure = None, remote_failure(exc, self.executor_id, origin_call_id=call_id)
+            self.trace.record("end", name, seq=seq, call_id=call_id, function_id=step.function_id, detail=detail)
+        if failure is not None and not failure.origin_call_id:
+            failure = with_origin(failure, call_id)
+        if not step.report:
+            return outputs, failure, None
+        done = pb.Done(call_id=call_id, seq=seq, ok=failure is None, digests=digests)
+        if failure is not None:
+            done.failure.CopyFrom(failure)
+        elif step.report_shapes:
+            for value in outputs:
+                done.output_shapes.add(shape=list(value.shape))
+        return outputs, failure, done
+
+    def _refusal(self, call_id: int, step, function: LoadedFunction | None,
+                 inputs: list | None) -> pb.RemoteFailure | None:
+        """Why ``step`` cannot run at all: its function never loaded or failed to, or the inputs (when
+        given: None skips the check) do not fit."""
+        if function is None:
+            return pb.RemoteFailure(type="ProtocolError", executor_id=self.executor_id, origin_call_id=call_id,
+                                    message=f"function {step.function_id} was never loaded on this executor")
+        if function.failure is not None:
+            return function.failure
+        return None if inputs is None else self._check_signature(call_id, function, inputs)
+
+    def _check_signature(self, call_id: int, function: LoadedFunction, values: list) -> pb.RemoteFailure | None:
+        """Refuse inputs that do not match the traced signature (a bad put or a hostile peer)."""
+        if len(values) != len(function.signature):
+            problem = f"expected {len(function.signature)} inputs, got {len(values)}"
+        else:
+            problem = next((f"input {i}: expected {_spec(shape, dtype)}, got {_spec(tuple(v.shape), v.dtype)}"
+                            for i, (v, (shape, dtype)) in enumerate(zip(values, function.signature))
+                            if tuple(v.shape) != shape or dtype_name(v.dtype) != dtype), None)
+        if problem is None:
+            return None
+        return pb.RemoteFailure(type="SignatureError", executor_id=self.executor_id, origin_call_id=call_id,
+                                message=f"function {function.name!r}: {problem}")
+
+    def _form_group(self, job: FormJob) -> FormJob:
+        form = job.form
+        self.trace.record("start", "form group", seq=form.seq, detail=f"group {form.group_id}")
+        try:
+            self.collectives.form(form.group_id, form.rank, form.size, form.store_path, form.timeout_s,
+                                  members=tuple(form.members))
+        except Exception as exc:  # runs that use the group fail with this reason
+            log.warning("%s: forming group %s failed: %s", self.executor_id, form.group_id, exc)
+        self.trace.record("end", "form group", seq=form.seq, detail=f"group {form.group_id}")
+        return job
+
+    def fail(self, job: ComputeJob, exc: BaseException) -> None:
+        """A bug of ours outside any function: every output of the job fails with it (on the compute thread)."""
+        if type(job) is FormJob:
+            return
+        failure = remote_failure(exc, self.executor_id, origin_call_id=job.origin_call_id())
+        job.values = [failure] * len(job.output_keys)
+        job.dones = [pb.Done(call_id=call_id, seq=seq, ok=False, failure=failure) for seq, call_id in job.reporting()]
+
+
+def _spec(shape, dtype) -> str:
+    return f"{dtype_name(dtype)}{list(shape)}"

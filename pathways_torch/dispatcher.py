@@ -1,0 +1,177 @@
+"""`Dispatcher`: what functions, programs and arrays ask of their context, over the `ControllerClient`.
+
+It registers each captured function and traced program once, dispatches calls and program runs, puts
+tensors and fetches shards straight to and from the executors (`DataClient`), and frees dropped arrays
+(batched, riding on the next message). It holds the client's caches; the controller holds none of its state.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+
+from .array import Array
+from .client import CallSpec, ProgramSpec
+from .errors import PlacementError
+from .islands import check_collectives_in_islands
+from .placement import Sharding, local_shape, normalize_placements, split_blocks
+from .programs import ProgramGraph
+from .wire import pb
+
+__all__ = ["Dispatcher"]
+
+
+class Dispatcher:
+    """The call path of one `Context` (``context._dispatch``)."""
+
+    def __init__(self, context, client, data, *, debug: bool):
+        self._context, self._client, self._data, self._debug = context, client, data, debug
+        self._batched = threading.local()    # see batched_release
+        self._function_ids: dict[int, tuple] = {}      # id(version) → (function id, version)
+        self._lowered_programs: dict[int, tuple] = {}  # id(graph) → (program id, graph)
+
+    # ------------------------------------------------------------ calls and programs
+
+    def call(self, version, mesh, inputs, layouts: list, call_site: str) -> list[Array]:
+        """Dispatch one call of a captured function on ``mesh``; its output arrays at once."""
+        self._context._check_open()
+        check_collectives_in_islands(version, mesh.allocation, self._client)
+        replicated = tuple(sharding.is_replicated for _, _, sharding, _ in layouts)
+        spec = CallSpec(function_id=self._function_id(version), name=version.name, mesh=mesh.allocation,
+                        inputs=tuple(a.array_id for a in inputs), num_outputs=len(layouts),
+                        replicated_outputs=replicated, debug=self._debug, call_site=call_site,
+                        collective_axes=version.collective_axes, report_shapes=version.data_dependent)
+        states = self._client.call(spec)
+        return [Array(self._context, state, shape, dtype, sharding, block)
+                for state, (shape, dtype, sharding, block) in zip(states, layouts)]
+
+    def run_program(self, graph, inputs) -> list[Array]:
+        """Run a traced program (registered on first use) on ``inputs``; its output arrays at once."""
+        self._context._check_open()
+        states = self._client.run_program(self._program_id(graph), [a.array_id for a in inputs])
+        return [Array(self._context, state, *graph.layouts[value])
+                for state, value in zip(states, graph.output_values)]
+
+    def lowered(self, program, *arrays) -> str:
+        """The lowered form of ``program`` for these inputs, as text (registers it if new)."""
+        graph = program.graph(*arrays)
+        if not isinstance(graph, ProgramGraph):   # a sequential fallback: only its prefix is lowered
+            prefix = graph.prefix
+            return str(graph) + ("" if prefix is None else "\n" + self._describe(prefix))
+        return self._describe(graph)
+
+    def _describe(self, graph) -> str:
+        return self._client.describe_program(self._program_id(graph))
+
+    def _register_program(self, graph) -> int:
+        nodes = []
+        for node in graph.nodes:
+            check_collectives_in_islands(node.version, node.mesh.allocation, self._client)
+            nodes.append(CallSpec(name=node.version.name, function_id=self._function_id(node.version),
+                                  mesh=node.mesh.allocation, inputs=node.inputs, outputs=node.outputs,
+                                  collective_axes=node.version.collective_axes,
+                                  replicated_outputs=tuple(layout[2].is_replicated for layout in node.layouts),
+                                  debug=self._debug))
+        spec = ProgramSpec(name=graph.name, input_values=graph.input_values,
+                           input_meshes=tuple(graph.layouts[v][2].mesh.allocation for v in graph.input_values),
+                           nodes=tuple(nodes), output_values=graph.output_values)
+        return self._client.register_program(spec)
+
+    def _program_id(self, graph) -> int:
+        """The id of a traced graph's lowered, registered form (registered on first use)."""
+        entry = self._lowered_programs.get(id(graph))
+        if entry is None or entry[1] is not graph:   # ids of dead graphs can be reused
+            entry = self._lowered_programs[id(graph)] = (self._register_program(graph), graph)
+        return entry[0]
+
+    def _function_id(self, version) -> int:
+        entry = self._function_ids.get(id(version))
+        if entry is None or entry[1] is not version:
+            function_id = self._client.register_function(version.name, version.graph, version.constants,
+                                                         sim_seconds=version.sim_seconds)
+            entry = self._function_ids[id(version)] = (function_id, version)
+        return entry[0]
+
+    def user_line(self, function_id: int, node_index: int) -> str:
+        """The user's source line of node ``node_index`` of a registered function ("" if unknown)."""
+        for known_id, version in list(self._function_ids.values()):
+            if known_id == function_id:
+                return version.user_line(node_index)
+        return ""
+
+    # ------------------------------------------------------------ bytes to and from the executors
+
+    def put_many(self, items: list, mesh) -> list[Array]:
+        """Place several ``(tensor, placements)`` on ``mesh`` with one message per executor."""
+        import torch
+
+        arrays, shards_by_position = [], [[] for _ in range(mesh.size)]
+        for tensor, placements in items:
+            if not isinstance(tensor, torch.Tensor):
+                raise PlacementError(f"ctx.put: expected a torch.Tensor, got {type(tensor).__name__}")
+            placements = normalize_placements(placements, mesh)
+            block_shape = local_shape(tuple(tensor.shape), placements, mesh)
+            # One private copy, so later in-place changes to `tensor` cannot race the send.
+            blocks = [b.detach().to("cpu", copy=True).contiguous() for b in split_blocks(tensor, placements, mesh)]
+            state = self._client.new_array(mesh.executor_ids, landing=mesh.size)
+            for position, block in enumerate(blocks):
+                shards_by_position[position].append((pb.ShardRef(array_id=state.array_id, shard=position), block))
+            arrays.append(Array(self._context, state, tuple(tensor.shape), tensor.dtype, Sharding(mesh, placements),
+                                block_shape))
+        ids = [a.array_id for a in arrays]
+        client = self._client
+
+        def landed(error):
+            for array_id in ids:
+                client.landed(array_id, error)
+
+        for executor_id, shards in zip(mesh.executor_ids, shards_by_position):
+            self._data.put(executor_id, shards, landed)
+        return arrays
+
+    def fetch_blocks(self, array: Array, positions: list[int], lost: tuple[str, ...],
+                     timeout_s: float | None) -> dict:
+        """The blocks at ``positions`` of a computed array, straight from their executors."""
+        ids = array.mesh.executor_ids
+        if lost:   # a replicated array that lost replicas: every block comes from a replica that is left
+            live = next(p for p, e in enumerate(ids) if e not in lost)
+            block = self._data.fetch(ids[live], pb.ShardRef(array_id=array.array_id, shard=live))
+            return {p: block.result(timeout_s) for p in positions}
+        futures = {p: self._data.fetch(ids[p], pb.ShardRef(array_id=array.array_id, shard=p)) for p in positions}
+        return {p: f.result(timeout_s) for p, f in futures.items()}
+
+    # ------------------------------------------------------------ frees
+
+    def release(self, array_id: int) -> None:
+        """An array was dropped: free its shards (with this thread's batch, if one is open)."""
+        if self._context.closed:
+            return
+        batch = getattr(self._batched, "ids", None)
+        if batch is not None:
+            batch.append(array_id)
+        else:
+            self._client.release(array_id)
+
+    def flush_frees(self) -> None:
+        """Send the frees still waiting for a message to ride on (the client is about to idle)."""
+        if not self._context.closed:
+            self._client.flush_frees()
+
+    @contextlib.contextmanager
+    def batched_release(self):
+        """Arrays this thread drops inside are freed together: one Free per executor."""
+        if getattr(self._batched, "ids", None) is not None:   # nested: the outer scope frees
+            yield
+            return
+        self._batched.ids = []
+        try:
+            yield
+        finally:
+            ids, self._batched.ids = self._batched.ids, None
+            if ids and not self._context.closed:
+                self._client.release_many(ids)
+
+    def note_runahead_wait(self, start_ns: int, in_flight: int, what: str) -> None:
+        """Keep a wait at the run-ahead bound for the trace (the controller keeps its own the same way)."""
+        self._client.note_runahead_wait(start_ns, time.time_ns(), in_flight, what)

@@ -1,0 +1,155 @@
+"""`DataParallelRunner`: a step as one captured function on one mesh (``DataParallel`` and ``ShardedDataParallel``).
+
+Parameters, buffers and optimizer state are flat buckets on the mesh (replicated, or each executor
+its slice under a sharded plan); each step puts the batch's shards straight onto the executors that
+use them and runs the captured step (`step.make_step`); evaluation and prediction run a captured
+forward (`evaluation.make_forward`) on the parameters where they live.
+"""
+
+from __future__ import annotations
+
+from ..errors import CaptureError
+from ..functions import Function
+from ..placement import Replicate, Shard
+from .evaluation import make_forward
+from .step import make_layout, make_step
+
+__all__ = ["DataParallelRunner"]
+
+
+class DataParallelRunner:
+    """The `StepRunner` of ``DataParallel(axis)`` / ``ShardedDataParallel(axis)`` on one mesh."""
+
+    # Read through the trainer by tests and benches (the step's Function, the forwards, the state arrays).
+    exposed = ("_function", "_forwards", "_flats", "_states", "_buffers", "_frozen", "_rank")
+
+    def __init__(self, trainer, plan):
+        self.trainer, self.plan = trainer, plan
+        self.num_shards = plan.check(trainer.mesh)
+
+    def build(self):
+        t = self.trainer
+        self.layout = make_layout(t.model, t.optimizer, t._spec)
+        self._forwards: dict = {}        # "loss" / "predict" → its Function (evaluate, predict)
+        self._output_specs: dict = {}    # form key → how predict rebuilds the model's output
+        self.recapture()
+        return self.layout
+
+    def recapture(self) -> None:
+        t, layout = self.trainer, self.layout
+        state = self.plan.state_placement()
+        outs = ([Replicate()] + [state] * len(layout.buckets) * (1 + len(layout.state_names))
+                + [Replicate()] * len(layout.buffer_names))
+        step = make_step(t.model, t.loss_fn, t._spec, layout, self.plan, self.num_shards, t.seed, t.max_grad_norm,
+                         batch_forms=t._batch_forms)
+        self._function = Function(step, out=tuple(outs), name=step.__name__, mesh=t.mesh)
+
+    def batch_pieces(self) -> tuple[int, str]:
+        return self.num_shards, f"the {self.num_shards} shards of mesh axis {self.plan.axis!r}"
+
+    # ------------------------------------------------------------ state
+
+    def restore(self, tensors: dict) -> None:
+        self._put_rank()       # a lost executor took its rank's shard too
+        self.put_state(tensors)
+
+    def _put_rank(self) -> None:
+        """Each shard's rank on the mesh (the step reads it: the first shard's buffers, dropout keys)."""
+        import torch
+
+        t = self.trainer
+        self._rank = t._context.put(torch.arange(self.num_shards, dtype=torch.int64), t.mesh,
+                                    {self.plan.axis: Shard(0)})
+
+    def put_state(self, tensors: dict) -> None:
+        """The named state as flat buckets under the plan's placement (padded to split evenly when sharded)."""
+        layout, t = self.layout, self.trainer
+        padded = [b.padded_numel(self.num_shards) if self.plan.sharded_state else b.numel for b in layout.buckets]
+        items = layout.state_items(tensors, padded, self.plan.state_placement())
+        self._flats, self._states, self._buffers, self._frozen = layout.split_state(
+            t._context.put_many(items, t.mesh))
+
+    def named_tensors(self) -> dict:
+        return self.layout.named_tensors(self.checkpoint_arrays())
+
+    def checkpoint_arrays(self) -> list:
+        return [*self._flats, *self._states, *self._buffers, *self._frozen]
+
+    def checkpoint_parts(self) -> list:
+        from .sharded_checkpoint import CheckpointPart
+
+        return [CheckpointPart.of_layout(self.layout, self.checkpoint_arrays(), self.trainer.mesh,
+                                         self.plan.sharded_state)]
+
+    def placed_arrays(self) -> list:
+        return [*self.checkpoint_arrays(), self._rank]
+
+    def defer_save(self, directory: str, update_latest: bool):
+        return None       # the state is on the executors from the start
+
+    # ------------------------------------------------------------ stepping
+
+    def dispatch(self, form, tensors: list, scalars, modes: tuple):
+        t = self.trainer
+        ctx, mesh, axis = t._context, t.mesh, self.plan.axis
+        # The step's fresh inputs travel in one message per executor.
+        fresh = ctx.put_many([(scalars, Replicate()), *[(x, {axis: Shard(0)}) for x in tensors]], mesh)
+        arrays = [*self._flats, *self._states, *self._buffers, *self._frozen, fresh[0], self._rank, *fresh[1:]]
+        try:
+            # Train/eval modes are read while tracing (dropout, batch statistics): a change re-captures.
+            outputs = self._function(*arrays, static_key=(t._spec.static_key(), modes, form.key))
+        except CaptureError as exc:
+            raise t._located(exc) from exc.__cause__
+        self._take_outputs(outputs)
+        return outputs[0]
+
+    def _take_outputs(self, outputs) -> None:
+        num_buckets, num_states = len(self.layout.buckets), len(self.layout.state_names)
+        self._flats = list(outputs[1:1 + num_buckets])
+        self._states = list(outputs[1 + num_buckets:1 + num_buckets * (1 + num_states)])
+        self._buffers = list(outputs[1 + num_buckets * (1 + num_states):])
+
+    # ------------------------------------------------------------ evaluation
+
+    def evaluate(self, batch):
+        form, tensors = self.trainer._batch_tensors(batch)
+        (loss,) = self._forward("loss", form, tensors)
+        return loss
+
+    def predict(self, batch):
+        from torch.utils._pytree import tree_unflatten
+
+        form, tensors = self.trainer._batch_tensors(batch)
+        arrays = iter(self._forward("predict", form, tensors))
+        spec, statics, is_tensor = self._output_specs[form.key]
+        return tree_unflatten([next(arrays) if tensor else static for static, tensor in zip(statics, is_tensor)],
+                              spec)
+
+    def _forward(self, kind: str, form, tensors: list) -> list:
+        t = self.trainer
+        function = self._forwards.get(kind)
+        if function is None:
+            out = Replicate() if kind == "loss" else {self.plan.axis: Shard(0)}
+            forward = make_forward(t.model, t.loss_fn, self.layout, self.plan, self.num_shards, kind,
+                                   t._batch_forms, self._output_specs)
+            function = self._forwards[kind] = Function(forward, out=out, name=forward.__name__, mesh=t.mesh)
+        # A lost shard of the state: recover (if on), then run it on the restored state.
+        return t._after_recovery(lambda: self._run_forward(function, form, tensors, kind))
+
+    def _run_forward(self, function, form, tensors: list, kind: str) -> list:
+        t = self.trainer
+        ctx = t._context
+        with ctx._batched_release():
+            fresh = ctx.put_many([(x, {self.plan.axis: Shard(0)}) for x in tensors], t.mesh)
+            arrays = [*self._flats, *self._buffers, *self._frozen, self._rank, *fresh]
+            try:
+                outputs = function(*arrays, static_key=form.key)
+            except CaptureError as exc:
+                raise t._located(exc, "evaluate" if kind == "loss" else "predict") from exc.__cause__
+            del arrays, fresh     # inside the batched release: the inputs are freed together
+        return list(outputs) if isinstance(outputs, tuple) else [outputs]
+
+    def describe(self) -> str:
+        t = self.trainer
+        return (f"<Trainer {type(t.model).__name__} {type(self.plan).__name__}({self.plan.axis!r}) on "
+                f"{self.num_shards} shards, {len(self.layout.buckets)} buckets, step {t.step_count}>")
