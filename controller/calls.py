@@ -22,10 +22,10 @@ from .call_spec import CallSpec, InFlightCall, RegisteredFunction
 from .program import LoweredProgram, ProgramSpec, lower
 from .resources import MeshAllocation
 
-__all__ = ["Dispatcher"]
+__all__ = ["CallDispatch"]
 
 
-class Dispatcher:
+class CallDispatch:
     """The `Controller`'s dispatch of calls and program runs.
 
     Its public methods take the island sequencers they need, then the controller's lock, as the client's threads

@@ -61,7 +61,7 @@ class Completion:
                 controller.members.lose(executor_id, done.failure.message)
             return
         call = self._calls.get(done.call_id)
-        if call is None and controller.dispatcher.closing_reason:
+        if call is None and controller.call_dispatch.closing_reason:
             return   # closing ended every pending call (ContextClosedError): late Dones are expected, not dropped
         if call is None or executor_id not in call.waiting:
             self._drop(f"Done for unknown call {done.call_id} from {executor_id}")
@@ -92,7 +92,7 @@ class Completion:
         if not call.waiting:
             if call.held_failure is not None:
                 self.fail_call(call, self._error_for(call, call.held_failure))
-            controller.dispatcher.end(call)   # the liveness probe may have ended it already
+            controller.call_dispatch.end(call)   # the liveness probe may have ended it already
             if not call.failed:
                 self._complete(call)
 
@@ -110,7 +110,7 @@ class Completion:
         """Handling a Done raised ``exc`` (a bug of ours): its call still ends, failing with the reason."""
         log.exception("controller: handling a Done failed; its call fails")
         if call is not None:
-            self._controller.dispatcher.end(call)
+            self._controller.call_dispatch.end(call)
             self.fail_call(call, PathwaysError(
                 f"the controller failed while completing {call.spec.name!r} (a bug of ours: "
                 f"{type(exc).__name__}: {exc}); called from:\n{call.spec.call_site.rstrip()}\n"

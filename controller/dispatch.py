@@ -6,7 +6,7 @@ tests). Each idea is a part of its own, which the façade owns:
 
 - `Membership` (membership.py): registration, incarnations, heartbeats and loss;
 - `ProcessGroups` (groups.py): the groups collectives run in, and their abandonment after a fault;
-- `Dispatcher` (calls.py): functions, calls, program runs and the run-ahead bound;
+- `CallDispatch` (calls.py): functions, calls, program runs and the run-ahead bound;
 - `Completion` (completion.py): Done reports, failed calls and lost transfers;
 - `Lifetimes` (arrays.py): puts landing, releases and the frees they send;
 - `ExecutorRequests` (requests.py): stats and trace requests to every executor.
@@ -32,7 +32,7 @@ from pathways_torch.wire.framing import body_name, log_dropped
 
 from .arrays import ArrayRecord, ArrayTable, Lifetimes
 from .call_spec import CallSpec, InFlightCall, RegisteredFunction
-from .calls import Dispatcher
+from .calls import CallDispatch
 from .completion import Completion
 from .config import ControllerConfig
 from .groups import ProcessGroups
@@ -89,7 +89,7 @@ class Controller:
         self.liveness_probe: Callable[..., None] | None = None
         self.members = Membership(self)
         self.groups = ProcessGroups(self)
-        self.dispatcher = Dispatcher(self)
+        self.call_dispatch = CallDispatch(self)
         self.completion = Completion(self)
         self.lifetimes = Lifetimes(self)
         self.requests = ExecutorRequests(self)
@@ -179,28 +179,28 @@ class Controller:
         """Tell every live executor to stop; from now on no executor is declared lost."""
         self.members.shutdown_executors(reason)
 
-    # ------------------------------------------------------------ calls and programs (`Dispatcher`)
+    # ------------------------------------------------------------ calls and programs (`CallDispatch`)
 
     def register_function(self, name: str, graph: pb.Graph, constants: list, *, sim_seconds: float = 0.0) -> int:
         """Keep a captured function (loaded on an executor at its first call there); returns its id."""
-        return self.dispatcher.register_function(name, graph, constants, sim_seconds=sim_seconds)
+        return self.call_dispatch.register_function(name, graph, constants, sim_seconds=sim_seconds)
 
     def call(self, spec: CallSpec) -> list[ArrayRecord]:
         """Dispatch one call to every executor of its mesh; return its output records at once
         (after waiting, if ``max_inflight_calls`` are unfinished, for one to finish)."""
-        return self.dispatcher.call(spec)
+        return self.call_dispatch.call(spec)
 
     def register_program(self, spec: ProgramSpec) -> LoweredProgram:
         """Lower ``spec`` and register it on every executor it uses (once)."""
-        return self.dispatcher.register_program(spec)
+        return self.call_dispatch.register_program(spec)
 
     def run_program(self, program_id: int, input_ids: Sequence[int]) -> list[ArrayRecord]:
         """One run: one ``RunProgram`` per executor; every node gets its own sequence number (of its island's)."""
-        return self.dispatcher.run_program(program_id, input_ids)
+        return self.call_dispatch.run_program(program_id, input_ids)
 
     def fail_pending(self, reason: str) -> int:
         """Fail every pending array with `ContextClosedError` (the client is closing); returns how many."""
-        return self.dispatcher.fail_pending(reason)
+        return self.call_dispatch.fail_pending(reason)
 
     @property
     def calls_in_flight(self) -> int:
@@ -210,21 +210,21 @@ class Controller:
     @property
     def inflight_high_water(self) -> int:
         """The most calls ever unfinished at once."""
-        return self.dispatcher.inflight_high_water
+        return self.call_dispatch.inflight_high_water
 
     @property
     def runahead_waits(self) -> collections.deque:
         """Run-ahead waits, (start ns, end ns, calls in flight, name), on the executors' trace clock."""
-        return self.dispatcher.runahead_waits
+        return self.call_dispatch.runahead_waits
 
     @property
     def program_constant_bytes(self) -> int:
         """Graph constants sent to executors: the only tensor bytes the controller ever sends."""
-        return self.dispatcher.program_constant_bytes
+        return self.call_dispatch.program_constant_bytes
 
     @property
     def _last_call_id(self) -> int:   # bench/fuzz_inputs.py names calls past the last one
-        return self.dispatcher.last_call_id
+        return self.call_dispatch.last_call_id
 
     # ------------------------------------------------------------ completion and failure (`Completion`)
 

@@ -72,7 +72,7 @@ class Membership:
         process does), joins new groups (formed at first use: its loss forgot every group of its island, and
         none with it forms while it is lost), and programs that ran on the old one are lowered again for its
         address, key and groups at their next run."""
-        self._controller.dispatcher.sequencer_of(executor_id).last_collective[executor_id] = 0
+        self._controller.call_dispatch.sequencer_of(executor_id).last_collective[executor_id] = 0
         self._stale_programs.update(pid for pid, lowered in self._programs.items() if executor_id in lowered.plans)
         log.warning("controller: %s registered again as incarnation %d (pid %d, %s)", executor_id, info.epoch,
                     info.pid, info.data_address)
@@ -210,7 +210,7 @@ class Membership:
                 self._unblock(call, pushes_from_it, error)
                 call.waiting.discard(executor_id)
                 if not call.waiting:
-                    controller.dispatcher.end(call)
+                    controller.call_dispatch.end(call)
         for function in self._functions.values():
             function.loaded_on.discard(executor_id)  # a restarted executor loads afresh
         self._cancel_on_survivors(info, islands, incarnation, failed_calls, group_ids, error)

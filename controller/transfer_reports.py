@@ -23,7 +23,7 @@ def transfer_ends(calls: Iterable, copy: pb.ShardRef, programs: Mapping) -> set[
     live calls of its program run, or the plain call alone. ``programs``: program id → its lowered program."""
     ends: set[tuple[str, str]] = set()
     for call in calls:
-        if not call.run_base:   # a plain call: the controller itself routed each copy (`Dispatcher._route_input`)
+        if not call.run_base:   # a plain call: the controller itself routed each copy (`CallDispatch._route_input`)
             ends.update((sender, receiver) for sender, receiver, routed in call.routes if routed == copy)
             continue
         lowered = programs.get(call.program_id)

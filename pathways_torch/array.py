@@ -51,6 +51,12 @@ class Array:
         return True
 
     @property
+    def completion(self):
+        """What to wait on without keeping the array: ``done()`` and ``wait(timeout_s)`` (never raises, never
+        sends the pending frees). Holding it keeps no shard alive (the trainer's run-ahead bound holds these)."""
+        return self._state
+
+    @property
     def failure(self) -> BaseException | None:
         """The error the array settled with, as the controller reported it (not waited for; None while running
         or after success). Recovery compares these by identity: one fault fails many arrays with one error."""

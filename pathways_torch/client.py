@@ -46,19 +46,13 @@ class InProcessClient:
         self.controller.incarnation_listeners.append(lambda info: events.new_incarnation(self._view(info)))
         self._server.on_key_revoked = events.key_revoked
 
-    @staticmethod
-    def _follow(record) -> ArrayState:
-        """The client's state of ``record``, kept in step with it from now on."""
-        state = ArrayState(record.array_id)
+    def _follow(self, records) -> list[ArrayState]:
+        """The client's states of ``records``, kept in step with them from now on.
 
-        def changed(record) -> None:
-            state.apply(ArraySettled(record.array_id, record.state, record.error, record.block_shape,
-                                     tuple(record.lost_holders)))
-
-        record.listener = changed
-        if record.state != "pending" or record.lost_holders:   # it changed before the listener was there
-            changed(record)
-        return state
+        Attached under the controller's lock, where every settle and loss happens: a record that changed
+        before its listener was there is caught up here, and no change can land between the two."""
+        with self.controller._lock:
+            return [_follow_one(record) for record in records]
 
     # ------------------------------------------------------------ functions, programs, calls
 
@@ -74,15 +68,15 @@ class InProcessClient:
         return self._programs[program_id].describe()
 
     def call(self, spec: CallSpec) -> list[ArrayState]:
-        return [self._follow(record) for record in self.controller.call(spec)]
+        return self._follow(self.controller.call(spec))
 
     def run_program(self, program_id: int, input_ids: Sequence[int]) -> list[ArrayState]:
-        return [self._follow(record) for record in self.controller.run_program(program_id, input_ids)]
+        return self._follow(self.controller.run_program(program_id, input_ids))
 
     # ------------------------------------------------------------ arrays
 
     def new_array(self, executor_ids: tuple[str, ...], *, landing: int) -> ArrayState:
-        return self._follow(self.controller.new_array(executor_ids, landing=landing))
+        return self._follow([self.controller.new_array(executor_ids, landing=landing)])[0]
 
     def landed(self, array_id: int, error: BaseException | None = None) -> None:
         self.controller.landed(array_id, error)
@@ -220,3 +214,16 @@ class InProcessClient:
 
     def close(self) -> None:
         self._server.stop()
+
+
+def _follow_one(record) -> ArrayState:
+    state = ArrayState(record.array_id)
+
+    def changed(record) -> None:
+        state.apply(ArraySettled(record.array_id, record.state, record.error, record.block_shape,
+                                 tuple(record.lost_holders)))
+
+    record.listener = changed
+    if record.state != "pending" or record.lost_holders:   # it changed before the listener was there
+        changed(record)
+    return state

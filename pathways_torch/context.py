@@ -52,7 +52,7 @@ class Context:
         self._closed = False
         self._session = Session(self.config, self.launch)   # closes what it started if it fails
         self._client = self._session.client
-        self._dispatch = Dispatcher(self, self._client, self._session.data, debug=self.config.debug)
+        self._dispatch = Dispatcher(self, self._client, self._session.data)
         self._incarnations = Incarnations(self._session)
 
     # ------------------------------------------------------------ executors

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
-from typing import Callable, NamedTuple, Protocol, Sequence
+from typing import NamedTuple, Protocol, Sequence
 
 __all__ = ["ControllerClient", "ClientEvents", "ExecutorView", "ArraySettled", "ArrayState", "ControllerCounters",
            "PENDING", "READY", "FAILED"]
@@ -90,7 +90,7 @@ class ArrayState:
         """Computed or failed."""
         return self.state != PENDING
 
-    def wait(self, timeout_s: float | None) -> bool:
+    def wait(self, timeout_s: float | None = None) -> bool:
         """Wait until computed or failed; False if ``timeout_s`` passed first."""
         if self.state != PENDING:
             return True
@@ -208,9 +208,9 @@ class ControllerClient(Protocol):
     def declare_lost(self, executor_id: str, why: str) -> None:
         """Declare an executor lost (its process exited)."""
 
-    def watch_exits(self, newly_exited: Callable[[], list[tuple[str, str]]], interval_s: float) -> None:
-        """Ask ``newly_exited()`` (``[(executor id, why)]``) every ``interval_s`` and whenever a loss is suspected;
-        declare each answer lost."""
+    def watch_exits(self, cluster, interval_s: float) -> None:
+        """Ask the local ``cluster.newly_exited()`` (``[(executor id, why)]``) every ``interval_s`` and whenever a
+        loss is suspected; declare each answer lost. Local by nature: a remote controller watches its own."""
 
     def gather(self, kind: str) -> dict:
         """Ask every live executor for ``"stats"`` or ``"trace"``; their reply envelopes, by executor id."""

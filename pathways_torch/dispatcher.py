@@ -25,8 +25,8 @@ __all__ = ["Dispatcher"]
 class Dispatcher:
     """The call path of one `Context` (``context._dispatch``)."""
 
-    def __init__(self, context, client, data, *, debug: bool):
-        self._context, self._client, self._data, self._debug = context, client, data, debug
+    def __init__(self, context, client, data):
+        self._context, self._client, self._data = context, client, data
         self._batched = threading.local()    # see batched_release
         self._function_ids: dict[int, tuple] = {}      # id(version) → (function id, version)
         self._lowered_programs: dict[int, tuple] = {}  # id(graph) → (program id, graph)
@@ -40,7 +40,7 @@ class Dispatcher:
         replicated = tuple(sharding.is_replicated for _, _, sharding, _ in layouts)
         spec = CallSpec(function_id=self._function_id(version), name=version.name, mesh=mesh.allocation,
                         inputs=tuple(a.array_id for a in inputs), num_outputs=len(layouts),
-                        replicated_outputs=replicated, debug=self._debug, call_site=call_site,
+                        replicated_outputs=replicated, debug=self._context.config.debug, call_site=call_site,
                         collective_axes=version.collective_axes, report_shapes=version.data_dependent)
         states = self._client.call(spec)
         return [Array(self._context, state, shape, dtype, sharding, block)
@@ -72,7 +72,7 @@ class Dispatcher:
                                   mesh=node.mesh.allocation, inputs=node.inputs, outputs=node.outputs,
                                   collective_axes=node.version.collective_axes,
                                   replicated_outputs=tuple(layout[2].is_replicated for layout in node.layouts),
-                                  debug=self._debug))
+                                  debug=self._context.config.debug))
         spec = ProgramSpec(name=graph.name, input_values=graph.input_values,
                            input_meshes=tuple(graph.layouts[v][2].mesh.allocation for v in graph.input_values),
                            nodes=tuple(nodes), output_values=graph.output_values)

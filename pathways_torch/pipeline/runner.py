@@ -17,11 +17,12 @@ from ..training.step import make_layout
 from .build import Built, build_step, pipeline_schedule, stage_meshes
 from .checkpoints import PipelineCheckpoints
 from .evaluation import evaluate
+from ..training.runner import HoldsTrainer
 
 __all__ = ["PipelineRunner"]
 
 
-class PipelineRunner(PipelineCheckpoints):
+class PipelineRunner(PipelineCheckpoints, HoldsTrainer):
     """The `StepRunner` of a `Pipeline` plan (see module doc)."""
 
     # The plan's own views, and what tests and benches read through the trainer.

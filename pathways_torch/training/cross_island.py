@@ -35,6 +35,7 @@ from ..programs import Program, as_tuple
 from .buckets import flatten
 from .optimizers import DYNAMIC, apply_update
 from .step import _from_first_shard, gathered_params, loss_and_grads, make_layout
+from .runner import HoldsTrainer
 
 __all__ = ["CrossIslandRunner", "make_island_joint", "make_segment_function",
            "make_island_update"]
@@ -131,7 +132,7 @@ def make_island_update(spec, layout, inner: "plans.DataParallel", num_islands: i
     return update
 
 
-class CrossIslandRunner:
+class CrossIslandRunner(HoldsTrainer):
     """The `StepRunner` of ``DataParallel(("island", axis))`` on a mesh ``{"island": I, axis: D}`` (module doc)."""
 
     # The plan's own views, and what tests and benches read through the trainer.

@@ -13,11 +13,12 @@ from ..functions import Function
 from ..placement import Replicate, Shard
 from .evaluation import make_forward
 from .step import make_layout, make_step
+from .runner import HoldsTrainer
 
 __all__ = ["DataParallelRunner"]
 
 
-class DataParallelRunner:
+class DataParallelRunner(HoldsTrainer):
     """The `StepRunner` of ``DataParallel(axis)`` / ``ShardedDataParallel(axis)`` on one mesh."""
 
     # Read through the trainer by tests and benches (the step's Function, the forwards, the state arrays).

@@ -259,7 +259,7 @@ class TrainerRecovery:
                 if attempt == MAX_ATTEMPTS or not is_recoverable(exc) or not self.recover_from(exc):
                     raise
         self._recovery.keep(kept)
-        self._unfinished_steps.append(loss.array)
+        self._unfinished_steps.append(loss.array.completion)
         self._maybe_save()
         return loss
 
@@ -320,7 +320,7 @@ class TrainerRecovery:
             with self._context._batched_release():
                 kept.loss.array = self._dispatch_step(kept.form, list(kept.tensors), spec=kept.spec,
                                                       modes=kept.modes)
-            self._unfinished_steps.append(kept.loss.array)
+            self._unfinished_steps.append(kept.loss.array.completion)
             self._maybe_save()
         self._recovery.note(cause, restored, len(rerun), recomputed, started)
         return True

@@ -15,9 +15,10 @@ trainer's own (``trainer.schedule`` under a pipeline, ``trainer.bucket_cut`` acr
 from __future__ import annotations
 
 import concurrent.futures
+import weakref
 from typing import Protocol
 
-__all__ = ["StepRunner"]
+__all__ = ["StepRunner", "HoldsTrainer"]
 
 
 class StepRunner(Protocol):
@@ -70,3 +71,17 @@ class StepRunner(Protocol):
 
     def describe(self) -> str:
         """The trainer's ``repr``."""
+
+
+class HoldsTrainer:
+    """A runner's link to its trainer, held weakly: the trainer holds its runner, and the cycle a strong
+    link makes would keep the state's arrays (and so their shards on the executors) alive after ``del
+    trainer``, until the cyclic collector happened to run."""
+
+    @property
+    def trainer(self):
+        return self._trainer_ref()
+
+    @trainer.setter
+    def trainer(self, trainer) -> None:
+        self._trainer_ref = weakref.ref(trainer)

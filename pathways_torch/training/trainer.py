@@ -62,7 +62,7 @@ class Trainer(TrainerRecovery, TrainerCheckpoints):
         self.samples_seen = 0            # batch rows dispatched: the data position a checkpoint records
         # Steps dispatched (the step number of the last one); an optimizer that already stepped counts.
         self.step_count = self._optimizer_step_count()
-        self._unfinished_steps: collections.deque = collections.deque()   # the losses' arrays, oldest first
+        self._unfinished_steps: collections.deque = collections.deque()   # the losses' completions, oldest first
         self.layout = self._runner.build()
         self._runner.restore(self._initial_tensors())
         self._set_up_recovery(checkpoint_dir, checkpoint_every, recover, replacement_timeout_s,
@@ -99,7 +99,7 @@ class Trainer(TrainerRecovery, TrainerCheckpoints):
             self._wait_for_room()
             with self._context._batched_release():
                 loss = self._dispatch_step(form, tensors)
-            self._unfinished_steps.append(loss)
+            self._unfinished_steps.append(loss.completion)
             self._maybe_save()
             return loss
         return self._recoverable_step(form, tensors)

@@ -127,6 +127,26 @@ def test_sharded_plan_stores_a_1_over_n_share_of_parameters_and_optimizer_state(
     assert added(baseline, 3 * 4 * total, 3 * 4 * total + 64), (stored(), baseline, total)
 
 
+@pytest.mark.parametrize("plan", sorted(PLANS))
+def test_a_dropped_trainer_is_freed_at_once_without_the_cyclic_collector(ctx, plan):
+    """``del trainer`` frees its state (and so the shards on the executors) by reference counting: nothing in
+    a trainer points back at it (a runner holds it weakly), so no wait for the cyclic collector."""
+    import weakref
+
+    gc.collect()
+    gc.disable()
+    try:
+        model = _model(torch.float32)
+        trainer = ctx.wrap(model, optimizer=_adamw(model.parameters()), loss_fn=loss_fn, mesh=_mesh(ctx, 2),
+                           plan=PLANS[plan])
+        trainer.step(_batches(1)[0]).result()
+        dropped = weakref.ref(trainer)
+        del trainer
+        assert dropped() is None, gc.get_referrers(dropped())
+    finally:
+        gc.enable()
+
+
 def test_clipping_that_triggers_gives_the_same_result_under_both_plans(ctx):
     batches = _batches(5)
     probe = _model()
