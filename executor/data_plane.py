@@ -159,13 +159,7 @@ class DataPlane:
 
     def _reply_fetch(self, identity: bytes, msg: pb.Fetch, key: tuple, entry) -> None:
         reply = pb.FetchReply(request_id=msg.request_id)
-        payload = []
-        if entry.failure is not None:
-            reply.failed = True
-            reply.failure.CopyFrom(entry.failure)
-        else:
-            payload = [self.backend.to_frame(entry.value, reply.tensor, 1)]
-            self.hop_bytes["executor->client"] += entry.nbytes
+        payload = self._shard_frames(reply, entry, "executor->client")
         self.outbox.to_client(identity, pb.Envelope(fetch_reply=reply), payload)
         self.store.unpin(key)
 
@@ -231,16 +225,21 @@ class DataPlane:
         self.store.claim(key, pin=True)
         self.store.when_ready(key, lambda entry: self._push(msg, key, entry))
 
+    def _shard_frames(self, message, entry, hop: str) -> list:
+        """A stored shard into a reply or a transfer (``message``: its ``tensor`` header, or ``failed`` and the
+        failure); the frames to send with it, counted on ``hop``."""
+        if entry.failure is not None:
+            message.failed = True
+            message.failure.CopyFrom(entry.failure)
+            return []
+        frames = [self.backend.to_frame(entry.value, message.tensor, 1)]
+        self.hop_bytes[hop] += entry.nbytes
+        return frames
+
     def _push(self, msg: pb.SendShard, key: tuple, entry) -> None:
         transfer = pb.Transfer()
         transfer.shard.CopyFrom(msg.as_ref)
-        payload = []
-        if entry.failure is not None:
-            transfer.failed = True
-            transfer.failure.CopyFrom(entry.failure)
-        else:
-            payload = [self.backend.to_frame(entry.value, transfer.tensor, 1)]
-            self.hop_bytes["executor->executor"] += entry.nbytes
+        payload = self._shard_frames(transfer, entry, "executor->executor")
         self.trace.record("send", "transfer", call_id=msg.call_id, detail=f"array {msg.shard.array_id} -> {msg.to_address}")
         nbytes = 0 if entry.failure is not None else entry.nbytes
         now = time.monotonic()
