@@ -6,7 +6,8 @@
 - `schedules`: GPipe, 1F1B and interleaved 1F1B as per-rank action lists, text in and out, simulated
   (a package: the action IR, communication, the generators, the simulator);
 - `chunk_functions`: the per-chunk functions of a step (forward, backward, tied gradients, update);
-- `plan`: `Pipeline`, the plan for ``ctx.wrap``; `trainer`: `PipelineTrainer`;
+- `plan`: `Pipeline`, the plan for ``ctx.wrap``, which picks `runner.PipelineRunner` (built by `build`);
+  `trainer`: the name `PipelineTrainer`, kept for imports;
 - `evaluation`: its ``evaluate`` (forwards only, in eval mode); `checkpoints`: its executor-written
   checkpoints (each stage writes its own chunks) and recovery.
 
