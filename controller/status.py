@@ -12,11 +12,9 @@ from __future__ import annotations
 from concurrent import futures
 
 from pathways_torch.wire import pb
+from pathways_torch.wire.status_service import STATUS_GET, STATUS_SERVICE
 
 __all__ = ["serve_status", "status_of"]
-
-# Its reader (pathways_torch.launch.health) calls "/pathways.Status/Get".
-_SERVICE, _METHOD = "pathways.Status", "Get"
 
 
 def serve_status(controller, port: int, run_id: str = ""):
@@ -26,8 +24,8 @@ def serve_status(controller, port: int, run_id: str = ""):
     def get(request, _):
         return status_of(controller, request.with_stats, run_id)
 
-    handler = grpc.method_handlers_generic_handler(_SERVICE, {
-        _METHOD: grpc.unary_unary_rpc_method_handler(get, request_deserializer=pb.StatusRequest.FromString,
+    handler = grpc.method_handlers_generic_handler(STATUS_SERVICE, {
+        STATUS_GET: grpc.unary_unary_rpc_method_handler(get, request_deserializer=pb.StatusRequest.FromString,
                                                    response_serializer=pb.StatusReply.SerializeToString)})
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
     server.add_generic_rpc_handlers((handler,))

@@ -19,9 +19,10 @@ from __future__ import annotations
 import time
 from concurrent import futures
 
+from ..wire.status_service import STATUS_METHOD   # served by controller/status.py
+
 __all__ = ["HealthServer", "get_status", "status_table", "STATUS_METHOD"]
 
-STATUS_METHOD = "/pathways.Status/Get"   # served by controller/status.py
 
 
 class HealthServer:
