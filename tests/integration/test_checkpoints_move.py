@@ -219,6 +219,13 @@ def test_only_the_newest_checkpoints_stay_and_the_latest_loads(ctx, tmp_path):
     assert max(abs(a - b) for a, b in zip(losses, expected)) < 1e-9, (losses, expected)
 
 
+def _written(folder: str) -> dict:
+    """What a rewrite would change of each file in ``folder``: its inode, size, and modification and change
+    times (not its access time: loading the checkpoint reads the files, and that moves it)."""
+    return {n: (st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+            for n in os.listdir(folder) for st in [os.stat(os.path.join(folder, n))]}
+
+
 def test_a_resumed_run_saves_into_a_fresh_folder_and_never_rewrites_the_one_it_loaded(ctx, tmp_path):
     batches = _batches(4)
     directory = str(tmp_path / "ckpt")
@@ -231,7 +238,7 @@ def test_a_resumed_run_saves_into_a_fresh_folder_and_never_rewrites_the_one_it_l
     loaded = os.path.join(directory, "step-00000002")
     with open(os.path.join(directory, "latest")) as f:
         assert f.read() == "step-00000002"
-    files = {n: os.stat(os.path.join(loaded, n)) for n in os.listdir(loaded)}
+    files = _written(loaded)
     model = _model()
     resumed = ctx.wrap(model, optimizer=_adamw(model), loss_fn=nn.MSELoss(), mesh=mesh, checkpoint_dir=directory,
                        checkpoint_every=2)
@@ -239,7 +246,7 @@ def test_a_resumed_run_saves_into_a_fresh_folder_and_never_rewrites_the_one_it_l
     resumed._checkpoint.result(120)          # the loaded state, written again for recovery: elsewhere
     with open(os.path.join(directory, "latest")) as f:
         assert f.read() == "step-00000002-1"
-    assert {n: os.stat(os.path.join(loaded, n)) for n in os.listdir(loaded)} == files
+    assert _written(loaded) == files
     losses += [loss.result(120).item() for loss in [resumed.step(b) for b in batches[2:]]]
     expected = _expected(batches)
     assert max(abs(a - b) for a, b in zip(losses, expected)) < 1e-9, (losses, expected)
