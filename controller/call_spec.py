@@ -9,40 +9,11 @@ from __future__ import annotations
 import dataclasses
 
 from pathways_torch.wire import pb
+from pathways_torch.wire.seam import CallSpec
 
 from .arrays import ArrayRecord
-from .resources import MeshAllocation
 
 __all__ = ["CallSpec", "InFlightCall", "RegisteredFunction"]
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class CallSpec:
-    """One call of a captured function on a mesh.
-
-    Called alone, ``inputs`` are array ids and ``num_outputs`` says how many arrays it makes. As a program's
-    node, ``inputs`` and ``outputs`` are the program's value ids, and ``num_outputs`` defaults to how many
-    ``outputs`` it names.
-    """
-
-    function_id: int
-    name: str
-    mesh: MeshAllocation
-    inputs: tuple[int, ...]
-    outputs: tuple[int, ...] = ()     # a program's node: the values it makes
-    num_outputs: int | None = None    # None: len(outputs)
-    replicated_outputs: tuple[bool, ...] = ()   # outputs declared Replicate()
-    debug: bool = False               # digest replicated outputs and compare them
-    call_site: str = ""
-    collective_axes: tuple[str, ...] = ()
-    report_shapes: bool = False       # output sizes depend on the data: executors report them
-    # Where output i sits among the function's outputs (its Done digests): a program node's
-    # call covers only the outputs that are program outputs. Empty: output i is output i.
-    output_positions: tuple[int, ...] = ()
-
-    def __post_init__(self):
-        if self.num_outputs is None:
-            object.__setattr__(self, "num_outputs", len(self.outputs))
 
 
 @dataclasses.dataclass

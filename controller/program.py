@@ -15,30 +15,10 @@ import collections
 import dataclasses
 
 from pathways_torch.wire import pb
+from pathways_torch.wire.seam import ProgramSpec
 
-from .call_spec import CallSpec
-from .resources import MeshAllocation
 
 __all__ = ["ProgramSpec", "LoweredProgram", "lower"]
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class ProgramSpec:
-    """A traced program: its input values (on their meshes), its nodes (each a call of a function on a mesh, whose
-    inputs and outputs are values), and the values it returns."""
-
-    name: str
-    input_values: tuple[int, ...]
-    input_meshes: tuple[MeshAllocation, ...]
-    nodes: tuple[CallSpec, ...]
-    output_values: tuple[int, ...]
-
-    def value_meshes(self) -> dict[int, MeshAllocation]:
-        where = dict(zip(self.input_values, self.input_meshes))
-        for node in self.nodes:
-            for value in node.outputs:
-                where[value] = node.mesh
-        return where
 
 
 @dataclasses.dataclass

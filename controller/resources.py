@@ -7,6 +7,7 @@ import math
 import time
 
 from pathways_torch.errors import PlacementError
+from pathways_torch.wire.seam import MeshAllocation
 
 __all__ = ["ExecutorInfo", "MeshAllocation", "ResourceManager", "DEFAULT_ISLAND", "ISLAND_AXIS"]
 
@@ -29,44 +30,6 @@ class ExecutorInfo:
     command_address: str = ""     # its command ROUTER, where control messages go
     link_address: str = ""        # where other islands send it transfers (a shaped link's relay), if not direct
     epoch: int = 1                # registrations of this id so far (a restarted executor registers again)
-
-
-@dataclasses.dataclass(frozen=True)
-class MeshAllocation:
-    """Executors laid out on named axes, row-major (the last axis varies fastest)."""
-
-    mesh_id: int
-    axes: tuple[tuple[str, int], ...]
-    executor_ids: tuple[str, ...]
-
-    @property
-    def size(self) -> int:
-        return len(self.executor_ids)
-
-    def axis_members(self, axis: str, position: int) -> tuple[str, ...]:
-        """The executors that share every coordinate with ``position`` except along ``axis``."""
-        names = [name for name, _ in self.axes]
-        sizes = [size for _, size in self.axes]
-        if axis not in names:
-            raise PlacementError(f"the mesh has axes {names}, not {axis!r}")
-        coords, rest = [], position
-        for size in reversed(sizes):
-            coords.append(rest % size)
-            rest //= size
-        coords.reverse()
-        members = []
-        which = names.index(axis)
-        for i in range(sizes[which]):
-            coords[which] = i
-            flat = 0
-            for coord, size in zip(coords, sizes):
-                flat = flat * size + coord
-            members.append(self.executor_ids[flat])
-        return tuple(members)
-
-    def describe(self) -> str:
-        axes = ", ".join(f"{name}={size}" for name, size in self.axes)
-        return f"mesh {self.mesh_id} ({axes}) on {', '.join(self.executor_ids)}"
 
 
 class ResourceManager:

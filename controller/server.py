@@ -30,7 +30,7 @@ import zmq
 from pathways_torch.wire import SocketLoop, body_name, decode, encode, pb
 from pathways_torch.wire.framing import MAX_ENVELOPE_BYTES, FramingError, log_dropped
 from pathways_torch.wire.loop import frame_nbytes
-from pathways_torch.wire.security import (CLIENT, CONTROLLER, HEARTBEAT_SUFFIX, STORE_SUFFIX, ConnectionWatch, Credentials,
+from pathways_torch.wire.security import (CONTROLLER, is_client, HEARTBEAT_SUFFIX, STORE_SUFFIX, ConnectionWatch, Credentials,
                                           SecurityError, make_client, make_server, peer_role, spare_of,
                                           split_identity)
 
@@ -151,7 +151,7 @@ class ControllerServer:
             self._drop(f"malformed message: {exc}")
             return
         executor_id, connection = split_identity(identity)
-        if executor_id != (spare_of(role or "") or role) or role in (CONTROLLER, CLIENT):
+        if executor_id != (spare_of(role or "") or role) or role == CONTROLLER or is_client(role):
             self._drop(f"a peer authenticated as {role!r} spoke as {identity!r}")
             return
         active = self._active_roles.get(executor_id)

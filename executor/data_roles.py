@@ -18,7 +18,7 @@ from typing import Callable
 
 from pathways_torch.wire import pb
 from pathways_torch.wire.framing import body_name
-from pathways_torch.wire.security import CLIENT, CONTROLLER, spare_of
+from pathways_torch.wire.security import CONTROLLER, is_client, spare_of
 
 __all__ = ["DataGate", "CLIENT_KINDS", "EXECUTOR_KINDS", "executor_of_role"]
 
@@ -29,7 +29,7 @@ EXECUTOR_KINDS = frozenset({"transfer"})                    # data messages only
 def executor_of_role(role: str | None) -> str | None:
     """The executor id a key's role speaks for (``executor-1``; a spare ``executor-1.r2`` → ``executor-1``), or None
     for the client, the controller, or a message without a role."""
-    if not role or role in (CLIENT, CONTROLLER):
+    if not role or role == CONTROLLER or is_client(role):
         return None
     return spare_of(role) or role
 
@@ -57,8 +57,8 @@ class DataGate:
         connection carries it), is refused here; None if it is not."""
         kind = body_name(envelope)
         if kind in CLIENT_KINDS:
-            if role != CLIENT:
-                return f"{kind} from {role!r}: expected it from the client alone (refused)"
+            if not is_client(role):
+                return f"{kind} from {role!r}: expected it from a client alone (refused)"
             return None
         if kind not in EXECUTOR_KINDS:
             return None   # not a data message at all: the executor drops it as unexpected

@@ -23,7 +23,7 @@ __all__ = [
     "Link",
     # errors
     "PathwaysError", "RemoteError", "CaptureError", "ExecutorLostError", "ReplicationError",
-    "PlacementError", "AuthenticationError", "ContextClosedError",
+    "PlacementError", "AuthenticationError", "ContextClosedError", "ControllerLostError",
     # backends
     "BACKEND_NAMES",
 ]
@@ -58,6 +58,7 @@ _WHERE = {
     "PlacementError": "pathways_torch.errors",
     "AuthenticationError": "pathways_torch.errors",
     "ContextClosedError": "pathways_torch.errors",
+    "ControllerLostError": "pathways_torch.errors",
     "BACKEND_NAMES": "pathways_torch.wire.backend_names",
 }
 

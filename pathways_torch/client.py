@@ -8,11 +8,12 @@ builds (`CallSpec`, `ProgramSpec`, `MeshAllocation`) are re-exported from here.
 
 from __future__ import annotations
 
-import time
 from typing import Sequence
 
-from controller import CallSpec, ControllerConfig, ControllerServer, MeshAllocation
-from controller.program import ProgramSpec
+from controller import ControllerConfig, ControllerServer
+from controller.client_ops import ClientOps, executor_view
+from controller.exit_watch import watch_exits
+from pathways_torch.wire.seam import CallSpec, MeshAllocation, ProgramSpec
 
 from .controller_api import ArraySettled, ArrayState, ClientEvents, ControllerCounters, ExecutorView
 
@@ -31,8 +32,7 @@ class InProcessClient:
         self._server.start()
         self.controller = self._server.controller
         self.address = self._server.address
-        self._cluster = None            # what watch_exits asks about exited processes
-        self._programs: dict[int, object] = {}   # program id → its lowered form (for describe_program)
+        self._ops = ClientOps(self.controller, self._server)   # the one client's requests, as a remote one's
 
     @property
     def server(self) -> ControllerServer:
@@ -43,7 +43,8 @@ class InProcessClient:
 
     def subscribe(self, events: ClientEvents) -> None:
         self.controller.loss_listeners.append(events.executor_lost)
-        self.controller.incarnation_listeners.append(lambda info: events.new_incarnation(self._view(info)))
+        self.controller.incarnation_listeners.append(
+            lambda info: events.new_incarnation(executor_view(self.controller, info)))
         self._server.on_key_revoked = events.key_revoked
 
     def _follow(self, records) -> list[ArrayState]:
@@ -54,67 +55,54 @@ class InProcessClient:
         with self.controller._lock:
             return [_follow_one(record) for record in records]
 
-    # ------------------------------------------------------------ functions, programs, calls
+    # ------------------------------------------------------------ functions, programs, calls, arrays (ClientOps)
 
     def register_function(self, name: str, graph, constants: list, *, sim_seconds: float = 0.0) -> int:
-        return self.controller.register_function(name, graph, constants, sim_seconds=sim_seconds)
+        return self._ops.register_function(name, graph, constants, sim_seconds=sim_seconds)
 
     def register_program(self, spec: ProgramSpec) -> int:
-        lowered = self.controller.register_program(spec)
-        self._programs[lowered.program_id] = lowered
-        return lowered.program_id
+        return self._ops.register_program(spec)
 
     def describe_program(self, program_id: int) -> str:
-        return self._programs[program_id].describe()
+        return self._ops.describe_program(program_id)
 
     def call(self, spec: CallSpec) -> list[ArrayState]:
-        return self._follow(self.controller.call(spec))
+        return self._follow(self._ops.call(spec))
 
     def run_program(self, program_id: int, input_ids: Sequence[int]) -> list[ArrayState]:
-        return self._follow(self.controller.run_program(program_id, input_ids))
-
-    # ------------------------------------------------------------ arrays
+        return self._follow(self._ops.run_program(program_id, input_ids))
 
     def new_array(self, executor_ids: tuple[str, ...], *, landing: int) -> ArrayState:
-        return self._follow([self.controller.new_array(executor_ids, landing=landing)])[0]
+        return self._follow([self._ops.new_array(executor_ids, landing=landing)])[0]
 
     def landed(self, array_id: int, error: BaseException | None = None) -> None:
-        self.controller.landed(array_id, error)
+        self._ops.landed(array_id, error)
 
     def release(self, array_id: int) -> None:
-        self.controller.release(array_id)
+        self._ops.release(array_id)
 
     def release_many(self, array_ids: Sequence[int]) -> None:
-        self.controller.release_many(array_ids)
+        self._ops.release_many(array_ids)
 
     def flush_frees(self) -> None:
-        self.controller.flush_frees()
+        self._ops.flush_frees()
 
     # ------------------------------------------------------------ executors
 
     def allocate_mesh(self, axes: dict[str, int], executor_ids: Sequence[str] | None = None) -> MeshAllocation:
-        return self.controller.resources.allocate(dict(axes), None if executor_ids is None else list(executor_ids))
+        return self._ops.allocate_mesh(axes, executor_ids)
 
     def island_of(self, executor_id: str) -> str:
-        return self.controller.resources.island_of(executor_id)
-
-    def _view(self, info) -> ExecutorView:
-        return ExecutorView(
-            executor_id=info.executor_id, index=info.index, pid=info.pid, island=info.island, device=info.device,
-            backend=info.backend, lost=info.lost, epoch=info.epoch, data_address=info.data_address,
-            public_key=info.public_key, link_address=info.link_address,
-            label=self.controller.executor_labels.get(info.executor_id, ""),
-            seconds_since_heartbeat=max(0.0, self.controller.clock() - info.last_heard))
+        return self._ops.island_of(executor_id)
 
     def executors(self) -> tuple[ExecutorView, ...]:
-        return tuple(self._view(info) for info in self.controller.resources.ordered())
+        return self._ops.executors()
 
     def executor(self, executor_id: str) -> ExecutorView | None:
-        info = self.controller.resources.executors.get(executor_id)
-        return None if info is None else self._view(info)
+        return self._ops.executor(executor_id)
 
     def wait_for_executors(self, count: int, timeout_s: float) -> None:
-        self.controller.wait_for_executors(count, timeout_s)
+        self._ops.wait_for_executors(count, timeout_s)
 
     def order_executors(self, order: dict[str, int]) -> None:
         for info in self.controller.resources.ordered():
@@ -136,7 +124,7 @@ class InProcessClient:
         self.controller.admit_key(role, public_key)   # the survivors revoke the old key first
 
     def wait_for_incarnation(self, executor_id: str, epoch: int, timeout_s: float) -> ExecutorView:
-        return self._view(self.controller.wait_for_incarnation(executor_id, epoch, timeout_s))
+        return executor_view(self.controller, self.controller.wait_for_incarnation(executor_id, epoch, timeout_s))
 
     def declare_lost(self, executor_id: str, why: str) -> None:
         self.controller.declare_lost(executor_id, why)
@@ -144,54 +132,21 @@ class InProcessClient:
     def watch_exits(self, cluster, interval_s: float) -> None:
         """``cluster.newly_exited()`` every ``interval_s`` (a dead child is lost at once; the heartbeat timeout
         catches the hung and the remote), and whenever the controller suspects a loss."""
-        self._cluster = cluster
-        self._server.loop.every(interval_s, self._reap_exited)
-        self.controller.liveness_probe = self._reap_exited
-
-    def _reap_exited(self, patience_s: float = 0.0, then=None) -> None:
-        """Declare lost every executor process that exited. With ``patience_s``: look again every 20 ms until one
-        has or the time is up, then call ``then()``. Looked at later on the controller's I/O thread, never slept
-        for: the caller holds the controller's lock there, and heartbeats would go unanswered meanwhile."""
-        deadline = time.monotonic() + patience_s
-
-        def look() -> None:
-            exited = self._cluster.newly_exited()
-            for executor_id, why in exited:
-                self.controller.declare_lost(executor_id, why)
-            if not exited and time.monotonic() < deadline:
-                self._server.loop.call_later(0.02, look)
-            elif then is not None:
-                then()
-
-        look()
+        watch_exits(self.controller, self._server.loop, cluster.newly_exited, interval_s)
 
     # ------------------------------------------------------------ observability
 
     def gather(self, kind: str) -> dict:
-        return self.controller.gather(kind)
+        return self._ops.gather(kind)
 
     def counters(self) -> ControllerCounters:
-        controller, server = self.controller, self._server
-        payload = server.payload_bytes
-        return ControllerCounters(
-            relayed_bytes=payload["sent"] + payload["received"] - controller.program_constant_bytes,
-            program_constant_bytes=controller.program_constant_bytes,
-            messages_sent=dict(controller.messages_sent),
-            dropped_messages=server.dropped_messages + controller.dropped_messages,
-            refused_connections=server.refused_connections,
-            inflight_high_water=controller.inflight_high_water,
-            send_backlog_high_water=server.loop.backlog_high_water,
-            transfers_lost=controller.transfers_lost,
-            calls_failed_by_lost_transfers=controller.calls_failed_by_lost_transfers,
-            handled_messages={**{f"control:{k}": n for k, n in controller.handled_messages.items()},
-                              **server.handled_messages},
-            calls_in_flight=controller.calls_in_flight, arrays=len(controller.arrays))
+        return self._ops.counters()
 
     def runahead_waits(self) -> tuple[tuple[int, int, int, str], ...]:
-        return tuple(self.controller.runahead_waits)
+        return self._ops.runahead_waits()
 
     def note_runahead_wait(self, start_ns: int, end_ns: int, in_flight: int, what: str) -> None:
-        self.controller.runahead_waits.append((start_ns, end_ns, in_flight, what))
+        self._ops.note_runahead_wait(start_ns, end_ns, in_flight, what)
 
     def serve_status(self, port: int, run_id: str = ""):
         """Serve the controller's status (``pathways-status``) on 127.0.0.1:``port``; the gRPC server (stop() it)."""

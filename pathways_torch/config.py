@@ -41,8 +41,13 @@ class ContextConfig(Liveness):
     # With islands: shape the link between them (a relay that delays and counts; the kernel's tbf in a network
     # namespace or the relay's token bucket limits the rate: pathways_torch.local.link).
     link: object | None = None
+    # A standalone controller to attach to (``"tcp://HOST:PORT"``, `pathways-controller`) instead of starting one,
+    # with this client's key folder (``keys="DIR/clients/NAME"`` of its ``--make-keys``); docs/service.md.
+    controller: str | None = None
+    keys: str | None = None
 
     def __post_init__(self):
+        self._check_remote()
         for name in ("max_inflight", "max_inflight_steps"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -65,6 +70,24 @@ class ContextConfig(Liveness):
             raise ValueError(f"device='cuda' needs backend='inductor' (the default there) or 'eager', got "
                              f"{self.backend!r}: the XLA routes run on CPU and TPU hosts (docs/backends.md)")
         super().__post_init__()
+
+    def _check_remote(self) -> None:
+        if (self.controller is None) != (self.keys is None):
+            raise ValueError(f"controller={self.controller!r}, keys={self.keys!r}: a remote controller needs both, "
+                             f"its address and this client's key folder (DIR/clients/NAME of pathways-controller "
+                             f"--make-keys); give both or neither")
+        if self.controller is None:
+            return
+        if not isinstance(self.controller, str) or not self.controller.startswith("tcp://"):
+            raise ValueError(f"controller: expected an address such as 'tcp://10.0.0.1:5555', got "
+                             f"{self.controller!r}")
+        started_here = {"islands": self.islands, "link": self.link, "log_dir": self.log_dir,
+                        "pin_executors": self.pin_executors or None, "device": None if self.device == "cpu" else 1}
+        named = sorted(name for name, value in started_here.items() if value is not None)
+        if named:
+            raise ValueError(f"{', '.join(named)}: these choose how this context starts its executors, but with "
+                             f"controller= it starts none (the controller's operator does: pathways-controller); "
+                             f"drop them")
 
     @property
     def resolved_backend(self) -> str:

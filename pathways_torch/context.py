@@ -47,7 +47,9 @@ class Context:
         self.launch = LaunchEnvironment.from_environ()
         if self.launch is not None:
             num_executors = attach_to_launch(self.launch, num_executors, islands, options)
-        self.config = ContextConfig(num_executors=4 if num_executors is None else num_executors, islands=islands,
+        if num_executors is None:   # a remote controller's: at least one of those it has; else four started here
+            num_executors = 1 if options.get("controller") else 4
+        self.config = ContextConfig(num_executors=num_executors, islands=islands,
                                     **options)
         self._closed = False
         self._session = Session(self.config, self.launch)   # closes what it started if it fails

@@ -12,9 +12,10 @@ update it, and `Array` waits on it alone.
 
 from __future__ import annotations
 
-import dataclasses
 import threading
-from typing import NamedTuple, Protocol, Sequence
+from typing import Protocol, Sequence
+
+from .wire.seam import ArraySettled, ControllerCounters, ExecutorView
 
 __all__ = ["ControllerClient", "ClientEvents", "ExecutorView", "ArraySettled", "ArrayState", "ControllerCounters",
            "PENDING", "READY", "FAILED"]
@@ -22,35 +23,6 @@ __all__ = ["ControllerClient", "ClientEvents", "ExecutorView", "ArraySettled", "
 PENDING, READY, FAILED = "pending", "ready", "failed"
 _RANK = {PENDING: 0, READY: 1, FAILED: 2}   # an array's state only moves forward
 _MAKING_EVENTS = threading.Lock()
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class ExecutorView:
-    """One executor as the controller knows it, at one moment (a snapshot: ask again for news)."""
-
-    executor_id: str
-    index: int                 # its place in `Context.executor_ids`
-    pid: int
-    island: str
-    device: str
-    backend: str
-    lost: bool
-    epoch: int                 # its incarnation (1, then one more per replacement)
-    data_address: str          # where tensor bytes reach it
-    public_key: bytes          # its data socket's CURVE key
-    link_address: str = ""     # where other islands' transfers reach it (a shaped link's relay), if not direct
-    label: str = ""            # what errors call its node ("node 1 at 10.0.0.2"), if launched
-    seconds_since_heartbeat: float = 0.0
-
-
-class ArraySettled(NamedTuple):
-    """Event: an array's state changed (computed, failed, or a holder of one of its shards was lost)."""
-
-    array_id: int
-    state: str                                   # READY or FAILED (PENDING: only a holder was lost)
-    error: BaseException | None = None
-    block_shape: tuple[int, ...] | None = None   # the sizes the data decided, when they depended on it
-    lost_holders: tuple[str, ...] = ()
 
 
 class ArrayState:
@@ -99,24 +71,6 @@ class ArrayState:
                 self._event = threading.Event()
         # Looked at again after the event exists: `apply` sets the state first, then sets the event if any.
         return self.state != PENDING or self._event.wait(timeout_s)
-
-
-@dataclasses.dataclass(frozen=True)
-class ControllerCounters:
-    """The controller's own counts, for `Context.stats` (copies: they do not change after)."""
-
-    relayed_bytes: int                # payload bytes through the controller's sockets, graph constants aside
-    program_constant_bytes: int       # graph constants sent with functions: the only tensor bytes it sends
-    messages_sent: dict               # by kind ("run", "run_program", "heartbeat" ...)
-    dropped_messages: int
-    refused_connections: int
-    inflight_high_water: int
-    send_backlog_high_water: int
-    transfers_lost: int
-    calls_failed_by_lost_transfers: int
-    handled_messages: dict            # "control:done" ..., "heartbeat", "store": reached their handler
-    calls_in_flight: int
-    arrays: int                       # arrays the controller keeps a record of
 
 
 class ClientEvents(Protocol):

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 __all__ = [
     "PathwaysError", "RemoteError", "CaptureError", "PlacementError",
-    "ReplicationError", "ExecutorLostError", "AuthenticationError", "ProtocolError", "ContextClosedError",
+    "ReplicationError", "ExecutorLostError", "ControllerLostError", "AuthenticationError", "ProtocolError", "ContextClosedError",
     "TRANSFER_LOST", "COLLECTIVE_ABANDONED",
 ]
 
@@ -90,6 +90,15 @@ class ExecutorLostError(PathwaysError):
 
     def __init__(self, message: str, *, executor_id: str = ""):
         self.executor_id = executor_id
+        super().__init__(message)
+
+
+class ControllerLostError(PathwaysError):
+    """The remote controller (``pw.Context(controller=...)``) stopped, or has not answered within the heartbeat
+    bound: nothing pending will complete. Names the controller's address and why."""
+
+    def __init__(self, message: str, *, address: str = ""):
+        self.address = address
         super().__init__(message)
 
 

@@ -10,6 +10,7 @@ moves tensor bytes straight to and from the executors. It also hears the control
 from __future__ import annotations
 
 import logging
+import os
 import time
 
 import zmq
@@ -21,7 +22,8 @@ from .errors import ExecutorLostError, PathwaysError
 from .launch.environment import executor_ids as launched_ids
 from .launch.environment import node_of
 from .local.cluster import LocalCluster
-from .wire.security import CLIENT, CONTROLLER, Gatekeeper, KeyDirectory
+from .remote_client import RemoteClient
+from .wire.security import CLIENT, CONTROLLER, Gatekeeper, KeyDirectory, SecurityError, client_name
 
 __all__ = ["Session", "attach_to_launch"]
 
@@ -61,6 +63,9 @@ class Session:
         # The same names as a launch's (node k's j-th executor is executor-{k * nproc + j}): one scheme.
         executor_ids = launched_ids(range(config.num_executors))
         try:
+            if config.controller is not None:
+                self._attach_remote()
+                return
             if launch is None:
                 # The context's own keys: one pair per role; every socket admits exactly these (docs/security.md).
                 self.keys = KeyDirectory.create([CONTROLLER, CLIENT, *executor_ids])
@@ -102,6 +107,29 @@ class Session:
             raise
 
     # ------------------------------------------------------------ bring-up
+
+    def _attach_remote(self) -> None:
+        """A client of a standalone controller: its key folder, the controller's executors (at least
+        ``num_executors`` of them), and the data client to them. Nothing is started, and nothing is stopped after."""
+        config = self.config
+        self.keys = KeyDirectory(config.keys)
+        role = _client_role_of(self.keys)
+        credentials = self.keys.credentials(role)
+        self.gatekeeper = Gatekeeper(self.zmq, self.keys.public_keys())
+        self.client = RemoteClient(config.controller, credentials, self.zmq, **config.liveness_fields())
+        self.client.subscribe(self)
+        self.client.wait_for_executors(config.num_executors, config.start_timeout_s)
+        views = self.client.executors()
+        backends = sorted({info.backend for info in views})
+        if config.backend is not None and not all(b.split(":")[0] == config.backend.split(":")[0] or b == config.backend
+                                                  for b in backends):
+            raise ValueError(f"pw.Context(backend={config.backend!r}): the controller at {config.controller} runs "
+                             f"executors of {backends}; drop backend= (its operator chooses: pathways-controller "
+                             f"--backend)")
+        self.data = DataClient(self.zmq, credentials)
+        for info in views:
+            self.data.connect(info.executor_id, info.data_address, info.public_key)
+        self._started = True
 
     def _wait_for_executors(self) -> None:
         deadline = time.monotonic() + self.config.start_timeout_s
@@ -190,8 +218,8 @@ class Session:
                 self.client.close()
             if self.gatekeeper is not None:
                 self.gatekeeper.stop()
-            if self.keys is not None and self.launch is None:
-                self.keys.remove()
+            if self.keys is not None and self.launch is None and self.config.controller is None:
+                self.keys.remove()   # the context's own; a launch's and a remote client's folder are the user's
             if self.link is not None:
                 self.link.close()
             self._close_zmq()
@@ -202,3 +230,14 @@ class Session:
             log.warning("an I/O thread did not stop; leaving its ZeroMQ context open")
             return
         self.zmq.term()
+
+
+def _client_role_of(keys: KeyDirectory) -> str:
+    """The one client key pair in a client's folder (``DIR/clients/NAME``)."""
+    secret = os.path.join(keys.path, "secret")
+    roles = [name.removesuffix(".key_secret") for name in sorted(os.listdir(secret)) if name.endswith(".key_secret")]
+    clients = [role for role in roles if client_name(role) is not None]
+    if len(clients) != 1:
+        raise SecurityError(f"keys={keys.path}: expected a client's folder holding one client key pair "
+                            f"(DIR/clients/NAME of pathways-controller --make-keys), found {roles or 'none'}")
+    return clients[0]

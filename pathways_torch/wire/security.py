@@ -43,6 +43,7 @@ __all__ = [
     "CONTROLLER", "CLIENT", "ZAP_DOMAIN", "HEARTBEAT_SUFFIX", "STORE_SUFFIX", "SecurityError", "KeyPair", "Credentials", "KeyDirectory",
     "Gatekeeper", "make_server", "make_client", "check_role", "peer_role", "peer_key", "ConnectionWatch",
     "HANDSHAKE_FAILURES", "INCARNATION_MARK", "split_identity", "spare_role", "spare_of", "without_replaced_keys",
+    "CLIENT_PREFIX", "CLIENT_NAME", "client_name", "is_client",
 ]
 
 log = logging.getLogger(__name__)
@@ -57,6 +58,26 @@ STORE_SUFFIX = "#store"       # an executor's connection to the controller's ren
 # connections (stopped, not dead) and its replacement never share a ROUTER identity (ZeroMQ would refuse the
 # replacement's connection while the old one's stays open).
 INCARNATION_MARK = "~"
+
+
+# The clients of a standalone controller (`pathways-controller`): role "client-<name>", one key each
+# (`pathways_torch.launch.service_keys` makes them). The embedded run's one client is plain "client".
+CLIENT_PREFIX = "client-"
+CLIENT_NAME = re.compile(r"^[a-z][a-z0-9_]{0,31}$")
+
+
+def client_name(role: str | None) -> str | None:
+    """The client name of ``role``: ``"client-alice"`` → ``"alice"``; None for any other role (the embedded
+    run's ``"client"``, an executor, the controller, None)."""
+    if not isinstance(role, str) or not role.startswith(CLIENT_PREFIX):
+        return None
+    name = role[len(CLIENT_PREFIX):]
+    return name if CLIENT_NAME.match(name) else None
+
+
+def is_client(role: str | None) -> bool:
+    """Whether ``role`` is a client's: the embedded run's ``"client"`` or a service client's ``"client-<name>"``."""
+    return role == CLIENT or client_name(role) is not None
 
 
 _SPARE_MARK = ".r"

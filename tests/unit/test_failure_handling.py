@@ -250,9 +250,8 @@ def test_heartbeats_are_answered_while_the_launcher_is_asked_about_a_lost_peer(e
     not be reaped yet). The looking is on the I/O loop's timers, not a sleep under the controller's lock on its
     thread: a heartbeat sent meanwhile is answered while the probe still waits, at once."""
     import time
-    import types
 
-    from pathways_torch.client import InProcessClient as Context   # where the exit watch lives
+    from controller.exit_watch import watch_exits
     from pathways_torch.errors import RemoteError
     from pathways_torch.wire.loop import SocketLoop
 
@@ -267,9 +266,8 @@ def test_heartbeats_are_answered_while_the_launcher_is_asked_about_a_lost_peer(e
 
     def probe_of(controller):
         controllers.append(controller)
-        context = types.SimpleNamespace(_cluster=Launcher(), controller=controller,
-                                        _server=types.SimpleNamespace(loop=loop))
-        return types.MethodType(Context._reap_exited, context)
+        watch_exits(controller, loop, Launcher().newly_exited, interval_s=3600.0)
+        return controller.liveness_probe
 
     def heartbeat(sent):   # what the controller's server does with e0's heartbeat, on its I/O thread
         controller = controllers[0]

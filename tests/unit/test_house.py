@@ -17,8 +17,9 @@ from tests.conftest import REPO_ROOT
 pytestmark = pytest.mark.timeout(60)
 
 PACKAGES = ("pathways_torch", "controller", "executor")
-# The one frontend module that may import the controller: it embeds it behind the ControllerClient protocol.
-CLIENT_MODULES = ("pathways_torch.client",)
+# The frontend modules that may import the controller: the one that embeds it behind the ControllerClient protocol,
+# and pathways-controller's composition root, which hosts it as a service.
+CLIENT_MODULES = ("pathways_torch.client", "pathways_torch.launch.controller_main")
 SHARED = ("pathways_torch.wire", "pathways_torch.errors")   # what every part may import
 MAX_FILE_LINES, MAX_CLASS_LINES = 500, 400
 

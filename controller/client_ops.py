@@ -1,0 +1,192 @@
+"""What one client may ask of the controller, in the seam's plain terms: `ClientOps`.
+
+Both clients of the controller go through it: the embedded one (`pathways_torch.client.InProcessClient`) and each
+remote client of `pathways-controller` (`client_service.ClientService`). It answers with snapshots
+(`ExecutorView`, `ControllerCounters`) and array records, never the controller's mutable tables.
+
+It also scopes what a client names to what it owns (DESIGN §10, docs/service.md): the arrays, functions and
+programs it was handed, so a client can neither read, free, call nor name another's. An id that is not the
+client's is refused exactly like one that never existed: its owner is not revealed either.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from pathways_torch.wire.seam import CallSpec, ControllerCounters, ExecutorView, MeshAllocation, ProgramSpec
+
+from .arrays import ArrayRecord
+
+__all__ = ["ClientOps", "executor_view", "controller_counters", "NotYoursError"]
+
+
+class NotYoursError(ValueError):
+    """A client named an array, function, program or mesh it does not hold (or that never existed)."""
+
+
+def executor_view(controller, info) -> ExecutorView:
+    """One executor as the client sees it now."""
+    return ExecutorView(
+        executor_id=info.executor_id, index=info.index, pid=info.pid, island=info.island, device=info.device,
+        backend=info.backend, lost=info.lost, epoch=info.epoch, data_address=info.data_address,
+        public_key=info.public_key, link_address=info.link_address,
+        label=controller.executor_labels.get(info.executor_id, ""),
+        seconds_since_heartbeat=max(0.0, controller.clock() - info.last_heard))
+
+
+def controller_counters(controller, server) -> ControllerCounters:
+    """The controller's counts (its sockets' too), as copies."""
+    payload = server.payload_bytes
+    return ControllerCounters(
+        relayed_bytes=payload["sent"] + payload["received"] - controller.program_constant_bytes,
+        program_constant_bytes=controller.program_constant_bytes,
+        messages_sent=dict(controller.messages_sent),
+        dropped_messages=server.dropped_messages + controller.dropped_messages,
+        refused_connections=server.refused_connections,
+        inflight_high_water=controller.inflight_high_water,
+        send_backlog_high_water=server.loop.backlog_high_water,
+        transfers_lost=controller.transfers_lost,
+        calls_failed_by_lost_transfers=controller.calls_failed_by_lost_transfers,
+        handled_messages={**{f"control:{k}": n for k, n in controller.handled_messages.items()},
+                          **server.handled_messages},
+        calls_in_flight=controller.calls_in_flight, arrays=len(controller.arrays))
+
+
+class ClientOps:
+    """One client's requests over the controller, checked against what it owns (``owner``: its name)."""
+
+    def __init__(self, controller, server, owner: str = ""):
+        self.controller, self.server, self.owner = controller, server, owner
+        self.arrays: set[int] = set()      # array ids handed to this client and not released
+        self.functions: set[int] = set()
+        self.programs: dict[int, object] = {}   # program id → its lowered form (describe_program)
+        self.meshes: dict[int, MeshAllocation] = {}
+
+    # ------------------------------------------------------------ functions, programs, calls
+
+    def register_function(self, name: str, graph, constants: list, *, sim_seconds: float = 0.0) -> int:
+        function_id = self.controller.register_function(name, graph, constants, sim_seconds=sim_seconds)
+        self.functions.add(function_id)
+        return function_id
+
+    def register_program(self, spec: ProgramSpec) -> int:
+        for node in spec.nodes:
+            self._check_call(node, inputs=False)
+        for mesh in spec.input_meshes:
+            self._check_mesh(mesh)
+        lowered = self.controller.register_program(spec)
+        self.programs[lowered.program_id] = lowered
+        return lowered.program_id
+
+    def describe_program(self, program_id: int) -> str:
+        return self._program(program_id).describe()
+
+    def call(self, spec: CallSpec) -> list[ArrayRecord]:
+        self._check_call(spec, inputs=True)
+        return self._own(self.controller.call(spec))
+
+    def run_program(self, program_id: int, input_ids: Sequence[int]) -> list[ArrayRecord]:
+        self._program(program_id)
+        self._check_arrays(input_ids)
+        return self._own(self.controller.run_program(program_id, input_ids))
+
+    # ------------------------------------------------------------ arrays
+
+    def new_array(self, executor_ids: tuple[str, ...], *, landing: int) -> ArrayRecord:
+        unknown = [e for e in executor_ids if e not in self.controller.resources.executors]
+        if unknown:
+            raise NotYoursError(f"new_array on executors {unknown}: expected known executors "
+                                f"({sorted(self.controller.resources.executors)})")
+        return self._own([self.controller.new_array(tuple(executor_ids), landing=landing)])[0]
+
+    def landed(self, array_id: int, error: BaseException | None = None) -> None:
+        self._check_arrays([array_id])
+        self.controller.landed(array_id, error)
+
+    def release(self, array_id: int) -> None:
+        if array_id in self.arrays:   # twice, or never ours: nothing to free (a finalizer must not raise)
+            self.arrays.discard(array_id)
+            self.controller.release(array_id)
+
+    def release_many(self, array_ids: Sequence[int]) -> None:
+        ours = [a for a in array_ids if a in self.arrays]
+        self.arrays.difference_update(ours)
+        self.controller.release_many(ours)
+
+    def release_everything(self) -> int:
+        """The client is gone: free every array it holds; how many."""
+        held = sorted(self.arrays)
+        self.arrays.clear()
+        self.controller.release_many(held)
+        self.controller.flush_frees()
+        return len(held)
+
+    def flush_frees(self) -> None:
+        self.controller.flush_frees()
+
+    # ------------------------------------------------------------ executors
+
+    def allocate_mesh(self, axes: dict[str, int], executor_ids: Sequence[str] | None = None) -> MeshAllocation:
+        mesh = self.controller.resources.allocate(dict(axes), None if executor_ids is None else list(executor_ids))
+        self.meshes[mesh.mesh_id] = mesh
+        return mesh
+
+    def island_of(self, executor_id: str) -> str:
+        return self.controller.resources.island_of(executor_id)
+
+    def executors(self) -> tuple[ExecutorView, ...]:
+        return tuple(executor_view(self.controller, info) for info in self.controller.resources.ordered())
+
+    def executor(self, executor_id: str) -> ExecutorView | None:
+        info = self.controller.resources.executors.get(executor_id)
+        return None if info is None else executor_view(self.controller, info)
+
+    def wait_for_executors(self, count: int, timeout_s: float) -> None:
+        self.controller.wait_for_executors(count, timeout_s)
+
+    # ------------------------------------------------------------ observability
+
+    def gather(self, kind: str) -> dict:
+        if kind not in ("stats", "trace"):
+            raise ValueError(f"gather({kind!r}): expected 'stats' or 'trace'")
+        return self.controller.gather(kind)
+
+    def counters(self) -> ControllerCounters:
+        return controller_counters(self.controller, self.server)
+
+    def runahead_waits(self) -> tuple[tuple[int, int, int, str], ...]:
+        return tuple(self.controller.runahead_waits)
+
+    def note_runahead_wait(self, start_ns: int, end_ns: int, in_flight: int, what: str) -> None:
+        self.controller.runahead_waits.append((int(start_ns), int(end_ns), int(in_flight), str(what)))
+
+    # ------------------------------------------------------------ what the client owns
+
+    def _own(self, records: list[ArrayRecord]) -> list[ArrayRecord]:
+        self.arrays.update(r.array_id for r in records)
+        return records
+
+    def _check_arrays(self, array_ids: Sequence[int]) -> None:
+        for array_id in array_ids:
+            if array_id not in self.arrays:
+                raise NotYoursError(f"array {array_id} is not one this client holds (never made, already "
+                                    f"freed, or another client's); use the arrays your own calls returned")
+
+    def _check_call(self, spec: CallSpec, *, inputs: bool) -> None:
+        if spec.function_id not in self.functions:
+            raise NotYoursError(f"function {spec.function_id} ({spec.name!r}) is not one this client "
+                                f"registered; register it first")
+        self._check_mesh(spec.mesh)
+        if inputs:
+            self._check_arrays(spec.inputs)
+
+    def _check_mesh(self, mesh: MeshAllocation) -> None:
+        if self.meshes.get(mesh.mesh_id) != mesh:
+            raise NotYoursError(f"mesh {mesh.mesh_id} is not one this client allocated, or not as it was "
+                                f"allocated; use ctx.mesh(...)")
+
+    def _program(self, program_id: int):
+        lowered = self.programs.get(program_id)
+        if lowered is None:
+            raise NotYoursError(f"program {program_id} is not one this client registered; register it first")
+        return lowered

@@ -1,0 +1,258 @@
+"""The controller as a service: remote clients on a CURVE ROUTER (`pathways-controller`, docs/service.md).
+
+Each client connects a DEALER with its own key (role ``client-<name>``, `pathways_torch.launch.service_keys`); its
+name is its identity, and what it may name is scoped to what it owns (`ClientOps`). A message is a `seam_codec`
+message: a request ``{"r": id, "op": name, "a": [args]}`` (``r`` 0: no answer wanted), answered with
+``{"r": id, "ok": value}`` or ``{"r": id, "err": error}``; the service also sends events, ``{"ev": kind, ...}``:
+an array settled, an executor lost or replaced, a key revoked.
+
+Requests arrive on the controller's I/O thread and run on a worker thread of the client's own, in order: a call
+may wait at the run-ahead bound, and a gather waits for the executors' answers, which arrive on the I/O thread.
+A ping is answered on the I/O thread at once, so a client's view of the controller's liveness never depends on how
+busy its worker is. A client silent for ``heartbeat_timeout_s`` (killed, cut off) is disconnected: every array it
+holds is freed.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import logging
+import threading
+import time
+from typing import Callable
+
+import zmq
+
+from pathways_torch.wire import seam_codec
+from pathways_torch.wire.framing import log_dropped
+from pathways_torch.wire.seam import ArraySettled, CallSpec, ProgramSpec
+from pathways_torch.wire.security import client_name, make_server, peer_role
+
+from .client_ops import ClientOps, executor_view
+
+__all__ = ["ClientService", "CLIENT_SOCKET"]
+
+log = logging.getLogger(__name__)
+
+CLIENT_SOCKET = "clients"
+_MAX_MESSAGE_BYTES = 1 << 30      # graph constants ride on register_function; tensors never come this way
+# op → the types of its positional arguments (checked before anything runs: a client sends plain data only)
+_SIGNATURES: dict[str, tuple] = {
+    "register_function": (str, object, list, (int, float)), "register_program": (ProgramSpec,),
+    "describe_program": (int,), "call": (CallSpec,), "run_program": (int, (list, tuple)),
+    "new_array": ((list, tuple), int), "landed": (int, (BaseException, type(None))), "release": (int,),
+    "release_many": ((list, tuple),), "flush_frees": (), "allocate_mesh": (dict, (list, tuple, type(None))),
+    "island_of": (str,), "executors": (), "executor": (str,), "wait_for_executors": (int, (int, float)),
+    "gather": (str,), "counters": (), "runahead_waits": (), "note_runahead_wait": (int, int, int, str),
+    "bye": (),
+}
+
+
+@dataclasses.dataclass
+class _Session:
+    """One connected client: its identity on the ROUTER, what it owns, and the worker running its requests."""
+
+    name: str
+    identity: bytes
+    ops: ClientOps
+    last_heard: float
+    requests: collections.deque = dataclasses.field(default_factory=collections.deque)
+    wake: threading.Condition = dataclasses.field(default_factory=threading.Condition)
+    connected: bool = True
+    requests_served: int = 0
+
+
+class ClientService:
+    """Serves remote clients of ``server`` (a `ControllerServer`, not yet started) on ``bind_address``."""
+
+    def __init__(self, server, bind_address: str, *, heartbeat_timeout_s: float,
+                 clock: Callable[[], float] = time.monotonic):
+        self.server, self.controller, self.loop = server, server.controller, server.loop
+        self.heartbeat_timeout_s, self.clock = heartbeat_timeout_s, clock
+        socket = self.loop.context.socket(zmq.ROUTER)
+        socket.setsockopt(zmq.LINGER, 0)
+        socket.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        socket.setsockopt(zmq.MAXMSGSIZE, _MAX_MESSAGE_BYTES)
+        make_server(socket, server.credentials)
+        socket.bind(bind_address)
+        self.address = socket.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.loop.add_socket(CLIENT_SOCKET, socket, self._on_frames)
+        self.sessions: dict[str, _Session] = {}     # client name → its session (connected ones)
+        self._lock = threading.Lock()
+        self.dropped_messages = 0
+        self.refused_clients = 0          # messages from a key that is not a client's
+        self.disconnected: collections.Counter = collections.Counter()   # why → how many
+        self.weights: dict[str, float] = {}    # client name → its share of device time (the operator's)
+        self.controller.loss_listeners.append(self._executor_lost)
+        self.controller.incarnation_listeners.append(self._new_incarnation)
+        server.on_key_revoked = self._key_revoked
+        self.loop.every(max(0.05, heartbeat_timeout_s / 4), self._check_silent)
+
+    # ------------------------------------------------------------ the I/O thread
+
+    def _on_frames(self, frames) -> None:
+        identity = frames[0].bytes
+        role = peer_role(frames[1]) if len(frames) > 1 else None
+        name = client_name(role)
+        if name is None:
+            self.refused_clients += 1
+            self._drop(f"a message on the client socket from {role!r}, which is not a client's key")
+            return
+        try:
+            message = seam_codec.decode(frames[1:])
+            request_id, op, args = message["r"], message["op"], list(message.get("a", []))
+        except (seam_codec.SeamCodecError, KeyError, TypeError) as exc:
+            self._drop(f"a malformed request from client {name}: {exc}")
+            return
+        session = self._session(name, identity)
+        session.last_heard = self.clock()
+        if op == "ping":
+            self._send(session, {"r": request_id, "ok": None})
+            return
+        with session.wake:
+            session.requests.append((request_id, op, args))
+            session.wake.notify()
+
+    def _session(self, name: str, identity: bytes) -> _Session:
+        with self._lock:
+            session = self.sessions.get(name)
+            if session is not None and session.identity != identity:
+                # The same key from a new connection: the old process is gone (or this is a second one; the key is
+                # the identity, so they cannot both be the client). What the old one held is freed.
+                self._disconnect_locked(session, "it connected again from a new process")
+                session = None
+            if session is None:
+                session = _Session(name, identity, ClientOps(self.controller, self.server, owner=name), self.clock())
+                self.sessions[name] = session
+                threading.Thread(target=self._serve, args=(session,), name=f"pathways-client-{name}",
+                                 daemon=True).start()
+                log.info("controller: client %s connected", name)
+            return session
+
+    def _check_silent(self) -> None:
+        now = self.clock()
+        with self._lock:
+            for session in list(self.sessions.values()):
+                if now - session.last_heard > self.heartbeat_timeout_s:
+                    self._disconnect_locked(session, f"silent for {now - session.last_heard:.1f} s (more than the "
+                                                     f"heartbeat timeout, {self.heartbeat_timeout_s:g} s)")
+
+    # ------------------------------------------------------------ a client's worker
+
+    def _serve(self, session: _Session) -> None:
+        while True:
+            with session.wake:
+                session.wake.wait_for(lambda: session.requests or not session.connected)
+                if not session.connected:
+                    return
+                request_id, op, args = session.requests.popleft()
+            try:
+                result = self._handle(session, op, args)
+                answer = {"r": request_id, "ok": result}
+            except BaseException as exc:   # the client's error: it raises it, the service goes on
+                answer = {"r": request_id, "err": exc}
+            session.requests_served += 1
+            if request_id:
+                self._send(session, answer)
+            if op == "bye":
+                self.disconnect(session.name, "it closed its context")
+                return
+
+    def _handle(self, session: _Session, op: str, args: list):
+        signature = _SIGNATURES.get(op)
+        if signature is None or len(args) != len(signature) or not all(
+                isinstance(a, t) for a, t in zip(args, signature)):
+            raise TypeError(f"request {op!r} with {[type(a).__name__ for a in args]}: expected one of "
+                            f"{sorted(_SIGNATURES)} with arguments of {signature}")
+        ops = session.ops
+        if op == "bye":
+            return None
+        if op in ("call", "run_program"):
+            return self._followed(session, getattr(ops, op)(*args))
+        if op == "new_array":
+            return self._followed(session, [ops.new_array(tuple(args[0]), landing=args[1])])[0]
+        if op == "register_function":
+            return ops.register_function(args[0], args[1], args[2], sim_seconds=float(args[3]))
+        return getattr(ops, op)(*args)
+
+    def _followed(self, session: _Session, records) -> tuple:
+        """Each record's state now, and its changes from now on as events (attached under the controller's lock,
+        where every change happens: none is missed between the two)."""
+        with self.controller._lock:
+            snapshots = []
+            for record in records:
+                record.listener = self._settle_listener(session)
+                snapshots.append(_settled(record))
+            return tuple(snapshots)
+
+    def _settle_listener(self, session: _Session):
+        def changed(record) -> None:
+            if session.connected:
+                self._send(session, {"ev": "settled", "s": _settled(record)})
+        return changed
+
+    # ------------------------------------------------------------ events to every client
+
+    def _executor_lost(self, executor_id: str, error: BaseException) -> None:
+        self._broadcast({"ev": "lost", "executor": executor_id, "error": error})
+
+    def _new_incarnation(self, info) -> None:
+        self._broadcast({"ev": "incarnation", "view": executor_view(self.controller, info)})
+
+    def _key_revoked(self, public_key: bytes) -> None:
+        self._broadcast({"ev": "revoked", "key": public_key})
+
+    def _broadcast(self, message: dict) -> None:
+        with self._lock:
+            sessions = list(self.sessions.values())
+        for session in sessions:
+            self._send(session, message)
+
+    # ------------------------------------------------------------ sending, disconnecting
+
+    def _send(self, session: _Session, message: dict) -> None:
+        try:
+            frames = seam_codec.encode(message)
+        except seam_codec.SeamCodecError as exc:   # a result the seam cannot carry: the client gets why
+            frames = seam_codec.encode({"r": message.get("r", 0), "err": TypeError(str(exc))})
+        self.loop.send(CLIENT_SOCKET, [session.identity, *frames])
+
+    def disconnect(self, name: str, why: str) -> bool:
+        """Drop client ``name``: its queued requests, and every array it holds (freed on the executors)."""
+        with self._lock:
+            session = self.sessions.get(name)
+            if session is None:
+                return False
+            self._disconnect_locked(session, why)
+            return True
+
+    def _disconnect_locked(self, session: _Session, why: str) -> None:
+        if self.sessions.get(session.name) is session:
+            del self.sessions[session.name]
+        with session.wake:
+            session.connected = False
+            dropped = len(session.requests)
+            session.requests.clear()
+            session.wake.notify_all()
+        freed = session.ops.release_everything()
+        self.disconnected[why.split(" (")[0]] += 1
+        log.warning("controller: client %s disconnected: %s; %d queued request(s) dropped, %d array(s) freed",
+                    session.name, why, dropped, freed)
+
+    def close(self, why: str = "the controller stopped") -> None:
+        """Tell every client the controller stops (each fails what it waits for with `ControllerLostError` at
+        once), then disconnect them. The caller lets the I/O thread run a moment after, to send the news."""
+        self._broadcast({"ev": "stopping", "why": why})
+        with self._lock:
+            for session in list(self.sessions.values()):
+                self._disconnect_locked(session, why)
+
+    def _drop(self, why: str) -> None:
+        self.dropped_messages += 1
+        log_dropped(log, self.dropped_messages, "client socket", why)
+
+
+def _settled(record) -> ArraySettled:
+    return ArraySettled(record.array_id, record.state, record.error, record.block_shape,
+                        tuple(record.lost_holders))

@@ -1,0 +1,312 @@
+"""`RemoteClient`: the `ControllerClient` protocol to a standalone `pathways-controller`, over ZeroMQ and CURVE.
+
+``pw.Context(controller="tcp://HOST:PORT", keys="DIR/clients/NAME")`` uses it. Requests travel as `seam_codec`
+messages on one DEALER (the client's own key; the controller's served key): each waits for its answer, except
+those that need none (releases, landed puts), which leave at once and keep their order. The controller's events
+(an array settled, an executor lost or replaced, a key revoked) update the client's `ArrayState`s and reach the
+subscriber, as the embedded controller's do.
+
+The client pings the controller every heartbeat interval. No word from it for ``heartbeat_timeout_s`` (it died,
+or the network between is cut), or its word that it stops: every pending request and array fails with
+`ControllerLostError`, and so does every request after. Nothing waits forever.
+
+Tensor bytes never come this way: the data client moves them between this process and the executors.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import itertools
+import logging
+import threading
+import time
+from typing import Sequence
+
+import zmq
+
+from .controller_api import FAILED, PENDING, ArraySettled, ArrayState, ClientEvents, ControllerCounters, ExecutorView
+from .errors import ContextClosedError, ControllerLostError, PathwaysError
+from .wire import SocketLoop, seam_codec
+from .wire.seam import CallSpec, MeshAllocation, ProgramSpec
+from .wire.security import Credentials, make_client
+
+__all__ = ["RemoteClient"]
+
+log = logging.getLogger(__name__)
+
+_SOCKET = "controller"
+_EARLY_EVENTS = 100_000   # events for arrays whose call's answer is still on its way (bounded)
+
+
+class RemoteClient:
+    """One client of a remote controller at ``address``, authenticated by ``credentials`` (its own key pair; the
+    allow-list holds the controller's public key as ``"controller"``)."""
+
+    def __init__(self, address: str, credentials: Credentials, zmq_context: zmq.Context, *,
+                 heartbeat_interval_s: float, heartbeat_timeout_s: float):
+        self.address = address
+        self._timeout_s = heartbeat_timeout_s
+        self.loop = SocketLoop("client-controller", zmq_context)
+        socket = zmq_context.socket(zmq.DEALER)
+        socket.setsockopt(zmq.LINGER, 0)
+        socket.setsockopt(zmq.SNDHWM, 0)   # nothing dropped: the run-ahead bound paces the client
+        make_client(socket, credentials, credentials.public_key("controller"))
+        socket.connect(address)
+        self.loop.add_socket(_SOCKET, socket, self._on_frames)
+        self._lock = threading.Lock()
+        self._answers: dict[int, concurrent.futures.Future] = {}
+        self._ids = itertools.count(1)
+        self._states: dict[int, ArrayState] = {}          # arrays handed out and not released
+        self._early: dict[int, list[ArraySettled]] = {}   # events that came before their array's answer
+        self._events: ClientEvents | None = None
+        self._lost: ControllerLostError | None = None
+        self._last_heard = time.monotonic()
+        self._heard_once = False
+        self.loop.every(heartbeat_interval_s, self._ping)
+        self.loop.start()
+
+    # ------------------------------------------------------------ requests
+
+    def _request(self, op: str, *args):
+        future = concurrent.futures.Future()
+        with self._lock:
+            if self._lost is not None:
+                raise self._lost
+            request_id = next(self._ids)
+            self._answers[request_id] = future
+        self._send({"r": request_id, "op": op, "a": list(args)})
+        return future.result()   # never hangs: a lost controller fails every answer still awaited
+
+    def _post(self, op: str, *args) -> None:
+        """A request that needs no answer (it keeps its place among the others)."""
+        if self._lost is None:
+            self._send({"r": 0, "op": op, "a": list(args)})
+
+    def _send(self, message: dict) -> None:
+        self.loop.send(_SOCKET, seam_codec.encode(message))
+
+    # ------------------------------------------------------------ the I/O thread
+
+    def _on_frames(self, frames) -> None:
+        try:
+            message = seam_codec.decode(frames)
+        except seam_codec.SeamCodecError as exc:
+            log.warning("a malformed message from the controller at %s dropped: %s", self.address, exc)
+            return
+        self._last_heard, self._heard_once = time.monotonic(), True
+        if "ev" in message:
+            self._on_event(message)
+            return
+        with self._lock:
+            future = self._answers.pop(message.get("r"), None)
+        if future is None:
+            return   # a ping's answer
+        if "err" in message:
+            future.set_exception(message["err"])
+        else:
+            future.set_result(message.get("ok"))
+
+    def _on_event(self, message: dict) -> None:
+        kind = message["ev"]
+        if kind == "settled":
+            self._settle(message["s"])
+        elif kind == "stopping":
+            self._controller_lost(f"the controller at {self.address} stopped ({message.get('why', '')})")
+        elif self._events is None:
+            return
+        elif kind == "lost":
+            self._events.executor_lost(message["executor"], message["error"])
+        elif kind == "incarnation":
+            self._events.new_incarnation(message["view"])
+        elif kind == "revoked":
+            self._events.key_revoked(message["key"])
+
+    def _settle(self, event: ArraySettled) -> None:
+        with self._lock:
+            state = self._states.get(event.array_id)
+            if state is None:
+                if len(self._early) < _EARLY_EVENTS:
+                    self._early.setdefault(event.array_id, []).append(event)
+                return
+        state.apply(event)
+
+    def _ping(self) -> None:
+        silent = time.monotonic() - self._last_heard
+        if self._lost is None and silent > self._timeout_s:
+            heard = "" if self._heard_once else " (it never answered: check the address, and that keys= is a " \
+                                                "client folder of this controller's --make-keys)"
+            self._controller_lost(f"the controller at {self.address} has not answered for {silent:.1f} s (the "
+                                  f"heartbeat timeout is {self._timeout_s:g} s){heard}")
+            return
+        if self._lost is None:
+            self.loop.send_now(_SOCKET, seam_codec.encode({"r": 0, "op": "ping", "a": []}))
+
+    def _controller_lost(self, why: str, *, closing: bool = False) -> None:
+        """Fail everything pending with `ControllerLostError`, and every request from now on."""
+        error = ControllerLostError(f"{why}; nothing pending will complete: reconnect with a new pw.Context",
+                                    address=self.address)
+        with self._lock:
+            if self._lost is not None:
+                return
+            self._lost = error
+            answers, self._answers = list(self._answers.values()), {}
+            states = [s for s in self._states.values() if s.state == PENDING]
+        if not closing:
+            log.error("%s", error)
+        for future in answers:
+            future.set_exception(error)
+        for state in states:
+            state.apply(ArraySettled(state.array_id, FAILED, error))
+        if self._events is not None:
+            for info in self._known_executors:
+                self._events.executor_lost(info.executor_id, error)
+
+    # ------------------------------------------------------------ the protocol: events
+
+    def subscribe(self, events: ClientEvents) -> None:
+        self._events = events
+
+    def _track(self, settled: Sequence[ArraySettled]) -> list[ArrayState]:
+        states = []
+        with self._lock:
+            for event in settled:
+                state = ArrayState(event.array_id)
+                state.apply(event)
+                for early in self._early.pop(event.array_id, ()):
+                    state.apply(early)
+                self._states[event.array_id] = state
+                if self._lost is not None and state.state == PENDING:
+                    state.apply(ArraySettled(event.array_id, FAILED, self._lost))
+                states.append(state)
+        return states
+
+    # ------------------------------------------------------------ functions, programs, calls, arrays
+
+    def register_function(self, name: str, graph, constants: list, *, sim_seconds: float = 0.0) -> int:
+        return self._request("register_function", name, graph, list(constants), float(sim_seconds))
+
+    def register_program(self, spec: ProgramSpec) -> int:
+        return self._request("register_program", spec)
+
+    def describe_program(self, program_id: int) -> str:
+        return self._request("describe_program", program_id)
+
+    def call(self, spec: CallSpec) -> list[ArrayState]:
+        return self._track(self._request("call", spec))
+
+    def run_program(self, program_id: int, input_ids: Sequence[int]) -> list[ArrayState]:
+        return self._track(self._request("run_program", program_id, list(input_ids)))
+
+    def new_array(self, executor_ids: tuple[str, ...], *, landing: int) -> ArrayState:
+        return self._track([self._request("new_array", list(executor_ids), landing)])[0]
+
+    def landed(self, array_id: int, error: BaseException | None = None) -> None:
+        self._post("landed", array_id, error)
+
+    def release(self, array_id: int) -> None:
+        with self._lock:
+            self._states.pop(array_id, None)
+        self._post("release", array_id)
+
+    def release_many(self, array_ids: Sequence[int]) -> None:
+        with self._lock:
+            for array_id in array_ids:
+                self._states.pop(array_id, None)
+        self._post("release_many", list(array_ids))
+
+    def flush_frees(self) -> None:
+        self._post("flush_frees")
+
+    # ------------------------------------------------------------ executors
+
+    def allocate_mesh(self, axes: dict[str, int], executor_ids: Sequence[str] | None = None) -> MeshAllocation:
+        return self._request("allocate_mesh", dict(axes), None if executor_ids is None else list(executor_ids))
+
+    def island_of(self, executor_id: str) -> str:
+        return self._request("island_of", executor_id)
+
+    def executors(self) -> tuple[ExecutorView, ...]:
+        views = self._request("executors")
+        self._known_executors = views
+        return views
+
+    _known_executors: tuple[ExecutorView, ...] = ()
+
+    def executor(self, executor_id: str) -> ExecutorView | None:
+        return self._request("executor", executor_id)
+
+    def wait_for_executors(self, count: int, timeout_s: float) -> None:
+        self._request("wait_for_executors", count, float(timeout_s))
+
+    def order_executors(self, order: dict[str, int]) -> None:
+        """The controller orders its own executors (the clients share them): nothing to do."""
+
+    def _local_only(self, what: str):
+        raise PathwaysError(f"{what} is not available through a remote controller ({self.address}): the "
+                            f"controller's operator starts, replaces and routes its executors "
+                            f"(pathways-controller; docs/service.md)")
+
+    def label_executor(self, executor_id: str, label: str) -> None:
+        self._local_only("label_executor")
+
+    def route_through(self, executor_id: str, link_address: str) -> None:
+        self._local_only("a shaped link (link=)")
+
+    def allowed_keys(self) -> dict[str, bytes]:
+        self._local_only("replace_executor")
+
+    def admit_key(self, role: str, public_key: bytes) -> None:
+        self._local_only("replace_executor")
+
+    def wait_for_incarnation(self, executor_id: str, epoch: int, timeout_s: float) -> ExecutorView:
+        self._local_only("replace_executor")
+
+    def declare_lost(self, executor_id: str, why: str) -> None:
+        self._local_only("declare_lost")
+
+    def watch_exits(self, cluster, interval_s: float) -> None:
+        self._local_only("watching local executor processes")
+
+    def serve_status(self, port: int, run_id: str = ""):
+        self._local_only("serve_status (the controller serves its own: --status-port)")
+
+    # ------------------------------------------------------------ observability
+
+    def gather(self, kind: str) -> dict:
+        return self._request("gather", kind)
+
+    def counters(self) -> ControllerCounters:
+        return self._request("counters")
+
+    def runahead_waits(self) -> tuple[tuple[int, int, int, str], ...]:
+        return tuple(tuple(w) for w in self._request("runahead_waits"))
+
+    def note_runahead_wait(self, start_ns: int, end_ns: int, in_flight: int, what: str) -> None:
+        self._post("note_runahead_wait", int(start_ns), int(end_ns), int(in_flight), str(what))
+
+    # ------------------------------------------------------------ lifecycle
+
+    def fail_pending(self, reason: str) -> int:
+        """Fail this client's pending arrays with `ContextClosedError` (the controller's other clients go on)."""
+        with self._lock:
+            pending = [s for s in self._states.values() if s.state == PENDING]
+        for state in pending:
+            state.apply(ArraySettled(state.array_id, FAILED,
+                                     ContextClosedError(f"{reason} before array {state.array_id} was ready")))
+        return len(pending)
+
+    def shutdown_executors(self, reason: str) -> None:
+        """Say goodbye: the controller frees what this client holds. Its executors serve the others on."""
+        if self._lost is None:
+            try:
+                self._request("bye")
+            except PathwaysError:
+                pass
+
+    @property
+    def io_running(self) -> bool:
+        return self.loop.running
+
+    def close(self) -> None:
+        self._controller_lost(f"this client closed its connection to {self.address}", closing=True)
+        self.loop.stop()
