@@ -32,6 +32,7 @@ class ArrayRecord:
     block_shape: tuple[int, ...] | None = None   # set on completion when the sizes depended on the data
     event: threading.Event = dataclasses.field(default_factory=threading.Event)
     replicated: bool = False      # every shard holds the same value (a Replicate() output)
+    owner: str = ""               # the client it was handed to (`client_ops`): "" the embedded one
     # Executors whose shard of it was lost: gone for good, even once a replacement takes the executor's place
     # (a call reading it there would wait forever), so the array may no longer be an input.
     lost_holders: set = dataclasses.field(default_factory=set)

@@ -100,7 +100,10 @@ class ClientOps:
         return self._own([self.controller.new_array(tuple(executor_ids), landing=landing)])[0]
 
     def landed(self, array_id: int, error: BaseException | None = None) -> None:
-        self._check_arrays([array_id])
+        # Also for an array released while its put was landing (its record stays until the put lands).
+        record = self.controller.arrays.get(array_id)
+        if record is not None and record.owner != self.owner:
+            raise NotYoursError(f"array {array_id} is not one this client holds; use the arrays your own puts made")
         self.controller.landed(array_id, error)
 
     def release(self, array_id: int) -> None:
@@ -163,7 +166,9 @@ class ClientOps:
     # ------------------------------------------------------------ what the client owns
 
     def _own(self, records: list[ArrayRecord]) -> list[ArrayRecord]:
-        self.arrays.update(r.array_id for r in records)
+        for record in records:
+            record.owner = self.owner
+            self.arrays.add(record.array_id)
         return records
 
     def _check_arrays(self, array_ids: Sequence[int]) -> None:

@@ -83,6 +83,7 @@ class ClientService:
         self.dropped_messages = 0
         self.refused_clients = 0          # messages from a key that is not a client's
         self.disconnected: collections.Counter = collections.Counter()   # why → how many
+        self._error_names = seam_codec.ErrorNames()   # one failure reaching many arrays stays one error there
         self.weights: dict[str, float] = {}    # client name → its share of device time (the operator's)
         self.controller.loss_listeners.append(self._executor_lost)
         self.controller.incarnation_listeners.append(self._new_incarnation)
@@ -213,7 +214,7 @@ class ClientService:
 
     def _send(self, session: _Session, message: dict) -> None:
         try:
-            frames = seam_codec.encode(message)
+            frames = seam_codec.encode(message, self._error_names)
         except seam_codec.SeamCodecError as exc:   # a result the seam cannot carry: the client gets why
             frames = seam_codec.encode({"r": message.get("r", 0), "err": TypeError(str(exc))})
         self.loop.send(CLIENT_SOCKET, [session.identity, *frames])

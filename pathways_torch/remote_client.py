@@ -59,6 +59,7 @@ class RemoteClient:
         self._states: dict[int, ArrayState] = {}          # arrays handed out and not released
         self._early: dict[int, list[ArraySettled]] = {}   # events that came before their array's answer
         self._events: ClientEvents | None = None
+        self._interned = seam_codec.Interned()   # one failure of many arrays: one error object, as embedded
         self._lost: ControllerLostError | None = None
         self._last_heard = time.monotonic()
         self._heard_once = False
@@ -89,7 +90,7 @@ class RemoteClient:
 
     def _on_frames(self, frames) -> None:
         try:
-            message = seam_codec.decode(frames)
+            message = seam_codec.decode(frames, self._interned)
         except seam_codec.SeamCodecError as exc:
             log.warning("a malformed message from the controller at %s dropped: %s", self.address, exc)
             return

@@ -87,3 +87,33 @@ def on_loopback(address: str) -> bool:
 
     ip = ipaddress.ip_address(address)
     return (getattr(ip, "ipv4_mapped", None) or ip).is_loopback
+
+
+def pytest_generate_tests(metafunc):
+    """``client_kind``: run the test (and its module's fixtures) against the embedded controller and a remote one."""
+    if "client_kind" in metafunc.fixturenames:
+        from tests.service import CLIENT_KINDS
+
+        metafunc.parametrize("client_kind", CLIENT_KINDS, scope="module")
+
+
+try:
+    import pytest
+except ImportError:   # conftest is also imported by scripts that need only its helpers
+    pytest = None
+
+if pytest is not None:
+    @pytest.fixture(scope="session")
+    def shared_service(tmp_path_factory):
+        """One `pathways-controller` with 4 eager executors, for every remote context of the run (started at the
+        first test that needs it)."""
+        from tests.service import ControllerProcess
+
+        service = ControllerProcess(str(tmp_path_factory.mktemp("service") / "keys"))
+        yield service
+        service.stop()
+
+    @pytest.fixture(scope="module")
+    def service_if_remote(request, client_kind):
+        """The shared service when ``client_kind`` is remote; None when embedded (nothing started)."""
+        return request.getfixturevalue("shared_service") if client_kind == "remote" else None

@@ -17,7 +17,10 @@ are graph constants and protobuf bodies.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
+import threading
+import weakref
 from typing import Sequence
 
 import pathways_torch.errors as errors
@@ -25,7 +28,7 @@ import pathways_torch.errors as errors
 from . import pathways_pb2 as pb
 from .seam import ArraySettled, CallSpec, ControllerCounters, ExecutorView, MeshAllocation, ProgramSpec
 
-__all__ = ["encode", "decode", "SeamCodecError", "MAX_DEPTH"]
+__all__ = ["encode", "decode", "SeamCodecError", "MAX_DEPTH", "ErrorNames", "Interned"]
 
 MAX_DEPTH = 64   # deeper trees are refused: nothing the seam sends nests this far
 _DATACLASSES = {cls.__name__: cls for cls in (MeshAllocation, CallSpec, ProgramSpec, ExecutorView,
@@ -42,23 +45,55 @@ class SeamCodecError(ValueError):
     """A seam message that does not decode: malformed, or naming a type this side does not build."""
 
 
-def encode(message) -> list:
-    """``message`` as frames: the JSON tree first, then the byte frames it refers to."""
+class ErrorNames:
+    """Names each error object sent with a number of its own, so the receiver can tell one failure reaching many
+    arrays from many failures (`Interned`): the embedded client's arrays share the very error object too."""
+
+    def __init__(self):
+        self._numbers: "weakref.WeakKeyDictionary[BaseException, int]" = weakref.WeakKeyDictionary()
+        self._next = itertools.count(1)
+        self._lock = threading.Lock()
+
+    def __call__(self, error: BaseException) -> int:
+        with self._lock:
+            number = self._numbers.get(error)
+            if number is None:
+                number = self._numbers[error] = next(self._next)
+            return number
+
+
+class Interned:
+    """The receiving end of `ErrorNames`: one error object per number, for as long as anything holds it."""
+
+    def __init__(self):
+        self._errors: "weakref.WeakValueDictionary[int, BaseException]" = weakref.WeakValueDictionary()
+
+    def get(self, number: int, make):
+        error = self._errors.get(number)
+        if error is None:
+            error = make()
+            self._errors[number] = error
+        return error
+
+
+def encode(message, names: ErrorNames | None = None) -> list:
+    """``message`` as frames: the JSON tree first, then the byte frames it refers to (``names``: number errors)."""
     frames: list = [b""]
-    tree = _to_tree(message, frames, 0)
+    tree = _to_tree(message, frames, 0, names)
     frames[0] = json.dumps(tree, separators=(",", ":")).encode()
     return frames
 
 
-def decode(frames: Sequence):
-    """The message ``encode`` made of ``frames`` (zmq frames or bytes)."""
+def decode(frames: Sequence, interned: Interned | None = None):
+    """The message ``encode`` made of ``frames`` (zmq frames or bytes); ``interned``: one object per numbered
+    error."""
     if not frames:
         raise SeamCodecError("an empty seam message: expected a JSON frame first")
     try:
         tree = json.loads(_bytes(frames[0]))
     except (ValueError, RecursionError) as exc:
         raise SeamCodecError(f"a seam message whose first frame is not JSON: {exc}") from None
-    return _from_tree(tree, [_bytes(f) for f in frames[1:]], 0)
+    return _from_tree(tree, [_bytes(f) for f in frames[1:]], 0, interned)
 
 
 def _bytes(frame) -> bytes:
@@ -67,7 +102,7 @@ def _bytes(frame) -> bytes:
 
 # ------------------------------------------------------------ encoding
 
-def _to_tree(value, frames: list, depth: int):
+def _to_tree(value, frames: list, depth: int, names=None):
     if depth > MAX_DEPTH:
         raise SeamCodecError(f"a seam message nested deeper than {MAX_DEPTH}")
     if isinstance(value, _PLAIN):
@@ -76,18 +111,19 @@ def _to_tree(value, frames: list, depth: int):
         frames.append(value)
         return {"$b": len(frames) - 2}
     if isinstance(value, BaseException):
-        return _error_tree(value, frames, depth)
+        return _error_tree(value, frames, depth, names)
     name = type(value).__name__
     if _TUPLES.get(name) is type(value):
-        return {"$c": name, "f": {k: _to_tree(v, frames, depth + 1) for k, v in value._asdict().items()}}
+        return {"$c": name, "f": {k: _to_tree(v, frames, depth + 1, names) for k, v in value._asdict().items()}}
     if isinstance(value, tuple):
-        return {"$t": [_to_tree(v, frames, depth + 1) for v in value]}
+        return {"$t": [_to_tree(v, frames, depth + 1, names) for v in value]}
     if isinstance(value, list):
-        return [_to_tree(v, frames, depth + 1) for v in value]
+        return [_to_tree(v, frames, depth + 1, names) for v in value]
     if isinstance(value, dict):
-        return {"$d": [[_to_tree(k, frames, depth + 1), _to_tree(v, frames, depth + 1)] for k, v in value.items()]}
+        return {"$d": [[_to_tree(k, frames, depth + 1, names), _to_tree(v, frames, depth + 1, names)]
+                       for k, v in value.items()]}
     if _DATACLASSES.get(name) is type(value):
-        return {"$c": name, "f": {f.name: _to_tree(getattr(value, f.name), frames, depth + 1)
+        return {"$c": name, "f": {f.name: _to_tree(getattr(value, f.name), frames, depth + 1, names)
                                   for f in dataclasses.fields(value)}}
     if hasattr(value, "SerializeToString") and getattr(pb, name, None) is type(value):
         frames.append(value.SerializeToString())
@@ -99,7 +135,8 @@ def _to_tree(value, frames: list, depth: int):
                          f"tuples, lists, dicts, bytes, errors, protobuf messages or one of {sorted(_DATACLASSES)}")
 
 
-def _error_tree(error: BaseException, frames: list, depth: int) -> dict:
+def _error_tree(error: BaseException, frames: list, depth: int, names=None) -> dict:
+    number = names(error) if names is not None else 0
     name = type(error).__name__
     if _ERRORS.get(name) is not type(error):
         # Not one this side may build: the nearest family that is, with the original type in its text.
@@ -110,29 +147,29 @@ def _error_tree(error: BaseException, frames: list, depth: int) -> dict:
         name = type(error).__name__
     attrs = {k: _to_tree(v, frames, depth + 1) for k, v in vars(error).items() if isinstance(v, _PLAIN)}
     args = [_to_tree(a, frames, depth + 1) for a in error.args if isinstance(a, _PLAIN)]
-    return {"$e": name, "a": args, "v": attrs}
+    return {"$e": name, "a": args, "v": attrs, **({"n": number} if number else {})}
 
 
 # ------------------------------------------------------------ decoding
 
-def _from_tree(tree, frames: list, depth: int):
+def _from_tree(tree, frames: list, depth: int, interned=None):
     if depth > MAX_DEPTH:
         raise SeamCodecError(f"a seam message nested deeper than {MAX_DEPTH}")
     if isinstance(tree, _PLAIN):
         return tree
     if isinstance(tree, list):
-        return [_from_tree(v, frames, depth + 1) for v in tree]
-    if not isinstance(tree, dict) or len(tree) not in (1, 2, 3):
+        return [_from_tree(v, frames, depth + 1, interned) for v in tree]
+    if not isinstance(tree, dict) or len(tree) not in (1, 2, 3, 4):
         raise SeamCodecError(f"a seam message node {str(tree)[:80]!r}: expected a tagged object")
     if "$t" in tree:
-        return tuple(_from_tree(v, frames, depth + 1) for v in _list(tree["$t"]))
+        return tuple(_from_tree(v, frames, depth + 1, interned) for v in _list(tree["$t"]))
     if "$d" in tree:
-        return {_hashable(_from_tree(k, frames, depth + 1)): _from_tree(v, frames, depth + 1)
+        return {_hashable(_from_tree(k, frames, depth + 1, interned)): _from_tree(v, frames, depth + 1, interned)
                 for k, v in (_pair(p) for p in _list(tree["$d"]))}
     if "$b" in tree:
         return _frame(frames, tree["$b"])
     if "$c" in tree:
-        return _build(tree, frames, depth)
+        return _build(tree, frames, depth, interned)
     if "$pb" in tree:
         cls = getattr(pb, str(tree["$pb"]), None)
         if not (isinstance(cls, type) and hasattr(cls, "FromString") and hasattr(cls, "DESCRIPTOR")):
@@ -142,11 +179,14 @@ def _from_tree(tree, frames: list, depth: int):
         except Exception as exc:   # protobuf's DecodeError
             raise SeamCodecError(f"a {tree['$pb']} that does not parse: {exc}") from None
     if "$e" in tree:
+        number = tree.get("n")
+        if interned is not None and isinstance(number, int) and number > 0:
+            return interned.get(number, lambda: _build_error(tree, frames, depth))
         return _build_error(tree, frames, depth)
     raise SeamCodecError(f"a seam message node with keys {sorted(tree)[:4]}: expected $t, $d, $b, $c, $pb or $e")
 
 
-def _build(tree: dict, frames: list, depth: int):
+def _build(tree: dict, frames: list, depth: int, interned=None):
     name = str(tree["$c"])
     cls = _DATACLASSES.get(name) or _TUPLES.get(name)
     if cls is None:
@@ -156,7 +196,7 @@ def _build(tree: dict, frames: list, depth: int):
     if not isinstance(fields, dict):
         raise SeamCodecError(f"a {name} without its fields")
     try:
-        return cls(**{str(k): _from_tree(v, frames, depth + 1) for k, v in fields.items()})
+        return cls(**{str(k): _from_tree(v, frames, depth + 1, interned) for k, v in fields.items()})
     except TypeError as exc:   # unknown or missing fields
         raise SeamCodecError(f"a {name} with fields {sorted(fields)}: {exc}") from None
 

@@ -13,14 +13,15 @@ import torch
 import torch.nn as nn
 
 import pathways_torch as pw
+from tests.service import open_context
 from tests.conftest import train_eagerly
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
 
 @pytest.fixture(scope="module")
-def ctx():
-    with pw.Context(num_executors=4, backend="eager") as context:
+def ctx(client_kind, service_if_remote):   # the embedded controller, then a remote one
+    with open_context(client_kind, service_if_remote, num_executors=4, backend="eager") as context:
         yield context
 
 
@@ -253,7 +254,10 @@ def test_a_resumed_run_saves_into_a_fresh_folder_and_never_rewrites_the_one_it_l
 
 
 def test_a_bad_checkpoint_keep_is_refused_under_every_plan_before_anything_is_sent(ctx, tmp_path):
-    sent, put = dict(ctx.controller.messages_sent), ctx._data.bytes_sent
+    def sent_now() -> dict:   # what the controller sent, the stats requests reading it aside
+        return {k: n for k, n in ctx.stats()["controller_messages"].items() if k not in ("stats_request", "heartbeat")}
+
+    sent, put = sent_now(), ctx._data.bytes_sent
     plans = [(pw.DataParallel("data"), {"data": 2}), (pw.ShardedDataParallel("data"), {"data": 2}),
              (pw.Pipeline(microbatches=2), {"pipe": 2})]
     for plan, axes in plans:
@@ -263,5 +267,5 @@ def test_a_bad_checkpoint_keep_is_refused_under_every_plan_before_anything_is_se
                 ctx.wrap(model, optimizer=_adamw(model), loss_fn=nn.MSELoss(), plan=plan,
                          mesh=ctx.mesh(axes, executors=ctx.executor_ids[:2]), checkpoint_dir=str(tmp_path),
                          checkpoint_every=1, checkpoint_keep=value)
-    assert dict(ctx.controller.messages_sent) == sent and ctx._data.bytes_sent == put
+    assert sent_now() == sent and ctx._data.bytes_sent == put
     assert os.listdir(tmp_path) == []

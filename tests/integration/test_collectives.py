@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import pathways_torch as pw
+from tests.service import open_context
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 
@@ -13,8 +14,8 @@ HOST = torch.arange(32, dtype=torch.float64).reshape(8, 4) - 7
 
 
 @pytest.fixture(scope="module")
-def ctx():
-    with pw.Context(num_executors=4, backend="eager") as context:
+def ctx(client_kind, service_if_remote):   # the embedded controller, then a remote one
+    with open_context(client_kind, service_if_remote, num_executors=4, backend="eager") as context:
         yield context
 
 

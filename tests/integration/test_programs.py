@@ -9,13 +9,14 @@ import pytest
 import torch
 
 import pathways_torch as pw
+from tests.service import open_context
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
 
 
 @pytest.fixture(scope="module")
-def ctx():
-    with pw.Context(num_executors=4, backend="eager") as context:
+def ctx(client_kind, service_if_remote):   # the embedded controller, then a remote one
+    with open_context(client_kind, service_if_remote, num_executors=4, backend="eager") as context:
         yield context
 
 
@@ -38,7 +39,8 @@ def _chain(num_nodes: int):
 
 
 def _run_messages(ctx) -> dict:
-    return {k: v for k, v in ctx.controller.messages_sent.items() if k != "heartbeat"}
+    # what the controller sent, the stats requests reading it aside
+    return {k: v for k, v in ctx.stats()["controller_messages"].items() if k not in ("heartbeat", "stats_request")}
 
 
 def test_program_across_meshes_matches_eager_and_prints(ctx):

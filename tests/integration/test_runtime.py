@@ -1,4 +1,5 @@
-"""The runtime core on a real local cluster: 4 executor processes on loopback, shared by the module."""
+"""The runtime core on a real local cluster: 4 executor processes on loopback, shared by the module; each test runs
+against the embedded controller and a remote one (`pathways-controller`, tests/service.py)."""
 
 from __future__ import annotations
 
@@ -10,13 +11,15 @@ import torch
 
 import pathways_torch as pw
 from tests.conftest import wait_until
+from tests.service import open_context
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 
 
 @pytest.fixture(scope="module")
-def ctx():
-    with pw.Context(num_executors=4, backend="eager") as context:  # eager: data-dependent errors raise
+def ctx(client_kind, service_if_remote):
+    # eager: data-dependent errors raise
+    with open_context(client_kind, service_if_remote, num_executors=4, backend="eager") as context:
         yield context
 
 
@@ -71,11 +74,11 @@ def test_bad_shapes_fail_on_the_client_before_dispatch(ctx, mesh):
 
     a = ctx.put(torch.ones(8, 3), mesh, [pw.Shard(0)])
     b = ctx.put(torch.ones(5, 2), mesh, [pw.Replicate()])
-    runs_before = ctx.controller.messages_sent["run"]
+    runs_before = ctx.stats()["controller_messages"]["run"]
     with pytest.raises(pw.CaptureError) as info:
         matmul(a, b)
     assert "float32[2, 3]" in str(info.value) and "float32[5, 2]" in str(info.value)
-    assert ctx.controller.messages_sent["run"] == runs_before
+    assert ctx.stats()["controller_messages"]["run"] == runs_before
     torch.testing.assert_close(a.result(timeout_s=30), torch.ones(8, 3))  # nothing stored was lost
 
 

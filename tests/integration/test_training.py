@@ -17,6 +17,7 @@ import torch
 import torch.nn as nn
 
 import pathways_torch as pw
+from tests.service import open_context
 from tests.conftest import REPO_ROOT, train_eagerly, wait_until
 
 sys.path.insert(0, os.path.join(REPO_ROOT, "examples"))
@@ -29,8 +30,8 @@ PLANS = {"dp": pw.DataParallel("data"), "sdp": pw.ShardedDataParallel("data")}
 
 
 @pytest.fixture(scope="module")
-def ctx():
-    with pw.Context(num_executors=4, backend="eager") as context:
+def ctx(client_kind, service_if_remote):   # the embedded controller, then a remote one
+    with open_context(client_kind, service_if_remote, num_executors=4, backend="eager") as context:
         yield context
 
 

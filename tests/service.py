@@ -1,0 +1,80 @@
+"""A `pathways-controller` process for tests, and contexts of either kind: embedded, or a client of it.
+
+The integration tests of the public API run against both `ControllerClient` implementations through one
+parametrised fixture (`client_kind` and `open_context`): ``pw.Context(...)`` as usual, or the same options with
+``controller=`` and ``keys=`` of a shared standalone controller (`shared_service` in conftest.py).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import threading
+
+from tests.conftest import REPO_ROOT
+
+__all__ = ["ControllerProcess", "open_context", "CLIENT_KINDS"]
+
+CLIENT_KINDS = ("embedded", "remote")
+_READY = "pathways-controller: serving clients at "
+
+
+class ControllerProcess:
+    """``pathways-controller`` serving ``num_executors`` local executors, its keys in ``keys_dir``."""
+
+    def __init__(self, keys_dir: str, *, clients=("alice", "bob", "carol"), num_executors: int = 4,
+                 backend: str = "eager", args=(), timeout_s: float = 120.0):
+        self.keys_dir = keys_dir
+        self._run(["--make-keys", keys_dir, "--clients", ",".join(clients), "--executors", str(num_executors)])
+        command = [sys.executable, "-m", "pathways_torch.launch.controller_main", "--keys-dir", keys_dir,
+                   "--num-executors", str(num_executors), "--backend", backend, *args]
+        self.process = subprocess.Popen(command, cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                        text=True)
+        self.output: list[str] = []
+        self.address = ""
+        ready = threading.Event()
+
+        def read() -> None:   # keep draining: a full pipe would stop the controller
+            for line in self.process.stdout:
+                self.output.append(line)
+                if line.startswith(_READY):
+                    self.address = line[len(_READY):].split()[0]
+                    ready.set()
+            ready.set()
+
+        threading.Thread(target=read, daemon=True).start()
+        if not ready.wait(timeout_s) or not self.address:
+            self.stop()
+            raise RuntimeError("pathways-controller did not start:\n" + "".join(self.output[-40:]))
+
+    @staticmethod
+    def _run(args) -> None:
+        subprocess.run([sys.executable, "-m", "pathways_torch.launch.controller_main", *args], cwd=REPO_ROOT,
+                       check=True, capture_output=True, text=True)
+
+    def keys(self, client: str) -> str:
+        return os.path.join(self.keys_dir, "clients", client)
+
+    def stop(self, timeout_s: float = 30.0) -> int:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        return self.process.returncode
+
+
+@contextlib.contextmanager
+def open_context(kind: str, service: "ControllerProcess | None", client: str = "alice", **options):
+    """A `pw.Context` with ``options``: embedded (``kind="embedded"``) or a client of ``service``."""
+    import pathways_torch as pw
+
+    if kind == "remote":
+        options = {"controller": service.address, "keys": service.keys(client), **options}
+    with pw.Context(**options) as context:
+        yield context
