@@ -111,11 +111,12 @@ class Lifetimes:
         self._pending_frees: dict[str, list] = collections.defaultdict(list)   # executor → shards to free
         self._batching_frees = False     # inside release_many (under the lock)
 
-    def new_array(self, executor_ids: tuple[str, ...], *, landing: int = 0) -> ArrayRecord:
-        """An array whose shards the client puts itself (``landing`` shards still on their way)."""
+    def new_array(self, executor_ids: tuple[str, ...], *, landing: int = 0, owner: str = "") -> ArrayRecord:
+        """An array whose shards the client ``owner`` puts itself (``landing`` shards still on their way)."""
         with self._lock:
             self._controller.members.check_live(executor_ids)
             record = self.arrays.new(executor_ids, landing=landing)
+            record.owner = owner
             if landing == 0:
                 record.settle(READY)
             return record

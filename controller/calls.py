@@ -58,7 +58,7 @@ class CallDispatch:
             self._functions[function_id] = RegisteredFunction(name, graph, list(constants), sim_seconds=sim_seconds)
             return function_id
 
-    def call(self, spec: CallSpec) -> list[ArrayRecord]:
+    def call(self, spec: CallSpec, owner: str = "") -> list[ArrayRecord]:
         """Dispatch one call to every executor of its mesh; return its output records at once
         (after waiting, if ``max_inflight_calls`` are unfinished, for one to finish)."""
         mesh = spec.mesh
@@ -71,6 +71,8 @@ class CallDispatch:
             call_id = self._take_call_ids(1)
             seqs = {island: self.sequencers.of(island).take(1) for island in islands}
             outputs = [self.arrays.new(mesh.executor_ids, producer_call=call_id) for _ in range(spec.num_outputs)]
+            for record in outputs:
+                record.owner = owner
             for record, replicated in zip(outputs, spec.replicated_outputs):
                 record.replicated = replicated
             call = InFlightCall(spec, call_id, seqs[islands[0]], outputs, waiting=set(mesh.executor_ids))
@@ -171,7 +173,7 @@ class CallDispatch:
         self._stale_programs.discard(program_id)
         return lowered
 
-    def run_program(self, program_id: int, input_ids: Sequence[int]) -> list[ArrayRecord]:
+    def run_program(self, program_id: int, input_ids: Sequence[int], owner: str = "") -> list[ArrayRecord]:
         """One run: one ``RunProgram`` per executor; every node gets its own sequence number (of its island's)."""
         with self._lock:
             lowered = self._programs[program_id]
@@ -191,6 +193,8 @@ class CallDispatch:
             producer = {v: index for index, node in enumerate(spec.nodes) for v in node.outputs}
             outputs = [self.arrays.new(meshes[v].executor_ids, producer_call=base_call + producer[v])
                        for v in spec.output_values]
+            for record in outputs:
+                record.owner = owner
             by_value = dict(zip(spec.output_values, outputs))
             first_intermediate = self.arrays.reserve(1 + max(producer))
             for index in lowered.reporting_nodes:

@@ -83,12 +83,12 @@ class ClientOps:
 
     def call(self, spec: CallSpec) -> list[ArrayRecord]:
         self._check_call(spec, inputs=True)
-        return self._own(self.controller.call(spec))
+        return self._own(self.controller.call(spec, self.owner))
 
     def run_program(self, program_id: int, input_ids: Sequence[int]) -> list[ArrayRecord]:
         self._program(program_id)
         self._check_arrays(input_ids)
-        return self._own(self.controller.run_program(program_id, input_ids))
+        return self._own(self.controller.run_program(program_id, input_ids, self.owner))
 
     # ------------------------------------------------------------ arrays
 
@@ -97,7 +97,7 @@ class ClientOps:
         if unknown:
             raise NotYoursError(f"new_array on executors {unknown}: expected known executors "
                                 f"({sorted(self.controller.resources.executors)})")
-        return self._own([self.controller.new_array(tuple(executor_ids), landing=landing)])[0]
+        return self._own([self.controller.new_array(tuple(executor_ids), landing=landing, owner=self.owner)])[0]
 
     def landed(self, array_id: int, error: BaseException | None = None) -> None:
         # Also for an array released while its put was landing (its record stays until the put lands).
@@ -166,9 +166,7 @@ class ClientOps:
     # ------------------------------------------------------------ what the client owns
 
     def _own(self, records: list[ArrayRecord]) -> list[ArrayRecord]:
-        for record in records:
-            record.owner = self.owner
-            self.arrays.add(record.array_id)
+        self.arrays.update(record.array_id for record in records)
         return records
 
     def _check_arrays(self, array_ids: Sequence[int]) -> None:

@@ -185,18 +185,19 @@ class Controller:
         """Keep a captured function (loaded on an executor at its first call there); returns its id."""
         return self.call_dispatch.register_function(name, graph, constants, sim_seconds=sim_seconds)
 
-    def call(self, spec: CallSpec) -> list[ArrayRecord]:
+    def call(self, spec: CallSpec, owner: str = "") -> list[ArrayRecord]:
         """Dispatch one call to every executor of its mesh; return its output records at once
-        (after waiting, if ``max_inflight_calls`` are unfinished, for one to finish)."""
-        return self.call_dispatch.call(spec)
+        (after waiting, if ``max_inflight_calls`` are unfinished, for one to finish). ``owner``: the client calling
+        (`client_ops`; "" the embedded one), who owns its outputs."""
+        return self.call_dispatch.call(spec, owner)
 
     def register_program(self, spec: ProgramSpec) -> LoweredProgram:
         """Lower ``spec`` and register it on every executor it uses (once)."""
         return self.call_dispatch.register_program(spec)
 
-    def run_program(self, program_id: int, input_ids: Sequence[int]) -> list[ArrayRecord]:
+    def run_program(self, program_id: int, input_ids: Sequence[int], owner: str = "") -> list[ArrayRecord]:
         """One run: one ``RunProgram`` per executor; every node gets its own sequence number (of its island's)."""
-        return self.call_dispatch.run_program(program_id, input_ids)
+        return self.call_dispatch.run_program(program_id, input_ids, owner)
 
     def fail_pending(self, reason: str) -> int:
         """Fail every pending array with `ContextClosedError` (the client is closing); returns how many."""
@@ -245,9 +246,9 @@ class Controller:
 
     # ------------------------------------------------------------ array lifetimes (`Lifetimes`)
 
-    def new_array(self, executor_ids: tuple[str, ...], *, landing: int = 0) -> ArrayRecord:
+    def new_array(self, executor_ids: tuple[str, ...], *, landing: int = 0, owner: str = "") -> ArrayRecord:
         """An array whose shards the client puts itself (``landing`` shards still on their way)."""
-        return self.lifetimes.new_array(executor_ids, landing=landing)
+        return self.lifetimes.new_array(executor_ids, landing=landing, owner=owner)
 
     def landed(self, array_id: int, error: BaseException | None = None) -> None:
         """One put shard arrived on its executor (the client saw the ack), or never will (``error``)."""
