@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import os
 import threading
 from typing import Callable
 
 from pathways_torch.wire import pb
+from pathways_torch.wire.security import PUT_SECRET_BYTES, owner_role, put_token
 
 __all__ = ["ArrayRecord", "ArrayTable", "Lifetimes", "PENDING", "READY", "FAILED"]
 
@@ -33,6 +35,9 @@ class ArrayRecord:
     event: threading.Event = dataclasses.field(default_factory=threading.Event)
     replicated: bool = False      # every shard holds the same value (a Replicate() output)
     owner: str = ""               # the client it was handed to (`client_ops`): "" the embedded one
+    # What lets its owner put its shards (`security.put_token`; the executors check it): a service client's put
+    # only. The embedded client's puts need none (its role owns what no one else does).
+    put_token: bytes = b""
     # Executors whose shard of it was lost: gone for good, even once a replacement takes the executor's place
     # (a call reading it there would wait forever), so the array may no longer be an input.
     lost_holders: set = dataclasses.field(default_factory=set)
@@ -68,14 +73,20 @@ class ArrayTable:
         self._records: dict[int, ArrayRecord] = {}
         self._next_id = 1
 
-    def new(self, executor_ids: tuple[str, ...], *, producer_call: int = 0, landing: int = 0) -> ArrayRecord:
-        record = ArrayRecord(self._next_id, executor_ids, producer_call=producer_call, landing=landing)
-        self._records[record.array_id] = record
-        self._next_id += 1
+    def new(self, executor_ids: tuple[str, ...], *, producer_call: int = 0, landing: int = 0,
+            array_id: int | None = None) -> ArrayRecord:
+        """A new record: the next id, or ``array_id`` (one `reserve` handed out before, not in use)."""
+        if array_id is None:
+            array_id = self._next_id
+            self._next_id += 1
+        elif array_id in self._records or not 0 < array_id < self._next_id:
+            raise ValueError(f"array id {array_id}: expected an id reserved before and not in use")
+        record = ArrayRecord(array_id, executor_ids, producer_call=producer_call, landing=landing)
+        self._records[array_id] = record
         return record
 
     def reserve(self, count: int) -> int:
-        """Skip ``count`` ids (a program run's intermediates); return the first."""
+        """Skip ``count`` ids (a program run's intermediates, a remote client's own ids); return the first."""
         first = self._next_id
         self._next_id += count
         return first
@@ -110,6 +121,8 @@ class Lifetimes:
         self._send = controller._send
         self._pending_frees: dict[str, list] = collections.defaultdict(list)   # executor → shards to free
         self._batching_frees = False     # inside release_many (under the lock)
+        # The key of every put token (`new_array`); each executor has it from its Welcome.
+        self.put_secret = os.urandom(PUT_SECRET_BYTES)
 
     def new_array(self, executor_ids: tuple[str, ...], *, landing: int = 0, owner: str = "") -> ArrayRecord:
         """An array whose shards the client ``owner`` puts itself (``landing`` shards still on their way)."""
@@ -117,6 +130,8 @@ class Lifetimes:
             self._controller.members.check_live(executor_ids)
             record = self.arrays.new(executor_ids, landing=landing)
             record.owner = owner
+            if owner:
+                record.put_token = put_token(self.put_secret, record.array_id, owner_role(owner))
             if landing == 0:
                 record.settle(READY)
             return record

@@ -36,6 +36,8 @@ class InFlightCall:
     run_base: int = 0        # a program run's node: the run's first call id (a Cancel names the run by it)
     run_nodes: int = 0       # ... and how many call ids the run holds (run_base .. run_base + run_nodes - 1)
     program_id: int = 0      # ... and its program, whose plan names who sends each copy to whom
+    admitted: object = None  # its `admission.Admitted` when the controller serves many clients (shared by a run's nodes)
+    device_s: float = 0.0    # device time its executors measured (their Done reports)
 
 
 @dataclasses.dataclass

@@ -16,6 +16,7 @@ from typing import Sequence
 
 from pathways_torch.errors import ContextClosedError, ExecutorLostError
 from pathways_torch.wire import pb
+from pathways_torch.wire.security import owner_role
 
 from .arrays import FAILED, PENDING, ArrayRecord
 from .call_spec import CallSpec, InFlightCall, RegisteredFunction
@@ -38,6 +39,7 @@ class CallDispatch:
         self._programs, self._stale_programs = controller._programs, controller._stale_programs
         self.resources, self.arrays, self.sequencers = controller.resources, controller.arrays, controller.sequencers
         self._send = controller._send
+        self._admission = controller.admission
         # Notified whenever a call leaves the calls in flight: a client thread past the run-ahead bound waits on it.
         self._room = threading.Condition(self._lock)
         self.closing_reason = ""             # set by fail_pending: a waiting call must not dispatch after it
@@ -58,11 +60,22 @@ class CallDispatch:
             self._functions[function_id] = RegisteredFunction(name, graph, list(constants), sim_seconds=sim_seconds)
             return function_id
 
-    def call(self, spec: CallSpec, owner: str = "") -> list[ArrayRecord]:
+    def call(self, spec: CallSpec, owner: str = "", output_ids: Sequence[int] | None = None) -> list[ArrayRecord]:
         """Dispatch one call to every executor of its mesh; return its output records at once
         (after waiting, if ``max_inflight_calls`` are unfinished, for one to finish)."""
         mesh = spec.mesh
         islands = self._islands_of(mesh)
+        admitted = self._admission.admit(owner, islands, ("function", spec.function_id),
+                                         self._function_cost(spec.function_id, mesh.size))
+        try:
+            return self._dispatch_call(spec, owner, islands, admitted, output_ids)
+        except BaseException:
+            if admitted is not None and not admitted.dispatched:   # never in flight: its slots go back uncharged
+                self._admission.release(admitted)
+            raise
+
+    def _dispatch_call(self, spec: CallSpec, owner: str, islands, admitted, output_ids) -> list[ArrayRecord]:
+        mesh = spec.mesh
         with self.sequencers.taking(islands), self._lock:
             self._wait_for_room(1, spec.name)
             self._controller.members.check_live(mesh.executor_ids)
@@ -70,13 +83,17 @@ class CallDispatch:
             axis_groups = self._controller.groups.axis_groups(mesh, spec.collective_axes)
             call_id = self._take_call_ids(1)
             seqs = {island: self.sequencers.of(island).take(1) for island in islands}
-            outputs = [self.arrays.new(mesh.executor_ids, producer_call=call_id) for _ in range(spec.num_outputs)]
+            ids = output_ids if output_ids is not None else [None] * spec.num_outputs
+            outputs = [self.arrays.new(mesh.executor_ids, producer_call=call_id, array_id=i) for i in ids]
             for record in outputs:
                 record.owner = owner
             for record, replicated in zip(outputs, spec.replicated_outputs):
                 record.replicated = replicated
-            call = InFlightCall(spec, call_id, seqs[islands[0]], outputs, waiting=set(mesh.executor_ids))
+            call = InFlightCall(spec, call_id, seqs[islands[0]], outputs, waiting=set(mesh.executor_ids),
+                                admitted=admitted)
             self._calls[call_id] = call
+            if admitted is not None:
+                admitted.dispatched = True
             runs = []
             for position, executor_id in enumerate(mesh.executor_ids):
                 self._ensure_loaded(spec.function_id, executor_id)
@@ -84,7 +101,7 @@ class CallDispatch:
                 seq = seqs[sequencer.island]
                 run = pb.Run(seq=seq, call_id=call_id, function_id=spec.function_id,
                              digest_outputs=spec.debug and any(spec.replicated_outputs),
-                             report_shapes=spec.report_shapes)
+                             report_shapes=spec.report_shapes, owner=owner_role(owner))
                 if spec.collective_axes:
                     run.collective = True
                     run.prev_collective_seq = sequencer.chain(executor_id, seq)
@@ -124,7 +141,12 @@ class CallDispatch:
 
     def end(self, call: InFlightCall) -> None:
         """The call is no longer in flight (finished, failed or its executors lost): make room for another."""
-        if self._calls.pop(call.call_id, None) is not None and len(self._calls) <= self._low_water():
+        if self._calls.pop(call.call_id, None) is None:
+            return
+        if call.admitted is not None:
+            self._admission.node_ended(call.admitted, call.device_s, self._admission.costs)
+            call.admitted = None
+        if len(self._calls) <= self._low_water():
             self._room.notify_all()
 
     def _low_water(self) -> int:
@@ -147,6 +169,15 @@ class CallDispatch:
         first = self.last_call_id + 1
         self.last_call_id += count
         return first
+
+    def _function_cost(self, function_id: int, executors: int) -> float:
+        """A call's device seconds before any was measured: its simulated time, else 1 ms, on each executor."""
+        function = self._functions.get(function_id)
+        per_run = function.sim_seconds if function is not None and function.sim_seconds > 0 else 0.001
+        return per_run * executors
+
+    def _program_cost(self, spec: ProgramSpec) -> float:
+        return sum(self._function_cost(node.function_id, node.mesh.size) for node in spec.nodes)
 
     # ------------------------------------------------------------ programs
 
@@ -173,12 +204,25 @@ class CallDispatch:
         self._stale_programs.discard(program_id)
         return lowered
 
-    def run_program(self, program_id: int, input_ids: Sequence[int], owner: str = "") -> list[ArrayRecord]:
+    def run_program(self, program_id: int, input_ids: Sequence[int], owner: str = "",
+                    output_ids: Sequence[int] | None = None) -> list[ArrayRecord]:
         """One run: one ``RunProgram`` per executor; every node gets its own sequence number (of its island's)."""
         with self._lock:
             lowered = self._programs[program_id]
         islands = {self.resources.island_of(e) for e in lowered.plans}
+        nodes = len(lowered.reporting_nodes)
+        admitted = self._admission.admit(owner, islands, ("program", program_id), self._program_cost(lowered.spec),
+                                         nodes=nodes)
+        try:
+            return self._dispatch_run(program_id, input_ids, owner, islands, admitted, output_ids)
+        except BaseException:
+            if admitted is not None and not admitted.dispatched:
+                self._admission.release(admitted)
+            raise
+
+    def _dispatch_run(self, program_id: int, input_ids: Sequence[int], owner: str, islands, admitted, output_ids):
         with self.sequencers.taking(islands), self._lock:
+            lowered = self._programs[program_id]
             spec = lowered.spec
             self._wait_for_room(len(lowered.reporting_nodes), spec.name)
             self._controller.members.check_live(list(lowered.plans))
@@ -191,8 +235,9 @@ class CallDispatch:
             base_seq, base_call = base_seqs[min(islands)], self._take_call_ids(num_nodes)
             meshes = spec.value_meshes()
             producer = {v: index for index, node in enumerate(spec.nodes) for v in node.outputs}
-            outputs = [self.arrays.new(meshes[v].executor_ids, producer_call=base_call + producer[v])
-                       for v in spec.output_values]
+            ids = output_ids if output_ids is not None else [None] * len(spec.output_values)
+            outputs = [self.arrays.new(meshes[v].executor_ids, producer_call=base_call + producer[v], array_id=i)
+                       for v, i in zip(spec.output_values, ids)]
             for record in outputs:
                 record.owner = owner
             by_value = dict(zip(spec.output_values, outputs))
@@ -213,14 +258,16 @@ class CallDispatch:
                 self._calls[base_call + index] = InFlightCall(
                     call_spec, base_call + index, base_seq + index, records, waiting=set(node.mesh.executor_ids),
                     depends_on=frozenset(lowered.plans), run_base=base_call, run_nodes=num_nodes,
-                    program_id=program_id)
+                    program_id=program_id, admitted=admitted)
+            if admitted is not None:
+                admitted.dispatched = True
             for executor_id in lowered.plans:
                 sequencer = self.sequencer_of(executor_id)
                 island_base = base_seqs[sequencer.island]
                 run = pb.RunProgram(program_id=program_id, base_seq=island_base, base_call_id=base_call,
                                     input_array_ids=list(input_ids), output_array_ids=[r.array_id for r in outputs],
                                     first_intermediate_id=first_intermediate,
-                                    prev_collective_seq=sequencer.last_collective[executor_id])
+                                    prev_collective_seq=sequencer.last_collective[executor_id], owner=owner_role(owner))
                 last = lowered.last_collective_node.get(executor_id, 0)
                 if last:
                     sequencer.chain(executor_id, island_base + last - 1)
@@ -286,6 +333,7 @@ class CallDispatch:
                         failed += 1
             self._calls.clear()
             self.closing_reason = reason
+            self._admission.close(reason)
             self._room.notify_all()
             for record in self.arrays.records():   # puts not yet acknowledged, a program's inputs
                 if record.state == PENDING:

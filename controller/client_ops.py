@@ -11,6 +11,7 @@ client's is refused exactly like one that never existed: its owner is not reveal
 
 from __future__ import annotations
 
+import collections
 from typing import Sequence
 
 from pathways_torch.wire.seam import CallSpec, ControllerCounters, ExecutorView, MeshAllocation, ProgramSpec
@@ -61,6 +62,7 @@ class ClientOps:
         self.functions: set[int] = set()
         self.programs: dict[int, object] = {}   # program id → its lowered form (describe_program)
         self.meshes: dict[int, MeshAllocation] = {}
+        self._grants: collections.deque = collections.deque()   # (next, end) of each block of ids granted
 
     # ------------------------------------------------------------ functions, programs, calls
 
@@ -81,14 +83,43 @@ class ClientOps:
     def describe_program(self, program_id: int) -> str:
         return self._program(program_id).describe()
 
-    def call(self, spec: CallSpec) -> list[ArrayRecord]:
+    def call(self, spec: CallSpec, output_ids: Sequence[int] | None = None) -> list[ArrayRecord]:
+        """``output_ids``: ids of this client's grants (`grant_ids`), in order; None: the controller picks."""
         self._check_call(spec, inputs=True)
-        return self._own(self.controller.call(spec, self.owner))
+        if output_ids is not None:
+            self._claim(output_ids, spec.num_outputs)
+        return self._own(self.controller.call(spec, self.owner, output_ids))
 
-    def run_program(self, program_id: int, input_ids: Sequence[int]) -> list[ArrayRecord]:
-        self._program(program_id)
+    def run_program(self, program_id: int, input_ids: Sequence[int],
+                    output_ids: Sequence[int] | None = None) -> list[ArrayRecord]:
+        lowered = self._program(program_id)
         self._check_arrays(input_ids)
-        return self._own(self.controller.run_program(program_id, input_ids, self.owner))
+        if output_ids is not None:
+            self._claim(output_ids, len(lowered.spec.output_values))
+        return self._own(self.controller.run_program(program_id, input_ids, self.owner, output_ids))
+
+    def grant_ids(self, count: int) -> tuple[int, int]:
+        """Reserve ``count`` array ids for this client to name its calls' outputs with (so it need not wait for
+        each call's answer); ``(first, count)``. The client uses them in order."""
+        if not 1 <= count <= 1 << 20:
+            raise ValueError(f"grant_ids({count}): expected 1 to {1 << 20} ids")
+        with self.controller._lock:
+            first = self.controller.arrays.reserve(count)
+        self._grants.append((first, first + count))
+        return first, count
+
+    def _claim(self, output_ids: Sequence[int], expected: int) -> None:
+        """The next ``expected`` ids of this client's grants must be ``output_ids``, in order."""
+        if len(output_ids) != expected:
+            raise ValueError(f"{len(output_ids)} output ids for a call with {expected} outputs")
+        for array_id in output_ids:
+            while self._grants and self._grants[0][0] >= self._grants[0][1]:
+                self._grants.popleft()
+            if not self._grants or array_id != self._grants[0][0]:
+                raise NotYoursError(f"output id {array_id}: expected the next id this client was granted "
+                                    f"({self._grants[0][0] if self._grants else 'none left: ask grant_ids'})")
+            start, end = self._grants[0]
+            self._grants[0] = (start + 1, end)
 
     # ------------------------------------------------------------ arrays
 
@@ -189,6 +220,7 @@ class ClientOps:
                                 f"allocated; use ctx.mesh(...)")
 
     def _program(self, program_id: int):
+        """A program this client registered (its lowered form)."""
         lowered = self.programs.get(program_id)
         if lowered is None:
             raise NotYoursError(f"program {program_id} is not one this client registered; register it first")

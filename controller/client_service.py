@@ -36,11 +36,15 @@ __all__ = ["ClientService", "CLIENT_SOCKET"]
 log = logging.getLogger(__name__)
 
 CLIENT_SOCKET = "clients"
-_MAX_MESSAGE_BYTES = 1 << 30      # graph constants ride on register_function; tensors never come this way
+_MAX_MESSAGE_BYTES = 1 << 30     # graph constants ride on register_function; tensors never come this way
+_ACK_EVERY = 32                   # requests served between acknowledgements (and whenever the queue runs dry)
+_OUTPUT_IDS = {"call": 1, "run_program": 2}   # where a call's output ids are among its arguments
+_IDS = (list, tuple)
 # op → the types of its positional arguments (checked before anything runs: a client sends plain data only)
 _SIGNATURES: dict[str, tuple] = {
     "register_function": (str, object, list, (int, float)), "register_program": (ProgramSpec,),
-    "describe_program": (int,), "call": (CallSpec,), "run_program": (int, (list, tuple)),
+    "describe_program": (int,), "call": (CallSpec, _IDS), "run_program": (int, _IDS, (*_IDS, type(None))),
+    "grant_ids": (int,),
     "new_array": ((list, tuple), int), "landed": (int, (BaseException, type(None))), "release": (int,),
     "release_many": ((list, tuple),), "flush_frees": (), "allocate_mesh": (dict, (list, tuple, type(None))),
     "island_of": (str,), "executors": (), "executor": (str,), "wait_for_executors": (int, (int, float)),
@@ -66,7 +70,7 @@ class _Session:
 class ClientService:
     """Serves remote clients of ``server`` (a `ControllerServer`, not yet started) on ``bind_address``."""
 
-    def __init__(self, server, bind_address: str, *, heartbeat_timeout_s: float,
+    def __init__(self, server, bind_address: str, *, heartbeat_timeout_s: float, weights: dict | None = None,
                  clock: Callable[[], float] = time.monotonic):
         self.server, self.controller, self.loop = server, server.controller, server.loop
         self.heartbeat_timeout_s, self.clock = heartbeat_timeout_s, clock
@@ -84,7 +88,10 @@ class ClientService:
         self.refused_clients = 0          # messages from a key that is not a client's
         self.disconnected: collections.Counter = collections.Counter()   # why → how many
         self._error_names = seam_codec.ErrorNames()   # one failure reaching many arrays stays one error there
-        self.weights: dict[str, float] = {}    # client name → its share of device time (the operator's)
+        # client name → its share of device time, set by the operator (a client not named: 1)
+        self.weights: dict[str, float] = dict(weights or {})
+        self.admission = self.controller.admission
+        self.admission.enabled = True   # calls are admitted island by island, at the clients' proportional shares
         self.controller.loss_listeners.append(self._executor_lost)
         self.controller.incarnation_listeners.append(self._new_incarnation)
         server.on_key_revoked = self._key_revoked
@@ -126,6 +133,7 @@ class ClientService:
             if session is None:
                 session = _Session(name, identity, ClientOps(self.controller, self.server, owner=name), self.clock())
                 self.sessions[name] = session
+                self.admission.add_client(name, self.weights.get(name, 1.0))
                 threading.Thread(target=self._serve, args=(session,), name=f"pathways-client-{name}",
                                  daemon=True).start()
                 log.info("controller: client %s connected", name)
@@ -149,18 +157,23 @@ class ClientService:
                     return
                 request_id, op, args = session.requests.popleft()
             try:
-                result = self._handle(session, op, args)
+                result = self._handle(session, op, args, answered=bool(request_id))
                 answer = {"r": request_id, "ok": result}
             except BaseException as exc:   # the client's error: it raises it, the service goes on
                 answer = {"r": request_id, "err": exc}
+                if not request_id and op in _OUTPUT_IDS:   # a call not waited for: its outputs fail with it
+                    self._fail_outputs(session, args[_OUTPUT_IDS[op]], exc)
             session.requests_served += 1
             if request_id:
                 self._send(session, answer)
+            if not session.requests or session.requests_served % _ACK_EVERY == 0:
+                # The client sends calls without waiting for them: it waits only when this many are unread here.
+                self._send(session, {"ev": "ack", "n": session.requests_served})
             if op == "bye":
                 self.disconnect(session.name, "it closed its context")
                 return
 
-    def _handle(self, session: _Session, op: str, args: list):
+    def _handle(self, session: _Session, op: str, args: list, answered: bool = True):
         signature = _SIGNATURES.get(op)
         if signature is None or len(args) != len(signature) or not all(
                 isinstance(a, t) for a, t in zip(args, signature)):
@@ -169,23 +182,33 @@ class ClientService:
         ops = session.ops
         if op == "bye":
             return None
-        if op in ("call", "run_program"):
-            return self._followed(session, getattr(ops, op)(*args))
+        if op == "call":
+            return self._followed(session, ops.call(args[0], args[1]), answered)
+        if op == "run_program":
+            return self._followed(session, ops.run_program(args[0], args[1], args[2]), answered)
         if op == "new_array":
-            return self._followed(session, [ops.new_array(tuple(args[0]), landing=args[1])])[0]
+            return self._followed(session, [ops.new_array(tuple(args[0]), landing=args[1])], answered)[0]
         if op == "register_function":
             return ops.register_function(args[0], args[1], args[2], sim_seconds=float(args[3]))
         return getattr(ops, op)(*args)
 
-    def _followed(self, session: _Session, records) -> tuple:
+    def _followed(self, session: _Session, records, answered: bool) -> tuple:
         """Each record's state now, and its changes from now on as events (attached under the controller's lock,
-        where every change happens: none is missed between the two)."""
+        where every change happens: none is missed between the two). A call not waited for (``answered``
+        False) gets its state now as an event too, if it is no longer pending."""
         with self.controller._lock:
             snapshots = []
             for record in records:
                 record.listener = self._settle_listener(session)
                 snapshots.append(_settled(record))
+                if not answered and (record.state != "pending" or record.lost_holders):
+                    self._send(session, {"ev": "settled", "s": snapshots[-1]})
             return tuple(snapshots)
+
+    def _fail_outputs(self, session: _Session, output_ids, error: BaseException) -> None:
+        for array_id in output_ids if isinstance(output_ids, (list, tuple)) else ():
+            if isinstance(array_id, int):
+                self._send(session, {"ev": "settled", "s": ArraySettled(array_id, "failed", error)})
 
     def _settle_listener(self, session: _Session):
         def changed(record) -> None:
@@ -236,6 +259,7 @@ class ClientService:
             dropped = len(session.requests)
             session.requests.clear()
             session.wake.notify_all()
+        self.admission.remove_client(session.name)   # its calls waiting for their turn are dropped
         freed = session.ops.release_everything()
         self.disconnected[why.split(" (")[0]] += 1
         log.warning("controller: client %s disconnected: %s; %d queued request(s) dropped, %d array(s) freed",
@@ -256,4 +280,4 @@ class ClientService:
 
 def _settled(record) -> ArraySettled:
     return ArraySettled(record.array_id, record.state, record.error, record.block_shape,
-                        tuple(record.lost_holders))
+                        tuple(record.lost_holders), record.put_token)

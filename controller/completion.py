@@ -74,6 +74,7 @@ class Completion:
             controller.liveness_probe(_PEER_LOSS_PATIENCE_S, lambda: self._on_probed_done(executor_id, done))
             return
         call.waiting.discard(executor_id)
+        call.device_s += done.device_ns / 1e9   # what the executor measured: the client's share is charged it
         if not done.ok:
             peer_loss = _looks_like_peer_loss(done.failure.message)
             if controller.liveness_probe is not None and not call.failed:   # failed already: a loss was declared

@@ -32,6 +32,9 @@ class ControllerConfig(Liveness):
     # Bounded run-ahead: a call waits (on the client's thread) while this many calls are unfinished, so
     # the queues to executors and the tables here stay bounded however far ahead the client runs.
     max_inflight_calls: int = 256
+    # Serving many clients: calls admitted on an island and unfinished, at most (the executors' queues hold the
+    # rest of the order); the clients' proportional shares decide whose call is admitted next (admission.py).
+    share_window_calls: int = 16
 
     @property
     def group_timeout_s(self) -> float:

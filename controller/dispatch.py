@@ -30,6 +30,7 @@ from pathways_torch.errors import ExecutorLostError
 from pathways_torch.wire import pb
 from pathways_torch.wire.framing import body_name, log_dropped
 
+from .admission import Admission
 from .arrays import ArrayRecord, ArrayTable, Lifetimes
 from .call_spec import CallSpec, InFlightCall, RegisteredFunction
 from .calls import CallDispatch
@@ -64,6 +65,8 @@ class Controller:
         self.resources = ResourceManager()
         self.arrays = ArrayTable()
         self.sequencers = Sequencers()                  # each island's sequence numbers and gang order
+        # Which client's call each island takes next, by proportional share (enabled by a client service).
+        self.admission = Admission(window=self.config.share_window_calls)
         self.rendezvous = RendezvousStore(self.config.group_timeout_s)   # where groups meet (on the I/O thread)
         self._lock = threading.RLock()
         self._calls: dict[int, InFlightCall] = {}       # unfinished calls (and program runs' reporting nodes) by id
@@ -185,19 +188,20 @@ class Controller:
         """Keep a captured function (loaded on an executor at its first call there); returns its id."""
         return self.call_dispatch.register_function(name, graph, constants, sim_seconds=sim_seconds)
 
-    def call(self, spec: CallSpec, owner: str = "") -> list[ArrayRecord]:
+    def call(self, spec: CallSpec, owner: str = "", output_ids: Sequence[int] | None = None) -> list[ArrayRecord]:
         """Dispatch one call to every executor of its mesh; return its output records at once
         (after waiting, if ``max_inflight_calls`` are unfinished, for one to finish). ``owner``: the client calling
-        (`client_ops`; "" the embedded one), who owns its outputs."""
-        return self.call_dispatch.call(spec, owner)
+        (`client_ops`; "" the embedded one), who owns its outputs; ``output_ids``: ids it reserved for them."""
+        return self.call_dispatch.call(spec, owner, output_ids)
 
     def register_program(self, spec: ProgramSpec) -> LoweredProgram:
         """Lower ``spec`` and register it on every executor it uses (once)."""
         return self.call_dispatch.register_program(spec)
 
-    def run_program(self, program_id: int, input_ids: Sequence[int], owner: str = "") -> list[ArrayRecord]:
+    def run_program(self, program_id: int, input_ids: Sequence[int], owner: str = "",
+                    output_ids: Sequence[int] | None = None) -> list[ArrayRecord]:
         """One run: one ``RunProgram`` per executor; every node gets its own sequence number (of its island's)."""
-        return self.call_dispatch.run_program(program_id, input_ids, owner)
+        return self.call_dispatch.run_program(program_id, input_ids, owner, output_ids)
 
     def fail_pending(self, reason: str) -> int:
         """Fail every pending array with `ContextClosedError` (the client is closing); returns how many."""

@@ -64,7 +64,7 @@ class Membership:
         self._send(executor_id, pb.Envelope(welcome=pb.Welcome(
             index=info.index, heartbeat_interval_s=config.heartbeat_interval_s,
             heartbeat_timeout_s=config.heartbeat_timeout_s, epoch=info.epoch,
-            transfer_timeout_s=config.resolved_transfer_timeout_s)))
+            transfer_timeout_s=config.resolved_transfer_timeout_s, put_secret=controller.lifetimes.put_secret)))
         self._registered.notify_all()
 
     def _take_place(self, executor_id: str, info) -> None:

@@ -26,10 +26,12 @@ log = logging.getLogger(__name__)
 class ControllerService:
     """Serves executors at ``config.bind_address`` and clients at ``client_bind``; `stop` ends both."""
 
-    def __init__(self, config: ControllerConfig, credentials, zmq_context: zmq.Context, client_bind: str):
+    def __init__(self, config: ControllerConfig, credentials, zmq_context: zmq.Context, client_bind: str,
+                 weights: dict | None = None):
         self.server = ControllerServer(config, credentials, zmq_context)
         try:
-            self.clients = ClientService(self.server, client_bind, heartbeat_timeout_s=config.heartbeat_timeout_s)
+            self.clients = ClientService(self.server, client_bind, heartbeat_timeout_s=config.heartbeat_timeout_s,
+                                         weights=weights)
         except BaseException:
             self.server.stop()
             raise

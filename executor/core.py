@@ -159,6 +159,8 @@ class ExecutorCore:
         if msg.transfer_timeout_s > 0:
             self.data.transfer_timeout_s = msg.transfer_timeout_s
         self.data.epoch = msg.epoch
+        if msg.put_secret:   # service clients' puts are checked with it (executor/data_roles.py, OwnerCheck)
+            self.data.owners.put_secret = bytes(msg.put_secret)
 
     def _on_admit_key(self, msg: pb.AdmitKey, payload) -> None:
         self.trace.record("receive", "admit key", detail=msg.role)

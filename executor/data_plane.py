@@ -19,7 +19,7 @@ from pathways_torch.wire import pb
 from pathways_torch.wire.framing import body_name
 from pathways_torch.wire.tensors import frame_to_tensor
 
-from .data_roles import DataGate
+from .data_roles import DataGate, OwnerCheck
 from .messages import Outbox, remote_failure, shard_key
 from .shard_writer import ShardWriter
 from .store import ObjectStore
@@ -60,6 +60,7 @@ class DataPlane:
         self.transfer_timeout_s = _TRANSFER_TIMEOUT_S   # from Welcome
         self.transfers_lost = 0
         self.data_gate = DataGate()      # who may send what on the data socket
+        self.owners = OwnerCheck()       # whose arrays a client may put, fetch and save (its secret: from Welcome)
 
     def on_data(self, identity: bytes, envelope: pb.Envelope, payload: list, *, role: str | None,
                 key: bytes | None = None) -> None:
@@ -72,10 +73,10 @@ class DataPlane:
             self._drop(refused)
             return
         kind = body_name(envelope)
-        handlers = {"put": lambda: self._on_put(identity, envelope.put, payload),
+        handlers = {"put": lambda: self._on_put(identity, envelope.put, payload, role),
                     "transfer": lambda: self.on_transfer(envelope.transfer, payload, identity),
-                    "fetch": lambda: self._on_fetch(identity, envelope.fetch),
-                    "save_shards": lambda: self._on_save(identity, envelope.save_shards)}
+                    "fetch": lambda: self._on_fetch(identity, envelope.fetch, role),
+                    "save_shards": lambda: self._on_save(identity, envelope.save_shards, role)}
         if kind not in handlers:
             self._drop(f"data message of type {kind!r} not expected")
             return
@@ -105,10 +106,22 @@ class DataPlane:
 
     # ------------------------------------------------------------ into the store
 
-    def _on_put(self, identity: bytes, msg: pb.Put, payload) -> None:
+    def _on_put(self, identity: bytes, msg: pb.Put, payload, role: str | None) -> None:
         ack = pb.PutAck(request_id=msg.request_id)
         ack.shard.CopyFrom(msg.shard)
-        for item in (msg, *msg.more):
+        items = (msg, *msg.more)
+        for item in items:   # every shard is the sender's to put, or none is stored
+            refused = self.owners.put_refusal(role, item, self.store.get(shard_key(item.shard)))
+            if refused:
+                self.counters["refused_not_owner"] += 1
+                self._drop(refused)
+                ack.failed = True
+                ack.failure.CopyFrom(pb.RemoteFailure(type="PermissionError", message=refused,
+                                                      executor_id=self.executor_id))
+                self.outbox.to_client(identity, pb.Envelope(put_ack=ack))
+                return
+        owner = self.owners.as_owner(role)
+        for item in items:
             try:
                 tensor = self.backend.from_frame(item.tensor, payload)
             except Exception as exc:   # a frame that does not match its header: the put fails, and says why
@@ -117,6 +130,8 @@ class DataPlane:
                 ack.failure.CopyFrom(remote_failure(exc, self.executor_id, origin_call_id=0))
                 break
             self.hop_bytes["client->executor"] += tensor.nbytes
+            if owner:   # a service client's put (its token checked): the array is its own here from now on
+                self.store.claim(shard_key(item.shard), owned=True).owner = owner
             self.store.fill(shard_key(item.shard), tensor)
         self.outbox.to_client(identity, pb.Envelope(put_ack=ack))
 
@@ -145,9 +160,11 @@ class DataPlane:
 
     # ------------------------------------------------------------ out of the store
 
-    def _on_fetch(self, identity: bytes, msg: pb.Fetch) -> None:
+    def _on_fetch(self, identity: bytes, msg: pb.Fetch, role: str | None) -> None:
         key = shard_key(msg.shard)
-        if key not in self.store:
+        entry = self.store.get(key)
+        if entry is None or not self.owners.reads(role, entry):
+            # Another client's shard is answered as one never held here: its owner is not revealed.
             reply = pb.FetchReply(request_id=msg.request_id, failed=True)
             reply.failure.CopyFrom(pb.RemoteFailure(
                 type="KeyError", executor_id=self.executor_id,
@@ -163,7 +180,7 @@ class DataPlane:
         self.outbox.to_client(identity, pb.Envelope(fetch_reply=reply), payload)
         self.store.unpin(key)
 
-    def _on_save(self, identity: bytes, msg: pb.SaveShards) -> None:
+    def _on_save(self, identity: bytes, msg: pb.SaveShards, role: str | None) -> None:
         """Write shards of this store to one file, once each is ready (checkpoints written by the executors)."""
         from .shard_writer import check_save_path
 
@@ -172,7 +189,7 @@ class DataPlane:
             raise ValueError(f"save: expected one distinct name per shard, got {len(msg.names)} names for "
                              f"{len(msg.shards)} shards")
         keys = [shard_key(ref) for ref in msg.shards]
-        absent = [k for k in keys if k not in self.store]
+        absent = [k for k in keys if (e := self.store.get(k)) is None or not self.owners.reads(role, e)]
         if absent:
             raise KeyError(f"executor {self.executor_id} holds no shard {absent[0][1]} of array {absent[0][0]}")
         tensors: dict = {}
@@ -273,15 +290,21 @@ class DataPlane:
 
     # ------------------------------------------------------------ copies and their Runs
 
-    def accept_run(self, input_keys: list, output_keys: list, last_call_id: int) -> None:
+    def accept_run(self, input_keys: list, output_keys: list, last_call_id: int, owner: str = "") -> None:
         """A run's inputs are pinned until it ends, its outputs owned until freed; copies for calls
-        up to ``last_call_id`` that arrive from now on are late."""
+        up to ``last_call_id`` that arrive from now on are late. ``owner``: the role of the client whose run it
+        is (the controller's word), which its outputs and the copies made for it belong to."""
+        owner = self.owners.as_owner(owner)
         for key in input_keys:
-            self.store.claim(key, pin=True)
+            entry = self.store.claim(key, pin=True)
+            if owner and key[2]:   # a copy of one of the run's inputs: the run's client's, as its array is
+                entry.owner = owner
             if self._refused_early and key in self._refused_early:
                 self.store.fill(key, failure=self._refused_early.pop(key))
         for key in output_keys:
-            self.store.claim(key, owned=True)
+            entry = self.store.claim(key, owned=True)
+            if owner:
+                entry.owner = owner
         self._last_run_call_id = max(self._last_run_call_id, last_call_id)
         if self._early:
             self._forget_early(last_call_id)

@@ -8,19 +8,31 @@ puts, fetches and saves come from the client alone; transfers from executors alo
 that was not replaced. Transfer acknowledgements never arrive here: they come back on the DEALER the sender opened,
 which talks only to the holder of the receiver's key.
 
+A controller serving many clients (``client-<name>`` keys) also keeps each client to its own arrays (`OwnerCheck`).
+Every store entry carries the role of the client it belongs to (`executor.store.Entry.owner`), as the controller
+announced it: a Run's or a RunProgram's ``owner`` for what the run makes (a copy made for a run is its inputs'
+owner's, who is the run's: the controller lets no client call on another's arrays), and for a put, the client whose
+put token (`pathways_torch.wire.security.put_token`, made with the secret of the controller's Welcome) names the
+array. A client's fetch or save of an array that is not its own is answered as one of an array this executor never
+held: its owner is not revealed. An entry with no owner recorded belongs to the embedded run's one client
+(``client``), whose path is unchanged and costs one look at the entry: no token, no HMAC. The service's key folders
+never hold a plain ``client`` key (`pathways_torch.launch.service_keys`), so that role never shares an executor with
+a service client.
+
 This module imports no torch (the simulated executor uses it).
 """
 
 from __future__ import annotations
 
+import hmac
 import threading
 from typing import Callable
 
 from pathways_torch.wire import pb
 from pathways_torch.wire.framing import body_name
-from pathways_torch.wire.security import CONTROLLER, is_client, spare_of
+from pathways_torch.wire.security import CLIENT, CONTROLLER, is_client, put_token, spare_of
 
-__all__ = ["DataGate", "CLIENT_KINDS", "EXECUTOR_KINDS", "executor_of_role"]
+__all__ = ["DataGate", "OwnerCheck", "CLIENT_KINDS", "EXECUTOR_KINDS", "executor_of_role"]
 
 CLIENT_KINDS = frozenset({"put", "fetch", "save_shards"})   # data messages only the client may send
 EXECUTOR_KINDS = frozenset({"transfer"})                    # data messages only executors may send
@@ -92,3 +104,40 @@ class DataGate:
         """The earliest incarnation of ``executor_id`` whose transfers are admitted (0: none was replaced)."""
         with self._lock:
             return self._floor.get(executor_id, 0)
+
+
+class OwnerCheck:
+    """Which client's arrays a client may put, fetch and save here (see the module's docstring); one per executor.
+
+    ``put_secret`` is the controller's (its Welcome): until it came, no service client's put is taken.
+    """
+
+    def __init__(self) -> None:
+        self.put_secret = b""
+
+    @staticmethod
+    def as_owner(role: str | None) -> str:
+        """What an entry of the client of ``role`` (a run's owner, a put's sender) records as its owner: "" for the
+        embedded client, whose entries need none."""
+        return "" if role == CLIENT or not role else role
+
+    @staticmethod
+    def reads(role: str | None, entry) -> bool:
+        """Whether the client of ``role`` may fetch or save ``entry``."""
+        owner = entry.owner
+        return owner == role if owner else role == CLIENT
+
+    def put_refusal(self, role: str | None, item, entry) -> str | None:
+        """Why a put of ``item`` (a Put or a PutItem: its shard and token) from ``role`` is refused, ``entry`` the
+        store's entry for its key if there is one; None if it is taken (the caller records ``role`` as its owner)."""
+        array_id = item.shard.array_id
+        if role != CLIENT:   # a service client: the controller's token for this array and this client, or nothing
+            if not self.put_secret:
+                return (f"put of array {array_id} from {role!r}: this executor has no put secret from the controller "
+                        f"yet, so it cannot tell whose array it is (refused)")
+            if not hmac.compare_digest(bytes(item.token), put_token(self.put_secret, array_id, role)):
+                return (f"put of array {array_id}: array {array_id} is not this client's (its put token is not the "
+                        f"one the controller gave with it; put to the arrays your own ctx.put made) (refused)")
+        if entry is not None and entry.owner and entry.owner != role:
+            return f"put of array {array_id}: array {array_id} is not this client's (refused)"
+        return None

@@ -14,6 +14,7 @@ stored by `RunQueue.finish`, on the same thread, right after.
 from __future__ import annotations
 
 import logging
+import time
 from typing import Callable
 
 from pathways_torch.wire import pb
@@ -57,35 +58,44 @@ class StepInterpreter:
         slots = [None] * segment.num_slots
         for index, entry in enumerate(job.entries):
             slots[index] = value_or_failure(entry)
+        unreported = 0   # device time of quiet steps: charged with the next report (a run's last node reports)
         for step, function in zip(segment.steps, job.functions):
-            self._run_step(job, step, function, slots)
+            unreported = self._run_step(job, step, function, slots, unreported)
+        if unreported and job.dones:
+            job.dones[-1].device_ns += unreported
         job.values = [slots[slot] for slot in segment.output_slots]
         return job
 
     def _compute_run(self, job: RunJob) -> RunJob:
         """A plain run started at once (`RunQueue._start_now`): its one step, on its entries' values."""
-        outputs, failure, done = self._step(job.step, job.function, [value_or_failure(e) for e in job.entries],
-                                            job.seq, job.call_id)
+        outputs, failure, done, _ = self._step(job.step, job.function, [value_or_failure(e) for e in job.entries],
+                                               job.seq, job.call_id)
         job.values = [failure] * len(job.output_keys) if outputs is None else outputs
         job.computed = int(outputs is not None)
         if done is not None:
             job.dones.append(done)
         return job
 
-    def _run_step(self, job: SegmentJob, step, function: LoadedFunction | None, slots: list) -> None:
+    def _run_step(self, job: SegmentJob, step, function: LoadedFunction | None, slots: list, unreported: int) -> int:
+        """Run one step of a segment; the device time not yet reported, after it."""
         seq, call_id = job.segment.ids(step)
-        outputs, failure, done = self._step(step, function, [slots[slot] for slot in step.inputs], seq, call_id)
+        outputs, failure, done, device_ns = self._step(step, function, [slots[slot] for slot in step.inputs], seq,
+                                                       call_id)
         for index, slot in enumerate(step.outputs):
             slots[slot] = failure if outputs is None else outputs[index]
         if outputs is not None:
             job.computed += 1
-        if done is not None:
-            job.dones.append(done)
+        if done is None:
+            return unreported + device_ns
+        done.device_ns += unreported
+        job.dones.append(done)
+        return 0
 
     def _step(self, step, function: LoadedFunction | None, inputs: list, seq: int, call_id: int) -> tuple:
         """Run one step on its input values (a value may be a failure, which it passes on).
 
-        Returns (outputs, None, Done) or (None, failure, Done); the Done is None for a quiet step.
+        Returns (outputs, None, Done, device ns) or (None, failure, Done, device ns); the Done is None for a quiet
+        step. Device ns: how long the backend ran it (the device time a client's share is charged).
         """
         failure = None
         for value in inputs:
@@ -96,12 +106,13 @@ class StepInterpreter:
             # Only values from outside the segment can be a bad put or a hostile peer's; the
             # rest were just made here by functions with traced output signatures.
             failure = self._refusal(call_id, step, function, inputs if step.external else None)
-        outputs, digests = None, []
+        outputs, digests, device_ns = None, [], 0
         if failure is None:
             name = function.name
             # Visible in the trace: what reads these outputs is dispatched only after this ends.
             detail = "data-dependent output shapes: sequential dispatch" if step.report_shapes else ""
             self.trace.record("start", name, seq=seq, call_id=call_id, function_id=step.function_id, detail=detail)
+            started = time.perf_counter_ns()
             try:
                 with self.collectives.bind(step.axis_groups, seq=seq, cache=step):
                     outputs = self.backend.run(function.compiled, inputs)
@@ -111,18 +122,19 @@ class StepInterpreter:
                 digests = [self.backend.digest(t) for t in outputs] if step.digest else []
             except Exception as exc:
                 outputs, failure = None, remote_failure(exc, self.executor_id, origin_call_id=call_id)
+            device_ns = time.perf_counter_ns() - started
             self.trace.record("end", name, seq=seq, call_id=call_id, function_id=step.function_id, detail=detail)
         if failure is not None and not failure.origin_call_id:
             failure = with_origin(failure, call_id)
         if not step.report:
-            return outputs, failure, None
-        done = pb.Done(call_id=call_id, seq=seq, ok=failure is None, digests=digests)
+            return outputs, failure, None, device_ns
+        done = pb.Done(call_id=call_id, seq=seq, ok=failure is None, digests=digests, device_ns=device_ns)
         if failure is not None:
             done.failure.CopyFrom(failure)
         elif step.report_shapes:
             for value in outputs:
                 done.output_shapes.add(shape=list(value.shape))
-        return outputs, failure, done
+        return outputs, failure, done, device_ns
 
     def _refusal(self, call_id: int, step, function: LoadedFunction | None,
                  inputs: list | None) -> pb.RemoteFailure | None:

@@ -75,7 +75,7 @@ class RunQueue:
     def on_run(self, run: pb.Run, payload) -> None:
         if not self.queued and not self._pumping and self._start_now(run):
             return
-        self._enqueue(single(run, self._run_steps))
+        self._enqueue(single(run, self._run_steps), run.owner)
 
     def _start_now(self, run: pb.Run) -> bool:
         """Start a plain Run that can start now, without a segment or a pass over the queue.
@@ -98,7 +98,7 @@ class RunQueue:
         seq, call_id = run.seq, run.call_id
         self.trace.record("receive", function.name, seq=seq, call_id=call_id, function_id=run.function_id)
         output_keys = [(r.array_id, r.shard, r.tag) for r in run.outputs]
-        self._data.accept_run(input_keys, output_keys, call_id)
+        self._data.accept_run(input_keys, output_keys, call_id, run.owner)
         if run.collective:
             self.last_collective_seq = seq
         job = RunJob(function, run_step(run, self._run_steps), seq=seq, call_id=call_id,
@@ -107,12 +107,13 @@ class RunQueue:
         self._begin(job)
         return True
 
-    def _enqueue(self, segment: Segment) -> None:
+    def _enqueue(self, segment: Segment, owner: str = "") -> None:
+        """Queue a segment of a run of the client of role ``owner`` (its outputs are that client's)."""
         for step in segment.steps:
             seq, call_id = segment.ids(step)
             self.trace.record("receive", self._name(step.function_id) or "run", seq=seq, call_id=call_id,
                               function_id=step.function_id)
-        self._data.accept_run(segment.input_keys, segment.output_keys, segment.last_call_id)
+        self._data.accept_run(segment.input_keys, segment.output_keys, segment.last_call_id, owner)
         self._queue_in_order(segment)
         self._note_depth()
         # Wake the queue when a missing input arrives. Only missing ones: a segment that
@@ -167,7 +168,7 @@ class RunQueue:
                 segment = instantiate(item, msg, array_id, after=previous)
                 if self._program_order:
                     previous = segment
-                self._enqueue(segment)
+                self._enqueue(segment, msg.owner)
                 continue
             request = pb.SendShard(to_address=item.to_address, to_public_key=item.to_public_key,
                                    call_id=msg.base_call_id + item.to_node)
@@ -197,6 +198,8 @@ class RunQueue:
         for ref in run.outputs:
             entry = self.store.get(shard_key(ref))
             if entry is None or not entry.ready:
+                # Still the run's client's to read (and see the failure), whether or not the run was accepted.
+                self.store.claim(shard_key(ref), owned=True).owner = self._data.owners.as_owner(run.owner)
                 self.store.fill(shard_key(ref), failure=failure)
         if run.collective and run.prev_collective_seq == self.last_collective_seq:
             # Its turn in gang order has passed: later collective work must not wait for it forever.

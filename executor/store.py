@@ -17,7 +17,7 @@ Key = tuple  # (array_id, shard, tag)
 
 
 class Entry:
-    __slots__ = ("value", "failure", "owned", "pins", "waiters", "nbytes", "computing")
+    __slots__ = ("value", "failure", "owned", "pins", "waiters", "nbytes", "computing", "owner")
 
     def __init__(self):
         self.value = None
@@ -30,6 +30,10 @@ class Entry:
         # finishes (stores) each job before it starts the next, so a consumer may be queued
         # right behind it.
         self.computing = False
+        # The role of the client it belongs to, as the controller announced it (a Run's or a program run's owner,
+        # a put's checked token); "" when none was (the embedded client's): see executor/data_roles.py. It lives
+        # and dies with the entry.
+        self.owner = ""
 
     @property
     def ready(self) -> bool:

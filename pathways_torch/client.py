@@ -69,7 +69,8 @@ class InProcessClient:
     def call(self, spec: CallSpec) -> list[ArrayState]:
         return self._follow(self._ops.call(spec))
 
-    def run_program(self, program_id: int, input_ids: Sequence[int]) -> list[ArrayState]:
+    def run_program(self, program_id: int, input_ids: Sequence[int], num_outputs: int | None = None
+                    ) -> list[ArrayState]:
         return self._follow(self._ops.run_program(program_id, input_ids))
 
     def new_array(self, executor_ids: tuple[str, ...], *, landing: int) -> ArrayState:
@@ -173,6 +174,7 @@ class InProcessClient:
 
 def _follow_one(record) -> ArrayState:
     state = ArrayState(record.array_id)
+    state.put_token = record.put_token
 
     def changed(record) -> None:
         state.apply(ArraySettled(record.array_id, record.state, record.error, record.block_shape,

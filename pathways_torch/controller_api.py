@@ -33,7 +33,7 @@ class ArrayState:
     never waited for: a training step's intermediates).
     """
 
-    __slots__ = ("array_id", "state", "error", "block_shape", "lost_holders", "_event")
+    __slots__ = ("array_id", "state", "error", "block_shape", "lost_holders", "put_token", "_event")
 
     def __init__(self, array_id: int):
         self.array_id = array_id
@@ -41,6 +41,7 @@ class ArrayState:
         self.error: BaseException | None = None
         self.block_shape: tuple[int, ...] | None = None
         self.lost_holders: tuple[str, ...] = ()
+        self.put_token = b""   # sent with each put of its shards (the controller's, for a service client's array)
         self._event: threading.Event | None = None
 
     def apply(self, event: ArraySettled) -> None:
@@ -106,10 +107,14 @@ class ControllerClient(Protocol):
         """A registered program's lowered form, as text."""
 
     def call(self, spec) -> list[ArrayState]:
-        """Dispatch one call (a ``CallSpec``); its outputs' states at once (may wait at the run-ahead bound)."""
+        """Dispatch one call (a ``CallSpec``); its outputs' states at once (may wait at the run-ahead bound). An
+        error the controller meets may raise here (embedded) or fail the outputs (remote: the call is not waited
+        for); either way it reaches whoever reads them."""
 
-    def run_program(self, program_id: int, input_ids: Sequence[int]) -> list[ArrayState]:
-        """Run a registered program on these arrays; its outputs' states at once."""
+    def run_program(self, program_id: int, input_ids: Sequence[int], num_outputs: int | None = None
+                    ) -> list[ArrayState]:
+        """Run a registered program on these arrays; its outputs' states at once (``num_outputs``: how many it
+        makes, when the client knows: a remote client then need not wait for the controller)."""
 
     def new_array(self, executor_ids: tuple[str, ...], *, landing: int) -> ArrayState:
         """An array whose ``landing`` shards the client puts itself, straight to the executors."""

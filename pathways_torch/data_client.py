@@ -87,14 +87,17 @@ class DataClient:
         self.connect(executor_id, address, public_key)
 
     def put(self, executor_id: str, shards: list, on_done: Callable[[BaseException | None], None]) -> None:
-        """Send ``shards`` — (``pb.ShardRef``, tensor) pairs — in one message; ``on_done(None)`` once all
-        landed, ``on_done(error)`` if they never will."""
+        """Send ``shards`` — (``pb.ShardRef``, tensor) pairs, or (``pb.ShardRef``, tensor, put token) triples (the
+        token the controller gave with the array: a service client's puts need it) — in one message;
+        ``on_done(None)`` once all landed, ``on_done(error)`` if they never will."""
         request_id = self._register(_Request(executor_id, on_done=on_done))
         msg = pb.Put(request_id=request_id)
         frames = []
-        for index, (ref, tensor) in enumerate(shards):
+        for index, (ref, tensor, *token) in enumerate(shards):
             item = msg if index == 0 else msg.more.add()
             item.shard.CopyFrom(ref)
+            if token and token[0]:
+                item.token = token[0]
             frames.append(tensor_to_frame(tensor, item.tensor, index + 1))
         self._send(executor_id, request_id, encode(pb.Envelope(put=msg), frames))
 

@@ -49,7 +49,8 @@ class Dispatcher:
     def run_program(self, graph, inputs) -> list[Array]:
         """Run a traced program (registered on first use) on ``inputs``; its output arrays at once."""
         self._context._check_open()
-        states = self._client.run_program(self._program_id(graph), [a.array_id for a in inputs])
+        states = self._client.run_program(self._program_id(graph), [a.array_id for a in inputs],
+                                          num_outputs=len(graph.output_values))
         return [Array(self._context, state, *graph.layouts[value])
                 for state, value in zip(states, graph.output_values)]
 
@@ -116,7 +117,8 @@ class Dispatcher:
             blocks = [b.detach().to("cpu", copy=True).contiguous() for b in split_blocks(tensor, placements, mesh)]
             state = self._client.new_array(mesh.executor_ids, landing=mesh.size)
             for position, block in enumerate(blocks):
-                shards_by_position[position].append((pb.ShardRef(array_id=state.array_id, shard=position), block))
+                shards_by_position[position].append((pb.ShardRef(array_id=state.array_id, shard=position), block,
+                                                     state.put_token))
             arrays.append(Array(self._context, state, tuple(tensor.shape), tensor.dtype, Sharding(mesh, placements),
                                 block_shape))
         ids = [a.array_id for a in arrays]

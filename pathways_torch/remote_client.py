@@ -15,6 +15,7 @@ Tensor bytes never come this way: the data client moves them between this proces
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import itertools
 import logging
@@ -36,6 +37,8 @@ log = logging.getLogger(__name__)
 
 _SOCKET = "controller"
 _EARLY_EVENTS = 100_000   # events for arrays whose call's answer is still on its way (bounded)
+_ID_BLOCK = 4096          # array ids asked for at once
+_WINDOW = 512             # requests sent and not yet read by the controller, at most
 
 
 class RemoteClient:
@@ -63,6 +66,10 @@ class RemoteClient:
         self._lost: ControllerLostError | None = None
         self._last_heard = time.monotonic()
         self._heard_once = False
+        self._id_lock = threading.Lock()
+        self._free_ids: collections.deque = collections.deque()   # array ids granted to this client, unused
+        self._window = threading.Condition()   # requests sent and read by the controller (its acks)
+        self._sent = self._acked = 0
         self.loop.every(heartbeat_interval_s, self._ping)
         self.loop.start()
 
@@ -84,7 +91,10 @@ class RemoteClient:
             self._send({"r": 0, "op": op, "a": list(args)})
 
     def _send(self, message: dict) -> None:
-        self.loop.send(_SOCKET, seam_codec.encode(message))
+        frames = seam_codec.encode(message)
+        with self._window:
+            self._sent += 1   # in the order the loop sends them: the controller reads them in this order
+            self.loop.send(_SOCKET, frames)
 
     # ------------------------------------------------------------ the I/O thread
 
@@ -111,6 +121,10 @@ class RemoteClient:
         kind = message["ev"]
         if kind == "settled":
             self._settle(message["s"])
+        elif kind == "ack":
+            with self._window:
+                self._acked = max(self._acked, int(message["n"]))
+                self._window.notify_all()
         elif kind == "stopping":
             self._controller_lost(f"the controller at {self.address} stopped ({message.get('why', '')})")
         elif self._events is None:
@@ -156,6 +170,8 @@ class RemoteClient:
             log.error("%s", error)
         for future in answers:
             future.set_exception(error)
+        with self._window:
+            self._window.notify_all()
         for state in states:
             state.apply(ArraySettled(state.array_id, FAILED, error))
         if self._events is not None:
@@ -172,6 +188,7 @@ class RemoteClient:
         with self._lock:
             for event in settled:
                 state = ArrayState(event.array_id)
+                state.put_token = event.put_token
                 state.apply(event)
                 for early in self._early.pop(event.array_id, ()):
                     state.apply(early)
@@ -193,10 +210,45 @@ class RemoteClient:
         return self._request("describe_program", program_id)
 
     def call(self, spec: CallSpec) -> list[ArrayState]:
-        return self._track(self._request("call", spec))
+        """Sent without waiting for the controller: its outputs are named with ids granted before, and an error
+        it meets there fails them (as a remote error does)."""
+        ids = self._take_ids(spec.num_outputs)
+        states = self._pending_states(ids)
+        self._post_call("call", spec, ids)
+        return states
 
-    def run_program(self, program_id: int, input_ids: Sequence[int]) -> list[ArrayState]:
-        return self._track(self._request("run_program", program_id, list(input_ids)))
+    def run_program(self, program_id: int, input_ids: Sequence[int], num_outputs: int | None = None
+                    ) -> list[ArrayState]:
+        if num_outputs is None:   # not known here: ask, and wait for the answer
+            return self._track(self._request("run_program", program_id, list(input_ids), None))
+        ids = self._take_ids(num_outputs)
+        states = self._pending_states(ids)
+        self._post_call("run_program", program_id, list(input_ids), ids)
+        return states
+
+    def _take_ids(self, count: int) -> list[int]:
+        """The next ``count`` of this client's granted array ids (more are granted, waited for, when they run
+        out: one answer per `_ID_BLOCK` ids)."""
+        with self._id_lock:
+            while len(self._free_ids) < count:
+                first, granted = self._request("grant_ids", max(_ID_BLOCK, count))
+                self._free_ids.extend(range(first, first + granted))
+            return [self._free_ids.popleft() for _ in range(count)]
+
+    def _pending_states(self, ids: list[int]) -> list[ArrayState]:
+        return self._track([ArraySettled(array_id, PENDING) for array_id in ids])
+
+    def _post_call(self, op: str, *args) -> None:
+        """Send a call once fewer than `_WINDOW` requests are unread by the controller (its answers say how many it
+        read): the client runs ahead of the controller, never unboundedly."""
+        with self._window:
+            if self._sent - self._acked >= _WINDOW:
+                start = time.time_ns()
+                self._window.wait_for(lambda: self._sent - self._acked < _WINDOW // 2 or self._lost is not None)
+                self.note_runahead_wait(start, time.time_ns(), self._sent - self._acked, f"{op} (controller)")
+            if self._lost is not None:
+                raise self._lost
+        self._post(op, *args)
 
     def new_array(self, executor_ids: tuple[str, ...], *, landing: int) -> ArrayState:
         return self._track([self._request("new_array", list(executor_ids), landing)])[0]

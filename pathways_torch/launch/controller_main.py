@@ -117,8 +117,7 @@ def serve(args, stop: threading.Event) -> int:
     try:
         config = ControllerConfig(bind_address=_executor_bind(args), heartbeat_interval_s=args.heartbeat_interval_s,
                                   heartbeat_timeout_s=args.heartbeat_timeout_s, max_inflight_calls=args.max_inflight)
-        service = ControllerService(config, keys.credentials(CONTROLLER), context, args.bind)
-        service.clients.weights.update(weights)
+        service = ControllerService(config, keys.credentials(CONTROLLER), context, args.bind, weights)
         if start is not None:
             ids = executor_ids(range(start.num_executors))
             cluster = LocalCluster(service.executor_address, ids, keys_dir=folders.executors,

@@ -119,18 +119,20 @@ class Register(_message.Message):
     def __init__(self, executor_id: _Optional[str] = ..., data_address: _Optional[str] = ..., device: _Optional[str] = ..., backend: _Optional[str] = ..., pid: _Optional[int] = ..., store_bytes: _Optional[int] = ..., public_key: _Optional[bytes] = ..., command_address: _Optional[str] = ..., island: _Optional[str] = ...) -> None: ...
 
 class Welcome(_message.Message):
-    __slots__ = ("index", "heartbeat_interval_s", "heartbeat_timeout_s", "epoch", "transfer_timeout_s")
+    __slots__ = ("index", "heartbeat_interval_s", "heartbeat_timeout_s", "epoch", "transfer_timeout_s", "put_secret")
     INDEX_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_INTERVAL_S_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    PUT_SECRET_FIELD_NUMBER: _ClassVar[int]
     index: int
     heartbeat_interval_s: float
     heartbeat_timeout_s: float
     epoch: int
     transfer_timeout_s: float
-    def __init__(self, index: _Optional[int] = ..., heartbeat_interval_s: _Optional[float] = ..., heartbeat_timeout_s: _Optional[float] = ..., epoch: _Optional[int] = ..., transfer_timeout_s: _Optional[float] = ...) -> None: ...
+    put_secret: bytes
+    def __init__(self, index: _Optional[int] = ..., heartbeat_interval_s: _Optional[float] = ..., heartbeat_timeout_s: _Optional[float] = ..., epoch: _Optional[int] = ..., transfer_timeout_s: _Optional[float] = ..., put_secret: _Optional[bytes] = ...) -> None: ...
 
 class Heartbeat(_message.Message):
     __slots__ = ("sent_at", "epoch", "lost_peers")
@@ -236,7 +238,7 @@ class RegisterProgram(_message.Message):
     def __init__(self, program_id: _Optional[int] = ..., name: _Optional[str] = ..., actions: _Optional[_Iterable[_Union[ProgramAction, _Mapping]]] = ..., input_values: _Optional[_Iterable[int]] = ..., output_values: _Optional[_Iterable[int]] = ..., local_intermediates: _Optional[_Iterable[_Union[ValueRef, _Mapping]]] = ..., num_nodes: _Optional[int] = ...) -> None: ...
 
 class RunProgram(_message.Message):
-    __slots__ = ("program_id", "base_seq", "base_call_id", "input_array_ids", "output_array_ids", "first_intermediate_id", "prev_collective_seq")
+    __slots__ = ("program_id", "base_seq", "base_call_id", "input_array_ids", "output_array_ids", "first_intermediate_id", "prev_collective_seq", "owner")
     PROGRAM_ID_FIELD_NUMBER: _ClassVar[int]
     BASE_SEQ_FIELD_NUMBER: _ClassVar[int]
     BASE_CALL_ID_FIELD_NUMBER: _ClassVar[int]
@@ -244,6 +246,7 @@ class RunProgram(_message.Message):
     OUTPUT_ARRAY_IDS_FIELD_NUMBER: _ClassVar[int]
     FIRST_INTERMEDIATE_ID_FIELD_NUMBER: _ClassVar[int]
     PREV_COLLECTIVE_SEQ_FIELD_NUMBER: _ClassVar[int]
+    OWNER_FIELD_NUMBER: _ClassVar[int]
     program_id: int
     base_seq: int
     base_call_id: int
@@ -251,10 +254,11 @@ class RunProgram(_message.Message):
     output_array_ids: _containers.RepeatedScalarFieldContainer[int]
     first_intermediate_id: int
     prev_collective_seq: int
-    def __init__(self, program_id: _Optional[int] = ..., base_seq: _Optional[int] = ..., base_call_id: _Optional[int] = ..., input_array_ids: _Optional[_Iterable[int]] = ..., output_array_ids: _Optional[_Iterable[int]] = ..., first_intermediate_id: _Optional[int] = ..., prev_collective_seq: _Optional[int] = ...) -> None: ...
+    owner: str
+    def __init__(self, program_id: _Optional[int] = ..., base_seq: _Optional[int] = ..., base_call_id: _Optional[int] = ..., input_array_ids: _Optional[_Iterable[int]] = ..., output_array_ids: _Optional[_Iterable[int]] = ..., first_intermediate_id: _Optional[int] = ..., prev_collective_seq: _Optional[int] = ..., owner: _Optional[str] = ...) -> None: ...
 
 class Run(_message.Message):
-    __slots__ = ("seq", "call_id", "function_id", "inputs", "outputs", "digest_outputs", "collective", "prev_collective_seq", "axis_groups", "quiet", "report_shapes")
+    __slots__ = ("seq", "call_id", "function_id", "inputs", "outputs", "digest_outputs", "collective", "prev_collective_seq", "axis_groups", "quiet", "report_shapes", "owner")
     class AxisGroupsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -273,6 +277,7 @@ class Run(_message.Message):
     AXIS_GROUPS_FIELD_NUMBER: _ClassVar[int]
     QUIET_FIELD_NUMBER: _ClassVar[int]
     REPORT_SHAPES_FIELD_NUMBER: _ClassVar[int]
+    OWNER_FIELD_NUMBER: _ClassVar[int]
     seq: int
     call_id: int
     function_id: int
@@ -284,7 +289,8 @@ class Run(_message.Message):
     axis_groups: _containers.ScalarMap[str, int]
     quiet: bool
     report_shapes: bool
-    def __init__(self, seq: _Optional[int] = ..., call_id: _Optional[int] = ..., function_id: _Optional[int] = ..., inputs: _Optional[_Iterable[_Union[ShardRef, _Mapping]]] = ..., outputs: _Optional[_Iterable[_Union[ShardRef, _Mapping]]] = ..., digest_outputs: _Optional[bool] = ..., collective: _Optional[bool] = ..., prev_collective_seq: _Optional[int] = ..., axis_groups: _Optional[_Mapping[str, int]] = ..., quiet: _Optional[bool] = ..., report_shapes: _Optional[bool] = ...) -> None: ...
+    owner: str
+    def __init__(self, seq: _Optional[int] = ..., call_id: _Optional[int] = ..., function_id: _Optional[int] = ..., inputs: _Optional[_Iterable[_Union[ShardRef, _Mapping]]] = ..., outputs: _Optional[_Iterable[_Union[ShardRef, _Mapping]]] = ..., digest_outputs: _Optional[bool] = ..., collective: _Optional[bool] = ..., prev_collective_seq: _Optional[int] = ..., axis_groups: _Optional[_Mapping[str, int]] = ..., quiet: _Optional[bool] = ..., report_shapes: _Optional[bool] = ..., owner: _Optional[str] = ...) -> None: ...
 
 class FormGroup(_message.Message):
     __slots__ = ("seq", "prev_collective_seq", "group_id", "rank", "size", "store_path", "timeout_s", "members")
@@ -365,20 +371,22 @@ class RemoteFailure(_message.Message):
     def __init__(self, type: _Optional[str] = ..., message: _Optional[str] = ..., traceback: _Optional[str] = ..., executor_id: _Optional[str] = ..., origin_call_id: _Optional[int] = ..., op: _Optional[str] = ..., node_index: _Optional[int] = ...) -> None: ...
 
 class Done(_message.Message):
-    __slots__ = ("call_id", "seq", "ok", "failure", "digests", "output_shapes")
+    __slots__ = ("call_id", "seq", "ok", "failure", "digests", "output_shapes", "device_ns")
     CALL_ID_FIELD_NUMBER: _ClassVar[int]
     SEQ_FIELD_NUMBER: _ClassVar[int]
     OK_FIELD_NUMBER: _ClassVar[int]
     FAILURE_FIELD_NUMBER: _ClassVar[int]
     DIGESTS_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_SHAPES_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_NS_FIELD_NUMBER: _ClassVar[int]
     call_id: int
     seq: int
     ok: bool
     failure: RemoteFailure
     digests: _containers.RepeatedScalarFieldContainer[bytes]
     output_shapes: _containers.RepeatedCompositeFieldContainer[TensorMeta]
-    def __init__(self, call_id: _Optional[int] = ..., seq: _Optional[int] = ..., ok: _Optional[bool] = ..., failure: _Optional[_Union[RemoteFailure, _Mapping]] = ..., digests: _Optional[_Iterable[bytes]] = ..., output_shapes: _Optional[_Iterable[_Union[TensorMeta, _Mapping]]] = ...) -> None: ...
+    device_ns: int
+    def __init__(self, call_id: _Optional[int] = ..., seq: _Optional[int] = ..., ok: _Optional[bool] = ..., failure: _Optional[_Union[RemoteFailure, _Mapping]] = ..., digests: _Optional[_Iterable[bytes]] = ..., output_shapes: _Optional[_Iterable[_Union[TensorMeta, _Mapping]]] = ..., device_ns: _Optional[int] = ...) -> None: ...
 
 class StatsRequest(_message.Message):
     __slots__ = ("request_id",)
@@ -471,24 +479,28 @@ class Shutdown(_message.Message):
     def __init__(self, reason: _Optional[str] = ...) -> None: ...
 
 class Put(_message.Message):
-    __slots__ = ("shard", "tensor", "request_id", "more")
+    __slots__ = ("shard", "tensor", "request_id", "more", "token")
     SHARD_FIELD_NUMBER: _ClassVar[int]
     TENSOR_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     MORE_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
     shard: ShardRef
     tensor: TensorMeta
     request_id: int
     more: _containers.RepeatedCompositeFieldContainer[PutItem]
-    def __init__(self, shard: _Optional[_Union[ShardRef, _Mapping]] = ..., tensor: _Optional[_Union[TensorMeta, _Mapping]] = ..., request_id: _Optional[int] = ..., more: _Optional[_Iterable[_Union[PutItem, _Mapping]]] = ...) -> None: ...
+    token: bytes
+    def __init__(self, shard: _Optional[_Union[ShardRef, _Mapping]] = ..., tensor: _Optional[_Union[TensorMeta, _Mapping]] = ..., request_id: _Optional[int] = ..., more: _Optional[_Iterable[_Union[PutItem, _Mapping]]] = ..., token: _Optional[bytes] = ...) -> None: ...
 
 class PutItem(_message.Message):
-    __slots__ = ("shard", "tensor")
+    __slots__ = ("shard", "tensor", "token")
     SHARD_FIELD_NUMBER: _ClassVar[int]
     TENSOR_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
     shard: ShardRef
     tensor: TensorMeta
-    def __init__(self, shard: _Optional[_Union[ShardRef, _Mapping]] = ..., tensor: _Optional[_Union[TensorMeta, _Mapping]] = ...) -> None: ...
+    token: bytes
+    def __init__(self, shard: _Optional[_Union[ShardRef, _Mapping]] = ..., tensor: _Optional[_Union[TensorMeta, _Mapping]] = ..., token: _Optional[bytes] = ...) -> None: ...
 
 class PutAck(_message.Message):
     __slots__ = ("request_id", "shard", "failed", "failure")

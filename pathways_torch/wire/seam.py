@@ -129,6 +129,7 @@ class ArraySettled(NamedTuple):
     error: BaseException | None = None
     block_shape: tuple[int, ...] | None = None   # the sizes the data decided, when they depended on it
     lost_holders: tuple[str, ...] = ()
+    put_token: bytes = b""                       # what lets its owner put its shards (a service client's put)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -55,10 +55,14 @@ class ErrorNames:
         self._lock = threading.Lock()
 
     def __call__(self, error: BaseException) -> int:
+        """Its number; 0 (none) for a built-in error (``ValueError``), which takes no weak reference."""
         with self._lock:
-            number = self._numbers.get(error)
-            if number is None:
-                number = self._numbers[error] = next(self._next)
+            try:
+                number = self._numbers.get(error)
+                if number is None:
+                    number = self._numbers[error] = next(self._next)
+            except TypeError:
+                return 0
             return number
 
 
@@ -72,7 +76,10 @@ class Interned:
         error = self._errors.get(number)
         if error is None:
             error = make()
-            self._errors[number] = error
+            try:
+                self._errors[number] = error
+            except TypeError:   # a built-in error (a ValueError) takes no weak reference: one object per message
+                pass
         return error
 
 
@@ -108,6 +115,8 @@ def _to_tree(value, frames: list, depth: int, names=None):
     if isinstance(value, _PLAIN):
         return value
     if isinstance(value, (bytes, bytearray, memoryview)):
+        if not len(value):
+            return {"$b": -1}   # no frame for nothing (most events carry an empty put token)
         frames.append(value)
         return {"$b": len(frames) - 2}
     if isinstance(value, BaseException):
@@ -167,7 +176,7 @@ def _from_tree(tree, frames: list, depth: int, interned=None):
         return {_hashable(_from_tree(k, frames, depth + 1, interned)): _from_tree(v, frames, depth + 1, interned)
                 for k, v in (_pair(p) for p in _list(tree["$d"]))}
     if "$b" in tree:
-        return _frame(frames, tree["$b"])
+        return b"" if tree["$b"] == -1 else _frame(frames, tree["$b"])
     if "$c" in tree:
         return _build(tree, frames, depth, interned)
     if "$pb" in tree:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import hmac
 import logging
 import os
 import re
@@ -43,7 +44,7 @@ __all__ = [
     "CONTROLLER", "CLIENT", "ZAP_DOMAIN", "HEARTBEAT_SUFFIX", "STORE_SUFFIX", "SecurityError", "KeyPair", "Credentials", "KeyDirectory",
     "Gatekeeper", "make_server", "make_client", "check_role", "peer_role", "peer_key", "ConnectionWatch",
     "HANDSHAKE_FAILURES", "INCARNATION_MARK", "split_identity", "spare_role", "spare_of", "without_replaced_keys",
-    "CLIENT_PREFIX", "CLIENT_NAME", "client_name", "is_client",
+    "CLIENT_PREFIX", "CLIENT_NAME", "client_name", "is_client", "owner_role", "put_token", "PUT_SECRET_BYTES",
 ]
 
 log = logging.getLogger(__name__)
@@ -78,6 +79,23 @@ def client_name(role: str | None) -> str | None:
 def is_client(role: str | None) -> bool:
     """Whether ``role`` is a client's: the embedded run's ``"client"`` or a service client's ``"client-<name>"``."""
     return role == CLIENT or client_name(role) is not None
+
+
+def owner_role(owner: str) -> str:
+    """The role of the client the controller calls ``owner`` (`controller.arrays.ArrayRecord.owner`): ``""`` (the
+    embedded client) → ``"client"``, ``"alice"`` → ``"client-alice"``. Executors know clients by role alone."""
+    return CLIENT_PREFIX + owner if owner else CLIENT
+
+
+PUT_SECRET_BYTES = 32   # the controller's put secret (`put_token`), given to every executor in Welcome
+_PUT_TOKEN_BYTES = 16
+
+
+def put_token(secret: bytes, array_id: int, role: str) -> bytes:
+    """The capability to put shards of array ``array_id`` as the client of ``role``: the controller hands it to the
+    array's owner with the array, each executor checks it (`executor.data_roles.OwnerCheck`) with the secret both
+    share. No one without the secret can make one, and one array's token names no other array or client."""
+    return hmac.new(secret, f"{array_id}:{role}".encode(), "sha256").digest()[:_PUT_TOKEN_BYTES]
 
 
 _SPARE_MARK = ".r"
