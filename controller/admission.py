@@ -139,6 +139,23 @@ class Admission:
         for client in clients:
             self.remove_client(client)
 
+    def usage(self, window_s: float = 60.0) -> dict[str, dict]:
+        """Per connected client, over every island: its weight, device seconds of the last ``window_s``, its share
+        of them, and its calls waiting for their turn and in flight."""
+        out = {c: {"weight": w, "device_s": 0.0, "waiting": 0, "in_flight": 0} for c, w in sorted(self.weights.items())}
+        for scheduler in self.islands().values():
+            for client, seconds in scheduler.device_seconds(window_s).items():
+                if client in out:
+                    out[client]["device_s"] += seconds
+            for client, (waiting, in_flight) in scheduler.load().items():
+                if client in out:
+                    out[client]["waiting"] += waiting
+                    out[client]["in_flight"] += in_flight
+        whole = sum(u["device_s"] for u in out.values())
+        for u in out.values():
+            u["share"] = u["device_s"] / whole if whole > 0 else 0.0
+        return out
+
     def describe(self) -> str:
         """Every island's table of clients, weights, passes and shares (printable)."""
         return "\n".join(s.describe() for _, s in sorted(self.islands().items())) or "no island admitted a call yet"

@@ -15,6 +15,8 @@ from typing import Callable
 from pathways_torch.wire import pb
 from pathways_torch.wire.security import PUT_SECRET_BYTES, owner_role, put_token
 
+from .memory import demand_of
+
 __all__ = ["ArrayRecord", "ArrayTable", "Lifetimes", "PENDING", "READY", "FAILED"]
 
 PENDING, READY, FAILED = "pending", "ready", "failed"
@@ -41,6 +43,9 @@ class ArrayRecord:
     # Executors whose shard of it was lost: gone for good, even once a replacement takes the executor's place
     # (a call reading it there would wait forever), so the array may no longer be an input.
     lost_holders: set = dataclasses.field(default_factory=set)
+    # Bytes of each shard counted in the controller's memory budget (`memory.MemoryBudget`; 0: none), given back
+    # when the record is forgotten.
+    held_bytes: int = 0
     # Told of every change (settled, or a holder lost), on the thread that made it, under the controller's lock:
     # the client's own state of the array follows it (pathways_torch.client). Must be quick and not block.
     listener: Callable[["ArrayRecord"], None] | None = dataclasses.field(default=None, repr=False, compare=False)
@@ -124,12 +129,29 @@ class Lifetimes:
         # The key of every put token (`new_array`); each executor has it from its Welcome.
         self.put_secret = os.urandom(PUT_SECRET_BYTES)
 
-    def new_array(self, executor_ids: tuple[str, ...], *, landing: int = 0, owner: str = "") -> ArrayRecord:
-        """An array whose shards the client ``owner`` puts itself (``landing`` shards still on their way)."""
+    def new_array(self, executor_ids: tuple[str, ...], *, landing: int = 0, owner: str = "",
+                  shard_bytes: int = 0) -> ArrayRecord:
+        """An array whose shards the client ``owner`` puts itself (``landing`` shards still on their way).
+
+        With a memory limit, first waits (no lock held) until each executor has room for a ``shard_bytes`` shard."""
+        memory = self._controller.memory
+        reservation = None
+        if memory.limit_bytes and shard_bytes > 0:
+            reservation = memory.reserve(owner, demand_of(executor_ids, shard_bytes),
+                                         self._controller.config.memory_wait_s, what="a put")
+        try:
+            return self._new_array(executor_ids, landing, owner, shard_bytes, reservation)
+        except BaseException:
+            memory.cancel(reservation)
+            raise
+
+    def _new_array(self, executor_ids, landing: int, owner: str, shard_bytes: int, reservation) -> ArrayRecord:
         with self._lock:
             self._controller.members.check_live(executor_ids)
             record = self.arrays.new(executor_ids, landing=landing)
             record.owner = owner
+            if reservation is not None:
+                record.held_bytes, reservation.claimed = shard_bytes, True
             if owner:
                 record.put_token = put_token(self.put_secret, record.array_id, owner_role(owner))
             if landing == 0:
@@ -162,6 +184,9 @@ class Lifetimes:
         if not record.released or record.landing > 0:
             return
         self.arrays.forget(record.array_id)
+        if record.held_bytes:
+            self._controller.memory.release(record.owner, demand_of(record.executor_ids, record.held_bytes))
+            record.held_bytes = 0
         for position, executor_id in enumerate(record.executor_ids):
             pending = self._pending_frees[executor_id]
             pending.append(pb.ShardRef(array_id=record.array_id, shard=position))

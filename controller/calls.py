@@ -18,8 +18,10 @@ from pathways_torch.errors import ContextClosedError, ExecutorLostError
 from pathways_torch.wire import pb
 from pathways_torch.wire.security import owner_role
 
+from .admission import ClientGone
 from .arrays import FAILED, PENDING, ArrayRecord
 from .call_spec import CallSpec, InFlightCall, RegisteredFunction
+from .memory import demand_of
 from .program import LoweredProgram, ProgramSpec, lower
 from .resources import MeshAllocation
 
@@ -40,6 +42,7 @@ class CallDispatch:
         self.resources, self.arrays, self.sequencers = controller.resources, controller.arrays, controller.sequencers
         self._send = controller._send
         self._admission = controller.admission
+        self._memory = controller.memory     # bytes per executor under --executor-memory-bytes (memory.py)
         # Notified whenever a call leaves the calls in flight: a client thread past the run-ahead bound waits on it.
         self._room = threading.Condition(self._lock)
         self.closing_reason = ""             # set by fail_pending: a waiting call must not dispatch after it
@@ -67,14 +70,39 @@ class CallDispatch:
         islands = self._islands_of(mesh)
         admitted = self._admission.admit(owner, islands, ("function", spec.function_id),
                                          self._function_cost(spec.function_id, mesh.size))
+        reservation = None
         try:
-            return self._dispatch_call(spec, owner, islands, admitted, output_ids)
+            if self._memory.limit_bytes:   # its turn came: now room for its outputs (waits for frees, or raises)
+                sizes = _output_bytes(spec.output_shard_bytes[:spec.num_outputs])
+                demand = {}
+                for shard_bytes in sizes:
+                    demand_of(mesh.executor_ids, shard_bytes, demand)
+                reservation = self._reserve(owner, demand, f"call {spec.name!r}")
+            return self._dispatch_call(spec, owner, islands, admitted, output_ids, reservation)
         except BaseException:
             if admitted is not None and not admitted.dispatched:   # never in flight: its slots go back uncharged
                 self._admission.release(admitted)
+            self._memory.cancel(reservation)
             raise
 
-    def _dispatch_call(self, spec: CallSpec, owner: str, islands, admitted, output_ids) -> list[ArrayRecord]:
+    def _reserve(self, owner: str, demand: dict, what: str):
+        """Room on each executor for the bytes of ``demand``: waits (holding no lock) up to ``memory_wait_s``."""
+        reservation = self._memory.reserve(owner, demand, self._controller.config.memory_wait_s, what=what)
+        if owner and self._admission.enabled and owner not in self._admission.weights:
+            self._memory.cancel(reservation)   # the client disconnected while it waited: nothing may be made for it
+            raise ClientGone(f"client {owner} disconnected while {what} waited for executor memory")
+        return reservation
+
+    @staticmethod
+    def _hold(reservation, records: list[ArrayRecord], sizes) -> None:
+        """The records made for ``reservation`` hold its bytes from now on (each its own, given back when it is
+        forgotten)."""
+        reservation.claimed = True
+        for record, shard_bytes in zip(records, sizes):
+            record.held_bytes = shard_bytes
+
+    def _dispatch_call(self, spec: CallSpec, owner: str, islands, admitted, output_ids,
+                       reservation=None) -> list[ArrayRecord]:
         mesh = spec.mesh
         with self.sequencers.taking(islands), self._lock:
             self._wait_for_room(1, spec.name)
@@ -89,6 +117,8 @@ class CallDispatch:
                 record.owner = owner
             for record, replicated in zip(outputs, spec.replicated_outputs):
                 record.replicated = replicated
+            if reservation is not None:
+                self._hold(reservation, outputs, _output_bytes(spec.output_shard_bytes[:spec.num_outputs]))
             call = InFlightCall(spec, call_id, seqs[islands[0]], outputs, waiting=set(mesh.executor_ids),
                                 admitted=admitted)
             self._calls[call_id] = call
@@ -213,14 +243,23 @@ class CallDispatch:
         nodes = len(lowered.reporting_nodes)
         admitted = self._admission.admit(owner, islands, ("program", program_id), self._program_cost(lowered.spec),
                                          nodes=nodes)
+        reservation = None
         try:
-            return self._dispatch_run(program_id, input_ids, owner, islands, admitted, output_ids)
+            if self._memory.limit_bytes:   # room for its outputs (not its intermediates: memory.py)
+                spec, meshes = lowered.spec, lowered.spec.value_meshes()
+                demand = {}
+                for value, shard_bytes in zip(spec.output_values, _program_output_bytes(spec)):
+                    demand_of(meshes[value].executor_ids, shard_bytes, demand)
+                reservation = self._reserve(owner, demand, f"program {spec.name!r}")
+            return self._dispatch_run(program_id, input_ids, owner, islands, admitted, output_ids, reservation)
         except BaseException:
             if admitted is not None and not admitted.dispatched:
                 self._admission.release(admitted)
+            self._memory.cancel(reservation)
             raise
 
-    def _dispatch_run(self, program_id: int, input_ids: Sequence[int], owner: str, islands, admitted, output_ids):
+    def _dispatch_run(self, program_id: int, input_ids: Sequence[int], owner: str, islands, admitted, output_ids,
+                      reservation=None):
         with self.sequencers.taking(islands), self._lock:
             lowered = self._programs[program_id]
             spec = lowered.spec
@@ -240,6 +279,8 @@ class CallDispatch:
                        for v, i in zip(spec.output_values, ids)]
             for record in outputs:
                 record.owner = owner
+            if reservation is not None:
+                self._hold(reservation, outputs, _program_output_bytes(spec))
             by_value = dict(zip(spec.output_values, outputs))
             first_intermediate = self.arrays.reserve(1 + max(producer))
             for index in lowered.reporting_nodes:
@@ -334,9 +375,21 @@ class CallDispatch:
             self._calls.clear()
             self.closing_reason = reason
             self._admission.close(reason)
+            self._memory.close(reason)
             self._room.notify_all()
             for record in self.arrays.records():   # puts not yet acknowledged, a program's inputs
                 if record.state == PENDING:
                     record.settle(FAILED, ContextClosedError(f"{reason} before array {record.array_id} was ready"))
                     failed += 1
         return failed
+
+
+def _output_bytes(sizes) -> tuple[int, ...]:
+    """A client's ``output_shard_bytes``, each a count of bytes (anything else, or below 0, counts 0: unknown)."""
+    return tuple(b if type(b) is int and b > 0 else 0 for b in sizes)
+
+
+def _program_output_bytes(spec: ProgramSpec) -> tuple[int, ...]:
+    """The bytes of one shard of each of a program's outputs (its nodes' ``output_shard_bytes``; 0: unknown)."""
+    sizes = {v: b for node in spec.nodes for v, b in zip(node.outputs, _output_bytes(node.output_shard_bytes))}
+    return tuple(sizes.get(v, 0) for v in spec.output_values)

@@ -63,6 +63,7 @@ class ClientOps:
         self.programs: dict[int, object] = {}   # program id → its lowered form (describe_program)
         self.meshes: dict[int, MeshAllocation] = {}
         self._grants: collections.deque = collections.deque()   # (next, end) of each block of ids granted
+        self._never_made: dict[int, BaseException] = {}   # output ids of calls that failed before dispatch
 
     # ------------------------------------------------------------ functions, programs, calls
 
@@ -123,12 +124,13 @@ class ClientOps:
 
     # ------------------------------------------------------------ arrays
 
-    def new_array(self, executor_ids: tuple[str, ...], *, landing: int) -> ArrayRecord:
+    def new_array(self, executor_ids: tuple[str, ...], *, landing: int, shard_bytes: int = 0) -> ArrayRecord:
         unknown = [e for e in executor_ids if e not in self.controller.resources.executors]
         if unknown:
             raise NotYoursError(f"new_array on executors {unknown}: expected known executors "
                                 f"({sorted(self.controller.resources.executors)})")
-        return self._own([self.controller.new_array(tuple(executor_ids), landing=landing, owner=self.owner)])[0]
+        return self._own([self.controller.new_array(tuple(executor_ids), landing=landing, owner=self.owner,
+                                                    shard_bytes=shard_bytes)])[0]
 
     def landed(self, array_id: int, error: BaseException | None = None) -> None:
         # Also for an array released while its put was landing (its record stays until the put lands).
@@ -138,11 +140,14 @@ class ClientOps:
         self.controller.landed(array_id, error)
 
     def release(self, array_id: int) -> None:
+        self._never_made.pop(array_id, None)
         if array_id in self.arrays:   # twice, or never ours: nothing to free (a finalizer must not raise)
             self.arrays.discard(array_id)
             self.controller.release(array_id)
 
     def release_many(self, array_ids: Sequence[int]) -> None:
+        for array_id in array_ids:
+            self._never_made.pop(array_id, None)
         ours = [a for a in array_ids if a in self.arrays]
         self.arrays.difference_update(ours)
         self.controller.release_many(ours)
@@ -151,6 +156,7 @@ class ClientOps:
         """The client is gone: free every array it holds; how many."""
         held = sorted(self.arrays)
         self.arrays.clear()
+        self._never_made.clear()
         self.controller.release_many(held)
         self.controller.flush_frees()
         return len(held)
@@ -200,9 +206,19 @@ class ClientOps:
         self.arrays.update(record.array_id for record in records)
         return records
 
+    def never_made(self, output_ids: Sequence[int], error: BaseException) -> None:
+        """A call sent without waiting failed before it made ``output_ids``: the client holds them as failed
+        arrays, and a later call that reads one fails with the same ``error`` (an executor lost, say, which its
+        trainer recovers from), not as a stranger's id."""
+        for array_id in output_ids:
+            if isinstance(array_id, int) and array_id not in self.arrays:
+                self._never_made[array_id] = error
+
     def _check_arrays(self, array_ids: Sequence[int]) -> None:
         for array_id in array_ids:
             if array_id not in self.arrays:
+                if array_id in self._never_made:
+                    raise self._never_made[array_id]
                 raise NotYoursError(f"array {array_id} is not one this client holds (never made, already "
                                     f"freed, or another client's); use the arrays your own calls returned")
 

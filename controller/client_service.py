@@ -27,7 +27,7 @@ import zmq
 from pathways_torch.wire import seam_codec
 from pathways_torch.wire.framing import log_dropped
 from pathways_torch.wire.seam import ArraySettled, CallSpec, ProgramSpec
-from pathways_torch.wire.security import client_name, make_server, peer_role
+from pathways_torch.wire.security import ConnectionWatch, client_name, make_server, peer_role
 
 from .client_ops import ClientOps, executor_view
 
@@ -45,11 +45,11 @@ _SIGNATURES: dict[str, tuple] = {
     "register_function": (str, object, list, (int, float)), "register_program": (ProgramSpec,),
     "describe_program": (int,), "call": (CallSpec, _IDS), "run_program": (int, _IDS, (*_IDS, type(None))),
     "grant_ids": (int,),
-    "new_array": ((list, tuple), int), "landed": (int, (BaseException, type(None))), "release": (int,),
+    "new_array": ((list, tuple), int, int), "landed": (int, (BaseException, type(None))), "release": (int,),
     "release_many": ((list, tuple),), "flush_frees": (), "allocate_mesh": (dict, (list, tuple, type(None))),
     "island_of": (str,), "executors": (), "executor": (str,), "wait_for_executors": (int, (int, float)),
     "gather": (str,), "counters": (), "runahead_waits": (), "note_runahead_wait": (int, int, int, str),
-    "bye": (),
+    "replace_executor": (str, (int, float)), "bye": (),
 }
 
 
@@ -82,11 +82,17 @@ class ClientService:
         socket.bind(bind_address)
         self.address = socket.getsockopt_string(zmq.LAST_ENDPOINT)
         self.loop.add_socket(CLIENT_SOCKET, socket, self._on_frames)
+        self.connections = ConnectionWatch("client socket")   # handshakes refused: keys not on the allow-list
+        self.loop.monitor(CLIENT_SOCKET, self.connections.on_frames)
         self.sessions: dict[str, _Session] = {}     # client name → its session (connected ones)
+        # Connections of disconnected clients: heard no more (a new process with the same key may connect again).
+        self._gone: collections.deque = collections.deque(maxlen=1024)
         self._lock = threading.Lock()
         self.dropped_messages = 0
-        self.refused_clients = 0          # messages from a key that is not a client's
+        self.refused_messages = 0         # messages from a key that is not a client's (an executor's, say)
         self.disconnected: collections.Counter = collections.Counter()   # why → how many
+        self.replacer = None   # (executor id, timeout s) -> ExecutorView: the host replaces executors it started
+        self._replacing = threading.Lock()
         self._error_names = seam_codec.ErrorNames()   # one failure reaching many arrays stays one error there
         # client name → its share of device time, set by the operator (a client not named: 1)
         self.weights: dict[str, float] = dict(weights or {})
@@ -104,7 +110,7 @@ class ClientService:
         role = peer_role(frames[1]) if len(frames) > 1 else None
         name = client_name(role)
         if name is None:
-            self.refused_clients += 1
+            self.refused_messages += 1
             self._drop(f"a message on the client socket from {role!r}, which is not a client's key")
             return
         try:
@@ -112,6 +118,9 @@ class ClientService:
             request_id, op, args = message["r"], message["op"], list(message.get("a", []))
         except (seam_codec.SeamCodecError, KeyError, TypeError) as exc:
             self._drop(f"a malformed request from client {name}: {exc}")
+            return
+        if identity in self._gone:
+            self._drop(f"a message from client {name}'s connection, which was disconnected")
             return
         session = self._session(name, identity)
         session.last_heard = self.clock()
@@ -170,7 +179,7 @@ class ClientService:
                 # The client sends calls without waiting for them: it waits only when this many are unread here.
                 self._send(session, {"ev": "ack", "n": session.requests_served})
             if op == "bye":
-                self.disconnect(session.name, "it closed its context")
+                self.disconnect(session.name, "it closed its context", tell=False)
                 return
 
     def _handle(self, session: _Session, op: str, args: list, answered: bool = True):
@@ -187,7 +196,10 @@ class ClientService:
         if op == "run_program":
             return self._followed(session, ops.run_program(args[0], args[1], args[2]), answered)
         if op == "new_array":
-            return self._followed(session, [ops.new_array(tuple(args[0]), landing=args[1])], answered)[0]
+            return self._followed(session, [ops.new_array(tuple(args[0]), landing=args[1], shard_bytes=args[2])],
+                                  answered)[0]
+        if op == "replace_executor":
+            return self._replace(args[0], float(args[1]))
         if op == "register_function":
             return ops.register_function(args[0], args[1], args[2], sim_seconds=float(args[3]))
         return getattr(ops, op)(*args)
@@ -206,6 +218,8 @@ class ClientService:
             return tuple(snapshots)
 
     def _fail_outputs(self, session: _Session, output_ids, error: BaseException) -> None:
+        if isinstance(output_ids, (list, tuple)):
+            session.ops.never_made(output_ids, error)
         for array_id in output_ids if isinstance(output_ids, (list, tuple)) else ():
             if isinstance(array_id, int):
                 self._send(session, {"ev": "settled", "s": ArraySettled(array_id, "failed", error)})
@@ -215,6 +229,25 @@ class ClientService:
             if session.connected:
                 self._send(session, {"ev": "settled", "s": _settled(record)})
         return changed
+
+    def _replace(self, executor_id: str, timeout_s: float):
+        """A client's recovery asks for a lost executor's replacement: made once (the first asker's), awaited by
+        every other; the executor's view once it registered. ``replacer``: the host's (it started the executors),
+        else an incarnation someone else starts (the operator, a node's launcher) is awaited."""
+        info = self.controller.resources.executors.get(executor_id)
+        if info is None:
+            raise ValueError(f"replace_executor: expected one of {sorted(self.controller.resources.executors)}, got "
+                             f"{executor_id!r}")
+        with self._replacing:
+            info = self.controller.resources.executors[executor_id]
+            if not info.lost:   # replaced already, for another client
+                return executor_view(self.controller, info)
+            if info.draining:
+                raise ValueError(f"replace_executor: {executor_id} was removed by the operator; use a mesh without it")
+            if self.replacer is not None:
+                return self.replacer(executor_id, timeout_s)
+            return executor_view(self.controller,
+                                 self.controller.wait_for_incarnation(executor_id, info.epoch + 1, timeout_s))
 
     # ------------------------------------------------------------ events to every client
 
@@ -242,18 +275,22 @@ class ClientService:
             frames = seam_codec.encode({"r": message.get("r", 0), "err": TypeError(str(exc))})
         self.loop.send(CLIENT_SOCKET, [session.identity, *frames])
 
-    def disconnect(self, name: str, why: str) -> bool:
-        """Drop client ``name``: its queued requests, and every array it holds (freed on the executors)."""
+    def disconnect(self, name: str, why: str, *, tell: bool = True) -> bool:
+        """Drop client ``name``: its queued requests, and every array it holds (freed on the executors); ``tell``:
+        say so to the client (its pending arrays fail with `ControllerLostError` there)."""
         with self._lock:
             session = self.sessions.get(name)
             if session is None:
                 return False
-            self._disconnect_locked(session, why)
+            self._disconnect_locked(session, why, tell=tell)
             return True
 
-    def _disconnect_locked(self, session: _Session, why: str) -> None:
+    def _disconnect_locked(self, session: _Session, why: str, *, tell: bool = True) -> None:
         if self.sessions.get(session.name) is session:
             del self.sessions[session.name]
+        if tell:   # it fails what it waits for at once (ControllerLostError), and its connection speaks no more
+            self._send(session, {"ev": "disconnected", "why": why})
+        self._gone.append(session.identity)
         with session.wake:
             session.connected = False
             dropped = len(session.requests)
@@ -272,6 +309,12 @@ class ClientService:
         with self._lock:
             for session in list(self.sessions.values()):
                 self._disconnect_locked(session, why)
+
+    @property
+    def refused_clients(self) -> int:
+        """Connections refused at the handshake (a key not on the allow-list) and messages from keys that are no
+        client's."""
+        return self.connections.refused + self.refused_messages
 
     def _drop(self, why: str) -> None:
         self.dropped_messages += 1

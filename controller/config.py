@@ -35,6 +35,11 @@ class ControllerConfig(Liveness):
     # Serving many clients: calls admitted on an island and unfinished, at most (the executors' queues hold the
     # rest of the order); the clients' proportional shares decide whose call is admitted next (admission.py).
     share_window_calls: int = 16
+    # Serving many clients: each executor's bytes of arrays (call outputs and puts), at most (0: no limit, nothing
+    # counted). A call or put that would pass it waits up to ``memory_wait_s`` for frees, then fails with
+    # `OutOfMemoryError` (controller/memory.py).
+    executor_memory_bytes: int = 0
+    memory_wait_s: float = 30.0
 
     @property
     def group_timeout_s(self) -> float:
@@ -48,6 +53,11 @@ class ControllerConfig(Liveness):
     def __post_init__(self):
         if not isinstance(self.max_inflight_calls, int) or self.max_inflight_calls < 1:
             raise ValueError(f"max_inflight_calls: expected a positive int, got {self.max_inflight_calls!r}")
+        if not isinstance(self.executor_memory_bytes, int) or self.executor_memory_bytes < 0:
+            raise ValueError(f"executor_memory_bytes: expected bytes >= 0 (0: no limit), "
+                             f"got {self.executor_memory_bytes!r}")
+        if not self.memory_wait_s >= 0:
+            raise ValueError(f"memory_wait_s: expected seconds >= 0, got {self.memory_wait_s!r}")
         super().__post_init__()
         if not self.bind_address.startswith(("tcp://", "ipc://", "inproc://")):
             raise ValueError(f"bind_address: expected a ZeroMQ endpoint like tcp://127.0.0.1:0, "

@@ -38,6 +38,7 @@ from .completion import Completion
 from .config import ControllerConfig
 from .groups import ProcessGroups
 from .membership import Membership
+from .memory import MemoryBudget
 from .program import LoweredProgram, ProgramSpec
 from .rendezvous import RendezvousStore
 from .requests import ExecutorRequests
@@ -67,6 +68,8 @@ class Controller:
         self.sequencers = Sequencers()                  # each island's sequence numbers and gang order
         # Which client's call each island takes next, by proportional share (enabled by a client service).
         self.admission = Admission(window=self.config.share_window_calls)
+        # Each executor's bytes of arrays against --executor-memory-bytes (0: nothing counted; memory.py).
+        self.memory = MemoryBudget(self.config.executor_memory_bytes)
         self.rendezvous = RendezvousStore(self.config.group_timeout_s)   # where groups meet (on the I/O thread)
         self._lock = threading.RLock()
         self._calls: dict[int, InFlightCall] = {}       # unfinished calls (and program runs' reporting nodes) by id
@@ -250,9 +253,11 @@ class Controller:
 
     # ------------------------------------------------------------ array lifetimes (`Lifetimes`)
 
-    def new_array(self, executor_ids: tuple[str, ...], *, landing: int = 0, owner: str = "") -> ArrayRecord:
-        """An array whose shards the client puts itself (``landing`` shards still on their way)."""
-        return self.lifetimes.new_array(executor_ids, landing=landing, owner=owner)
+    def new_array(self, executor_ids: tuple[str, ...], *, landing: int = 0, owner: str = "",
+                  shard_bytes: int = 0) -> ArrayRecord:
+        """An array whose shards the client puts itself (``landing`` shards still on their way; ``shard_bytes``
+        each, for the memory budget: this may wait for room, or raise `OutOfMemoryError`)."""
+        return self.lifetimes.new_array(executor_ids, landing=landing, owner=owner, shard_bytes=shard_bytes)
 
     def landed(self, array_id: int, error: BaseException | None = None) -> None:
         """One put shard arrived on its executor (the client saw the ack), or never will (``error``)."""

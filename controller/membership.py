@@ -167,6 +167,9 @@ class Membership:
             if info is not None and info.lost:
                 raise ExecutorLostError(f"executor {executor_id} was lost; a mesh that includes it cannot run",
                                         executor_id=executor_id)
+            if info is not None and info.draining:
+                raise ExecutorLostError(f"executor {executor_id} is being drained by the operator: it takes no new "
+                                        f"work; use a mesh without it", executor_id=executor_id)
 
     # ------------------------------------------------------------ loss
 

@@ -30,6 +30,7 @@ class ExecutorInfo:
     command_address: str = ""     # its command ROUTER, where control messages go
     link_address: str = ""        # where other islands send it transfers (a shaped link's relay), if not direct
     epoch: int = 1                # registrations of this id so far (a restarted executor registers again)
+    draining: bool = False        # the operator drains it: no new work, removed once idle (controller/admin.py)
 
 
 class ResourceManager:
@@ -99,7 +100,8 @@ class ResourceManager:
 
     def _choose(self, axes: dict[str, int], needed: int) -> list[str]:
         """The first live executors that fit: of one island, or of the first ``axes["island"]`` islands."""
-        live = {name: [e.executor_id for e in members if not e.lost] for name, members in self.islands().items()}
+        live = {name: [e.executor_id for e in members if not e.lost and not e.draining]
+                for name, members in self.islands().items()}
         counts = {name: len(ids) for name, ids in live.items()}
         if ISLAND_AXIS in axes:
             count, per = axes[ISLAND_AXIS], needed // axes[ISLAND_AXIS]

@@ -13,6 +13,7 @@ import time
 
 import zmq
 
+from .admin import Admin
 from .client_service import ClientService
 from .config import ControllerConfig
 from .exit_watch import watch_exits
@@ -37,6 +38,7 @@ class ControllerService:
             raise
         self.server.start()
         self.controller = self.server.controller
+        self.admin = Admin(self.controller, self.clients)   # the operator's levers (served with the status)
         self.executor_address = self.server.address
         self.client_address = self.clients.address
 
@@ -49,6 +51,12 @@ class ControllerService:
         order = {e: i for i, e in enumerate(executor_ids)}
         for info in self.controller.resources.ordered():
             info.index = order.get(info.executor_id, len(order) + info.index)
+
+    def serve_status(self, port: int, host: str = "127.0.0.1"):
+        """Status, health and the operator's requests over gRPC on ``host``:``port``; the server (stop() it)."""
+        from .status import serve_status
+
+        return serve_status(self.controller, port, "pathways-controller", admin=self.admin, host=host)
 
     def stop(self, why: str = "the controller stopped") -> None:
         """Tell every client (each fails what it waits for with `ControllerLostError`), free what they hold, tell

@@ -242,14 +242,24 @@ class ShareScheduler:
 
         0.0 for a known client with none; the fractions sum to 1 when any device time finished. Looks back
         at most `HISTORY_S`."""
+        totals = self.device_seconds(window_s)
+        whole = sum(totals.values())
+        return {c: (s / whole if whole > 0 else 0.0) for c, s in totals.items()}
+
+    def device_seconds(self, window_s: float = 60.0) -> dict[str, float]:
+        """Each known client's device seconds finished in the last `window_s` seconds (0.0 for none)."""
         with self._cond:
             since = self._clock() - window_s
             totals = dict.fromkeys(sorted(self._weight), 0.0)
             for at, client, device_s in self._records:
                 if at >= since and client in totals:
                     totals[client] += device_s
-            whole = sum(totals.values())
-            return {c: (s / whole if whole > 0 else 0.0) for c, s in totals.items()}
+            return totals
+
+    def load(self) -> dict[str, tuple[int, int]]:
+        """Per known client: (calls waiting for admission, calls admitted and unfinished)."""
+        with self._cond:
+            return {c: (len(self._queue[c]), self._held[c]) for c in sorted(self._weight)}
 
     def describe(self) -> str:
         """A table, one line per client in name order: weight, pass, waiting, in flight, share of the last minute."""

@@ -23,7 +23,7 @@ __all__ = [
     "Link",
     # errors
     "PathwaysError", "RemoteError", "CaptureError", "ExecutorLostError", "ReplicationError",
-    "PlacementError", "AuthenticationError", "ContextClosedError", "ControllerLostError",
+    "PlacementError", "AuthenticationError", "ContextClosedError", "ControllerLostError", "OutOfMemoryError",
     # backends
     "BACKEND_NAMES",
 ]
@@ -59,6 +59,7 @@ _WHERE = {
     "AuthenticationError": "pathways_torch.errors",
     "ContextClosedError": "pathways_torch.errors",
     "ControllerLostError": "pathways_torch.errors",
+    "OutOfMemoryError": "pathways_torch.errors",
     "BACKEND_NAMES": "pathways_torch.wire.backend_names",
 }
 

@@ -34,6 +34,15 @@ class InProcessClient:
         self.address = self._server.address
         self._ops = ClientOps(self.controller, self._server)   # the one client's requests, as a remote one's
 
+    @classmethod
+    def over(cls, server: ControllerServer) -> "InProcessClient":
+        """The protocol over a controller already served (`pathways-controller`'s own, for replacing its local
+        executors with the same code as an embedded context)."""
+        client = cls.__new__(cls)
+        client._server, client.controller, client.address = server, server.controller, server.address
+        client._ops = ClientOps(server.controller, server)
+        return client
+
     @property
     def server(self) -> ControllerServer:
         """The controller's sockets (tests and benchmarks look at them)."""
@@ -73,8 +82,8 @@ class InProcessClient:
                     ) -> list[ArrayState]:
         return self._follow(self._ops.run_program(program_id, input_ids))
 
-    def new_array(self, executor_ids: tuple[str, ...], *, landing: int) -> ArrayState:
-        return self._follow([self._ops.new_array(executor_ids, landing=landing)])[0]
+    def new_array(self, executor_ids: tuple[str, ...], *, landing: int, shard_bytes: int = 0) -> ArrayState:
+        return self._follow([self._ops.new_array(executor_ids, landing=landing, shard_bytes=shard_bytes)])[0]
 
     def landed(self, array_id: int, error: BaseException | None = None) -> None:
         self._ops.landed(array_id, error)

@@ -116,8 +116,9 @@ class ControllerClient(Protocol):
         """Run a registered program on these arrays; its outputs' states at once (``num_outputs``: how many it
         makes, when the client knows: a remote client then need not wait for the controller)."""
 
-    def new_array(self, executor_ids: tuple[str, ...], *, landing: int) -> ArrayState:
-        """An array whose ``landing`` shards the client puts itself, straight to the executors."""
+    def new_array(self, executor_ids: tuple[str, ...], *, landing: int, shard_bytes: int = 0) -> ArrayState:
+        """An array whose ``landing`` shards the client puts itself, straight to the executors (``shard_bytes``
+        each, for the controller's memory budget: the call may wait for room, or raise `OutOfMemoryError`)."""
 
     def landed(self, array_id: int, error: BaseException | None = None) -> None:
         """One put shard arrived (or never will: ``error``)."""

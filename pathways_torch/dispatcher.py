@@ -41,7 +41,8 @@ class Dispatcher:
         spec = CallSpec(function_id=self._function_id(version), name=version.name, mesh=mesh.allocation,
                         inputs=tuple(a.array_id for a in inputs), num_outputs=len(layouts),
                         replicated_outputs=replicated, debug=self._context.config.debug, call_site=call_site,
-                        collective_axes=version.collective_axes, report_shapes=version.data_dependent)
+                        collective_axes=version.collective_axes, report_shapes=version.data_dependent,
+                        output_shard_bytes=_output_bytes(layouts))
         states = self._client.call(spec)
         return [Array(self._context, state, shape, dtype, sharding, block)
                 for state, (shape, dtype, sharding, block) in zip(states, layouts)]
@@ -73,7 +74,8 @@ class Dispatcher:
                                   mesh=node.mesh.allocation, inputs=node.inputs, outputs=node.outputs,
                                   collective_axes=node.version.collective_axes,
                                   replicated_outputs=tuple(layout[2].is_replicated for layout in node.layouts),
-                                  debug=self._context.config.debug))
+                                  debug=self._context.config.debug,
+                                  output_shard_bytes=_output_bytes(node.layouts)))
         spec = ProgramSpec(name=graph.name, input_values=graph.input_values,
                            input_meshes=tuple(graph.layouts[v][2].mesh.allocation for v in graph.input_values),
                            nodes=tuple(nodes), output_values=graph.output_values)
@@ -115,7 +117,7 @@ class Dispatcher:
             block_shape = local_shape(tuple(tensor.shape), placements, mesh)
             # One private copy, so later in-place changes to `tensor` cannot race the send.
             blocks = [b.detach().to("cpu", copy=True).contiguous() for b in split_blocks(tensor, placements, mesh)]
-            state = self._client.new_array(mesh.executor_ids, landing=mesh.size)
+            state = self._new_array(mesh, arrays, max(b.numel() * b.element_size() for b in blocks))
             for position, block in enumerate(blocks):
                 shards_by_position[position].append((pb.ShardRef(array_id=state.array_id, shard=position), block,
                                                      state.put_token))
@@ -131,6 +133,18 @@ class Dispatcher:
         for executor_id, shards in zip(mesh.executor_ids, shards_by_position):
             self._data.put(executor_id, shards, landed)
         return arrays
+
+    def _new_array(self, mesh, made: list[Array], shard_bytes: int):
+        """A put's array (it may wait for executor memory, and fail with `OutOfMemoryError`). If it fails, the
+        arrays ``made`` before it in the same put are never put: their shards are marked as never landing, so
+        dropping them frees them."""
+        try:
+            return self._client.new_array(mesh.executor_ids, landing=mesh.size, shard_bytes=shard_bytes)
+        except BaseException as exc:
+            for array in made:
+                for _ in range(mesh.size):
+                    self._client.landed(array.array_id, exc)
+            raise
 
     def fetch_blocks(self, array: Array, positions: list[int], lost: tuple[str, ...],
                      timeout_s: float | None) -> dict:
@@ -177,3 +191,19 @@ class Dispatcher:
     def note_runahead_wait(self, start_ns: int, in_flight: int, what: str) -> None:
         """Keep a wait at the run-ahead bound for the trace (the controller keeps its own the same way)."""
         self._client.note_runahead_wait(start_ns, time.time_ns(), in_flight, what)
+
+
+def _output_bytes(layouts) -> tuple[int, ...]:
+    """The bytes of one shard of each output of ``layouts`` ((shape, dtype, sharding, block) each): the block's
+    elements times its dtype's size, 0 when a size depends on the data (unknown). For the controller's memory
+    budget (controller/memory.py)."""
+    sizes = []
+    for _, dtype, _, block in layouts:
+        count = 1
+        for size in block:
+            if size is None:
+                count = 0
+                break
+            count *= size
+        sizes.append(count * getattr(dtype, "itemsize", 0))
+    return tuple(sizes)

@@ -11,7 +11,7 @@ from __future__ import annotations
 __all__ = [
     "PathwaysError", "RemoteError", "CaptureError", "PlacementError",
     "ReplicationError", "ExecutorLostError", "ControllerLostError", "AuthenticationError", "ProtocolError", "ContextClosedError",
-    "TRANSFER_LOST", "COLLECTIVE_ABANDONED",
+    "OutOfMemoryError", "TRANSFER_LOST", "COLLECTIVE_ABANDONED",
 ]
 
 # `RemoteError.remote_type` of the failures the runtime itself makes (not the user's code): a transfer its link lost
@@ -99,6 +99,22 @@ class ControllerLostError(PathwaysError):
 
     def __init__(self, message: str, *, address: str = ""):
         self.address = address
+        super().__init__(message)
+
+
+class OutOfMemoryError(PathwaysError):
+    """A call or put would take an executor past the controller's ``--executor-memory-bytes`` and no room came
+    within the wait (or it never fits: it asks for more than the limit itself).
+
+    ``client`` asked for ``requested_bytes`` on ``executor_id``, which held ``held_bytes`` of its ``limit_bytes``.
+    Only that call (or put) fails; other clients' calls run on. The fix: free arrays you no longer need, fetch
+    results and drop their arrays, or ask the controller's operator for more (``--executor-memory-bytes``).
+    """
+
+    def __init__(self, message: str, *, client: str = "", executor_id: str = "", requested_bytes: int = 0,
+                 held_bytes: int = 0, limit_bytes: int = 0):
+        self.client, self.executor_id = client, executor_id
+        self.requested_bytes, self.held_bytes, self.limit_bytes = requested_bytes, held_bytes, limit_bytes
         super().__init__(message)
 
 

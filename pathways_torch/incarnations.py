@@ -41,6 +41,8 @@ class Incarnations:
         if not info.lost:
             raise PathwaysError(f"replace_executor: {executor_id} is alive (incarnation {info.epoch}); only an "
                                 f"executor declared lost is replaced")
+        if self._session.config.controller is not None:   # a remote controller's: its host replaces it
+            return self._client.replace_executor(executor_id, timeout_s)
         cluster = self._session.cluster
         if cluster is None:   # under pathways-run: the executor's node restarts it, with a spare key
             return self._await_launched(executor_id, info, timeout_s)

@@ -26,10 +26,10 @@ from typing import Sequence
 import zmq
 
 from .controller_api import FAILED, PENDING, ArraySettled, ArrayState, ClientEvents, ControllerCounters, ExecutorView
-from .errors import ContextClosedError, ControllerLostError, PathwaysError
+from .errors import AuthenticationError, ContextClosedError, ControllerLostError, PathwaysError
 from .wire import SocketLoop, seam_codec
 from .wire.seam import CallSpec, MeshAllocation, ProgramSpec
-from .wire.security import Credentials, make_client
+from .wire.security import HANDSHAKE_FAILURES, ConnectionWatch, Credentials, make_client
 
 __all__ = ["RemoteClient"]
 
@@ -56,6 +56,7 @@ class RemoteClient:
         make_client(socket, credentials, credentials.public_key("controller"))
         socket.connect(address)
         self.loop.add_socket(_SOCKET, socket, self._on_frames)
+        self.loop.monitor(_SOCKET, ConnectionWatch("client → controller", self._on_connection_event).on_frames)
         self._lock = threading.Lock()
         self._answers: dict[int, concurrent.futures.Future] = {}
         self._ids = itertools.count(1)
@@ -63,7 +64,7 @@ class RemoteClient:
         self._early: dict[int, list[ArraySettled]] = {}   # events that came before their array's answer
         self._events: ClientEvents | None = None
         self._interned = seam_codec.Interned()   # one failure of many arrays: one error object, as embedded
-        self._lost: ControllerLostError | None = None
+        self._lost: PathwaysError | None = None   # why nothing more is answered (ControllerLostError mostly)
         self._last_heard = time.monotonic()
         self._heard_once = False
         self._id_lock = threading.Lock()
@@ -127,6 +128,9 @@ class RemoteClient:
                 self._window.notify_all()
         elif kind == "stopping":
             self._controller_lost(f"the controller at {self.address} stopped ({message.get('why', '')})")
+        elif kind == "disconnected":
+            self._controller_lost(f"the controller at {self.address} disconnected this client "
+                                  f"({message.get('why', '')}); what it held there is freed")
         elif self._events is None:
             return
         elif kind == "lost":
@@ -158,8 +162,16 @@ class RemoteClient:
 
     def _controller_lost(self, why: str, *, closing: bool = False) -> None:
         """Fail everything pending with `ControllerLostError`, and every request from now on."""
-        error = ControllerLostError(f"{why}; nothing pending will complete: reconnect with a new pw.Context",
-                                    address=self.address)
+        self._fail_everything(ControllerLostError(f"{why}; nothing pending will complete: reconnect with a new "
+                                                  f"pw.Context", address=self.address), closing=closing)
+
+    def _on_connection_event(self, event: str, watch: ConnectionWatch) -> None:
+        if event in HANDSHAKE_FAILURES and watch.rejected:
+            self._fail_everything(AuthenticationError(
+                f"the controller at {self.address} refused this client's key ({event}): keys= must be a client "
+                f"folder (DIR/clients/NAME) of that controller's pathways-controller --make-keys", peer="controller"))
+
+    def _fail_everything(self, error: PathwaysError, *, closing: bool = False) -> None:
         with self._lock:
             if self._lost is not None:
                 return
@@ -250,8 +262,8 @@ class RemoteClient:
                 raise self._lost
         self._post(op, *args)
 
-    def new_array(self, executor_ids: tuple[str, ...], *, landing: int) -> ArrayState:
-        return self._track([self._request("new_array", list(executor_ids), landing)])[0]
+    def new_array(self, executor_ids: tuple[str, ...], *, landing: int, shard_bytes: int = 0) -> ArrayState:
+        return self._track([self._request("new_array", list(executor_ids), landing, int(shard_bytes))])[0]
 
     def landed(self, array_id: int, error: BaseException | None = None) -> None:
         self._post("landed", array_id, error)
@@ -304,6 +316,10 @@ class RemoteClient:
 
     def route_through(self, executor_id: str, link_address: str) -> None:
         self._local_only("a shaped link (link=)")
+
+    def replace_executor(self, executor_id: str, timeout_s: float) -> ExecutorView:
+        """Have the controller replace a lost executor (it started it; else await the one its operator starts)."""
+        return self._request("replace_executor", executor_id, float(timeout_s))
 
     def allowed_keys(self) -> dict[str, bytes]:
         self._local_only("replace_executor")

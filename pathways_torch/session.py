@@ -18,7 +18,7 @@ import zmq
 from .client import ControllerConfig, InProcessClient
 from .controller_api import ExecutorView
 from .data_client import DataClient
-from .errors import ExecutorLostError, PathwaysError
+from .errors import ExecutorLostError, PathwaysError, PlacementError
 from .launch.environment import executor_ids as launched_ids
 from .launch.environment import node_of
 from .local.cluster import LocalCluster
@@ -118,7 +118,14 @@ class Session:
         self.gatekeeper = Gatekeeper(self.zmq, self.keys.public_keys())
         self.client = RemoteClient(config.controller, credentials, self.zmq, **config.liveness_fields())
         self.client.subscribe(self)
-        self.client.wait_for_executors(config.num_executors, config.start_timeout_s)
+        try:
+            self.client.wait_for_executors(config.num_executors, config.start_timeout_s)
+        except ExecutorLostError:
+            have = [info.executor_id for info in self.client.executors()]
+            raise PlacementError(f"pw.Context(num_executors={config.num_executors}): the controller at "
+                                 f"{config.controller} has {len(have)} executors ({', '.join(have) or 'none'}) after "
+                                 f"{config.start_timeout_s:g} s; ask for at most {len(have)}, or have its operator "
+                                 f"add executors") from None
         views = self.client.executors()
         backends = sorted({info.backend for info in views})
         if config.backend is not None and not all(b.split(":")[0] == config.backend.split(":")[0] or b == config.backend

@@ -21,13 +21,16 @@ import logging
 import signal
 import sys
 import threading
+import types
 
 import zmq
 
 from controller import ControllerConfig
 from controller.service import ControllerService
 
+from ..client import InProcessClient
 from ..config import ContextConfig
+from ..incarnations import Incarnations
 from ..local.cluster import LocalCluster
 from ..wire.security import CONTROLLER, Gatekeeper, KeyDirectory, SecurityError
 from .environment import executor_ids
@@ -48,13 +51,19 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--bind", default="tcp://127.0.0.1:0", help="where clients reach the controller")
     parser.add_argument("--executor-bind", default=None,
                         help="where executors reach it (default: --bind's host, a free port)")
-    parser.add_argument("--status-port", type=int, default=0, help="serve status over gRPC on 127.0.0.1:PORT")
+    parser.add_argument("--status-port", type=int, default=0,
+                        help="serve status, health and the operator's requests over gRPC on --status-host:PORT")
+    parser.add_argument("--status-host", default="127.0.0.1",
+                        help="where the status service listens (loopback by default: it is not authenticated)")
     parser.add_argument("--num-executors", type=int, default=0, help="start this many local executors")
     parser.add_argument("--backend", default=None, help="their backend (default: XLA, as pw.Context's)")
     parser.add_argument("--islands", default=None, help="their islands, executors per island: 2,2")
     parser.add_argument("--weights", default="", help="clients' shares, e.g. alice=1,bob=4 (default 1 each)")
     parser.add_argument("--executor-memory-bytes", type=int, default=0,
-                        help="each executor's store limit (0: none)")
+                        help="each executor's bytes of arrays (call outputs and puts), at most: a call or put "
+                             "past it waits for frees, then fails with OutOfMemoryError (0: no limit)")
+    parser.add_argument("--memory-wait-s", type=float, default=30.0,
+                        help="how long a call or put waits for executor memory before OutOfMemoryError")
     parser.add_argument("--heartbeat-interval-s", type=float, default=0.5)
     parser.add_argument("--heartbeat-timeout-s", type=float, default=10.0)
     parser.add_argument("--max-inflight", type=int, default=256, help="calls in flight before a client waits")
@@ -96,6 +105,14 @@ def _executor_bind(args) -> str:
     return f"tcp://{host}:0"
 
 
+def _replacer(service, cluster, gatekeeper):
+    """Lost local executors are replaced as an embedded context replaces its own (`Incarnations`): a fresh key
+    admitted everywhere, the old one revoked, a new process in the lost one's place."""
+    session = types.SimpleNamespace(client=InProcessClient.over(service.server), cluster=cluster,
+                                    gatekeeper=gatekeeper, config=types.SimpleNamespace(controller=None))
+    return Incarnations(session).replace
+
+
 def serve(args, stop: threading.Event) -> int:
     """Serve until ``stop`` is set; 0 on a clean stop."""
     folders = service_folders(args.keys_dir)
@@ -116,7 +133,8 @@ def serve(args, stop: threading.Event) -> int:
     service = cluster = status = None
     try:
         config = ControllerConfig(bind_address=_executor_bind(args), heartbeat_interval_s=args.heartbeat_interval_s,
-                                  heartbeat_timeout_s=args.heartbeat_timeout_s, max_inflight_calls=args.max_inflight)
+                                  heartbeat_timeout_s=args.heartbeat_timeout_s, max_inflight_calls=args.max_inflight,
+                                  executor_memory_bytes=args.executor_memory_bytes, memory_wait_s=args.memory_wait_s)
         service = ControllerService(config, keys.credentials(CONTROLLER), context, args.bind, weights)
         if start is not None:
             ids = executor_ids(range(start.num_executors))
@@ -126,12 +144,11 @@ def serve(args, stop: threading.Event) -> int:
             service.controller.wait_for_executors(len(ids), start.start_timeout_s)
             service.order_executors(ids)
             service.watch_exits(cluster.newly_exited, args.heartbeat_interval_s)
+            service.clients.replacer = _replacer(service, cluster, gatekeeper)
         if args.status_port:
-            from controller.status import serve_status
-
-            status = serve_status(service.controller, args.status_port, "pathways-controller")
+            status = service.serve_status(args.status_port, args.status_host)
         print(f"pathways-controller: serving clients at {service.client_address} executors at "
-              f"{service.executor_address}" + (f" status on 127.0.0.1:{args.status_port}" if status else ""),
+              f"{service.executor_address}" + (f" status on {args.status_host}:{args.status_port}" if status else ""),
               flush=True)
         stop.wait()
         return 0

@@ -19,9 +19,9 @@ from __future__ import annotations
 import time
 from concurrent import futures
 
-from ..wire.status_service import STATUS_METHOD   # served by controller/status.py
+from ..wire.status_service import ADMIN_METHOD, STATUS_METHOD   # served by controller/status.py
 
-__all__ = ["HealthServer", "get_status", "status_table", "STATUS_METHOD"]
+__all__ = ["HealthServer", "get_status", "status_table", "clients_table", "admin", "STATUS_METHOD"]
 
 
 
@@ -68,12 +68,43 @@ def status_table(reply) -> str:
     header = ["executor", "island", "device", "backend", "state", "epoch", "heartbeat s ago", "node", "store bytes"]
     rows = [[e.executor_id, e.island, e.device, e.backend, e.state, str(e.epoch), f"{e.seconds_since_heartbeat:.1f}",
              e.node or "-", f"{e.store_bytes:,}"] for e in reply.executors]
-    widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(header)]
-    lines = [" | ".join(h.ljust(w) for h, w in zip(header, widths)), "-|-".join("-" * w for w in widths)]
-    lines += [" | ".join(c.ljust(w) for c, w in zip(r, widths)) for r in rows]
+    lines = _table(header, rows)
     lines.append(f"run {reply.run_id or '-'}: {len(reply.executors)} executors, {reply.calls_in_flight} calls in "
                  f"flight, {reply.arrays} arrays" + (f"; stats: {reply.stats_error}" if reply.stats_error else ""))
+    if reply.clients or reply.run_id == "pathways-controller":
+        lines += ["", clients_table(reply)]
     return "\n".join(lines)
+
+
+def clients_table(reply) -> str:
+    """A standalone controller's connected clients: weight, share of the last minute's device time, load."""
+    header = ["client", "weight", "share 60s", "device s 60s", "in flight", "waiting", "arrays", "requests",
+              "heard s ago"]
+    whole = sum(c.weight for c in reply.clients) or 1.0
+    rows = [[c.name, f"{c.weight:g} ({100 * c.weight / whole:.0f}%)", f"{100 * c.share_last_minute:.1f}%",
+             f"{c.device_seconds_last_minute:.3f}", str(c.calls_in_flight), str(c.calls_waiting), str(c.arrays),
+             str(c.requests_served), f"{c.seconds_since_heard:.1f}"] for c in reply.clients]
+    return "\n".join(_table(header, rows) + [
+        f"{len(reply.clients)} client(s) connected; {reply.refused_clients} message(s) from keys that are no "
+        f"client's refused"])
+
+
+def _table(header: list[str], rows: list[list[str]]) -> list[str]:
+    widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(header)]
+    lines = [" | ".join(h.ljust(w) for h, w in zip(header, widths)), "-|-".join("-" * w for w in widths)]
+    return lines + [" | ".join(c.ljust(w) for c, w in zip(r, widths)) for r in rows]
+
+
+def admin(address: str, request, timeout_s: float = 10.0):
+    """Send the operator's ``request`` (a ``pb.AdminRequest``) to a standalone controller; its ``pb.AdminReply``."""
+    import grpc
+
+    from ..wire import pb
+
+    with grpc.insecure_channel(address) as channel:
+        call = channel.unary_unary(ADMIN_METHOD, request_serializer=pb.AdminRequest.SerializeToString,
+                                   response_deserializer=pb.AdminReply.FromString)
+        return call(request, timeout=timeout_s)
 
 
 def main(argv=None) -> int:
@@ -86,7 +117,16 @@ def main(argv=None) -> int:
     parser.add_argument("address", help="HOST:PORT of the status service, e.g. 127.0.0.1:29401")
     parser.add_argument("--no-stats", action="store_true", help="skip the executors' store bytes (no round trip)")
     parser.add_argument("--timeout-s", type=float, default=10.0)
+    parser.add_argument("--set-weight", metavar="CLIENT=WEIGHT", default=None,
+                        help="a standalone controller: set a client's share of device time")
+    parser.add_argument("--disconnect", metavar="CLIENT", default=None,
+                        help="a standalone controller: disconnect a client, freeing what it holds")
+    parser.add_argument("--drain", metavar="EXECUTOR", default=None,
+                        help="a standalone controller: no new work for an executor; removed once idle")
     args = parser.parse_args(argv)
+    request = _admin_request(args)
+    if request is not None:
+        return _run_admin(args.address, request, args.timeout_s)
     began = time.monotonic()
     try:
         reply = get_status(args.address, not args.no_stats, args.timeout_s)
@@ -98,6 +138,34 @@ def main(argv=None) -> int:
     print(status_table(reply))
     print(f"(answered in {time.monotonic() - began:.2f} s)")
     return 0
+
+
+def _admin_request(args):
+    from ..wire import pb
+
+    if args.set_weight is not None:
+        client, eq, weight = args.set_weight.partition("=")
+        try:
+            value = float(weight) if eq else float("nan")
+        except ValueError:
+            value = float("nan")
+        return pb.AdminRequest(set_weight=pb.SetWeight(client=client, weight=value))
+    if args.disconnect is not None:
+        return pb.AdminRequest(disconnect=args.disconnect)
+    if args.drain is not None:
+        return pb.AdminRequest(drain=args.drain)
+    return None
+
+
+def _run_admin(address: str, request, timeout_s: float) -> int:
+    try:
+        reply = admin(address, request, timeout_s)
+    except Exception as exc:   # noqa: BLE001 - say what failed, as a tool should
+        print(f"pathways-status: no answer from {address} within {timeout_s:g} s ({type(exc).__name__}); is a "
+              f"pathways-controller serving --status-port there?")
+        return 1
+    print(f"pathways-status: {'done' if reply.ok else 'refused'}: {reply.message}")
+    return 0 if reply.ok else 2
 
 
 if __name__ == "__main__":

@@ -721,15 +721,69 @@ class ExecutorStatus(_message.Message):
     def __init__(self, executor_id: _Optional[str] = ..., island: _Optional[str] = ..., device: _Optional[str] = ..., backend: _Optional[str] = ..., state: _Optional[str] = ..., epoch: _Optional[int] = ..., seconds_since_heartbeat: _Optional[float] = ..., node: _Optional[str] = ..., store_bytes: _Optional[int] = ..., queue_high_water: _Optional[int] = ...) -> None: ...
 
 class StatusReply(_message.Message):
-    __slots__ = ("run_id", "executors", "calls_in_flight", "arrays", "stats_error")
+    __slots__ = ("run_id", "executors", "calls_in_flight", "arrays", "stats_error", "clients", "refused_clients", "dropped_client_messages")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     EXECUTORS_FIELD_NUMBER: _ClassVar[int]
     CALLS_IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
     ARRAYS_FIELD_NUMBER: _ClassVar[int]
     STATS_ERROR_FIELD_NUMBER: _ClassVar[int]
+    CLIENTS_FIELD_NUMBER: _ClassVar[int]
+    REFUSED_CLIENTS_FIELD_NUMBER: _ClassVar[int]
+    DROPPED_CLIENT_MESSAGES_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     executors: _containers.RepeatedCompositeFieldContainer[ExecutorStatus]
     calls_in_flight: int
     arrays: int
     stats_error: str
-    def __init__(self, run_id: _Optional[str] = ..., executors: _Optional[_Iterable[_Union[ExecutorStatus, _Mapping]]] = ..., calls_in_flight: _Optional[int] = ..., arrays: _Optional[int] = ..., stats_error: _Optional[str] = ...) -> None: ...
+    clients: _containers.RepeatedCompositeFieldContainer[ClientStatus]
+    refused_clients: int
+    dropped_client_messages: int
+    def __init__(self, run_id: _Optional[str] = ..., executors: _Optional[_Iterable[_Union[ExecutorStatus, _Mapping]]] = ..., calls_in_flight: _Optional[int] = ..., arrays: _Optional[int] = ..., stats_error: _Optional[str] = ..., clients: _Optional[_Iterable[_Union[ClientStatus, _Mapping]]] = ..., refused_clients: _Optional[int] = ..., dropped_client_messages: _Optional[int] = ...) -> None: ...
+
+class ClientStatus(_message.Message):
+    __slots__ = ("name", "weight", "share_last_minute", "device_seconds_last_minute", "calls_in_flight", "calls_waiting", "arrays", "requests_served", "seconds_since_heard")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_FIELD_NUMBER: _ClassVar[int]
+    SHARE_LAST_MINUTE_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_SECONDS_LAST_MINUTE_FIELD_NUMBER: _ClassVar[int]
+    CALLS_IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
+    CALLS_WAITING_FIELD_NUMBER: _ClassVar[int]
+    ARRAYS_FIELD_NUMBER: _ClassVar[int]
+    REQUESTS_SERVED_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_SINCE_HEARD_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    weight: float
+    share_last_minute: float
+    device_seconds_last_minute: float
+    calls_in_flight: int
+    calls_waiting: int
+    arrays: int
+    requests_served: int
+    seconds_since_heard: float
+    def __init__(self, name: _Optional[str] = ..., weight: _Optional[float] = ..., share_last_minute: _Optional[float] = ..., device_seconds_last_minute: _Optional[float] = ..., calls_in_flight: _Optional[int] = ..., calls_waiting: _Optional[int] = ..., arrays: _Optional[int] = ..., requests_served: _Optional[int] = ..., seconds_since_heard: _Optional[float] = ...) -> None: ...
+
+class AdminRequest(_message.Message):
+    __slots__ = ("set_weight", "disconnect", "drain")
+    SET_WEIGHT_FIELD_NUMBER: _ClassVar[int]
+    DISCONNECT_FIELD_NUMBER: _ClassVar[int]
+    DRAIN_FIELD_NUMBER: _ClassVar[int]
+    set_weight: SetWeight
+    disconnect: str
+    drain: str
+    def __init__(self, set_weight: _Optional[_Union[SetWeight, _Mapping]] = ..., disconnect: _Optional[str] = ..., drain: _Optional[str] = ...) -> None: ...
+
+class SetWeight(_message.Message):
+    __slots__ = ("client", "weight")
+    CLIENT_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_FIELD_NUMBER: _ClassVar[int]
+    client: str
+    weight: float
+    def __init__(self, client: _Optional[str] = ..., weight: _Optional[float] = ...) -> None: ...
+
+class AdminReply(_message.Message):
+    __slots__ = ("ok", "message")
+    OK_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    ok: bool
+    message: str
+    def __init__(self, ok: _Optional[bool] = ..., message: _Optional[str] = ...) -> None: ...

@@ -77,6 +77,9 @@ class CallSpec:
     # Where output i sits among the function's outputs (its Done digests): a program node's
     # call covers only the outputs that are program outputs. Empty: output i is output i.
     output_positions: tuple[int, ...] = ()
+    # The bytes of one shard of each output (its block's elements times its dtype's size), for the controller's
+    # memory budget (controller/memory.py). Empty, or 0 for an output: unknown (its size depends on the data).
+    output_shard_bytes: tuple[int, ...] = ()
 
     def __post_init__(self):
         if self.num_outputs is None:

@@ -1,0 +1,193 @@
+"""A standalone controller serving several clients (`pathways-controller`, docs/service.md): the operator's status
+and levers over gRPC, a client that dies or is disconnected, bad input, an executor drained, and SIGTERM.
+
+One controller of 3 eager executors serves the module (heartbeat timeout 2 s); the drain test runs last.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+import pathways_torch as pw
+from pathways_torch.launch.health import admin, clients_table, get_status
+from pathways_torch.wire import pb
+from tests.conftest import REPO_ROOT, process_gone, wait_until
+from tests.service import ControllerProcess, open_context
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
+
+LIVENESS = {"heartbeat_interval_s": 0.2, "heartbeat_timeout_s": 2.0}
+
+
+@pw.function
+def doubled(a):
+    return a * 2
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def service(tmp_path_factory):
+    port = _free_port()
+    process = ControllerProcess(str(tmp_path_factory.mktemp("svc") / "keys"), num_executors=3,
+                                args=["--status-port", str(port), "--heartbeat-interval-s", "0.2",
+                                      "--heartbeat-timeout-s", "2", "--weights", "bob=2"])
+    process.status = f"127.0.0.1:{port}"
+    yield process
+    process.stop()
+
+
+def _clients(service) -> dict:
+    return {c.name: c for c in get_status(service.status, with_stats=False).clients}
+
+
+def _store_bytes(service) -> int:
+    return sum(e.store_bytes for e in get_status(service.status).executors)
+
+
+def test_status_lists_clients_and_only_the_operator_sets_weights(service):
+    with open_context("remote", service, "alice", backend="eager") as alice, \
+            open_context("remote", service, "bob", backend="eager") as bob:
+        for ctx in (alice, bob):
+            assert ctx.put(torch.ones(4), ctx.mesh({"data": 2}), [pw.Shard(0)]).result(30).sum() == 4
+        clients = _clients(service)
+        assert sorted(clients) == ["alice", "bob"] and clients["alice"].weight == 1 and clients["bob"].weight == 2
+        reply = admin(service.status, pb.AdminRequest(set_weight=pb.SetWeight(client="alice", weight=4)))
+        assert reply.ok and _clients(service)["alice"].weight == 4
+        for client, weight, says in [("zed", 1.0, "no such client is connected; connected: ['alice', 'bob']"),
+                                     ("alice", 0.0, "expected a weight > 0"), ("alice", -2.0, "expected a weight > 0")]:
+            reply = admin(service.status, pb.AdminRequest(set_weight=pb.SetWeight(client=client, weight=weight)))
+            assert not reply.ok and says in reply.message, reply.message
+        table = clients_table(get_status(service.status, with_stats=False))
+        assert "alice  | 4 (67%)" in table and "bob    | 2 (33%)" in table, table
+        # nothing a client may send sets a weight: the seam has no such request
+        with pytest.raises(TypeError, match="expected one of"):
+            bob._client._request("set_weight", "bob", 100.0)
+    assert wait_until(lambda: not _clients(service), 10), "a client that closed is not listed"
+
+
+def test_a_disconnected_client_fails_at_once_and_what_it_held_is_freed(service):
+    with open_context("remote", service, "bob", backend="eager") as bob:
+        bob_mesh = bob.mesh({"data": 2})
+        kept = bob.put(torch.arange(8.0), bob_mesh, [pw.Shard(0)])
+        baseline = _store_bytes(service)
+        with open_context("remote", service, "alice", backend="eager") as alice:
+            mesh = alice.mesh({"data": 2})
+            big = alice.put(torch.ones(512, 1024), mesh, [pw.Shard(0)])   # 2 MiB
+            assert big.result(30).sum() == 512 * 1024
+            assert _store_bytes(service) >= baseline + 2 * 2**20
+            assert admin(service.status, pb.AdminRequest(disconnect="alice")).ok
+            with pytest.raises(pw.ControllerLostError, match="disconnected this client"):
+                for _ in range(500):   # until the news arrives (at once: it is sent before anything is freed)
+                    doubled(big).result(timeout_s=10)
+                    time.sleep(0.01)
+        assert wait_until(lambda: _store_bytes(service) <= baseline, 10), (_store_bytes(service), baseline)
+        assert kept.result(30).tolist() == list(range(8))   # bob goes on
+        reply = admin(service.status, pb.AdminRequest(disconnect="alice"))
+        assert not reply.ok and "no such client is connected" in reply.message
+
+
+def test_a_killed_client_is_cleaned_up_within_the_heartbeat_bound_and_the_others_go_on(service):
+    with open_context("remote", service, "bob", backend="eager") as bob:
+        mesh = bob.mesh({"data": 2})
+        x = bob.put(torch.arange(16.0).reshape(4, 4), mesh, [pw.Shard(0)])
+        baseline = _store_bytes(service)
+        child = subprocess.Popen([sys.executable, os.path.join(REPO_ROOT, "tests/integration/service_client_script.py"),
+                                  service.address, service.keys("carol")], cwd=REPO_ROOT, stdout=subprocess.PIPE,
+                                 stderr=subprocess.STDOUT, text=True)
+        try:
+            assert wait_until(lambda: "carol" in _clients(service), 60)
+            assert child.stdout.readline().strip() == "READY"
+            assert _store_bytes(service) >= baseline + 8 * 2**20 * 0.9   # 4 puts and 4 results, 1 MiB each
+            child.send_signal(signal.SIGKILL)
+            killed = time.monotonic()
+            assert wait_until(lambda: "carol" not in _clients(service), 10)
+            assert wait_until(lambda: _store_bytes(service) <= baseline, 10)
+            assert time.monotonic() - killed < 2 * LIVENESS["heartbeat_timeout_s"] + 1
+        finally:
+            child.kill()
+            child.wait()
+        assert doubled(x).result(30).sum() == 2 * 120
+
+
+def test_bad_input_names_what_was_asked_and_what_exists(service, tmp_path):
+    with pytest.raises(pw.PlacementError, match=r"num_executors=9\): the controller at .* has 3 executors"):
+        pw.Context(controller=service.address, keys=service.keys("alice"), num_executors=9, start_timeout_s=1)
+    with open_context("remote", service, "alice", backend="eager") as alice:
+        with pytest.raises(pw.PlacementError, match="needs 8 executors|has islands|live executors"):
+            alice.mesh({"data": 8})
+    with pytest.raises(ValueError, match="drop them"):
+        pw.Context(controller=service.address, keys=service.keys("alice"), islands=[1, 1])
+    stranger = ControllerProcess._run(["--make-keys", str(tmp_path / "other"), "--clients", "alice"])
+    del stranger
+    refused = get_status(service.status, with_stats=False).refused_clients
+    with pytest.raises(pw.AuthenticationError, match="refused this client's key"):
+        pw.Context(controller=service.address, keys=str(tmp_path / "other" / "clients" / "alice"), **LIVENESS)
+    assert get_status(service.status, with_stats=False).refused_clients > refused
+
+
+def test_calls_from_two_clients_match_eager_while_both_run(service):
+    gc.collect()
+    with open_context("remote", service, "alice", backend="eager") as alice, \
+            open_context("remote", service, "bob", backend="eager") as bob:
+        results = {}
+        for name, ctx in (("alice", alice), ("bob", bob)):
+            torch.manual_seed(len(name))
+            data = torch.randn(6, 4)
+            mesh = ctx.mesh({"data": 2})
+            y = ctx.put(data, mesh, [pw.Shard(0)])
+            outs = [pw.function(lambda a: a.sin() * 2, name=f"f_{name}")(y) for _ in range(20)]
+            results[name] = (data, outs)
+        for data, outs in results.values():
+            for out in outs:
+                assert torch.equal(out.result(30), data.sin() * 2)
+
+
+def test_drained_executor_takes_no_new_work_and_is_removed_once_idle(service):
+    with open_context("remote", service, "alice", backend="eager") as alice:
+        whole = alice.mesh({"data": 3})
+        x = alice.put(torch.ones(3), whole, [pw.Shard(0)])
+        reply = admin(service.status, pb.AdminRequest(drain="executor-2"))
+        assert reply.ok, reply.message
+        assert wait_until(lambda: {e.executor_id: e.state for e in get_status(service.status, False).executors}
+                          ["executor-2"] == "removed", 10)
+        with pytest.raises(pw.ExecutorLostError, match="executor-2"):
+            doubled(x).result(timeout_s=10)
+        pair = alice.mesh({"data": 2})
+        assert pair.executor_ids == ("executor-0", "executor-1") or "executor-2" not in pair.executor_ids
+        assert alice.put(torch.ones(2), pair, [pw.Shard(0)]).result(10).sum() == 2
+        reply = admin(service.status, pb.AdminRequest(drain="executor-9"))
+        assert not reply.ok and "no such executor" in reply.message
+
+
+def test_sigterm_fails_every_client_at_once_and_the_executors_exit(tmp_path):
+    service = ControllerProcess(str(tmp_path / "keys"), num_executors=1, args=["--heartbeat-timeout-s", "30"])
+    try:
+        with open_context("remote", service, "alice", backend="eager", heartbeat_timeout_s=30) as alice:
+            pids = alice.executor_pids
+            x = alice.put(torch.ones(2), alice.mesh({"data": 1}), [pw.Shard(0)])
+            assert x.result(30).sum() == 2
+            service.process.send_signal(signal.SIGTERM)
+            began = time.monotonic()
+            with pytest.raises(pw.ControllerLostError, match="stopped"):
+                for _ in range(1000):   # until the news arrives: far sooner than the 30 s heartbeat timeout
+                    doubled(x).result(timeout_s=5)
+                    time.sleep(0.01)
+            assert time.monotonic() - began < 5
+        assert service.process.wait(30) == 0
+        assert wait_until(lambda: all(process_gone(pid) for pid in pids), 15)
+    finally:
+        service.stop()
