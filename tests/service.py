@@ -26,9 +26,11 @@ class ControllerProcess:
     """``pathways-controller`` serving ``num_executors`` local executors, its keys in ``keys_dir``."""
 
     def __init__(self, keys_dir: str, *, clients=("alice", "bob", "carol"), num_executors: int = 4,
-                 backend: str = "eager", args=(), timeout_s: float = 120.0):
+                 backend: str = "eager", args=(), timeout_s: float = 120.0, executor_keys: int | None = None):
+        """``num_executors=0``: none started here; they join (keys for ``executor_keys`` of them)."""
         self.keys_dir = keys_dir
-        self._run(["--make-keys", keys_dir, "--clients", ",".join(clients), "--executors", str(num_executors)])
+        self._run(["--make-keys", keys_dir, "--clients", ",".join(clients), "--executors",
+                   str(executor_keys or num_executors)])
         command = [sys.executable, "-m", "pathways_torch.launch.controller_main", "--keys-dir", keys_dir,
                    "--num-executors", str(num_executors), "--backend", backend, *args]
         self.process = subprocess.Popen(command, cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -41,7 +43,8 @@ class ControllerProcess:
             for line in self.process.stdout:
                 self.output.append(line)
                 if line.startswith(_READY):
-                    self.address = line[len(_READY):].split()[0]
+                    words = line[len(_READY):].split()
+                    self.address, self.executor_address = words[0], words[3]   # "ADDR executors at ADDR"
                     ready.set()
             ready.set()
 

@@ -191,3 +191,23 @@ def test_sigterm_fails_every_client_at_once_and_the_executors_exit(tmp_path):
         assert wait_until(lambda: all(process_gone(pid) for pid in pids), 15)
     finally:
         service.stop()
+
+
+def test_executors_that_join_a_controller_serve_its_clients(tmp_path):
+    service = ControllerProcess(str(tmp_path / "keys"), num_executors=0, executor_keys=2)
+    joined = [subprocess.Popen([sys.executable, "-m", "executor", "--controller", service.executor_address,
+                                "--id", f"executor-{i}", "--keys-dir", os.path.join(service.keys_dir, "executors"),
+                                "--backend", "eager"], cwd=REPO_ROOT, stdout=subprocess.DEVNULL,
+                               stderr=subprocess.DEVNULL) for i in range(2)]
+    try:
+        with open_context("remote", service, "alice", num_executors=2, backend="eager") as alice:
+            assert sorted(alice.executor_ids) == ["executor-0", "executor-1"]
+            x = alice.put(torch.arange(4.0), alice.mesh({"data": 2}), [pw.Shard(0)])
+            assert doubled(x).result(30).tolist() == [0.0, 2.0, 4.0, 6.0]
+    finally:
+        service.stop()
+        for process in joined:
+            try:
+                process.wait(20)
+            except subprocess.TimeoutExpired:
+                process.kill()

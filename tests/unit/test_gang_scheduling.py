@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from controller import CallSpec, Controller
+from controller.client_ops import ClientOps
 from executor.backends.torch_based import EagerBackend
 from executor.core import ExecutorCore
 from pathways_torch.capture import InputSpec, capture
@@ -192,19 +193,30 @@ def _opposed(actions, first_group):
     return sorted(actions, key=lambda m: (group_of(m[0]) != first_group, seq_of(m[0])))
 
 
-def _run(gang_order: bool, seed: int = 0, order: str = "shuffled"):
+def _run(gang_order: bool, seed: int = 0, order: str = "shuffled", service_clients: bool = False):
     """order: "shuffled" (a seeded shuffle, reversed on the second executor) or "opposed" (each executor
-    gets one client's actions first: without gang order both block in different groups, every time)."""
+    gets one client's actions first: without gang order both block in different groups, every time).
+    ``service_clients``: the two clients are a standalone controller's (`ClientOps` of clients alice and bob,
+    each with its own function and mesh, their calls admitted at proportional shares), not two threads of one."""
     outbox = FakeOutbox()
     controller = Controller(outbox)
     for i, executor_id in enumerate(EXECUTORS):
         controller.on_message(executor_id, pb.Envelope(register=pb.Register(
             executor_id=executor_id, data_address=f"inproc://{executor_id}")), [])
     version = _program()
-    function_id = controller.register_function("step", version.graph, version.constants)
+    if service_clients:
+        controller.admission.enabled = True
+        for name, weight in (("alice", 1.0), ("bob", 2.0)):
+            controller.admission.add_client(name, weight)
+        owners = [ClientOps(controller, None, owner=name) for name in ("alice", "bob")]
+    else:
+        owners = [controller, controller]
+    function_ids = [owner.register_function("step", version.graph, version.constants) for owner in owners]
     meshes = [controller.resources.allocate({"data": 2}, ["a", "b"]),
               controller.resources.allocate({"data": 2}, ["b", "a"])]   # another group: ranks reversed
-    starts = [controller.new_array(mesh.executor_ids) for mesh in meshes]
+    if service_clients:
+        meshes = [owner.allocate_mesh({"data": 2}, mesh.executor_ids) for owner, mesh in zip(owners, meshes)]
+    starts = [owner.new_array(mesh.executor_ids, landing=0) for owner, mesh in zip(owners, meshes)]
     results: dict[int, list] = {0: [], 1: []}
     barrier = threading.Barrier(2)
 
@@ -212,9 +224,9 @@ def _run(gang_order: bool, seed: int = 0, order: str = "shuffled"):
         barrier.wait()                          # both clients submit at the same time
         array = starts[index]
         for _ in range(CALLS_PER_CLIENT):
-            [array] = controller.call(CallSpec(function_id=function_id, name="step", mesh=meshes[index],
-                                               inputs=(array.array_id,), num_outputs=1,
-                                               collective_axes=version.collective_axes))
+            [array] = owners[index].call(CallSpec(function_id=function_ids[index], name="step", mesh=meshes[index],
+                                                  inputs=(array.array_id,), num_outputs=1,
+                                                  collective_axes=version.collective_axes))
             results[index].append(array)
             time.sleep(0.002)                   # let the other client in between calls
 
@@ -262,9 +274,11 @@ def _run(gang_order: bool, seed: int = 0, order: str = "shuffled"):
         collective_ops.set_runtime(collective_ops._NoRuntime())
 
 
+@pytest.mark.parametrize("clients", ["threads of one client", "clients of a service"])
 @pytest.mark.parametrize("order", ["shuffled", "opposed"])
-def test_collectives_in_a_random_order_per_executor_still_match_eager(order):
-    finished, results, executors = _run(gang_order=True, order=order)
+def test_collectives_in_a_random_order_per_executor_still_match_eager(order, clients):
+    finished, results, executors = _run(gang_order=True, order=order,
+                                        service_clients=clients == "clients of a service")
     assert finished
     expected = torch.ones(1)
     for _ in range(CALLS_PER_CLIENT):

@@ -18,7 +18,8 @@ import time
 import pytest
 import torch
 
-from controller import CallSpec, Controller
+from controller import CallSpec, Controller, ControllerConfig
+from controller.client_ops import ClientOps
 from controller.program import ProgramSpec, lower
 from controller.resources import MeshAllocation
 from executor.backends.torch_based import EagerBackend
@@ -358,7 +359,7 @@ class _ControllerOutbox:
         self.by_executor[executor_id].append((envelope, list(payload)))
 
 
-def _pipeline(seed: int, late: bool, program_order: bool = True):
+def _pipeline(seed: int, late: bool, program_order: bool = True, clients: int = 1):
     """Run the pipeline program NUM_RUNS times; every message delivered in an order drawn from ``seed``.
 
     The driver interleaves the four executors' control streams at random (each stream keeps the
@@ -368,35 +369,52 @@ def _pipeline(seed: int, late: bool, program_order: bool = True):
     """
     rng = random.Random(seed)
     outbox = _ControllerOutbox()
-    controller = Controller(outbox)
+    # Every run is dispatched before any executor starts: the admission window must hold them all.
+    controller = Controller(outbox, ControllerConfig(share_window_calls=1000))
     for executor_id in STAGE0 + STAGE1:
         controller.on_message(executor_id, pb.Envelope(register=pb.Register(
             executor_id=executor_id, data_address=f"inproc://{executor_id}")), [])
-    meshes = [controller.resources.allocate({"data": 2}, list(STAGE0)),
-              controller.resources.allocate({"data": 2}, list(STAGE1))]
-    function_ids, axes = {}, {}
-    with tracing_mesh({"data": 2}):
-        for name, (fn, num_inputs) in FUNCTIONS.items():
-            version = capture(fn, name, [InputSpec((2,), torch.float32)] * num_inputs, lambda t: (t, {}))
-            function_ids[name] = controller.register_function(name, version.graph, version.constants)
-            axes[name] = version.collective_axes
+    if clients == 1:
+        owners = [controller]
+    else:   # clients of a standalone controller: each its own functions, meshes and program; runs interleaved
+        controller.admission.enabled = True
+        names = [f"client{i}" for i in range(clients)]
+        for i, name in enumerate(names):
+            controller.admission.add_client(name, float(i + 1))
+        owners = [ClientOps(controller, None, owner=name) for name in names]
     value_mesh = {0: 0, 1: 0, 2: 0, 3: 1}
-    spec = ProgramSpec(
-        name="pipeline", input_values=(0, 1, 2, 3), input_meshes=tuple(meshes[value_mesh[v]] for v in range(4)),
-        output_values=OUTPUTS, nodes=tuple(
-            CallSpec(name=name, function_id=function_ids[name], mesh=meshes[stage], inputs=ins, outputs=outs,
-                     collective_axes=axes[name]) for name, stage, ins, outs in NODES))
-    lowered = controller.register_program(spec)
     inputs = {"w0": [V + 1, V - 3], "x0": [V * 2, -V], "x1": [V / 2, V + 5], "w1": [V * 0.5, V - 1]}
-    records = [controller.new_array(meshes[value_mesh[v]].executor_ids) for v in range(4)]
-    runs = [controller.run_program(lowered.program_id, [r.array_id for r in records]) for _ in range(NUM_RUNS)]
+    programs, all_records = [], []
+    for owner in owners:
+        allocate = controller.resources.allocate if owner is controller else owner.allocate_mesh
+        meshes = [allocate({"data": 2}, list(STAGE0)), allocate({"data": 2}, list(STAGE1))]
+        function_ids, axes = {}, {}
+        with tracing_mesh({"data": 2}):
+            for name, (fn, num_inputs) in FUNCTIONS.items():
+                version = capture(fn, name, [InputSpec((2,), torch.float32)] * num_inputs, lambda t: (t, {}))
+                function_ids[name] = owner.register_function(name, version.graph, version.constants)
+                axes[name] = version.collective_axes
+        spec = ProgramSpec(
+            name="pipeline", input_values=(0, 1, 2, 3), input_meshes=tuple(meshes[value_mesh[v]] for v in range(4)),
+            output_values=OUTPUTS, nodes=tuple(
+                CallSpec(name=name, function_id=function_ids[name], mesh=meshes[stage], inputs=ins, outputs=outs,
+                         collective_axes=axes[name]) for name, stage, ins, outs in NODES))
+        registered = owner.register_program(spec)
+        program_id = registered if isinstance(registered, int) else registered.program_id
+        programs.append(program_id)
+        all_records.append([owner.new_array(meshes[value_mesh[v]].executor_ids, landing=0) for v in range(4)])
+    lowered = controller._programs[programs[0]]
+    runs = [owner.run_program(program_id, [r.array_id for r in records])
+            for _ in range(NUM_RUNS) for owner, program_id, records in zip(owners, programs, all_records)]
+    records = [r for records in all_records for r in records]
+    inputs_of = [inputs[name] for _ in owners for name in inputs]
 
     runtime = FakeGroups(timeout_s=5.0)
     collective_ops.set_runtime(runtime)
     network = _Network()
     executors = {e: _Executor(e, controller, runtime, network, program_order) for e in STAGE0 + STAGE1}
     try:
-        for record, (name, shards) in zip(records, inputs.items()):
+        for record, shards in zip(records, inputs_of):
             for shard, executor_id in enumerate(record.executor_ids):
                 msg = pb.Put(request_id=1)
                 msg.shard.CopyFrom(pb.ShardRef(array_id=record.array_id, shard=shard))
@@ -459,9 +477,10 @@ def _started_order(outbox, executors, executor_id) -> list[list[int]]:
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("seed", range(20))
-def test_a_pipeline_with_stage_copies_and_data_parallel_collectives_keeps_the_listed_order(seed):
-    finished, lowered, runs, outbox, executors, inputs = _pipeline(seed, late=seed % 2 == 0)
+@pytest.mark.parametrize("seed, clients", [(seed, 1) for seed in range(20)] + [(seed, 2) for seed in range(6)])
+def test_a_pipeline_with_stage_copies_and_data_parallel_collectives_keeps_the_listed_order(seed, clients):
+    """Also with two clients of a standalone controller whose programs' runs interleave on the same executors."""
+    finished, lowered, runs, outbox, executors, inputs = _pipeline(seed, late=seed % 2 == 0, clients=clients)
     assert finished, "a deadlock: some run never finished"
     errors = [r.error for rs in runs for r in rs if r.error is not None]
     assert not errors, errors
@@ -473,7 +492,7 @@ def test_a_pipeline_with_stage_copies_and_data_parallel_collectives_keeps_the_li
                 torch.testing.assert_close(entry.value, expected[value][shard])
     for executor_id in STAGE0 + STAGE1:
         listed = _listed_order(lowered, executor_id)
-        assert _started_order(outbox, executors, executor_id) == [listed] * NUM_RUNS, executor_id
+        assert _started_order(outbox, executors, executor_id) == [listed] * (NUM_RUNS * clients), executor_id
 
 
 @pytest.mark.timeout(60)
