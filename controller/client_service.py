@@ -298,6 +298,7 @@ class ClientService:
             session.wake.notify_all()
         self.admission.remove_client(session.name)   # its calls waiting for their turn are dropped
         freed = session.ops.release_everything()
+        session.ops.forget_everything()
         self.disconnected[why.split(" (")[0]] += 1
         log.warning("controller: client %s disconnected: %s; %d queued request(s) dropped, %d array(s) freed",
                     session.name, why, dropped, freed)

@@ -101,6 +101,7 @@ class ExecutorCore:
             "cancel": self._on_cancel,
             "send_shard": self.data.on_send_shard,
             "free": self._on_free,
+            "forget": self._on_forget,
             "stats_request": self._on_stats_request,
             "trace_request": self._on_trace_request,
         }
@@ -181,6 +182,14 @@ class ExecutorCore:
     def _on_shutdown(self, msg: pb.Shutdown, payload) -> None:
         log.info("%s: shutdown requested (%s)", self.executor_id, msg.reason)
         self.stopped = True
+
+    def _on_forget(self, msg: pb.Forget, payload) -> None:
+        """A client left: its functions and programs go (a compiled executable stays in the compile cache,
+        keyed by its graph, bounded as that cache is)."""
+        for function_id in msg.function_ids:
+            self.functions.pop(function_id, None)
+        for program_id in msg.program_ids:
+            self.run_queue.programs.pop(program_id, None)
 
     def _on_load_function(self, msg: pb.LoadFunction, payload) -> None:
         self.trace.record("receive", f"load {msg.name}", function_id=msg.function_id)

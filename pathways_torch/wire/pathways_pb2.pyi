@@ -352,6 +352,14 @@ class Free(_message.Message):
     shards: _containers.RepeatedCompositeFieldContainer[ShardRef]
     def __init__(self, shards: _Optional[_Iterable[_Union[ShardRef, _Mapping]]] = ...) -> None: ...
 
+class Forget(_message.Message):
+    __slots__ = ("function_ids", "program_ids")
+    FUNCTION_IDS_FIELD_NUMBER: _ClassVar[int]
+    PROGRAM_IDS_FIELD_NUMBER: _ClassVar[int]
+    function_ids: _containers.RepeatedScalarFieldContainer[int]
+    program_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, function_ids: _Optional[_Iterable[int]] = ..., program_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
 class RemoteFailure(_message.Message):
     __slots__ = ("type", "message", "traceback", "executor_id", "origin_call_id", "op", "node_index")
     TYPE_FIELD_NUMBER: _ClassVar[int]
@@ -625,7 +633,7 @@ class StoreReply(_message.Message):
     def __init__(self, request_id: _Optional[int] = ..., ok: _Optional[bool] = ..., value: _Optional[bytes] = ..., number: _Optional[int] = ..., found: _Optional[bool] = ..., error: _Optional[str] = ...) -> None: ...
 
 class Envelope(_message.Message):
-    __slots__ = ("register", "welcome", "heartbeat", "load_function", "run", "send_shard", "free", "done", "stats_request", "stats", "trace_request", "trace_reply", "shutdown", "form_group", "register_program", "run_program", "put", "put_ack", "transfer", "fetch", "fetch_reply", "store_request", "store_reply", "save_shards", "save_reply", "cancel", "admit_key", "transfer_ack", "transfer_lost", "frees", "epoch")
+    __slots__ = ("register", "welcome", "heartbeat", "load_function", "run", "send_shard", "free", "done", "stats_request", "stats", "trace_request", "trace_reply", "shutdown", "form_group", "register_program", "run_program", "put", "put_ack", "transfer", "fetch", "fetch_reply", "store_request", "store_reply", "save_shards", "save_reply", "cancel", "admit_key", "transfer_ack", "transfer_lost", "forget", "frees", "epoch")
     REGISTER_FIELD_NUMBER: _ClassVar[int]
     WELCOME_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_FIELD_NUMBER: _ClassVar[int]
@@ -655,6 +663,7 @@ class Envelope(_message.Message):
     ADMIT_KEY_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_ACK_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_LOST_FIELD_NUMBER: _ClassVar[int]
+    FORGET_FIELD_NUMBER: _ClassVar[int]
     FREES_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     register: Register
@@ -686,9 +695,10 @@ class Envelope(_message.Message):
     admit_key: AdmitKey
     transfer_ack: TransferAck
     transfer_lost: TransferLost
+    forget: Forget
     frees: _containers.RepeatedCompositeFieldContainer[ShardRef]
     epoch: int
-    def __init__(self, register: _Optional[_Union[Register, _Mapping]] = ..., welcome: _Optional[_Union[Welcome, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., load_function: _Optional[_Union[LoadFunction, _Mapping]] = ..., run: _Optional[_Union[Run, _Mapping]] = ..., send_shard: _Optional[_Union[SendShard, _Mapping]] = ..., free: _Optional[_Union[Free, _Mapping]] = ..., done: _Optional[_Union[Done, _Mapping]] = ..., stats_request: _Optional[_Union[StatsRequest, _Mapping]] = ..., stats: _Optional[_Union[Stats, _Mapping]] = ..., trace_request: _Optional[_Union[TraceRequest, _Mapping]] = ..., trace_reply: _Optional[_Union[TraceReply, _Mapping]] = ..., shutdown: _Optional[_Union[Shutdown, _Mapping]] = ..., form_group: _Optional[_Union[FormGroup, _Mapping]] = ..., register_program: _Optional[_Union[RegisterProgram, _Mapping]] = ..., run_program: _Optional[_Union[RunProgram, _Mapping]] = ..., put: _Optional[_Union[Put, _Mapping]] = ..., put_ack: _Optional[_Union[PutAck, _Mapping]] = ..., transfer: _Optional[_Union[Transfer, _Mapping]] = ..., fetch: _Optional[_Union[Fetch, _Mapping]] = ..., fetch_reply: _Optional[_Union[FetchReply, _Mapping]] = ..., store_request: _Optional[_Union[StoreRequest, _Mapping]] = ..., store_reply: _Optional[_Union[StoreReply, _Mapping]] = ..., save_shards: _Optional[_Union[SaveShards, _Mapping]] = ..., save_reply: _Optional[_Union[SaveReply, _Mapping]] = ..., cancel: _Optional[_Union[Cancel, _Mapping]] = ..., admit_key: _Optional[_Union[AdmitKey, _Mapping]] = ..., transfer_ack: _Optional[_Union[TransferAck, _Mapping]] = ..., transfer_lost: _Optional[_Union[TransferLost, _Mapping]] = ..., frees: _Optional[_Iterable[_Union[ShardRef, _Mapping]]] = ..., epoch: _Optional[int] = ...) -> None: ...
+    def __init__(self, register: _Optional[_Union[Register, _Mapping]] = ..., welcome: _Optional[_Union[Welcome, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., load_function: _Optional[_Union[LoadFunction, _Mapping]] = ..., run: _Optional[_Union[Run, _Mapping]] = ..., send_shard: _Optional[_Union[SendShard, _Mapping]] = ..., free: _Optional[_Union[Free, _Mapping]] = ..., done: _Optional[_Union[Done, _Mapping]] = ..., stats_request: _Optional[_Union[StatsRequest, _Mapping]] = ..., stats: _Optional[_Union[Stats, _Mapping]] = ..., trace_request: _Optional[_Union[TraceRequest, _Mapping]] = ..., trace_reply: _Optional[_Union[TraceReply, _Mapping]] = ..., shutdown: _Optional[_Union[Shutdown, _Mapping]] = ..., form_group: _Optional[_Union[FormGroup, _Mapping]] = ..., register_program: _Optional[_Union[RegisterProgram, _Mapping]] = ..., run_program: _Optional[_Union[RunProgram, _Mapping]] = ..., put: _Optional[_Union[Put, _Mapping]] = ..., put_ack: _Optional[_Union[PutAck, _Mapping]] = ..., transfer: _Optional[_Union[Transfer, _Mapping]] = ..., fetch: _Optional[_Union[Fetch, _Mapping]] = ..., fetch_reply: _Optional[_Union[FetchReply, _Mapping]] = ..., store_request: _Optional[_Union[StoreRequest, _Mapping]] = ..., store_reply: _Optional[_Union[StoreReply, _Mapping]] = ..., save_shards: _Optional[_Union[SaveShards, _Mapping]] = ..., save_reply: _Optional[_Union[SaveReply, _Mapping]] = ..., cancel: _Optional[_Union[Cancel, _Mapping]] = ..., admit_key: _Optional[_Union[AdmitKey, _Mapping]] = ..., transfer_ack: _Optional[_Union[TransferAck, _Mapping]] = ..., transfer_lost: _Optional[_Union[TransferLost, _Mapping]] = ..., forget: _Optional[_Union[Forget, _Mapping]] = ..., frees: _Optional[_Iterable[_Union[ShardRef, _Mapping]]] = ..., epoch: _Optional[int] = ...) -> None: ...
 
 class StatusRequest(_message.Message):
     __slots__ = ("with_stats",)

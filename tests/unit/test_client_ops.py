@@ -1,0 +1,109 @@
+"""One client's operations over the controller (`controller/client_ops.py`), with a fake outbox: ids scoped to
+their owner, output ids granted in blocks, a call that failed before dispatch, and what goes when a client goes."""
+
+from __future__ import annotations
+
+import pytest
+
+from controller import CallSpec, Controller
+from controller.client_ops import ClientOps, NotYoursError
+from pathways_torch.errors import ExecutorLostError
+from pathways_torch.wire import pb
+
+pytestmark = pytest.mark.timeout(30)
+
+
+class FakeOutbox:
+    def __init__(self):
+        self.sent: list[tuple[str, pb.Envelope]] = []
+
+    def to_executor(self, executor_id, envelope, payload=()):
+        self.sent.append((executor_id, envelope))
+
+    def of(self, kind):
+        return [(e, env) for e, env in self.sent if env.WhichOneof("body") == kind]
+
+
+@pytest.fixture
+def two_clients():
+    outbox = FakeOutbox()
+    controller = Controller(outbox)
+    for i in range(2):
+        controller.on_message(f"e{i}", pb.Envelope(register=pb.Register(
+            executor_id=f"e{i}", data_address=f"tcp://127.0.0.1:{7000 + i}", backend="eager")), [])
+    return controller, outbox, ClientOps(controller, None, "alice"), ClientOps(controller, None, "bob")
+
+
+def _call(ops, function_id, mesh, inputs=(), **kwargs):
+    return ops.call(CallSpec(function_id=function_id, name="f", mesh=mesh, inputs=tuple(inputs), num_outputs=1),
+                    **kwargs)
+
+
+def test_a_client_names_only_what_it_was_handed(two_clients):
+    controller, _, alice, bob = two_clients
+    f = alice.register_function("f", pb.Graph(), [])
+    mesh = alice.allocate_mesh({"data": 2})
+    x = alice.new_array(mesh.executor_ids, landing=0)
+    [y] = _call(alice, f, mesh, [x.array_id])
+    assert y.owner == "alice" and x.owner == "alice"
+    g = bob.register_function("f", pb.Graph(), [])
+    bob_mesh = bob.allocate_mesh({"data": 2})
+    refusals = [lambda: _call(bob, f, bob_mesh), lambda: _call(bob, g, mesh),
+                lambda: _call(bob, g, bob_mesh, [y.array_id]), lambda: bob.landed(x.array_id)]
+    for refused in refusals:
+        with pytest.raises(NotYoursError, match="not one this client"):
+            refused()
+    bob.release(y.array_id)                       # another's id: nothing happens (a finalizer must not raise)
+    assert controller.arrays.get(y.array_id) is not None and not controller.arrays.get(y.array_id).released
+    # never made and another's read alike: the answer does not tell them apart
+    with pytest.raises(NotYoursError) as stranger:
+        _call(bob, g, bob_mesh, [y.array_id])
+    with pytest.raises(NotYoursError) as nothing:
+        _call(bob, g, bob_mesh, [10**9])
+    assert str(stranger.value).replace(str(y.array_id), "N") == str(nothing.value).replace(str(10**9), "N")
+
+
+def test_output_ids_come_from_the_clients_grants_in_order(two_clients):
+    _, _, alice, bob = two_clients
+    f = alice.register_function("f", pb.Graph(), [])
+    mesh = alice.allocate_mesh({"data": 2})
+    first, count = alice.grant_ids(3)
+    bob_first, _ = bob.grant_ids(3)
+    assert bob_first >= first + count            # grants never overlap
+    [out] = _call(alice, f, mesh, output_ids=[first])
+    assert out.array_id == first and out.owner == "alice"
+    with pytest.raises(NotYoursError, match=f"expected the next id this client was granted \\({first + 1}\\)"):
+        _call(alice, f, mesh, output_ids=[bob_first])
+    carol = ClientOps(alice.controller, None, "carol")
+    h = carol.register_function("h", pb.Graph(), [])
+    with pytest.raises(NotYoursError, match="none left"):
+        _call(carol, h, carol.allocate_mesh({"data": 2}), output_ids=[first + 2])
+
+
+def test_a_call_that_failed_before_dispatch_fails_its_readers_with_the_same_error(two_clients):
+    _, _, alice, _ = two_clients
+    error = ExecutorLostError("executor e1 lost", executor_id="e1")
+    alice.never_made([41], error)
+    f = alice.register_function("f", pb.Graph(), [])
+    mesh = alice.allocate_mesh({"data": 2})
+    with pytest.raises(ExecutorLostError) as raised:
+        _call(alice, f, mesh, [41])
+    assert raised.value is error
+    alice.release(41)
+    with pytest.raises(NotYoursError):
+        _call(alice, f, mesh, [41])
+
+
+def test_a_client_that_goes_frees_its_arrays_and_its_functions_leave_every_executor(two_clients):
+    controller, outbox, alice, bob = two_clients
+    f = alice.register_function("f", pb.Graph(), [])
+    g = bob.register_function("g", pb.Graph(), [])
+    mesh = alice.allocate_mesh({"data": 2})
+    _call(alice, f, mesh)
+    [kept] = _call(bob, g, bob.allocate_mesh({"data": 2}))
+    assert alice.release_everything() == 1
+    assert alice.forget_everything() == 1
+    forgets = {e: list(env.forget.function_ids) for e, env in outbox.of("forget")}
+    assert forgets == {"e0": [f], "e1": [f]}
+    assert f not in controller._functions and g in controller._functions
+    assert controller.arrays.get(kept.array_id) is not None
