@@ -162,3 +162,25 @@ def test_bob_cannot_release_call_on_or_run_a_program_on_alices_arrays(alice, bob
     ids = alice.executor_ids
     torch.testing.assert_close(_fetch(alice, ids[3], y.array_id, 3).result(timeout=30), host[6:8] + 1)
     torch.testing.assert_close(inc(y).result(timeout_s=60), host + 2)
+
+
+@pytest.mark.timeout(120)
+def test_ids_bob_reads_in_his_own_trace_name_nothing_of_alices(alice, bob, tmp_path):
+    mesh, bob_mesh = alice.mesh({"data": 4}), bob.mesh({"data": 4})
+    host = torch.arange(8.0)
+    y = pw.function(lambda a: a - 1, name="alices_secret")(alice.put(host, mesh, [pw.Shard(0)]))
+    torch.testing.assert_close(y.result(timeout_s=60), host - 1)
+    trace = bob.trace(str(tmp_path / "bob.json"))   # every executor's events: alice's calls are in it
+    seen = {(e["args"]["function_id"], e["args"]["call_id"]) for e in trace["traceEvents"]
+            if e.get("name") == "alices_secret" and "args" in e}
+    assert seen, "alice's calls appear in bob's trace"
+    b = bob.put(torch.zeros(8), bob_mesh, [pw.Shard(0)])
+    for function_id, call_id in seen:
+        spec = CallSpec(function_id=function_id, name="alices_secret", mesh=bob_mesh.allocation, inputs=(b.array_id,),
+                        num_outputs=1)
+        assert "not one this client registered" in _refusal(lambda: bob._client.call(spec))
+        # a call id is no array id of his either: reading it as one is refused like any stranger's
+        for position, executor_id in enumerate(bob_mesh.executor_ids if call_id not in bob._client._states else ()):
+            with pytest.raises(RemoteError):
+                _fetch(bob, executor_id, call_id, position).result(timeout=30)
+    torch.testing.assert_close(y.result(timeout_s=30), host - 1)
