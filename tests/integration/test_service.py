@@ -211,3 +211,21 @@ def test_executors_that_join_a_controller_serve_its_clients(tmp_path):
                 process.wait(20)
             except subprocess.TimeoutExpired:
                 process.kill()
+
+
+def test_a_controller_that_dies_fails_every_pending_future_within_the_heartbeat_bound(tmp_path):
+    service = ControllerProcess(str(tmp_path / "keys"), num_executors=1, args=["--heartbeat-timeout-s", "2"])
+    try:
+        with open_context("remote", service, "alice", backend="eager", **LIVENESS) as alice:
+            x = alice.put(torch.ones(2), alice.mesh({"data": 1}), [pw.Shard(0)])
+            assert doubled(x).result(30).sum() == 4           # registered: the next call is not waited for
+            service.process.send_signal(signal.SIGKILL)      # no word from it: only its silence tells
+            began = time.monotonic()
+            pending = doubled(x)
+            with pytest.raises(pw.ControllerLostError, match="has not answered"):
+                pending.result(timeout_s=30)
+            assert time.monotonic() - began < LIVENESS["heartbeat_timeout_s"] + 2
+            with pytest.raises(pw.ControllerLostError):
+                doubled(x)                                    # and every request after
+    finally:
+        service.stop()
