@@ -16,7 +16,7 @@ import threading
 
 from tests.conftest import REPO_ROOT
 
-__all__ = ["ControllerProcess", "open_context", "CLIENT_KINDS"]
+__all__ = ["ControllerProcess", "open_context", "client_fixture", "CLIENT_KINDS"]
 
 CLIENT_KINDS = ("embedded", "remote")
 _READY = "pathways-controller: serving clients at "
@@ -81,3 +81,15 @@ def open_context(kind: str, service: "ControllerProcess | None", client: str = "
         options = {"controller": service.address, "keys": service.keys(client), **options}
     with pw.Context(**options) as context:
         yield context
+
+
+def client_fixture(client: str, service: str, **options):
+    """A module-scoped fixture: a remote context of ``client`` on the fixture named ``service``."""
+    import pytest
+
+    @pytest.fixture(scope="module")
+    def fixture(request):
+        with open_context("remote", request.getfixturevalue(service), client=client, **options) as context:
+            yield context
+
+    return fixture

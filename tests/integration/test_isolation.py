@@ -15,23 +15,15 @@ import pathways_torch as pw
 from pathways_torch.client import CallSpec
 from pathways_torch.errors import RemoteError
 from pathways_torch.wire import pb
-from tests.service import open_context
+from tests.service import client_fixture
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
 
 inc = pw.function(lambda x: x + 1, name="inc")
 
 
-@pytest.fixture(scope="module")
-def alice(shared_service):
-    with open_context("remote", shared_service, client="alice", num_executors=4, backend="eager") as context:
-        yield context
-
-
-@pytest.fixture(scope="module")
-def bob(shared_service):
-    with open_context("remote", shared_service, client="bob", num_executors=4, backend="eager") as context:
-        yield context
+alice = client_fixture("alice", "shared_service", num_executors=4, backend="eager")
+bob = client_fixture("bob", "shared_service", num_executors=4, backend="eager")
 
 
 def _fetch(ctx, executor_id: str, array_id: int, shard: int = 0):

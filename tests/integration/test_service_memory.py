@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import pathways_torch as pw
-from tests.service import ControllerProcess, open_context
+from tests.service import ControllerProcess, client_fixture
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
 
@@ -31,16 +31,8 @@ def service(tmp_path_factory):
     process.stop()
 
 
-@pytest.fixture(scope="module")
-def alice(service):
-    with open_context("remote", service, client="alice", num_executors=2, backend="eager") as context:
-        yield context
-
-
-@pytest.fixture(scope="module")
-def bob(service):
-    with open_context("remote", service, client="bob", num_executors=2, backend="eager") as context:
-        yield context
+alice = client_fixture("alice", "service", num_executors=2, backend="eager")
+bob = client_fixture("bob", "service", num_executors=2, backend="eager")
 
 
 def test_a_put_larger_than_the_limit_fails_at_once(alice):
