@@ -4,7 +4,7 @@ Each stage's executors write their own chunks' state; the checkpoint loads into 
 into another plan with the trainer's own tensors, exactly. One stage's executor SIGKILLed in the
 middle of a 1F1B run with a data axis (mesh {"stage": 2, "data": 2}, dropout on) is replaced, the
 last checkpoint is put back on every chunk, and the loss futures the loop holds resolve to exactly
-the losses of an unbroken run, on eager and on the default backend.
+the losses of an unbroken run, on the default backend (what users run; eager was the same scenario twice).
 """
 
 from __future__ import annotations
@@ -138,13 +138,6 @@ def _recovers_exactly(ctx, tmp_path):
     return got, expected, trainer.stats()
 
 
-def test_sigkill_of_one_stage_executor_under_1f1b_with_a_data_axis_recovers_exactly_on_eager(eager_ctx, tmp_path):
-    got, expected, stats = _recovers_exactly(eager_ctx, tmp_path)
-    assert got == expected
-    assert stats["recoveries"] == 1 and 1 <= stats["steps_recomputed"] <= 3, stats
-    assert "restored step 6" in stats["events"][0], stats["events"]
-
-
 def test_sigkill_of_one_stage_executor_under_1f1b_with_a_data_axis_recovers_exactly_on_the_default_backend(
         tmp_path):
     with pw.Context(num_executors=4, heartbeat_timeout_s=HEARTBEAT_TIMEOUT_S) as ctx:
@@ -152,4 +145,5 @@ def test_sigkill_of_one_stage_executor_under_1f1b_with_a_data_axis_recovers_exac
         epochs = [info.epoch for info in ctx.controller.resources.ordered()]
     assert got == expected
     assert epochs == [1, 1, 1, 2]          # only the lost one was replaced
-    assert stats["recoveries"] == 1 and "restored step 6" in stats["events"][0], stats
+    assert stats["recoveries"] == 1 and 1 <= stats["steps_recomputed"] <= 3, stats
+    assert "restored step 6" in stats["events"][0], stats["events"]
