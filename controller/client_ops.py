@@ -87,17 +87,18 @@ class ClientOps:
 
     def call(self, spec: CallSpec, output_ids: Sequence[int] | None = None) -> list[ArrayRecord]:
         """``output_ids``: ids of this client's grants (`grant_ids`), in order; None: the controller picks."""
-        self._check_call(spec, inputs=True)
-        if output_ids is not None:
+        if output_ids is not None:   # first: the client moved past these ids whether the call goes or fails
             self._claim(output_ids, spec.num_outputs)
+        self._check_call(spec, inputs=True)
         return self._own(self.controller.call(spec, self.owner, output_ids))
 
     def run_program(self, program_id: int, input_ids: Sequence[int],
                     output_ids: Sequence[int] | None = None) -> list[ArrayRecord]:
+        lowered = self.programs.get(program_id)
+        if output_ids is not None:   # first, as for a call (an unknown program's outputs: as many as named)
+            self._claim(output_ids, len(lowered.spec.output_values) if lowered is not None else len(output_ids))
         lowered = self._program(program_id)
         self._check_arrays(input_ids)
-        if output_ids is not None:
-            self._claim(output_ids, len(lowered.spec.output_values))
         return self._own(self.controller.run_program(program_id, input_ids, self.owner, output_ids))
 
     def grant_ids(self, count: int) -> tuple[int, int]:

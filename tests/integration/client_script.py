@@ -1,6 +1,8 @@
 """A client process for the lifecycle tests: prints its executors' pids, then ends as told."""
 
+import faulthandler
 import os
+import signal
 import sys
 import time
 
@@ -8,6 +10,7 @@ import torch
 
 import pathways_torch as pw
 
+faulthandler.register(signal.SIGUSR1, all_threads=True)   # a test that waits too long dumps where we are
 how = sys.argv[1]
 with pw.Context(num_executors=2, backend="eager", heartbeat_interval_s=0.2, heartbeat_timeout_s=3.0) as ctx:
     mesh = ctx.mesh({"data": 2})

@@ -6,6 +6,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -40,7 +41,15 @@ def test_executors_stop_when_the_context_exits(how):
 def test_ctrl_c_in_the_client_stops_every_executor():
     client, pids = _start("sigint")
     client.send_signal(signal.SIGINT)
-    assert client.wait(30) != 0
+    try:
+        code = client.wait(30)
+    except subprocess.TimeoutExpired:   # where it hangs, for whoever reads the failure
+        client.send_signal(signal.SIGUSR1)
+        time.sleep(1)
+        client.kill()
+        raise AssertionError("the client did not exit within 30 s of Ctrl-C; its threads:\n"
+                             + client.communicate()[1][-6000:]) from None
+    assert code != 0
     assert "KeyboardInterrupt" in client.stderr.read()
     assert wait_until(lambda: all(process_gone(p) for p in pids), 10), pids
 

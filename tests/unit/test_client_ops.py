@@ -107,3 +107,14 @@ def test_a_client_that_goes_frees_its_arrays_and_its_functions_leave_every_execu
     assert forgets == {"e0": [f], "e1": [f]}
     assert f not in controller._functions and g in controller._functions
     assert controller.arrays.get(kept.array_id) is not None
+
+
+def test_a_refused_call_still_uses_up_its_output_ids(two_clients):
+    _, _, alice, _ = two_clients
+    f = alice.register_function("f", pb.Graph(), [])
+    mesh = alice.allocate_mesh({"data": 2})
+    first, _ = alice.grant_ids(4)
+    with pytest.raises(NotYoursError):
+        _call(alice, f, mesh, [10**9], output_ids=[first])    # refused: the client has moved past `first` anyway
+    [out] = _call(alice, f, mesh, output_ids=[first + 1])
+    assert out.array_id == first + 1

@@ -136,3 +136,62 @@ def test_process_state_tells_running_stopped_and_gone_apart():
         child.kill()
         child.wait()
     assert is_gone(child.pid)
+
+
+# ------------------------------------------------------------ --controller: joining a standalone controller
+
+JOIN = ["--controller", "tcp://127.0.0.1:5555", "--keys-dir", "/k/executors", "--backend", "eager"]
+
+
+def test_joining_a_controller_refuses_a_script_and_the_flags_of_a_launch_controller():
+    message = _error([*JOIN, "train.py", "--steps", "5"])
+    assert "--controller tcp://127.0.0.1:5555 with the script 'train.py'" in message
+    assert "runs no script" in message and "drop 'train.py', or drop --controller" in message
+    for flags in (["--master-addr", "127.0.0.1"], ["--master-port", "29400"], ["--status-port", "8123"],
+                  ["--standalone"]):
+        message = _error([*JOIN, *flags])
+        assert f"--controller tcp://127.0.0.1:5555 with {flags[0]}:" in message, message
+        assert message.endswith(f"drop {flags[0]}"), message
+    message = _error([*JOIN, "--master-addr", "h", "--status-port", "1"])
+    assert "with --master-addr, --status-port:" in message and message.endswith("drop --master-addr, --status-port")
+
+
+def test_joining_a_controller_refuses_spare_key_restarts_a_missing_keys_folder_and_a_bad_address():
+    message = _error([*JOIN, "--max-executor-restarts", "1"])
+    assert "--max-executor-restarts 1 with --controller" in message
+    assert "spare keys" in message and "pathways-controller --make-keys) have none" in message
+    assert message.endswith("drop --max-executor-restarts")
+    message = _error(["--controller", "tcp://127.0.0.1:5555"])
+    assert "--keys-dir: required with --controller" in message and "DIR/executors" in message
+    for address in ("127.0.0.1:5555", "tcp://127.0.0.1", "tcp://127.0.0.1:http", "ipc:///tmp/x"):
+        message = _error(["--controller", address, "--keys-dir", "/k"])
+        assert f"--controller {address!r}: expected tcp://HOST:PORT" in message and "executors at" in message
+    assert "--controller 'no-such-host.invalid' does not resolve" in _error(
+        ["--controller", "tcp://no-such-host.invalid:5555", "--keys-dir", "/k"])
+
+
+def test_a_node_joining_a_controller_runs_only_its_own_executors():
+    config = parse_args(["--nnodes", "3", "--nproc-per-node", "2", "--node-rank", "1", "--island", "b", *JOIN])
+    assert config.joins_controller and config.script == "" and config.status_port == 0
+    assert config.controller_address == "tcp://127.0.0.1:5555" and config.host_addr == "127.0.0.1"
+    assert config.executor_ids == ["executor-2", "executor-3"]
+    launch = parse_args(["--keys-dir", "/k", "--backend", "eager", "train.py"])
+    assert not launch.joins_controller and launch.controller_address == "tcp://127.0.0.1:29400"
+
+
+def test_the_keys_check_takes_the_service_executors_folder_for_this_nodes_executors_only(tmp_path):
+    from pathways_torch.launch import make_service_keys
+    from pathways_torch.launch.run_config import node_keys
+
+    folders = make_service_keys(str(tmp_path / "service"), ["alice"], executors=4)
+    flags = ["--nnodes", "3", "--nproc-per-node", "2", "--controller", "tcp://127.0.0.1:5555",
+             "--keys-dir", folders.executors, "--backend", "eager"]
+    for rank in (0, 1):    # node 0 too: the folder holds no controller or client secret, and needs none
+        assert node_keys(parse_args([*flags, "--node-rank", str(rank)])) == folders.executors
+    with pytest.raises(LaunchError) as info:     # keys for executor-0 .. executor-3 only
+        node_keys(parse_args([*flags, "--node-rank", "2"]))
+    message = str(info.value)
+    assert f"--keys-dir {folders.executors}:" in message and "'executor-4'" in message
+    assert "needs the keys of executor-4 .. executor-5" in message and "--executors N" in message
+    with pytest.raises(LaunchError, match="expected a secret key for 'controller'"):   # a launch's node 0 does
+        node_keys(parse_args(["--keys-dir", folders.executors, "--backend", "eager", "train.py"]))
