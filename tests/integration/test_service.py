@@ -50,6 +50,16 @@ def service(tmp_path_factory):
     process.stop()
 
 
+def _health(address: str) -> str:
+    """The standard gRPC health check (service ""), as a probe asks it."""
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    with grpc.insecure_channel(address) as channel:
+        reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=""), timeout=10)
+    return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+
+
 def _clients(service) -> dict:
     return {c.name: c for c in get_status(service.status, with_stats=False).clients}
 
@@ -71,6 +81,7 @@ def test_status_lists_clients_and_only_the_operator_sets_weights(service):
                                      ("alice", 0.0, "expected a weight > 0"), ("alice", -2.0, "expected a weight > 0")]:
             reply = admin(service.status, pb.AdminRequest(set_weight=pb.SetWeight(client=client, weight=weight)))
             assert not reply.ok and says in reply.message, reply.message
+        assert _health(service.status) == "SERVING"
         table = clients_table(get_status(service.status, with_stats=False))
         assert "alice  | 4 (67%)" in table and "bob    | 2 (33%)" in table, table
         # nothing a client may send sets a weight: the seam has no such request
