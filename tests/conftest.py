@@ -89,6 +89,23 @@ def on_loopback(address: str) -> bool:
     return (getattr(ip, "ipv4_mapped", None) or ip).is_loopback
 
 
+def pytest_collection_modifyitems(config, items):
+    """``@pytest.mark.remote_subset(n=(2,))``: of a sweep, the remote client runs only these parameters (it changes
+    how calls travel, not what the executors compute: the whole sweep runs embedded). Deselected, not skipped."""
+    kept, dropped = [], []
+    for item in items:
+        marker = item.get_closest_marker("remote_subset")
+        params = getattr(getattr(item, "callspec", None), "params", {})
+        if marker is not None and params.get("client_kind") == "remote" and any(
+                params.get(name) not in allowed for name, allowed in marker.kwargs.items()):
+            dropped.append(item)
+        else:
+            kept.append(item)
+    if dropped:
+        config.hook.pytest_deselected(items=dropped)
+        items[:] = kept
+
+
 def pytest_generate_tests(metafunc):
     """``client_kind``: run the test (and its module's fixtures) against the embedded controller and a remote one."""
     if "client_kind" in metafunc.fixturenames:

@@ -176,7 +176,7 @@ class Node:
         cluster, rank = self.cluster, self.config.node_rank
         while any(p.poll() is None for p in cluster.processes):
             for executor_id, how in ([] if self.interrupted else cluster.newly_exited()):
-                _say(f"node {rank}: {executor_id} {how}")
+                _say(f"node {rank}: {executor_id}: {how}")
             time.sleep(0.2)
         if self.interrupted:
             _say(f"node {rank}: stopped its executors {', '.join(cluster.executor_ids)}")

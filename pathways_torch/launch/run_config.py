@@ -83,8 +83,8 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="pathways-run",
         description="Launch a pathways_torch job: the script runs once, on node 0 (client + controller); every node "
-                    "runs --nproc-per-node executors that join it. Flags as torchrun's where they apply. With --controller, "
-                    "nodes only run executors that join a standalone pathways-controller.",
+                    "runs --nproc-per-node executors that join it. Flags as torchrun's where they apply. With "
+                    "--controller, nodes only run executors that join a standalone pathways-controller.",
         epilog="The script sees PATHWAYS_* variables, not RANK/WORLD_SIZE; pw.Context() in it attaches to the "
                "launched executors. See docs/launch.md.")
     parser.add_argument("--nnodes", type=int, default=1, help="number of nodes (hosts) in the job")
@@ -206,7 +206,8 @@ def parse_args(argv=None) -> LaunchConfig | tuple[str, int, int]:
     if args.controller is not None:
         master, port = _controller_host_port(args.controller)
     else:
-        master, port = _resolve(args.master_addr or "127.0.0.1"), 29400 if args.master_port is None else args.master_port
+        master = _resolve(args.master_addr or "127.0.0.1")
+        port = 29400 if args.master_port is None else args.master_port
     if args.controller is not None and not args.keys_dir:
         raise LaunchError(f"--keys-dir: required with --controller (every connection is authenticated); give "
                           f"{_SERVICE_KEYS}")
@@ -259,7 +260,8 @@ def _controller_host_port(address: str) -> tuple[str, int]:
     if scheme != "tcp" or not host or not port.isdigit() or not 0 < int(port) < 65536:
         raise LaunchError(f"--controller {address!r}: expected tcp://HOST:PORT, the executors address "
                           f"pathways-controller prints ('... executors at tcp://HOST:PORT')")
-    return _resolve(host.strip("[]"), "--controller", "the controller's host name or IP address as this node sees it"), int(port)
+    whose = "the controller's host name or IP address as this node sees it"
+    return _resolve(host.strip("[]"), "--controller", whose), int(port)
 
 
 def _resolve(address: str, flag: str = "--master-addr", whose: str = "node 0's host name or IP address as every "

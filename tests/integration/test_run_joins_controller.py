@@ -41,20 +41,45 @@ def _join(service: ControllerProcess, *flags: str) -> subprocess.Popen:
         cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
+def _service(tmp_path) -> tuple[ControllerProcess, str]:
+    """A controller started without executors (keys for 2), and its status address."""
+    status = f"127.0.0.1:{_free_port()}"
+    return ControllerProcess(str(tmp_path / "keys"), clients=("alice",), num_executors=0, executor_keys=2,
+                             args=["--status-port", status.rsplit(":", 1)[1]]), status
+
+
+def _joined(status: str) -> bool:
+    """Both executors registered and answered the controller's Stats request. That request follows the Welcome on
+    their command socket, so each has its put secret by then: a client's put that reaches an executor before its
+    Welcome is refused ("no put secret from the controller yet"), and the put's array never completes."""
+    import grpc
+
+    from pathways_torch.launch.health import get_status
+
+    try:
+        reply = get_status(status, with_stats=True, timeout_s=5)
+    except grpc.RpcError:
+        return False
+    return not reply.stats_error and sorted((e.executor_id, e.state) for e in reply.executors) == [
+        ("executor-0", "alive"), ("executor-1", "alive")]
+
+
 def _stop(node: subprocess.Popen) -> str:
+    """Kill ``node`` if it still runs; its output not read yet."""
     if node.poll() is None:
         node.kill()
-    return node.communicate(timeout=30)[0]
+    return "" if node.stdout.closed else node.communicate(timeout=30)[0]
 
 
 def test_a_pathways_run_node_serves_a_standalone_controllers_clients_until_sigterm(tmp_path):
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    service = ControllerProcess(str(tmp_path / "keys"), clients=("alice",), num_executors=0, executor_keys=2)
+    service, status = _service(tmp_path)
     health_port = _free_port()
     node = _join(service, "--health-port", str(health_port))
     try:
+        assert wait_until(lambda: _joined(status), 60, 0.2)
         with open_context("remote", service, "alice", num_executors=2, backend="eager") as alice:
             assert sorted(alice.executor_ids) == ["executor-0", "executor-1"]
             pids = alice.executor_pids
@@ -69,26 +94,25 @@ def test_a_pathways_run_node_serves_a_standalone_controllers_clients_until_sigte
         node.send_signal(signal.SIGTERM)
         assert node.wait(30) == 0, _stop(node)
         assert wait_until(lambda: all(process_gone(pid) for pid in pids), 10), pids
-        output = _stop(node)
+        output = node.communicate(timeout=30)[0]
         assert "joining " + service.executor_address in output and "no script runs here" in output, output
         assert "stopped its executors executor-0, executor-1" in output, output
     finally:
-        _stop(node)
+        print("pathways-run:", _stop(node), "pathways-controller:", *service.output, sep="\n")   # shown on failure
         service.stop()
 
 
 def test_a_node_whose_executors_all_exit_fails_naming_each(tmp_path):
-    service = ControllerProcess(str(tmp_path / "keys"), clients=("alice",), num_executors=0, executor_keys=2)
+    service, status = _service(tmp_path)
     node = _join(service)
     try:
-        with open_context("remote", service, "alice", num_executors=2, backend="eager"):
-            pass                                        # both joined
+        assert wait_until(lambda: _joined(status), 60, 0.2)
         assert service.stop() == 0                      # it tells its executors to stop
         assert node.wait(30) == 1, _stop(node)
-        output = _stop(node)
+        output = node.communicate(timeout=30)[0]
         for name in ("executor-0", "executor-1"):
             assert f"node 0: {name} (pid " in output, output
         assert f"every executor of this node has exited; it no longer serves {service.executor_address}" in output
     finally:
-        _stop(node)
+        print("pathways-run:", _stop(node), "pathways-controller:", *service.output, sep="\n")   # shown on failure
         service.stop()
