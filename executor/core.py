@@ -162,6 +162,7 @@ class ExecutorCore:
         self.data.epoch = msg.epoch
         if msg.put_secret:   # service clients' puts are checked with it (executor/data_roles.py, OwnerCheck)
             self.data.owners.put_secret = bytes(msg.put_secret)
+            self.data.welcomed()
 
     def _on_admit_key(self, msg: pb.AdmitKey, payload) -> None:
         self.trace.record("receive", "admit key", detail=msg.role)

@@ -32,6 +32,9 @@ log = logging.getLogger(__name__)
 _TRANSFER_TIMEOUT_S = 20.0        # until Welcome says (the controller's transfer_timeout_s)
 _SLOWEST_LINK = 1e6               # bytes/s: a transfer's deadline allows this slow a link
 _MAX_EARLY_TRANSFERS = 4096
+# Service clients' puts that came before the controller's Welcome (its put secret) wait for it, this many at most
+# (past them a put is refused, and its client told): a client can reach an executor as soon as it registered.
+_MAX_EARLY_PUTS = 1024
 _MAX_REFUSED_EARLY = 65536
 
 
@@ -61,6 +64,13 @@ class DataPlane:
         self.transfers_lost = 0
         self.data_gate = DataGate()      # who may send what on the data socket
         self.owners = OwnerCheck()       # whose arrays a client may put, fetch and save (its secret: from Welcome)
+        self._early_puts: list = []      # (identity, Put, payload, role) that came before the Welcome
+
+    def welcomed(self) -> None:
+        """The controller's Welcome (and its put secret) came: the puts that arrived before it are taken now."""
+        early, self._early_puts = self._early_puts, []
+        for identity, msg, payload, role in early:
+            self._on_put(identity, msg, payload, role)
 
     def on_data(self, identity: bytes, envelope: pb.Envelope, payload: list, *, role: str | None,
                 key: bytes | None = None) -> None:
@@ -107,6 +117,9 @@ class DataPlane:
     # ------------------------------------------------------------ into the store
 
     def _on_put(self, identity: bytes, msg: pb.Put, payload, role: str | None) -> None:
+        if self.owners.awaits_secret(role) and len(self._early_puts) < _MAX_EARLY_PUTS:
+            self._early_puts.append((identity, msg, payload, role))   # taken once the Welcome comes (`welcomed`)
+            return
         ack = pb.PutAck(request_id=msg.request_id)
         ack.shard.CopyFrom(msg.shard)
         items = (msg, *msg.more)

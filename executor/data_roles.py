@@ -127,6 +127,11 @@ class OwnerCheck:
         owner = entry.owner
         return owner == role if owner else role == CLIENT
 
+    def awaits_secret(self, role: str | None) -> bool:
+        """Whether a put from ``role`` must wait for the controller's Welcome (a service client's, none yet):
+        the client may have heard of this executor, and sent to it, before the Welcome arrived here."""
+        return role != CLIENT and not self.put_secret
+
     def put_refusal(self, role: str | None, item, entry) -> str | None:
         """Why a put of ``item`` (a Put or a PutItem: its shard and token) from ``role`` is refused, ``entry`` the
         store's entry for its key if there is one; None if it is taken (the caller records ``role`` as its owner)."""

@@ -85,10 +85,24 @@ def test_a_service_clients_put_needs_the_controllers_token_for_that_array_and_th
     assert _fetch_alice(core, 5).tolist() == V.tolist()
 
 
-def test_a_service_clients_put_before_the_secret_came_is_refused():
-    core, outbox = make_core()   # no Welcome yet
-    ack = _put(core, ALICE, [(5, V, _token(5, ALICE))])
-    assert ack.failed and "no put secret" in ack.failure.message and (5, 0, 0) not in core.store
+def test_a_service_clients_put_before_the_welcome_waits_for_it_and_is_then_checked():
+    core, outbox = make_core()   # registered, no Welcome yet: a client that heard of this executor may put already
+    acks_before = len(core.outbox.clients)
+    msg = pb.Put(request_id=1)
+    msg.shard.CopyFrom(ref(5))
+    msg.token = _token(5, ALICE)
+    frame = bytes(memoryview(tensor_to_frame(V, msg.tensor, 1)))
+    core.on_data(ALICE.encode(), pb.Envelope(put=msg), [frame], role=ALICE)
+    forged = pb.Put(request_id=2)
+    forged.shard.CopyFrom(ref(6))
+    forged.token = b"\0" * 16
+    core.on_data(BOB.encode(), pb.Envelope(put=forged), [bytes(memoryview(tensor_to_frame(V, forged.tensor, 1)))],
+                 role=BOB)
+    assert len(core.outbox.clients) == acks_before and (5, 0, 0) not in core.store   # held, not refused
+    core.on_control(pb.Envelope(welcome=pb.Welcome(index=0, epoch=1, put_secret=SECRET)), [])
+    acks = {env.put_ack.request_id: env.put_ack for _, env, _ in core.outbox.clients[acks_before:]}
+    assert not acks[1].failed and core.store.get((5, 0, 0)).owner == ALICE
+    assert acks[2].failed and "not this client's" in acks[2].failure.message and (6, 0, 0) not in core.store
 
 
 def test_the_embedded_clients_put_and_fetch_are_unchanged_and_record_no_owner():
