@@ -24,7 +24,7 @@ from typing import Callable
 
 import zmq
 
-from pathways_torch.wire import seam_codec
+from pathways_torch.wire import pb, seam_codec
 from pathways_torch.wire.framing import log_dropped
 from pathways_torch.wire.seam import ArraySettled, CallSpec, ProgramSpec
 from pathways_torch.wire.security import ConnectionWatch, client_name, make_server, peer_role
@@ -42,7 +42,7 @@ _OUTPUT_IDS = {"call": 1, "run_program": 2}   # where a call's output ids are am
 _IDS = (list, tuple)
 # op → the types of its positional arguments (checked before anything runs: a client sends plain data only)
 _SIGNATURES: dict[str, tuple] = {
-    "register_function": (str, object, list, (int, float)), "register_program": (ProgramSpec,),
+    "register_function": (str, pb.Graph, list, (int, float)), "register_program": (ProgramSpec,),
     "describe_program": (int,), "call": (CallSpec, _IDS), "run_program": (int, _IDS, (*_IDS, type(None))),
     "grant_ids": (int,),
     "new_array": ((list, tuple), int, int), "landed": (int, (BaseException, type(None))), "release": (int,),
