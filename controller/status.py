@@ -12,6 +12,7 @@ from __future__ import annotations
 from concurrent import futures
 
 from pathways_torch.wire import pb
+from pathways_torch.wire.threads import threads_leave_signals
 from pathways_torch.wire.status_service import STATUS_ADMIN, STATUS_GET, STATUS_SERVICE
 
 __all__ = ["serve_status", "status_of"]
@@ -43,7 +44,8 @@ def serve_status(controller, port: int, run_id: str = "", admin=None, host: str 
         health_pb2_grpc.add_HealthServicer_to_server(checks, server)
     if server.add_insecure_port(f"{host}:{port}") == 0:
         raise OSError(f"--status-port {port}: could not listen on {host}:{port}")
-    server.start()
+    with threads_leave_signals():   # gRPC's threads, and the pool's started from them
+        server.start()
     return server
 
 

@@ -38,6 +38,7 @@ import os
 import threading
 
 from ..wire.durable import fsync_dir, replace_durably
+from ..wire.threads import leave_signals_to_the_main_thread
 from .checkpoint_folders import INDEX, LATEST
 
 __all__ = ["save_sharded", "read_sharded", "is_sharded", "CheckpointPart", "FORMAT", "LATEST", "INDEX"]
@@ -78,6 +79,7 @@ def save_sharded(context, trainer, directory: str, meta: dict, timeout_s: float 
     futures: list = []
 
     def finish():
+        leave_signals_to_the_main_thread()
         try:
             # An executor learns of a shard when its step runs there; ask for it once the controller knows it
             # was made (the client goes on dispatching meanwhile).

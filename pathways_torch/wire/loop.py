@@ -26,7 +26,7 @@ from typing import Callable, Sequence
 
 import zmq
 
-from .threads import name_os_thread
+from .threads import leave_signals_to_the_main_thread, name_os_thread
 from .wake import POLLIN, WakePipe
 
 __all__ = ["SocketLoop", "frame_nbytes"]
@@ -216,6 +216,7 @@ class SocketLoop:
 
     def _run(self) -> None:
         name_os_thread()
+        leave_signals_to_the_main_thread()
         try:
             while not self._stopping:
                 for socket, _ in self._poller.poll(self._poll_timeout_ms()):

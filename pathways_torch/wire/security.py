@@ -40,6 +40,8 @@ import zmq.utils.z85
 from zmq.auth.thread import ThreadAuthenticator
 from zmq.utils.monitor import parse_monitor_message
 
+from .threads import threads_leave_signals
+
 __all__ = [
     "CONTROLLER", "CLIENT", "ZAP_DOMAIN", "HEARTBEAT_SUFFIX", "STORE_SUFFIX", "SecurityError", "KeyPair", "Credentials", "KeyDirectory",
     "Gatekeeper", "make_server", "make_client", "check_role", "peer_role", "peer_key", "ConnectionWatch",
@@ -330,7 +332,8 @@ class Gatekeeper:
         self._roles = {_check_key(key, f"key of {role!r}"): role for role, key in allowed.items()}
         self.refused = 0
         self._auth = _RoleAuthenticator(context, self._roles)
-        self._auth.start()
+        with threads_leave_signals():
+            self._auth.start()
         self._auth.configure_curve_callback(ZAP_DOMAIN, self)
 
     def admit(self, role: str, public_key: bytes) -> None:

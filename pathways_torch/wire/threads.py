@@ -3,13 +3,20 @@ which thread of a process is busy (Python's thread names live only inside Python
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
 import functools
+import signal
 import sys
 import threading
 
-__all__ = ["name_os_thread", "os_thread_name"]
+__all__ = ["name_os_thread", "os_thread_name", "leave_signals_to_the_main_thread", "threads_leave_signals"]
+
+# The kernel hands a process-directed signal to any thread that does not block it. Python runs its handlers
+# on the main thread only, and a main thread asleep in `time.sleep` or a lock wait wakes only when the signal
+# lands on it: Ctrl-C taken by an I/O thread waits out the sleep (seen as a client ignoring SIGINT under load).
+_MAIN_THREAD_SIGNALS = frozenset({signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2})
 
 _PR_SET_NAME = 15   # prctl option (linux/prctl.h)
 _MAX_NAME_BYTES = 15
@@ -41,3 +48,20 @@ def name_os_thread() -> None:
 @functools.cache
 def _libc():
     return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+
+
+def leave_signals_to_the_main_thread() -> None:
+    """Block the process-directed signals in the calling background thread, so they reach the main thread."""
+    if threading.current_thread() is not threading.main_thread():
+        signal.pthread_sigmask(signal.SIG_BLOCK, _MAIN_THREAD_SIGNALS)
+
+
+@contextlib.contextmanager
+def threads_leave_signals():
+    """Threads started inside (a library's: ZeroMQ's authenticator, gRPC's servers) inherit a mask that leaves
+    the process-directed signals to the main thread. One arriving meanwhile waits, pending, until the end."""
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, _MAIN_THREAD_SIGNALS)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)

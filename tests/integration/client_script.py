@@ -4,6 +4,7 @@ import faulthandler
 import os
 import signal
 import sys
+import threading
 import time
 
 import torch
@@ -11,6 +12,22 @@ import torch
 import pathways_torch as pw
 
 faulthandler.register(signal.SIGUSR1, all_threads=True)   # a test that waits too long dumps where we are
+
+
+def thread_names_taking_sigint() -> list[str]:
+    """Our Python threads other than the main one that the kernel could hand Ctrl-C to (a main thread asleep
+    would then sleep on). Threads of C libraries (OpenBLAS's, started by importing numpy) are not ours."""
+    names = []
+    for thread in threading.enumerate():
+        if thread is threading.main_thread() or thread.native_id is None:
+            continue
+        with open(f"/proc/self/task/{thread.native_id}/status") as f:
+            fields = dict(line.split(":", 1) for line in f)
+        if not int(fields["SigBlk"], 16) >> (signal.SIGINT - 1) & 1:
+            names.append(thread.name)
+    return names
+
+
 how = sys.argv[1]
 with pw.Context(num_executors=2, backend="eager", heartbeat_interval_s=0.2, heartbeat_timeout_s=3.0) as ctx:
     mesh = ctx.mesh({"data": 2})
@@ -20,6 +37,7 @@ with pw.Context(num_executors=2, backend="eager", heartbeat_interval_s=0.2, hear
     if how == "exception":
         raise RuntimeError("the user's code failed")
     if how in ("sigint", "sigkill"):
+        print("TAKE SIGINT", " ".join(thread_names_taking_sigint()), flush=True)
         print("READY", flush=True)
         time.sleep(120)
 print("EXITED CLEANLY", os.getpid(), flush=True)

@@ -22,6 +22,8 @@ def _start(how: str) -> tuple[subprocess.Popen, list[int]]:
                               text=True, cwd=REPO_ROOT, env=dict(os.environ, PYTHONPATH=REPO_ROOT))
     pids: list[int] = []
     for line in client.stdout:
+        if line.startswith("TAKE SIGINT"):
+            assert line.split()[2:] == [], f"threads that could take the client's Ctrl-C: {line}"
         if line.startswith("PIDS"):
             pids = [int(p) for p in line.split()[1:]]
         if line.startswith("READY") or (pids and how in ("clean", "exception")):
