@@ -139,6 +139,8 @@ class CallDispatch:
                         run.axis_groups[axis] = axis_groups[axis][position]
                 for record in inputs:
                     run.inputs.append(self._route_input(record, position, executor_id, call_id))
+                # Only shards stored where the run is: a copy pushed for it is freed after it anyway.
+                run.donated_inputs.extend(i for i in spec.donated if not run.inputs[i].tag)
                 for record in outputs:
                     run.outputs.add(array_id=record.array_id, shard=position)
                 runs.append((executor_id, run))

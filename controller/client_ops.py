@@ -90,7 +90,14 @@ class ClientOps:
         if output_ids is not None:   # first: the client moved past these ids whether the call goes or fails
             self._claim(output_ids, spec.num_outputs)
         self._check_call(spec, inputs=True)
-        return self._own(self.controller.call(spec, self.owner, output_ids))
+        if any(not 0 <= i < len(spec.inputs) for i in spec.donated):
+            raise ValueError(f"call of {spec.name!r}: donated input positions {list(spec.donated)} for "
+                             f"{len(spec.inputs)} inputs")
+        records = self._own(self.controller.call(spec, self.owner, output_ids))
+        # Given up with the call: freed now, so that naming them again is refused here rather than waited for on
+        # the executors (which freed their shards as the run arrived).
+        self.release_many(sorted({spec.inputs[i] for i in spec.donated}))
+        return records
 
     def run_program(self, program_id: int, input_ids: Sequence[int],
                     output_ids: Sequence[int] | None = None) -> list[ArrayRecord]:

@@ -75,7 +75,8 @@ class ExecutorCore:
                                   outbox=outbox, trace=self.trace, data=self.data, submit=submit, drop=self._drop,
                                   gang_order=gang_order, program_order=program_order)
         self.interpreter = StepInterpreter(executor_id=executor_id, backend=backend,
-                                           collectives=self.collectives, trace=self.trace)
+                                           collectives=self.collectives, trace=self.trace,
+                                           hand_over=self.store.hand_over)
         self.programs = self.run_queue.programs
         # Bound here rather than forwarded: the compute thread calls them once per job.
         self.compute = self.interpreter.compute

@@ -303,10 +303,12 @@ class DataPlane:
 
     # ------------------------------------------------------------ copies and their Runs
 
-    def accept_run(self, input_keys: list, output_keys: list, last_call_id: int, owner: str = "") -> None:
+    def accept_run(self, input_keys: list, output_keys: list, last_call_id: int, owner: str = "",
+                   donated=()) -> None:
         """A run's inputs are pinned until it ends, its outputs owned until freed; copies for calls
         up to ``last_call_id`` that arrive from now on are late. ``owner``: the role of the client whose run it
-        is (the controller's word), which its outputs and the copies made for it belong to."""
+        is (the controller's word), which its outputs and the copies made for it belong to. ``donated``: input
+        positions the client gave up with the run, freed now (the run alone holds them: `ObjectStore.hand_over`)."""
         owner = self.owners.as_owner(owner)
         for key in input_keys:
             entry = self.store.claim(key, pin=True)
@@ -314,6 +316,9 @@ class DataPlane:
                 entry.owner = owner
             if self._refused_early and key in self._refused_early:
                 self.store.fill(key, failure=self._refused_early.pop(key))
+        for position in donated:
+            if position < len(input_keys):
+                self.store.free(input_keys[position])
         for key in output_keys:
             entry = self.store.claim(key, owned=True)
             if owner:

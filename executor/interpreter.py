@@ -33,8 +33,14 @@ log = logging.getLogger(__name__)
 class StepInterpreter:
     """Runs jobs on the compute thread: ``compute(job)`` never raises; ``fail`` covers a bug of ours."""
 
-    def __init__(self, *, executor_id: str, backend, collectives: CollectiveRuntime, trace: TraceRecorder):
+    def __init__(self, *, executor_id: str, backend, collectives: CollectiveRuntime, trace: TraceRecorder,
+                 hand_over: Callable = lambda entry, failure: value_or_failure(entry)):
         self.executor_id = executor_id
+        # An input the store no longer needs is the computation's to free (`ObjectStore.hand_over`); a late
+        # reader of it gets this failure instead.
+        self._hand_over = hand_over
+        self._handed_over = pb.RemoteFailure(type="ProtocolError", executor_id=executor_id,
+                                             message="this shard was freed: a computation took it over")
         self.backend = backend
         self.collectives = collectives
         self.trace = trace
@@ -56,8 +62,9 @@ class StepInterpreter:
     def _compute_segment(self, job: SegmentJob) -> SegmentJob:
         segment = job.segment
         slots = [None] * segment.num_slots
+        hand_over, handed_over = self._hand_over, self._handed_over
         for index, entry in enumerate(job.entries):
-            slots[index] = value_or_failure(entry)
+            slots[index] = hand_over(entry, handed_over)
         unreported = 0   # device time of quiet steps: charged with the next report (a run's last node reports)
         for step, function in zip(segment.steps, job.functions):
             unreported = self._run_step(job, step, function, slots, unreported)
@@ -68,7 +75,8 @@ class StepInterpreter:
 
     def _compute_run(self, job: RunJob) -> RunJob:
         """A plain run started at once (`RunQueue._start_now`): its one step, on its entries' values."""
-        outputs, failure, done, _ = self._step(job.step, job.function, [value_or_failure(e) for e in job.entries],
+        hand_over, handed_over = self._hand_over, self._handed_over
+        outputs, failure, done, _ = self._step(job.step, job.function, [hand_over(e, handed_over) for e in job.entries],
                                                job.seq, job.call_id)
         job.values = [failure] * len(job.output_keys) if outputs is None else outputs
         job.computed = int(outputs is not None)
@@ -79,8 +87,10 @@ class StepInterpreter:
     def _run_step(self, job: SegmentJob, step, function: LoadedFunction | None, slots: list, unreported: int) -> int:
         """Run one step of a segment; the device time not yet reported, after it."""
         seq, call_id = job.segment.ids(step)
-        outputs, failure, done, device_ns = self._step(step, function, [slots[slot] for slot in step.inputs], seq,
-                                                       call_id)
+        inputs = [slots[slot] for slot in step.inputs]
+        for slot in step.frees:   # the list passed on holds them now; a boxed backend frees them inside
+            slots[slot] = None
+        outputs, failure, done, device_ns = self._step(step, function, inputs, seq, call_id)
         for index, slot in enumerate(step.outputs):
             slots[slot] = failure if outputs is None else outputs[index]
         if outputs is not None:
@@ -97,11 +107,8 @@ class StepInterpreter:
         Returns (outputs, None, Done, device ns) or (None, failure, Done, device ns); the Done is None for a quiet
         step. Device ns: how long the backend ran it (the device time a client's share is charged).
         """
-        failure = None
-        for value in inputs:
-            if isinstance(value, pb.RemoteFailure):
-                failure = value
-                break
+        # Not a loop variable: it would hold the last input past its last use (see `ObjectStore.hand_over`).
+        failure = next((value for value in inputs if isinstance(value, pb.RemoteFailure)), None)
         if failure is None:
             # Only values from outside the segment can be a bad put or a hostile peer's; the
             # rest were just made here by functions with traced output signatures.

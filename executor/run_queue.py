@@ -75,7 +75,7 @@ class RunQueue:
     def on_run(self, run: pb.Run, payload) -> None:
         if not self.queued and not self._pumping and self._start_now(run):
             return
-        self._enqueue(single(run, self._run_steps), run.owner)
+        self._enqueue(single(run, self._run_steps), run.owner, run.donated_inputs)
 
     def _start_now(self, run: pb.Run) -> bool:
         """Start a plain Run that can start now, without a segment or a pass over the queue.
@@ -98,7 +98,7 @@ class RunQueue:
         seq, call_id = run.seq, run.call_id
         self.trace.record("receive", function.name, seq=seq, call_id=call_id, function_id=run.function_id)
         output_keys = [(r.array_id, r.shard, r.tag) for r in run.outputs]
-        self._data.accept_run(input_keys, output_keys, call_id, run.owner)
+        self._data.accept_run(input_keys, output_keys, call_id, run.owner, run.donated_inputs)
         if run.collective:
             self.last_collective_seq = seq
         job = RunJob(function, run_step(run, self._run_steps), seq=seq, call_id=call_id,
@@ -107,13 +107,14 @@ class RunQueue:
         self._begin(job)
         return True
 
-    def _enqueue(self, segment: Segment, owner: str = "") -> None:
-        """Queue a segment of a run of the client of role ``owner`` (its outputs are that client's)."""
+    def _enqueue(self, segment: Segment, owner: str = "", donated=()) -> None:
+        """Queue a segment of a run of the client of role ``owner`` (its outputs are that client's); ``donated``:
+        input positions the client gave up with it."""
         for step in segment.steps:
             seq, call_id = segment.ids(step)
             self.trace.record("receive", self._name(step.function_id) or "run", seq=seq, call_id=call_id,
                               function_id=step.function_id)
-        self._data.accept_run(segment.input_keys, segment.output_keys, segment.last_call_id, owner)
+        self._data.accept_run(segment.input_keys, segment.output_keys, segment.last_call_id, owner, donated)
         self._queue_in_order(segment)
         self._note_depth()
         # Wake the queue when a missing input arrives. Only missing ones: a segment that

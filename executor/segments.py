@@ -51,7 +51,7 @@ class Step:
     """
 
     __slots__ = ("offset", "function_id", "inputs", "outputs", "collective", "axis_groups", "report", "digest",
-                 "report_shapes", "binding", "external")
+                 "report_shapes", "binding", "external", "frees")
 
     def __init__(self, *, offset: int, function_id: int, inputs: list[int], outputs: list[int], collective: bool,
                  axis_groups: dict, report: bool, digest: bool, report_shapes: bool = False):
@@ -60,6 +60,9 @@ class Step:
         self.report_shapes = report_shapes   # data-dependent output sizes: Done carries them
         self.binding = None                  # the resolved process groups (CollectiveRuntime.bind)
         self.external = True                 # reads a segment input (a stored value): checked against its signature
+        # The slots no later step reads and the segment does not store: emptied once this step has read them,
+        # so that an input handed over (`ObjectStore.hand_over`) is freed inside the function (its last use).
+        self.frees: tuple[int, ...] = tuple(inputs)
 
 
 class SegmentPlan:
@@ -221,7 +224,16 @@ def _choose_outputs(plans: list[SegmentPlan], program_outputs: set, sent: set) -
         plan.num_slots += shift
         plan.outputs = [(value, shard, slot + shift) for value, shard, slot in plan.produced
                         if value in program_outputs or (value, shard) in sent or (value, shard) in read_later]
+        _mark_frees(plan)
         read_later |= {(value, shard) for value, shard, copy_node in plan.inputs if copy_node < 0}
+
+
+def _mark_frees(plan: SegmentPlan) -> None:
+    """Each step's ``frees``: the slots whose last reader it is, less the ones the segment stores."""
+    kept = {slot for _, _, slot in plan.outputs}
+    last_reader = {slot: step for step in plan.steps for slot in step.inputs}
+    for step in plan.steps:
+        step.frees = tuple(slot for slot in dict.fromkeys(step.inputs) if last_reader[slot] is step and slot not in kept)
 
 
 def instantiate(plan: SegmentPlan, run: pb.RunProgram, array_id, after: Segment | None = None) -> Segment:

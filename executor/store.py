@@ -5,6 +5,12 @@ tag is a transient copy made for the call with that id. An entry lives while it
 is *owned* (the controller has not freed it) or *pinned* (a queued computation,
 a pending send or a pending fetch still needs it); it may exist before its bytes
 do (a placeholder), and callbacks wait for it to become ready.
+
+An entry no longer owned and pinned by one computation alone is *handed over* to it when it starts
+(`hand_over`): the store lets go of the buffer, so the computation frees it at its last use (XLA's buffer
+donation, torch's boxed calls) instead of holding two copies of a training step's state. Nobody else can
+want it: only the controller names arrays to new readers, and it names no freed array. A call that
+*donates* an input frees it on arrival (`Run.donated_inputs`), so the hand-over does not wait on a Free.
 """
 
 from __future__ import annotations
@@ -109,6 +115,17 @@ class ObjectStore:
             return
         entry.pins = max(0, entry.pins - 1)
         self._collect(key, entry)
+
+    def hand_over(self, entry: Entry, failure) -> object:
+        """The value of a computation's input, handed over when the store no longer needs it: an entry not
+        owned and pinned by this computation alone then holds ``failure`` (what a late reader gets) instead
+        of the value, and its bytes go with the computation's unpin. Called on the compute thread without
+        the lock: an entry in that state is never pinned again (only the controller names new readers)."""
+        value = entry.value
+        if value is not None and not entry.owned and entry.pins == 1:
+            entry.failure = failure   # first: a reader in between sees one or the other, never neither
+            entry.value = None
+        return entry.failure if value is None else value
 
     def free(self, key: Key) -> None:
         """The controller dropped ``key``: delete it once nothing pins it."""

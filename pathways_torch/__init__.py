@@ -23,7 +23,7 @@ __all__ = [
     "Link",
     # errors
     "PathwaysError", "RemoteError", "CaptureError", "ExecutorLostError", "ReplicationError",
-    "PlacementError", "AuthenticationError", "ContextClosedError", "ControllerLostError", "OutOfMemoryError",
+    "PlacementError", "DonatedArrayError", "AuthenticationError", "ContextClosedError", "ControllerLostError", "OutOfMemoryError",
     # backends
     "BACKEND_NAMES",
 ]
@@ -56,6 +56,7 @@ _WHERE = {
     "ExecutorLostError": "pathways_torch.errors",
     "ReplicationError": "pathways_torch.errors",
     "PlacementError": "pathways_torch.errors",
+    "DonatedArrayError": "pathways_torch.errors",
     "AuthenticationError": "pathways_torch.errors",
     "ContextClosedError": "pathways_torch.errors",
     "ControllerLostError": "pathways_torch.errors",

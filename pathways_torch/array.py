@@ -28,6 +28,8 @@ class Array:
         self.block_shape = tuple(block_shape)
         self._value = None    # the assembled tensor, once fetched: readable after the context closes
         self._finalizer = weakref.finalize(self, context._dispatch.release, state.array_id)
+        self._donated_to = ""  # the call it was given up to (donate_argnums): its shards are that call's to free
+        self._holds = 0        # readers that need it kept (a checkpoint being written): not donated meanwhile
 
     @property
     def array_id(self) -> int:
@@ -83,6 +85,7 @@ class Array:
         timeout_s = _timeout(timeout_s, timeout)
         if self._value is not None:
             return self._value.clone()
+        self._check_not_donated("result()")
         self._wait(timeout_s)
         if self._state.error is not None:
             raise self._context._explained(self._state.error)
@@ -98,6 +101,14 @@ class Array:
         # the caller always gets a copy of its own.
         self._value = assemble_blocks(blocks, self.block_shape, self.sharding.placements, self.mesh)
         return self._value.clone()
+
+    def _check_not_donated(self, use: str) -> None:
+        if self._donated_to:
+            from .errors import DonatedArrayError
+
+            raise DonatedArrayError(f"{use}: array {self.array_id} was donated to a call of {self._donated_to!r} "
+                                    f"(donate_argnums), which freed its shards; use that call's outputs instead, "
+                                    f"or leave the argument out of donate_argnums")
 
     @property
     def shape_known(self) -> bool:

@@ -33,8 +33,9 @@ class Dispatcher:
 
     # ------------------------------------------------------------ calls and programs
 
-    def call(self, version, mesh, inputs, layouts: list, call_site: str) -> list[Array]:
-        """Dispatch one call of a captured function on ``mesh``; its output arrays at once."""
+    def call(self, version, mesh, inputs, layouts: list, call_site: str, donated: tuple[int, ...] = ()) -> list[Array]:
+        """Dispatch one call of a captured function on ``mesh``; its output arrays at once. ``donated``: the
+        positions of ``inputs`` the call frees (the caller gave them up)."""
         self._context._check_open()
         check_collectives_in_islands(version, mesh.allocation, self._client)
         replicated = tuple(sharding.is_replicated for _, _, sharding, _ in layouts)
@@ -42,8 +43,10 @@ class Dispatcher:
                         inputs=tuple(a.array_id for a in inputs), num_outputs=len(layouts),
                         replicated_outputs=replicated, debug=self._context.config.debug, call_site=call_site,
                         collective_axes=version.collective_axes, report_shapes=version.data_dependent,
-                        output_shard_bytes=_output_bytes(layouts))
+                        output_shard_bytes=_output_bytes(layouts), donated=donated)
         states = self._client.call(spec)
+        for position in donated:
+            inputs[position]._donated_to = version.name
         return [Array(self._context, state, shape, dtype, sharding, block)
                 for state, (shape, dtype, sharding, block) in zip(states, layouts)]
 

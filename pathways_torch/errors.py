@@ -9,7 +9,7 @@ This module imports nothing heavy: the controller uses it too.
 from __future__ import annotations
 
 __all__ = [
-    "PathwaysError", "RemoteError", "CaptureError", "PlacementError",
+    "PathwaysError", "RemoteError", "CaptureError", "PlacementError", "DonatedArrayError",
     "ReplicationError", "ExecutorLostError", "ControllerLostError", "AuthenticationError", "ProtocolError", "ContextClosedError",
     "OutOfMemoryError", "TRANSFER_LOST", "COLLECTIVE_ABANDONED",
 ]
@@ -31,6 +31,10 @@ class CaptureError(PathwaysError):
 
 class PlacementError(PathwaysError, ValueError):
     """A placement, mesh or shape that does not fit (e.g. a dimension not divisible by a mesh axis)."""
+
+
+class DonatedArrayError(PlacementError):
+    """An array given up to a call (``donate_argnums``) was used again: its shards were freed by that call."""
 
 
 class RemoteError(PathwaysError):

@@ -22,21 +22,30 @@ from .tracing import SymbolicArray, call_site, current_tracer, replayed_call
 __all__ = ["function", "Function"]
 
 
-def function(fn: Callable | None = None, *, out=None, name: str | None = None, sim_time_s: float = 0.0):
+def function(fn: Callable | None = None, *, out=None, name: str | None = None, sim_time_s: float = 0.0,
+             donate_argnums: tuple[int, ...] = ()):
     """Decorate a per-shard function. ``out``: one spec or a tuple (one per output); a spec is
     ``pw.Shard(d)`` / ``pw.Replicate()`` (every mesh axis) or ``{axis: placement}``.
-    ``sim_time_s``: how long a run occupies a simulated (``backend="sim"``) executor."""
+    ``sim_time_s``: how long a run occupies a simulated (``backend="sim"``) executor.
+    ``donate_argnums``: the positions of array arguments the caller gives up (JAX's spelling): each call frees
+    them as it runs, so their memory can hold its outputs; using such an array again raises
+    `DonatedArrayError`."""
     if fn is None:
-        return lambda f: Function(f, out=out, name=name, sim_time_s=sim_time_s)
-    return Function(fn, out=out, name=name, sim_time_s=sim_time_s)
+        return lambda f: Function(f, out=out, name=name, sim_time_s=sim_time_s, donate_argnums=donate_argnums)
+    return Function(fn, out=out, name=name, sim_time_s=sim_time_s, donate_argnums=donate_argnums)
 
 
 class Function:
     """A captured per-shard function; ``num_traces`` counts the versions traced so far."""
 
-    def __init__(self, fn: Callable, *, out=None, name: str | None = None, mesh=None, sim_time_s: float = 0.0):
+    def __init__(self, fn: Callable, *, out=None, name: str | None = None, mesh=None, sim_time_s: float = 0.0,
+                 donate_argnums: tuple[int, ...] = ()):
         if sim_time_s < 0:
             raise ValueError(f"sim_time_s: expected >= 0, got {sim_time_s}")
+        donate_argnums = (donate_argnums,) if isinstance(donate_argnums, int) else tuple(donate_argnums)
+        if any(not isinstance(i, int) or i < 0 for i in donate_argnums):
+            raise ValueError(f"donate_argnums: expected argument positions (ints >= 0), got {donate_argnums}")
+        self.donate_argnums = frozenset(donate_argnums)
         self.fn = fn
         self.out = out
         self.sim_time_s = sim_time_s
@@ -53,7 +62,8 @@ class Function:
 
     def on(self, mesh) -> "Function":
         """The same function, run on ``mesh`` (inputs elsewhere are moved executor→executor)."""
-        bound = Function(self.fn, out=self.out, name=self.name, mesh=mesh, sim_time_s=self.sim_time_s)
+        bound = Function(self.fn, out=self.out, name=self.name, mesh=mesh, sim_time_s=self.sim_time_s,
+                         donate_argnums=tuple(self.donate_argnums))
         bound._versions = self._versions  # one trace cache for every mesh it runs on
         return bound
 
@@ -81,6 +91,7 @@ class Function:
             # once its producer has run and reported it.
             a._learn_shape()
         for a in arrays:
+            a._check_not_donated(self.name)
             if a._context is not context:
                 raise PlacementError(f"{self.name}: arrays from different contexts cannot meet in one call")
             if not a.mesh.same_shape(mesh):
@@ -97,8 +108,21 @@ class Function:
                 self._calls.clear()
             known = self._calls[(signature, mesh)] = (version, layouts)
         version, layouts = known
-        outputs = context._dispatch.call(version, mesh, arrays, layouts, call_site())
+        outputs = context._dispatch.call(version, mesh, arrays, layouts, call_site(), self._donated(args))
         return outputs[0] if version.single_output else tuple(outputs)
+
+    def _donated(self, args) -> tuple[int, ...]:
+        """Positions among the call's arrays that it may free: the donated arguments no one holds (a checkpoint
+        being written holds its step's state: `Array._holds`)."""
+        if not self.donate_argnums:
+            return ()
+        positions, index = [], 0
+        for position, value in enumerate(args):
+            if isinstance(value, Array):
+                if position in self.donate_argnums and not value._holds:
+                    positions.append(index)
+                index += 1
+        return tuple(positions)
 
     def _record(self, tracer, args, kwargs, symbolic_type):
         """Inside ``@pw.program``: add a node instead of dispatching."""

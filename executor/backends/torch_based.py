@@ -56,9 +56,10 @@ class TorchBackend:
         self._device = torch.device(device)
         self.device = str(self._device)
 
+    boxed = False   # compiled(inputs) takes the list and clears it (executor/backends/boxed.py)
+
     def run(self, compiled, inputs):
-        # Stored values are dense: a view's strides would travel to the wire and the signature check.
-        return [out.contiguous() for out in as_list(compiled(*inputs))]
+        return [_stored(out) for out in as_list(compiled(inputs) if self.boxed else compiled(*inputs))]
 
     def to_device(self, tensor):
         return tensor if tensor.device == self._device else tensor.to(self._device)
@@ -72,6 +73,7 @@ class EagerBackend(TorchBackend):
 
     name = "eager"
     compiles_in_background = False
+    boxed = True
 
     def __init__(self, device: str = "cpu"):
         self._use_device(device)
@@ -79,7 +81,9 @@ class EagerBackend(TorchBackend):
     def compile(self, graph_module, example_inputs):
         from pathways_torch.wire.collective_ops import call_runtime_directly
 
-        return call_runtime_directly(graph_module.to(self._device)).forward
+        from .boxed import boxed
+
+        return boxed(call_runtime_directly(graph_module.to(self._device))).forward
 
     def num_compiles(self) -> int:
         return 0
@@ -107,6 +111,16 @@ class InductorBackend(TorchBackend):
 
     def num_compiles(self) -> int:
         return self._compiles
+
+
+def _stored(out):
+    """An output as the store keeps it: dense (a view's strides would travel to the wire and the signature
+    check), and owning its memory: a small view of a big intermediate (a loss sliced out of a packed gradient)
+    would keep all of it alive as long as the output lives."""
+    out = out.contiguous()
+    if out.untyped_storage().nbytes() > 2 * out.nbytes + 4096:
+        return out.clone()
+    return out
 
 
 def as_list(out) -> list:

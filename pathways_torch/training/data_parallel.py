@@ -43,7 +43,10 @@ class DataParallelRunner(HoldsTrainer):
                 + [Replicate()] * len(layout.buffer_names))
         step = make_step(t.model, t.loss_fn, t._spec, layout, self.plan, self.num_shards, t.seed, t.max_grad_norm,
                          batch_forms=t._batch_forms)
-        self._function = Function(step, out=tuple(outs), name=step.__name__, mesh=t.mesh)
+        # The old state is given up to the step that replaces it: executors free it inside the step, so they
+        # never hold two copies of it (frozen parameters are not replaced: kept).
+        self._function = Function(step, out=tuple(outs), name=step.__name__, mesh=t.mesh,
+                                  donate_argnums=tuple(range(layout.num_state_inputs)))
 
     def batch_pieces(self) -> tuple[int, str]:
         return self.num_shards, f"the {self.num_shards} shards of mesh axis {self.plan.axis!r}"

@@ -91,7 +91,9 @@ class DataParallel:
             return [self.reduce_gradient(g, num_shards) for g in grads], all_reduce(loss, self.axis, "mean")
         packed = self.reduce_gradient(torch.cat([grads[0], loss.reshape(1)]), num_shards)
         rest = [self.reduce_gradient(g, num_shards) for g in grads[1:]]
-        return [packed[:-1], *rest], packed[-1]
+        # The loss leaves the step as its own tensor: a view would keep the whole packed gradient alive as long
+        # as anyone holds the loss (every executor, one bucket per loss kept).
+        return [packed[:-1], *rest], packed[-1].clone()
 
     def global_sum(self, x, num_shards: int):
         """Sum of a per-shard quantity over the whole (unsharded) state: local here."""

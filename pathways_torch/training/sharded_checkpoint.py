@@ -74,6 +74,8 @@ def save_sharded(context, trainer, directory: str, meta: dict, timeout_s: float 
     index["meta"] = meta
     rng = torch.get_rng_state()
     snapshot = list(trainer._checkpoint_arrays())   # held until the shards are written: the step's own state
+    for array in snapshot:
+        array._holds += 1     # the next step must not free them (donate_argnums) while they are written
     result: concurrent.futures.Future = concurrent.futures.Future()
     result.step_dir = step_dir
     futures: list = []
@@ -104,6 +106,8 @@ def save_sharded(context, trainer, directory: str, meta: dict, timeout_s: float 
         except BaseException as exc:   # noqa: BLE001 - the caller's future says what failed
             result.set_exception(exc)
         finally:
+            for array in snapshot:
+                array._holds -= 1
             snapshot.clear()
             # Unpinned once no executor writes into the folder: a failed save's others may still be writing. Waited
             # for here, on this background thread, not in the futures' callbacks on the data client's I/O thread.

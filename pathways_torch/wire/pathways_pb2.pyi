@@ -258,7 +258,7 @@ class RunProgram(_message.Message):
     def __init__(self, program_id: _Optional[int] = ..., base_seq: _Optional[int] = ..., base_call_id: _Optional[int] = ..., input_array_ids: _Optional[_Iterable[int]] = ..., output_array_ids: _Optional[_Iterable[int]] = ..., first_intermediate_id: _Optional[int] = ..., prev_collective_seq: _Optional[int] = ..., owner: _Optional[str] = ...) -> None: ...
 
 class Run(_message.Message):
-    __slots__ = ("seq", "call_id", "function_id", "inputs", "outputs", "digest_outputs", "collective", "prev_collective_seq", "axis_groups", "quiet", "report_shapes", "owner")
+    __slots__ = ("seq", "call_id", "function_id", "inputs", "outputs", "digest_outputs", "collective", "prev_collective_seq", "axis_groups", "quiet", "report_shapes", "owner", "donated_inputs")
     class AxisGroupsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -278,6 +278,7 @@ class Run(_message.Message):
     QUIET_FIELD_NUMBER: _ClassVar[int]
     REPORT_SHAPES_FIELD_NUMBER: _ClassVar[int]
     OWNER_FIELD_NUMBER: _ClassVar[int]
+    DONATED_INPUTS_FIELD_NUMBER: _ClassVar[int]
     seq: int
     call_id: int
     function_id: int
@@ -290,7 +291,8 @@ class Run(_message.Message):
     quiet: bool
     report_shapes: bool
     owner: str
-    def __init__(self, seq: _Optional[int] = ..., call_id: _Optional[int] = ..., function_id: _Optional[int] = ..., inputs: _Optional[_Iterable[_Union[ShardRef, _Mapping]]] = ..., outputs: _Optional[_Iterable[_Union[ShardRef, _Mapping]]] = ..., digest_outputs: _Optional[bool] = ..., collective: _Optional[bool] = ..., prev_collective_seq: _Optional[int] = ..., axis_groups: _Optional[_Mapping[str, int]] = ..., quiet: _Optional[bool] = ..., report_shapes: _Optional[bool] = ..., owner: _Optional[str] = ...) -> None: ...
+    donated_inputs: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, seq: _Optional[int] = ..., call_id: _Optional[int] = ..., function_id: _Optional[int] = ..., inputs: _Optional[_Iterable[_Union[ShardRef, _Mapping]]] = ..., outputs: _Optional[_Iterable[_Union[ShardRef, _Mapping]]] = ..., digest_outputs: _Optional[bool] = ..., collective: _Optional[bool] = ..., prev_collective_seq: _Optional[int] = ..., axis_groups: _Optional[_Mapping[str, int]] = ..., quiet: _Optional[bool] = ..., report_shapes: _Optional[bool] = ..., owner: _Optional[str] = ..., donated_inputs: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class FormGroup(_message.Message):
     __slots__ = ("seq", "prev_collective_seq", "group_id", "rank", "size", "store_path", "timeout_s", "members")

@@ -80,6 +80,9 @@ class CallSpec:
     # The bytes of one shard of each output (its block's elements times its dtype's size), for the controller's
     # memory budget (controller/memory.py). Empty, or 0 for an output: unknown (its size depends on the data).
     output_shard_bytes: tuple[int, ...] = ()
+    # Input positions the client gives up with this call (it will never name those arrays again): each executor
+    # frees its shard as the run arrives, so the run frees it at its last use (a training step's old state).
+    donated: tuple[int, ...] = ()
 
     def __post_init__(self):
         if self.num_outputs is None:
