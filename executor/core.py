@@ -233,6 +233,7 @@ class ExecutorCore:
             stats.hop_bytes[hop] = count
         # Stats has no fields for these counts yet: they ride in hop_bytes under reserved names.
         stats.hop_bytes["dropped_messages"] = self.dropped_messages
+        stats.hop_bytes["handed_over"] = self.store.handed_over
         for name, count in self.counters.items():
             stats.hop_bytes[name] = count
         self.outbox.to_controller(pb.Envelope(stats=stats))

@@ -53,6 +53,7 @@ class ObjectStore:
         self._entries: dict[Key, Entry] = {}
         self.bytes = 0
         self.bytes_high_water = 0   # the most bytes held at once since `take_high_water` last ran
+        self.handed_over = 0        # inputs handed over to their computation (`hand_over`)
 
     def take_high_water(self) -> int:
         """The peak bytes held since the last call; the next period starts from what is held now."""
@@ -125,6 +126,7 @@ class ObjectStore:
         if value is not None and not entry.owned and entry.pins == 1:
             entry.failure = failure   # first: a reader in between sees one or the other, never neither
             entry.value = None
+            self.handed_over += 1
         return entry.failure if value is None else value
 
     def free(self, key: Key) -> None:

@@ -313,5 +313,7 @@ def _executor_stats(s) -> dict:
             # "data:put", "command:run" ...: messages that reached their handler
             "handled_messages": {k.split(":", 1)[1]: hop_bytes.pop(k)
                                  for k in [k for k in hop_bytes if k.startswith("handled:")]},
-            "heartbeats_sent": hop_bytes.pop("heartbeats_sent", 0)}
+            "heartbeats_sent": hop_bytes.pop("heartbeats_sent", 0),
+            # inputs a computation freed itself at their last use (given up: donate_argnums, or already freed)
+            "handed_over": hop_bytes.pop("handed_over", 0)}
 

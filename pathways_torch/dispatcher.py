@@ -126,15 +126,11 @@ class Dispatcher:
                                                      state.put_token))
             arrays.append(Array(self._context, state, tuple(tensor.shape), tensor.dtype, Sharding(mesh, placements),
                                 block_shape))
-        ids = [a.array_id for a in arrays]
         client = self._client
-
-        def landed(error):
-            for array_id in ids:
-                client.landed(array_id, error)
-
         for executor_id, shards in zip(mesh.executor_ids, shards_by_position):
-            self._data.put(executor_id, shards, landed)
+            for message in _messages(shards):
+                ids = [ref.array_id for ref, _, _ in message]
+                self._data.put(executor_id, message, lambda error, ids=ids: [client.landed(i, error) for i in ids])
         return arrays
 
     def _new_array(self, mesh, made: list[Array], shard_bytes: int):
@@ -194,6 +190,27 @@ class Dispatcher:
     def note_runahead_wait(self, start_ns: int, in_flight: int, what: str) -> None:
         """Keep a wait at the run-ahead bound for the trace (the controller keeps its own the same way)."""
         self._client.note_runahead_wait(start_ns, time.time_ns(), in_flight, what)
+
+
+# A put's shards travel in messages of about this many bytes at most (one shard bigger than it: alone). An executor
+# copies each received frame once (its bytes are not aligned for torch's kernels) and frees a message only once
+# it has taken all of it: a training state put whole would briefly take twice its size there.
+_PUT_MESSAGE_BYTES = 8 << 20
+
+
+def _messages(shards: list) -> list[list]:
+    """``shards`` ((ref, block, token) in order) cut into consecutive messages of `_PUT_MESSAGE_BYTES` at most."""
+    messages, current, size = [], [], 0
+    for shard in shards:
+        nbytes = shard[1].numel() * shard[1].element_size()
+        if current and size + nbytes > _PUT_MESSAGE_BYTES:
+            messages.append(current)
+            current, size = [], 0
+        current.append(shard)
+        size += nbytes
+    if current:
+        messages.append(current)
+    return messages
 
 
 def _output_bytes(layouts) -> tuple[int, ...]:

@@ -150,6 +150,32 @@ def test_del_while_pending_then_store_returns_to_baseline(ctx, mesh):
     assert all(s["store_buffers"] == 0 for s in ctx.stats()["executors"].values())
 
 
+def test_a_donated_input_is_freed_by_its_call_and_refused_afterwards(ctx, mesh):
+    @pw.function(donate_argnums=(0,))
+    def update(state, step):
+        return state - 0.5 * step
+
+    def handed_over():
+        return sum(s["handed_over"] for s in ctx.stats()["executors"].values())
+
+    before = handed_over()
+    state_host, step_host = torch.randn(64, 8), torch.randn(64, 8)
+    state = ctx.put(state_host, mesh, [pw.Shard(0)])
+    step = ctx.put(step_host, mesh, [pw.Shard(0)])
+    for _ in range(3):
+        state = update(state, step)     # the old state is given up to the call that replaces it
+    torch.testing.assert_close(state.result(timeout_s=60), state_host - 1.5 * step_host)
+    assert handed_over() - before == 3 * mesh.size   # every executor freed each old state inside the call
+    first = ctx.put(state_host, mesh, [pw.Shard(0)])
+    again = update(first, step)
+    with pytest.raises(pw.DonatedArrayError, match=f"array {first.array_id} was donated to a call of 'update'"):
+        first.result(timeout_s=30)
+    with pytest.raises(pw.DonatedArrayError, match="use that call's outputs"):
+        update(first, step)
+    torch.testing.assert_close(again.result(timeout_s=60), state_host - 0.5 * step_host)
+    torch.testing.assert_close(step.result(timeout_s=30), step_host)   # not donated: kept
+
+
 def test_remote_error_reaches_every_dependent_and_spares_the_rest(ctx, mesh):
     @pw.function
     def gather_rows(a, index):
