@@ -23,7 +23,7 @@ Key = tuple  # (array_id, shard, tag)
 
 
 class Entry:
-    __slots__ = ("value", "failure", "owned", "pins", "waiters", "nbytes", "computing", "owner")
+    __slots__ = ("value", "failure", "owned", "pins", "waiters", "nbytes", "computing", "owner", "handed", "freed")
 
     def __init__(self):
         self.value = None
@@ -40,6 +40,9 @@ class Entry:
         # a put's checked token); "" when none was (the embedded client's): see executor/data_roles.py. It lives
         # and dies with the entry.
         self.owner = ""
+        self.handed = False       # its value went to the computation that read it last (`ObjectStore.hand_over`)
+        # The controller freed it (or a run it was donated to arrived): bytes that arrive later do not own it again.
+        self.freed = False
 
     @property
     def ready(self) -> bool:
@@ -51,9 +54,16 @@ class ObjectStore:
 
     def __init__(self):
         self._entries: dict[Key, Entry] = {}
-        self.bytes = 0
+        self._held = 0              # bytes of the values stored (I/O thread, under the core's lock)
+        self._handed = 0            # of those, bytes handed over to computations (the compute thread's alone)
         self.bytes_high_water = 0   # the most bytes held at once since `take_high_water` last ran
         self.handed_over = 0        # inputs handed over to their computation (`hand_over`)
+
+    @property
+    def bytes(self) -> int:
+        """The bytes the store holds: a value handed over to its computation (`hand_over`) is that computation's.
+        Two counters, each written by one thread, so that neither update can lose the other's."""
+        return self._held - self._handed
 
     def take_high_water(self) -> int:
         """The peak bytes held since the last call; the next period starts from what is held now."""
@@ -74,7 +84,7 @@ class ObjectStore:
         entry = self._entries.get(key)
         if entry is None:
             entry = self._entries[key] = Entry()
-        if owned:
+        if owned and not entry.freed:
             entry.owned = True
         if pin:
             entry.pins += 1
@@ -94,7 +104,7 @@ class ObjectStore:
         else:
             entry.value = value
             entry.nbytes = value.nbytes  # torch tensors, jax arrays and sim values all have it
-            self.bytes += entry.nbytes
+            self._held += entry.nbytes
             if self.bytes > self.bytes_high_water:
                 self.bytes_high_water = self.bytes
         waiters, entry.waiters = entry.waiters, []
@@ -120,12 +130,14 @@ class ObjectStore:
     def hand_over(self, entry: Entry, failure) -> object:
         """The value of a computation's input, handed over when the store no longer needs it: an entry not
         owned and pinned by this computation alone then holds ``failure`` (what a late reader gets) instead
-        of the value, and its bytes go with the computation's unpin. Called on the compute thread without
+        of the value, and its bytes leave the store's count at once. Called on the compute thread without
         the lock: an entry in that state is never pinned again (only the controller names new readers)."""
         value = entry.value
         if value is not None and not entry.owned and entry.pins == 1:
             entry.failure = failure   # first: a reader in between sees one or the other, never neither
             entry.value = None
+            self._handed += entry.nbytes   # both counters keep it: collecting it leaves _held as it is
+            entry.handed = True
             self.handed_over += 1
         return entry.failure if value is None else value
 
@@ -134,7 +146,7 @@ class ObjectStore:
         entry = self._entries.get(key)
         if entry is None:
             return
-        entry.owned = False
+        entry.owned, entry.freed = False, True
         self._collect(key, entry)
 
     def abandon(self, key: Key) -> None:
@@ -144,11 +156,15 @@ class ObjectStore:
         if entry is None or entry.pins:
             return
         del self._entries[key]
-        self.bytes -= entry.nbytes
+        self._release_bytes(entry)
 
     def _collect(self, key: Key, entry: Entry) -> None:
         # A waiter may already have released (and deleted) the entry it was woken for.
         if entry.owned or entry.pins or not entry.ready or self._entries.get(key) is not entry:
             return
         del self._entries[key]
-        self.bytes -= entry.nbytes
+        self._release_bytes(entry)
+
+    def _release_bytes(self, entry: Entry) -> None:
+        if not entry.handed:   # a handed-over value left the count when it was handed over
+            self._held -= entry.nbytes

@@ -41,9 +41,11 @@ def test_an_input_nobody_else_holds_is_handed_over_and_collected_when_the_comput
     entry = _pinned_entry(store, owned=False, pins=1)
     value = store.hand_over(entry, GONE)
     assert torch.equal(value, torch.zeros(4)) and entry.value is None and entry.failure is GONE
-    assert store.handed_over == 1 and store.bytes == 16   # counted until the computation lets go
+    assert store.handed_over == 1 and store.bytes == 0   # the computation's now, not the store's
     store.unpin(A)
     assert A not in store and store.bytes == 0
+    store.fill(A, torch.zeros(2))                          # the count goes on from there
+    assert store.bytes == 8
 
 
 @pytest.mark.parametrize("owned, pins", [(True, 1), (False, 2)], ids=["still owned", "another reader"])
@@ -133,3 +135,14 @@ def test_donate_argnums_must_be_argument_positions():
     with pytest.raises(ValueError, match=r"donate_argnums: expected argument positions \(ints >= 0\), got \(-1,\)"):
         pw.function(lambda a: a, donate_argnums=(-1,))
     assert pw.function(lambda a: a, donate_argnums=0).donate_argnums == {0}
+
+
+def test_bytes_that_arrive_after_their_array_was_freed_do_not_own_it_again():
+    store = ObjectStore()
+    store.claim(A, pin=True)          # a run that reads A (and was given it) arrived before A's put
+    store.free(A)
+    store.fill(A, torch.zeros(4))     # the put lands: the run's alone, not the store's
+    entry = store.get(A)
+    assert not entry.owned and store.hand_over(entry, GONE) is not None and store.handed_over == 1
+    store.unpin(A)
+    assert A not in store and store.bytes == 0

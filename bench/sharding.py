@@ -1,0 +1,225 @@
+"""Memory of a training step, in multiples of the parameters' bytes (P), beside torch's own (issue 29).
+
+The model: 8 blocks of 2 x Linear(W, W) (W = 1024: P = 64 MiB), AdamW, N = 4 ranks, one thread each. For each
+system, per process: the peak resident set the training adds, parameters included (VmHWM after the steps less
+VmHWM before the model is placed: before ``ctx.wrap`` for ours, before building the model for torch's), in P.
+Both sides have run one all-reduce of one float first, so a runtime's own start (gloo's connections; the XLA
+client, its compiler) is not counted on either side, as the parameters and what a step keeps are;
+rows per second over the steps after the first; and for ours the object store's high-water, in P.
+
+- ``pathways DataParallel`` and ``pathways ShardedDataParallel`` (today's sharded step: it gathers every
+  bucket at the start of the step), on eager executors and on the default backend;
+- ``torch DDP`` and ``torch FSDP2`` (``fully_shard`` per block, then the root): ``torchrun``-style processes on
+  gloo, meeting through a FileStore in a private folder (no TCPStore, nothing off loopback).
+
+Systems run one after another, not interleaved: rows/s are for orientation, not for ratios. The issue's targets
+(DP <= 5 P, sharded <= 2 P at N = 4) are printed beside the measured values.
+
+    python bench/sharding.py [--width 1024] [--steps 4] [--systems dp-eager,sdp-eager,dp-xla,sdp-xla,ddp,fsdp2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing
+import os
+import shutil
+import sys
+import tempfile
+import time
+
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if _ROOT not in sys.path:
+    sys.path.insert(0, _ROOT)
+
+from bench.common import machine, print_table, write_results  # noqa: E402
+from bench.ddp_train_baseline import status_field  # noqa: E402
+
+SIZE = 4
+ROWS = 64          # global batch rows (ROWS / SIZE per rank)
+TARGETS = {"DataParallel": 5.0, "ShardedDataParallel": 2.0, "DDP": None, "FSDP2": None}
+
+
+def make_model(width: int):
+    import torch
+    import torch.nn as nn
+
+    torch.manual_seed(0)
+    return nn.Sequential(*[nn.Sequential(nn.Linear(width, width), nn.ReLU(), nn.Linear(width, width))
+                           for _ in range(8)])
+
+
+def param_bytes(model) -> int:
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def batches(width: int, steps: int) -> list:
+    import torch
+
+    generator = torch.Generator().manual_seed(1)
+    return [(torch.randn(ROWS, width, generator=generator), torch.randn(ROWS, width, generator=generator))
+            for _ in range(steps)]
+
+
+def measure_pathways(plan_name: str, backend: str, width: int, steps: int) -> dict:
+    """Our trainer on ``SIZE`` local executors: per-executor peak added and store high-water, in P."""
+    import torch
+
+    import pathways_torch as pw
+
+    model = make_model(width)
+    p_bytes = param_bytes(model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    data = batches(width, steps)
+    with pw.Context(num_executors=SIZE, backend=backend, executor_threads=1) as ctx:
+        pids = ctx.executor_pids
+        mesh = ctx.mesh({"data": SIZE})
+        _warm_up(ctx, mesh)
+        ctx.stats()   # the store high-water is "since the previous stats()"
+        before = [status_field(pid, "VmHWM") for pid in pids]
+        plan = pw.DataParallel("data") if plan_name == "DataParallel" else pw.ShardedDataParallel("data")
+        trainer = ctx.wrap(model, optimizer=optimizer, loss_fn=torch.nn.functional.mse_loss,
+                           mesh=mesh, plan=plan)
+        trainer.step(data[0]).result()
+        began = time.perf_counter()
+        loss = None
+        for batch in data[1:]:
+            loss = trainer.step(batch)
+        last_loss = loss.result().item() if loss is not None else float("nan")
+        elapsed = time.perf_counter() - began
+        after = [status_field(pid, "VmHWM") for pid in pids]
+        stats = ctx.stats()["executors"]
+        high_water = [stats[e]["store_bytes_high_water"] for e in ctx.executor_ids]
+        route = ctx.backend
+    return {"system": f"pathways {plan_name}", "plan": plan_name, "backend": route,
+            "peak_added_p": [(a - b) * 1024 / p_bytes for a, b in zip(after, before)],
+            "store_high_water_p": [h / p_bytes for h in high_water],
+            "rows_per_s": ROWS * (steps - 1) / elapsed if steps > 1 else None, "last_loss": last_loss,
+            "param_bytes": p_bytes}
+
+
+def _warm_up(ctx, mesh) -> None:
+    """One all-reduce of one float on the mesh: the backend and the process group exist before the baseline."""
+    import torch
+
+    import pathways_torch as pw
+
+    @pw.function(out=pw.Replicate())
+    def total(x):
+        return pw.all_reduce(x, "data")
+
+    total(ctx.put(torch.ones(SIZE), mesh, [pw.Shard(0)])).result(timeout_s=600)
+
+
+def _torch_rank(rank: int, mode: str, width: int, steps: int, store_path: str, results) -> None:
+    import torch
+    import torch.distributed as dist
+
+    os.dup2(os.open(os.devnull, os.O_WRONLY), 1)   # gloo's "connected to" lines
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", store=dist.FileStore(store_path, SIZE), rank=rank, world_size=SIZE)
+    dist.all_reduce(torch.ones(1))   # as the executors' warm-up (`_warm_up`)
+    before = status_field(os.getpid(), "VmHWM")
+    model = make_model(width)
+    p_bytes = param_bytes(model)
+    if mode == "DDP":
+        from torch.nn.parallel import DistributedDataParallel
+
+        model = DistributedDataParallel(model)
+    else:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = init_device_mesh("cpu", (SIZE,))
+        for block in model:
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    rows = ROWS // SIZE
+    began, last = None, None
+    for index, (inputs, targets) in enumerate(batches(width, steps)):
+        if index == 1:
+            began = time.perf_counter()
+        loss = torch.nn.functional.mse_loss(model(inputs[rank * rows:(rank + 1) * rows]),
+                                            targets[rank * rows:(rank + 1) * rows])
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        last = loss.detach()
+    dist.all_reduce(last)
+    elapsed = time.perf_counter() - began if began is not None else None
+    results.put((rank, (status_field(os.getpid(), "VmHWM") - before) * 1024 / p_bytes, elapsed,
+                 last.item() / SIZE, p_bytes))
+    dist.barrier()
+    os._exit(0)   # skip gloo's teardown (it can block once a peer has gone)
+
+
+def measure_torch(mode: str, width: int, steps: int) -> dict:
+    """``mode`` (DDP or FSDP2) in ``SIZE`` processes on gloo: per-rank peak added, in P."""
+    folder = tempfile.mkdtemp(prefix="pathways-bench-sharding-")
+    spawn = multiprocessing.get_context("spawn")
+    results = spawn.Queue()
+    ranks = [spawn.Process(target=_torch_rank, args=(r, mode, width, steps, os.path.join(folder, "store"), results))
+             for r in range(SIZE)]
+    try:
+        for process in ranks:
+            process.start()
+        rows = sorted(results.get(timeout=900) for _ in ranks)
+    finally:
+        for process in ranks:
+            process.join(60)
+            if process.is_alive():
+                process.kill()
+        shutil.rmtree(folder, ignore_errors=True)
+    elapsed = rows[0][2]
+    return {"system": f"torch {mode}", "plan": mode, "backend": "eager (gloo)",
+            "peak_added_p": [r[1] for r in rows], "store_high_water_p": None,
+            "rows_per_s": ROWS * (steps - 1) / elapsed if elapsed else None, "last_loss": rows[0][3],
+            "param_bytes": rows[0][4]}
+
+
+SYSTEMS = {
+    "dp-eager": lambda a: measure_pathways("DataParallel", "eager", a.width, a.steps),
+    "sdp-eager": lambda a: measure_pathways("ShardedDataParallel", "eager", a.width, a.steps),
+    "dp-xla": lambda a: measure_pathways("DataParallel", None, a.width, a.steps),
+    "sdp-xla": lambda a: measure_pathways("ShardedDataParallel", None, a.width, a.steps),
+    "ddp": lambda a: measure_torch("DDP", a.width, a.steps),
+    "fsdp2": lambda a: measure_torch("FSDP2", a.width, a.steps),
+}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--width", type=int, default=1024, help="the Linear layers' width (1024: P = 64 MiB)")
+    parser.add_argument("--steps", type=int, default=4, help="training steps per system (the first is untimed)")
+    parser.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma-separated, of {', '.join(SYSTEMS)}")
+    parser.add_argument("--json", default=None, help="where to write the results (default bench/results/sharding.json)")
+    args = parser.parse_args()
+    unknown = [s for s in args.systems.split(",") if s not in SYSTEMS]
+    if unknown:
+        parser.error(f"--systems: unknown {unknown}; expected some of {list(SYSTEMS)}")
+    results = []
+    for name in args.systems.split(","):
+        print(f"== {name}", flush=True)
+        results.append(SYSTEMS[name](args))
+    p_mib = results[0]["param_bytes"] / 2**20
+    print(f"\nPeak memory a training step adds per process, parameters included, in P = {p_mib:.1f} MiB "
+          f"(N = {SIZE}, AdamW, {args.steps} steps; VmHWM after less VmHWM before the model is placed)")
+    rows = []
+    for r in results:
+        peak = r["peak_added_p"]
+        target = TARGETS.get(r["plan"])
+        store = r["store_high_water_p"]
+        rows.append([r["system"], r["backend"], f"{min(peak):.2f}-{max(peak):.2f}",
+                     f"<= {target:.0f} P: {'met' if max(peak) <= target else 'missed'}" if target else "",
+                     f"{max(store):.2f}" if store else "-",
+                     f"{r['rows_per_s']:.0f}" if r["rows_per_s"] else "-", f"{r['last_loss']:.6f}"])
+    print_table(["system", "backend", "peak added (P), per process", "target", "store high-water (P)",
+                 "rows/s", "last loss"], rows)
+    path = write_results("sharding", {"machine": machine(), "size": SIZE, "width": args.width, "steps": args.steps,
+                                      "results": results}, args.json)
+    print(f"\nwrote {path}")
+
+
+if __name__ == "__main__":
+    main()
