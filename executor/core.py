@@ -28,6 +28,7 @@ from pathways_torch.wire.framing import body_name, log_dropped
 from .collectives import CollectiveRuntime
 from .compile_cache import CompileCache, graph_key
 from .data_plane import DataPlane
+from .backends.mutated_inputs import mutated_inputs
 from .interpreter import StepInterpreter
 from .jobs import ComputeJob, LoadedFunction
 from .messages import Outbox, remote_failure, shard_key
@@ -200,6 +201,8 @@ class ExecutorCore:
         try:
             function.signature = [(tuple(m.shape), m.dtype) for m in msg.graph.inputs]
             graph_module, examples = self.backend.prepare(msg, payload)
+            if getattr(self.backend, "mutable_values", False):
+                function.mutates = mutated_inputs(graph_module)
         except Exception as exc:
             log.warning("%s: function %s refused: %s", self.executor_id, msg.name, exc)
             self._function_ready(function, None, exc)

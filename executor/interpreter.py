@@ -76,8 +76,11 @@ class StepInterpreter:
     def _compute_run(self, job: RunJob) -> RunJob:
         """A plain run started at once (`RunQueue._start_now`): its one step, on its entries' values."""
         hand_over, handed_over = self._hand_over, self._handed_over
-        outputs, failure, done, _ = self._step(job.step, job.function, [hand_over(e, handed_over) for e in job.entries],
-                                               job.seq, job.call_id)
+        inputs = [hand_over(e, handed_over) for e in job.entries]
+        function = job.function
+        if function is not None and function.mutates:
+            _copy_shared(inputs, function.mutates, lambda i: job.entries[i].handed)
+        outputs, failure, done, _ = self._step(job.step, function, inputs, job.seq, job.call_id)
         job.values = [failure] * len(job.output_keys) if outputs is None else outputs
         job.computed = int(outputs is not None)
         if done is not None:
@@ -88,6 +91,11 @@ class StepInterpreter:
         """Run one step of a segment; the device time not yet reported, after it."""
         seq, call_id = job.segment.ids(step)
         inputs = [slots[slot] for slot in step.inputs]
+        if function is not None and function.mutates:
+            external = len(job.entries)
+            _copy_shared(inputs, function.mutates, lambda i: (
+                step.inputs[i] in step.frees and step.inputs.count(step.inputs[i]) == 1
+                and (step.inputs[i] >= external or job.entries[step.inputs[i]].handed)))
         for slot in step.frees:   # the list passed on holds them now; a boxed backend frees them inside
             slots[slot] = None
         outputs, failure, done, device_ns = self._step(step, function, inputs, seq, call_id)
@@ -185,6 +193,15 @@ class StepInterpreter:
         failure = remote_failure(exc, self.executor_id, origin_call_id=job.origin_call_id())
         job.values = [failure] * len(job.output_keys)
         job.dones = [pb.Done(call_id=call_id, seq=seq, ok=False, failure=failure) for seq, call_id in job.reporting()]
+
+
+def _copy_shared(inputs: list, mutated, alone) -> None:
+    """Replace each input the function writes in place by a copy, unless ``alone(position)``: the computation
+    alone holds it (handed over by the store, or made by an earlier step, and read by nobody after)."""
+    for position in mutated:
+        value = inputs[position] if position < len(inputs) else None
+        if value is not None and not isinstance(value, pb.RemoteFailure) and not alone(position):
+            inputs[position] = value.clone()
 
 
 def _spec(shape, dtype) -> str:

@@ -23,11 +23,13 @@ __all__ = ["LoadedFunction", "ComputeJob", "SegmentJob", "RunJob", "FormJob"]
 class LoadedFunction:
     """A loaded function: its traced input signature and, once compiled, the callable."""
 
-    __slots__ = ("name", "signature", "compiled", "failure", "ready")
+    __slots__ = ("name", "signature", "compiled", "failure", "ready", "mutates")
 
     def __init__(self, name: str, signature: list):
         self.name, self.signature = name, signature
         self.compiled, self.failure, self.ready = None, None, False
+        # Input positions it writes in place, on a backend of mutable values (executor/backends/mutated_inputs.py).
+        self.mutates: frozenset[int] = frozenset()
 
 
 class ComputeJob:

@@ -57,6 +57,7 @@ class TorchBackend:
         self.device = str(self._device)
 
     boxed = False   # compiled(inputs) takes the list and clears it (executor/backends/boxed.py)
+    mutable_values = True   # an in-place op writes the input itself (executor/backends/mutated_inputs.py)
 
     def run(self, compiled, inputs):
         return [_stored(out) for out in as_list(compiled(inputs) if self.boxed else compiled(*inputs))]

@@ -11,6 +11,7 @@ from __future__ import annotations
 from ..errors import CaptureError
 from ..functions import Function
 from ..placement import Replicate, Shard
+from .buckets import split_for_exchange
 from .evaluation import make_forward
 from .step import make_layout, make_step
 from .runner import HoldsTrainer
@@ -30,7 +31,10 @@ class DataParallelRunner(HoldsTrainer):
 
     def build(self):
         t = self.trainer
-        self.layout = make_layout(t.model, t.optimizer, t._spec)
+        cap = self.plan.local_bucket_bytes(t._context.backend)
+        # Cut as DDP cuts its buckets, last parameters first: the backward makes their gradients first.
+        self.layout = make_layout(t.model, t.optimizer, t._spec,
+                                  None if cap is None else lambda buckets: split_for_exchange(buckets, cap, cap))
         self._forwards: dict = {}        # "loss" / "predict" → its Function (evaluate, predict)
         self._output_specs: dict = {}    # form key → how predict rebuilds the model's output
         self.recapture()

@@ -142,12 +142,14 @@ def _number(value: Any, where: str, name: str) -> float:
         raise UnsupportedOptimizerError(f"{where}: {name} must be a number, got {value!r}") from None
 
 
-def apply_update(spec: OptimizerSpec, group: int, param, grad, state: tuple, step, hyper):
+def apply_update(spec: OptimizerSpec, group: int, param, grad, state: tuple, step, hyper, in_place: bool = False):
     """One update of a flat parameter buffer. ``step`` (1-based) is a float64 0-d tensor; ``hyper`` the
     group's `DYNAMIC` values, a float64 tensor in that order.
 
-    Returns (new param, new state tuple). Written without in-place ops on inputs, so
-    the traced graph is functional.
+    Returns (new param, new state tuple). ``in_place``: Adam's update writes ``param`` and its state where
+    they are (the step that donates them: executors copy an input first unless the step alone holds it) and
+    returns them; the values are the same, op for op, as the functional form, which keeps the traced graph
+    free of writes to its inputs.
     """
     h = spec.groups[group]
     values = dict(zip(DYNAMIC, hyper.unbind(0)))
@@ -155,6 +157,8 @@ def apply_update(spec: OptimizerSpec, group: int, param, grad, state: tuple, ste
         grad = -grad
     if spec.kind == "sgd":
         return _sgd(h, values, param, grad, state, step)
+    if in_place:
+        return _adam_in_place(h, values, param, grad, state, step)
     return _adam(h, values, param, grad, state, step)
 
 
@@ -191,3 +195,29 @@ def _adam(h: GroupHyper, v: dict, param, grad, state, step):
     step_size = (lr / bias_correction1).to(dtype)
     denom = exp_avg_sq.sqrt() / bias_correction2_sqrt.to(dtype) + h.eps
     return param - step_size * (exp_avg / denom), (exp_avg, exp_avg_sq)
+
+
+def _adam_in_place(h: GroupHyper, v: dict, param, grad, state, step):
+    """`_adam`'s ops in its order, each written into a buffer that is no longer needed: the state itself, or
+    a temporary. Eager holds the state and the gradient plus about one buffer of their size at any time."""
+    exp_avg, exp_avg_sq = state
+    dtype, lr, beta1, beta2 = param.dtype, v["lr"], v["beta1"], v["beta2"]
+    if h.weight_decay != 0:
+        if h.decoupled:
+            param.mul_((1 - lr * v["weight_decay"]).to(dtype))
+        else:
+            grad = grad + v["weight_decay"].to(dtype) * param
+    exp_avg.lerp_(grad, (1 - beta1).to(dtype))
+    squared = grad * grad
+    squared.mul_((1 - beta2).to(dtype))
+    exp_avg_sq.mul_(beta2.to(dtype)).add_(squared)
+    del squared
+    bias_correction1 = 1 - beta1 ** step
+    bias_correction2_sqrt = (1 - beta2 ** step).sqrt()
+    step_size = (lr / bias_correction1).to(dtype)
+    denom = exp_avg_sq.sqrt()
+    denom.div_(bias_correction2_sqrt.to(dtype)).add_(h.eps)
+    update = exp_avg / denom
+    del denom
+    param.sub_(update.mul_(step_size))
+    return param, (exp_avg, exp_avg_sq)

@@ -127,8 +127,9 @@ def make_step(model, loss_fn: Callable | None, spec: OptimizerSpec, layout: Step
             grad_flats = _clip(grad_flats, max_grad_norm, plan, num_shards)
         new_flats, new_states = [], []
         for bucket, flat, grad, state in zip(buckets, flats, grad_flats, states):
+            # In place: the step's state inputs are donated (DataParallelRunner), so executors free no copy.
             new_param, new_state = apply_update(spec, bucket.group, flat, grad, state, step_number,
-                                                hyper[bucket.group])
+                                                hyper[bucket.group], in_place=True)
             new_flats.append(new_param)
             new_states.extend(new_state)
         # Buffers a forward updated from its own shard of the batch (BatchNorm's running statistics) follow

@@ -176,6 +176,20 @@ def test_a_donated_input_is_freed_by_its_call_and_refused_afterwards(ctx, mesh):
     torch.testing.assert_close(step.result(timeout_s=30), step_host)   # not donated: kept
 
 
+def test_a_function_that_writes_its_input_writes_a_copy_unless_the_input_was_given_up(ctx, mesh):
+    def bump(state):
+        state.add_(1)          # in place, as an optimizer's update is written
+        return state
+
+    kept, given = pw.function(bump), pw.function(bump, donate_argnums=(0,))
+    x_host = torch.zeros(8, 4)
+    x = ctx.put(x_host, mesh, [pw.Shard(0)])
+    torch.testing.assert_close(kept(x).result(timeout_s=60), x_host + 1)
+    torch.testing.assert_close(x.result(timeout_s=30), x_host)        # the stored array kept its value
+    y = given(ctx.put(x_host, mesh, [pw.Shard(0)]))                    # written where it lies: no copy needed
+    torch.testing.assert_close(given(y).result(timeout_s=60), x_host + 2)
+
+
 def test_remote_error_reaches_every_dependent_and_spares_the_rest(ctx, mesh):
     @pw.function
     def gather_rows(a, index):

@@ -146,3 +146,37 @@ def test_bytes_that_arrive_after_their_array_was_freed_do_not_own_it_again():
     assert not entry.owned and store.hand_over(entry, GONE) is not None and store.handed_over == 1
     store.unpin(A)
     assert A not in store and store.bytes == 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("weight_decay, decoupled", [(0.0, True), (0.01, True), (0.01, False)],
+                         ids=["no decay", "AdamW", "Adam with L2"])
+def test_the_in_place_adam_update_is_the_functional_one_bit_for_bit(dtype, weight_decay, decoupled):
+    from pathways_torch.training.optimizers import DYNAMIC, GroupHyper, _adam, _adam_in_place
+
+    generator = torch.Generator().manual_seed(3)
+    param, grad, exp_avg = (torch.randn(1000, generator=generator, dtype=dtype) for _ in range(3))
+    exp_avg_sq = torch.rand(1000, generator=generator, dtype=dtype)
+    h = GroupHyper(lr=1e-3, weight_decay=weight_decay, beta1=0.9, beta2=0.999, eps=1e-8, decoupled=decoupled)
+    values = dict(zip(DYNAMIC, torch.tensor([1e-3, 0.0, 0.9, 0.999, weight_decay], dtype=torch.float64)))
+    step = torch.tensor(7.0, dtype=torch.float64)
+    expected, (m, v) = _adam(h, values, param, grad, (exp_avg, exp_avg_sq), step)
+    inputs = [t.clone() for t in (param, exp_avg, exp_avg_sq)]
+    got, (got_m, got_v) = _adam_in_place(h, values, inputs[0], grad.clone(), (inputs[1], inputs[2]), step)
+    assert got is inputs[0] and got_m is inputs[1] and got_v is inputs[2]   # written where they lie
+    for a, b in ((got, expected), (got_m, m), (got_v, v)):
+        assert torch.equal(a, b)
+
+
+def test_the_inputs_a_graph_writes_in_place_are_found_through_views():
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from executor.backends.mutated_inputs import mutated_inputs
+
+    def step(flat, state, grad):
+        flat.narrow(0, 0, 2).mul_(2)     # through a view
+        state.add_(grad)                 # directly
+        return flat.sum() + grad.sum()   # grad only read
+
+    graph_module = make_fx(step)(torch.zeros(4), torch.zeros(4), torch.ones(4))
+    assert mutated_inputs(graph_module) == {0, 1}
