@@ -12,6 +12,9 @@ rows per second over the steps after the first; and for ours the object store's 
 - ``torch DDP`` and ``torch FSDP2`` (``fully_shard`` per block, then the root): ``torchrun``-style processes on
   gloo, meeting through a FileStore in a private folder (no TCPStore, nothing off loopback).
 
+Executor 0's resident set is sampled every 2 ms through our last step of each run: printed as text and
+drawn (bench/results/sharding_timeline.png, ``--png``), it shows where in the step the peak is.
+
 Systems run one after another, not interleaved: rows/s are for orientation, not for ratios. The issue's targets
 (DP <= 5 P, sharded <= 2 P at N = 4) are printed beside the measured values.
 
@@ -83,9 +86,14 @@ def measure_pathways(plan_name: str, backend: str, width: int, steps: int) -> di
         trainer.step(data[0]).result()
         began = time.perf_counter()
         loss = None
-        for batch in data[1:]:
+        for batch in data[1:-1]:
             loss = trainer.step(batch)
-        last_loss = loss.result().item() if loss is not None else float("nan")
+        if loss is not None:
+            loss.result()
+        # The last step alone, executor 0's resident set sampled every 2 ms: where in a step the peak is.
+        with _Sampler(pids[0]) as timeline:
+            loss = trainer.step(data[-1])
+            last_loss = loss.result().item()
         elapsed = time.perf_counter() - began
         after = [status_field(pid, "VmHWM") for pid in pids]
         stats = ctx.stats()["executors"]
@@ -95,7 +103,60 @@ def measure_pathways(plan_name: str, backend: str, width: int, steps: int) -> di
             "peak_added_p": [(a - b) * 1024 / p_bytes for a, b in zip(after, before)],
             "store_high_water_p": [h / p_bytes for h in high_water],
             "rows_per_s": ROWS * (steps - 1) / elapsed if steps > 1 else None, "last_loss": last_loss,
-            "param_bytes": p_bytes}
+            "param_bytes": p_bytes,
+            "timeline_p": [(ms, (rss - before[0]) * 1024 / p_bytes) for ms, rss in timeline.samples]}
+
+
+class _Sampler:
+    """Samples one process's VmRSS (KiB) every 2 ms on a thread while the ``with`` block runs."""
+
+    def __init__(self, pid: int):
+        import threading
+
+        self.pid, self.samples, self._stop = pid, [], threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        time.sleep(0.05)
+        self._stop.set()
+        self._thread.join()
+
+    def _run(self) -> None:
+        began = time.perf_counter()
+        while not self._stop.is_set():
+            rss = status_field(self.pid, "VmRSS")
+            if rss is not None:
+                self.samples.append(((time.perf_counter() - began) * 1000, rss))
+            time.sleep(0.002)
+
+
+def plot_timelines(results: list, path: str) -> str | None:
+    """Executor 0's resident set through one step, one line per system of ours, in P above its level before
+    the model was placed; None without matplotlib."""
+    try:
+        import matplotlib
+    except ImportError:
+        return None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(figsize=(8, 4))
+    for r in results:
+        if r.get("timeline_p"):
+            axes.plot([ms for ms, _ in r["timeline_p"]], [p for _, p in r["timeline_p"]],
+                      label=f"{r['plan']} ({r['backend']})")
+    axes.set_xlabel("ms into the step")
+    axes.set_ylabel("executor 0 resident set above its start (P)")
+    axes.set_title("One training step's memory on one executor (N = 4, AdamW)")
+    axes.legend()
+    figure.tight_layout()
+    figure.savefig(path, dpi=100)
+    plt.close(figure)
+    return path
 
 
 def _warm_up(ctx, mesh) -> None:
@@ -194,7 +255,11 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=4, help="training steps per system (the first is untimed)")
     parser.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma-separated, of {', '.join(SYSTEMS)}")
     parser.add_argument("--json", default=None, help="where to write the results (default bench/results/sharding.json)")
+    parser.add_argument("--png", default=None, help="where to draw executor 0's memory through one step "
+                                                    "(default bench/results/sharding_timeline.png)")
     args = parser.parse_args()
+    if args.steps < 2:
+        parser.error(f"--steps: expected at least 2 (the first is untimed, the last is sampled), got {args.steps}")
     unknown = [s for s in args.systems.split(",") if s not in SYSTEMS]
     if unknown:
         parser.error(f"--systems: unknown {unknown}; expected some of {list(SYSTEMS)}")
@@ -216,6 +281,15 @@ def main() -> None:
                      f"{r['rows_per_s']:.0f}" if r["rows_per_s"] else "-", f"{r['last_loss']:.6f}"])
     print_table(["system", "backend", "peak added (P), per process", "target", "store high-water (P)",
                  "rows/s", "last loss"], rows)
+    for r in results:
+        if r.get("timeline_p"):
+            points = r["timeline_p"][::max(1, len(r["timeline_p"]) // 12)]
+            print(f"{r['system']} ({r['backend']}), executor 0 through its last step (ms: P above start): "
+                  + ", ".join(f"{ms:.0f}: {p:.2f}" for ms, p in points))
+    png = plot_timelines(results, args.png or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
+                                                           "sharding_timeline.png"))
+    if png:
+        print(f"timeline: {png}")
     path = write_results("sharding", {"machine": machine(), "size": SIZE, "width": args.width, "steps": args.steps,
                                       "results": results}, args.json)
     print(f"\nwrote {path}")
