@@ -131,6 +131,26 @@ def test_sharded_plan_stores_a_1_over_n_share_of_parameters_and_optimizer_state(
 
 
 @pytest.mark.parametrize("plan", sorted(PLANS))
+def test_a_step_never_stores_the_old_and_the_new_state_at_once(ctx, plan):
+    n = 4
+    gc.collect()
+    baseline = [e["store_bytes"] for e in ctx.stats()["executors"].values()]   # the high-water counts from here
+    model = _model(torch.float32)
+    trainer = ctx.wrap(model, optimizer=_adamw(model.parameters()), loss_fn=loss_fn, mesh=_mesh(ctx, n),
+                       plan=PLANS[plan])
+    for batch in _batches(4):   # one at a time: each step reaches idle executors, before any free of its inputs
+        trainer.step(batch).result(60)
+    stats = ctx.stats()["executors"].values()
+    shards = n if plan == "sdp" else 1
+    # Parameters and AdamW's two moments, float32, as each executor stores them (its 1/n share when sharded).
+    state = sum(3 * 4 * (b.padded_numel(n) if plan == "sdp" else b.numel) for b in trainer.layout.buckets) // shards
+    peaks = [e["store_bytes_high_water"] - b for e, b in zip(stats, baseline)]
+    # The old state is given up to the step that replaces it: never both (they would make 2x), plus a batch.
+    assert all(state <= peak < 1.25 * state for peak in peaks), (peaks, state)
+    assert all(e["handed_over"] > 0 for e in stats)
+
+
+@pytest.mark.parametrize("plan", sorted(PLANS))
 def test_a_dropped_trainer_is_freed_at_once_without_the_cyclic_collector(ctx, plan):
     """``del trainer`` frees its state (and so the shards on the executors) by reference counting: nothing in
     a trainer points back at it (a runner holds it weakly), so no wait for the cyclic collector."""
