@@ -215,6 +215,8 @@ class ExecutorCore:
 
     def _function_ready(self, function: LoadedFunction, compiled, error: BaseException | None) -> None:
         function.compiled, function.ready = compiled, True
+        # XLA consumes the inputs it was given (buffer donation): the executor passes copies of shared ones.
+        function.mutates = getattr(compiled, "donated_inputs", function.mutates)
         if error is not None:
             function.failure = remote_failure(error, self.executor_id, origin_call_id=0)
         self._pump()

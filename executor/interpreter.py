@@ -79,7 +79,7 @@ class StepInterpreter:
         inputs = [hand_over(e, handed_over) for e in job.entries]
         function = job.function
         if function is not None and function.mutates:
-            _copy_shared(inputs, function.mutates, lambda i: job.entries[i].handed)
+            _copy_shared(inputs, function.mutates, lambda i: job.entries[i].handed, self.backend.copy_value)
         outputs, failure, done, _ = self._step(job.step, function, inputs, job.seq, job.call_id)
         job.values = [failure] * len(job.output_keys) if outputs is None else outputs
         job.computed = int(outputs is not None)
@@ -95,7 +95,7 @@ class StepInterpreter:
             external = len(job.entries)
             _copy_shared(inputs, function.mutates, lambda i: (
                 step.inputs[i] in step.frees and step.inputs.count(step.inputs[i]) == 1
-                and (step.inputs[i] >= external or job.entries[step.inputs[i]].handed)))
+                and (step.inputs[i] >= external or job.entries[step.inputs[i]].handed)), self.backend.copy_value)
         for slot in step.frees:   # the list passed on holds them now; a boxed backend frees them inside
             slots[slot] = None
         outputs, failure, done, device_ns = self._step(step, function, inputs, seq, call_id)
@@ -195,13 +195,14 @@ class StepInterpreter:
         job.dones = [pb.Done(call_id=call_id, seq=seq, ok=False, failure=failure) for seq, call_id in job.reporting()]
 
 
-def _copy_shared(inputs: list, mutated, alone) -> None:
-    """Replace each input the function writes in place by a copy, unless ``alone(position)``: the computation
-    alone holds it (handed over by the store, or made by an earlier step, and read by nobody after)."""
+def _copy_shared(inputs: list, mutated, alone, copy) -> None:
+    """Replace each input the function writes in place (or consumes: XLA's donation) by a ``copy``, unless
+    ``alone(position)``: the computation alone holds it (handed over by the store, or made by an earlier step,
+    and read by nobody after)."""
     for position in mutated:
         value = inputs[position] if position < len(inputs) else None
         if value is not None and not isinstance(value, pb.RemoteFailure) and not alone(position):
-            inputs[position] = value.clone()
+            inputs[position] = copy(value)
 
 
 def _spec(shape, dtype) -> str:

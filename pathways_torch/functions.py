@@ -174,6 +174,9 @@ class Function:
             with tracing_mesh(mesh.axes):
                 version = capture(self.fn, self.name, specs, rebuild)
             version.sim_seconds = self.sim_time_s
+            # Which of the function's inputs its callers donate: XLA compiles it to reuse their buffers.
+            version.graph.donated_inputs.extend(index for index, slot in enumerate(slots)
+                                                if slot in self.donate_argnums)
             cache[signature] = version
         return version
 

@@ -62,6 +62,10 @@ class TorchBackend:
     def run(self, compiled, inputs):
         return [_stored(out) for out in as_list(compiled(inputs) if self.boxed else compiled(*inputs))]
 
+    def copy_value(self, value):
+        """A stored value's own copy (an input a computation would write but does not hold alone)."""
+        return value.clone()
+
     def to_device(self, tensor):
         return tensor if tensor.device == self._device else tensor.to(self._device)
 

@@ -62,12 +62,13 @@ def cache_dir_refusal(path: str) -> str | None:
 
 
 class _Prepared:
-    """A decoded function on its way to the compiler: its graph and its name (for fallback counts)."""
+    """A decoded function on its way to the compiler: its graph, its name (for fallback counts) and the inputs
+    its callers donate (``Graph.donated_inputs``)."""
 
-    __slots__ = ("graph_module", "name")
+    __slots__ = ("graph_module", "name", "donated")
 
-    def __init__(self, graph_module, name: str):
-        self.graph_module, self.name = graph_module, name
+    def __init__(self, graph_module, name: str, donated: frozenset = frozenset()):
+        self.graph_module, self.name, self.donated = graph_module, name, donated
 
 
 class TorchaxBackend:
@@ -108,6 +109,8 @@ class TorchaxBackend:
         self._jax, self._jnp, self._np, self._torch = jax, jnp, np, torch
         # Host stages read jax buffers through read-only numpy views; they never write them.
         warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+        # A stage's last read of an intermediate is donated whether or not an output can use its buffer.
+        warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
         self._torchax, self._env = import_torchax()
         _refuse_for_tests(self._env)
         self._jax_device = jax.devices()[0]
@@ -121,7 +124,8 @@ class TorchaxBackend:
     # ------------------------------------------------------------ functions
 
     def prepare(self, load, payload):
-        return _Prepared(decode_graph(load.graph, payload), load.name), meta_examples(load)
+        return (_Prepared(decode_graph(load.graph, payload), load.name, frozenset(load.graph.donated_inputs)),
+                meta_examples(load))
 
     def compile(self, prepared: _Prepared, example_inputs: Sequence):
         try:
@@ -140,7 +144,7 @@ class TorchaxBackend:
                         prepared.name, len(fallbacks), ", ".join(ops))
         self._counts[f"fallback_ops:{prepared.name}"] = len(fallbacks)
         self._counts[f"collective_cuts:{prepared.name}"] = cuts
-        program = _StagedProgram(self, stages)
+        program = _StagedProgram(self, stages, prepared.donated)
         self._compiles += program.num_jitted
         return program
 
@@ -222,11 +226,12 @@ class TorchaxBackend:
             return tensor.contiguous().numpy()
         return self.from_torch(tensor, counted=False)
 
-    def jit(self, graph_module, example_inputs):
-        """``graph_module`` as an ahead-of-time compiled XLA executable taking and returning jax arrays.
+    def jit(self, graph_module, example_inputs, donate: tuple[int, ...] = ()):
+        """``graph_module`` as an ahead-of-time compiled XLA executable taking and returning jax arrays; the
+        inputs at ``donate`` are given to it (XLA may write its outputs into their buffers, and deletes them).
         A failure raises `BackendCompileError` naming the op it failed at."""
         try:
-            return _fast_call(self._lower(graph_module.forward, example_inputs).compile())
+            return _fast_call(self._lower(graph_module.forward, example_inputs, donate).compile())
         except Exception as exc:
             node = failing_node(graph_module, lambda run: self._lower(run, example_inputs))
             if node is None:
@@ -236,7 +241,7 @@ class TorchaxBackend:
                                       f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}",
                                       op=op, node_index=node.meta.get("pathways_index", 0)) from exc
 
-    def _lower(self, forward, example_inputs):
+    def _lower(self, forward, example_inputs, donate: tuple[int, ...] = ()):
         jax = self._jax
         from torchax import interop
 
@@ -244,7 +249,11 @@ class TorchaxBackend:
             return interop.call_torch(forward, *arrays)
 
         shapes = [jax.ShapeDtypeStruct(tuple(t.shape), _jax_dtype(t.dtype)) for t in example_inputs]
-        return jax.jit(traced).lower(*shapes)
+        return jax.jit(traced, donate_argnums=donate).lower(*shapes)
+
+    def copy_value(self, value):
+        """A stored value's own copy (an input a computation would consume but does not hold alone)."""
+        return self._jnp.array(value, copy=True)
 
 
 _CACHE_MAX_BYTES = 2 << 30   # the persistent compile cache's bound (2 GiB)
@@ -294,7 +303,7 @@ def _jax_dtype(torch_dtype):
 class _StagedProgram:
     """A graph's stages, run in order on jax arrays; host stages in torch on views of them."""
 
-    def __init__(self, backend: TorchaxBackend, stages):
+    def __init__(self, backend: TorchaxBackend, stages, donated_inputs: frozenset = frozenset()):
         self._backend = backend
         self._plan = stages
         self.num_jitted = 0
@@ -303,9 +312,17 @@ class _StagedProgram:
         self._from_numpy, self._to_torch = backend._torch.from_numpy, backend.to_torch
         self._free_slots = [None] * stages.num_intermediates
         self._steps = []
-        for stage in stages.stages:
+        self._frees, donated = _last_uses(stages), set()
+        for stage, frees in zip(stages.stages, self._frees):
             if stage.kind == "jax":
-                executable = backend.jit(stage.graph_module, stage.example_inputs)
+                # What this stage reads last is given to it: its buffers may hold the stage's outputs (a step's
+                # update writes the new state where the old one was): an intermediate, or a function input its
+                # callers donate; the executor passes a copy of such an input that a run does not hold alone.
+                donate = tuple(i for i, slot in enumerate(stage.input_slots) if slot in frees
+                               and stage.input_slots.count(slot) == 1
+                               and (slot in donated_inputs or slot >= stages.num_inputs + stages.num_constants))
+                donated.update(stage.input_slots[i] for i in donate if stage.input_slots[i] < stages.num_inputs)
+                executable = backend.jit(stage.graph_module, stage.example_inputs, donate)
                 self.num_jitted += 1
                 self._steps.append((True, executable, stage.input_slots, stage.output_slots))
             else:
@@ -315,6 +332,7 @@ class _StagedProgram:
         host_made = {slot for stage in stages.stages if stage.kind != "jax" for slot in stage.output_slots}
         # Outputs a host stage made are numpy views until stored: only then is a pass over them needed.
         self._host_made_outputs = bool(host_made & set(stages.output_slots))
+        self.donated_inputs = frozenset(donated)   # function inputs it consumes (executor: `LoadedFunction.mutates`)
         single = stages.single_jax_stage()
         self._single = self._steps[0][1] if single else None
         kinds = collections.Counter(stage.kind for stage in stages.stages)
@@ -325,13 +343,18 @@ class _StagedProgram:
         if self._single is not None:
             return list(self._single(*inputs, *self._constants))
         slots = [*inputs, *self._constants, *self._free_slots]
+        inputs.clear()   # the slots hold them now, each until its last stage
         as_torch, host_to_stage = self._as_torch, self._backend.host_to_stage
-        for is_jax, run, input_slots, output_slots in self._steps:
+        for (is_jax, run, input_slots, output_slots), frees in zip(self._steps, self._frees):
+            arguments = [slots[i] for i in input_slots]
+            for slot in frees:
+                slots[slot] = None
             if is_jax:
-                outputs = run(*[slots[i] for i in input_slots])
+                outputs = run(*arguments)
             else:
                 # A host stage reads views of jax buffers and hands numpy views on (see host_to_stage).
-                outputs = [host_to_stage(t) for t in run(*[as_torch(slots[i]) for i in input_slots])]
+                outputs = [host_to_stage(t) for t in run(*[as_torch(a) for a in arguments])]
+            del arguments
             for slot, value in zip(output_slots, outputs):
                 slots[slot] = value
         if self._host_made_outputs:
@@ -348,6 +371,14 @@ class _StagedProgram:
         """What the store keeps: jax arrays (a host stage's numpy output becomes one here)."""
         return self._backend.from_torch(self._backend._torch.from_numpy(value), counted=False) \
             if isinstance(value, self._ndarray) else value
+
+
+def _last_uses(stages) -> list[tuple[int, ...]]:
+    """Per stage, the slots no later stage reads and the function does not return (its last use of them)."""
+    kept = set(stages.output_slots) | set(range(stages.num_inputs, stages.num_inputs + stages.num_constants))
+    last = {slot: index for index, stage in enumerate(stages.stages) for slot in stage.input_slots}
+    return [tuple(slot for slot in dict.fromkeys(stage.input_slots) if last[slot] == index and slot not in kept)
+            for index, stage in enumerate(stages.stages)]
 
 
 def _data_dependent(exc: BaseException) -> bool:

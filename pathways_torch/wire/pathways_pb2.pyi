@@ -85,16 +85,18 @@ class GraphNode(_message.Message):
     def __init__(self, op: _Optional[str] = ..., target: _Optional[str] = ..., args: _Optional[_Iterable[_Union[Arg, _Mapping]]] = ..., kwargs: _Optional[_Iterable[_Union[NamedArg, _Mapping]]] = ..., name: _Optional[str] = ...) -> None: ...
 
 class Graph(_message.Message):
-    __slots__ = ("nodes", "constants", "inputs", "outputs")
+    __slots__ = ("nodes", "constants", "inputs", "outputs", "donated_inputs")
     NODES_FIELD_NUMBER: _ClassVar[int]
     CONSTANTS_FIELD_NUMBER: _ClassVar[int]
     INPUTS_FIELD_NUMBER: _ClassVar[int]
     OUTPUTS_FIELD_NUMBER: _ClassVar[int]
+    DONATED_INPUTS_FIELD_NUMBER: _ClassVar[int]
     nodes: _containers.RepeatedCompositeFieldContainer[GraphNode]
     constants: _containers.RepeatedCompositeFieldContainer[TensorMeta]
     inputs: _containers.RepeatedCompositeFieldContainer[TensorMeta]
     outputs: _containers.RepeatedCompositeFieldContainer[TensorMeta]
-    def __init__(self, nodes: _Optional[_Iterable[_Union[GraphNode, _Mapping]]] = ..., constants: _Optional[_Iterable[_Union[TensorMeta, _Mapping]]] = ..., inputs: _Optional[_Iterable[_Union[TensorMeta, _Mapping]]] = ..., outputs: _Optional[_Iterable[_Union[TensorMeta, _Mapping]]] = ...) -> None: ...
+    donated_inputs: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, nodes: _Optional[_Iterable[_Union[GraphNode, _Mapping]]] = ..., constants: _Optional[_Iterable[_Union[TensorMeta, _Mapping]]] = ..., inputs: _Optional[_Iterable[_Union[TensorMeta, _Mapping]]] = ..., outputs: _Optional[_Iterable[_Union[TensorMeta, _Mapping]]] = ..., donated_inputs: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class Register(_message.Message):
     __slots__ = ("executor_id", "data_address", "device", "backend", "pid", "store_bytes", "public_key", "command_address", "island")

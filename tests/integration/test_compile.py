@@ -90,3 +90,28 @@ def test_compiled_executables_persist_across_runs(tmp_path, monkeypatch):
     warm = run_once()
     assert entries() == written          # every executable came from the cache
     assert warm < cold, (cold, warm)
+
+
+def test_xla_writes_into_a_donated_input_and_copies_one_that_is_still_held():
+    def update(state, grad):
+        mean = pw.all_reduce(grad, "data", "mean")   # a cut: stages, and intermediates given to the last one
+        return state - 0.5 * mean
+
+    with pw.Context(num_executors=2, backend="xla") as ctx:
+        mesh = ctx.mesh({"data": 2})
+        step = pw.function(update, donate_argnums=(0,))
+        state_host, grad_host = torch.randn(8, 4), torch.randn(8, 4)
+        grad = ctx.put(grad_host, mesh, [pw.Shard(0)])
+        mean = (grad_host[:4] + grad_host[4:]) / 2
+        state = ctx.put(state_host, mesh, [pw.Shard(0)])
+        for _ in range(3):
+            state = step(state, grad)                 # each call's old state is XLA's to write over
+        torch.testing.assert_close(state.result(timeout_s=120), state_host - 1.5 * torch.cat([mean, mean]))
+        assert all(s["handed_over"] >= 3 for s in ctx.stats()["executors"].values())
+        # Made by XLA (a put's buffer is torch's, which XLA never takes): a buffer XLA would write over.
+        held = pw.function(lambda a: a * 1, name="copy")(ctx.put(state_host, mesh, [pw.Shard(0)]))
+        held._holds += 1                              # as a checkpoint being written holds its step's state
+        plain = pw.function(lambda s, g: s - 0.5 * g, name="plain", donate_argnums=(0,))   # one stage: XLA
+        out = plain(held, grad)                       # would write over `held`; not given up: it gets a copy
+        torch.testing.assert_close(out.result(timeout_s=120), state_host - 0.5 * grad_host)
+        torch.testing.assert_close(held.result(timeout_s=60), state_host)   # the stored array is intact
