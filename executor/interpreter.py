@@ -22,7 +22,7 @@ from pathways_torch.wire.tensors import dtype_name
 
 from .collectives import CollectiveRuntime
 from .jobs import ComputeJob, FormJob, LoadedFunction, RunJob, SegmentJob
-from .messages import remote_failure, value_or_failure, with_origin
+from .messages import remote_failure, with_origin
 from .trace import TraceRecorder
 
 __all__ = ["StepInterpreter"]
@@ -34,7 +34,7 @@ class StepInterpreter:
     """Runs jobs on the compute thread: ``compute(job)`` never raises; ``fail`` covers a bug of ours."""
 
     def __init__(self, *, executor_id: str, backend, collectives: CollectiveRuntime, trace: TraceRecorder,
-                 hand_over: Callable = lambda entry, failure: value_or_failure(entry)):
+                 hand_over: Callable):
         self.executor_id = executor_id
         # An input the store no longer needs is the computation's to free (`ObjectStore.hand_over`); a late
         # reader of it gets this failure instead.
@@ -79,7 +79,7 @@ class StepInterpreter:
         inputs = [hand_over(e, handed_over) for e in job.entries]
         function = job.function
         if function is not None and function.mutates:
-            _copy_shared(inputs, function.mutates, lambda i: job.entries[i].handed, self.backend.copy_value)
+            _copy_shared(inputs, function.mutates, _held_alone(job.step, job.entries), self.backend.copy_value)
         outputs, failure, done, _ = self._step(job.step, function, inputs, job.seq, job.call_id)
         job.values = [failure] * len(job.output_keys) if outputs is None else outputs
         job.computed = int(outputs is not None)
@@ -92,10 +92,7 @@ class StepInterpreter:
         seq, call_id = job.segment.ids(step)
         inputs = [slots[slot] for slot in step.inputs]
         if function is not None and function.mutates:
-            external = len(job.entries)
-            _copy_shared(inputs, function.mutates, lambda i: (
-                step.inputs[i] in step.frees and step.inputs.count(step.inputs[i]) == 1
-                and (step.inputs[i] >= external or job.entries[step.inputs[i]].handed)), self.backend.copy_value)
+            _copy_shared(inputs, function.mutates, _held_alone(step, job.entries), self.backend.copy_value)
         for slot in step.frees:   # the list passed on holds them now; a boxed backend frees them inside
             slots[slot] = None
         outputs, failure, done, device_ns = self._step(step, function, inputs, seq, call_id)
@@ -193,6 +190,16 @@ class StepInterpreter:
         failure = remote_failure(exc, self.executor_id, origin_call_id=job.origin_call_id())
         job.values = [failure] * len(job.output_keys)
         job.dones = [pb.Done(call_id=call_id, seq=seq, ok=False, failure=failure) for seq, call_id in job.reporting()]
+
+
+def _held_alone(step, entries: list) -> Callable[[int], bool]:
+    """Whether ``step`` alone holds its input at a position: read by no later step nor stored (``frees``), passed
+    once, and made by an earlier step or handed over by the store (the job's first ``len(entries)`` slots)."""
+    def alone(position: int) -> bool:
+        slot = step.inputs[position]
+        return (slot in step.frees and step.inputs.count(slot) == 1
+                and (slot >= len(entries) or entries[slot].handed))
+    return alone
 
 
 def _copy_shared(inputs: list, mutated, alone, copy) -> None:

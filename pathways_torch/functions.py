@@ -108,21 +108,8 @@ class Function:
                 self._calls.clear()
             known = self._calls[(signature, mesh)] = (version, layouts)
         version, layouts = known
-        outputs = context._dispatch.call(version, mesh, arrays, layouts, call_site(), self._donated(args))
+        outputs = context._dispatch.call(version, mesh, arrays, layouts, call_site(), _donated(version, arrays))
         return outputs[0] if version.single_output else tuple(outputs)
-
-    def _donated(self, args) -> tuple[int, ...]:
-        """Positions among the call's arrays that it may free: the donated arguments no one holds (a checkpoint
-        being written holds its step's state: `Array._holds`)."""
-        if not self.donate_argnums:
-            return ()
-        positions, index = [], 0
-        for position, value in enumerate(args):
-            if isinstance(value, Array):
-                if position in self.donate_argnums and not value._holds:
-                    positions.append(index)
-                index += 1
-        return tuple(positions)
 
     def _record(self, tracer, args, kwargs, symbolic_type):
         """Inside ``@pw.program``: add a node instead of dispatching."""
@@ -211,6 +198,12 @@ class Function:
 
     def __repr__(self) -> str:
         return f"<pw.function {self.name} ({self.num_traces} traced versions)>"
+
+
+def _donated(version: CapturedVersion, arrays: list) -> tuple[int, ...]:
+    """Positions among a call's arrays that it may free: the donated arguments (``version.graph.donated_inputs``)
+    no one holds (a checkpoint being written holds its step's state: `Array._holds`)."""
+    return tuple(i for i in version.graph.donated_inputs if not arrays[i]._holds)
 
 
 def _is_tensor(value) -> bool:

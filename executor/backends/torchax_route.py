@@ -318,9 +318,10 @@ class _StagedProgram:
                 # What this stage reads last is given to it: its buffers may hold the stage's outputs (a step's
                 # update writes the new state where the old one was): an intermediate, or a function input its
                 # callers donate; the executor passes a copy of such an input that a run does not hold alone.
+                # (``frees`` never holds a constant or a returned value.)
                 donate = tuple(i for i, slot in enumerate(stage.input_slots) if slot in frees
                                and stage.input_slots.count(slot) == 1
-                               and (slot in donated_inputs or slot >= stages.num_inputs + stages.num_constants))
+                               and (slot >= stages.num_inputs or slot in donated_inputs))
                 donated.update(stage.input_slots[i] for i in donate if stage.input_slots[i] < stages.num_inputs)
                 executable = backend.jit(stage.graph_module, stage.example_inputs, donate)
                 self.num_jitted += 1
