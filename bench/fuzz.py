@@ -181,6 +181,7 @@ def _counts(ctx, sent_to: collections.Counter) -> dict:
         for key, n in s["handled_messages"].items():
             counts[f"{executor_id} {key.split(':', 1)[0]}"] += n
         counts[f"{executor_id} dropped"] = s["dropped_messages"]
+        counts[f"{executor_id} refused"] = s["refused_data_messages"]
     return counts
 
 
@@ -204,9 +205,18 @@ class Window:
     def open(self) -> None:
         self._before = _counts(self.ctx, self._sent_to)
 
-    def close(self, settle_s: float = 0.2) -> None:
-        time.sleep(settle_s)     # inputs still on their way are handled
-        after = _counts(self.ctx, self._sent_to)
+    def close(self, settle_s: float = 0.2, limit_s: float = 10.0) -> None:
+        """Counts once the fuzzed ports' counts stopped moving: on a loaded machine an executor may handle the
+        inputs later than ``settle_s``, and whatever it handles after `close` (during the next probe) would go
+        uncounted."""
+        after, deadline = None, time.monotonic() + limit_s
+        while True:
+            time.sleep(settle_s)     # inputs still on their way are handled
+            latest = _counts(self.ctx, self._sent_to)
+            if after is not None and _settled(after) == _settled(latest) or time.monotonic() > deadline:
+                break
+            after = latest
+        after = latest
         delta = collections.Counter({k: after[k] - self._before.get(k, 0) for k in after})
         delta["controller control"] -= len(self.ctx.executor_ids)   # the Stats replies `close` read
         delta["controller heartbeat"] -= delta.pop("legit heartbeats")
@@ -215,6 +225,12 @@ class Window:
             delta[f"{executor_id} controller's"] = delta.pop(f"{executor_id} command sent", 0)
             delta[f"{executor_id} command"] -= delta[f"{executor_id} controller's"]
         self.reached.update(delta)
+
+
+def _settled(counts: dict) -> dict:
+    """The counts that move only with fuzzed inputs (not with heartbeats or the Stats requests reading them)."""
+    return {k: n for k, n in counts.items()
+            if k.endswith((" data", " dropped", " refused")) or k in ("controller store",)}
 
 
 def trains_like_eager(ctx, mesh, steps: int = 5) -> float:
