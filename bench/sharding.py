@@ -80,7 +80,7 @@ def measure_pathways(plan_name: str, backend: str, width: int, steps: int) -> di
         _warm_up(ctx, mesh)
         ctx.stats()   # the store high-water is "since the previous stats()"
         before = [status_field(pid, "VmHWM") for pid in pids]
-        plan = pw.DataParallel("data") if plan_name == "DataParallel" else pw.ShardedDataParallel("data")
+        plan = _plan(plan_name)
         trainer = ctx.wrap(model, optimizer=optimizer, loss_fn=torch.nn.functional.mse_loss,
                            mesh=mesh, plan=plan)
         trainer.step(data[0]).result()
@@ -99,7 +99,7 @@ def measure_pathways(plan_name: str, backend: str, width: int, steps: int) -> di
         stats = ctx.stats()["executors"]
         high_water = [stats[e]["store_bytes_high_water"] for e in ctx.executor_ids]
         route = ctx.backend
-    return {"system": f"pathways {plan_name}", "plan": plan_name, "backend": route,
+    return {"system": f"pathways {plan_name}", "plan": plan_name.split(" ")[0], "backend": route,
             "peak_added_p": [(a - b) * 1024 / p_bytes for a, b in zip(after, before)],
             "store_high_water_p": [h / p_bytes for h in high_water],
             "rows_per_s": ROWS * (steps - 1) / elapsed if steps > 1 else None, "last_loss": last_loss,
@@ -239,11 +239,27 @@ def measure_torch(mode: str, width: int, steps: int) -> dict:
             "param_bytes": rows[0][4]}
 
 
+def _plan(name: str):
+    """The plan a row measures: DataParallel, the per-unit sharded step, the gather-all one, or per unit with
+    each unit's parameters kept for its backward."""
+    import pathways_torch as pw
+
+    return {"DataParallel": lambda: pw.DataParallel("data"),
+            "ShardedDataParallel": lambda: pw.ShardedDataParallel("data"),
+            "ShardedDataParallel (gather-all)": lambda: pw.ShardedDataParallel("data", per_unit=False),
+            "ShardedDataParallel (keep for backward)":
+                lambda: pw.ShardedDataParallel("data", reshard_after_forward=False)}[name]()
+
+
 SYSTEMS = {
     "dp-eager": lambda a: measure_pathways("DataParallel", "eager", a.width, a.steps),
     "sdp-eager": lambda a: measure_pathways("ShardedDataParallel", "eager", a.width, a.steps),
+    "sdp-all-eager": lambda a: measure_pathways("ShardedDataParallel (gather-all)", "eager", a.width, a.steps),
+    "sdp-keep-eager": lambda a: measure_pathways("ShardedDataParallel (keep for backward)", "eager", a.width,
+                                                 a.steps),
     "dp-xla": lambda a: measure_pathways("DataParallel", None, a.width, a.steps),
     "sdp-xla": lambda a: measure_pathways("ShardedDataParallel", None, a.width, a.steps),
+    "sdp-all-xla": lambda a: measure_pathways("ShardedDataParallel (gather-all)", None, a.width, a.steps),
     "ddp": lambda a: measure_torch("DDP", a.width, a.steps),
     "fsdp2": lambda a: measure_torch("FSDP2", a.width, a.steps),
 }

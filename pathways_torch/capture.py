@@ -74,14 +74,17 @@ class CapturedVersion:
         return f"{self.name}({ins}) -> ({outs})"
 
 
-def capture(fn: Callable, name: str, inputs: Sequence[InputSpec], rebuild: Callable) -> CapturedVersion:
-    """Trace ``fn``; ``rebuild(tensors)`` turns the traced tensors into ``fn``'s (args, kwargs).
+def capture(fn: Callable, name: str, inputs: Sequence[InputSpec], rebuild: Callable,
+            graph_pass: Callable | None = None) -> CapturedVersion:
+    """Trace ``fn``; ``rebuild(tensors)`` turns the traced tensors into ``fn``'s (args, kwargs); ``graph_pass``
+    (graph module → graph module) rewrites the trace before it is encoded (a sharded step's unit schedule).
     Thread-safe: one capture at a time in a process."""
     with _CAPTURE_LOCK:
-        return _capture(fn, name, inputs, rebuild)
+        return _capture(fn, name, inputs, rebuild, graph_pass or (lambda graph_module: graph_module))
 
 
-def _capture(fn: Callable, name: str, inputs: Sequence[InputSpec], rebuild: Callable) -> CapturedVersion:
+def _capture(fn: Callable, name: str, inputs: Sequence[InputSpec], rebuild: Callable,
+             graph_pass: Callable) -> CapturedVersion:
     from torch._subclasses.fake_tensor import DynamicOutputShapeException
 
     shown = ", ".join(map(str, inputs))
@@ -101,16 +104,18 @@ def _capture(fn: Callable, name: str, inputs: Sequence[InputSpec], rebuild: Call
         data_dependent = True
     except Exception as exc:
         raise _capture_error(exc, name, shown) from exc
+    graph_module = graph_pass(graph_module)
     single, outputs = _output_specs(graph_module, name)
     try:
         graph, constants = encode_graph(graph_module)
     except GraphSchemaError as exc:
         raise CaptureError(f"function {name!r}: {exc}") from exc
     return CapturedVersion(name, tuple(inputs), graph_module, graph, constants, outputs, single,
-                           _collective_axes(graph_module), retrace=_retracer(flat, inputs, data_dependent))
+                           _collective_axes(graph_module),
+                           retrace=_retracer(flat, inputs, data_dependent, graph_pass))
 
 
-def _retracer(flat, inputs, data_dependent: bool) -> Callable:
+def _retracer(flat, inputs, data_dependent: bool, graph_pass: Callable) -> Callable:
     """The same trace with stack traces, later: under the mesh axes this capture ran under (collectives)."""
     from .collectives import _MESH_AXES, tracing_mesh
 
@@ -118,7 +123,8 @@ def _retracer(flat, inputs, data_dependent: bool) -> Callable:
 
     def retrace():
         with tracing_mesh(axes) if axes else contextlib.nullcontext():
-            return _trace(flat, inputs, data_dependent_sizes=data_dependent, record_stack_traces=True)
+            # The same pass: node numbers must match the graph the executors ran.
+            return graph_pass(_trace(flat, inputs, data_dependent_sizes=data_dependent, record_stack_traces=True))
 
     return retrace
 

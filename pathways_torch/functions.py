@@ -39,7 +39,7 @@ class Function:
     """A captured per-shard function; ``num_traces`` counts the versions traced so far."""
 
     def __init__(self, fn: Callable, *, out=None, name: str | None = None, mesh=None, sim_time_s: float = 0.0,
-                 donate_argnums: tuple[int, ...] = ()):
+                 donate_argnums: tuple[int, ...] = (), graph_pass: Callable | None = None):
         if sim_time_s < 0:
             raise ValueError(f"sim_time_s: expected >= 0, got {sim_time_s}")
         donate_argnums = (donate_argnums,) if isinstance(donate_argnums, int) else tuple(donate_argnums)
@@ -47,6 +47,7 @@ class Function:
             raise ValueError(f"donate_argnums: expected argument positions (ints >= 0), got {donate_argnums}")
         self.donate_argnums = frozenset(donate_argnums)
         self.fn = fn
+        self.graph_pass = graph_pass     # rewrites each trace before it is sent (a sharded step's unit schedule)
         self.out = out
         self.sim_time_s = sim_time_s
         self.name = name or getattr(fn, "__name__", "function")
@@ -63,7 +64,7 @@ class Function:
     def on(self, mesh) -> "Function":
         """The same function, run on ``mesh`` (inputs elsewhere are moved executor→executor)."""
         bound = Function(self.fn, out=self.out, name=self.name, mesh=mesh, sim_time_s=self.sim_time_s,
-                         donate_argnums=tuple(self.donate_argnums))
+                         donate_argnums=tuple(self.donate_argnums), graph_pass=self.graph_pass)
         bound._versions = self._versions  # one trace cache for every mesh it runs on
         return bound
 
@@ -159,7 +160,7 @@ class Function:
                 return rebuilt, kwargs
 
             with tracing_mesh(mesh.axes):
-                version = capture(self.fn, self.name, specs, rebuild)
+                version = capture(self.fn, self.name, specs, rebuild, self.graph_pass)
             version.sim_seconds = self.sim_time_s
             # Which of the function's inputs its callers donate: XLA compiles it to reuse their buffers.
             version.graph.donated_inputs.extend(index for index, slot in enumerate(slots)

@@ -23,11 +23,10 @@ import dataclasses
 
 from ..errors import CaptureError, PlacementError
 from ..graph_cut import CAPTURE_LOCK, carve
+from ..training.units import block_list
 from .marker import MARKER, count_markers_into, pipe_split, stop_counting_into
 
 __all__ = ["Chunk", "SplitModel", "split_model", "find_blocks", "balanced_boundaries"]
-
-_BLOCK_LIST_NAMES = ("layers", "h", "blocks", "layer", "block", "decoder_layers", "encoder_layers")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,24 +76,13 @@ class SplitModel:
 
 
 def find_blocks(model) -> tuple[str, list]:
-    """The model's block list: ``(name, [modules])`` — the model itself if it is an ``nn.Sequential``,
-    else the largest ``nn.ModuleList``/``nn.Sequential`` named like a block list."""
-    import torch
-
-    if isinstance(model, torch.nn.Sequential):
-        return "", list(model.children())
-    candidates = []
-    for name, module in model.named_modules():
-        if isinstance(module, (torch.nn.ModuleList, torch.nn.Sequential)) and len(module) > 1:
-            short = name.rsplit(".", 1)[-1]
-            numel = sum(p.numel() for p in module.parameters())
-            candidates.append((short in _BLOCK_LIST_NAMES, numel, name, list(module)))
-    if not candidates:
+    """The model's block list: ``(name, [modules])`` (`training.units.block_list`); refuses a model without one."""
+    found = block_list(model)
+    if found is None:
         raise PlacementError(f"pw.Pipeline: {type(model).__name__} has no block list to split (an nn.Sequential, "
                              f"or an nn.ModuleList such as self.layers / self.h / self.blocks); mark the cuts with "
                              f"pw.pipe_split() in its forward")
-    _, _, name, blocks = max(candidates, key=lambda c: (c[0], c[1]))
-    return name, blocks
+    return found
 
 
 def balanced_boundaries(costs: list[float], num_chunks: int) -> list[int]:

@@ -12,6 +12,7 @@ from ..errors import CaptureError
 from ..functions import Function
 from ..placement import Replicate, Shard
 from .buckets import split_for_exchange
+from .units import plan_units
 from .evaluation import make_forward
 from .step import make_layout, make_step
 from .runner import HoldsTrainer
@@ -23,7 +24,7 @@ class DataParallelRunner(HoldsTrainer):
     """The `StepRunner` of ``DataParallel(axis)`` / ``ShardedDataParallel(axis)`` on one mesh."""
 
     # Read through the trainer by tests and benches (the step's Function, the forwards, the state arrays).
-    exposed = ("_function", "_forwards", "_flats", "_states", "_buffers", "_frozen", "_rank")
+    exposed = ("_function", "_forwards", "_flats", "_states", "_buffers", "_frozen", "_rank", "units")
 
     def __init__(self, trainer, plan):
         self.trainer, self.plan = trainer, plan
@@ -31,10 +32,17 @@ class DataParallelRunner(HoldsTrainer):
 
     def build(self):
         t = self.trainer
-        cap = self.plan.local_bucket_bytes(t._context.backend)
-        # Cut as DDP cuts its buckets, last parameters first: the backward makes their gradients first.
-        self.layout = make_layout(t.model, t.optimizer, t._spec,
-                                  None if cap is None else lambda buckets: split_for_exchange(buckets, cap, cap))
+        self.units = None            # the gather groups of a per-unit sharded step (`units.Units`)
+        if self._per_unit():
+            def regroup(buckets):
+                # With no blocks: one unit per bucket of local_bucket_mb (eager's cap, 4 MB by default).
+                self.units = plan_units(t.model, buckets, self.plan.units, self.plan.local_bucket_bytes("eager"))
+                return list(self.units.buckets)
+        else:
+            cap = self.plan.local_bucket_bytes(t._context.backend)
+            # Cut as DDP cuts its buckets, last parameters first: the backward makes their gradients first.
+            regroup = None if cap is None else lambda buckets: split_for_exchange(buckets, cap, cap)
+        self.layout = make_layout(t.model, t.optimizer, t._spec, regroup)
         self._forwards: dict = {}        # "loss" / "predict" → its Function (evaluate, predict)
         self._output_specs: dict = {}    # form key → how predict rebuilds the model's output
         self.recapture()
@@ -45,12 +53,22 @@ class DataParallelRunner(HoldsTrainer):
         state = self.plan.state_placement()
         outs = ([Replicate()] + [state] * len(layout.buckets) * (1 + len(layout.state_names))
                 + [Replicate()] * len(layout.buffer_names))
+        per_unit = self._per_unit()
         step = make_step(t.model, t.loss_fn, t._spec, layout, self.plan, self.num_shards, t.seed, t.max_grad_norm,
-                         batch_forms=t._batch_forms)
+                         batch_forms=t._batch_forms, mark_forward_end=per_unit)
         # The old state is given up to the step that replaces it: executors free it inside the step, so they
         # never hold two copies of it (frozen parameters are not replaced: kept).
         self._function = Function(step, out=tuple(outs), name=step.__name__, mesh=t.mesh,
-                                  donate_argnums=tuple(range(layout.num_state_inputs)))
+                                  donate_argnums=tuple(range(layout.num_state_inputs)),
+                                  graph_pass=self._schedule() if per_unit else None)
+
+    def _per_unit(self) -> bool:
+        return self.plan.sharded_state and getattr(self.plan, "per_unit", False) and self.num_shards > 1
+
+    def _schedule(self):
+        from .unit_schedule import UnitSchedule   # registers a torch op: imported where the step is traced
+
+        return UnitSchedule(reshard_after_forward=self.plan.reshard_after_forward, prefetch=self.plan.prefetch)
 
     def batch_pieces(self) -> tuple[int, str]:
         return self.num_shards, f"the {self.num_shards} shards of mesh axis {self.plan.axis!r}"
@@ -140,7 +158,9 @@ class DataParallelRunner(HoldsTrainer):
             out = Replicate() if kind == "loss" else {self.plan.axis: Shard(0)}
             forward = make_forward(t.model, t.loss_fn, self.layout, self.plan, self.num_shards, kind,
                                    t._batch_forms, self._output_specs)
-            function = self._forwards[kind] = Function(forward, out=out, name=forward.__name__, mesh=t.mesh)
+            # Per unit, a forward gathers each unit's parameters just before it reads them.
+            function = self._forwards[kind] = Function(forward, out=out, name=forward.__name__, mesh=t.mesh,
+                                                       graph_pass=self._schedule() if self._per_unit() else None)
         # A lost shard of the state: recover (if on), then run it on the restored state.
         return t._after_recovery(lambda: self._run_forward(function, form, tensors, kind))
 

@@ -5,11 +5,12 @@
   gradient is averaged with one all-reduce (DDP's bucketing, in-island: buckets of
   ``local_bucket_mb``, by default 4 MB on eager executors and one per group on XLA).
 - `ShardedDataParallel(axis)` (ZeRO-3/FSDP-like): each executor stores 1/N of every
-  flat buffer — parameters, gradients and optimizer state. A step all-gathers the
-  parameters for use, reduce-scatters the gradients, and updates only its slice.
-  The gathered parameters exist only during the step (all buckets at once: there
-  is no per-layer prefetch yet, so peak memory in a step is not reduced, only what
-  is stored between steps).
+  flat buffer — parameters, gradients and optimizer state — and updates only its slice.
+  A step gathers one *unit*'s parameters (a repeated block, `units.py`) just before
+  its forward and drops them after, gathers them again for its backward, and
+  reduce-scatters its gradient as soon as the backward has made it (`unit_schedule.py`),
+  so that the peak inside a step is divided too. ``per_unit=False`` is the older step:
+  every bucket gathered at its start and kept to its end.
 
 Both average gradients over the data shards, as DDP does: with a mean-reduced
 loss and equal shards this is the gradient of the global batch.
@@ -135,9 +136,29 @@ class DataParallel:
 
 @dataclasses.dataclass(frozen=True)
 class ShardedDataParallel(DataParallel):
-    """Parameters, gradients and optimizer state sharded on ``axis`` (ZeRO-3-like storage)."""
+    """Parameters, gradients and optimizer state sharded on ``axis`` (ZeRO-3-like storage), gathered per unit."""
 
+    # The modules whose parameters are gathered together (FSDP's units); None: the model's repeated blocks.
+    units: tuple[str, ...] | None = None
+    # False: every bucket gathered at the start of the step and kept to its end (the older, gather-all step).
+    per_unit: bool = True
+    # FSDP's reshard_after_forward: drop a unit's parameters after its forward and gather them again for its
+    # backward (False: keep them, one collective fewer and the peak of all units' parameters).
+    reshard_after_forward: bool = True
+    # Issue the next unit's gather before the current unit's ops (gloo's collectives are synchronous here, so
+    # this orders them and holds one unit more; it does not yet overlap them with compute).
+    prefetch: bool = False
     sharded_state = True
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.units is not None:
+            if isinstance(self.units, str) or not all(isinstance(u, str) for u in self.units):
+                raise ValueError(f"ShardedDataParallel: units= expected a list of module names, got {self.units!r}")
+            object.__setattr__(self, "units", tuple(self.units))
+        for name in ("per_unit", "reshard_after_forward", "prefetch"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"ShardedDataParallel: {name} must be True or False, got {getattr(self, name)!r}")
 
     def state_placement(self) -> dict:
         from ..placement import Shard

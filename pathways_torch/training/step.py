@@ -101,8 +101,10 @@ def make_layout(model, optimizer, spec: OptimizerSpec, regroup: Callable | None 
 
 
 def make_step(model, loss_fn: Callable | None, spec: OptimizerSpec, layout: StepLayout, plan, num_shards: int,
-              seed: int, max_grad_norm: float | None, batch_forms: dict | None = None) -> Callable:
-    """The per-shard step function (to be captured); see the module docstring for its signature."""
+              seed: int, max_grad_norm: float | None, batch_forms: dict | None = None,
+              mark_forward_end: bool = False) -> Callable:
+    """The per-shard step function (to be captured); see the module docstring for its signature.
+    ``mark_forward_end``: the trace marks where the forward ends (for `unit_schedule.UnitSchedule`)."""
     buckets, num_states = layout.buckets, len(layout.state_names)
 
     batch_forms = batch_forms if batch_forms is not None else {}
@@ -119,7 +121,8 @@ def make_step(model, loss_fn: Callable | None, spec: OptimizerSpec, layout: Step
         step_number, hyper = scalars[0], scalars[1:].reshape(layout.num_groups, len(DYNAMIC))
         params = gathered_params(buckets, flats, plan, num_shards)
         grads, loss, new_buffers = loss_and_grads(model, loss_fn, params, buffers, frozen, form, batch,
-                                                  (seed, step_number, rank), plan.axis, num_shards)
+                                                  (seed, step_number, rank), plan.axis, num_shards,
+                                                  mark_forward_end=mark_forward_end)
         padded = [b.padded_numel(num_shards) if plan.sharded_state else b.numel for b in buckets]
         grad_flats, loss = plan.reduce([flatten(b, grads, n) for b, n in zip(buckets, padded)], loss.detach(),
                                        num_shards)
@@ -142,7 +145,7 @@ def make_step(model, loss_fn: Callable | None, spec: OptimizerSpec, layout: Step
 
 
 def loss_and_grads(model, loss_fn, params: dict, buffers: dict, frozen: dict, form, batch: list, rng: tuple,
-                   axis: str, num_shards: int) -> tuple:
+                   axis: str, num_shards: int, mark_forward_end: bool = False) -> tuple:
     """(gradients by name, loss, new buffers) of one shard's batch; ``rng`` = (seed, step, rank) keys dropout."""
     from torch.func import functional_call, grad_and_value
 
@@ -152,6 +155,10 @@ def loss_and_grads(model, loss_fn, params: dict, buffers: dict, frozen: dict, fo
         buffers = {name: b.clone() for name, b in buffers.items()}
         with counter_rng(*rng), global_batch_norm(model, axis, num_shards):
             loss = forward_loss(functional_call, model, loss_fn, {**params, **frozen, **buffers}, form, batch)
+        if mark_forward_end:
+            from .unit_schedule import forward_end   # registers a torch op: imported only where torch is
+
+            forward_end()
         return loss, buffers
 
     grads, (loss, new_buffers) = grad_and_value(loss_of, has_aux=True)(params, buffers)

@@ -119,9 +119,10 @@ def test_sharded_plan_stores_a_1_over_n_share_of_parameters_and_optimizer_state(
 
     baseline = stored()
     _, _, sharded = _distributed(ctx, model, _batches(2), PLANS["sdp"], n)
-    bucket = sharded.layout.buckets[0]
-    share = 3 * 4 * bucket.padded_numel(n) // n           # params + exp_avg + exp_avg_sq, float32
-    assert bucket.padded_numel(n) - total < n             # padding below one element per shard
+    buckets = sharded.layout.buckets                      # one per unit (its repeated blocks)
+    padded = sum(b.padded_numel(n) for b in buckets)
+    share = 3 * 4 * padded // n                           # params + exp_avg + exp_avg_sq, float32
+    assert padded - total < n * len(buckets)              # padding below one element per shard and bucket
     # Besides the share, a few scalars: the shard's rank and the last loss.
     assert added(baseline, share, share + 64), (stored(), baseline, share)
     del sharded
@@ -184,6 +185,46 @@ def test_clipping_that_triggers_gives_the_same_result_under_both_plans(ctx):
         assert _relative_error(losses, ref_losses) < 1e-9, plan
         for name, value in ref_params.items():
             assert _relative_error(params[name], value) < 1e-9, (plan, name)
+
+
+SHARDED_SCHEDULES = {"keep for backward": pw.ShardedDataParallel("data", reshard_after_forward=False),
+                     "prefetch": pw.ShardedDataParallel("data", prefetch=True),
+                     "gather-all": pw.ShardedDataParallel("data", per_unit=False),
+                     "units": pw.ShardedDataParallel("data", units=["blocks", "head"])}
+
+
+@pytest.mark.remote_subset(schedule=("units",))
+@pytest.mark.parametrize("schedule", sorted(SHARDED_SCHEDULES))
+def test_every_sharded_schedule_matches_eager_with_clipping(ctx, schedule):
+    def model():   # two blocks: two units
+        torch.manual_seed(0)
+        return DecoderOnlyTransformer(dataclass_replace(CFG, depth=2)).double()
+
+    batches = _batches(4)
+    ref_losses, ref_params = _eager(model(), batches, max_grad_norm=0.05)
+    unclipped, _ = _eager(model(), batches)
+    assert _relative_error(unclipped, ref_losses) > 1e-6   # the limit changed the run
+    losses, params, trainer = _distributed(ctx, model(), batches, SHARDED_SCHEDULES[schedule], 2,
+                                           max_grad_norm=0.05)
+    assert _relative_error(losses, ref_losses) < 1e-9
+    for name, value in ref_params.items():
+        assert _relative_error(params[name], value) < 1e-9, name
+    expected = {"units": "2 units (units= given)", "gather-all": "None"}.get(schedule, "2 units (the model's rep")
+    assert str(trainer.units).startswith(expected)
+
+
+def test_bad_units_are_refused_before_anything_is_placed(ctx):
+    gc.collect()
+    before = [e["store_bytes"] for e in ctx.stats()["executors"].values()]
+    model = _model()
+    for units, match in ((["blocks.9", "lm"], r"does not have: \['blocks.9', 'lm'\]"),
+                         (["blocks", "blocks.0"], r"'blocks' holds 'blocks.0'")):
+        with pytest.raises(pw.PlacementError, match=match):
+            ctx.wrap(model, optimizer=_adamw(model.parameters()), loss_fn=loss_fn, mesh=_mesh(ctx, 2),
+                     plan=pw.ShardedDataParallel("data", units=units))
+    gc.collect()
+    assert [e["store_bytes"] for e in ctx.stats()["executors"].values()] == before   # nothing was put
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), _model().state_dict().values()))
 
 
 def test_step_returns_before_it_runs_and_the_next_is_enqueued_meanwhile(ctx, tmp_path):
@@ -355,7 +396,7 @@ def test_sgd_with_two_param_groups_and_a_frozen_parameter_matches_eager(ctx, pla
     expected = train_eagerly(reference, ref_optimizer, batches, loss_fn)
     model, optimizer = setup()
     trainer = ctx.wrap(model, optimizer=optimizer, loss_fn=loss_fn, mesh=_mesh(ctx, 2), plan=PLANS[plan])
-    assert sorted(b.group for b in trainer.layout.buckets) == [0, 1]
+    assert sorted({b.group for b in trainer.layout.buckets}) == [0, 1]   # sharded: a group's buckets per unit
     assert trainer.layout.frozen_names == ("positions.weight",)
     losses = torch.tensor([f.result(60).item() for f in [trainer.step(b) for b in batches]], dtype=torch.float64)
     assert _relative_error(losses, torch.tensor(expected, dtype=torch.float64)) < 1e-9

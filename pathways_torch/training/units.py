@@ -1,0 +1,164 @@
+"""Units of a sharded step: the groups of parameters gathered together, just before their forward (FSDP's units).
+
+A unit is one of the model's repeated blocks — found as the pipeline split finds them (the model itself if it is
+an ``nn.Sequential``, else its largest block list: ``self.layers``, ``self.h``, ``self.blocks`` …) — or a module
+the user names (``pw.ShardedDataParallel(axis, units=["encoder", "decoder.layers.0", ...])``). The parameters in
+no unit (embeddings, a final norm, a head) form the *rest*: one more gather group per run of consecutive
+parameters. Each unit's parameters are flat buckets of their own (`split_by_units`), so that one all-gather brings
+one unit and one reduce-scatter takes its gradient.
+
+A model with no repeated blocks and no ``units=`` falls back to one unit per bucket of at most `LOCAL_BUCKET_MB`,
+with a warning that says so. ``print(trainer.units)`` shows the units.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+from ..errors import PlacementError
+from .buckets import Bucket, split_for_exchange
+
+__all__ = ["Units", "plan_units", "block_list", "split_by_units", "BLOCK_LIST_NAMES"]
+
+log = logging.getLogger(__name__)
+
+BLOCK_LIST_NAMES = ("layers", "h", "blocks", "layer", "block", "decoder_layers", "encoder_layers")
+
+
+def block_list(model) -> tuple[str, list] | None:
+    """The model's block list: ``(name, [modules])`` — the model itself if it is an ``nn.Sequential``, else the
+    largest ``nn.ModuleList``/``nn.Sequential`` named like a block list (else the largest one) — or None."""
+    import torch
+
+    if isinstance(model, torch.nn.Sequential):
+        return "", list(model.children())
+    candidates = []
+    for name, module in model.named_modules():
+        if isinstance(module, (torch.nn.ModuleList, torch.nn.Sequential)) and len(module) > 1:
+            short = name.rsplit(".", 1)[-1]
+            numel = sum(p.numel() for p in module.parameters())
+            candidates.append((short in BLOCK_LIST_NAMES, numel, name, list(module)))
+    if not candidates:
+        return None
+    _, _, name, blocks = max(candidates, key=lambda c: (c[0], c[1]))
+    return name, blocks
+
+
+@dataclasses.dataclass(frozen=True)
+class Units:
+    """The gather groups of a sharded step: ``names[u]`` is unit u's module; ``bucket_units[b]`` the unit of
+    bucket b (None: the rest, parameters in no unit). ``how``: where the units came from."""
+
+    names: tuple[str, ...]
+    bucket_units: tuple[int | None, ...]
+    buckets: tuple[Bucket, ...]
+    how: str
+
+    def __str__(self) -> str:
+        lines = [f"{len(self.names)} units ({self.how}), {len(self.buckets)} buckets:"]
+        for u, name in enumerate(self.names):
+            lines.append(f"unit {u} {name!r}: {self._summary([b for b, owner in self._owned() if owner == u])}")
+        rest = [b for b, owner in self._owned() if owner is None]
+        if rest:
+            names = [s.name for b in rest for s in b.slots]
+            shown = ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
+            lines.append(f"rest ({shown}): {self._summary(rest)}")
+        return "\n".join(lines)
+
+    def _owned(self):
+        return zip(self.buckets, self.bucket_units)
+
+    @staticmethod
+    def _summary(buckets: list[Bucket]) -> str:
+        params = sum(len(b.slots) for b in buckets)
+        nbytes = sum(b.numel * _itemsize(b.dtype) for b in buckets)
+        size = f"{nbytes / 2**20:.1f} MiB" if nbytes >= 2**20 else f"{nbytes / 2**10:.1f} KiB"
+        return f"{params} parameters, {size} in {len(buckets)} bucket{'s' * (len(buckets) != 1)}"
+
+
+def plan_units(model, buckets: list[Bucket], units: tuple[str, ...] | None, fallback_bytes: int) -> Units:
+    """The units of ``model`` (``units``: module names the user chose, else its repeated blocks) and ``buckets``
+    cut so that each holds one unit's parameters (or the rest's). Raises `PlacementError` for names that are no
+    module or that overlap; warns and falls back to buckets of ``fallback_bytes`` when the model has no blocks."""
+    if units is not None:
+        names, how = _checked_names(model, units), "units= given"
+    else:
+        names, how = _block_names(model), "the model's repeated blocks"
+        if len(names) < 2:
+            pieces = split_for_exchange(buckets, fallback_bytes, fallback_bytes)
+            log.warning("pw.ShardedDataParallel: %s has no repeated blocks (no nn.Sequential, self.layers, self.h "
+                        "...) and no units= was given; falling back to one unit per bucket of at most %.0f MB; "
+                        "pass units=[module names] to choose", type(model).__name__, fallback_bytes / 2**20)
+            return Units(tuple(f"bucket {i}" for i in range(len(pieces))), tuple(range(len(pieces))),
+                         tuple(pieces), f"fallback: one per bucket of at most {fallback_bytes / 2**20:.0f} MB")
+    cut, owners = split_by_units(buckets, lambda name: _unit_of(name, names))
+    return Units(tuple(names), tuple(owners), tuple(cut), how)
+
+
+def split_by_units(buckets: list[Bucket], unit_of) -> tuple[list[Bucket], list]:
+    """Each bucket cut where ``unit_of(parameter name)`` changes, in model order: (pieces, each piece's unit)."""
+    pieces, owners = [], []
+    for bucket in buckets:
+        run, owner = [], None
+        for slot in bucket.slots:
+            unit = unit_of(slot.name)
+            if run and unit != owner:
+                pieces.append(_rebase(bucket, run))
+                owners.append(owner)
+                run = []
+            run.append(slot)
+            owner = unit
+        if run:
+            pieces.append(_rebase(bucket, run))
+            owners.append(owner)
+    return pieces, owners
+
+
+def _rebase(bucket: Bucket, slots: list) -> Bucket:
+    from .buckets import Slot
+
+    rebased, offset = [], 0
+    for slot in slots:
+        rebased.append(Slot(slot.name, slot.shape, offset, slot.numel))
+        offset += slot.numel
+    return Bucket(bucket.group, bucket.dtype, tuple(rebased))
+
+
+def _unit_of(parameter: str, names: list[str]) -> int | None:
+    for index, name in enumerate(names):
+        if name == "" or parameter.startswith(name + "."):
+            return index
+    return None
+
+
+def _block_names(model) -> list[str]:
+    """The names of the model's repeated blocks that hold parameters."""
+    found = block_list(model)
+    if found is None:
+        return []
+    ids = {id(module): name for name, module in model.named_modules()}
+    return [ids[id(block)] for block in found[1] if any(True for _ in block.parameters())]
+
+
+def _checked_names(model, units) -> list[str]:
+    if isinstance(units, str) or not all(isinstance(u, str) for u in units):
+        raise PlacementError(f"pw.ShardedDataParallel: units= expected a list of module names (str), got {units!r}")
+    modules = dict(model.named_modules())
+    missing = [u for u in units if u not in modules]
+    if missing:
+        known = [n for n in modules if n][:8]
+        raise PlacementError(f"pw.ShardedDataParallel: units= names modules that {type(model).__name__} does not "
+                             f"have: {missing}; its modules include {known}")
+    overlapping = sorted({(a, b) for i, a in enumerate(units) for j, b in enumerate(units)
+                          if i != j and (a == b or b.startswith(a + ".") or a == "")})
+    if overlapping:
+        pairs = ", ".join(f"{a!r} holds {b!r}" if a != b else f"{a!r} twice" for a, b in overlapping)
+        raise PlacementError(f"pw.ShardedDataParallel: units= overlap ({pairs}); name each parameter's unit once")
+    return list(units)
+
+
+def _itemsize(dtype) -> int:
+    import torch
+
+    return torch.empty((), dtype=dtype).element_size()
