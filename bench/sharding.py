@@ -5,10 +5,12 @@ system, per process: the peak resident set the training adds, parameters include
 VmHWM before the model is placed: before ``ctx.wrap`` for ours, before building the model for torch's), in P.
 Both sides have run one all-reduce of one float first, so a runtime's own start (gloo's connections; the XLA
 client, its compiler) is not counted on either side, as the parameters and what a step keeps are;
-rows per second over the steps after the first; and for ours the object store's high-water, in P.
+rows per second over the steps after the first; and for ours the object store's high-water, in P, and the share
+of executor 0's step time spent inside collectives (from the trace).
 
-- ``pathways DataParallel`` and ``pathways ShardedDataParallel`` (today's sharded step: it gathers every
-  bucket at the start of the step), on eager executors and on the default backend;
+- ``pathways DataParallel``, ``pathways ShardedDataParallel`` (per unit: each block gathered before its forward
+  and again before its backward), its older gather-all step (``per_unit=False``) and per unit with the parameters
+  kept for the backward (``reshard_after_forward=False``), on eager executors and on the default backend;
 - ``torch DDP`` and ``torch FSDP2`` (``fully_shard`` per block, then the root): ``torchrun``-style processes on
   gloo, meeting through a FileStore in a private folder (no TCPStore, nothing off loopback).
 
@@ -18,7 +20,7 @@ drawn (bench/results/sharding_timeline.png, ``--png``), it shows where in the st
 Systems run one after another, not interleaved: rows/s are for orientation, not for ratios. The issue's targets
 (DP <= 5 P, sharded <= 2 P at N = 4) are printed beside the measured values.
 
-    python bench/sharding.py [--width 1024] [--steps 4] [--systems dp-eager,sdp-eager,dp-xla,sdp-xla,ddp,fsdp2]
+    python bench/sharding.py [--width 1024] [--steps 4] [--systems dp-eager,sdp-eager,sdp-all-eager,...]
 """
 
 from __future__ import annotations
@@ -96,6 +98,7 @@ def measure_pathways(plan_name: str, backend: str, width: int, steps: int) -> di
             last_loss = loss.result().item()
         elapsed = time.perf_counter() - began
         after = [status_field(pid, "VmHWM") for pid in pids]
+        share = collective_share(ctx, trainer._function.name, steps - 1)
         stats = ctx.stats()["executors"]
         high_water = [stats[e]["store_bytes_high_water"] for e in ctx.executor_ids]
         route = ctx.backend
@@ -103,8 +106,22 @@ def measure_pathways(plan_name: str, backend: str, width: int, steps: int) -> di
             "peak_added_p": [(a - b) * 1024 / p_bytes for a, b in zip(after, before)],
             "store_high_water_p": [h / p_bytes for h in high_water],
             "rows_per_s": ROWS * (steps - 1) / elapsed if steps > 1 else None, "last_loss": last_loss,
-            "param_bytes": p_bytes,
+            "param_bytes": p_bytes, "collective_share": share,
             "timeline_p": [(ms, (rss - before[0]) * 1024 / p_bytes) for ms, rss in timeline.samples]}
+
+
+def collective_share(ctx, step_name: str, last: int) -> float | None:
+    """The share of executor 0's compute time in its ``last`` steps spent inside collectives (the trace's
+    collective spans nested in each step's computation)."""
+    with tempfile.TemporaryDirectory() as folder:
+        events = ctx.trace(os.path.join(folder, "trace.json"))["traceEvents"]
+    steps = sorted((e["ts"], e["ts"] + e["dur"]) for e in events
+                   if e.get("ph") == "X" and e.get("pid") == 0 and e.get("name") == step_name)[-last:]
+    collectives = [(e["ts"], e["ts"] + e["dur"]) for e in events
+                   if e.get("ph") == "X" and e.get("pid") == 0 and e.get("cat") == "collective"]
+    total = sum(b - a for a, b in steps)
+    inside = sum(d - c for c, d in collectives if any(a <= c and d <= b for a, b in steps))
+    return inside / total if total else None
 
 
 class _Sampler:
@@ -294,9 +311,11 @@ def main() -> None:
         rows.append([r["system"], r["backend"], f"{min(peak):.2f}-{max(peak):.2f}",
                      f"<= {target:.0f} P: {'met' if max(peak) <= target else 'missed'}" if target else "",
                      f"{max(store):.2f}" if store else "-",
-                     f"{r['rows_per_s']:.0f}" if r["rows_per_s"] else "-", f"{r['last_loss']:.6f}"])
+                     f"{r['rows_per_s']:.0f}" if r["rows_per_s"] else "-",
+                     f"{r['collective_share']:.0%}" if r.get("collective_share") is not None else "-",
+                     f"{r['last_loss']:.6f}"])
     print_table(["system", "backend", "peak added (P), per process", "target", "store high-water (P)",
-                 "rows/s", "last loss"], rows)
+                 "rows/s", "collective share", "last loss"], rows)
     for r in results:
         if r.get("timeline_p"):
             points = r["timeline_p"][::max(1, len(r["timeline_p"]) // 12)]

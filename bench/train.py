@@ -43,7 +43,8 @@ printed as a check that they are idle.
    count: XLA's CPU runtime ignores ``executor_threads`` and would use every core); the
    ratio is the median of the per-round ratios. Compile is excluded by the warm-up and
    reported as the first step's time.
-5. Memory at the largest N, for ``pw.DataParallel`` and ``pw.ShardedDataParallel``: each
+5. Memory at the largest N, for ``pw.DataParallel``, ``pw.ShardedDataParallel`` (per unit) and its older
+   gather-all step (``per_unit=False``): each
    executor's peak resident set (``VmHWM`` of ``/proc/<pid>/status``, just after start
    and after the steps) and the bytes its object store holds after the steps
    (``ctx.stats()``); DDP ranks' VmHWM for reference.
@@ -118,7 +119,8 @@ class RuntimeRun:
         """Start the context and the trainer, and run the warm-up steps (waited for)."""
         args, size = self.args, self.size
         model, optimizer = make_model(self.cfg)
-        plan = pw.DataParallel("data") if self.plan_name == "DataParallel" else pw.ShardedDataParallel("data")
+        plan = {"DataParallel": pw.DataParallel("data"), "ShardedDataParallel": pw.ShardedDataParallel("data"),
+                "ShardedDataParallel (gather-all)": pw.ShardedDataParallel("data", per_unit=False)}[self.plan_name]
         self.ctx = ctx = pw.Context(num_executors=size, backend=self.backend, executor_threads=1,
                                     pin_executors=self.pin)
         self.route = ctx.backend
@@ -446,6 +448,10 @@ def main() -> None:
         memory["DataParallel"] = runtime[largest]
         print(f"N={largest}: runtime (eager), ShardedDataParallel ...", flush=True)
         memory["ShardedDataParallel"] = measure_runtime(largest, "eager", "ShardedDataParallel", args, cfg, batches)
+        print(f"N={largest}: runtime (eager), ShardedDataParallel (gather-all) ...", flush=True)
+        memory["ShardedDataParallel (gather-all)"] = measure_runtime(largest, "eager",
+                                                                     "ShardedDataParallel (gather-all)", args, cfg,
+                                                                     batches)
 
     cores = os.cpu_count() or 1
     print()
@@ -523,20 +529,24 @@ def main() -> None:
         print(f"Memory per executor at N={largest} (VmHWM = peak resident set; store = object store bytes after "
               f"the steps)")
         mtable = []
+        param_bytes = num_params * 4
         for plan_name, r in memory.items():
             for i, pid in enumerate(r["pids"]):
+                added_p = (r["vmhwm_kib"][i] - r["vmhwm_start_kib"][i]) * 1024 / param_bytes
                 mtable.append([plan_name, f"executor-{i}", pid, _mib(r["vmhwm_start_kib"][i]), _mib(r["vmhwm_kib"][i]),
-                               f"{r['store_bytes'][i]:,}", f"{r['tokens_per_s']:,.0f}"])
+                               f"{added_p:.1f}", f"{r['store_bytes'][i]:,}", f"{r['store_bytes'][i] / param_bytes:.2f}",
+                               f"{r['tokens_per_s']:,.0f}"])
         for rank, kib in enumerate(ddp[largest]["vmhwm_kib"]):
-            mtable.append(["DDP (reference)", f"rank {rank}", "-", "-", _mib(kib), "-",
+            mtable.append(["DDP (reference)", f"rank {rank}", "-", "-", _mib(kib), "-", "-", "-",
                            f"{ddp[largest]['tokens_per_s']:,.0f}"])
-        print_table(["plan", "executor", "pid", "VmHWM at start MiB", "VmHWM after MiB", "store bytes",
-                     "tokens/s"], mtable)
-        param_bytes = num_params * 4
+        print_table(["plan", "executor", "pid", "VmHWM at start MiB", "VmHWM after MiB", "peak added (P)",
+                     "store bytes", "store (P)", "tokens/s"], mtable)
         print(f"notes: parameters are {param_bytes:,} bytes (fp32); DataParallel stores params + AdamW exp_avg + "
               f"exp_avg_sq = {3 * param_bytes:,} bytes per executor, ShardedDataParallel 1/{largest} of that "
               f"(padded). VmHWM is dominated by the process's torch import; the executors' 'at start' column "
-              f"is before the trainer existed.")
+              f"is before the trainer existed. P = the parameters' bytes; at this model size the added peak "
+              f"is mostly the runtime's own (a step's buffers, the allocator): bench/sharding.py measures P-multiples "
+              f"on a 64 MiB model beside DDP and FSDP2.")
 
     elapsed = time.perf_counter() - started
     path = write_results("train", {
