@@ -9,6 +9,7 @@ import os
 import signal
 import socket
 
+from .allocator import DEFAULT_MMAP_THRESHOLD_MB, tune_allocator
 from .config import BACKENDS, ExecutorConfig
 
 __all__ = ["main", "parse_args"]
@@ -39,6 +40,9 @@ def parse_args(argv=None) -> ExecutorConfig:
     parser.add_argument("--key-role", default="",
                         help="use this role's key pair instead of the id's: a spare key of the id (a replacement "
                              "started by pathways-run --max-executor-restarts)")
+    parser.add_argument("--mmap-threshold-mb", type=float, default=DEFAULT_MMAP_THRESHOLD_MB,
+                        help="glibc serves buffers of at least this many MiB with mappings of their own, returned "
+                             "when freed (0: glibc's dynamic default; see executor/allocator.py)")
     args = parser.parse_args(argv)
     return ExecutorConfig(controller_address=args.controller, executor_id=args.id, keys_dir=args.keys,
                           backend=args.backend,
@@ -46,13 +50,14 @@ def parse_args(argv=None) -> ExecutorConfig:
                           parent_pid=args.parent_pid, heartbeat_interval_s=args.heartbeat_interval_s,
                           heartbeat_timeout_s=args.heartbeat_timeout_s, join_timeout_s=args.join_timeout_s,
                           cpus=tuple(int(c) for c in args.cpus.split(",") if c.strip()), island=args.island,
-                          key_role=args.key_role)
+                          key_role=args.key_role, mmap_threshold_mb=args.mmap_threshold_mb)
 
 
 def main(argv=None) -> None:
     logging.basicConfig(level=os.environ.get("PATHWAYS_LOG_LEVEL", "WARNING"),
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
     config = parse_args(argv)
+    tune_allocator(config.mmap_threshold_mb)   # before torch is imported and allocates
     if config.cpus:
         # Before any thread starts (XLA's pool, gloo's, ZeroMQ's): threads inherit the mask.
         os.sched_setaffinity(0, config.cpus)

@@ -5,6 +5,8 @@ from __future__ import annotations
 import dataclasses
 
 from pathways_torch.wire.backend_names import BACKEND_NAMES as BACKENDS
+
+from .allocator import DEFAULT_MMAP_THRESHOLD_MB
 from pathways_torch.wire.liveness import Liveness
 
 __all__ = ["ExecutorConfig", "BACKENDS"]
@@ -38,6 +40,9 @@ class ExecutorConfig(Liveness):
     # keeps its own thread pool whatever num_threads says, so pinning is how it is held to one core.
     cpus: tuple[int, ...] = ()
     island: str = ""                    # the island it belongs to ("" = the default island "0")
+    # glibc serves buffers of at least this many MiB with mappings of their own (0: glibc's dynamic default;
+    # executor/allocator.py says why and what it costs).
+    mmap_threshold_mb: float = DEFAULT_MMAP_THRESHOLD_MB
 
     def __post_init__(self):
         if self.backend not in BACKENDS:
@@ -47,6 +52,8 @@ class ExecutorConfig(Liveness):
                              "connection is authenticated, see docs/security.md")
         if any(c < 0 for c in self.cpus):
             raise ValueError(f"cpus: expected core numbers >= 0, got {self.cpus}")
+        if not self.mmap_threshold_mb >= 0:
+            raise ValueError(f"mmap_threshold_mb: expected >= 0 (0: glibc's default), got {self.mmap_threshold_mb}")
         if self.num_threads < 1:
             raise ValueError(f"num_threads: expected >= 1, got {self.num_threads}")
         super().__post_init__()

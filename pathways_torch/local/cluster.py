@@ -11,7 +11,9 @@ import sys
 import tempfile
 import time
 
-__all__ = ["LocalCluster", "describe_exit"]
+__all__ = ["LocalCluster", "describe_exit", "with_huge_pages"]
+
+_HUGE_PAGES = "glibc.malloc.hugetlb=1"
 
 
 class LocalCluster:
@@ -52,7 +54,8 @@ class LocalCluster:
         atexit.register(self.stop, 2.0)
 
     def _start(self, executor_id: str, keys_dir: str, log_mode: str = "wb", extra_args=()) -> subprocess.Popen:
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        # Transparent huge pages for the executor's large buffers (executor/allocator.py).
+        env = with_huge_pages(dict(os.environ, PYTHONUNBUFFERED="1"))
         with open(os.path.join(self.log_dir, f"{executor_id}.log"), log_mode) as log_file:
             return subprocess.Popen([*self._argv[executor_id], "--keys", keys_dir, *extra_args],
                                     stdin=subprocess.DEVNULL, stdout=log_file, stderr=subprocess.STDOUT, env=env,
@@ -133,3 +136,12 @@ def describe_exit(returncode: int) -> str:
         except ValueError:
             return f"was killed by signal {-returncode}"
     return f"exited with code {returncode}"
+
+
+def with_huge_pages(environ: dict) -> dict:
+    """``environ`` for an executor process: glibc's transparent huge pages for its large buffers (which it maps
+    on their own: executor/allocator.py), unless ``GLIBC_TUNABLES`` already says how (``glibc.malloc.hugetlb``)."""
+    tunables = environ.get("GLIBC_TUNABLES", "")
+    if "glibc.malloc.hugetlb" in tunables:
+        return environ
+    return {**environ, "GLIBC_TUNABLES": f"{tunables}:{_HUGE_PAGES}" if tunables else _HUGE_PAGES}

@@ -248,3 +248,15 @@ def test_torch_tensor_argument_is_refused_with_a_fix(ctx, mesh):
         f(x, torch.zeros(1))
     with pytest.raises(pw.PlacementError, match="divisible"):
         ctx.put(torch.zeros(6), mesh, [pw.Shard(0)])
+
+
+def test_executors_run_with_the_allocator_settings_that_return_freed_buffers(ctx):
+    """executor/allocator.py: huge pages asked for by the launcher, the mmap threshold set by the executor (its
+    effect is measured by tests/unit/test_allocator.py and bench/sharding.py)."""
+    pids = ctx.executor_pids
+    if not pids:
+        pytest.skip("a remote service's executors are not this process's children")
+    for pid in pids:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            environ = dict(item.split(b"=", 1) for item in f.read().split(b"\0") if b"=" in item)
+        assert b"glibc.malloc.hugetlb=1" in environ.get(b"GLIBC_TUNABLES", b""), pid

@@ -1,0 +1,51 @@
+"""The executor's allocator settings (executor/allocator.py): a fixed mmap threshold, huge pages from the launcher."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from executor.config import ExecutorConfig
+from pathways_torch.local.cluster import with_huge_pages
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def _resident_after_a_churn(threshold_mb: float) -> float:
+    """MiB resident after buffers of 1-8 MiB were allocated and freed between small long-lived ones (the pattern
+    of a step's buffers), in a fresh process with the executor's allocator settings."""
+    code = textwrap.dedent(f"""
+        from executor.allocator import tune_allocator
+        tune_allocator({threshold_mb})
+        import torch
+        kept = []
+        for i in range(200):
+            big = torch.ones((1 + i % 8) * 2**18)        # 1-8 MiB
+            kept.append(torch.ones(4096))                # 16 KiB that stays
+            del big
+        with open("/proc/self/status") as f:
+            print([int(line.split()[1]) for line in f if line.startswith("VmRSS")][0] / 1024)
+    """)
+    return float(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                                timeout=60).stdout)
+
+
+def test_a_fixed_threshold_gives_freed_large_buffers_back():
+    dynamic, fixed = _resident_after_a_churn(0), _resident_after_a_churn(2)
+    assert fixed < dynamic - 4, (fixed, dynamic)    # with glibc's dynamic threshold, the heap keeps them
+
+
+def test_the_launcher_asks_for_huge_pages_unless_told_otherwise():
+    assert with_huge_pages({})["GLIBC_TUNABLES"] == "glibc.malloc.hugetlb=1"
+    assert with_huge_pages({"GLIBC_TUNABLES": "glibc.malloc.arena_max=2"})["GLIBC_TUNABLES"] == \
+        "glibc.malloc.arena_max=2:glibc.malloc.hugetlb=1"
+    mine = {"GLIBC_TUNABLES": "glibc.malloc.hugetlb=0"}
+    assert with_huge_pages(mine) == mine
+
+
+def test_a_negative_threshold_is_refused():
+    with pytest.raises(ValueError, match="mmap_threshold_mb: expected >= 0"):
+        ExecutorConfig(controller_address="tcp://127.0.0.1:1", executor_id="e", keys_dir="k", mmap_threshold_mb=-1)
