@@ -66,7 +66,7 @@ def batches(width: int, steps: int) -> list:
             for _ in range(steps)]
 
 
-def measure_pathways(plan_name: str, backend: str, width: int, steps: int) -> dict:
+def measure_pathways(plan_name: str, backend: str, width: int, steps: int, mmap_threshold_mb: float = 2.0) -> dict:
     """Our trainer on ``SIZE`` local executors: per-executor peak added and store high-water, in P."""
     import torch
 
@@ -76,7 +76,8 @@ def measure_pathways(plan_name: str, backend: str, width: int, steps: int) -> di
     p_bytes = param_bytes(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     data = batches(width, steps)
-    with pw.Context(num_executors=SIZE, backend=backend, executor_threads=1) as ctx:
+    with pw.Context(num_executors=SIZE, backend=backend, executor_threads=1,
+                    executor_mmap_threshold_mb=mmap_threshold_mb) as ctx:
         pids = ctx.executor_pids
         mesh = ctx.mesh({"data": SIZE})
         _warm_up(ctx, mesh)
@@ -102,7 +103,8 @@ def measure_pathways(plan_name: str, backend: str, width: int, steps: int) -> di
         stats = ctx.stats()["executors"]
         high_water = [stats[e]["store_bytes_high_water"] for e in ctx.executor_ids]
         route = ctx.backend
-    return {"system": f"pathways {plan_name}", "plan": plan_name.split(" ")[0], "backend": route,
+    glibc = " [glibc default]" if not mmap_threshold_mb else ""
+    return {"system": f"pathways {plan_name}{glibc}", "plan": plan_name.split(" ")[0], "backend": route,
             "peak_added_p": [(a - b) * 1024 / p_bytes for a, b in zip(after, before)],
             "store_high_water_p": [h / p_bytes for h in high_water],
             "rows_per_s": ROWS * (steps - 1) / elapsed if steps > 1 else None, "last_loss": last_loss,
@@ -274,6 +276,9 @@ SYSTEMS = {
     "sdp-all-eager": lambda a: measure_pathways("ShardedDataParallel (gather-all)", "eager", a.width, a.steps),
     "sdp-keep-eager": lambda a: measure_pathways("ShardedDataParallel (keep for backward)", "eager", a.width,
                                                  a.steps),
+    # glibc's dynamic mmap threshold (executor_mmap_threshold_mb=0): what the executors' default saves, and costs.
+    "dp-eager-glibc": lambda a: measure_pathways("DataParallel", "eager", a.width, a.steps, 0),
+    "sdp-eager-glibc": lambda a: measure_pathways("ShardedDataParallel", "eager", a.width, a.steps, 0),
     "dp-xla": lambda a: measure_pathways("DataParallel", None, a.width, a.steps),
     "sdp-xla": lambda a: measure_pathways("ShardedDataParallel", None, a.width, a.steps),
     "sdp-all-xla": lambda a: measure_pathways("ShardedDataParallel (gather-all)", None, a.width, a.steps),

@@ -24,6 +24,9 @@ class ContextConfig(Liveness):
     device: str = "cpu"           # "cuda": executor i runs on cuda:i, collectives on NCCL
     debug: bool = False
     executor_threads: int = 1
+    # glibc serves an executor's buffers of at least this many MiB with mappings of their own, given back when
+    # freed (0: glibc's dynamic default, which keeps them in a heap that fragments; executor/allocator.py).
+    executor_mmap_threshold_mb: float = 2.0
     start_timeout_s: float = 120.0
     log_dir: str | None = None
     inject_latency_s: float = 0.0     # tests/benchmarks: delay every controller→executor message
@@ -61,6 +64,9 @@ class ContextConfig(Liveness):
             if sum(self.islands) != self.num_executors:
                 raise ValueError(f"islands={list(self.islands)} make {sum(self.islands)} executors but "
                                  f"num_executors={self.num_executors}; give one of them, or make them agree")
+        if not (isinstance(self.executor_mmap_threshold_mb, (int, float)) and self.executor_mmap_threshold_mb >= 0):
+            raise ValueError(f"executor_mmap_threshold_mb: expected a number of MiB >= 0 (0: glibc's default), got "
+                             f"{self.executor_mmap_threshold_mb!r}")
         if self.device not in ("cpu", "cuda"):
             raise ValueError(f"device: expected 'cpu' or 'cuda', got {self.device!r}")
         if self.backend is not None and self.backend not in BACKEND_NAMES:

@@ -82,6 +82,7 @@ class Session:
                 self.cluster = LocalCluster(
                     self.client.address, executor_ids, keys_dir=self.keys.path, backend=config.resolved_backend,
                     devices=config.executor_devices(), threads=config.executor_threads,
+                    mmap_threshold_mb=config.executor_mmap_threshold_mb,
                     **config.liveness_fields(), log_dir=config.log_dir, cpus=config.executor_cpus(),
                     islands=config.executor_islands())
             self._wait_for_executors()

@@ -29,7 +29,8 @@ class LocalCluster:
                  devices: list[str] | None = None, threads: int = 1, heartbeat_interval_s: float = 0.5,
                  heartbeat_timeout_s: float = 10.0,
                  log_dir: str | None = None, cpus: list[tuple[int, ...]] | None = None,
-                 islands: list[str] | None = None, bind_host: str = "127.0.0.1", join_timeout_s: float = 60.0):
+                 islands: list[str] | None = None, bind_host: str = "127.0.0.1", join_timeout_s: float = 60.0,
+                 mmap_threshold_mb: float | None = None):
         # A log directory made here is removed when every executor ended cleanly (see `stop`): a test run
         # or a notebook starts many contexts, and each left one behind in /tmp.
         self._own_log_dir = log_dir is None
@@ -49,7 +50,8 @@ class LocalCluster:
                 "--parent-pid", str(os.getpid()), "--heartbeat-interval-s", str(heartbeat_interval_s),
                 "--heartbeat-timeout-s", str(heartbeat_timeout_s), "--cpus", ",".join(map(str, cores)),
                 "--host-addr", bind_host, "--join-timeout-s", str(join_timeout_s),
-                *(["--island", island] if island else [])]
+                *(["--island", island] if island else []),
+                *(["--mmap-threshold-mb", str(mmap_threshold_mb)] if mmap_threshold_mb is not None else [])]
             self.processes.append(self._start(executor_id, keys_dir))
         atexit.register(self.stop, 2.0)
 

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import pathways_torch as pw
+from executor.allocator import DEFAULT_MMAP_THRESHOLD_MB
 from tests.conftest import wait_until
 from tests.service import open_context
 
@@ -260,3 +261,8 @@ def test_executors_run_with_the_allocator_settings_that_return_freed_buffers(ctx
         with open(f"/proc/{pid}/environ", "rb") as f:
             environ = dict(item.split(b"=", 1) for item in f.read().split(b"\0") if b"=" in item)
         assert b"glibc.malloc.hugetlb=1" in environ.get(b"GLIBC_TUNABLES", b""), pid
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            argv = f.read().split(b"\0")
+        # The context's setting, or (a service's executors) the executor's own default: both 2 MiB.
+        given = argv[argv.index(b"--mmap-threshold-mb") + 1] if b"--mmap-threshold-mb" in argv else None
+        assert given in (b"2.0", None) and DEFAULT_MMAP_THRESHOLD_MB == 2.0, argv

@@ -49,3 +49,10 @@ def test_the_launcher_asks_for_huge_pages_unless_told_otherwise():
 def test_a_negative_threshold_is_refused():
     with pytest.raises(ValueError, match="mmap_threshold_mb: expected >= 0"):
         ExecutorConfig(controller_address="tcp://127.0.0.1:1", executor_id="e", keys_dir="k", mmap_threshold_mb=-1)
+
+
+def test_a_context_refuses_a_negative_threshold_before_starting_anything():
+    from pathways_torch.config import ContextConfig
+
+    with pytest.raises(ValueError, match="executor_mmap_threshold_mb: expected a number of MiB >= 0"):
+        ContextConfig(num_executors=1, executor_mmap_threshold_mb=-2)
