@@ -266,6 +266,7 @@ def _plan(name: str):
     return {"DataParallel": lambda: pw.DataParallel("data"),
             "ShardedDataParallel": lambda: pw.ShardedDataParallel("data"),
             "ShardedDataParallel (gather-all)": lambda: pw.ShardedDataParallel("data", per_unit=False),
+            "ShardedDataParallel (prefetch)": lambda: pw.ShardedDataParallel("data", prefetch=True),
             "ShardedDataParallel (keep for backward)":
                 lambda: pw.ShardedDataParallel("data", reshard_after_forward=False)}[name]()
 
@@ -274,6 +275,7 @@ SYSTEMS = {
     "dp-eager": lambda a: measure_pathways("DataParallel", "eager", a.width, a.steps),
     "sdp-eager": lambda a: measure_pathways("ShardedDataParallel", "eager", a.width, a.steps),
     "sdp-all-eager": lambda a: measure_pathways("ShardedDataParallel (gather-all)", "eager", a.width, a.steps),
+    "sdp-prefetch-eager": lambda a: measure_pathways("ShardedDataParallel (prefetch)", "eager", a.width, a.steps),
     "sdp-keep-eager": lambda a: measure_pathways("ShardedDataParallel (keep for backward)", "eager", a.width,
                                                  a.steps),
     # glibc's dynamic mmap threshold (executor_mmap_threshold_mb=0): what the executors' default saves, and costs.

@@ -225,11 +225,12 @@ class CollectiveRuntime:
 
     # ------------------------------------------------------------ the ops
 
-    def run(self, name: str, x, axis: str, **kwargs):
+    def _handle(self, name: str, axis: str):
+        """The group bound to ``axis`` on this thread; None inside `dry_runs()` with nothing bound."""
         binding = getattr(self._local, "binding", None)
         if binding is None:
             if getattr(_dry, "on", False):
-                return _dry_run(name, x, **kwargs)
+                return None
             raise RuntimeError(f"{name} on axis {axis!r} ran outside a bound computation (no process group on this "
                                f"thread): a bug of the executor; warm-up runs must use executor.collectives.dry_runs()")
         bound = binding.get(axis)
@@ -238,9 +239,29 @@ class CollectiveRuntime:
                                f"(bound axes: {sorted(binding)})")
         if isinstance(bound, str):
             raise (CollectiveAbandoned if isinstance(bound, _AbandonedReason) else RuntimeError)(f"{name}: {bound}")
-        handle = bound
-        if handle.abandoned:
-            raise CollectiveAbandoned(f"{name} on axis {axis!r}: {handle.abandoned}")
+        if bound.abandoned:
+            raise CollectiveAbandoned(f"{name} on axis {axis!r}: {bound.abandoned}")
+        return bound
+
+    def start(self, name: str, x, axis: str, size: int = 1, dim: int = 0):
+        """Issue an all-gather now; its `result()` waits for it. Between the two, the computation runs the ops
+        before the gather's first reader: the gather of the next unit overlaps the current one's compute. Every
+        member issues its collectives in the same graph order, so gloo pairs them as it pairs blocking ones."""
+        if name != "all_gather":
+            raise ValueError(f"only all_gather is issued ahead, not {name}")
+        handle = self._handle(name, axis)
+        if handle is None:
+            return _Done(_dry_run(name, x, size=size, dim=dim))
+        import torch
+
+        parts = [torch.empty_like(x) for _ in range(handle.size)]
+        work = handle.group.allgather([parts], [x.contiguous()])
+        return _PendingGather(handle, work, parts, dim, self.trace, f"all_gather {axis} {x.nbytes} B (ahead)")
+
+    def run(self, name: str, x, axis: str, **kwargs):
+        handle = self._handle(name, axis)
+        if handle is None:
+            return _dry_run(name, x, **kwargs)
         kwargs.pop("size", None)  # the traced axis size; the group's own size is authoritative
         trace = self.trace
         if trace is not None:
@@ -384,6 +405,41 @@ def _reduce_scatter_sum():
     options = dist.ReduceScatterOptions()
     options.reduceOp = dist.ReduceOp.SUM
     return options
+
+
+class _Done:
+    """A collective issued ahead that is already done (a dry run's zeros)."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value):
+        self.value = value
+
+    def result(self):
+        return self.value
+
+
+class _PendingGather:
+    """An all-gather in flight: `result` waits for it (abandoning its group ends the wait) and concatenates. The
+    trace's collective span is the wait, the time the computation was held up."""
+
+    __slots__ = ("handle", "work", "parts", "dim", "trace", "label")
+
+    def __init__(self, handle, work, parts: list, dim: int, trace, label: str):
+        self.handle, self.work, self.parts, self.dim, self.trace, self.label = handle, work, parts, dim, trace, label
+
+    def result(self):
+        import torch
+
+        if self.trace is not None:
+            self.trace.record("collective_start", self.label)
+        try:
+            self.handle.wait(self.work)
+        finally:
+            if self.trace is not None:
+                self.trace.record("collective_end", self.label)
+        parts, self.parts = self.parts, None
+        return torch.cat(parts, dim=self.dim)
 
 
 def _dry_run(name: str, x, size: int = 1, dim: int = 0, **kwargs):

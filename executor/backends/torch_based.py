@@ -88,7 +88,7 @@ class EagerBackend(TorchBackend):
 
         from .boxed import boxed
 
-        return boxed(call_runtime_directly(graph_module.to(self._device))).forward
+        return boxed(call_runtime_directly(graph_module.to(self._device), issue_gathers_ahead=True)).forward
 
     def num_compiles(self) -> int:
         return 0

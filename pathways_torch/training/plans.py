@@ -145,8 +145,8 @@ class ShardedDataParallel(DataParallel):
     # FSDP's reshard_after_forward: drop a unit's parameters after its forward and gather them again for its
     # backward (False: keep them, one collective fewer and the peak of all units' parameters).
     reshard_after_forward: bool = True
-    # Issue the next unit's gather before the current unit's ops (gloo's collectives are synchronous here, so
-    # this orders them and holds one unit more; it does not yet overlap them with compute).
+    # Issue the next unit's gather before the current unit's ops, waited for just before its first reader: on
+    # eager executors it overlaps the current unit's compute (one unit more held); on XLA it only moves earlier.
     prefetch: bool = False
     sharded_state = True
 

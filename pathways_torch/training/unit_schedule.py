@@ -12,9 +12,11 @@ whole step and every full-size gradient until the end: the peak of a replicated 
   backward. With ``reshard_after_forward=False`` the forward's copy is kept (more memory, one collective fewer).
 - **Gradients.** Each bucket's gradient is flattened and reduce-scattered as soon as the backward has made all of
   it: its full-size gradient lives only until then.
-- **Prefetch** (``prefetch=True``). The next unit's all-gather is issued before the current unit's first op.
-  Collectives here are synchronous gloo calls, so this orders the gathers one unit ahead (one more unit held)
-  but does not yet overlap them with compute.
+- **Prefetch** (``prefetch=True``). The next unit's all-gather moves before the current unit's first op. An eager
+  executor issues such a gather where it stands and waits for it just before its first reader
+  (`pathways_torch.wire.collective_ops.call_runtime_directly`), so it overlaps the current unit's compute; one more
+  unit's parameters are held. On the XLA routes the graph is cut at every collective and the gather runs where
+  it stands: there prefetch only holds one unit more.
 
 Where the forward ends is marked in the trace by `forward_end()` (a no-op the step calls after its loss); the pass
 removes the marker. Every executor runs the same reordered graph, so collectives keep one order on all of them.

@@ -89,21 +89,63 @@ _DIRECT = {torch.ops.pathways.all_reduce.default: _direct_all_reduce,
            torch.ops.pathways.reduce_scatter.default: _direct_reduce_scatter}
 
 
-def call_runtime_directly(graph_module):
+class _Ready:
+    """What a runtime without `start` gives for a gather issued ahead: its result, computed at once."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value):
+        self.value = value
+
+    def result(self):
+        return self.value
+
+
+def _direct_all_gather_start(x, axis, size, dim):
+    start = getattr(_runtime, "start", None)
+    if start is None:
+        return _Ready(_runtime.run("all_gather", x, axis, size=size, dim=dim))
+    return start("all_gather", x, axis, size=size, dim=dim)
+
+
+def _direct_wait(pending):
+    return pending.result()
+
+
+def call_runtime_directly(graph_module, issue_gathers_ahead: bool = False):
     """Make an eager graph's collective nodes call the runtime as plain Python functions.
 
     Through the dispatcher, a custom op costs some 40 µs of Python per call (autograd
     wrapper, redispatch, dynamo guard) — most of a scalar all-reduce's cost here.
     Only for graphs run op by op on the host or CUDA: compilers (XLA, inductor) need
     the op itself. Returns the same module, recompiled if a node changed.
+
+    ``issue_gathers_ahead``: an all-gather of a graph input that other ops separate from its first reader (a
+    sharded step's prefetch, `pathways_torch.training.unit_schedule`) is issued where it stands and waited for
+    just before that reader, so that the ops between overlap it.
     """
     changed = False
-    for node in graph_module.graph.nodes:
+    for node in list(graph_module.graph.nodes):
         if node.op == "call_function" and node.target in _DIRECT:
             node.target, changed = _DIRECT[node.target], True
+            if issue_gathers_ahead and node.target is _direct_all_gather:
+                _issue_ahead(graph_module.graph, node)
     if changed:
         graph_module.recompile()
     return graph_module
+
+
+def _issue_ahead(graph, gather) -> None:
+    if gather.args[0].op != "placeholder" or not gather.users:
+        return
+    order = {node: i for i, node in enumerate(graph.nodes)}
+    first = min(gather.users, key=order.__getitem__)
+    if first is gather.next:
+        return      # nothing to overlap
+    gather.target = _direct_all_gather_start
+    with graph.inserting_before(first):
+        wait = graph.call_function(_direct_wait, (gather,))
+    gather.replace_all_uses_with(wait, delete_user_cb=lambda user: user is not wait)
 
 
 def _on_host(name):

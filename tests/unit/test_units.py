@@ -158,3 +158,53 @@ def test_keeping_for_the_backward_or_prefetching_holds_more_gathered_units(sched
     gathers = [c for c in _collectives(describe(graph_module)) if c.startswith("all_gather")]
     assert len(gathers) == (3 if not schedule.reshard_after_forward else 6)
     assert gathered_high_water(graph_module)[0] == most
+
+
+class _RecordingRuntime:
+    """An in-process collective runtime for one member (a gather returns its input twice, a reduce-scatter its
+    first half); records the order of issues and waits."""
+
+    def __init__(self, log):
+        self.log = log
+
+    def run(self, name, x, axis, **kwargs):
+        self.log.append(f"{name} now")
+        if name == "all_gather":
+            return torch.cat([x, x])
+        return x.clone() if name == "all_reduce" else x[:x.shape[0] // 2].clone()
+
+    def start(self, name, x, axis, size, dim):
+        self.log.append(f"{name} issued")
+        log, value = self.log, torch.cat([x, x])
+
+        class Pending:
+            def result(self):
+                log.append(f"{name} waited")
+                return value
+
+        return Pending()
+
+
+def test_an_executor_issues_a_prefetched_gather_ahead_and_waits_just_before_its_reader():
+    from pathways_torch.wire import collective_ops
+
+    graph_module = _schedule(_mlp(), UnitSchedule(prefetch=True))
+    log = []
+    for node in graph_module.graph.nodes:       # mark where each forward unit computes
+        if node.target is torch.ops.aten.relu.default:
+            node.target = lambda x, log=log: log.append("relu") or torch.relu(x)
+    graph_module.recompile()
+    collective_ops.call_runtime_directly(graph_module, issue_gathers_ahead=True)
+    collective_ops.set_runtime(_RecordingRuntime(log))
+    try:
+        optimizer_inputs = [torch.zeros(s.shape, dtype=s.dtype) for s in _specs_of(graph_module)]
+        graph_module(*optimizer_inputs)
+    finally:
+        collective_ops.set_runtime(collective_ops._NoRuntime())
+    forward = log[:log.index("relu", log.index("relu") + 1) + 1]
+    # Unit 1's gather is issued before unit 0's ops run and waited for after them.
+    assert forward[:4] == ["all_gather now", "all_gather issued", "relu", "all_gather waited"], log
+
+
+def _specs_of(graph_module):
+    return [n.meta["val"] for n in graph_module.graph.nodes if n.op == "placeholder"]
