@@ -195,7 +195,7 @@ SHARDED_SCHEDULES = {"keep for backward": pw.ShardedDataParallel("data", reshard
 
 @pytest.mark.remote_subset(schedule=("units",))
 @pytest.mark.parametrize("schedule", sorted(SHARDED_SCHEDULES))
-def test_every_sharded_schedule_matches_eager_with_clipping(ctx, schedule):
+def test_every_sharded_schedule_matches_eager_with_clipping(ctx, schedule, tmp_path):
     def model():   # two blocks: two units
         torch.manual_seed(0)
         return DecoderOnlyTransformer(dataclass_replace(CFG, depth=2)).double()
@@ -211,6 +211,9 @@ def test_every_sharded_schedule_matches_eager_with_clipping(ctx, schedule):
         assert _relative_error(params[name], value) < 1e-9, name
     expected = {"units": "2 units (units= given)", "gather-all": "None"}.get(schedule, "2 units (the model's rep")
     assert str(trainer.units).startswith(expected)
+    if schedule == "prefetch":      # the executors issued gathers ahead (gloo's async work), waited for later
+        names = [e.get("name", "") for e in ctx.trace(str(tmp_path / "trace.json"))["traceEvents"]]
+        assert any(name.startswith("all_gather") and name.endswith("(ahead)") for name in names)
 
 
 def test_bad_units_are_refused_before_anything_is_placed(ctx):
