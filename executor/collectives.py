@@ -251,7 +251,9 @@ class CollectiveRuntime:
             raise ValueError(f"only all_gather is issued ahead, not {name}")
         handle = self._handle(name, axis)
         if handle is None:
-            return _Done(_dry_run(name, x, size=size, dim=dim))
+            from pathways_torch.wire.collective_ops import Ready
+
+            return Ready(_dry_run(name, x, size=size, dim=dim))
         import torch
 
         parts = [torch.empty_like(x) for _ in range(handle.size)]
@@ -405,18 +407,6 @@ def _reduce_scatter_sum():
     options = dist.ReduceScatterOptions()
     options.reduceOp = dist.ReduceOp.SUM
     return options
-
-
-class _Done:
-    """A collective issued ahead that is already done (a dry run's zeros)."""
-
-    __slots__ = ("value",)
-
-    def __init__(self, value):
-        self.value = value
-
-    def result(self):
-        return self.value
 
 
 class _PendingGather:

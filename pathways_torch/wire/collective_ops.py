@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["OPS", "REDUCE_OPS", "set_runtime", "all_reduce", "all_gather", "reduce_scatter", "call_runtime_directly"]
+__all__ = ["OPS", "REDUCE_OPS", "set_runtime", "all_reduce", "all_gather", "reduce_scatter", "call_runtime_directly",
+           "Ready"]
 
 REDUCE_OPS = ("sum", "mean", "max")
 OPS = ("all_reduce", "all_gather", "reduce_scatter")
@@ -89,8 +90,9 @@ _DIRECT = {torch.ops.pathways.all_reduce.default: _direct_all_reduce,
            torch.ops.pathways.reduce_scatter.default: _direct_reduce_scatter}
 
 
-class _Ready:
-    """What a runtime without `start` gives for a gather issued ahead: its result, computed at once."""
+class Ready:
+    """A gather issued ahead that is already done: what a runtime without `start` gives (computed at once), and a
+    dry run's zeros."""
 
     __slots__ = ("value",)
 
@@ -104,7 +106,7 @@ class _Ready:
 def _direct_all_gather_start(x, axis, size, dim):
     start = getattr(_runtime, "start", None)
     if start is None:
-        return _Ready(_runtime.run("all_gather", x, axis, size=size, dim=dim))
+        return Ready(_runtime.run("all_gather", x, axis, size=size, dim=dim))
     return start("all_gather", x, axis, size=size, dim=dim)
 
 
