@@ -11,6 +11,10 @@ each large buffer; transparent huge pages (``glibc.malloc.hugetlb=1``, which the
 faults 512 times fewer. Measured on the same runs: steps 20-30 % slower on that model, whose tiny batch (16 rows a
 shard) makes the step memory-bound; a compute-bound step pays proportionally less.
 
+After each compile (on backends that compile: XLA) the executor gives the heap's free pages back
+(`release_free_memory`): a compiler's working memory is many small blocks, below any threshold. Measured: the
+per-unit sharded step on ``xla:torchax`` peaked at 2.79-2.83 P without it, 2.15-2.18 P with it.
+
 ``--mmap-threshold-mb 0`` keeps glibc's default (the dynamic threshold). On another C library nothing is changed.
 This module imports no torch: it runs before torch allocates.
 """
@@ -21,7 +25,7 @@ import ctypes
 import ctypes.util
 import logging
 
-__all__ = ["tune_allocator", "DEFAULT_MMAP_THRESHOLD_MB"]
+__all__ = ["tune_allocator", "release_free_memory", "DEFAULT_MMAP_THRESHOLD_MB"]
 
 log = logging.getLogger(__name__)
 
@@ -29,14 +33,26 @@ DEFAULT_MMAP_THRESHOLD_MB = 2.0
 _M_MMAP_THRESHOLD = -3          # mallopt's parameter number (malloc.h)
 
 
+def _libc():
+    try:
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+    except OSError:
+        return None
+
+
+def release_free_memory() -> bool:
+    """Give the heap's free pages back to the system (glibc's ``malloc_trim``): after a compile, whose working
+    memory is many small blocks below the mmap threshold. True if glibc released any."""
+    trim = getattr(_libc(), "malloc_trim", None)
+    return bool(trim(0)) if trim is not None else False
+
+
 def tune_allocator(mmap_threshold_mb: float) -> bool:
     """Fix glibc's mmap threshold at ``mmap_threshold_mb`` (0: leave glibc's dynamic default). True if set."""
     if mmap_threshold_mb <= 0:
         return False
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        mallopt = libc.mallopt
-    except (OSError, AttributeError):
+    mallopt = getattr(_libc(), "mallopt", None)
+    if mallopt is None:
         return False      # not glibc: its allocator is left as it is
     if mallopt(_M_MMAP_THRESHOLD, int(mmap_threshold_mb * 2**20)) != 1:
         log.warning("mallopt(M_MMAP_THRESHOLD, %s MiB) was refused; glibc's dynamic threshold stays",

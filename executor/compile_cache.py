@@ -18,6 +18,8 @@ from typing import Callable
 
 from pathways_torch.wire.threads import name_os_thread
 
+from .allocator import release_free_memory
+
 __all__ = ["CompileCache", "graph_key"]
 
 log = logging.getLogger(__name__)
@@ -103,6 +105,8 @@ class CompileCache:
             entry.error = exc
         entry.seconds = time.perf_counter() - began
         if traced:
+            # The compiler's working memory, freed into the heap in small pieces, goes back to the system.
+            release_free_memory()
             # What the compiler made of it (stages, cuts at collectives, fallbacks), where the backend says.
             summary = getattr(entry.compiled, "summary", "")
             self.trace.record("compile_end", name,
