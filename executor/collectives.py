@@ -291,7 +291,7 @@ class CollectiveRuntime:
     def _all_reduce(self, handle, size, x, op):
         out = x.clone()
         handle.wait(handle.group.allreduce([out], _reduce_options(op)))
-        return out / size if op == "mean" else out
+        return _mean(out, size) if op == "mean" else out
 
     def _all_gather(self, handle, size, x, dim):
         import torch
@@ -312,7 +312,7 @@ class CollectiveRuntime:
         chunks = [c.contiguous() for c in x.chunk(size, dim=dim)]
         out = torch.empty_like(chunks[group.rank()])
         handle.wait(group.reduce_scatter([out], [chunks], _reduce_scatter_sum()))
-        return out / size if op == "mean" else out
+        return _mean(out, size) if op == "mean" else out
 
 
 class _Group:
@@ -430,6 +430,12 @@ class _PendingGather:
                 self.trace.record("collective_end", self.label)
         parts, self.parts = self.parts, None
         return torch.cat(parts, dim=self.dim)
+
+
+def _mean(total, size: int):
+    """``total / size``, in place where the dtype allows: a copy would hold the reduced buffer twice (a whole
+    gradient bucket, P under DataParallel on XLA, where one bucket per group is reduced at once)."""
+    return total.div_(size) if total.is_floating_point() or total.is_complex() else total / size
 
 
 def _dry_run(name: str, x, size: int = 1, dim: int = 0, **kwargs):
