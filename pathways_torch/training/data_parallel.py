@@ -36,7 +36,8 @@ class DataParallelRunner(HoldsTrainer):
         if self._per_unit():
             def regroup(buckets):
                 # With no blocks: one unit per bucket of local_bucket_mb (eager's cap, 4 MB by default).
-                self.units = plan_units(t.model, buckets, self.plan.units, self.plan.local_bucket_bytes("eager"))
+                self.units = plan_units(t.model, buckets, self.plan.units, self.plan.local_bucket_bytes("eager"),
+                                        int(self.plan.min_unit_mb * 2**20))
                 return list(self.units.buckets)
         else:
             cap = self.plan.local_bucket_bytes(t._context.backend)
@@ -68,7 +69,9 @@ class DataParallelRunner(HoldsTrainer):
     def _schedule(self):
         from .unit_schedule import UnitSchedule   # registers a torch op: imported where the step is traced
 
-        return UnitSchedule(reshard_after_forward=self.plan.reshard_after_forward, prefetch=self.plan.prefetch)
+        rest = frozenset(b for b, unit in enumerate(self.units.bucket_units) if unit is None)   # flats come first
+        return UnitSchedule(reshard_after_forward=self.plan.reshard_after_forward, prefetch=self.plan.prefetch,
+                            keep=rest)
 
     def batch_pieces(self) -> tuple[int, str]:
         return self.num_shards, f"the {self.num_shards} shards of mesh axis {self.plan.axis!r}"

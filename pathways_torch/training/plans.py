@@ -148,6 +148,9 @@ class ShardedDataParallel(DataParallel):
     # Issue the next unit's gather before the current unit's ops, waited for just before its first reader: on
     # eager executors it overlaps the current unit's compute (one unit more held); on XLA it only moves earlier.
     prefetch: bool = False
+    # Found blocks smaller than this join the next ones into one unit (a gather costs a round trip whatever its
+    # size); blocks named in units= are never joined.
+    min_unit_mb: float = 1.0
     sharded_state = True
 
     def __post_init__(self):
@@ -156,6 +159,9 @@ class ShardedDataParallel(DataParallel):
             if isinstance(self.units, str) or not all(isinstance(u, str) for u in self.units):
                 raise ValueError(f"ShardedDataParallel: units= expected a list of module names, got {self.units!r}")
             object.__setattr__(self, "units", tuple(self.units))
+        if not (isinstance(self.min_unit_mb, (int, float)) and self.min_unit_mb >= 0):
+            raise ValueError(f"ShardedDataParallel: min_unit_mb must be a number of megabytes >= 0, got "
+                             f"{self.min_unit_mb!r}")
         for name in ("per_unit", "reshard_after_forward", "prefetch"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"ShardedDataParallel: {name} must be True or False, got {getattr(self, name)!r}")

@@ -10,6 +10,8 @@ whole step and every full-size gradient until the end: the peak of a replicated 
 - **Backward** (``reshard_after_forward``, FSDP's default). Each backward op that reads a gathered parameter reads
   a second all-gather of the same shard, placed before the first such op: the forward's copy is not kept for the
   backward. With ``reshard_after_forward=False`` the forward's copy is kept (more memory, one collective fewer).
+  Two gathers are always kept, as FSDP keeps them: the rest's (``keep``: the root's parameters, gathered once)
+  and the unit the forward reaches last (its backward comes next).
 - **Gradients.** Each bucket's gradient is flattened and reduce-scattered as soon as the backward has made all of
   it: its full-size gradient lives only until then.
 - **Prefetch** (``prefetch=True``). The next unit's all-gather moves before the current unit's first op. An eager
@@ -71,15 +73,23 @@ class UnitSchedule:
 
     reshard_after_forward: bool = True
     prefetch: bool = False
+    # The inputs (positions) whose gathers are kept for the backward whatever reshard_after_forward says: the
+    # rest's buckets (FSDP's root), gathered once.
+    keep: frozenset = frozenset()
 
     def __call__(self, graph_module):
         graph = graph_module.graph
         gather_op, scatter_op = torch.ops.pathways.all_gather.default, torch.ops.pathways.reduce_scatter.default
         marker = next((n for n in graph.nodes if n.target is torch.ops.pathways.forward_end.default), None)
+        inputs = [n for n in graph.nodes if n.op == "placeholder"]
         gathers = [n for n in graph.nodes if n.target is gather_op and n.args[0].op == "placeholder"]
         backward_gathers = []
         if marker is not None and self.reshard_after_forward:
-            backward_gathers = [g for g in (_regather_for_backward(graph, g, marker) for g in gathers) if g]
+            # The last unit the forward gathers is read by the backward at once: dropping it would only gather
+            # it again (FSDP does not reshard it either).
+            last = max(gathers, key=lambda g: _first_use(g, _positions(graph)), default=None)
+            again = [g for g in gathers if g is not last and inputs.index(g.args[0]) not in self.keep]
+            backward_gathers = [g for g in (_regather_for_backward(graph, g, marker) for g in again) if g]
         for gather in gathers:
             _sink(graph, _derived_from(gather))
         if self.prefetch:
@@ -135,6 +145,11 @@ def _regather_for_backward(graph, gather, marker):
         if not node.users and node is not gather:
             graph.erase_node(node)
     return copies[gather]
+
+
+def _first_use(gather, order: dict) -> int:
+    """Where the forward first reads ``gather``'s values (a view included)."""
+    return min((order[u] for node in _derived_from(gather) for u in node.users), default=order[gather])
 
 
 def _ancestors_within(nodes: set, members: set) -> set:

@@ -3,9 +3,10 @@
 A unit is one of the model's repeated blocks — found as the pipeline split finds them (the model itself if it is
 an ``nn.Sequential``, else its largest block list: ``self.layers``, ``self.h``, ``self.blocks`` …) — or a module
 the user names (``pw.ShardedDataParallel(axis, units=["encoder", "decoder.layers.0", ...])``). The parameters in
-no unit (embeddings, a final norm, a head) form the *rest*: one more gather group per run of consecutive
-parameters. Each unit's parameters are flat buckets of their own (`split_by_units`), so that one all-gather brings
-one unit and one reduce-scatter takes its gradient.
+no unit (embeddings, a final norm, a head) form the *rest*: one more bucket per optimizer group and dtype, gathered
+once and kept through the step (FSDP's root). Each unit's parameters are flat buckets of their own
+(`split_by_units`), so that one all-gather brings one unit and one reduce-scatter takes its gradient. Found blocks
+smaller than ``min_unit_mb`` join the next ones: each gather costs a round trip whatever its size.
 
 A model with no repeated blocks and no ``units=`` falls back to one unit per bucket of at most `LOCAL_BUCKET_MB`,
 with a warning that says so. ``print(trainer.units)`` shows the units.
@@ -56,7 +57,8 @@ class Units:
     how: str
 
     def __str__(self) -> str:
-        lines = [f"{len(self.names)} units ({self.how}), {len(self.buckets)} buckets:"]
+        n = len(self.names)
+        lines = [f"{n} unit{'s' * (n != 1)} ({self.how}), {len(self.buckets)} bucket{'s' * (len(self.buckets) != 1)}:"]
         for u, name in enumerate(self.names):
             lines.append(f"unit {u} {name!r}: {self._summary([b for b, owner in self._owned() if owner == u])}")
         rest = [b for b, owner in self._owned() if owner is None]
@@ -73,45 +75,67 @@ class Units:
     def _summary(buckets: list[Bucket]) -> str:
         params = sum(len(b.slots) for b in buckets)
         nbytes = sum(b.numel * _itemsize(b.dtype) for b in buckets)
-        size = f"{nbytes / 2**20:.1f} MiB" if nbytes >= 2**20 else f"{nbytes / 2**10:.1f} KiB"
-        return f"{params} parameters, {size} in {len(buckets)} bucket{'s' * (len(buckets) != 1)}"
+        return f"{params} parameters, {_size(nbytes)} in {len(buckets)} bucket{'s' * (len(buckets) != 1)}"
 
 
-def plan_units(model, buckets: list[Bucket], units: tuple[str, ...] | None, fallback_bytes: int) -> Units:
+def plan_units(model, buckets: list[Bucket], units: tuple[str, ...] | None, fallback_bytes: int,
+               min_unit_bytes: int = 0) -> Units:
     """The units of ``model`` (``units``: module names the user chose, else its repeated blocks) and ``buckets``
-    cut so that each holds one unit's parameters (or the rest's). Raises `PlacementError` for names that are no
-    module or that overlap; warns and falls back to buckets of ``fallback_bytes`` when the model has no blocks."""
+    cut so that each holds one unit's parameters (the rest's: one piece per bucket). Raises `PlacementError` for
+    names that are no module or that overlap; warns and falls back to buckets of ``fallback_bytes`` when the model
+    has no blocks. Found blocks smaller than ``min_unit_bytes`` join the next ones (a gather costs a round trip
+    whatever its size)."""
     if units is not None:
         names, how = _checked_names(model, units), "units= given"
     else:
         names, how = _block_names(model), "the model's repeated blocks"
-        if len(names) < 2:
+        if min_unit_bytes and len(names) > 1:
+            names, merged = _merged(model, names, min_unit_bytes)
+            if merged:
+                how += f", joined into units of at least {_size(min_unit_bytes)}"
+        elif len(names) < 2:
             pieces = split_for_exchange(buckets, fallback_bytes, fallback_bytes)
             log.warning("pw.ShardedDataParallel: %s has no repeated blocks (no nn.Sequential, self.layers, self.h "
                         "...) and no units= was given; falling back to one unit per bucket of at most %.0f MB; "
                         "pass units=[module names] to choose", type(model).__name__, fallback_bytes / 2**20)
             return Units(tuple(f"bucket {i}" for i in range(len(pieces))), tuple(range(len(pieces))),
                          tuple(pieces), f"fallback: one per bucket of at most {fallback_bytes / 2**20:.0f} MB")
-    cut, owners = split_by_units(buckets, lambda name: _unit_of(name, names))
+    groups = [name.split(" + ") for name in names]
+    cut, owners = split_by_units(buckets, lambda name: _unit_of(name, groups))
     return Units(tuple(names), tuple(owners), tuple(cut), how)
 
 
+def _merged(model, names: list[str], min_unit_bytes: int) -> tuple[list[str], bool]:
+    """Consecutive blocks joined until each unit holds at least ``min_unit_bytes`` (a last short one joins the
+    unit before it): ``"h.0 + h.1"``."""
+    modules = dict(model.named_modules())
+    sizes = [sum(p.numel() * p.element_size() for p in modules[name].parameters()) for name in names]
+    joined, run, size = [], [], 0
+    for name, nbytes in zip(names, sizes):
+        run.append(name)
+        size += nbytes
+        if size >= min_unit_bytes:
+            joined.append(run)
+            run, size = [], 0
+    if run:
+        if joined:
+            joined[-1].extend(run)
+        else:
+            joined.append(run)
+    return [" + ".join(group) for group in joined], len(joined) < len(names)
+
+
 def split_by_units(buckets: list[Bucket], unit_of) -> tuple[list[Bucket], list]:
-    """Each bucket cut where ``unit_of(parameter name)`` changes, in model order: (pieces, each piece's unit)."""
+    """Each bucket cut into one piece per unit (``unit_of(parameter name)``), in model order, and one piece for
+    its parameters in no unit (None), first: (pieces, each piece's unit)."""
     pieces, owners = [], []
     for bucket in buckets:
-        run, owner = [], None
+        by_unit: dict = {}
         for slot in bucket.slots:
-            unit = unit_of(slot.name)
-            if run and unit != owner:
-                pieces.append(_rebase(bucket, run))
-                owners.append(owner)
-                run = []
-            run.append(slot)
-            owner = unit
-        if run:
-            pieces.append(_rebase(bucket, run))
-            owners.append(owner)
+            by_unit.setdefault(unit_of(slot.name), []).append(slot)
+        for unit in sorted(by_unit, key=lambda u: -1 if u is None else u):
+            pieces.append(_rebase(bucket, by_unit[unit]))
+            owners.append(unit)
     return pieces, owners
 
 
@@ -125,9 +149,9 @@ def _rebase(bucket: Bucket, slots: list) -> Bucket:
     return Bucket(bucket.group, bucket.dtype, tuple(rebased))
 
 
-def _unit_of(parameter: str, names: list[str]) -> int | None:
-    for index, name in enumerate(names):
-        if name == "" or parameter.startswith(name + "."):
+def _unit_of(parameter: str, groups: list[list[str]]) -> int | None:
+    for index, names in enumerate(groups):
+        if any(name == "" or parameter.startswith(name + ".") for name in names):
             return index
     return None
 
@@ -156,6 +180,10 @@ def _checked_names(model, units) -> list[str]:
         pairs = ", ".join(f"{a!r} holds {b!r}" if a != b else f"{a!r} twice" for a, b in overlapping)
         raise PlacementError(f"pw.ShardedDataParallel: units= overlap ({pairs}); name each parameter's unit once")
     return list(units)
+
+
+def _size(nbytes: int) -> str:
+    return f"{nbytes / 2**20:.1f} MiB" if nbytes >= 2**20 else f"{nbytes / 2**10:.1f} KiB"
 
 
 def _itemsize(dtype) -> int:

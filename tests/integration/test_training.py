@@ -187,8 +187,9 @@ def test_clipping_that_triggers_gives_the_same_result_under_both_plans(ctx):
             assert _relative_error(params[name], value) < 1e-9, (plan, name)
 
 
-SHARDED_SCHEDULES = {"keep for backward": pw.ShardedDataParallel("data", reshard_after_forward=False),
-                     "prefetch": pw.ShardedDataParallel("data", prefetch=True),
+SHARDED_SCHEDULES = {"per block": pw.ShardedDataParallel("data", min_unit_mb=0),
+                     "keep for backward": pw.ShardedDataParallel("data", reshard_after_forward=False, min_unit_mb=0),
+                     "prefetch": pw.ShardedDataParallel("data", prefetch=True, min_unit_mb=0),
                      "gather-all": pw.ShardedDataParallel("data", per_unit=False),
                      "units": pw.ShardedDataParallel("data", units=["blocks", "head"])}
 
@@ -196,9 +197,9 @@ SHARDED_SCHEDULES = {"keep for backward": pw.ShardedDataParallel("data", reshard
 @pytest.mark.remote_subset(schedule=("units",))
 @pytest.mark.parametrize("schedule", sorted(SHARDED_SCHEDULES))
 def test_every_sharded_schedule_matches_eager_with_clipping(ctx, schedule, tmp_path):
-    def model():   # two blocks: two units
+    def model():   # three blocks: three units (min_unit_mb=0), the last kept for its backward
         torch.manual_seed(0)
-        return DecoderOnlyTransformer(dataclass_replace(CFG, depth=2)).double()
+        return DecoderOnlyTransformer(dataclass_replace(CFG, depth=3)).double()
 
     batches = _batches(4)
     ref_losses, ref_params = _eager(model(), batches, max_grad_norm=0.05)
@@ -209,7 +210,7 @@ def test_every_sharded_schedule_matches_eager_with_clipping(ctx, schedule, tmp_p
     assert _relative_error(losses, ref_losses) < 1e-9
     for name, value in ref_params.items():
         assert _relative_error(params[name], value) < 1e-9, name
-    expected = {"units": "2 units (units= given)", "gather-all": "None"}.get(schedule, "2 units (the model's rep")
+    expected = {"units": "2 units (units= given)", "gather-all": "None"}.get(schedule, "3 units (the model's rep")
     assert str(trainer.units).startswith(expected)
     if schedule == "prefetch":      # the executors issued gathers ahead (gloo's async work), waited for later
         names = [e.get("name", "") for e in ctx.trace(str(tmp_path / "trace.json"))["traceEvents"]]

@@ -57,18 +57,31 @@ def _units(model, units=None, fallback=4 * MB):
 def test_the_repeated_blocks_are_the_units_and_the_rest_keeps_its_order():
     units = _units(_Gpt())
     assert units.names == ("h.0", "h.1", "h.2")
-    assert units.bucket_units == (None, 0, 1, 2, None)     # wte before the blocks; ln and head after them
+    assert units.bucket_units == (None, 0, 1, 2)           # the rest (wte, ln, head) in one bucket, first
     assert str(units) == "\n".join([
-        "3 units (the model's repeated blocks), 5 buckets:",
+        "3 units (the model's repeated blocks), 4 buckets:",
         "unit 0 'h.0': 4 parameters, 0.6 KiB in 1 bucket",
         "unit 1 'h.1': 4 parameters, 0.6 KiB in 1 bucket",
         "unit 2 'h.2': 4 parameters, 0.6 KiB in 1 bucket",
-        "rest (wte.weight, ln.weight, ln.bias, head.weight and 1 more): 5 parameters, 1.1 KiB in 2 buckets"])
+        "rest (wte.weight, ln.weight, ln.bias, head.weight and 1 more): 5 parameters, 1.1 KiB in 1 bucket"])
+
+
+def test_small_blocks_join_into_units_of_a_least_the_minimum():
+    units = _units_min(_Gpt(depth=5), 1100)           # each block 576 bytes: two make a unit, the fifth joins
+    assert units.names == ("h.0 + h.1", "h.2 + h.3 + h.4")
+    assert units.how == "the model's repeated blocks, joined into units of at least 1.1 KiB"
+    assert units.bucket_units == (None, 0, 1)
+
+
+def _units_min(model, min_bytes):
+    optimizer = torch.optim.AdamW(model.parameters())
+    layout = make_layout(model, optimizer, read_optimizer(optimizer))
+    return plan_units(model, list(layout.buckets), None, 4 * MB, min_bytes)
 
 
 def test_units_given_by_name_cut_the_buckets_there():
     units = _units(_Gpt(), units=["h", "head"])
-    assert units.names == ("h", "head") and units.bucket_units == (None, 0, None, 1)
+    assert units.names == ("h", "head") and units.bucket_units == (None, 0, 1)
     assert [s.name for s in units.buckets[1].slots][:2] == ["h.0.0.weight", "h.0.0.bias"]
 
 
@@ -135,9 +148,10 @@ def test_the_per_unit_schedule_gathers_each_unit_before_its_forward_and_again_be
     text = describe(_schedule(_mlp(), UnitSchedule()))
     assert _collectives(text) == [
         "all_gather(arg0_1)", "all_gather(arg1_1)", "all_gather(arg2_1)",          # forward, unit by unit
-        "all_gather(arg2_1)", "reduce_scatter(cat_2)",                             # backward, last unit first,
-        "all_gather(arg1_1)", "reduce_scatter(cat_1)",                             # each gradient reduced as
-        "all_gather(arg0_1)", "reduce_scatter(cat)", "all_reduce(alias)"]          # soon as it is made
+        "reduce_scatter(cat_2)",                                                   # backward, last unit first
+        "all_gather(arg1_1)", "reduce_scatter(cat_1)",                             # (kept: read again at once),
+        "all_gather(arg0_1)", "reduce_scatter(cat)", "all_reduce(alias)"]          # each gradient reduced as
+                                                                                   # soon as it is made
     lines = text.splitlines()
     forward = [i for i, line in enumerate(lines) if line.startswith("all_gather")][:3]
     assert all(lines[i + 1].endswith(" ops") for i in forward)        # each unit computes between two gathers
@@ -156,7 +170,7 @@ def test_the_older_step_holds_every_gathered_bucket_through_the_step():
 def test_keeping_for_the_backward_or_prefetching_holds_more_gathered_units(schedule, most):
     graph_module = _schedule(_mlp(), schedule)
     gathers = [c for c in _collectives(describe(graph_module)) if c.startswith("all_gather")]
-    assert len(gathers) == (3 if not schedule.reshard_after_forward else 6)
+    assert len(gathers) == (3 if not schedule.reshard_after_forward else 5)
     assert gathered_high_water(graph_module)[0] == most
 
 
