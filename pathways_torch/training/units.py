@@ -100,7 +100,11 @@ def plan_units(model, buckets: list[Bucket], units: tuple[str, ...] | None, fall
                         "pass units=[module names] to choose", type(model).__name__, fallback_bytes / 2**20)
             return Units(tuple(f"bucket {i}" for i in range(len(pieces))), tuple(range(len(pieces))),
                          tuple(pieces), f"fallback: one per bucket of at most {fallback_bytes / 2**20:.0f} MB")
-    groups = [name.split(" + ") for name in names]
+    if units is None and min_unit_bytes and len(names) == 1:
+        # All blocks together are one unit: the rest joins it (one gather of the whole model, kept: the
+        # gather-all step's collectives, with the gradient reduced as soon as it is made).
+        names, how = ["(the whole model)"], f"its blocks make one unit of at least {_size(min_unit_bytes)}"
+    groups = [[""] if name == "(the whole model)" else name.split(" + ") for name in names]
     cut, owners = split_by_units(buckets, lambda name: _unit_of(name, groups))
     return Units(tuple(names), tuple(owners), tuple(cut), how)
 

@@ -73,6 +73,12 @@ def test_small_blocks_join_into_units_of_a_least_the_minimum():
     assert units.bucket_units == (None, 0, 1)
 
 
+def test_blocks_that_make_one_unit_make_the_whole_model_one():
+    units = _units_min(_Gpt(depth=2), 1 * MB)
+    assert units.names == ("(the whole model)",) and units.bucket_units == (0,)
+    assert str(units).splitlines()[0] == "1 unit (its blocks make one unit of at least 1.0 MiB), 1 bucket:"
+
+
 def _units_min(model, min_bytes):
     optimizer = torch.optim.AdamW(model.parameters())
     layout = make_layout(model, optimizer, read_optimizer(optimizer))
