@@ -5,15 +5,16 @@ kernel by ``free``. The threshold starts at 128 KiB and, by default, rises to th
 (up to 32 MiB), after which blocks of that size come from the heap. A training step allocates and frees buffers of
 a unit's or a bucket's size many times; from the heap, interleaved with small long-lived allocations, they
 fragment it, and the resident set grows past what is alive. Measured (bench/sharding.py, 64 MiB of parameters,
-AdamW, N = 4, eager): the per-unit sharded step peaked at 3.4-4.5 P with glibc's default and at 1.50 P with a fixed
-threshold of 1-2 MiB (what is alive), DataParallel at 5.1-5.5 P and 4.45 P. The price is a page fault per page of
-each large buffer; transparent huge pages (``glibc.malloc.hugetlb=1``, which the local launcher sets: `pathways_torch.local.cluster`) make those
-faults 512 times fewer. Measured on the same runs: steps 20-30 % slower on that model, whose tiny batch (16 rows a
-shard) makes the step memory-bound; a compute-bound step pays proportionally less.
+AdamW, N = 4, eager): DataParallel peaked at 4.41-4.54 P with a fixed threshold of 2 MiB against 5.34-6.33 P with
+glibc's default, the per-unit sharded step at 1.48-1.52 P against 3.62-4.10 P (what is alive, against a heap that
+kept what was freed). The price is a page fault per page of each large buffer; transparent huge pages
+(``glibc.malloc.hugetlb=1``, which the local launcher sets: `pathways_torch.local.cluster`) can make those faults
+up to 512 times fewer. Measured on the same runs: steps 28-30 % slower on that model (60 against 86 rows/s, 52 against 72),
+whose tiny batch (16 rows a shard) makes the step memory-bound; a step with more compute per byte was not measured.
 
 After each compile (on backends that compile: XLA) the executor gives the heap's free pages back
 (`release_free_memory`): a compiler's working memory is many small blocks, below any threshold. Measured: the
-per-unit sharded step on ``xla:torchax`` peaked at 2.79-2.83 P without it, 2.15-2.18 P with it.
+per-unit sharded step on ``xla:torchax`` peaked at 2.79-2.83 P without it, 2.15-2.60 P with it.
 
 ``--mmap-threshold-mb 0`` keeps glibc's default (the dynamic threshold). On another C library nothing is changed.
 This module imports no torch: it runs before torch allocates.
