@@ -65,6 +65,7 @@ def _serve(rank: int, size: int, store_path: str, spec: dict, commands, result_q
 
     torch.set_num_threads(1)
     cfg = TransformerConfig(**spec["config"])
+    hwm_start = status_field(os.getpid(), "VmHWM")      # before the model: what training adds is measured from here
     torch.manual_seed(spec["seed"])
     model = DecoderOnlyTransformer(cfg)
     group = _process_group(make_gloo_group(store_path, "ddp", rank, size, 120.0), rank, size)
@@ -112,7 +113,8 @@ def _serve(rank: int, size: int, store_path: str, spec: dict, commands, result_q
             last = loss.detach().reshape(1).clone()
             group.allreduce([last]).wait()
             result_queue.put((rank, "stop", {"last_loss": last.item() / size, "pid": os.getpid(),
-                                             "vmhwm_kib": status_field(os.getpid(), "VmHWM")}))
+                                             "vmhwm_kib": status_field(os.getpid(), "VmHWM"),
+                                             "vmhwm_start_kib": hwm_start}))
             return
         else:
             raise ValueError(f"unknown command {command!r}")

@@ -47,7 +47,8 @@ printed as a check that they are idle.
    gather-all step (``per_unit=False``): each
    executor's peak resident set (``VmHWM`` of ``/proc/<pid>/status``, just after start
    and after the steps) and the bytes its object store holds after the steps
-   (``ctx.stats()``); DDP ranks' VmHWM for reference.
+   (``ctx.stats()``); DDP's and FSDP2's ranks (``fully_shard`` per block, then the root) for reference, the peak
+   each adds counted from before its model was built.
 
 The last step's loss of every configuration is printed: same data, weights and
 optimizer, so they agree to float rounding (a like-with-like check).
@@ -78,6 +79,7 @@ import pathways_torch as pw  # noqa: E402
 from bench.common import (add_model_arguments, add_run_arguments, add_trace_dir_argument,  # noqa: E402
                           print_table, process_cpu_s, write_results)
 from bench.ddp_train_baseline import DDPWorkers, status_field  # noqa: E402
+from bench.fsdp2_train_baseline import fsdp2_memory  # noqa: E402
 from transformer import DecoderOnlyTransformer, ReverseTask, TransformerConfig, loss_fn  # noqa: E402
 
 LR = 1e-3
@@ -278,7 +280,8 @@ def ddp_result(size: int, args, cfg, windows_by_round: list[list[dict]], final: 
     return {"system": "ddp", "executors": size, "tokens_per_s": tokens_per_s(args, cfg, median_window), **cpu,
             "windows_s": windows, "ms_per_step": median_window / args.steps * 1000,
             "last_loss": final[0]["last_loss"], "pids": [r["pid"] for r in final],
-            "vmhwm_kib": [r["vmhwm_kib"] for r in final], "windows_s_by_rank": by_rank}
+            "vmhwm_kib": [r["vmhwm_kib"] for r in final], "vmhwm_start_kib": [r.get("vmhwm_start_kib") for r in final],
+            "windows_s_by_rank": by_rank}
 
 
 class EagerRun:
@@ -442,12 +445,14 @@ def main() -> None:
     for size in xla_sizes:
         print(f"N={size}: runtime, default backend vs eager, pinned, {args.repeats} interleaved rounds ...", flush=True)
         xla[size], xla_eager[size], xla_ratios[size] = measure_backends(size, args, cfg, batches)
-    memory = {}
+    memory, fsdp2 = {}, None
     if sizes and not args.no_memory:
         largest = max(sizes)
         memory["DataParallel"] = runtime[largest]
         print(f"N={largest}: runtime (eager), ShardedDataParallel ...", flush=True)
         memory["ShardedDataParallel"] = measure_runtime(largest, "eager", "ShardedDataParallel", args, cfg, batches)
+        print(f"N={largest}: torch FSDP2 (the sharded plan's reference) ...", flush=True)
+        fsdp2 = fsdp2_memory(largest, ddp_spec(args, cfg))
         print(f"N={largest}: runtime (eager), ShardedDataParallel (gather-all) ...", flush=True)
         memory["ShardedDataParallel (gather-all)"] = measure_runtime(largest, "eager",
                                                                      "ShardedDataParallel (gather-all)", args, cfg,
@@ -536,9 +541,14 @@ def main() -> None:
                 mtable.append([plan_name, f"executor-{i}", pid, _mib(r["vmhwm_start_kib"][i]), _mib(r["vmhwm_kib"][i]),
                                f"{added_p:.1f}", f"{r['store_bytes'][i]:,}", f"{r['store_bytes'][i] / param_bytes:.2f}",
                                f"{r['tokens_per_s']:,.0f}"])
-        for rank, kib in enumerate(ddp[largest]["vmhwm_kib"]):
-            mtable.append(["DDP (reference)", f"rank {rank}", "-", "-", _mib(kib), "-", "-", "-",
-                           f"{ddp[largest]['tokens_per_s']:,.0f}"])
+        starts = ddp[largest].get("vmhwm_start_kib") or [None] * len(ddp[largest]["vmhwm_kib"])
+        for rank, (kib, start) in enumerate(zip(ddp[largest]["vmhwm_kib"], starts)):
+            added = f"{(kib - start) * 1024 / param_bytes:.1f}" if start else "-"
+            mtable.append(["DDP (reference)", f"rank {rank}", "-", _mib(start) if start else "-", _mib(kib), added,
+                           "-", "-", f"{ddp[largest]['tokens_per_s']:,.0f}"])
+        for rank, (kib, start) in enumerate(zip(fsdp2["vmhwm_kib"], fsdp2["vmhwm_start_kib"])):
+            mtable.append(["FSDP2 (reference)", f"rank {rank}", "-", _mib(start), _mib(kib),
+                           f"{(kib - start) * 1024 / param_bytes:.1f}", "-", "-", f"{fsdp2['tokens_per_s']:,.0f}"])
         print_table(["plan", "executor", "pid", "VmHWM at start MiB", "VmHWM after MiB", "peak added (P)",
                      "store bytes", "store (P)", "tokens/s"], mtable)
         print(f"notes: parameters are {param_bytes:,} bytes (fp32); DataParallel stores params + AdamW exp_avg + "
@@ -559,7 +569,7 @@ def main() -> None:
         "xla": [xla[n] for n in xla_sizes], "xla_eager_pinned": [xla_eager[n] for n in xla_sizes],
         "xla_ratios": [{"executors": n, **xla_ratios[n]} for n in xla_sizes], "memory": {k: {kk: v[kk] for kk in (
             "executors", "pids", "vmhwm_start_kib", "vmhwm_kib", "store_bytes", "tokens_per_s")}
-            for k, v in memory.items()},
+            for k, v in memory.items()}, "fsdp2_memory": fsdp2,
         "elapsed_s": elapsed})
     print(f"\nwritten to {path} ({elapsed:.0f} s)")
 
