@@ -106,3 +106,28 @@ def process_cpu_s(pid: int, tid: int | None = None) -> float | None:
     except OSError:
         return None
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")   # utime, stime (fields 14, 15)
+
+
+def run_ranks(target, size: int, args: tuple, prefix: str, timeout_s: float = 900.0) -> list:
+    """``size`` spawned processes ``target(rank, *args, store_path, results)`` (torch's own, on gloo, meeting
+    through a FileStore in a private folder); each puts one row, ``(rank, ...)``, on ``results``. The rows in rank
+    order; every process is joined (killed after 60 s) and the folder removed."""
+    import multiprocessing
+    import shutil
+    import tempfile
+
+    folder = tempfile.mkdtemp(prefix=prefix)
+    spawn = multiprocessing.get_context("spawn")
+    results = spawn.Queue()
+    ranks = [spawn.Process(target=target, args=(rank, *args, os.path.join(folder, "store"), results))
+             for rank in range(size)]
+    try:
+        for process in ranks:
+            process.start()
+        return sorted(results.get(timeout=timeout_s) for _ in ranks)
+    finally:
+        for process in ranks:
+            process.join(60)
+            if process.is_alive():
+                process.kill()
+        shutil.rmtree(folder, ignore_errors=True)

@@ -5,14 +5,15 @@ model was built and after the steps, and rank 0 the steps' time."""
 
 from __future__ import annotations
 
-import multiprocessing
 import os
-import shutil
 import sys
-import tempfile
 import time
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if _ROOT not in sys.path:
+    sys.path.insert(0, _ROOT)
+
+from bench.common import run_ranks  # noqa: E402
 
 __all__ = ["fsdp2_memory"]
 
@@ -20,21 +21,7 @@ __all__ = ["fsdp2_memory"]
 def fsdp2_memory(size: int, spec: dict, timeout_s: float = 600.0) -> dict:
     """``spec`` as `bench.ddp_train_baseline.DDPWorkers` takes it. Returns per rank: VmHWM at start and after
     (KiB), and the steps' tokens/s and the last global loss."""
-    folder = tempfile.mkdtemp(prefix="pathways-bench-fsdp2-")
-    spawn = multiprocessing.get_context("spawn")
-    results = spawn.Queue()
-    ranks = [spawn.Process(target=_rank, args=(r, size, spec, os.path.join(folder, "store"), results))
-             for r in range(size)]
-    try:
-        for process in ranks:
-            process.start()
-        rows = sorted(results.get(timeout=timeout_s) for _ in ranks)
-    finally:
-        for process in ranks:
-            process.join(60)
-            if process.is_alive():
-                process.kill()
-        shutil.rmtree(folder, ignore_errors=True)
+    rows = run_ranks(_rank, size, (size, spec), "pathways-bench-fsdp2-", timeout_s)
     steps_s = rows[0][3]
     tokens = spec["batch"] * spec["config"]["length"] * 2 * spec["steps"] * spec["repeats"]
     return {"system": "fsdp2", "executors": size, "vmhwm_start_kib": [r[1] for r in rows],

@@ -26,9 +26,7 @@ Systems run one after another, not interleaved: rows/s are for orientation, not 
 from __future__ import annotations
 
 import argparse
-import multiprocessing
 import os
-import shutil
 import sys
 import tempfile
 import time
@@ -37,7 +35,7 @@ _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if _ROOT not in sys.path:
     sys.path.insert(0, _ROOT)
 
-from bench.common import machine, print_table, write_results  # noqa: E402
+from bench.common import machine, print_table, run_ranks, write_results  # noqa: E402
 from bench.ddp_train_baseline import status_field  # noqa: E402
 
 SIZE = 4
@@ -236,21 +234,7 @@ def _torch_rank(rank: int, mode: str, width: int, steps: int, store_path: str, r
 
 def measure_torch(mode: str, width: int, steps: int) -> dict:
     """``mode`` (DDP or FSDP2) in ``SIZE`` processes on gloo: per-rank peak added, in P."""
-    folder = tempfile.mkdtemp(prefix="pathways-bench-sharding-")
-    spawn = multiprocessing.get_context("spawn")
-    results = spawn.Queue()
-    ranks = [spawn.Process(target=_torch_rank, args=(r, mode, width, steps, os.path.join(folder, "store"), results))
-             for r in range(SIZE)]
-    try:
-        for process in ranks:
-            process.start()
-        rows = sorted(results.get(timeout=900) for _ in ranks)
-    finally:
-        for process in ranks:
-            process.join(60)
-            if process.is_alive():
-                process.kill()
-        shutil.rmtree(folder, ignore_errors=True)
+    rows = run_ranks(_torch_rank, SIZE, (mode, width, steps), "pathways-bench-sharding-")
     elapsed = rows[0][2]
     return {"system": f"torch {mode}", "plan": mode, "backend": "eager (gloo)",
             "peak_added_p": [r[1] for r in rows], "store_high_water_p": None,

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import logging
 
 __all__ = ["tune_allocator", "release_free_memory", "DEFAULT_MMAP_THRESHOLD_MB"]
@@ -34,7 +35,9 @@ DEFAULT_MMAP_THRESHOLD_MB = 2.0
 _M_MMAP_THRESHOLD = -3          # mallopt's parameter number (malloc.h)
 
 
+@functools.cache
 def _libc():
+    """The C library, loaded once (a compile trims the heap through it each time)."""
     try:
         return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
     except OSError:

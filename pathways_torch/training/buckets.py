@@ -13,7 +13,7 @@ import dataclasses
 
 from ..errors import CaptureError
 
-__all__ = ["Slot", "Bucket", "make_buckets", "flatten", "unflatten", "split_for_exchange"]
+__all__ = ["Slot", "Bucket", "make_buckets", "flatten", "unflatten", "split_for_exchange", "rebased", "itemsize"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,28 +111,29 @@ def split_for_exchange(buckets: list[Bucket], cap_bytes: int, first_cap_bytes: i
     for bucket in buckets:
         members, size = [], 0
         for slot in reversed(bucket.slots):
-            nbytes = slot.numel * _itemsize(bucket.dtype)
+            nbytes = slot.numel * itemsize(bucket.dtype)
             cap = first_cap_bytes if not pieces else cap_bytes
             if members and size + nbytes > cap:
-                pieces.append(_rebased(bucket, members))
+                pieces.append(rebased(bucket, members[::-1]))
                 members, size = [], 0
             members.append(slot)
             size += nbytes
         if members:
-            pieces.append(_rebased(bucket, members))
+            pieces.append(rebased(bucket, members[::-1]))
     return pieces
 
 
-def _itemsize(dtype) -> int:
+def itemsize(dtype) -> int:
+    """The bytes of one element of ``dtype``."""
     import torch
 
     return torch.empty((), dtype=dtype).element_size()
 
 
-def _rebased(bucket: Bucket, slots: list[Slot]) -> Bucket:
-    """A bucket of ``slots`` (given last first) in model order, offsets from 0."""
-    rebased, offset = [], 0
-    for slot in reversed(slots):
-        rebased.append(Slot(slot.name, slot.shape, offset, slot.numel))
+def rebased(bucket: Bucket, slots: list[Slot]) -> Bucket:
+    """A bucket of ``bucket``'s ``slots`` (in the order given), offsets from 0."""
+    placed, offset = [], 0
+    for slot in slots:
+        placed.append(Slot(slot.name, slot.shape, offset, slot.numel))
         offset += slot.numel
-    return Bucket(bucket.group, bucket.dtype, tuple(rebased))
+    return Bucket(bucket.group, bucket.dtype, tuple(placed))

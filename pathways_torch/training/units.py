@@ -18,7 +18,7 @@ import dataclasses
 import logging
 
 from ..errors import PlacementError
-from .buckets import Bucket, split_for_exchange
+from .buckets import Bucket, itemsize, rebased, split_for_exchange
 
 __all__ = ["Units", "plan_units", "block_list", "split_by_units", "BLOCK_LIST_NAMES"]
 
@@ -74,7 +74,7 @@ class Units:
     @staticmethod
     def _summary(buckets: list[Bucket]) -> str:
         params = sum(len(b.slots) for b in buckets)
-        nbytes = sum(b.numel * _itemsize(b.dtype) for b in buckets)
+        nbytes = sum(b.numel * itemsize(b.dtype) for b in buckets)
         return f"{params} parameters, {_size(nbytes)} in {len(buckets)} bucket{'s' * (len(buckets) != 1)}"
 
 
@@ -86,32 +86,33 @@ def plan_units(model, buckets: list[Bucket], units: tuple[str, ...] | None, fall
     has no blocks. Found blocks smaller than ``min_unit_bytes`` join the next ones (a gather costs a round trip
     whatever its size)."""
     if units is not None:
-        names, how = _checked_names(model, units), "units= given"
+        groups, how = [[name] for name in _checked_names(model, units)], "units= given"
     else:
-        names, how = _block_names(model), "the model's repeated blocks"
-        if min_unit_bytes and len(names) > 1:
-            names, merged = _merged(model, names, min_unit_bytes)
-            if merged:
-                how += f", joined into units of at least {_size(min_unit_bytes)}"
-        elif len(names) < 2:
+        groups, how = [[name] for name in _block_names(model)], "the model's repeated blocks"
+        if len(groups) < 2:
             pieces = split_for_exchange(buckets, fallback_bytes, fallback_bytes)
             log.warning("pw.ShardedDataParallel: %s has no repeated blocks (no nn.Sequential, self.layers, self.h "
                         "...) and no units= was given; falling back to one unit per bucket of at most %.0f MB; "
                         "pass units=[module names] to choose", type(model).__name__, fallback_bytes / 2**20)
             return Units(tuple(f"bucket {i}" for i in range(len(pieces))), tuple(range(len(pieces))),
                          tuple(pieces), f"fallback: one per bucket of at most {fallback_bytes / 2**20:.0f} MB")
-    if units is None and min_unit_bytes and len(names) == 1:
-        # All blocks together are one unit: the rest joins it (one gather of the whole model, kept: the
-        # gather-all step's collectives, with the gradient reduced as soon as it is made).
-        names, how = ["(the whole model)"], f"its blocks make one unit of at least {_size(min_unit_bytes)}"
-    groups = [[""] if name == "(the whole model)" else name.split(" + ") for name in names]
+        if min_unit_bytes:
+            joined = _merged(model, [name for [name] in groups], min_unit_bytes)
+            if len(joined) == 1:
+                # All blocks together are one unit: the rest joins it (one gather of the whole model, kept: the
+                # gather-all step's collectives, with the gradient reduced as soon as it is made).
+                joined, how = [[""]], f"its blocks make one unit of at least {_size(min_unit_bytes)}"
+            elif len(joined) < len(groups):
+                how += f", joined into units of at least {_size(min_unit_bytes)}"
+            groups = joined
+    names = ["(the whole model)" if group == [""] else " + ".join(group) for group in groups]
     cut, owners = split_by_units(buckets, lambda name: _unit_of(name, groups))
     return Units(tuple(names), tuple(owners), tuple(cut), how)
 
 
-def _merged(model, names: list[str], min_unit_bytes: int) -> tuple[list[str], bool]:
+def _merged(model, names: list[str], min_unit_bytes: int) -> list[list[str]]:
     """Consecutive blocks joined until each unit holds at least ``min_unit_bytes`` (a last short one joins the
-    unit before it): ``"h.0 + h.1"``."""
+    unit before it), as lists of block names."""
     modules = dict(model.named_modules())
     sizes = [sum(p.numel() * p.element_size() for p in modules[name].parameters()) for name in names]
     joined, run, size = [], [], 0
@@ -126,7 +127,7 @@ def _merged(model, names: list[str], min_unit_bytes: int) -> tuple[list[str], bo
             joined[-1].extend(run)
         else:
             joined.append(run)
-    return [" + ".join(group) for group in joined], len(joined) < len(names)
+    return joined
 
 
 def split_by_units(buckets: list[Bucket], unit_of) -> tuple[list[Bucket], list]:
@@ -138,19 +139,9 @@ def split_by_units(buckets: list[Bucket], unit_of) -> tuple[list[Bucket], list]:
         for slot in bucket.slots:
             by_unit.setdefault(unit_of(slot.name), []).append(slot)
         for unit in sorted(by_unit, key=lambda u: -1 if u is None else u):
-            pieces.append(_rebase(bucket, by_unit[unit]))
+            pieces.append(rebased(bucket, by_unit[unit]))
             owners.append(unit)
     return pieces, owners
-
-
-def _rebase(bucket: Bucket, slots: list) -> Bucket:
-    from .buckets import Slot
-
-    rebased, offset = [], 0
-    for slot in slots:
-        rebased.append(Slot(slot.name, slot.shape, offset, slot.numel))
-        offset += slot.numel
-    return Bucket(bucket.group, bucket.dtype, tuple(rebased))
 
 
 def _unit_of(parameter: str, groups: list[list[str]]) -> int | None:
@@ -170,8 +161,7 @@ def _block_names(model) -> list[str]:
 
 
 def _checked_names(model, units) -> list[str]:
-    if isinstance(units, str) or not all(isinstance(u, str) for u in units):
-        raise PlacementError(f"pw.ShardedDataParallel: units= expected a list of module names (str), got {units!r}")
+    """``units`` (module names: the plan checked their type) if each is a module of ``model`` and none overlaps."""
     modules = dict(model.named_modules())
     missing = [u for u in units if u not in modules]
     if missing:
@@ -188,9 +178,3 @@ def _checked_names(model, units) -> list[str]:
 
 def _size(nbytes: int) -> str:
     return f"{nbytes / 2**20:.1f} MiB" if nbytes >= 2**20 else f"{nbytes / 2**10:.1f} KiB"
-
-
-def _itemsize(dtype) -> int:
-    import torch
-
-    return torch.empty((), dtype=dtype).element_size()
