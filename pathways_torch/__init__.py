@@ -19,6 +19,8 @@ __all__ = [
     "DataParallel", "ShardedDataParallel", "Trainer", "UnsupportedOptimizerError", "load_checkpoint",
     # pipelines
     "Pipeline", "pipe_split",
+    # tensor parallelism
+    "TensorParallel", "tensor_parallel_plan", "FusedColwiseParallel", "ShardedAttributes",
     # islands
     "Link",
     # errors
@@ -48,6 +50,10 @@ _WHERE = {
     "UnsupportedOptimizerError": "pathways_torch.training",
     "load_checkpoint": "pathways_torch.training.checkpoint",
     "Link": "pathways_torch.local.link",
+    "TensorParallel": "pathways_torch.tensor_parallel",
+    "tensor_parallel_plan": "pathways_torch.tensor_parallel",
+    "FusedColwiseParallel": "pathways_torch.tensor_parallel",
+    "ShardedAttributes": "pathways_torch.tensor_parallel",
     "Pipeline": "pathways_torch.pipeline",
     "pipe_split": "pathways_torch.pipeline",
     "PathwaysError": "pathways_torch.errors",

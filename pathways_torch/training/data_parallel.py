@@ -51,17 +51,30 @@ class DataParallelRunner(HoldsTrainer):
 
     def recapture(self) -> None:
         t, layout = self.trainer, self.layout
-        state = self.plan.state_placement()
-        outs = ([Replicate()] + [state] * len(layout.buckets) * (1 + len(layout.state_names))
-                + [Replicate()] * len(layout.buffer_names))
+        outs = [Replicate()] + self._state_placements() + [Replicate()] * len(layout.buffer_names)
         per_unit = self._per_unit()
         step = make_step(t.model, t.loss_fn, t._spec, layout, self.plan, self.num_shards, t.seed, t.max_grad_norm,
-                         batch_forms=t._batch_forms, mark_forward_end=per_unit)
+                         batch_forms=t._batch_forms, mark_forward_end=per_unit, tensor=self._tensor_step())
         # The old state is given up to the step that replaces it: executors free it inside the step, so they
         # never hold two copies of it (frozen parameters are not replaced: kept).
         self._function = Function(step, out=tuple(outs), name=step.__name__, mesh=t.mesh,
                                   donate_argnums=tuple(range(layout.num_state_inputs)),
                                   graph_pass=self._schedule() if per_unit else None)
+
+    def _state_placements(self) -> list:
+        """The placement of each flat, then of each optimizer state flat (bucket-major)."""
+        return [self.plan.state_placement()] * len(self.layout.buckets) * (1 + len(self.layout.state_names))
+
+    def _tensor_step(self):
+        """The step's `tensor_parallel.TensorStep` (None: no layer is split over a model axis)."""
+        return None
+
+    def _rank_arrays(self) -> list:
+        """The arrays after the scalars that tell each shard where it is (its data rank)."""
+        return [self._rank]
+
+    def _batch_placement(self) -> dict:
+        return {self.plan.axis: Shard(0)}
 
     def _per_unit(self) -> bool:
         return self.plan.sharded_state and getattr(self.plan, "per_unit", False) and self.num_shards > 1
@@ -120,10 +133,11 @@ class DataParallelRunner(HoldsTrainer):
 
     def dispatch(self, form, tensors: list, scalars, modes: tuple):
         t = self.trainer
-        ctx, mesh, axis = t._context, t.mesh, self.plan.axis
+        ctx, mesh = t._context, t.mesh
         # The step's fresh inputs travel in one message per executor.
-        fresh = ctx.put_many([(scalars, Replicate()), *[(x, {axis: Shard(0)}) for x in tensors]], mesh)
-        arrays = [*self._flats, *self._states, *self._buffers, *self._frozen, fresh[0], self._rank, *fresh[1:]]
+        fresh = ctx.put_many([(scalars, Replicate()), *[(x, self._batch_placement()) for x in tensors]], mesh)
+        arrays = [*self._flats, *self._states, *self._buffers, *self._frozen, fresh[0], *self._rank_arrays(),
+                  *fresh[1:]]
         try:
             # Train/eval modes are read while tracing (dropout, batch statistics): a change re-captures.
             outputs = self._function(*arrays, static_key=(t._spec.static_key(), modes, form.key))
@@ -158,9 +172,9 @@ class DataParallelRunner(HoldsTrainer):
         t = self.trainer
         function = self._forwards.get(kind)
         if function is None:
-            out = Replicate() if kind == "loss" else {self.plan.axis: Shard(0)}
+            out = Replicate() if kind == "loss" else self._batch_placement()
             forward = make_forward(t.model, t.loss_fn, self.layout, self.plan, self.num_shards, kind,
-                                   t._batch_forms, self._output_specs)
+                                   t._batch_forms, self._output_specs, tensor=self._tensor_step())
             # Per unit, a forward gathers each unit's parameters just before it reads them.
             function = self._forwards[kind] = Function(forward, out=out, name=forward.__name__, mesh=t.mesh,
                                                        graph_pass=self._schedule() if self._per_unit() else None)
@@ -171,8 +185,8 @@ class DataParallelRunner(HoldsTrainer):
         t = self.trainer
         ctx = t._context
         with ctx._batched_release():
-            fresh = ctx.put_many([(x, {self.plan.axis: Shard(0)}) for x in tensors], t.mesh)
-            arrays = [*self._flats, *self._buffers, *self._frozen, self._rank, *fresh]
+            fresh = ctx.put_many([(x, self._batch_placement()) for x in tensors], t.mesh)
+            arrays = [*self._flats, *self._buffers, *self._frozen, *self._rank_arrays(), *fresh]
             try:
                 outputs = function(*arrays, static_key=form.key)
             except CaptureError as exc:

@@ -37,9 +37,10 @@ def eval_mode(model):
 
 
 def make_forward(model, loss_fn: Callable | None, layout, plan, num_shards: int, kind: str, batch_forms: dict,
-                 output_specs: dict) -> Callable:
+                 output_specs: dict, tensor=None) -> Callable:
     """The per-shard forward (``kind`` "loss" or "predict"); see the module docstring. ``output_specs``
-    receives, per batch form, the pytree spec of the model's output (for `predict` to rebuild it)."""
+    receives, per batch form, the pytree spec of the model's output (for `predict` to rebuild it).
+    ``tensor``: as `step.make_step` takes it (the model rank follows the rank)."""
     import torch
     from torch.func import functional_call
     from torch.utils._pytree import tree_flatten
@@ -52,10 +53,12 @@ def make_forward(model, loss_fn: Callable | None, layout, plan, num_shards: int,
         buffers = {name: next(it).clone() for name in layout.buffer_names}   # updates stay local
         frozen = {name: next(it) for name in layout.frozen_names}
         next(it)   # rank: the batch is this shard's already
+        model_rank = next(it) if tensor is not None else None
         batch = list(it)
         form = batch_form(batch_forms, static_key, batch)
         state = {**gathered_params(buckets, flats, plan, num_shards), **frozen, **buffers}
-        with torch.no_grad(), eval_mode(model):
+        lowered = tensor.lowered(model, model_rank) if tensor is not None else contextlib.nullcontext()
+        with torch.no_grad(), eval_mode(model), lowered:
             if kind == "loss":
                 loss = forward_loss(functional_call, model, loss_fn, state, form, batch).detach()
                 return all_reduce(loss, plan.axis, "mean") if num_shards > 1 else loss

@@ -17,6 +17,7 @@ a new version).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from typing import Callable
 
@@ -102,9 +103,11 @@ def make_layout(model, optimizer, spec: OptimizerSpec, regroup: Callable | None 
 
 def make_step(model, loss_fn: Callable | None, spec: OptimizerSpec, layout: StepLayout, plan, num_shards: int,
               seed: int, max_grad_norm: float | None, batch_forms: dict | None = None,
-              mark_forward_end: bool = False) -> Callable:
+              mark_forward_end: bool = False, tensor=None) -> Callable:
     """The per-shard step function (to be captured); see the module docstring for its signature.
-    ``mark_forward_end``: the trace marks where the forward ends (for `unit_schedule.UnitSchedule`)."""
+    ``mark_forward_end``: the trace marks where the forward ends (for `unit_schedule.UnitSchedule`).
+    ``tensor``: a `tensor_parallel.TensorStep` (layers split over a model axis): one more input after the
+    rank, this shard's index on that axis; the forward runs lowered, and its partial gradients are summed."""
     buckets, num_states = layout.buckets, len(layout.state_names)
 
     batch_forms = batch_forms if batch_forms is not None else {}
@@ -116,18 +119,22 @@ def make_step(model, loss_fn: Callable | None, spec: OptimizerSpec, layout: Step
         buffers = {name: next(it) for name in layout.buffer_names}
         frozen = {name: next(it) for name in layout.frozen_names}
         scalars, rank = next(it), next(it)
+        model_rank = next(it) if tensor is not None else None
         batch = list(it)
         form = batch_form(batch_forms, static_key[-1] if static_key else None, batch)
         step_number, hyper = scalars[0], scalars[1:].reshape(layout.num_groups, len(DYNAMIC))
         params = gathered_params(buckets, flats, plan, num_shards)
-        grads, loss, new_buffers = loss_and_grads(model, loss_fn, params, buffers, frozen, form, batch,
-                                                  (seed, step_number, rank), plan.axis, num_shards,
-                                                  mark_forward_end=mark_forward_end)
+        with tensor.lowered(model, model_rank) if tensor is not None else contextlib.nullcontext():
+            grads, loss, new_buffers = loss_and_grads(model, loss_fn, params, buffers, frozen, form, batch,
+                                                      (seed, step_number, rank), plan.axis, num_shards,
+                                                      mark_forward_end=mark_forward_end)
         padded = [b.padded_numel(num_shards) if plan.sharded_state else b.numel for b in buckets]
-        grad_flats, loss = plan.reduce([flatten(b, grads, n) for b, n in zip(buckets, padded)], loss.detach(),
-                                       num_shards)
+        grad_flats = [flatten(b, grads, n) for b, n in zip(buckets, padded)]
+        if tensor is not None:
+            grad_flats = tensor.complete(grad_flats)
+        grad_flats, loss = plan.reduce(grad_flats, loss.detach(), num_shards)
         if max_grad_norm is not None:
-            grad_flats = _clip(grad_flats, max_grad_norm, plan, num_shards)
+            grad_flats = _clip(grad_flats, max_grad_norm, plan, num_shards, tensor)
         new_flats, new_states = [], []
         for bucket, flat, grad, state in zip(buckets, flats, grad_flats, states):
             # In place: the step's state inputs are donated (DataParallelRunner), so executors free no copy.
@@ -197,11 +204,12 @@ def _from_first_shard(buffers: list, plan, rank, num_shards: int) -> list:
     return out
 
 
-def _clip(grad_flats: list, max_norm: float, plan, num_shards: int) -> list:
+def _clip(grad_flats: list, max_norm: float, plan, num_shards: int, tensor=None) -> list:
     """Scale every gradient by min(1, max_norm / (global L2 norm + 1e-6)), as clip_grad_norm_ does."""
     import torch
 
-    squares = sum((g.to(torch.float64) ** 2).sum() for g in grad_flats)
-    total = plan.global_sum(squares, num_shards).sqrt()
+    squares = [(g.to(torch.float64) ** 2).sum() for g in grad_flats]
+    local = tensor.sum_squares(squares) if tensor is not None else sum(squares)
+    total = plan.global_sum(local, num_shards).sqrt()
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     return [g * coef.to(g.dtype) for g in grad_flats]

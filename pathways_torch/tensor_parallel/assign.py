@@ -1,0 +1,191 @@
+"""A tensor-parallel plan applied to one model: which module gets which style, how each parameter is split.
+
+`assign` matches the plan's patterns against the model's module paths the way ``parallelize_module``
+does (the path and the pattern split at dots, each part matched with ``fnmatch``), reads every value
+(`styles.read_style`) and derives each parameter's `ParamSplit`. It checks all of it before anything is
+placed: a pattern that matches nothing (naming the nearest paths), a style on a module it cannot split,
+a size the axis does not divide, two styles that split one (tied) parameter two ways. The result,
+`TensorPlan`, prints as the placements table ``trainer.placements`` shows.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import fnmatch
+
+from ..errors import PlacementError
+from .styles import Style, read_style
+
+__all__ = ["ParamSplit", "TensorPlan", "assign", "module_kind"]
+
+# Head counts of a transformers config: every shard must hold whole heads.
+_HEAD_FIELDS = ("num_attention_heads", "num_key_value_heads", "n_head")
+
+
+@dataclasses.dataclass(frozen=True)
+class ParamSplit:
+    """How one parameter lives on the model axis: split on ``dim`` (in ``chunks`` side-by-side parts, each split
+    on its own), or whole (``dim`` None) with a gradient that is a partial sum (``partial_grad``: it was computed
+    from a sequence slice, and is summed over the axis) or the same on every shard."""
+
+    dim: int | None
+    chunks: int = 1
+    partial_grad: bool = False
+
+    def describe(self) -> str:
+        if self.dim is None:
+            return "Replicate(), gradient summed over the axis" if self.partial_grad else "Replicate()"
+        return f"Shard({self.dim})" + (f" in {self.chunks} chunks" if self.chunks > 1 else "")
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorPlan:
+    """The styles by module path and the split of every parameter, for a model axis of ``size`` shards."""
+
+    axis: str
+    size: int
+    modules: tuple[tuple[str, Style], ...]           # (module path, style), in model order
+    splits: dict                                     # parameter name → ParamSplit (split or partial-grad ones)
+    shapes: dict                                     # parameter name → global shape
+
+    def split_of(self, name: str) -> ParamSplit:
+        return self.splits.get(name, ParamSplit(None))
+
+    def local_shape(self, name: str) -> tuple[int, ...]:
+        shape, split = list(self.shapes[name]), self.split_of(name)
+        if split.dim is not None:
+            shape[split.dim] //= self.size
+        return tuple(shape)
+
+    def describe(self, data: str = "") -> str:
+        """One line per module style, then one per parameter: global shape, local shape, placement."""
+        lines = [f"model axis {self.axis!r} of {self.size}" + (f"; {data}" if data else "")]
+        lines += [f"  {path or '(the model)'}: {style.describe()}" for path, style in self.modules]
+        width = max((len(n) for n in self.shapes), default=0)
+        for name, shape in self.shapes.items():
+            local = self.local_shape(name)
+            lines.append(f"  {name:<{width}}  {list(shape)} -> {list(local)}  {self.axis}: "
+                         f"{self.split_of(name).describe()}")
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.describe()
+
+
+def module_kind(module) -> str | None:
+    """"linear", "conv1d" (transformers' ``Conv1D``: weight [in, out]) or "embedding"; None for other modules."""
+    import torch.nn as nn
+
+    if isinstance(module, nn.Linear):
+        return "linear"
+    if isinstance(module, nn.Embedding):
+        return "embedding"
+    if type(module).__name__ == "Conv1D" and hasattr(module, "nf") and getattr(module, "weight", None) is not None:
+        return "conv1d"
+    return None
+
+
+# (style kind, module kind) → (weight's split dim, bias's split dim or None)
+_WEIGHT_DIMS = {("colwise", "linear"): (0, 0), ("colwise", "conv1d"): (1, 0), ("colwise", "embedding"): (1, None),
+                ("rowwise", "linear"): (1, None), ("rowwise", "conv1d"): (0, None), ("rowwise", "embedding"): (0, None)}
+
+
+def _matches(pattern: str, path: str) -> bool:
+    parts, atoms = path.split("."), pattern.split(".")
+    return len(parts) == len(atoms) and all(fnmatch.fnmatchcase(p, a) for p, a in zip(parts, atoms))
+
+
+def _matched_paths(model, pattern: str) -> list[str]:
+    paths = [path for path, _ in model.named_modules() if path]
+    found = [path for path in paths if _matches(pattern, path)]
+    if not found:
+        near = difflib.get_close_matches(pattern, paths, n=5, cutoff=0.3) or paths[:5]
+        raise PlacementError(f"TensorParallel plan: pattern {pattern!r} matches no module of "
+                             f"{type(model).__name__}; the nearest module paths are {near} (patterns are module "
+                             f"paths relative to the model you wrap, '*' standing for one part)")
+    return found
+
+
+def _check_divides(where: str, size: int, what: str, axis: str, count: int) -> None:
+    if size % count:
+        raise PlacementError(f"{where}: {what} is {size}, not divisible by the {count} shards of axis {axis!r}; "
+                             f"use a model axis that divides it, or leave this module out of the plan")
+
+
+def _param_splits(path: str, module, style: Style, axis: str, size: int) -> dict:
+    """Parameter (module-local name) → ParamSplit that ``style`` gives ``module`` at ``path``."""
+    if style.kind == "sequence":
+        return {name: ParamSplit(None, partial_grad=True) for name, _ in module.named_parameters()}
+    if style.kind not in ("colwise", "rowwise"):
+        return {}
+    kind = module_kind(module)
+    if kind is None:
+        raise PlacementError(f"{path}: {style.source} splits nn.Linear, nn.Embedding and transformers' Conv1D; "
+                             f"this module is a {type(module).__name__}: name its projections instead")
+    weight_dim, bias_dim = _WEIGHT_DIMS[(style.kind, kind)]
+    splits = {"weight": ParamSplit(weight_dim, style.chunks)}
+    _check_divides(f"{path}.weight", module.weight.shape[weight_dim], f"dim {weight_dim} of shape "
+                   f"{list(module.weight.shape)}" + (f" in {style.chunks} chunks" if style.chunks > 1 else ""),
+                   axis, size * style.chunks)
+    if kind == "embedding" and style.kind == "rowwise" and (module.padding_idx is not None or module.max_norm):
+        option = "padding_idx" if module.padding_idx is not None else "max_norm"
+        raise PlacementError(f"{path}: RowwiseParallel() on an nn.Embedding with {option} set is refused: each "
+                             f"shard looks up only its rows; use ColwiseParallel() for this embedding")
+    if getattr(module, "bias", None) is not None:
+        # A row-parallel bias is added after the reduction; from a sequence slice its gradient is partial.
+        partial = style.kind == "rowwise" and style.output_layouts[0].kind == "S"
+        splits["bias"] = ParamSplit(bias_dim, style.chunks if bias_dim is not None else 1, partial_grad=partial)
+    return splits
+
+
+def _check_heads(model, axis: str, size: int) -> None:
+    config = getattr(model, "config", None)
+    for field in _HEAD_FIELDS:
+        count = getattr(config, field, None)
+        if isinstance(count, int):
+            _check_divides(f"{type(model).__name__}.config.{field}", count, "the head count", axis, size)
+
+
+def assign(model, plan: dict, axis: str, size: int) -> TensorPlan:
+    """The `TensorPlan` of ``plan`` on ``model`` with a model axis of ``size``; refuses bad input first."""
+    if not isinstance(plan, dict) or not plan:
+        raise PlacementError(f"TensorParallel: plan must be a non-empty dict of module path pattern -> style, "
+                             f"got {plan!r}; pw.tensor_parallel_plan(model) proposes one")
+    modules = dict(model.named_modules())
+    styles: dict[str, list[Style]] = {}
+    for pattern, value in plan.items():
+        if not isinstance(pattern, str):
+            raise PlacementError(f"TensorParallel plan: keys are module path patterns (str), got {pattern!r}")
+        for path in _matched_paths(model, pattern):
+            styles.setdefault(path, []).append(read_style(value, path))
+    names = {id(p): n for n, p in model.named_parameters()}
+    splits: dict[str, ParamSplit] = {}
+    for path, path_styles in styles.items():
+        module = modules[path]
+        kinds = [s.kind for s in path_styles if s.kind in ("colwise", "rowwise", "sequence")]
+        if len(kinds) > 1:
+            raise PlacementError(f"{path}: patterns give it {kinds}; a module takes one of them")
+        for style in path_styles:
+            if style.kind == "attributes":
+                for attr in style.attributes:
+                    value = getattr(module, attr, None)
+                    if not isinstance(value, int):
+                        raise PlacementError(f"{path}: ShardedAttributes names {attr!r}, but "
+                                             f"{type(module).__name__}.{attr} is {value!r}, not an int")
+                    _check_divides(f"{path}.{attr}", value, "its value", axis, size)
+            for local, split in _param_splits(path, module, style, axis, size).items():
+                param = getattr(module, local)
+                name = names.get(id(param))
+                if name is None:
+                    continue
+                if splits.setdefault(name, split) != split:
+                    raise PlacementError(f"{name} (tied, reached from {path}): the plan splits it as "
+                                         f"{splits[name].describe()} and as {split.describe()}; a shared parameter "
+                                         f"needs one split: give its modules matching styles")
+    if splits:
+        _check_heads(model, axis, size)
+    order = {path: i for i, path in enumerate(modules)}
+    ordered = sorted(((p, s) for p, ss in styles.items() for s in ss), key=lambda item: order[item[0]])
+    return TensorPlan(axis=axis, size=size, modules=tuple(ordered), splits=splits,
+                      shapes={n: tuple(p.shape) for n, p in model.named_parameters()})

@@ -1,0 +1,184 @@
+"""The plan lowered into the captured forward: the matched modules run their per-shard forward while it is traced.
+
+Inside `Lowered`, each module the plan names has its ``forward`` replaced (on the instance, put back
+after) by one that moves its inputs into the layout the style wants, runs on the shard's local
+parameters, and moves its output into the layout the style promises (`layouts.py`): a column-parallel
+projection runs the module's own forward on its slice of the weight; a row-parallel one multiplies by
+its slice and reduces before adding the bias (added once, not once per shard); a row-parallel embedding
+looks up only the rows it holds. The collectives this inserts are ordinary ``pathways::`` ops in the
+captured program, every byte of them visible in its text and its trace.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+from ..errors import CaptureError
+from .assign import TensorPlan, module_kind
+from .layouts import enter, gather, reduce, reduce_scatter_to, take_slice
+from .styles import P, R, S, Layout
+
+__all__ = ["Lowered"]
+
+
+class Lowered(contextlib.AbstractContextManager):
+    """Within: ``model``'s planned modules compute per shard; ``rank`` is this shard's index on the axis."""
+
+    def __init__(self, model, plan: TensorPlan, rank):
+        self.model, self.plan, self.rank = model, plan, rank
+        self._restore: list = []
+        self._entered: dict = {}    # id(whole input) → (input, its f): one gradient all-reduce per input
+
+    def __enter__(self):
+        modules = dict(self.model.named_modules())
+        by_path: dict = {}
+        for path, style in self.plan.modules:
+            by_path.setdefault(path, []).append(style)
+        try:
+            for path, styles in by_path.items():
+                self._lower(path, modules[path], styles)
+        except BaseException:
+            self.__exit__(None, None, None)
+            raise
+        return self
+
+    def __exit__(self, *exc):
+        while self._restore:
+            self._restore.pop()()
+        self._entered.clear()
+        return False
+
+    # ------------------------------------------------------------ installing
+
+    def _lower(self, path: str, module, styles: list) -> None:
+        size = self.plan.size
+        for style in styles:
+            for name in style.attributes:
+                self._set(module, name, getattr(module, name) // size)
+        main = next((s for s in styles if s.kind in ("colwise", "rowwise")), None)
+        if main is not None and main.kind == "colwise" and module_kind(module) == "conv1d":
+            self._set(module, "nf", module.nf // size)       # Conv1D shapes its output by nf
+        prepares = [s for s in styles if s.kind == "prepare"]
+        if main is None and not prepares:
+            return
+        original = module.forward
+        body = self._main_forward(path, module, main, original) if main is not None else original
+
+        def forward(*args, **kwargs):
+            for style in prepares:
+                args, kwargs = self._prepare_inputs(path, style, args, kwargs)
+            out = body(*args, **kwargs)
+            for style in prepares:
+                out = self._prepare_outputs(path, style, out)
+            return out
+
+        self._set(module, "forward", forward)
+
+    def _set(self, module, name: str, value) -> None:
+        had, old = name in module.__dict__, module.__dict__.get(name)
+        setattr(module, name, value)
+
+        def restore():
+            if had:
+                setattr(module, name, old)
+            else:
+                delattr(module, name)
+        self._restore.append(restore)
+
+    # ------------------------------------------------------------ moving between layouts
+
+    def move(self, x, source: Layout | None, target: Layout | None, where: str, chunks: int = 1):
+        """``x`` from layout ``source`` to ``target`` (None on either side: left as it is)."""
+        import torch
+
+        if source is None or target is None or not isinstance(x, torch.Tensor) or source == target:
+            return x
+        axis, size = self.plan.axis, self.plan.size
+        if source.kind == "S" and target.kind == "S":
+            if source.dim % x.dim() == target.dim % x.dim():
+                return x
+            raise CaptureError(f"{where}: moving a tensor from {source!r} to {target!r} (an all-to-all) is not "
+                               f"supported; gather it first (Replicate())")
+        if source == R:
+            return take_slice(x, axis, target.dim, size, self.rank, chunks)
+        if source.kind == "S":
+            return gather(x, axis, source.dim, size, self.rank, chunks)
+        if target == R:          # source is P
+            return reduce(x, axis)
+        return reduce_scatter_to(x, axis, target.dim, size, chunks)
+
+    def _enter(self, x):
+        """Megatron's f on ``x``, once per tensor: the modules that read it share one gradient all-reduce."""
+        seen = self._entered.get(id(x))
+        if seen is None or seen[0] is not x:
+            seen = self._entered[id(x)] = (x, enter(x, self.plan.axis))
+        return seen[1]
+
+    # ------------------------------------------------------------ styles
+
+    def _main_forward(self, path: str, module, style, original):
+        kind = module_kind(module)
+        where = f"{path}: {style.source}"
+        source, target = style.input_layouts[0], style.output_layouts[0]
+
+        if style.kind == "colwise":
+            def colwise(x, *args, **kwargs):
+                x = self.move(x, source, R, where)
+                if kind != "embedding":
+                    x = self._enter(x)
+                return self.move(original(x, *args, **kwargs), S(-1), target, where, style.chunks)
+            return colwise
+
+        def rowwise(x, *args, **kwargs):
+            if args or kwargs:
+                raise CaptureError(f"{where}: a row-parallel module takes one input, got {1 + len(args) + len(kwargs)}")
+            if kind == "embedding":
+                partial = self._embedding_rows(module, self.move(x, source, R, where))
+            else:
+                partial = self._rows(module, kind, self.move(x, source, S(-1), where))
+            out = self.move(partial, P, target, where)
+            bias = getattr(module, "bias", None)
+            return out if bias is None else out + bias
+        return rowwise
+
+    @staticmethod
+    def _rows(module, kind: str, x):
+        """A row-parallel projection's partial sum: this shard's input slice times its rows of the weight."""
+        import torch.nn.functional as F
+
+        if kind == "linear":
+            return F.linear(x, module.weight)
+        weight = module.weight        # Conv1D: [in / size, out]
+        return (x.reshape(-1, x.shape[-1]) @ weight).reshape(*x.shape[:-1], weight.shape[1])
+
+    def _embedding_rows(self, module, ids):
+        """This shard's rows of a row-parallel embedding, zero where an id is another shard's."""
+        import torch.nn.functional as F
+
+        rows = module.weight.shape[0]
+        shifted = ids - self.rank * rows
+        outside = (shifted < 0) | (shifted >= rows)
+        found = F.embedding(shifted.masked_fill(outside, 0), module.weight, scale_grad_by_freq=module.scale_grad_by_freq)
+        return found.masked_fill(outside.unsqueeze(-1), 0)
+
+    def _prepare_inputs(self, path: str, style, args: tuple, kwargs: dict) -> tuple:
+        where = f"{path}: {style.source}"
+        args = tuple(self.move(a, layout, desired, where) if i < len(style.input_layouts) else a
+                     for i, (a, layout, desired) in enumerate(zip(args, style.input_layouts + (None,) * len(args),
+                                                                   style.desired_inputs + (None,) * len(args))))
+        kwargs = dict(kwargs)
+        for name, layout, desired in style.kwarg_layouts:
+            if name in kwargs:
+                kwargs[name] = self.move(kwargs[name], layout, desired, where)
+        return args, kwargs
+
+    def _prepare_outputs(self, path: str, style, out):
+        if not style.output_layouts:
+            return out
+        where = f"{path}: {style.source}"
+        if isinstance(out, tuple):
+            return tuple(self.move(o, layout, desired, where) if i < len(style.output_layouts) else o
+                         for i, (o, layout, desired) in enumerate(
+                             zip(out, style.output_layouts + (None,) * len(out),
+                                 style.desired_outputs + (None,) * len(out))))
+        return self.move(out, style.output_layouts[0], style.desired_outputs[0], where)

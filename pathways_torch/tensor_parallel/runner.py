@@ -1,0 +1,217 @@
+"""`TensorParallelRunner`: the `StepRunner` of ``pw.TensorParallel``, a data-parallel step whose layers are split.
+
+The state is the data-parallel runner's flat buckets, cut by how their parameters live on the model
+axis (`TensorStep.kinds`): a bucket of split parameters holds each model shard's slices (one flat per
+model shard, laid side by side on the mesh, `shards.placed_flat`); a bucket of whole ones is the same on
+every model shard. The step is `step.make_step` with the plan lowered into its forward (`lowering.Lowered`),
+the partial gradients (sequence-parallel norms) summed over the model axis, and the clipping norm counting
+each split parameter's slices once. State leaves the executors whole: ``state_dict``, ``save`` and
+``save_sharded`` hold unsplit tensors (or how to join them), so a checkpoint loads under any mesh and plan.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from ..collectives import all_reduce
+from ..errors import PlacementError
+from ..placement import Replicate, Shard, normalize_placements
+from ..training.buckets import Bucket, Slot, flatten, rebased, split_for_exchange, unflatten
+from ..training.data_parallel import DataParallelRunner
+from ..training.plans import DataParallel
+from ..training.step import make_layout
+from .assign import TensorPlan, assign
+from .lowering import Lowered
+from .shards import flats_of, join, placed_flat, shard_of
+
+__all__ = ["TensorParallelRunner", "TensorStep"]
+
+SPLIT, WHOLE, PARTIAL = "split", "whole", "partial"
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorStep:
+    """What the captured step does for a model axis (`step.make_step`'s ``tensor``)."""
+
+    plan: TensorPlan
+    kinds: tuple[str, ...]        # per bucket: SPLIT, WHOLE or PARTIAL (whole, its gradient a partial sum)
+
+    def lowered(self, model, rank):
+        return Lowered(model, self.plan, rank)
+
+    def complete(self, grad_flats: list) -> list:
+        return [all_reduce(g, self.plan.axis, "sum") if kind == PARTIAL else g
+                for g, kind in zip(grad_flats, self.kinds)]
+
+    def sum_squares(self, squares: list):
+        """The squared norm over the model axis: split buckets' slices summed over it, whole ones counted once."""
+        split = [s for s, kind in zip(squares, self.kinds) if kind == SPLIT]
+        whole = sum(s for s, kind in zip(squares, self.kinds) if kind != SPLIT)
+        return whole + all_reduce(sum(split), self.plan.axis, "sum") if split else whole
+
+
+def _kind(plan: TensorPlan, name: str) -> str:
+    split = plan.split_of(name)
+    return SPLIT if split.dim is not None else PARTIAL if split.partial_grad else WHOLE
+
+
+class TensorParallelRunner(DataParallelRunner):
+    """``TensorParallel(axis, plan, data)`` on a mesh of a model axis (and a data axis)."""
+
+    exposed = DataParallelRunner.exposed + ("placements", "_model_rank")
+
+    def __init__(self, trainer, plan):
+        self.trainer, self.tensor = trainer, plan
+        self.model_size, self.num_shards = plan.check(trainer.mesh)
+        # The data-parallel side of the step: a plan of one shard when there is no data axis (no collective).
+        self.plan = plan.data if plan.data is not None else DataParallel(plan.axis)
+        self.tensor_plan = assign(trainer.model, plan.styles(), plan.axis, self.model_size)
+        frozen_split = [n for n, p in trainer.model.named_parameters()
+                        if not p.requires_grad and self.tensor_plan.split_of(n).dim is not None]
+        if frozen_split:
+            raise PlacementError(f"pw.TensorParallel: frozen parameters {frozen_split} would be split; splitting a "
+                                 f"frozen parameter is not supported: leave its module out of the plan")
+
+    def _per_unit(self) -> bool:
+        return False        # the sharded data plan gathers every bucket at the step's start here
+
+    def build(self):
+        t = self.trainer
+        self.units = None
+        cap = self.plan.local_bucket_bytes(t._context.backend)
+
+        def regroup(buckets):
+            cut = [piece for bucket in buckets for piece in self._by_kind(bucket)]
+            return cut if cap is None else split_for_exchange(cut, cap, cap)
+        self.layout = make_layout(t.model, t.optimizer, t._spec, regroup)
+        self.kinds = tuple(_kind(self.tensor_plan, b.slots[0].name) for b in self.layout.buckets)
+        self._forwards, self._output_specs = {}, {}
+        self.recapture()
+        return self.layout
+
+    def _by_kind(self, bucket: Bucket) -> list[Bucket]:
+        """``bucket`` cut by kind (split / whole / partial), each slot in its local shape."""
+        groups: dict[str, list[Slot]] = {}
+        for slot in bucket.slots:
+            shape = self.tensor_plan.local_shape(slot.name)
+            groups.setdefault(_kind(self.tensor_plan, slot.name), []).append(
+                Slot(slot.name, shape, 0, math.prod(shape)))
+        return [rebased(bucket, slots) for slots in groups.values()]
+
+    def _tensor_step(self) -> TensorStep:
+        return TensorStep(self.tensor_plan, self.kinds)
+
+    # ------------------------------------------------------------ where things live
+
+    def _bucket_placement(self, kind: str) -> dict:
+        placement = dict(self.plan.state_placement()) if self.tensor.data is not None else {}
+        if kind == SPLIT:
+            placement[self.tensor.axis] = Shard(0)
+        return placement or Replicate()
+
+    def _state_placements(self) -> list:
+        flats = [self._bucket_placement(kind) for kind in self.kinds]
+        return flats + [p for p in flats for _ in self.layout.state_names]
+
+    def _batch_placement(self) -> dict:
+        return {self.plan.axis: Shard(0)} if self.tensor.data is not None else Replicate()
+
+    def _rank_arrays(self) -> list:
+        return [self._rank, self._model_rank]
+
+    def batch_pieces(self) -> tuple[int, str]:
+        if self.tensor.data is None:
+            return 1, "1 (the batch is whole on every model shard)"
+        return super().batch_pieces()
+
+    @property
+    def placements(self):
+        """Each parameter's placement: the plan's styles, then global shape -> local shape, and where it lives."""
+        data = self.tensor.data
+        side = (f"data axis {data.axis!r} of {self.num_shards}: {type(data).__name__}" if data is not None else "")
+        return _Text(self.tensor_plan.describe(side))
+
+    # ------------------------------------------------------------ state
+
+    def _put_rank(self) -> None:
+        import torch
+
+        t = self.trainer
+        if self.tensor.data is not None:
+            super()._put_rank()
+        else:       # one data shard: rank 0 everywhere
+            self._rank = t._context.put(torch.zeros(1, dtype=torch.int64), t.mesh, Replicate())
+        self._model_rank = t._context.put(torch.arange(self.model_size, dtype=torch.int64), t.mesh,
+                                          {self.tensor.axis: Shard(0)})
+
+    def _padded(self, bucket: Bucket) -> int:
+        return bucket.padded_numel(self.num_shards) if self.plan.sharded_state else bucket.numel
+
+    def put_state(self, tensors: dict) -> None:
+        layout, t = self.layout, self.trainer
+        items = [self._placed(b, kind, lambda s: f"model/{s}", tensors) for b, kind in zip(layout.buckets, self.kinds)]
+        items += [self._placed(b, kind, lambda s, n=name: f"optimizer/{s}/{n}", tensors)
+                  for b, kind in zip(layout.buckets, self.kinds) for name in layout.state_names]
+        items += [(tensors[f"model/{n}"], Replicate()) for n in layout.buffer_names + layout.frozen_names]
+        self._flats, self._states, self._buffers, self._frozen = layout.split_state(t._context.put_many(items, t.mesh))
+
+    def _placed(self, bucket: Bucket, kind: str, key, tensors: dict) -> tuple:
+        """(host array, placement) of one flat of ``bucket`` (``key``: slot name → the named tensor's key)."""
+        placement = self._bucket_placement(kind)
+        if kind != SPLIT:
+            return flatten(bucket, {s.name: tensors[key(s.name)].to(bucket.dtype) for s in bucket.slots},
+                           self._padded(bucket)), placement
+        flats = [flatten(bucket, {s.name: shard_of(tensors[key(s.name)].to(bucket.dtype),
+                                                   self.tensor_plan.split_of(s.name), self.model_size, m)
+                                  for s in bucket.slots}, self._padded(bucket))
+                 for m in range(self.model_size)]
+        mesh = self.trainer.mesh
+        return placed_flat(flats, normalize_placements(placement, mesh), mesh, self.tensor.axis), placement
+
+    def named_tensors(self) -> dict:
+        layout = self.layout
+        flats, states, buffers, frozen = layout.split_state(self.checkpoint_arrays())
+        tensors = {}
+        states = iter(states)
+        for bucket, kind, flat in zip(layout.buckets, self.kinds, flats):
+            tensors.update({f"model/{n}": t for n, t in self._joined(bucket, kind, flat).items()})
+            for name in layout.state_names:
+                values = self._joined(bucket, kind, next(states))
+                tensors.update({f"optimizer/{n}/{name}": t for n, t in values.items()})
+        for name, array in zip(layout.buffer_names + layout.frozen_names, [*buffers, *frozen]):
+            tensors[f"model/{name}"] = array.result()
+        return tensors
+
+    def _joined(self, bucket: Bucket, kind: str, array) -> dict:
+        """The bucket's named tensors, whole, from its array (joined from the model shards' slices)."""
+        whole = array.result()
+        if kind != SPLIT:
+            return {n: t.clone() for n, t in unflatten(bucket, whole).items()}
+        mesh = self.trainer.mesh
+        per_shard = [unflatten(bucket, f) for f in flats_of(whole, normalize_placements(
+            self._bucket_placement(kind), mesh), mesh, self.tensor.axis, self.model_size)]
+        return {s.name: join([p[s.name] for p in per_shard], self.tensor_plan.split_of(s.name)).clone()
+                for s in bucket.slots}
+
+    def checkpoint_parts(self) -> list:
+        from .checkpoint_parts import tensor_parallel_parts
+
+        return tensor_parallel_parts(self)
+
+    def placed_arrays(self) -> list:
+        return [*super().placed_arrays(), self._model_rank]
+
+    def describe(self) -> str:
+        t = self.trainer
+        data = f" x {type(self.plan).__name__}({self.plan.axis!r})" if self.tensor.data is not None else ""
+        return (f"<Trainer {type(t.model).__name__} TensorParallel({self.tensor.axis!r}){data} on "
+                f"{self.model_size} x {self.num_shards} shards, {len(self.layout.buckets)} buckets, "
+                f"step {t.step_count}>")
+
+
+class _Text(str):
+    """A string that prints as itself in the REPL too (``trainer.placements``)."""
+
+    def __repr__(self) -> str:
+        return str(self)
