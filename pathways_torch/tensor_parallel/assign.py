@@ -128,10 +128,11 @@ def _param_splits(path: str, module, style: Style, axis: str, size: int) -> dict
     _check_divides(f"{path}.weight", module.weight.shape[weight_dim], f"dim {weight_dim} of shape "
                    f"{list(module.weight.shape)}" + (f" in {style.chunks} chunks" if style.chunks > 1 else ""),
                    axis, size * style.chunks)
-    if kind == "embedding" and style.kind == "rowwise" and (module.padding_idx is not None or module.max_norm):
-        option = "padding_idx" if module.padding_idx is not None else "max_norm"
+    if kind == "embedding" and style.kind == "rowwise" and (module.max_norm or module.scale_grad_by_freq
+                                                             or module.sparse):
+        option = "max_norm" if module.max_norm else "scale_grad_by_freq" if module.scale_grad_by_freq else "sparse"
         raise PlacementError(f"{path}: RowwiseParallel() on an nn.Embedding with {option} set is refused: each "
-                             f"shard looks up only its rows; use ColwiseParallel() for this embedding")
+                             f"shard sees only the ids of its rows; use ColwiseParallel() for this embedding")
     if getattr(module, "bias", None) is not None:
         # A row-parallel bias is added after the reduction; from a sequence slice its gradient is partial.
         partial = style.kind == "rowwise" and style.output_layouts[0].kind == "S"

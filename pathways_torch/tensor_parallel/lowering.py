@@ -153,13 +153,18 @@ class Lowered(contextlib.AbstractContextManager):
 
     def _embedding_rows(self, module, ids):
         """This shard's rows of a row-parallel embedding, zero where an id is another shard's."""
+        import torch
         import torch.nn.functional as F
 
         rows = module.weight.shape[0]
         shifted = ids - self.rank * rows
         outside = (shifted < 0) | (shifted >= rows)
-        found = F.embedding(shifted.masked_fill(outside, 0), module.weight, scale_grad_by_freq=module.scale_grad_by_freq)
-        return found.masked_fill(outside.unsqueeze(-1), 0)
+        found = F.embedding(shifted.masked_fill(outside, 0), module.weight)
+        found = found.masked_fill(outside.unsqueeze(-1), 0)
+        if module.padding_idx is not None:     # the padding row is looked up, but learns nothing
+            padding = (ids == module.padding_idx % module.num_embeddings).unsqueeze(-1)
+            found = torch.where(padding, found.detach(), found)
+        return found
 
     def _prepare_inputs(self, path: str, style, args: tuple, kwargs: dict) -> tuple:
         where = f"{path}: {style.source}"

@@ -25,14 +25,9 @@ def shard_of(tensor, split, size: int, rank: int):
 
 def join(pieces: list, split):
     """The whole tensor from its shards in rank order (the first piece when not split)."""
-    import torch
+    from ..training.sharded_checkpoint import join_split
 
-    if split.dim is None:
-        return pieces[0]
-    dim = split.dim % pieces[0].dim()
-    width = pieces[0].shape[dim] // split.chunks
-    parts = [p.unflatten(dim, (split.chunks, width)) for p in pieces]
-    return torch.stack(parts, dim + 1).flatten(dim, dim + 2)
+    return pieces[0] if split.dim is None else join_split(pieces, split.dim, split.chunks)
 
 
 def _model_coord(position: int, mesh, axis: str) -> int:

@@ -91,7 +91,11 @@ def load_checkpoint(path: str, model, optimizer=None) -> dict:
 
     tensors, meta = read_checkpoint(path)
     params = dict(model.named_parameters())
-    expected = {f"model/{n}": t for n, t in model.state_dict().items()}
+    state = model.state_dict(keep_vars=True)
+    # A tied tensor is saved once, under its first name (named_parameters' name); its other names are aliases.
+    first_names = {id(t): n for n, t in [*model.named_buffers(), *params.items()]}
+    aliases = {k: first_names[id(t)] for k, t in state.items() if first_names.get(id(t), k) != k}
+    expected = {f"model/{n}": t for n, t in state.items() if n not in aliases}
     if optimizer is not None:
         spec = read_optimizer(optimizer)
         if meta.get("optimizer") != spec.kind:
@@ -104,8 +108,10 @@ def load_checkpoint(path: str, model, optimizer=None) -> dict:
     else:
         tensors = {n: t for n, t in tensors.items() if not n.startswith("optimizer/")}
     check_matches(path, tensors, expected)
+    loaded = {n.removeprefix("model/"): t for n, t in tensors.items() if n.startswith("model/")}
+    loaded.update({alias: loaded[name] for alias, name in aliases.items()})
     with torch.no_grad():
-        model.load_state_dict({n.removeprefix("model/"): t for n, t in tensors.items() if n.startswith("model/")})
+        model.load_state_dict(loaded)
     if optimizer is not None:
         _load_optimizer_state(optimizer, params, tensors, int(meta["step"]), spec.kind)
     if "rng/torch" in tensors:

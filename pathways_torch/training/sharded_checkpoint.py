@@ -130,6 +130,11 @@ class CheckpointPart:
     wholes: list              # (checkpoint name, replicated array): buffers, frozen parameters
     holders: tuple            # the executors holding the arrays, in shard order
     sharded: bool             # flats and states sliced over ``holders`` (each writes its own slice)
+    # The holders' shard positions in the arrays (None: 0, 1, ...; a tensor-parallel part is one model shard's).
+    positions: tuple | None = None
+    # Slot name → {"dim", "chunks", "rank", "of"}: the slot is shard ``rank`` of ``of`` of a split parameter,
+    # joined on load (`join_split`); the other slots hold whole tensors.
+    splits: dict | None = None
 
     @classmethod
     def of_layout(cls, layout, arrays: list, mesh, sharded: bool) -> "CheckpointPart":
@@ -160,7 +165,8 @@ def _plan(trainer, step_dir: str) -> tuple[dict, dict]:
         pieces = []
         for position in positions:
             executor_id = holders[position]
-            requests.setdefault(executor_id, []).append((pb.ShardRef(array_id=array.array_id, shard=position), name))
+            shard = part.positions[position] if part.positions is not None else position
+            requests.setdefault(executor_id, []).append((pb.ShardRef(array_id=array.array_id, shard=shard), name))
             pieces.append({"file": f"{executor_id}.safetensors", "tensor": name})
         return pieces
 
@@ -169,13 +175,15 @@ def _plan(trainer, step_dir: str) -> tuple[dict, dict]:
         states = iter(part.states)
         for bucket, flat in zip(part.buckets, part.flats):
             bucket_states = [next(states) for _ in part.state_names]
-            slots = [s for s in bucket.slots if s.name not in named]
+            splits = part.splits or {}
+            slots = [s for s in bucket.slots if _written_as(s.name, splits) not in named]
             if not slots:
                 continue     # every parameter in it is written already (another chunk's copy)
-            named.update(s.name for s in slots)
+            named.update(_written_as(s.name, splits) for s in slots)
             b = next(numbers)
             entry = {"group": bucket.group, "dtype": str(bucket.dtype).removeprefix("torch."), "numel": bucket.numel,
-                     "slots": [[s.name, list(s.shape), s.offset, s.numel] for s in slots],
+                     "slots": [[s.name, list(s.shape), s.offset, s.numel, *([splits[s.name]] if s.name in splits
+                                                                              else [])] for s in slots],
                      "arrays": {"param": place(part, flat, f"bucket{b}/param", part.sharded)}}
             for state, array in zip(part.state_names, bucket_states):
                 entry["arrays"][state] = place(part, array, f"bucket{b}/{state}", part.sharded)
@@ -184,6 +192,21 @@ def _plan(trainer, step_dir: str) -> tuple[dict, dict]:
             if key not in whole:
                 (whole[key],) = place(part, array, f"whole/{key.removeprefix('model/')}", False)
     return requests, {"format": FORMAT, "buckets": buckets, "whole": whole, "client": CLIENT_FILE}
+
+
+def _written_as(name: str, splits: dict):
+    """What a slot's tensor is in the folder: the name, or (name, rank) for one shard of a split parameter."""
+    return (name, splits[name]["rank"]) if name in splits else name
+
+
+def join_split(pieces: list, dim: int, chunks: int):
+    """A split parameter whole again from its shards in rank order: each shard holds its slice of ``dim``
+    in every one of ``chunks`` side-by-side parts."""
+    import torch
+
+    dim = dim % pieces[0].dim()
+    width = pieces[0].shape[dim] // chunks
+    return torch.stack([p.unflatten(dim, (chunks, width)) for p in pieces], dim + 1).flatten(dim, dim + 2)
 
 
 def _write_client_file(path: str, rng) -> None:
@@ -232,13 +255,22 @@ def _read_step_dir(step_dir: str) -> tuple[dict, dict]:
         for state, pieces in bucket["arrays"].items():
             sizes = [math.prod(handle(p).get_slice(p["tensor"]).get_shape()) for p in pieces]
             _check_pieces(step_dir, b, state, bucket["numel"], pieces, sizes)
-    tensors = {}
+    tensors, shards = {}, {}
     for bucket in index["buckets"]:
         for state, pieces in bucket["arrays"].items():
             flat = torch.cat([tensor(p).reshape(-1) for p in pieces])[:bucket["numel"]]
-            for name, shape, offset, numel in bucket["slots"]:
+            for name, shape, offset, numel, *split in bucket["slots"]:
                 key = f"model/{name}" if state == "param" else f"optimizer/{name}/{state}"
-                tensors[key] = flat[offset:offset + numel].reshape(shape).clone()
+                value = flat[offset:offset + numel].reshape(shape).clone()
+                if split:
+                    shards.setdefault(key, (split[0], {}))[1][split[0]["rank"]] = value
+                else:
+                    tensors[key] = value
+    for key, (split, by_rank) in shards.items():
+        if sorted(by_rank) != list(range(split["of"])):
+            raise ValueError(f"checkpoint {step_dir}: {key} is split in {split['of']} shards but the folder holds "
+                             f"shards {sorted(by_rank)}; it is incomplete: load another step-* folder")
+        tensors[key] = join_split([by_rank[r] for r in range(split["of"])], split["dim"], split["chunks"])
     for key, piece in index["whole"].items():
         tensors[key] = tensor(piece)
     with safe_open(os.path.join(step_dir, index["client"]), framework="pt") as f:
