@@ -21,6 +21,7 @@ __all__ = [
     "Pipeline", "pipe_split",
     # tensor parallelism
     "TensorParallel", "tensor_parallel_plan", "FusedColwiseParallel", "ShardedAttributes",
+    "MultiheadAttentionParallel",
     # islands
     "Link",
     # errors
@@ -54,6 +55,7 @@ _WHERE = {
     "tensor_parallel_plan": "pathways_torch.tensor_parallel",
     "FusedColwiseParallel": "pathways_torch.tensor_parallel",
     "ShardedAttributes": "pathways_torch.tensor_parallel",
+    "MultiheadAttentionParallel": "pathways_torch.tensor_parallel",
     "Pipeline": "pathways_torch.pipeline",
     "pipe_split": "pathways_torch.pipeline",
     "PathwaysError": "pathways_torch.errors",

@@ -1,9 +1,10 @@
 """Tensor parallelism: layers split over a mesh axis by torch's own ``parallelize_module`` plans (DESIGN §10)."""
 
 from .plan import TensorParallel
-from .styles import FusedColwiseParallel, ShardedAttributes
+from .styles import FusedColwiseParallel, MultiheadAttentionParallel, ShardedAttributes
 
-__all__ = ["TensorParallel", "FusedColwiseParallel", "ShardedAttributes", "tensor_parallel_plan"]
+__all__ = ["TensorParallel", "FusedColwiseParallel", "ShardedAttributes", "MultiheadAttentionParallel",
+           "tensor_parallel_plan"]
 
 
 def __getattr__(name: str):

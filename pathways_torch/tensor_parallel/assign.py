@@ -117,6 +117,8 @@ def _param_splits(path: str, module, style: Style, axis: str, size: int) -> dict
     """Parameter (module-local name) → ParamSplit that ``style`` gives ``module`` at ``path``."""
     if style.kind == "sequence":
         return {name: ParamSplit(None, partial_grad=True) for name, _ in module.named_parameters()}
+    if style.kind == "attention":
+        return _attention_splits(path, module, style, axis, size)
     if style.kind not in ("colwise", "rowwise"):
         return {}
     kind = module_kind(module)
@@ -137,6 +139,24 @@ def _param_splits(path: str, module, style: Style, axis: str, size: int) -> dict
         # A row-parallel bias is added after the reduction; from a sequence slice its gradient is partial.
         partial = style.kind == "rowwise" and style.output_layouts[0].kind == "S"
         splits["bias"] = ParamSplit(bias_dim, style.chunks if bias_dim is not None else 1, partial_grad=partial)
+    return splits
+
+
+def _attention_splits(path: str, module, style: Style, axis: str, size: int) -> dict:
+    import torch.nn as nn
+
+    if not isinstance(module, nn.MultiheadAttention):
+        raise PlacementError(f"{path}: {style.source} splits an nn.MultiheadAttention; this module is a "
+                             f"{type(module).__name__}")
+    for option, value in (("kdim/vdim", not module._qkv_same_embed_dim), ("add_bias_kv", module.bias_k is not None),
+                          ("add_zero_attn", module.add_zero_attn)):
+        if value:
+            raise PlacementError(f"{path}: {style.source} with {option} set is refused: the heads are split from "
+                                 f"one q, k, v projection; leave this module out of the plan")
+    _check_divides(path, module.num_heads, "num_heads", axis, size)
+    splits = {"in_proj_weight": ParamSplit(0, 3), "out_proj.weight": ParamSplit(1)}
+    if module.in_proj_bias is not None:
+        splits["in_proj_bias"] = ParamSplit(0, 3)
     return splits
 
 
@@ -164,7 +184,7 @@ def assign(model, plan: dict, axis: str, size: int) -> TensorPlan:
     splits: dict[str, ParamSplit] = {}
     for path, path_styles in styles.items():
         module = modules[path]
-        kinds = [s.kind for s in path_styles if s.kind in ("colwise", "rowwise", "sequence")]
+        kinds = [s.kind for s in path_styles if s.kind in ("colwise", "rowwise", "sequence", "attention")]
         if len(kinds) > 1:
             raise PlacementError(f"{path}: patterns give it {kinds}; a module takes one of them")
         for style in path_styles:
@@ -176,8 +196,7 @@ def assign(model, plan: dict, axis: str, size: int) -> TensorPlan:
                                              f"{type(module).__name__}.{attr} is {value!r}, not an int")
                     _check_divides(f"{path}.{attr}", value, "its value", axis, size)
             for local, split in _param_splits(path, module, style, axis, size).items():
-                param = getattr(module, local)
-                name = names.get(id(param))
+                name = names.get(id(module.get_parameter(local)))
                 if name is None:
                     continue
                 if splits.setdefault(name, split) != split:

@@ -21,6 +21,34 @@ from .styles import P, R, S, Layout
 __all__ = ["Lowered"]
 
 
+class _ShardWidth:
+    """Within: ``x.size()`` and ``x.shape`` (of this one tensor) give its last dim divided by ``size``."""
+
+    def __init__(self, x, size: int):
+        from torch.overrides import TorchFunctionMode
+
+        import torch
+
+        target, sizes = x, (torch.Tensor.size, torch.Tensor.shape.__get__)
+
+        class Mode(TorchFunctionMode):
+            def __torch_function__(self, func, types, args=(), kwargs=None):
+                out = func(*args, **(kwargs or {}))
+                if func in sizes and args and args[0] is target:
+                    if isinstance(out, int):          # x.size(dim)
+                        dim = args[1] if len(args) > 1 else kwargs.get("dim")
+                        return out // size if dim % target.dim() == target.dim() - 1 else out
+                    return torch.Size([*out[:-1], out[-1] // size])
+                return out
+        self._mode = Mode()
+
+    def __enter__(self):
+        self._mode.__enter__()
+
+    def __exit__(self, *exc):
+        return self._mode.__exit__(*exc)
+
+
 class Lowered(contextlib.AbstractContextManager):
     """Within: ``model``'s planned modules compute per shard; ``rank`` is this shard's index on the axis."""
 
@@ -30,7 +58,14 @@ class Lowered(contextlib.AbstractContextManager):
         self._entered: dict = {}    # id(whole input) → (input, its f): one gradient all-reduce per input
 
     def __enter__(self):
+        import torch
+
         modules = dict(self.model.named_modules())
+        if any(style.kind == "attention" for _, style in self.plan.modules):
+            # TransformerEncoderLayer's fast path calls a fused kernel on the whole width: keep to the module calls.
+            fast = torch.backends.mha.get_fastpath_enabled()
+            torch.backends.mha.set_fastpath_enabled(False)
+            self._restore.append(lambda: torch.backends.mha.set_fastpath_enabled(fast))
         by_path: dict = {}
         for path, style in self.plan.modules:
             by_path.setdefault(path, []).append(style)
@@ -55,11 +90,12 @@ class Lowered(contextlib.AbstractContextManager):
         for style in styles:
             for name in style.attributes:
                 self._set(module, name, getattr(module, name) // size)
-        main = next((s for s in styles if s.kind in ("colwise", "rowwise")), None)
+        main = next((s for s in styles if s.kind in ("colwise", "rowwise", "attention")), None)
         if main is not None and main.kind == "colwise" and module_kind(module) == "conv1d":
             self._set(module, "nf", module.nf // size)       # Conv1D shapes its output by nf
         prepares = [s for s in styles if s.kind == "prepare"]
-        if main is None and not prepares:
+        narrow_input = any(s.input_width for s in styles)
+        if main is None and not prepares and not narrow_input:
             return
         original = module.forward
         body = self._main_forward(path, module, main, original) if main is not None else original
@@ -67,7 +103,11 @@ class Lowered(contextlib.AbstractContextManager):
         def forward(*args, **kwargs):
             for style in prepares:
                 args, kwargs = self._prepare_inputs(path, style, args, kwargs)
-            out = body(*args, **kwargs)
+            if narrow_input and args:
+                with _ShardWidth(args[0], size):
+                    out = body(*args, **kwargs)
+            else:
+                out = body(*args, **kwargs)
             for style in prepares:
                 out = self._prepare_outputs(path, style, out)
             return out
@@ -107,7 +147,11 @@ class Lowered(contextlib.AbstractContextManager):
             return reduce(x, axis)
         return reduce_scatter_to(x, axis, target.dim, size, chunks)
 
-    def _enter(self, x):
+    def reduce_rows(self, partial):
+        """A row-parallel product's partial sums, whole."""
+        return reduce(partial, self.plan.axis)
+
+    def enter_once(self, x):
         """Megatron's f on ``x``, once per tensor: the modules that read it share one gradient all-reduce."""
         seen = self._entered.get(id(x))
         if seen is None or seen[0] is not x:
@@ -121,11 +165,15 @@ class Lowered(contextlib.AbstractContextManager):
         where = f"{path}: {style.source}"
         source, target = style.input_layouts[0], style.output_layouts[0]
 
+        if style.kind == "attention":
+            from .attention import sharded_attention
+
+            return sharded_attention(self, module, where)
         if style.kind == "colwise":
             def colwise(x, *args, **kwargs):
                 x = self.move(x, source, R, where)
                 if kind != "embedding":
-                    x = self._enter(x)
+                    x = self.enter_once(x)
                 return self.move(original(x, *args, **kwargs), S(-1), target, where, style.chunks)
             return colwise
 

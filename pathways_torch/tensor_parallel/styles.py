@@ -21,7 +21,8 @@ import dataclasses
 
 from ..errors import PlacementError
 
-__all__ = ["Layout", "R", "P", "S", "Style", "read_style", "FusedColwiseParallel", "ShardedAttributes"]
+__all__ = ["Layout", "R", "P", "S", "Style", "read_style", "FusedColwiseParallel", "ShardedAttributes",
+           "MultiheadAttentionParallel"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,21 +59,34 @@ class FusedColwiseParallel:
 
 
 @dataclasses.dataclass(frozen=True)
+class MultiheadAttentionParallel:
+    """``nn.MultiheadAttention`` with its heads split (torch's styles split only Linear and Embedding, and this
+    module keeps its q, k, v projection as one parameter): each shard projects its heads' slice of q, k and v
+    (column-parallel), attends over them, and projects back with its rows of ``out_proj`` (row-parallel,
+    reduced before the bias). Inputs and output are whole (``Replicate()``)."""
+
+
+@dataclasses.dataclass(frozen=True)
 class ShardedAttributes:
-    """Integer attributes of the matched modules that their forward reads as sizes of the sharded dimension
-    (heads, a split size): divided by the model axis size while the forward runs, restored after."""
+    """The sizes a module's forward reads, as its shard sees them: integer attributes (heads, a split size)
+    divided by the model axis size while the forward runs, restored after; and with ``input_width=True`` the
+    last dim of its (whole) first input reads as its shard's width too, for a forward that takes the width
+    from its input (nanoGPT's ``B, T, C = x.size()``) to shape the split projections' outputs. The input
+    itself is not sliced: the projections reading it still see all of it."""
 
     names: tuple[str, ...]
+    input_width: bool = False
 
-    def __init__(self, *names: str):
-        if not names or not all(isinstance(n, str) for n in names):
+    def __init__(self, *names: str, input_width: bool = False):
+        if not all(isinstance(n, str) for n in names) or not (names or input_width):
             raise PlacementError(f"pw.ShardedAttributes: expected attribute names, got {names!r}")
         object.__setattr__(self, "names", tuple(names))
+        object.__setattr__(self, "input_width", bool(input_width))
 
 
 @dataclasses.dataclass(frozen=True)
 class Style:
-    """One plan value, read: ``kind`` "colwise", "rowwise", "sequence", "prepare" or "attributes"."""
+    """One plan value, read: ``kind`` "colwise", "rowwise", "sequence", "attention", "prepare" or "attributes"."""
 
     kind: str
     source: str                                 # the plan value as the user wrote it (for errors and text)
@@ -84,15 +98,19 @@ class Style:
     chunks: int = 1
     sequence_dim: int = 1
     attributes: tuple[str, ...] = ()
+    input_width: bool = False
 
     def describe(self) -> str:
         if self.kind in ("colwise", "rowwise"):
             fused = f", {self.chunks} chunks" if self.chunks > 1 else ""
             return f"{self.kind}(in {self.input_layouts[0]!r} -> out {self.output_layouts[0]!r}{fused})"
+        if self.kind == "attention":
+            return "attention heads split (q, k, v column-parallel, out_proj row-parallel)"
         if self.kind == "sequence":
             return f"sequence(dim {self.sequence_dim})"
         if self.kind == "attributes":
-            return f"attributes({', '.join(self.attributes)} / size)"
+            width = ["input width"] if self.input_width else []
+            return f"sizes({', '.join([*self.attributes, *width])} / size)"
         parts = []
         if self.input_layouts:
             parts.append(f"inputs {list(self.input_layouts)} -> {list(self.desired_inputs)}")
@@ -141,8 +159,10 @@ def read_style(value, where: str) -> Style:
     if isinstance(value, FusedColwiseParallel):
         return Style("colwise", source, input_layouts=(_layout(value.input_layouts, where) or R,),
                      output_layouts=(_layout(value.output_layouts, where) or S(-1),), chunks=value.chunks)
+    if isinstance(value, MultiheadAttentionParallel):
+        return Style("attention", source, input_layouts=(R,), output_layouts=(R,), chunks=3)
     if isinstance(value, ShardedAttributes):
-        return Style("attributes", source, attributes=value.names)
+        return Style("attributes", source, attributes=value.names, input_width=value.input_width)
     if isinstance(value, (ColwiseParallel, RowwiseParallel)):
         _refuse_dtensor_output(value, f"{where}: {type(value).__name__}")
         kind = "colwise" if isinstance(value, ColwiseParallel) else "rowwise"
@@ -167,4 +187,5 @@ def read_style(value, where: str) -> Style:
                      desired_outputs=tuple(_layout(p, where) for p in value.desired_output_layouts))
     raise PlacementError(f"{where}: expected one of torch.distributed.tensor.parallel's ColwiseParallel(), "
                          f"RowwiseParallel(), SequenceParallel(), PrepareModuleInput(...), PrepareModuleOutput(...), "
-                         f"or pw.FusedColwiseParallel / pw.ShardedAttributes, got {source}")
+                         f"or pw.FusedColwiseParallel / pw.MultiheadAttentionParallel / pw.ShardedAttributes, got "
+                         f"{source}")
