@@ -2,6 +2,7 @@
 
     python examples/train_gpt.py                          # 2 executors, the default backend (XLA)
     python examples/train_gpt.py --text-dir ~/books --steps 2000
+    python examples/train_gpt.py --mesh data=2,model=2 --plan tp   # layers split over 'model', data parallel beside
 
 The text is on every machine with Python (found through ``sysconfig``); ``--text-dir``
 takes any folder of text files. The bytes are split into a training and a validation
@@ -36,7 +37,11 @@ def parse_args(argv=None):
     p.add_argument("--text-dir", default=None, help="a folder of text (default: the standard library's sources)")
     p.add_argument("--max-bytes", type=int, default=4_000_000, help="read at most this much text")
     p.add_argument("--val-fraction", type=float, default=0.05)
-    p.add_argument("--executors", type=int, default=2)
+    p.add_argument("--executors", type=int, default=2, help="the data axis, when --mesh is not given")
+    p.add_argument("--mesh", default=None, help="axes and sizes, e.g. data=2,model=2 (default: data=--executors)")
+    p.add_argument("--plan", choices=("dp", "sdp", "tp"), default="dp",
+                   help="data parallel, sharded data parallel, or tensor parallel on the 'model' axis "
+                        "(pw.tensor_parallel_plan's proposal) with data parallel on 'data'")
     p.add_argument("--backend", choices=pw.BACKEND_NAMES, default=None)
     p.add_argument("--steps", type=int, default=600)
     p.add_argument("--batch-size", type=int, default=32)
@@ -52,7 +57,30 @@ def parse_args(argv=None):
     p.add_argument("--sample-bytes", type=int, default=200)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--checkpoint", default=os.path.join("checkpoints", "train_gpt"))
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    args.mesh = parse_mesh(args.mesh) if args.mesh else {"data": args.executors}
+    if args.plan == "tp" and "model" not in args.mesh:
+        p.error("--plan tp: give the mesh a model axis, e.g. --mesh data=2,model=2")
+    if args.plan != "tp" and set(args.mesh) != {"data"}:
+        p.error(f"--plan {args.plan}: the mesh has only a data axis, e.g. --mesh data=4")
+    return args
+
+
+def parse_mesh(text: str) -> dict:
+    """``data=2,model=2`` → {"data": 2, "model": 2}."""
+    try:
+        return {name.strip(): int(size) for name, size in (part.split("=") for part in text.split(","))}
+    except ValueError:
+        raise SystemExit(f"--mesh: expected axis=size pairs like data=2,model=2, got {text!r}") from None
+
+
+def make_plan(args, model):
+    data = {"dp": pw.DataParallel("data"), "sdp": pw.ShardedDataParallel("data")}
+    if args.plan != "tp":
+        return data[args.plan]
+    proposal = pw.tensor_parallel_plan(model, args.mesh["model"])
+    print(f"tensor-parallel plan:\n{proposal}")
+    return pw.TensorParallel(proposal, data=data["dp"] if args.mesh.get("data", 1) > 1 else None)
 
 
 def read_text(folder: str | None, max_bytes: int) -> bytes:
@@ -111,7 +139,7 @@ def validation_loss(trainer, stream: ByteStream, args) -> float:
 
 def sample(trainer, prompt: bytes, args) -> bytes:
     """Greedy-free sampling through a fixed window: the same batch shape every call, so one compile."""
-    shards = args.executors
+    shards = args.mesh.get("data", 1)
     window = torch.zeros(shards, args.context, dtype=torch.int64)   # every row the same: the axis divides it
     text = bytearray(prompt)
     g = torch.Generator().manual_seed(args.seed)
@@ -138,10 +166,13 @@ def main(argv=None) -> int:
     model = GPT(cfg)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
     print(f"text: {len(data):,} bytes ({split:,} train, {len(data) - split:,} validation); model: "
-          f"{sum(p.numel() for p in model.parameters()):,} parameters; {args.executors} executors")
-    with pw.Context(num_executors=args.executors, backend=args.backend) as ctx:
+          f"{sum(p.numel() for p in model.parameters()):,} parameters; mesh {args.mesh}")
+    executors = 1
+    for size in args.mesh.values():
+        executors *= size
+    with pw.Context(num_executors=executors, backend=args.backend) as ctx:
         print(f"backend: {ctx.backend}")
-        trainer = ctx.wrap(model, optimizer=optimizer, mesh=ctx.mesh({"data": args.executors}),
+        trainer = ctx.wrap(model, optimizer=optimizer, mesh=ctx.mesh(args.mesh), plan=make_plan(args, model),
                            max_grad_norm=1.0, seed=args.seed)
         val = train(args, trainer, train_stream, val_stream)
         path = trainer.save(args.checkpoint)

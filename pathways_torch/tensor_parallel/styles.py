@@ -57,6 +57,10 @@ class FusedColwiseParallel:
         if not isinstance(self.chunks, int) or self.chunks < 1:
             raise PlacementError(f"pw.FusedColwiseParallel: chunks must be a positive int, got {self.chunks!r}")
 
+    def __repr__(self) -> str:
+        given = [f"{n}={getattr(self, n)!r}" for n in ("input_layouts", "output_layouts") if getattr(self, n)]
+        return f"FusedColwiseParallel({', '.join([f'chunks={self.chunks}', *given])})"
+
 
 @dataclasses.dataclass(frozen=True)
 class MultiheadAttentionParallel:
@@ -82,6 +86,10 @@ class ShardedAttributes:
             raise PlacementError(f"pw.ShardedAttributes: expected attribute names, got {names!r}")
         object.__setattr__(self, "names", tuple(names))
         object.__setattr__(self, "input_width", bool(input_width))
+
+    def __repr__(self) -> str:
+        width = ["input_width=True"] if self.input_width else []
+        return f"ShardedAttributes({', '.join([*map(repr, self.names), *width])})"
 
 
 @dataclasses.dataclass(frozen=True)
