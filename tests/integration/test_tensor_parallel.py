@@ -1,0 +1,222 @@
+"""Tensor parallelism on real executors: the proposed plans train like eager, checkpoints reshard, recovery works.
+
+The models are the conformance cases (transformers' GPT-2 and Llama with GQA, a nanoGPT-style GPT,
+``nn.TransformerEncoderLayer``), on ``{model: 2}`` (1 x 2) and ``{data: 2, model: 2}`` (2 x 2), on the
+default backend and on eager executors, in float64 against single-process eager at 1e-9 (1e-4 for the
+transformers models, whose loss casts the logits to float32); Llama also in
+float32 over 20 steps at 1e-4, and a torchtitan-style plan with sequence parallelism under
+``ShardedDataParallel`` with clipping. The pipe x data x model mesh is not supported yet (docs/training.md).
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import signal
+
+import pytest
+import torch
+
+import pathways_torch as pw
+from tests.models.cases import CASES, _loss, _tokens
+from tests.unit.test_tensor_parallel import _llama_sequence_parallel_plan
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
+
+CASE = {c.name: c for c in CASES}
+MESHES = {"1x2": {"model": 2}, "2x2": {"data": 2, "model": 2}}
+# transformers' causal-LM loss casts the logits to float32 (ForCausalLMLoss): in float64 they agree to its rounding,
+# which Adam's steps carry into the parameters (DataParallel alone: 1.6e-5 on Llama's, on the default backend).
+HF_FLOAT64 = 1e-4
+
+
+@pytest.fixture(scope="module", params=["default", "eager"])
+def ctx(request):
+    with pw.Context(num_executors=4, backend=None if request.param == "default" else "eager") as ctx:
+        yield ctx
+
+
+def _adamw(model):
+    return torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01, eps=1e-6)
+
+
+def _oracle(make_model, batches, loss_fn, max_grad_norm=None):
+    model = make_model()
+    optimizer = _adamw(model)
+    losses = []
+    for batch in batches:
+        optimizer.zero_grad()
+        loss = _loss(model, loss_fn, batch)
+        loss.backward()
+        if max_grad_norm is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
+        optimizer.step()
+        losses.append(loss.item())
+    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def _relative(a, b) -> float:
+    a, b = torch.as_tensor(a, dtype=torch.float64), torch.as_tensor(b, dtype=torch.float64)
+    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-12))
+
+
+def _tensor_parallel(model, mesh: dict, data=None, plan=None):
+    plan = plan if plan is not None else pw.tensor_parallel_plan(model, mesh["model"])
+    data = data if data is not None else pw.DataParallel("data") if "data" in mesh else None
+    return pw.TensorParallel(plan, data=data)
+
+
+def _train(ctx, make_model, batches, loss_fn, mesh: dict, **options):
+    model = make_model()
+    plan = options.pop("plan", None) or _tensor_parallel(model, mesh, options.pop("data", None))
+    trainer = ctx.wrap(model, optimizer=_adamw(model), loss_fn=loss_fn, mesh=ctx.mesh(mesh), plan=plan, **options)
+    losses = [loss.result(240).item() for loss in [trainer.step(b) for b in batches]]
+    return losses, trainer.state_dict()["model"], trainer
+
+
+ONLY_EAGER = pytest.mark.parametrize("ctx", ["eager"], indirect=True)       # what no backend changes
+ONLY_DEFAULT = pytest.mark.parametrize("ctx", ["default"], indirect=True)
+
+
+NAMES = ["hf-gpt2", "hf-llama", "nanogpt", "torch-transformer"]
+# The default backend runs the 2 x 2 mesh (each a compile), eager executors both meshes.
+RUNS = [("default", name, "2x2") for name in NAMES] + [("eager", name, m) for name in NAMES for m in sorted(MESHES)]
+
+
+@pytest.mark.parametrize("ctx, name, mesh", RUNS, indirect=["ctx"])
+def test_the_proposed_plan_trains_like_eager_in_float64(ctx, name, mesh):
+    case = CASE[name]
+
+    def make_model():
+        return case.make_model().double()
+    expected_losses, expected = _oracle(make_model, case.batches(), case.loss_fn)
+    losses, state, trainer = _train(ctx, make_model, case.batches(), case.loss_fn, MESHES[mesh])
+    tolerance = HF_FLOAT64 if name.startswith("hf-") else 1e-9
+    assert _relative(losses, expected_losses) < tolerance, (losses, expected_losses)
+    for param, value in expected.items():
+        assert _relative(state[param], value) < tolerance, param
+    assert "Shard(" in str(trainer.placements)
+    assert not ctx.backend_counters("fallback_ops").get(trainer._function.name, 0)   # 0 ops outside XLA
+
+
+def test_float32_over_20_steps_stays_within_1e_4_of_eager_without_drift(ctx):
+    case = CASE["hf-llama"]
+    batches = [{"input_ids": t, "labels": t} for t in (_tokens(s) for s in range(20))]
+    expected_losses, expected = _oracle(case.make_model, batches, None)
+    losses, state, _ = _train(ctx, case.make_model, batches, None, MESHES["2x2"])
+    errors = [abs(a - b) / abs(b) for a, b in zip(losses, expected_losses)]
+    assert max(errors) < 1e-4, errors
+    assert max(errors[-5:]) < 1e-4 and max(errors[-5:]) <= 10 * max(max(errors[:5]), 1e-7), errors   # no drift
+    assert max(_relative(state[n], v) for n, v in expected.items()) < 1e-3
+
+
+@ONLY_DEFAULT
+def test_sequence_parallel_plan_under_sharded_data_parallel_with_clipping_matches_eager(ctx):
+    case = CASE["hf-llama"]
+
+    def make_model():
+        return case.make_model().double()
+    expected_losses, expected = _oracle(make_model, case.batches(), None, max_grad_norm=0.05)
+    model = make_model()
+    plan = pw.TensorParallel(_llama_sequence_parallel_plan(), data=pw.ShardedDataParallel("data"))
+    trainer = ctx.wrap(model, optimizer=_adamw(model), mesh=ctx.mesh(MESHES["2x2"]), plan=plan, max_grad_norm=0.05)
+    losses = [loss.result(240).item() for loss in [trainer.step(b) for b in case.batches()]]
+    assert _relative(losses, expected_losses) < HF_FLOAT64
+    state = trainer.state_dict()["model"]
+    assert max(_relative(state[n], v) for n, v in expected.items()) < HF_FLOAT64
+    assert "model.norm.weight" in str(trainer.placements) and "gradient summed over the axis" in str(trainer.placements)
+
+
+@ONLY_DEFAULT
+def test_evaluate_and_predict_run_on_the_split_parameters(ctx):
+    case = CASE["nanogpt"]
+    model = case.make_model().double()
+    reference = case.make_model().double()
+    trainer = ctx.wrap(model, optimizer=_adamw(model), mesh=ctx.mesh(MESHES["2x2"]),
+                       plan=_tensor_parallel(model, MESHES["2x2"]))
+    batch = case.batches()[0]
+    logits, loss = reference(*batch)
+    assert abs(trainer.evaluate(batch).result(240).item() - loss.item()) < 1e-9 * abs(loss.item())
+    predicted, _ = trainer.predict(batch)
+    assert torch.allclose(predicted.result(240), logits.detach(), rtol=1e-9, atol=1e-12)
+
+
+def test_bad_plans_are_refused_before_anything_is_sent(ctx):
+    from torch.distributed.tensor.parallel import ColwiseParallel
+
+    gc.collect()
+    before = [e["store_bytes"] for e in ctx.stats()["executors"].values()]
+    model = CASE["hf-llama"].make_model()
+    fresh = CASE["hf-llama"].make_model()
+    for plan, match in (({"model.layers.*.q_proj": ColwiseParallel()}, "matches no module"),
+                        ({"model.layers.*.self_attn.q_proj": ColwiseParallel(use_local_output=False)},
+                         "use_local_output=False")):
+        with pytest.raises(pw.PlacementError, match=match):
+            ctx.wrap(model, optimizer=_adamw(model), mesh=ctx.mesh(MESHES["2x2"]),
+                     plan=pw.TensorParallel(plan, data=pw.DataParallel("data")))
+    with pytest.raises(pw.PlacementError, match=r"num_key_value_heads: the head count is 2, not divisible by the 4"):
+        ctx.wrap(model, optimizer=_adamw(model), mesh=ctx.mesh({"model": 4}),
+                 plan=pw.TensorParallel(pw.tensor_parallel_plan(model)))
+    gc.collect()
+    assert [e["store_bytes"] for e in ctx.stats()["executors"].values()] == before    # nothing was put
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), fresh.state_dict().values()))
+
+
+def _gpt2_batches(count):
+    return [{"input_ids": t, "labels": t} for t in (_tokens(s) for s in range(count))]
+
+
+@ONLY_EAGER
+def test_a_checkpoint_saved_under_one_mesh_loads_under_others_and_into_eager(ctx, tmp_path):
+    case = CASE["hf-gpt2"]
+
+    def make_model():
+        return case.make_model().double()
+    batches = _gpt2_batches(6)
+    expected, _ = _oracle(make_model, batches, None)
+    model = make_model()
+    saver = ctx.wrap(model, optimizer=_adamw(model), mesh=ctx.mesh(MESHES["2x2"]),
+                     plan=_tensor_parallel(model, MESHES["2x2"], data=pw.ShardedDataParallel("data")))
+    first = [loss.result(240).item() for loss in [saver.step(b) for b in batches[:3]]]
+    saver.save_sharded(str(tmp_path)).result(120)
+    del saver
+    assert _relative(first, expected[:3]) < HF_FLOAT64
+    for mesh, plan in (({"data": 4}, pw.DataParallel("data")), ({"model": 4}, None),
+                       ({"data": 2, "model": 2}, pw.ShardedDataParallel("data"))):
+        model = make_model()
+        plan = plan if "model" not in mesh else _tensor_parallel(model, mesh, data=plan)
+        trainer = ctx.wrap(model, optimizer=_adamw(model), mesh=ctx.mesh(mesh), plan=plan)
+        assert trainer.load(str(tmp_path))["step"] == 3
+        rest = [loss.result(240).item() for loss in [trainer.step(b) for b in batches[3:]]]
+        assert _relative(rest, expected[3:]) < HF_FLOAT64, (mesh, rest, expected[3:])
+        del trainer
+    model = make_model()
+    optimizer = _adamw(model)
+    pw.load_checkpoint(str(tmp_path), model, optimizer)
+    rest = []
+    for batch in batches[3:]:
+        optimizer.zero_grad()
+        loss = _loss(model, None, batch)
+        loss.backward()
+        optimizer.step()
+        rest.append(loss.item())
+    assert _relative(rest, expected[3:]) < HF_FLOAT64
+
+
+def test_a_lost_executor_under_tensor_parallelism_is_recovered_with_the_losses_of_an_unbroken_run(tmp_path):
+    case = CASE["hf-gpt2"]
+    batches = _gpt2_batches(9)
+    with pw.Context(num_executors=4, backend="eager", heartbeat_timeout_s=2.0) as ctx:
+        expected, _, _ = _train(ctx, case.make_model, batches, None, MESHES["2x2"])
+        model = case.make_model()
+        trainer = ctx.wrap(model, optimizer=_adamw(model), mesh=ctx.mesh(MESHES["2x2"]),
+                           plan=_tensor_parallel(model, MESHES["2x2"]), checkpoint_dir=str(tmp_path),
+                           checkpoint_every=3)
+        losses = [trainer.step(b) for b in batches[:5]]
+        losses[-1].result(120)
+        trainer._checkpoint.result(120)
+        os.kill(ctx.executor_pids[3], signal.SIGKILL)       # holds model shard 1 of data shard 1
+        losses += [trainer.step(b) for b in batches[5:]]
+        got = [loss.result(120).item() for loss in losses]
+        assert trainer.stats()["recoveries"] == 1
+    assert got == expected
