@@ -1,0 +1,88 @@
+"""Tensor parallelism on eager executors: both meshes of every case, checkpoints that reshard, recovery.
+
+The float64 runs of test_tensor_parallel.py on ``{model: 2}`` and ``{data: 2, model: 2}``; a checkpoint
+saved under TP x sharded data parallelism loads under ``{data: 4}``, ``{model: 4}``, TP x DP and into
+eager PyTorch, each going on with the losses of an uninterrupted run; a SIGKILLed executor under TP is
+replaced and the run goes on with exactly the losses of an unbroken one.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+
+import pathways_torch as pw
+from tests.integration.test_tensor_parallel import (CASE, HF_FLOAT64, MESHES, NAMES, _adamw, _gpt2_batches, _loss,
+                                                    _oracle, _relative, _tensor_parallel, _train,
+                                                    check_trains_like_eager_in_float64)
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
+
+
+@pytest.fixture(scope="module")
+def ctx():
+    with pw.Context(num_executors=4, backend="eager") as ctx:
+        yield ctx
+
+
+@pytest.mark.parametrize("mesh", sorted(MESHES))
+@pytest.mark.parametrize("name", NAMES)
+def test_the_proposed_plan_trains_like_eager_in_float64(ctx, name, mesh):
+    check_trains_like_eager_in_float64(ctx, name, mesh)
+
+
+def test_a_checkpoint_saved_under_one_mesh_loads_under_others_and_into_eager(ctx, tmp_path):
+    case = CASE["hf-gpt2"]
+
+    def make_model():
+        return case.make_model().double()
+    batches = _gpt2_batches(6)
+    expected, _ = _oracle(make_model, batches, None)
+    model = make_model()
+    saver = ctx.wrap(model, optimizer=_adamw(model), mesh=ctx.mesh(MESHES["2x2"]),
+                     plan=_tensor_parallel(model, MESHES["2x2"], data=pw.ShardedDataParallel("data")))
+    first = [loss.result(240).item() for loss in [saver.step(b) for b in batches[:3]]]
+    saver.save_sharded(str(tmp_path)).result(120)
+    del saver
+    assert _relative(first, expected[:3]) < HF_FLOAT64
+    for mesh, plan in (({"data": 4}, pw.DataParallel("data")), ({"model": 4}, None),
+                       ({"data": 2, "model": 2}, pw.ShardedDataParallel("data"))):
+        model = make_model()
+        plan = plan if "model" not in mesh else _tensor_parallel(model, mesh, data=plan)
+        trainer = ctx.wrap(model, optimizer=_adamw(model), mesh=ctx.mesh(mesh), plan=plan)
+        assert trainer.load(str(tmp_path))["step"] == 3
+        rest = [loss.result(240).item() for loss in [trainer.step(b) for b in batches[3:]]]
+        assert _relative(rest, expected[3:]) < HF_FLOAT64, (mesh, rest, expected[3:])
+        del trainer
+    model = make_model()
+    optimizer = _adamw(model)
+    pw.load_checkpoint(str(tmp_path), model, optimizer)
+    rest = []
+    for batch in batches[3:]:
+        optimizer.zero_grad()
+        loss = _loss(model, None, batch)
+        loss.backward()
+        optimizer.step()
+        rest.append(loss.item())
+    assert _relative(rest, expected[3:]) < HF_FLOAT64
+
+
+def test_a_lost_executor_under_tensor_parallelism_is_recovered_with_the_losses_of_an_unbroken_run(tmp_path):
+    case = CASE["hf-gpt2"]
+    batches = _gpt2_batches(9)
+    with pw.Context(num_executors=4, backend="eager", heartbeat_timeout_s=2.0) as ctx:
+        expected, _, _ = _train(ctx, case.make_model, batches, None, MESHES["2x2"])
+        model = case.make_model()
+        trainer = ctx.wrap(model, optimizer=_adamw(model), mesh=ctx.mesh(MESHES["2x2"]),
+                           plan=_tensor_parallel(model, MESHES["2x2"]), checkpoint_dir=str(tmp_path),
+                           checkpoint_every=3)
+        losses = [trainer.step(b) for b in batches[:5]]
+        losses[-1].result(120)
+        trainer._checkpoint.result(120)
+        os.kill(ctx.executor_pids[3], signal.SIGKILL)       # holds model shard 1 of data shard 1
+        losses += [trainer.step(b) for b in batches[5:]]
+        got = [loss.result(120).item() for loss in losses]
+        assert trainer.stats()["recoveries"] == 1
+    assert got == expected
