@@ -113,13 +113,14 @@ def _losses_with_seed(cfg, batches, seed: int) -> torch.Tensor:
 
 
 def test_gpt_example_on_real_text_trains_evaluates_and_samples(tmp_path):
-    """examples/train_gpt.py, shortened: the validation loss (trainer.evaluate) falls below a uniform byte's
+    """examples/train_gpt.py, shortened, with its layers split over a model axis beside data parallelism
+    (--mesh data=2,model=2 --plan tp): the validation loss (trainer.evaluate) falls below a uniform byte's
     ln 256 = 5.55 nats, a checkpoint is written and text is sampled through trainer.predict."""
     checkpoint = tmp_path / "gpt"
     result = subprocess.run(
         [sys.executable, os.path.join(REPO_ROOT, "examples", "train_gpt.py"), "--steps", "40", "--eval-every", "20",
          "--width", "64", "--depth", "2", "--sample-bytes", "16", "--max-bytes", "300000",
-         "--checkpoint", str(checkpoint)],
+         "--mesh", "data=2,model=2", "--plan", "tp", "--checkpoint", str(checkpoint)],
         capture_output=True, text=True, timeout=240, cwd=str(tmp_path))
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
     val = float(re.search(r"validation loss: ([\d.]+) nats/byte", result.stdout).group(1))
@@ -127,3 +128,4 @@ def test_gpt_example_on_real_text_trains_evaluates_and_samples(tmp_path):
     assert (checkpoint / "trainer.safetensors").exists()
     assert re.search(r"sample:\ndef .{16}", result.stdout, re.S), result.stdout
     assert "val=" in result.stderr            # the bar shows the validation loss
+    assert "blocks.*.attn.c_attn  FusedColwiseParallel(chunks=3)" in result.stdout    # the plan it proposed
