@@ -5,12 +5,15 @@ system, per process: the peak resident set the training adds, parameters include
 VmHWM before the model is placed: before ``ctx.wrap`` for ours, before building the model for torch's), in P.
 Both sides have run one all-reduce of one float first, so a runtime's own start (gloo's connections; the XLA
 client, its compiler) is not counted on either side, as the parameters and what a step keeps are;
-rows per second over the steps after the first; and for ours the object store's high-water, in P, and the share
-of executor 0's step time spent inside collectives (from the trace).
+rows per second over the steps after the first (a row is one token of this MLP); and for ours the parameter
+bytes each executor holds (its local flats), the object store's high-water, in P, and the share of executor 0's
+step time spent inside collectives (from the trace).
 
 - ``pathways DataParallel``, ``pathways ShardedDataParallel`` (per unit: each block gathered before its forward
   and again before its backward), its older gather-all step (``per_unit=False``) and per unit with the parameters
   kept for the backward (``reshard_after_forward=False``), on eager executors and on the default backend;
+- ``pathways TensorParallel``: the blocks split column-then-row (``pw.tensor_parallel_plan``'s proposal) over
+  ``{model: 4}`` (1 x 4), and over ``{data: 2, model: 2}`` with DataParallel beside (2 x 2), on the same 4 executors;
 - ``torch DDP`` and ``torch FSDP2`` (``fully_shard`` per block, then the root): ``torchrun``-style processes on
   gloo, meeting through a FileStore in a private folder (no TCPStore, nothing off loopback).
 
@@ -41,6 +44,7 @@ from bench.ddp_train_baseline import status_field  # noqa: E402
 SIZE = 4
 ROWS = 64          # global batch rows (ROWS / SIZE per rank)
 TARGETS = {"DataParallel": 5.0, "ShardedDataParallel": 2.0, "DDP": None, "FSDP2": None}
+MESHES = {"TensorParallel 1x4": {"model": SIZE}, "TensorParallel+DP 2x2": {"data": 2, "model": SIZE // 2}}
 
 
 def make_model(width: int):
@@ -77,11 +81,11 @@ def measure_pathways(plan_name: str, backend: str, width: int, steps: int, mmap_
     with pw.Context(num_executors=SIZE, backend=backend, executor_threads=1,
                     executor_mmap_threshold_mb=mmap_threshold_mb) as ctx:
         pids = ctx.executor_pids
-        mesh = ctx.mesh({"data": SIZE})
+        mesh = ctx.mesh(MESHES.get(plan_name, {"data": SIZE}))
         _warm_up(ctx, mesh)
         ctx.stats()   # the store high-water is "since the previous stats()"
         before = [status_field(pid, "VmHWM") for pid in pids]
-        plan = _plan(plan_name)
+        plan = _plan(plan_name, model)
         trainer = ctx.wrap(model, optimizer=optimizer, loss_fn=torch.nn.functional.mse_loss,
                            mesh=mesh, plan=plan)
         trainer.step(data[0]).result()
@@ -100,14 +104,25 @@ def measure_pathways(plan_name: str, backend: str, width: int, steps: int, mmap_
         share = collective_share(ctx, trainer._function.name, steps - 1)
         stats = ctx.stats()["executors"]
         high_water = [stats[e]["store_bytes_high_water"] for e in ctx.executor_ids]
+        held = held_parameter_bytes(trainer)
         route = ctx.backend
     glibc = " [glibc default]" if not mmap_threshold_mb else ""
     return {"system": f"pathways {plan_name}{glibc}", "plan": plan_name.split(" ")[0], "backend": route,
             "peak_added_p": [(a - b) * 1024 / p_bytes for a, b in zip(after, before)],
             "store_high_water_p": [h / p_bytes for h in high_water],
             "rows_per_s": ROWS * (steps - 1) / elapsed if steps > 1 else None, "last_loss": last_loss,
-            "param_bytes": p_bytes, "collective_share": share,
+            "param_bytes": p_bytes, "collective_share": share, "held_p": held / p_bytes,
             "timeline_p": [(ms, (rss - before[0]) * 1024 / p_bytes) for ms, rss in timeline.samples]}
+
+
+def held_parameter_bytes(trainer) -> int:
+    """The bytes of trained parameters one executor holds: its blocks of the step's flat buckets."""
+    import math
+
+    from pathways_torch.placement import local_shape
+
+    return sum(math.prod(local_shape(a.shape, a.sharding.placements, a.sharding.mesh)) * a.dtype.itemsize
+               for a in trainer._flats)
 
 
 def collective_share(ctx, step_name: str, last: int) -> float | None:
@@ -184,9 +199,11 @@ def _warm_up(ctx, mesh) -> None:
 
     @pw.function(out=pw.Replicate())
     def total(x):
-        return pw.all_reduce(x, "data")
+        for axis in mesh.axes:           # every axis's group connected
+            x = pw.all_reduce(x, axis)
+        return x
 
-    total(ctx.put(torch.ones(SIZE), mesh, [pw.Shard(0)])).result(timeout_s=600)
+    total(ctx.put(torch.ones(SIZE), mesh, pw.Shard(0))).result(timeout_s=600)
 
 
 def _torch_rank(rank: int, mode: str, width: int, steps: int, store_path: str, results) -> None:
@@ -242,12 +259,16 @@ def measure_torch(mode: str, width: int, steps: int) -> dict:
             "param_bytes": rows[0][4]}
 
 
-def _plan(name: str):
-    """The plan a row measures: DataParallel, the per-unit sharded step, the gather-all one, or per unit with
-    each unit's parameters kept for its backward."""
+def _plan(name: str, model):
+    """The plan a row measures: DataParallel, the per-unit sharded step, the gather-all one, per unit with
+    each unit's parameters kept for its backward, or tensor parallelism (1 x 4, and 2 x 2 beside DataParallel)."""
     import pathways_torch as pw
 
+    model_size = MESHES.get(name, {}).get("model", 1)
     return {"DataParallel": lambda: pw.DataParallel("data"),
+            "TensorParallel 1x4": lambda: pw.TensorParallel(pw.tensor_parallel_plan(model, model_size)),
+            "TensorParallel+DP 2x2": lambda: pw.TensorParallel(pw.tensor_parallel_plan(model, model_size),
+                                                               data=pw.DataParallel("data")),
             "ShardedDataParallel": lambda: pw.ShardedDataParallel("data"),
             "ShardedDataParallel (gather-all)": lambda: pw.ShardedDataParallel("data", per_unit=False),
             "ShardedDataParallel (prefetch)": lambda: pw.ShardedDataParallel("data", prefetch=True),
@@ -268,6 +289,10 @@ SYSTEMS = {
     "dp-xla": lambda a: measure_pathways("DataParallel", None, a.width, a.steps),
     "sdp-xla": lambda a: measure_pathways("ShardedDataParallel", None, a.width, a.steps),
     "sdp-all-xla": lambda a: measure_pathways("ShardedDataParallel (gather-all)", None, a.width, a.steps),
+    "tp-eager": lambda a: measure_pathways("TensorParallel 1x4", "eager", a.width, a.steps),
+    "tp-dp-eager": lambda a: measure_pathways("TensorParallel+DP 2x2", "eager", a.width, a.steps),
+    "tp-xla": lambda a: measure_pathways("TensorParallel 1x4", None, a.width, a.steps),
+    "tp-dp-xla": lambda a: measure_pathways("TensorParallel+DP 2x2", None, a.width, a.steps),
     "ddp": lambda a: measure_torch("DDP", a.width, a.steps),
     "fsdp2": lambda a: measure_torch("FSDP2", a.width, a.steps),
 }
@@ -299,13 +324,14 @@ def main() -> None:
         peak = r["peak_added_p"]
         target = TARGETS.get(r["plan"])
         store = r["store_high_water_p"]
-        rows.append([r["system"], r["backend"], f"{min(peak):.2f}-{max(peak):.2f}",
+        rows.append([r["system"], r["backend"], f"{r['held_p']:.2f}" if r.get("held_p") is not None else "-",
+                     f"{min(peak):.2f}-{max(peak):.2f}",
                      f"<= {target:.0f} P: {'met' if max(peak) <= target else 'missed'}" if target else "",
                      f"{max(store):.2f}" if store else "-",
                      f"{r['rows_per_s']:.0f}" if r["rows_per_s"] else "-",
                      f"{r['collective_share']:.0%}" if r.get("collective_share") is not None else "-",
                      f"{r['last_loss']:.6f}"])
-    print_table(["system", "backend", "peak added (P), per process", "target", "store high-water (P)",
+    print_table(["system", "backend", "parameters held (P)", "peak added (P), per process", "target", "store high-water (P)",
                  "rows/s", "collective share", "last loss"], rows)
     for r in results:
         if r.get("timeline_p"):

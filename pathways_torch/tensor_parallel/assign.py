@@ -17,7 +17,10 @@ import fnmatch
 from ..errors import PlacementError
 from .styles import Style, read_style
 
-__all__ = ["ParamSplit", "TensorPlan", "assign", "module_kind"]
+__all__ = ["ParamSplit", "TensorPlan", "assign", "module_kind", "SPLIT", "WHOLE", "PARTIAL"]
+
+# How a parameter lives on the model axis, as the state's buckets are cut (one kind per bucket).
+SPLIT, WHOLE, PARTIAL = "split", "whole", "partial"
 
 # Head counts of a transformers config: every shard must hold whole heads.
 _HEAD_FIELDS = ("num_attention_heads", "num_key_value_heads", "n_head")
@@ -51,6 +54,11 @@ class TensorPlan:
 
     def split_of(self, name: str) -> ParamSplit:
         return self.splits.get(name, ParamSplit(None))
+
+    def kind_of(self, name: str) -> str:
+        """SPLIT, PARTIAL (whole, its gradient a partial sum over the axis) or WHOLE."""
+        split = self.split_of(name)
+        return SPLIT if split.dim is not None else PARTIAL if split.partial_grad else WHOLE
 
     def local_shape(self, name: str) -> tuple[int, ...]:
         shape, split = list(self.shapes[name]), self.split_of(name)

@@ -9,13 +9,12 @@ executors writes its data slice; otherwise one of them writes the flat.
 from __future__ import annotations
 
 from ..training.sharded_checkpoint import CheckpointPart
+from .assign import SPLIT
 
 __all__ = ["tensor_parallel_parts"]
 
 
 def tensor_parallel_parts(runner) -> list[CheckpointPart]:
-    from .runner import SPLIT
-
     layout, mesh, axis = runner.layout, runner.trainer.mesh, runner.tensor.axis
     flats, states, buffers, frozen = layout.split_state(runner.checkpoint_arrays())
     wholes = [(f"model/{n}", a) for n, a in zip(layout.buffer_names + layout.frozen_names, [*buffers, *frozen])]

@@ -21,14 +21,11 @@ from ..training.buckets import Bucket, Slot, flatten, rebased, split_for_exchang
 from ..training.data_parallel import DataParallelRunner
 from ..training.plans import DataParallel
 from ..training.step import make_layout
-from .assign import TensorPlan, assign
+from .assign import PARTIAL, SPLIT, TensorPlan, assign
 from .lowering import Lowered
 from .shards import flats_of, join, placed_flat, shard_of
 
 __all__ = ["TensorParallelRunner", "TensorStep"]
-
-SPLIT, WHOLE, PARTIAL = "split", "whole", "partial"
-
 
 @dataclasses.dataclass(frozen=True)
 class TensorStep:
@@ -49,11 +46,6 @@ class TensorStep:
         split = [s for s, kind in zip(squares, self.kinds) if kind == SPLIT]
         whole = sum(s for s, kind in zip(squares, self.kinds) if kind != SPLIT)
         return whole + all_reduce(sum(split), self.plan.axis, "sum") if split else whole
-
-
-def _kind(plan: TensorPlan, name: str) -> str:
-    split = plan.split_of(name)
-    return SPLIT if split.dim is not None else PARTIAL if split.partial_grad else WHOLE
 
 
 class TensorParallelRunner(DataParallelRunner):
@@ -85,7 +77,7 @@ class TensorParallelRunner(DataParallelRunner):
             cut = [piece for bucket in buckets for piece in self._by_kind(bucket)]
             return cut if cap is None else split_for_exchange(cut, cap, cap)
         self.layout = make_layout(t.model, t.optimizer, t._spec, regroup)
-        self.kinds = tuple(_kind(self.tensor_plan, b.slots[0].name) for b in self.layout.buckets)
+        self.kinds = tuple(self.tensor_plan.kind_of(b.slots[0].name) for b in self.layout.buckets)
         self._forwards, self._output_specs = {}, {}
         self.recapture()
         return self.layout
@@ -95,7 +87,7 @@ class TensorParallelRunner(DataParallelRunner):
         groups: dict[str, list[Slot]] = {}
         for slot in bucket.slots:
             shape = self.tensor_plan.local_shape(slot.name)
-            groups.setdefault(_kind(self.tensor_plan, slot.name), []).append(
+            groups.setdefault(self.tensor_plan.kind_of(slot.name), []).append(
                 Slot(slot.name, shape, 0, math.prod(shape)))
         return [rebased(bucket, slots) for slots in groups.values()]
 

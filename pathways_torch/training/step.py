@@ -6,7 +6,7 @@
     flat parameter buffers (one per bucket) · optimizer state (per bucket, per state name)
     · module buffers · frozen parameters · scalars = float64[1 + groups x 5] (step number, then
     each group's `DYNAMIC` hyper-parameters: lr, momentum, beta1, beta2, weight decay) · rank = int64[1] (this shard's index on the data axis)
-    · the batch tensors
+    · under tensor parallelism, the model rank = int64[1] (its index on the model axis) · the batch tensors
 
 and its outputs: the mean loss over the global batch, then the new parameter
 buffers, optimizer state and module buffers in the same order. The step number

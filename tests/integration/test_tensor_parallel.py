@@ -93,6 +93,22 @@ def check_trains_like_eager_in_float64(ctx, name: str, mesh: str) -> None:
         assert _relative(state[param], value) < tolerance, param
     assert "Shard(" in str(trainer.placements)
     assert not ctx.backend_counters("fallback_ops").get(trainer._function.name, 0)   # 0 ops outside XLA
+    if name == "hf-llama":
+        # Megatron's count, explicit in the program: per block 2 all-reduces forward (after o_proj and
+        # down_proj) and 2 backward (one for q, k, v's shared input, one for gate and up's); the vocabulary
+        # embedding's forward, the head's input backward, and the head's logits gathered.
+        assert collectives(trainer, "model") == {"all_reduce": 2 * 4 + 2, "all_gather": 1}
+
+
+def collectives(trainer, axis: str) -> dict:
+    """How many of each collective the trainer's captured step runs over ``axis``."""
+    (version,) = trainer._function._versions.values()
+    counts: dict = {}
+    for node in version.graph_module.graph.nodes:
+        name = str(node.target).removeprefix("pathways.").split(".")[0]
+        if node.op == "call_function" and str(node.target).startswith("pathways.") and axis in node.args:
+            counts[name] = counts.get(name, 0) + 1
+    return counts
 
 
 def test_float32_over_20_steps_stays_within_1e_4_of_eager_without_drift(ctx):
