@@ -108,6 +108,24 @@ def process_cpu_s(pid: int, tid: int | None = None) -> float | None:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")   # utime, stime (fields 14, 15)
 
 
+def _rows(results, ranks: list, timeout_s: float) -> list:
+    """One row from each rank; a rank that exits without its row fails the run at once (not at the timeout)."""
+    import queue
+
+    rows, deadline = [], time.monotonic() + timeout_s
+    while len(rows) < len(ranks):
+        try:
+            rows.append(results.get(timeout=1.0))
+            continue
+        except queue.Empty:
+            pass
+        dead = [(i, p.exitcode) for i, p in enumerate(ranks) if p.exitcode not in (None, 0)]
+        if dead or time.monotonic() > deadline:
+            raise RuntimeError(f"torch ranks: {len(rows)} of {len(ranks)} rows came back; exited with a failure "
+                               f"(rank, exit code): {dead}; see their output above")
+    return rows
+
+
 def run_ranks(target, size: int, args: tuple, prefix: str, timeout_s: float = 900.0) -> list:
     """``size`` spawned processes ``target(rank, *args, store_path, results)`` (torch's own, on gloo, meeting
     through a FileStore in a private folder); each puts one row, ``(rank, ...)``, on ``results``. The rows in rank
@@ -124,7 +142,7 @@ def run_ranks(target, size: int, args: tuple, prefix: str, timeout_s: float = 90
     try:
         for process in ranks:
             process.start()
-        return sorted(results.get(timeout=timeout_s) for _ in ranks)
+        return sorted(_rows(results, ranks, timeout_s))
     finally:
         for process in ranks:
             process.join(60)
