@@ -167,6 +167,36 @@ def test_a_torchtitan_style_sequence_parallel_plan_sums_the_norms_partial_gradie
     assert all(torch.allclose(loss, expected_loss, rtol=1e-10, atol=0) for loss, _ in results)
 
 
+def test_prepare_module_output_and_input_output_move_a_module_s_outputs():
+    """Row-parallel outputs reduce-scattered on the sequence, then gathered whole by the enclosing module's
+    PrepareModuleOutput (the MLP) and PrepareModuleInputOutput (attention, whose output is a tuple)."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInputOutput, PrepareModuleOutput,
+                                                   RowwiseParallel)
+
+    case = CASE["hf-llama"]
+    model, batch = _double(case)
+    expected_loss, expected = _eager(model, case, batch)
+    plan = {
+        "model.layers.*.self_attn.[qkv]_proj": ColwiseParallel(),
+        "model.layers.*.self_attn.o_proj": RowwiseParallel(output_layouts=Shard(1)),
+        "model.layers.*.self_attn": PrepareModuleInputOutput(
+            input_kwarg_layouts={"hidden_states": Replicate()}, desired_input_kwarg_layouts={"hidden_states":
+                                                                                           Replicate()},
+            output_layouts=(Shard(1), None), desired_output_layouts=(Replicate(), None)),
+        "model.layers.*.mlp.gate_proj": ColwiseParallel(), "model.layers.*.mlp.up_proj": ColwiseParallel(),
+        "model.layers.*.mlp.down_proj": RowwiseParallel(output_layouts=Shard(1)),
+        "model.layers.*.mlp": PrepareModuleOutput(output_layouts=Shard(1), desired_output_layouts=Replicate()),
+    }
+    tensor_plan, results = _sharded(model, case, batch, plan, 2)
+    for name, grad in expected.items():
+        split = tensor_plan.split_of(name)
+        pieces = [grads[name] for _, grads in results]
+        assert torch.allclose(join(pieces, split) if split.dim is not None else pieces[0], grad, rtol=1e-9,
+                              atol=1e-12), name
+    assert all(torch.allclose(loss, expected_loss, rtol=1e-10, atol=0) for loss, _ in results)
+
+
 def test_placements_print_each_module_style_and_each_parameter():
     model = CASE["hf-gpt2"].make_model()
     text = str(assign(model, pw.tensor_parallel_plan(model, 2), "model", 2))
