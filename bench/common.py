@@ -120,6 +120,12 @@ def _rows(results, ranks: list, timeout_s: float) -> list:
         except queue.Empty:
             pass
         dead = [(i, p.exitcode) for i, p in enumerate(ranks) if p.exitcode not in (None, 0)]
+        if not dead and all(p.exitcode is not None for p in ranks):      # all exited: their rows are queued
+            try:
+                rows.append(results.get(timeout=5.0))
+                continue
+            except queue.Empty:
+                dead = [(i, p.exitcode) for i, p in enumerate(ranks)]
         if dead or time.monotonic() > deadline:
             raise RuntimeError(f"torch ranks: {len(rows)} of {len(ranks)} rows came back; exited with a failure "
                                f"(rank, exit code): {dead}; see their output above")

@@ -62,7 +62,7 @@ def parse_args(argv=None):
     if args.plan == "tp" and "model" not in args.mesh:
         p.error("--plan tp: give the mesh a model axis, e.g. --mesh data=2,model=2")
     if args.plan != "tp" and set(args.mesh) != {"data"}:
-        p.error(f"--plan {args.plan}: the mesh has only a data axis, e.g. --mesh data=4")
+        p.error(f"--plan {args.plan}: give the mesh a data axis only, e.g. --mesh data=4")
     return args
 
 

@@ -115,10 +115,11 @@ def _matched_paths(model, pattern: str) -> list[str]:
     return found
 
 
-def _check_divides(where: str, size: int, what: str, axis: str, count: int) -> None:
-    if size % count:
-        raise PlacementError(f"{where}: {what} is {size}, not divisible by the {count} shards of axis {axis!r}; "
-                             f"use a model axis that divides it, or leave this module out of the plan")
+def _check_divides(where: str, size: int, what: str, axis: str, count: int, chunks: int = 1) -> None:
+    if size % (count * chunks):
+        by = f"the {count} shards of axis {axis!r}" + (f" x {chunks} chunks" if chunks > 1 else "")
+        raise PlacementError(f"{where}: {what} is {size}, not divisible by {by}; use a model axis that divides "
+                             f"it, or leave this module out of the plan")
 
 
 def _param_splits(path: str, module, style: Style, axis: str, size: int) -> dict:
@@ -136,18 +137,27 @@ def _param_splits(path: str, module, style: Style, axis: str, size: int) -> dict
     weight_dim, bias_dim = _WEIGHT_DIMS[(style.kind, kind)]
     splits = {"weight": ParamSplit(weight_dim, style.chunks)}
     _check_divides(f"{path}.weight", module.weight.shape[weight_dim], f"dim {weight_dim} of shape "
-                   f"{list(module.weight.shape)}" + (f" in {style.chunks} chunks" if style.chunks > 1 else ""),
-                   axis, size * style.chunks)
-    if kind == "embedding" and style.kind == "rowwise" and (module.max_norm or module.scale_grad_by_freq
-                                                             or module.sparse):
-        option = "max_norm" if module.max_norm else "scale_grad_by_freq" if module.scale_grad_by_freq else "sparse"
-        raise PlacementError(f"{path}: RowwiseParallel() on an nn.Embedding with {option} set is refused: each "
-                             f"shard sees only the ids of its rows; use ColwiseParallel() for this embedding")
+                   f"{list(module.weight.shape)}", axis, size, style.chunks)
+    if kind == "embedding":
+        _check_embedding(path, module, style)
     if getattr(module, "bias", None) is not None:
-        # A row-parallel bias is added after the reduction; from a sequence slice its gradient is partial.
+        # A row-parallel bias is added after the reduction; to a split output (a sequence slice, or a feature
+        # slice of the bias) its gradient is partial on each shard.
         partial = style.kind == "rowwise" and style.output_layouts[0].kind == "S"
         splits["bias"] = ParamSplit(bias_dim, style.chunks if bias_dim is not None else 1, partial_grad=partial)
     return splits
+
+
+def _check_embedding(path: str, module, style: Style) -> None:
+    """Options a split embedding cannot honour: a norm over a whole row (``max_norm``) whichever way it is split;
+    per-id counts and sparse gradients over a vocabulary each shard sees a part of."""
+    refused = ["max_norm"] if module.max_norm else []
+    if style.kind == "rowwise":
+        refused += [o for o in ("scale_grad_by_freq", "sparse") if getattr(module, o)]
+    if refused:
+        raise PlacementError(f"{path}: {style.source} on an nn.Embedding with {refused[0]} set is refused: "
+                             f"{'a row is renormalised as a whole, and each shard holds a part of it' if refused[0] == 'max_norm' else 'each shard sees only the ids of its rows'}; "
+                             f"leave this embedding out of the plan")
 
 
 def _attention_splits(path: str, module, style: Style, axis: str, size: int) -> dict:
@@ -166,6 +176,13 @@ def _attention_splits(path: str, module, style: Style, axis: str, size: int) -> 
     if module.in_proj_bias is not None:
         splits["in_proj_bias"] = ParamSplit(0, 3)
     return splits
+
+
+def _in_attention(path: str, modules: dict) -> bool:
+    """Whether the module at ``path`` is (in) an attention module, whose heads the axis must divide."""
+    parts = path.split(".")
+    return any("attention" in type(modules[".".join(parts[:i])]).__name__.lower()
+               or "attn" in parts[i - 1].lower() for i in range(1, len(parts) + 1))
 
 
 def _check_heads(model, axis: str, size: int) -> None:
@@ -208,10 +225,12 @@ def assign(model, plan: dict, axis: str, size: int) -> TensorPlan:
                 if name is None:
                     continue
                 if splits.setdefault(name, split) != split:
-                    raise PlacementError(f"{name} (tied, reached from {path}): the plan splits it as "
-                                         f"{splits[name].describe()} and as {split.describe()}; a shared parameter "
-                                         f"needs one split: give its modules matching styles")
-    if splits:
+                    tied = " (tied: another module holds it too)" if not name.startswith(f"{path}.") else ""
+                    raise PlacementError(f"{name}{tied}, reached from {path}: the plan splits it as "
+                                         f"{splits[name].describe()} and as {split.describe()}; a parameter "
+                                         f"needs one split: give the styles that reach it matching splits")
+    if any(_in_attention(path, modules) for path in styles if any(
+            s.kind in ("colwise", "attention") for s in styles[path])):
         _check_heads(model, axis, size)
     order = {path: i for i, path in enumerate(modules)}
     ordered = sorted(((p, s) for p, ss in styles.items() for s in ss), key=lambda item: order[item[0]])

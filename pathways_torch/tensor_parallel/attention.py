@@ -26,6 +26,7 @@ def _as_additive(mask, dtype):
 
 def sharded_attention(lowered, module, where: str):
     """The per-shard ``forward`` of ``module`` (an ``nn.MultiheadAttention``) under ``lowered``."""
+    import torch
     import torch.nn.functional as F
 
     size = lowered.plan.size
@@ -38,6 +39,8 @@ def sharded_attention(lowered, module, where: str):
         if attn_mask is not None and attn_mask.dim() != 2:
             raise CaptureError(f"{where}: an attn_mask of shape {list(attn_mask.shape)} (per head) is not "
                                f"supported with the heads split; pass one of shape (L, S)")
+        # f once per input tensor (self-attention: one gradient all-reduce), before any transpose makes three.
+        query, key, value = (lowered.enter_once(t) for t in (query, key, value))
         if not module.batch_first:
             query, key, value = (t.transpose(0, 1) for t in (query, key, value))
         w_q, w_k, w_v = module.in_proj_weight.chunk(3)
@@ -45,7 +48,7 @@ def sharded_attention(lowered, module, where: str):
         heads = module.num_heads // size
 
         def project(x, w, b):
-            y = F.linear(lowered.enter_once(x), w, b)      # this shard's heads: column-parallel
+            y = F.linear(x, w, b)      # this shard's heads: column-parallel
             return y.unflatten(-1, (heads, module.head_dim)).transpose(1, 2)
 
         q, k, v = project(query, w_q, b_q), project(key, w_k, b_k), project(value, w_v, b_v)
@@ -53,6 +56,9 @@ def sharded_attention(lowered, module, where: str):
         if key_padding_mask is not None:
             padding = _as_additive(key_padding_mask, q.dtype)[:, None, None, :]
             mask = padding if mask is None else mask + padding
+        if is_causal and mask is not None:     # a padding mask too: the causal one joins it
+            causal = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device).triu(1)
+            mask = mask + _as_additive(causal, q.dtype)
         dropout = module.dropout if module.training else 0.0
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout,
                                            is_causal=is_causal and mask is None)

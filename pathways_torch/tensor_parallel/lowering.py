@@ -12,13 +12,43 @@ captured program, every byte of them visible in its text and its trace.
 from __future__ import annotations
 
 import contextlib
+import threading
 
 from ..errors import CaptureError
 from .assign import TensorPlan, module_kind
-from .layouts import enter, gather, reduce, reduce_scatter_to, take_slice
+from .layouts import enter, gather, local_slice, reduce, reduce_scatter_to, take_slice
 from .styles import P, R, S, Layout
 
 __all__ = ["Lowered"]
+
+
+class _NoFastPath:
+    """``nn.MultiheadAttention``'s fast path off while any `Lowered` is active (in any thread), back as it was
+    after the last: the fused kernel computes on whole widths, and a replaced forward adds no hook that would
+    keep ``TransformerEncoderLayer`` from calling it in eval mode."""
+
+    _lock = threading.Lock()
+    _active = 0
+    _saved = True
+
+    @classmethod
+    def enter(cls) -> None:
+        import torch
+
+        with cls._lock:
+            if cls._active == 0:
+                cls._saved = torch.backends.mha.get_fastpath_enabled()
+                torch.backends.mha.set_fastpath_enabled(False)
+            cls._active += 1
+
+    @classmethod
+    def exit(cls) -> None:
+        import torch
+
+        with cls._lock:
+            cls._active -= 1
+            if cls._active == 0:
+                torch.backends.mha.set_fastpath_enabled(cls._saved)
 
 
 class _ShardWidth:
@@ -58,14 +88,9 @@ class Lowered(contextlib.AbstractContextManager):
         self._entered: dict = {}    # id(whole input) → (input, its f): one gradient all-reduce per input
 
     def __enter__(self):
-        import torch
-
         modules = dict(self.model.named_modules())
-        if any(style.kind == "attention" for _, style in self.plan.modules):
-            # TransformerEncoderLayer's fast path calls a fused kernel on the whole width: keep to the module calls.
-            fast = torch.backends.mha.get_fastpath_enabled()
-            torch.backends.mha.set_fastpath_enabled(False)
-            self._restore.append(lambda: torch.backends.mha.set_fastpath_enabled(fast))
+        _NoFastPath.enter()
+        self._restore.append(_NoFastPath.exit)
         by_path: dict = {}
         for path, style in self.plan.modules:
             by_path.setdefault(path, []).append(style)
@@ -78,9 +103,16 @@ class Lowered(contextlib.AbstractContextManager):
         return self
 
     def __exit__(self, *exc):
-        while self._restore:
-            self._restore.pop()()
-        self._entered.clear()
+        try:
+            while self._restore:
+                try:
+                    self._restore.pop()()
+                except BaseException:      # the others are still put back; the first failure is raised
+                    if exc[0] is None:
+                        self.__exit__(None, None, None)
+                        raise
+        finally:
+            self._entered.clear()
         return False
 
     # ------------------------------------------------------------ installing
@@ -131,8 +163,11 @@ class Lowered(contextlib.AbstractContextManager):
         """``x`` from layout ``source`` to ``target`` (None on either side: left as it is)."""
         import torch
 
-        if source is None or target is None or not isinstance(x, torch.Tensor) or source == target:
+        if source is None or target is None or source == target:
             return x
+        if not isinstance(x, torch.Tensor):
+            raise CaptureError(f"{where}: a layout move from {source!r} to {target!r} was asked for a "
+                               f"{type(x).__name__}, not a tensor; give that position None in the layouts")
         axis, size = self.plan.axis, self.plan.size
         if source.kind == "S" and target.kind == "S":
             if source.dim % x.dim() == target.dim % x.dim():
@@ -186,6 +221,8 @@ class Lowered(contextlib.AbstractContextManager):
                 partial = self._rows(module, kind, self.move(x, source, S(-1), where))
             out = self.move(partial, P, target, where)
             bias = getattr(module, "bias", None)
+            if bias is not None and target.kind == "S" and target.dim % out.dim() == out.dim() - 1:
+                bias = local_slice(bias, 0, self.plan.size, 1, self.rank)    # the output's features are split
             return out if bias is None else out + bias
         return rowwise
 
@@ -216,22 +253,28 @@ class Lowered(contextlib.AbstractContextManager):
 
     def _prepare_inputs(self, path: str, style, args: tuple, kwargs: dict) -> tuple:
         where = f"{path}: {style.source}"
-        args = tuple(self.move(a, layout, desired, where) if i < len(style.input_layouts) else a
-                     for i, (a, layout, desired) in enumerate(zip(args, style.input_layouts + (None,) * len(args),
-                                                                   style.desired_inputs + (None,) * len(args))))
+        if len(style.input_layouts) > len(args):
+            raise CaptureError(f"{where}: input_layouts names {len(style.input_layouts)} positional inputs, the "
+                               f"module was called with {len(args)} (and keywords {sorted(kwargs)}); name "
+                               f"keyword inputs in input_kwarg_layouts")
+        moved = [self.move(a, layout, desired, where)
+                 for a, layout, desired in zip(args, style.input_layouts, style.desired_inputs)]
         kwargs = dict(kwargs)
         for name, layout, desired in style.kwarg_layouts:
-            if name in kwargs:
-                kwargs[name] = self.move(kwargs[name], layout, desired, where)
-        return args, kwargs
+            if name not in kwargs:
+                raise CaptureError(f"{where}: input_kwarg_layouts names {name!r}, the module was called with "
+                                   f"keywords {sorted(kwargs)}")
+            kwargs[name] = self.move(kwargs[name], layout, desired, where)
+        return (*moved, *args[len(moved):]), kwargs
 
     def _prepare_outputs(self, path: str, style, out):
         if not style.output_layouts:
             return out
         where = f"{path}: {style.source}"
-        if isinstance(out, tuple):
-            return tuple(self.move(o, layout, desired, where) if i < len(style.output_layouts) else o
-                         for i, (o, layout, desired) in enumerate(
-                             zip(out, style.output_layouts + (None,) * len(out),
-                                 style.desired_outputs + (None,) * len(out))))
-        return self.move(out, style.output_layouts[0], style.desired_outputs[0], where)
+        outs = out if isinstance(out, tuple) else (out,)
+        if len(outs) < len(style.output_layouts):
+            raise CaptureError(f"{where}: output_layouts names {len(style.output_layouts)} outputs, the module "
+                               f"returned a {type(out).__name__}{f' of {len(outs)}' if isinstance(out, tuple) else ''}")
+        moved = [self.move(o, layout, desired, where)
+                 for o, layout, desired in zip(outs, style.output_layouts, style.desired_outputs)]
+        return (*moved, *outs[len(moved):]) if isinstance(out, tuple) else moved[0]

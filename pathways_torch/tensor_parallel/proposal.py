@@ -2,13 +2,14 @@
 
 It reads the model's modules, not its class names, and knows these shapes:
 
-- attention with separate projections (``q_proj``, ``k_proj``, ``v_proj``, ``o_proj``: Llama, Mistral,
-  Qwen): q, k, v column-parallel (their heads split), the output projection row-parallel;
+- attention with separate projections (``q_proj``, ``k_proj``, ``v_proj``, ``o_proj``: Llama-style) and
+  no other parameter (a per-head norm, as Qwen3's, would read split heads: such attention is left whole): q, k,
+  v column-parallel (their heads split), the output projection row-parallel;
 - attention with one fused projection ``c_attn`` and ``c_proj``: transformers' GPT-2 (``Conv1D``, its
   ``split_size`` divided) or a nanoGPT-style ``Linear`` (its head count divided and the width it takes
   from its input read as the shard's);
 - ``nn.MultiheadAttention`` (``nn.TransformerEncoderLayer``'s too): its heads split;
-- an MLP, column-then-row: ``gate_proj``/``up_proj``/``down_proj``, or a pair such as ``c_fc``/``c_proj``,
+- an MLP, column-then-row: gated (``gate_proj``/``up_proj``/``down_proj``, ``w1``/``w3``/``w2``), or a pair such as ``c_fc``/``c_proj``,
   ``fc1``/``fc2``, ``linear1``/``linear2``, ``w1``/``w2``, or an ``nn.Sequential`` of two Linears and
   modules without parameters between and after (activation, dropout), that widens then narrows back;
 - the vocabulary: the token embedding row-parallel (each shard its rows of the vocabulary) and the head
@@ -26,6 +27,7 @@ __all__ = ["tensor_parallel_plan", "ProposedPlan", "VOCAB_SHARE"]
 VOCAB_SHARE = 0.10         # split the embedding and head when they hold this share of the parameters or more
 _HEAD_ATTRS = ("n_head", "n_heads", "num_heads", "heads", "num_attention_heads")
 _WIDTH_ATTRS = ("n_embd", "embed_dim", "hidden_size")
+_GATED = (("gate_proj", "up_proj", "down_proj"), ("w1", "w3", "w2"))      # (gate, up, down)
 _MLP_PAIRS = (("c_fc", "c_proj"), ("fc1", "fc2"), ("linear1", "linear2"), ("w1", "w2"),
               ("dense_h_to_4h", "dense_4h_to_h"), ("fc_in", "fc_out"))
 
@@ -114,6 +116,13 @@ def _attention(path: str, pattern: str, module, size, add, notes: list) -> None:
                          f"does not divide")
         return
     if all(module_kind(children.get(n)) == "linear" for n in ("q_proj", "k_proj", "v_proj", "o_proj")):
+        others = [n for n, c in children.items() if n not in ("q_proj", "k_proj", "v_proj", "o_proj")
+                  and list(c.parameters())]
+        if others or list(module.parameters(recurse=False)):
+            # A whole parameter applied to each head (Qwen3's q_norm/k_norm) would see only this shard's heads.
+            notes.append(f"{pattern}: attention with parameters beside its projections ({others or 'its own'}), "
+                         f"which would read split heads")
+            return
         for name in ("q_proj", "k_proj", "v_proj"):
             add(_join(path, name), ColwiseParallel(), "attention: its heads split")
         add(_join(path, "o_proj"), RowwiseParallel(), "attention output: reduced over the heads")
@@ -155,11 +164,12 @@ def _mlp(path: str, module, add) -> None:
     from .assign import module_kind
 
     children = dict(module.named_children())
-    if all(module_kind(children.get(n)) == "linear" for n in ("gate_proj", "up_proj", "down_proj")):
-        add(_join(path, "gate_proj"), ColwiseParallel(), "gated MLP: its hidden units split")
-        add(_join(path, "up_proj"), ColwiseParallel(), "gated MLP: its hidden units split")
-        add(_join(path, "down_proj"), RowwiseParallel(), "gated MLP output: reduced")
-        return
+    for gate, up, down in _GATED:
+        if all(module_kind(children.get(n)) == "linear" for n in (gate, up, down)):
+            add(_join(path, gate), ColwiseParallel(), "gated MLP: its hidden units split")
+            add(_join(path, up), ColwiseParallel(), "gated MLP: its hidden units split")
+            add(_join(path, down), RowwiseParallel(), "gated MLP output: reduced")
+            return
     pairs = [(a, b) for a, b in _MLP_PAIRS if a in children and b in children]
     if isinstance(module, nn.Sequential):      # Linear, activation, Linear (dropout, ...): the rest holds nothing
         linears = [n for n, c in children.items() if module_kind(c) == "linear"]
@@ -180,7 +190,11 @@ def _vocabulary(model, size, add, notes: list) -> None:
     embeddings = [(p, m) for p, m in model.named_modules() if isinstance(m, nn.Embedding)]
     if not embeddings:
         return
-    path, embedding = max(embeddings, key=lambda item: item[1].num_embeddings)
+    linears = [m for _, m in model.named_modules() if isinstance(m, nn.Linear)]
+    # The vocabulary: an embedding a head shares its weight with, else one a head's shape matches, else the largest.
+    path, embedding = max(embeddings, key=lambda item: (
+        any(m.weight is item[1].weight for m in linears),
+        any(tuple(m.weight.shape) == tuple(item[1].weight.shape) for m in linears), item[1].num_embeddings))
     vocab, width = embedding.weight.shape
     heads = [(p, m) for p, m in model.named_modules()
              if isinstance(m, nn.Linear) and tuple(m.weight.shape) == (vocab, width)]

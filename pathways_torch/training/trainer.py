@@ -46,8 +46,8 @@ class Trainer(TrainerRecovery, TrainerCheckpoints):
         check_keep(checkpoint_keep)      # before anything is put on the mesh
         plan = plan if plan is not None else DataParallel(next(iter(mesh.axes)))
         if not callable(getattr(plan, "make_runner", None)):
-            raise PlacementError(f"plan: expected pw.DataParallel(axis), pw.ShardedDataParallel(axis) or "
-                                 f"pw.Pipeline(...), got {plan!r}")
+            raise PlacementError(f"plan: expected pw.DataParallel(axis), pw.ShardedDataParallel(axis), "
+                                 f"pw.TensorParallel(plan, ...) or pw.Pipeline(...), got {plan!r}")
         if max_grad_norm is not None and not max_grad_norm > 0:
             raise ValueError(f"max_grad_norm: expected a positive number or None, got {max_grad_norm!r}")
         if not isinstance(model, torch.nn.Module):

@@ -106,6 +106,24 @@ def _functional_loss(model, params, case, batch):
     return case.loss_fn(functional_call(model, params, tuple(inputs)), target)
 
 
+def _check_gradients(tensor_plan, results, expected, expected_loss) -> None:
+    """Each shard's loss is eager's; split gradients join into eager's; a whole parameter's gradient is eager's on
+    every shard (summed over the shards when it is a partial sum)."""
+    for loss, _ in results:
+        assert torch.allclose(loss, expected_loss, rtol=1e-10, atol=0)
+    for name, grad in expected.items():
+        split = tensor_plan.split_of(name)
+        pieces = [grads[name] for _, grads in results]
+        if split.dim is not None:
+            got = [join(pieces, split)]
+        elif split.partial_grad:
+            got = [sum(pieces)]
+        else:
+            got = pieces          # every shard must hold the same, whole gradient
+        for value in got:
+            assert torch.allclose(value, grad, rtol=1e-9, atol=1e-12), name
+
+
 def _double(case):
     model = case.make_model().double()
     batch = case.batches()[0]
@@ -120,13 +138,7 @@ def test_the_proposed_plan_gives_every_shard_the_eager_loss_and_its_slice_of_the
     plan = pw.tensor_parallel_plan(model, 2)
     tensor_plan, results = _sharded(model, case, batch, plan, 2)
     assert any(s.dim is not None for s in tensor_plan.splits.values())
-    for loss, _ in results:
-        assert torch.allclose(loss, expected_loss, rtol=1e-10, atol=0)
-    for name_, grad in expected.items():
-        split = tensor_plan.split_of(name_)
-        pieces = [grads[name_] for _, grads in results]
-        got = join(pieces, split) if split.dim is not None else pieces[0]
-        assert torch.allclose(got, grad, rtol=1e-9, atol=1e-12), name_
+    _check_gradients(tensor_plan, results, expected, expected_loss)
 
 
 def _llama_sequence_parallel_plan():
@@ -159,12 +171,7 @@ def test_a_torchtitan_style_sequence_parallel_plan_sums_the_norms_partial_gradie
     tensor_plan, results = _sharded(model, case, batch, _llama_sequence_parallel_plan(), 2)
     norm = "model.layers.0.input_layernorm.weight"
     assert tensor_plan.split_of(norm).partial_grad
-    for name, grad in expected.items():
-        split = tensor_plan.split_of(name)
-        pieces = [grads[name] for _, grads in results]
-        got = join(pieces, split) if split.dim is not None else sum(pieces) if split.partial_grad else pieces[0]
-        assert torch.allclose(got, grad, rtol=1e-9, atol=1e-12), name
-    assert all(torch.allclose(loss, expected_loss, rtol=1e-10, atol=0) for loss, _ in results)
+    _check_gradients(tensor_plan, results, expected, expected_loss)
 
 
 def test_prepare_module_output_and_input_output_move_a_module_s_outputs():
@@ -189,12 +196,24 @@ def test_prepare_module_output_and_input_output_move_a_module_s_outputs():
         "model.layers.*.mlp": PrepareModuleOutput(output_layouts=Shard(1), desired_output_layouts=Replicate()),
     }
     tensor_plan, results = _sharded(model, case, batch, plan, 2)
-    for name, grad in expected.items():
-        split = tensor_plan.split_of(name)
-        pieces = [grads[name] for _, grads in results]
-        assert torch.allclose(join(pieces, split) if split.dim is not None else pieces[0], grad, rtol=1e-9,
-                              atol=1e-12), name
-    assert all(torch.allclose(loss, expected_loss, rtol=1e-10, atol=0) for loss, _ in results)
+    _check_gradients(tensor_plan, results, expected, expected_loss)
+
+
+@pytest.mark.parametrize("dim", [1, -1])
+def test_a_row_parallel_bias_under_a_split_output_learns_from_every_shard(dim):
+    """nanoGPT's MLP output reduce-scattered on the sequence (1) or the features (-1), then gathered whole: the
+    bias is added after the reduction (sliced with the features), its gradient summed over the shards."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleOutput, RowwiseParallel
+
+    case = CASE["nanogpt"]
+    model, batch = _double(case)
+    expected_loss, expected = _eager(model, case, batch)
+    plan = {"blocks.*.mlp.0": ColwiseParallel(), "blocks.*.mlp.2": RowwiseParallel(output_layouts=Shard(dim)),
+            "blocks.*.mlp": PrepareModuleOutput(output_layouts=Shard(dim), desired_output_layouts=Replicate())}
+    tensor_plan, results = _sharded(model, case, batch, plan, 2)
+    assert tensor_plan.split_of("blocks.0.mlp.2.bias").partial_grad
+    _check_gradients(tensor_plan, results, expected, expected_loss)
 
 
 def test_placements_print_each_module_style_and_each_parameter():
@@ -253,12 +272,23 @@ def test_placed_flats_come_back_per_model_shard_on_a_2d_mesh_with_sharded_data()
                 position //= n
             return tuple(reversed(out))
 
+    from pathways_torch.placement import split_blocks
+
     for axes in ({"data": 2, "model": 2}, {"model": 2, "data": 3}):
         mesh = FakeMesh(axes)
-        placement = normalize_placements({"data": Shard(0), "model": Shard(0)}, mesh)
-        flats = [torch.arange(12, dtype=torch.float64) + 100 * m for m in range(2)]
-        whole = placed_flat(flats, placement, mesh, "model")
-        assert all(torch.equal(a, b) for a, b in zip(flats_of(whole, placement, mesh, "model", 2), flats))
+        names = list(axes)
+        for data_placement in (Shard(0), None):       # a sharded data plan, and a replicated one
+            placement = normalize_placements({"model": Shard(0), **({"data": data_placement} if data_placement
+                                                                     else {})}, mesh)
+            flats = [torch.arange(12, dtype=torch.float64) + 100 * m for m in range(2)]
+            whole = placed_flat(flats, placement, mesh, "model")
+            assert all(torch.equal(a, b) for a, b in zip(flats_of(whole, placement, mesh, "model", 2), flats))
+            for position, block in enumerate(split_blocks(whole, placement, mesh)):   # what each executor gets
+                coords = dict(zip(names, mesh.coords(position)))
+                mine = flats[coords["model"]]
+                if data_placement is not None:
+                    mine = mine.chunk(axes["data"])[coords["data"]]
+                assert torch.equal(block, mine), (axes, position)
 
 
 def test_bad_plans_are_refused_naming_what_to_change():
@@ -289,10 +319,30 @@ def test_bad_plans_are_refused_naming_what_to_change():
         assign(model, {"model.layers.*.self_attn.q_proj": ColwiseParallel()}, "model", 4)
 
 
+def test_layouts_for_what_a_module_does_not_take_or_return_are_refused_when_captured():
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, PrepareModuleOutput
+
+    case = CASE["nanogpt"]
+    model, batch = _double(case)
+    two_inputs = {"blocks.*.mlp": PrepareModuleInput(input_layouts=(Replicate(), Replicate()),
+                                                     desired_input_layouts=(Shard(1), Shard(1)))}
+    with pytest.raises(pw.CaptureError, match=r"input_layouts names 2 positional inputs, the module was called "
+                                              r"with 1"):
+        _sharded(model, case, batch, two_inputs, 2)
+    not_a_tensor = {"blocks.*.attn.c_attn": PrepareModuleOutput(output_layouts=(Shard(1), Shard(1)),
+                                                                desired_output_layouts=(Replicate(), Replicate()))}
+    with pytest.raises(pw.CaptureError, match=r"output_layouts names 2 outputs, the module returned a Tensor"):
+        _sharded(model, case, batch, not_a_tensor, 2)
+    with pytest.raises(pw.PlacementError, match=r"with max_norm set is refused: a row is renormalised as a whole"):
+        assign(torch.nn.Sequential(torch.nn.Embedding(8, 4, max_norm=1.0)), {"0": ColwiseParallel()}, "model", 2)
+
+
 def test_a_tied_parameter_split_two_ways_is_refused():
     from torch.distributed.tensor.parallel import ColwiseParallel
 
     model = CASE["nanogpt"].make_model()      # lm_head.weight is wte.weight
-    with pytest.raises(pw.PlacementError, match=r"wte.weight \(tied, reached from lm_head\): the plan splits it "
+    with pytest.raises(pw.PlacementError, match=r"wte.weight \(tied: another module holds it too\), reached from lm_head: the plan "
+                                                 r"splits it "
                                                  r"as Shard\(1\) and as Shard\(0\)"):
         assign(model, {"wte": ColwiseParallel(), "lm_head": ColwiseParallel()}, "model", 2)
