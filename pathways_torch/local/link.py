@@ -325,10 +325,10 @@ class LinkRelay:
         except OSError as exc:
             # The destination is gone (a lost executor, whose peers' ZeroMQ sockets keep reconnecting to its old
             # address): refuse this connection as the destination would, and keep relaying the others.
-            inbound.close()
             if target not in self.refused:
                 log.warning("link: %s refused a relayed connection (%s); refusing its connections", target, exc)
-            self.refused[target] += 1
+            self.refused[target] += 1       # counted before the close its peer sees
+            inbound.close()
             return
         forward, backward = _Direction(inbound, outbound, target), _Direction(outbound, inbound, target)
         try:

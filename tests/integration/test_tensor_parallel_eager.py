@@ -1,6 +1,7 @@
 """Tensor parallelism on eager executors: both meshes of every case, checkpoints that reshard, recovery.
 
-The float64 runs of test_tensor_parallel.py on ``{model: 2}`` and ``{data: 2, model: 2}``; a checkpoint
+The float64 runs of test_tensor_parallel.py on ``{model: 2}`` and ``{data: 2, model: 2}``; evaluate and predict
+on the split parameters; a checkpoint
 saved under TP x sharded data parallelism loads under ``{data: 4}``, ``{model: 4}``, TP x DP and into
 eager PyTorch, each going on with the losses of an uninterrupted run; a SIGKILLed executor under TP is
 replaced and the run goes on with exactly the losses of an unbroken one.
@@ -12,6 +13,7 @@ import os
 import signal
 
 import pytest
+import torch
 
 import pathways_torch as pw
 from tests.integration.test_tensor_parallel import (CASE, HF_FLOAT64, MESHES, NAMES, _adamw, _gpt2_batches, _loss,
@@ -86,3 +88,16 @@ def test_a_lost_executor_under_tensor_parallelism_is_recovered_with_the_losses_o
         got = [loss.result(120).item() for loss in losses]
         assert trainer.stats()["recoveries"] == 1
     assert got == expected
+
+
+def test_evaluate_and_predict_run_on_the_split_parameters(ctx):
+    case = CASE["nanogpt"]
+    model = case.make_model().double()
+    reference = case.make_model().double()
+    trainer = ctx.wrap(model, optimizer=_adamw(model), mesh=ctx.mesh(MESHES["2x2"]),
+                       plan=_tensor_parallel(model, MESHES["2x2"]))
+    batch = case.batches()[0]
+    logits, loss = reference(*batch)
+    assert abs(trainer.evaluate(batch).result(240).item() - loss.item()) < 1e-9 * abs(loss.item())
+    predicted, _ = trainer.predict(batch)
+    assert torch.allclose(predicted.result(240), logits.detach(), rtol=1e-9, atol=1e-12)
