@@ -8,6 +8,7 @@ over 20 steps at 1e-4, and a torchtitan-style plan with sequence parallelism und
 too, evaluate and predict, checkpoints that reshard, recovery. The pipe x data x model mesh is not
 supported yet (docs/tensor_parallel.md).
 """
+
 from __future__ import annotations
 
 import gc
