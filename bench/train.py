@@ -482,10 +482,10 @@ def main() -> None:
     print_table(["N", "runtime", "DDP", "eager 1-proc", "runtime/DDP", "rt/DDP min-max", "runtime/eager", "DDP/eager",
                  "ms/step rt / DDP", "CPU ms/step rt client + executors / DDP ranks", "rt exec compute ms/step",
                  "rt exec busy", "note"], table)
-    print(f"target runtime/DDP >= 0.95: " + ", ".join(
+    print("target runtime/DDP >= 0.95: " + ", ".join(
         f"N={n} {'met' if runtime[n]['vs_ddp'] >= 0.95 else 'NOT met'}" for n in sizes))
     losses = [r["last_loss"] for r in (*eager.values(), *runtime.values(), *ddp.values(), *xla.values())]
-    print(f"last-step loss: eager " + ", ".join(f"N={n} {eager[n]['last_loss']:.5f}" for n in sizes) + "; runtime " +
+    print("last-step loss: eager " + ", ".join(f"N={n} {eager[n]['last_loss']:.5f}" for n in sizes) + "; runtime " +
           ", ".join(f"N={n} {runtime[n]['last_loss']:.5f}" for n in sizes) + "; DDP " +
           ", ".join(f"N={n} {ddp[n]['last_loss']:.5f}" for n in sizes) +
           (("; xla " + ", ".join(f"N={n} {xla[n]['last_loss']:.5f}" for n in xla_sizes)) if xla else "") +

@@ -71,7 +71,6 @@ def make_nccl_group(store_path: str, prefix: str, rank: int, size: int, timeout_
     ``device`` (``cuda:N``) becomes the current device first: NCCL binds a communicator
     to it. Untested on this project's CI machines (no GPU); see docs/backends.md.
     """
-    import torch
     import torch.distributed as dist
 
     return nccl_group_on(dist.PrefixStore(prefix, dist.FileStore(store_path, size)), rank, size, timeout_s, device)

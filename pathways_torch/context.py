@@ -9,6 +9,7 @@ behind it is elsewhere: `session` (bring-up and take-down), `incarnations` (repl
 from __future__ import annotations
 
 import json
+from typing import TYPE_CHECKING
 
 from .config import ContextConfig
 from .dispatcher import Dispatcher
@@ -19,6 +20,9 @@ from .launch.environment import LaunchEnvironment
 from .observe.chrome_trace import chrome_trace
 from .placement import Mesh
 from .session import Session, attach_to_launch
+
+if TYPE_CHECKING:
+    from .array import Array
 
 __all__ = ["Context", "ContextConfig"]
 

@@ -131,8 +131,9 @@ def main(argv=None) -> int:
     try:
         reply = get_status(args.address, not args.no_stats, args.timeout_s)
     except Exception as exc:   # noqa: BLE001 - say what failed, as a tool should
+        details = exc.details() if callable(getattr(exc, "details", None)) else exc    # gRPC's, or the error
         print(f"pathways-status: no answer from {args.address} within {args.timeout_s:g} s "
-              f"({type(exc).__name__}: {getattr(exc, 'details', lambda: exc)()}); is the job running with "
+              f"({type(exc).__name__}: {details}); is the job running with "
               f"--status-port, and is this node 0?")
         return 1
     print(status_table(reply))

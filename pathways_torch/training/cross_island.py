@@ -41,7 +41,7 @@ __all__ = ["CrossIslandRunner", "make_island_joint", "make_segment_function",
            "make_island_update"]
 
 
-def make_island_joint(model, loss_fn, layout, inner: "plans.DataParallel", num_shards: int, seed: int, form):
+def make_island_joint(model, loss_fn, layout, inner, num_shards: int, seed: int, form):
     """``(*flats, *buffers, *frozen, scalars, rank, *batch) -> (loss, *gradient flats, *buffers)`` of one shard:
     the forward and backward, not yet reduced (the step cut per bucket adds the reductions, `bucket_cut`)."""
     buckets = layout.buckets
@@ -62,7 +62,7 @@ def make_island_joint(model, loss_fn, layout, inner: "plans.DataParallel", num_s
     return joint
 
 
-def make_segment_function(segment, inner: "plans.DataParallel", num_buckets: int, num_shards: int, index: int):
+def make_segment_function(segment, inner, num_buckets: int, num_shards: int, index: int):
     """Segment ``index`` of the step as a per-shard function: its graph, then the reductions inside the island of
     what it completes — the loss (mean), its bucket's gradient (reduce-scatter, mean: executor d keeps slice d),
     the buffers (shard 0's: it then takes the shard's rank as its last input)."""
@@ -93,7 +93,7 @@ def make_segment_function(segment, inner: "plans.DataParallel", num_buckets: int
     return run_segment
 
 
-def make_island_update(spec, layout, inner: "plans.DataParallel", num_islands: int, num_shards: int,
+def make_island_update(spec, layout, inner, num_islands: int, num_shards: int,
                        max_grad_norm: float | None):
     """``(*flats, *states, scalars, *losses[I], *slices[I][buckets], *buffers of island 0)
     -> (loss, *flats, *states, *buffers)``: the islands' slices averaged, gathered, applied."""

@@ -41,8 +41,6 @@ def _hash32(x):
 
 def uniform_from_counter(key, shape, dtype):
     """Uniform [0, 1) values of ``shape``, one per element index, from an int64 0-d ``key``."""
-    import torch
-
     bits = _hash32(_hash32(_element_index(shape, key.device) ^ key) + key & _MASK32)
     return (bits >> 8).to(dtype) * (1.0 / (1 << 24))
 

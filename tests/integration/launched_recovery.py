@@ -2,7 +2,7 @@
 launched executors, unbroken and with a checkpoint every 2 steps, killing (or stopping: argv[3]) executor-1 (on node
 1) after step 3 of the second run; prints one JSON record: both loss lists, the trainer's stats and each executor's epoch."""
 
-import json, os, signal, sys, time, torch, torch.nn as nn
+import json, os, signal, sys, torch, torch.nn as nn
 import pathways_torch as pw
 
 steps, directory = int(sys.argv[1]), sys.argv[2]

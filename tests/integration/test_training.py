@@ -7,7 +7,6 @@ from __future__ import annotations
 import copy
 import dataclasses
 import gc
-import json
 import os
 import sys
 import time

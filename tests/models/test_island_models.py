@@ -6,7 +6,6 @@ BatchNorm's per-shard statistics)."""
 from __future__ import annotations
 
 import pytest
-import torch
 
 import pathways_torch as pw
 from tests.models.cases import CASES, ddp_oracle, eager_oracle
