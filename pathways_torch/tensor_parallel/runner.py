@@ -142,42 +142,28 @@ class TensorParallelRunner(DataParallelRunner):
 
     def put_state(self, tensors: dict) -> None:
         layout, t = self.layout, self.trainer
-        items = [self._placed(b, kind, lambda s: f"model/{s}", tensors) for b, kind in zip(layout.buckets, self.kinds)]
-        items += [self._placed(b, kind, lambda s, n=name: f"optimizer/{s}/{n}", tensors)
-                  for b, kind in zip(layout.buckets, self.kinds) for name in layout.state_names]
-        items += [(tensors[f"model/{n}"], Replicate()) for n in layout.buffer_names + layout.frozen_names]
+        items = layout.state_items(tensors, self._placed)
         self._flats, self._states, self._buffers, self._frozen = layout.split_state(t._context.put_many(items, t.mesh))
 
-    def _placed(self, bucket: Bucket, kind: str, key, tensors: dict) -> tuple:
-        """(host array, placement) of one flat of ``bucket`` (``key``: slot name → the named tensor's key)."""
+    def _placed(self, index: int, bucket: Bucket, named: dict) -> tuple:
+        """(host array, placement) of one flat of bucket ``index`` (`StepLayout.state_items`): a split bucket's
+        model shards' flats side by side on the mesh."""
+        kind = self.kinds[index]
         placement = self._bucket_placement(kind)
         if kind != SPLIT:
-            return flatten(bucket, {s.name: tensors[key(s.name)].to(bucket.dtype) for s in bucket.slots},
-                           self._padded(bucket)), placement
-        flats = [flatten(bucket, {s.name: shard_of(tensors[key(s.name)].to(bucket.dtype),
-                                                   self.tensor_plan.split_of(s.name), self.model_size, m)
-                                  for s in bucket.slots}, self._padded(bucket))
+            return flatten(bucket, named, self._padded(bucket)), placement
+        flats = [flatten(bucket, {n: shard_of(t, self.tensor_plan.split_of(n), self.model_size, m)
+                                  for n, t in named.items()}, self._padded(bucket))
                  for m in range(self.model_size)]
         mesh = self.trainer.mesh
         return placed_flat(flats, normalize_placements(placement, mesh), mesh, self.tensor.axis), placement
 
     def named_tensors(self) -> dict:
-        layout = self.layout
-        flats, states, buffers, frozen = layout.split_state(self.checkpoint_arrays())
-        tensors = {}
-        states = iter(states)
-        for bucket, kind, flat in zip(layout.buckets, self.kinds, flats):
-            tensors.update({f"model/{n}": t for n, t in self._joined(bucket, kind, flat).items()})
-            for name in layout.state_names:
-                values = self._joined(bucket, kind, next(states))
-                tensors.update({f"optimizer/{n}/{name}": t for n, t in values.items()})
-        for name, array in zip(layout.buffer_names + layout.frozen_names, [*buffers, *frozen]):
-            tensors[f"model/{name}"] = array.result()
-        return tensors
+        return self.layout.named_tensors(self.checkpoint_arrays(), self._joined)
 
-    def _joined(self, bucket: Bucket, kind: str, array) -> dict:
-        """The bucket's named tensors, whole, from its array (joined from the model shards' slices)."""
-        whole = array.result()
+    def _joined(self, index: int, bucket: Bucket, array) -> dict:
+        """The named tensors of bucket ``index``, whole, from its array (joined from the model shards' slices)."""
+        whole, kind = array.result(), self.kinds[index]
         if kind != SPLIT:
             return {n: t.clone() for n, t in unflatten(bucket, whole).items()}
         mesh = self.trainer.mesh

@@ -16,11 +16,13 @@ __all__ = ["shard_of", "join", "placed_flat", "flats_of"]
 
 def shard_of(tensor, split, size: int, rank: int):
     """Shard ``rank`` of ``size`` of ``tensor`` under ``split`` (a copy; the whole tensor when not split)."""
+    import torch
+
+    from .layouts import local_slice      # the slice a shard takes of a whole tensor inside the step, too
+
     if split.dim is None:
         return tensor.clone()
-    dim = split.dim % tensor.dim()
-    width = tensor.shape[dim] // (split.chunks * size)
-    return tensor.unflatten(dim, (split.chunks, size, width)).select(dim + 1, rank).flatten(dim, dim + 1).clone()
+    return local_slice(tensor, split.dim, size, split.chunks, torch.tensor([rank]))      # index_select: a copy
 
 
 def join(pieces: list, split):

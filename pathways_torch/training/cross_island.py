@@ -211,7 +211,7 @@ class CrossIslandRunner(HoldsTrainer):
         """The same state on every island (each island's own copy, under the inner plan's placement)."""
         layout, ctx = self.layout, self.trainer._context
         padded = [b.padded_numel(self.num_shards) if self.inner.sharded_state else b.numel for b in layout.buckets]
-        items = layout.state_items(tensors, padded, self._state_placement())
+        items = layout.state_items(tensors, layout.placer(padded, self._state_placement()))
         # Assigned whole at the end: a put that fails (a loss) leaves the previous state.
         self._state = [ctx.put_many(items, mesh) for mesh in self._islands]
 

@@ -107,7 +107,7 @@ class DataParallelRunner(HoldsTrainer):
         """The named state as flat buckets under the plan's placement (padded to split evenly when sharded)."""
         layout, t = self.layout, self.trainer
         padded = [b.padded_numel(self.num_shards) if self.plan.sharded_state else b.numel for b in layout.buckets]
-        items = layout.state_items(tensors, padded, self.plan.state_placement())
+        items = layout.state_items(tensors, layout.placer(padded, self.plan.state_placement()))
         self._flats, self._states, self._buffers, self._frozen = layout.split_state(
             t._context.put_many(items, t.mesh))
 

@@ -52,33 +52,43 @@ class StepLayout:
         return (list(arrays[:nb]), list(arrays[nb:states_end]), list(arrays[states_end:states_end + nbuf]),
                 list(arrays[states_end + nbuf:]))
 
-    def state_items(self, tensors: dict, padded: list, placement) -> list:
-        """``(host tensor, placement)`` of the named state ``tensors`` in state order: each bucket's flat
-        parameters padded to ``padded`` elements, then their optimizer state (bucket-major), both under
-        ``placement``; buffers and frozen parameters replicated."""
+    @staticmethod
+    def placer(padded: list, placement):
+        """How `state_items` lays a bucket's flat on the mesh by default: flattened, padded to ``padded[index]``
+        elements, under ``placement``."""
+        return lambda index, bucket, named: (flatten(bucket, named, padded[index]), placement)
+
+    def state_items(self, tensors: dict, place) -> list:
+        """``(host tensor, placement)`` of the named state ``tensors`` in state order: each bucket's parameters,
+        then their optimizer state (bucket-major), each as ``place(bucket index, bucket, its named tensors)``
+        lays them (`placer`); buffers and frozen parameters replicated."""
         from ..placement import Replicate
 
-        def bucket_flat(bucket, n, key):
-            return flatten(bucket, {s.name: tensors[key(s.name)].to(bucket.dtype) for s in bucket.slots}, n)
+        def named(bucket, key):
+            return {s.name: tensors[key(s.name)].to(bucket.dtype) for s in bucket.slots}
 
-        items = [(bucket_flat(b, n, lambda s: f"model/{s}"), placement) for b, n in zip(self.buckets, padded)]
-        items += [(bucket_flat(b, n, lambda s, name=name: f"optimizer/{s}/{name}"), placement)
-                  for b, n in zip(self.buckets, padded) for name in self.state_names]
+        items = [place(i, b, named(b, lambda s: f"model/{s}")) for i, b in enumerate(self.buckets)]
+        items += [place(i, b, named(b, lambda s, name=name: f"optimizer/{s}/{name}"))
+                  for i, b in enumerate(self.buckets) for name in self.state_names]
         items += [(tensors[f"model/{n}"], Replicate()) for n in self.buffer_names + self.frozen_names]
         return items
 
-    def named_tensors(self, arrays: list) -> dict:
+    def named_tensors(self, arrays: list, unflat=None) -> dict:
         """The state held in ``arrays`` (state order) as named host tensors (``model/<name>``,
-        ``optimizer/<param>/<state>``); waits for them."""
+        ``optimizer/<param>/<state>``); waits for them. ``unflat(bucket index, bucket, array)``: one flat's
+        named tensors, copied out (default: the array's value, unflattened)."""
+        if unflat is None:
+            def unflat(index, bucket, array):
+                return {n: t.clone() for n, t in unflatten(bucket, array.result()).items()}
         tensors = {}
         flats, states, buffers, frozen = self.split_state(arrays)
-        for bucket, flat in zip(self.buckets, flats):
-            tensors.update({f"model/{n}": t.clone() for n, t in unflatten(bucket, flat.result()).items()})
+        for index, (bucket, flat) in enumerate(zip(self.buckets, flats)):
+            tensors.update({f"model/{n}": t for n, t in unflat(index, bucket, flat).items()})
         states = iter(states)   # bucket-major
-        for bucket in self.buckets:
+        for index, bucket in enumerate(self.buckets):
             for name in self.state_names:
-                values = unflatten(bucket, next(states).result())
-                tensors.update({f"optimizer/{n}/{name}": t.clone() for n, t in values.items()})
+                values = unflat(index, bucket, next(states))
+                tensors.update({f"optimizer/{n}/{name}": t for n, t in values.items()})
         for name, array in zip(self.buffer_names + self.frozen_names, [*buffers, *frozen]):
             tensors[f"model/{name}"] = array.result()
         return tensors
