@@ -19,7 +19,12 @@ from .wire import pb
 from .wire.graph_schema import GraphSchemaError, encode_graph
 from .wire.tensors import dtype_name
 
-__all__ = ["CapturedVersion", "InputSpec", "capture"]
+__all__ = ["CapturedVersion", "InputSpec", "capture", "DECOMPOSITIONS"]
+
+DECOMPOSITIONS: dict = {}
+"""Op → the function a captured graph runs in its place. Ops that exist only while a step is written (the
+tensor-parallel moves, whose gradient rules must reach the pipeline's own autograd) add theirs here when
+defined; the executors never see them, only the ``pathways::`` collectives and aten ops they become."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -141,14 +146,15 @@ def _trace(flat, inputs, *, data_dependent_sizes: bool, record_stack_traces: boo
     with FakeTensorMode(shape_env=shape_env, static_shapes=True):
         fakes = [torch.empty(spec.shape, dtype=spec.dtype) for spec in inputs]
     if not record_stack_traces:
-        return make_fx(flat, tracing_mode="fake")(*fakes)
+        return make_fx(flat, tracing_mode="fake", decomposition_table=DECOMPOSITIONS)(*fakes)
     # make_fx keeps only the frames of modules' forward methods; a plain function's own lines matter too.
     from unittest import mock
 
     from torch.fx.experimental import proxy_tensor
 
     with mock.patch.object(proxy_tensor.PythonKeyTracer, "_filter_traceback_frames", lambda self, summary: summary):
-        return make_fx(flat, tracing_mode="fake", record_stack_traces=True)(*fakes)
+        return make_fx(flat, tracing_mode="fake", record_stack_traces=True,
+                       decomposition_table=DECOMPOSITIONS)(*fakes)
 
 
 def _innermost_user_frame(stack_trace: str) -> str:

@@ -63,20 +63,25 @@ def pipeline_schedule(plan, num_ranks: int) -> tuple[Schedule, list]:
     return simulation.schedule, [action for _, action in simulation.order if action.is_compute]
 
 
-def stage_meshes(context, mesh, axis: str, data_axis: str, num_shards: int, num_ranks: int) -> list:
-    """One mesh per pipe rank: its executors along the data axis (in data order). Across islands, rank
-    ``island x pipe_size + pipe``: each island holds consecutive stages."""
+def stage_meshes(context, mesh, axis: str, data_axis: str, num_shards: int, num_ranks: int,
+                 model: tuple[str, int] | None = None) -> list:
+    """One mesh per pipe rank: its executors along the data axis (in data order), or, with ``model`` (the model
+    axis and its size), a 2-D mesh data x model. Across islands, rank ``island x pipe_size + pipe``: each
+    island holds consecutive stages."""
     from ..islands import ISLAND_AXIS
 
     names = mesh.axis_names
     pipe_dim, pipe_size = names.index(axis), mesh.axes[axis]
     island_dim = names.index(ISLAND_AXIS) if ISLAND_AXIS in names else None
+    inner = [a for a in (data_axis, model[0] if model else None) if a in names]
     by_rank: dict[int, list] = collections.defaultdict(list)
     for position, executor_id in enumerate(mesh.executor_ids):
         coords = mesh.coords(position)
         island = coords[island_dim] if island_dim is not None else 0
-        by_rank[island * pipe_size + coords[pipe_dim]].append(executor_id)
-    return [context.mesh({data_axis: num_shards}, executors=by_rank[r]) for r in range(num_ranks)]
+        order = tuple(coords[names.index(a)] for a in inner)
+        by_rank[island * pipe_size + coords[pipe_dim]].append((order, executor_id))
+    axes = {data_axis: num_shards, **({model[0]: model[1]} if model else {})}
+    return [context.mesh(axes, executors=[e for _, e in sorted(by_rank[r])]) for r in range(num_ranks)]
 
 
 def build_step(runner, form, tensors: list, modes: tuple | None = None) -> Built:
@@ -97,7 +102,7 @@ def build_step(runner, form, tensors: list, modes: tuple | None = None) -> Built
     constants = list(layout.buffer_names) + list(layout.frozen_names)
     try:
         split = split_model(t.model, t.loss_fn, form, examples, trained=trained, constants=constants,
-                            num_chunks=runner._schedule.num_chunks, seed=t.seed)
+                            num_chunks=runner._schedule.num_chunks, seed=t.seed, tensor=runner.tensor)
     except CaptureError as exc:
         raise t._located(exc) from exc.__cause__
     assignment = tuple(c.params for c in split.chunks)
@@ -119,31 +124,34 @@ def build_step(runner, form, tensors: list, modes: tuple | None = None) -> Built
 def _chunk_plan(runner, split, chunk, examples) -> ChunkPlan:
     import torch
 
-    model = runner.trainer.model
+    model, tensor = runner.trainer.model, runner.tensor
     params = dict(model.named_parameters())
     tensors = {**params, **dict(model.named_buffers())}
-    inputs = [torch.empty(tensors[n].shape, dtype=tensors[n].dtype, device="meta")
-              for n in chunk.params + chunk.constants]
+    inputs = [torch.empty(tensor.local_shape(n) if tensor is not None and n in params else tensors[n].shape,
+                          dtype=tensors[n].dtype, device="meta") for n in chunk.params + chunk.constants]
     examples = [*examples, torch.empty((1, 2), dtype=torch.int64, device="meta")]   # + the dropout key
+    if tensor is not None:
+        examples.append(torch.empty((1,), dtype=torch.int64, device="meta"))       # + the model rank
     inputs += [examples[i] for i in chunk.batch_leaves]
     inputs += [torch.empty(split.value_layouts[v][0], dtype=split.value_layouts[v][1], device="meta")
                for v in chunk.incoming]
     scale = 1.0 / runner.plan.microbatches
     autograd = partition_chunk(chunk, inputs, set(range(len(chunk.params))), scale, recompute=runner.plan.recompute)
     buckets, _ = make_buckets(model, runner.trainer.optimizer, only=set(chunk.params))
+    buckets, kinds = tensor.cut(buckets) if tensor is not None else (buckets, None)
     shared = tuple(n for n in chunk.params if any(n in o.params for o in split.chunks if o is not chunk))
     partners = tuple((o.index, tuple(n for n in o.params if n in chunk.params and n in shared))
                      for o in split.chunks if o is not chunk and set(o.params) & set(shared))
     return ChunkPlan(chunk=chunk, autograd=autograd, buckets=tuple(buckets),
                      num_states=len(runner.layout.state_names), shared=shared, partners=partners,
-                     data=runner.data, num_shards=runner.num_shards)
+                     data=runner.data, num_shards=runner.num_shards,
+                     tensor=tensor.step(kinds) if tensor is not None else None)
 
 
 def _functions(runner, plans: list) -> list[dict]:
     """Each chunk's captured functions, on its rank's stage mesh."""
     t, layout, microbatches = runner.trainer, runner.layout, runner.plan.microbatches
-    state = runner.data.state_placement() if runner.num_shards > 1 else Replicate()
-    numel = {s.name: s.numel for b in layout.buckets for s in b.slots}
+    numel = {s.name: s.numel for p in plans for b in p.buckets for s in b.slots}
     partner_slots = {p.chunk.index: [(n, numel[n]) for n in p.shared] for p in plans}
     owner = {}   # a shared parameter's norm is counted by the first chunk holding it
     for p in plans:
@@ -153,7 +161,9 @@ def _functions(runner, plans: list) -> list[dict]:
     for plan in plans:
         mesh = runner._mesh_of(plan.chunk.index)
         ag, nb = plan.autograd, len(plan.buckets)
-        update_outs = [state] * (nb * (1 + plan.num_states)) + ([Replicate()] if plan.chunk.has_loss else [])
+        state = runner.state_placements(plan)
+        update_outs = state + [p for p in state for _ in range(plan.num_states)]
+        update_outs += [Replicate()] if plan.chunk.has_loss else []
         backward_outs = (Replicate(),) * (plan.num_incoming_grads + len(plan.buckets))
         functions.append({
             "forward": Function(make_forward(plan), out=(Replicate(),) * (ag.num_outputs + ag.num_saved), mesh=mesh),
@@ -167,10 +177,10 @@ def _functions(runner, plans: list) -> list[dict]:
             owned = tuple(n for n in plan.chunk.params if owner[n] == plan.chunk.index)
             functions[-1]["reduce"] = Function(
                 make_reduce(plan, microbatches, partner_slots, owned), mesh=mesh,
-                out=(state,) * nb + (Replicate(),) * (1 + plan.chunk.has_loss))
+                out=(*state, *(Replicate(),) * (1 + plan.chunk.has_loss)))
             functions[-1]["apply"] = Function(
                 make_apply(plan, t._spec, layout.num_groups, len(plans), t.max_grad_norm),
-                out=(state,) * (nb * (1 + plan.num_states)), mesh=mesh)
+                out=tuple(update_outs[:nb * (1 + plan.num_states)]), mesh=mesh)
     return functions
 
 

@@ -76,10 +76,27 @@ class PipelineCheckpoints:
     def checkpoint_parts(self) -> list:
         """One `CheckpointPart` per chunk, written by its stage's executors, and one of the loose names."""
         sharded = self.data.sharded_state and self.num_shards > 1
+        if self.tensor is not None:
+            return self._model_shard_parts(sharded)
         parts = [CheckpointPart(buckets=plan.buckets, state_names=self.layout.state_names, flats=flats, states=states,
                                 wholes=[(f"model/{n}", a) for n, a in zip(plan.chunk.constants, constants)],
                                 holders=tuple(self._mesh_of(plan.chunk.index).executor_ids), sharded=sharded)
                  for plan, (flats, states, constants) in zip(self._train_plans(), self._chunk_state)]
+        if self._loose:
+            parts.append(CheckpointPart(buckets=(), state_names=self.layout.state_names, flats=[], states=[],
+                                        wholes=list(self._loose), holders=tuple(self._stage_meshes[0].executor_ids),
+                                        sharded=False))
+        return parts
+
+    def _model_shard_parts(self, sharded: bool) -> list:
+        """Under tensor parallelism: one part per chunk and model shard (`tensor_parallel.checkpoint_parts`)."""
+        from ..tensor_parallel.checkpoint_parts import model_shard_parts
+
+        parts = []
+        for plan, (flats, states, constants) in zip(self._train_plans(), self._chunk_state):
+            wholes = [(f"model/{n}", a) for n, a in zip(plan.chunk.constants, constants)]
+            parts += model_shard_parts(plan.buckets, plan.tensor.kinds, self.layout.state_names, flats, states,
+                                       wholes, self._mesh_of(plan.chunk.index), self.tensor.plan, sharded)
         if self._loose:
             parts.append(CheckpointPart(buckets=(), state_names=self.layout.state_names, flats=[], states=[],
                                         wholes=list(self._loose), holders=tuple(self._stage_meshes[0].executor_ids),

@@ -40,6 +40,7 @@ class ChunkPlan:
     partners: tuple[tuple[int, tuple[str, ...]], ...]   # (other chunk, its shared names) to add in
     data: object                  # the DataParallel plan inside the stage
     num_shards: int
+    tensor: object = None         # under tensor parallelism, the buckets' `TensorStep` (kinds, partial sums)
 
     @property
     def num_incoming_grads(self) -> int:
@@ -154,15 +155,16 @@ def make_reduce(plan: ChunkPlan, num_microbatches: int, partner_slots: dict, own
         grads = [next(it) for _ in range(num_buckets)]
         losses = [next(it) for _ in range(num_microbatches)] if has_loss else []
         grads, loss = _reduce(plan, grads, losses, [next(it) for _ in plan.partners], partner_slots)
-        if plan.data.sharded_state:   # this shard's slice of every bucket: sum, then over the stage
-            squares = sum((g.to(torch.float64) ** 2).sum() for g in grads)
-            squares = plan.data.global_sum(squares, plan.num_shards)
+        zero = torch.zeros((), dtype=torch.float64)
+        if plan.data.sharded_state:   # this shard's slice of every bucket
+            per_bucket = [(g.to(torch.float64) ** 2).sum() for g in grads]
         else:
-            named = {}
-            for bucket, flat in zip(plan.buckets, grads):
-                named.update(unflatten(bucket, flat))
-            squares = sum(((named[n].to(torch.float64) ** 2).sum() for n in owned),
-                          torch.zeros((), dtype=torch.float64))
+            per_bucket = [sum(((t.to(torch.float64) ** 2).sum() for n, t in unflatten(bucket, flat).items()
+                               if n in owned), zero) for bucket, flat in zip(plan.buckets, grads)]
+        # Over the model axis (split buckets' slices summed, whole ones once), then over the stage's data axis.
+        squares = plan.tensor.sum_squares(per_bucket) + zero if plan.tensor is not None else sum(per_bucket, zero)
+        if plan.data.sharded_state:
+            squares = plan.data.global_sum(squares, plan.num_shards)
         return (*grads, squares, *([loss] if has_loss else []))
 
     reduce.__name__ = f"pipeline_reduce[{plan.chunk.index}]"
@@ -203,6 +205,8 @@ def _reduce(plan: ChunkPlan, grads: list, losses: list, partner_grads: list, par
 
     if partner_grads:
         grads = _add_partner_grads(plan, grads, partner_grads, partner_slots)
+    if plan.tensor is not None:    # a sequence slice's gradients (its norms'), summed over the model axis
+        grads = plan.tensor.complete(grads)
     loss = None
     if losses:
         loss = torch.stack(losses).mean()

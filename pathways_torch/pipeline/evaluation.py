@@ -24,6 +24,7 @@ __all__ = ["evaluate"]
 class _EvalProgram:
     chunks: tuple
     program: Program
+    rank_leaf: int = -1      # the model rank's batch leaf under tensor parallelism (`split.SplitModel`)
 
 
 def evaluate(runner, batch):
@@ -40,6 +41,9 @@ def evaluate(runner, batch):
         for chunk in program.chunks:
             r = schedule.rank_of(chunk.index)
             for leaf in chunk.batch_leaves:
+                if leaf == program.rank_leaf:
+                    per_mesh[r].append(runner.tensor.rank())
+                    continue
                 per_mesh[r].append((tensors[leaf][m * rows:(m + 1) * rows], {runner.data.axis: Shard(0)}))
     put = {r: iter(trainer._context.put_many(items, runner._stage_meshes[r])) for r, items in per_mesh.items()}
     batch_arrays = [next(put[schedule.rank_of(c.index)])
@@ -68,7 +72,8 @@ def _eval_program(runner, form, tensors: list, train):
     with eval_mode(trainer.model):
         try:
             split = split_model(trainer.model, trainer.loss_fn, form, examples, trained=trained, constants=constants,
-                                num_chunks=runner._schedule.num_chunks, seed=trainer.seed, allow_buffer_reads=True)
+                                num_chunks=runner._schedule.num_chunks, seed=trainer.seed, allow_buffer_reads=True,
+                                tensor=runner.tensor)
         except CaptureError as exc:
             raise trainer._located(exc, "evaluate") from exc.__cause__
     if tuple(c.params for c in split.chunks) != runner._assignment:
@@ -98,5 +103,5 @@ def _eval_program(runner, form, tensors: list, train):
         return mean(*losses)
 
     known = runner._built[key] = _EvalProgram(split.chunks, Program(
-        pipeline_evaluate, name=f"pipeline_evaluate[{type(trainer.model).__name__}]"))
+        pipeline_evaluate, name=f"pipeline_evaluate[{type(trainer.model).__name__}]"), split.rank_leaf)
     return known, rows

@@ -24,7 +24,9 @@ class Pipeline:
     `pathways_torch.pipeline.schedules`). ``data``: ``None`` or ``pw.DataParallel(axis)`` /
     ``pw.ShardedDataParallel(axis)`` inside every stage. ``recompute``: save only each
     chunk's inputs and recompute its forward in the backward (activation checkpointing).
-    ``balance``: how the automatic split weighs blocks (``"parameters"``).
+    ``balance``: how the automatic split weighs blocks (``"parameters"``). ``tensor``: ``None`` or
+    ``pw.TensorParallel(plan, axis)``: every stage's layers split over the mesh's model axis too (a 3-D
+    mesh pipe x data x model); its ``data`` stays None, the stages' data plan is this one's ``data``.
     """
 
     stages: int | None = None
@@ -35,6 +37,7 @@ class Pipeline:
     recompute: bool = False
     axis: str = "pipe"
     balance: str = "parameters"
+    tensor: object = None
 
     def __post_init__(self):
         if not isinstance(self.microbatches, int) or self.microbatches < 1:
@@ -46,6 +49,7 @@ class Pipeline:
         if self.data is not None and not isinstance(self.data, DataParallel):
             raise PlacementError(f"pw.Pipeline: data must be None, pw.DataParallel(axis) or "
                                  f"pw.ShardedDataParallel(axis), got {self.data!r}")
+        _check_tensor(self.tensor)
         if self.balance != "parameters":
             raise PlacementError(f"pw.Pipeline: balance must be 'parameters', got {self.balance!r}")
         is_text = "\n" in self.schedule or ":" in self.schedule
@@ -79,7 +83,16 @@ class Pipeline:
             raise PlacementError(f"pw.Pipeline: stages={self.stages} but the mesh's {self.axis!r} axis has size "
                                  f"{axes[self.axis]}{across}; use stages={stages} (or None), or a mesh with "
                                  f"{self.axis!r}: {self.stages}")
-        others = {a: n for a, n in axes.items() if a not in (self.axis, ISLAND_AXIS)}
+        model_axis = self.tensor.axis if self.tensor is not None else None
+        if model_axis is not None:
+            if model_axis not in axes:
+                raise PlacementError(f"pw.Pipeline: tensor={self.tensor!r} splits layers over axis {model_axis!r}; "
+                                     f"the mesh has axes {list(axes)}: make it with one, e.g. ctx.mesh("
+                                     f"{{{self.axis!r}: 2, 'data': 1, {model_axis!r}: 2}})")
+            if islands > 1:
+                raise PlacementError("pw.Pipeline: tensor parallelism inside stages that run across islands is not "
+                                     "supported yet; use one island")
+        others = {a: n for a, n in axes.items() if a not in (self.axis, ISLAND_AXIS, model_axis)}
         if self.data is None:
             if any(n > 1 for n in others.values()):
                 raise PlacementError(f"pw.Pipeline: the mesh has axes {others} besides {self.axis!r} but the plan "
@@ -93,3 +106,15 @@ class Pipeline:
     @property
     def num_chunks_per_rank(self) -> int:
         return self.virtual_stages
+
+
+def _check_tensor(tensor) -> None:
+    if tensor is None:
+        return
+    from ..tensor_parallel.plan import TensorParallel
+
+    if not isinstance(tensor, TensorParallel):
+        raise PlacementError(f"pw.Pipeline: tensor must be None or pw.TensorParallel(plan, axis), got {tensor!r}")
+    if tensor.data is not None:
+        raise PlacementError(f"pw.Pipeline: tensor={tensor!r} has its own data=...; inside a pipeline the stages' "
+                             f"data plan is the pipeline's: pass data= to pw.Pipeline instead")

@@ -17,6 +17,7 @@ from ..training.step import make_layout
 from .build import Built, build_step, pipeline_schedule, stage_meshes
 from .checkpoints import PipelineCheckpoints
 from .evaluation import evaluate
+from .tensor import stage_tensor
 from ..training.runner import HoldsTrainer
 
 __all__ = ["PipelineRunner"]
@@ -27,19 +28,21 @@ class PipelineRunner(PipelineCheckpoints, HoldsTrainer):
 
     # The plan's own views, and what tests and benches read through the trainer.
     exposed = ("schedule", "stages", "timeline", "num_ranks", "data", "_stage_meshes", "_train_plans",
-               "_last_step_spans", "_chunk_state", "_built", "_schedule")
+               "_last_step_spans", "_chunk_state", "_built", "_schedule", "placements")
 
     def __init__(self, trainer, plan):
         self.trainer, self.plan = trainer, plan
         self.num_ranks, self.num_shards = plan.check(trainer.mesh)
         self.data = plan.data if plan.data is not None else DataParallel("data")
         self._schedule, self._compute_actions = pipeline_schedule(plan, self.num_ranks)
+        self.tensor = stage_tensor(trainer.model, plan, trainer.mesh)    # None without tensor=
 
     def build(self):
         t = self.trainer
         self.layout = make_layout(t.model, t.optimizer, t._spec)
+        model = (self.tensor.axis, self.tensor.size) if self.tensor is not None else None
         self._stage_meshes = stage_meshes(t._context, t.mesh, self.plan.axis, self.data.axis, self.num_shards,
-                                          self.num_ranks)
+                                          self.num_ranks, model)
         self._built: dict = {}
         self._last_built: Built | None = None
         self._assignment = None          # chunk → its parameter names, fixed by the first split
@@ -91,20 +94,56 @@ class PipelineRunner(PipelineCheckpoints, HoldsTrainer):
             self._host_state = tensors
             self._chunk_state = None
             return
-        state_placement = self.data.state_placement() if self.num_shards > 1 else Replicate()
         plans, state_names = self._train_plans(), self.layout.state_names
         chunk_state = []
         for plan in plans:
-            items = [(_flat(b, n, tensors, lambda s: f"model/{s}"), state_placement)
-                     for b, n in zip(plan.buckets, plan.padded)]
-            items += [(_flat(b, n, tensors, lambda s, name=name: f"optimizer/{s}/{name}"), state_placement)
-                      for b, n in zip(plan.buckets, plan.padded) for name in state_names]
+            items = [self._host_flat(plan, b, tensors, lambda s: f"model/{s}") for b in range(len(plan.buckets))]
+            items += [self._host_flat(plan, b, tensors, lambda s, name=name: f"optimizer/{s}/{name}")
+                      for b in range(len(plan.buckets)) for name in state_names]
             items += [(tensors[f"model/{n}"], Replicate()) for n in plan.chunk.constants]
             arrays = self.trainer._context.put_many(items, self._mesh_of(plan.chunk.index))
             nb, ns = len(plan.buckets), len(state_names)
             chunk_state.append([arrays[:nb], arrays[nb:nb * (1 + ns)], arrays[nb * (1 + ns):]])
         self._put_loose(tensors, plans)
         self._chunk_state, self._host_state = chunk_state, None
+
+    def state_placements(self, plan) -> list:
+        """Where each of ``plan``'s (a `ChunkPlan`) flats lives on its stage mesh: as the data plan places state,
+        and ``Shard(0)`` on the model axis for a bucket of split parameters."""
+        data = self.data.state_placement() if self.num_shards > 1 else Replicate()
+        if self.tensor is None:
+            return [data] * len(plan.buckets)
+        return [self.tensor.placement(kind, data) for kind in plan.tensor.kinds]
+
+    def _host_flat(self, plan, index: int, tensors: dict, key) -> tuple:
+        """(host array, placement) of flat ``index`` of ``plan``, from the named ``tensors`` (``key(name)``)."""
+        bucket, numel = plan.buckets[index], plan.padded[index]
+        placement = self.state_placements(plan)[index]
+        if self.tensor is None:
+            return _flat(bucket, numel, tensors, key), placement
+        named = {s.name: tensors[key(s.name)].to(bucket.dtype) for s in bucket.slots}
+        return self.tensor.host_flat(bucket, plan.tensor.kinds[index], named, numel, placement,
+                                     self._mesh_of(plan.chunk.index)), placement
+
+    def _named(self, plan, index: int, array) -> dict:
+        """The named whole tensors of flat ``index`` of ``plan`` from its array (joined over the model axis)."""
+        bucket = plan.buckets[index]
+        if self.tensor is None:
+            return {n: t.clone() for n, t in unflatten(bucket, array.result()).items()}
+        return self.tensor.named(bucket, plan.tensor.kinds[index], array.result(), self.state_placements(plan)[index],
+                                 self._mesh_of(plan.chunk.index))
+
+    @property
+    def placements(self):
+        """Each parameter's placement on the model axis (under ``tensor=``): the plan's styles, global shape ->
+        local shape."""
+        if self.tensor is None:
+            raise PlacementError("trainer.placements: this pipeline splits no layers; pass "
+                                 "tensor=pw.TensorParallel(plan) to pw.Pipeline")
+        from ..tensor_parallel.runner import _Text
+
+        return _Text(self.tensor.describe(f"{self.num_ranks} stages on {self.plan.axis!r}, data axis "
+                                          f"{self.data.axis!r} of {self.num_shards}"))
 
     def _train_plans(self) -> list:
         return next(b for b in self._built.values() if isinstance(b, Built)).plans
@@ -119,14 +158,14 @@ class PipelineRunner(PipelineCheckpoints, HoldsTrainer):
             return {k: v.clone() for k, v in self._host_state.items()}
         tensors = dict(self._constants_on_host())
         for plan, (flats, states, _) in zip(self._train_plans(), self._chunk_state):
-            for bucket, flat in zip(plan.buckets, flats):
-                for name, t in unflatten(bucket, flat.result()).items():
-                    tensors.setdefault(f"model/{name}", t.clone())
+            for index, flat in enumerate(flats):
+                for name, t in self._named(plan, index, flat).items():
+                    tensors.setdefault(f"model/{name}", t)
             it = iter(states)
-            for bucket in plan.buckets:
+            for index in range(len(plan.buckets)):
                 for state_name in self.layout.state_names:
-                    for name, t in unflatten(bucket, next(it).result()).items():
-                        tensors.setdefault(f"optimizer/{name}/{state_name}", t.clone())
+                    for name, t in self._named(plan, index, next(it)).items():
+                        tensors.setdefault(f"optimizer/{name}/{state_name}", t)
         for name, array in self._loose:          # what no chunk holds (never updated by a step)
             tensors.setdefault(name, array.result())
         return tensors
@@ -153,6 +192,9 @@ class PipelineRunner(PipelineCheckpoints, HoldsTrainer):
             for plan in built.plans:
                 r = self._schedule.rank_of(plan.chunk.index)
                 for leaf in plan.chunk.batch_leaves:
+                    if leaf == built.split.rank_leaf:
+                        per_mesh[r].append(self.tensor.rank())
+                        continue
                     value = leaves[leaf] if leaf == built.split.rng_leaf else leaves[leaf][m * rows:(m + 1) * rows]
                     per_mesh[r].append((value, {axis: Shard(0)}))
         put = {r: iter(ctx.put_many(items, self._stage_meshes[r])) for r, items in per_mesh.items()}

@@ -60,6 +60,7 @@ class SplitModel:
     value_layouts: dict          # value number → (shape, dtype) of a value crossing chunks
     how: str                     # "pipe_split markers" or "blocks of model.<name>"
     rng_leaf: int = -1           # the batch-leaf index of the dropout key input: int64[1, 2] = (step, first row)
+    rank_leaf: int = -1          # under tensor parallelism, the leaf of the model rank: int64[1] (else -1)
 
     def describe(self, param_numel: dict, rank_of=lambda c: c) -> str:
         """Which module went where and each chunk's parameter count, as text."""
@@ -113,18 +114,23 @@ def balanced_boundaries(costs: list[float], num_chunks: int) -> list[int]:
 
 
 def split_model(model, loss_fn, form, leaves: list, *, trained: list[str], constants: list[str],
-                num_chunks: int, seed: int = 0, allow_buffer_reads: bool = False) -> SplitModel:
+                num_chunks: int, seed: int = 0, allow_buffer_reads: bool = False, tensor=None) -> SplitModel:
     """Trace ``model`` + loss on example ``leaves`` (one microbatch shard) and cut it into ``num_chunks``.
 
     One more batch leaf follows the batch's own: the dropout key, int64[1, 2] = (step number, global
     index of the shard's first row); a chunk with dropout reads it (`SplitModel.rng_leaf`).
     ``allow_buffer_reads`` is for evaluation: a forward that writes a buffer is refused only in training.
+    ``tensor`` (a `pipeline.tensor.StageTensor`): the forward is traced per model shard, on each parameter's
+    local shape with the plan lowered into it; one more leaf, the model rank (int64[1]), follows the key.
     """
     import torch
 
     leaves = [*leaves, torch.empty((1, 2), dtype=torch.int64, device="meta")]
+    if tensor is not None:
+        leaves.append(torch.empty((1,), dtype=torch.int64, device="meta"))
+    trace = _Trace(model, loss_fn, form, leaves, trained + constants, seed, tensor)
     hooks, how = [], "pipe_split markers"
-    if not _has_markers(model, loss_fn, form, leaves, trained + constants, seed):
+    if not _has_markers(trace):
         name, blocks = find_blocks(model)
         costs = [float(sum(p.numel() for p in b.parameters())) or 1.0 for b in blocks]
         for index in balanced_boundaries(costs, num_chunks):
@@ -132,7 +138,7 @@ def split_model(model, loss_fn, form, leaves: list, *, trained: list[str], const
         how = f"blocks of model.{name}" if name else "the blocks of the nn.Sequential"
     try:
         with _ModuleEntries(model) as entries:
-            graph_module = _trace(model, loss_fn, form, leaves, trained + constants, seed)
+            graph_module = trace()
     finally:
         for hook in hooks:
             hook.remove()
@@ -146,48 +152,70 @@ def split_model(model, loss_fn, form, leaves: list, *, trained: list[str], const
     split = _cut(graph_module, trained, constants, num_chunks, how, refuse_buffer_writes=not allow_buffer_reads)
     modules = entries.by_chunk(num_chunks)
     chunks = tuple(dataclasses.replace(c, modules=m) for c, m in zip(split.chunks, modules))
-    return dataclasses.replace(split, chunks=chunks, rng_leaf=len(leaves) - 1)
+    extra = {"rank_leaf": len(leaves) - 1} if tensor is not None else {}
+    return dataclasses.replace(split, chunks=chunks, rng_leaf=len(leaves) - 1 - len(extra), **extra)
 
 
-def _trace(model, loss_fn, form, leaves: list, names: list[str], seed: int):
-    import torch
-    from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.fx.experimental.proxy_tensor import make_fx
-    from torch.func import functional_call
+@dataclasses.dataclass(frozen=True)
+class _Trace:
+    """The model's forward and loss on one microbatch shard, traced (``make_fx`` on fake tensors) when called."""
 
-    from ..attention import portable_attention
-    from ..training.batches import forward_loss
-    from ..training.random import sample_keyed_rng
+    model: object
+    loss_fn: object
+    form: object
+    leaves: list
+    names: list
+    seed: int
+    tensor: object = None
 
-    tensors = dict(model.named_parameters())
-    tensors.update(model.named_buffers())
+    def __call__(self):
+        import torch
+        from torch._subclasses.fake_tensor import FakeTensorMode
+        from torch.fx.experimental.proxy_tensor import make_fx
 
-    def whole(*flat):
+        tensors = dict(self.model.named_parameters())
+        tensors.update(self.model.named_buffers())
+        shape = (lambda n: tensors[n].shape) if self.tensor is None else (
+            lambda n: self.tensor.local_shape(n) if n in self.tensor.plan.shapes else tensors[n].shape)
+        with FakeTensorMode(static_shapes=True):
+            fakes = [torch.empty(shape(n), dtype=tensors[n].dtype) for n in self.names]
+            fakes += [torch.empty(t.shape, dtype=t.dtype) for t in self.leaves]
+        try:
+            with CAPTURE_LOCK:   # make_fx patches process-wide state: one trace at a time
+                return make_fx(self._whole, tracing_mode="fake")(*fakes)
+        except CaptureError:
+            raise
+        except Exception as exc:
+            raise CaptureError(f"pw.Pipeline: tracing {type(self.model).__name__}'s forward and loss failed: "
+                               f"{type(exc).__name__}: {exc}") from exc
+
+    def _whole(self, *flat):
+        import contextlib
+
+        import torch
+        from torch.func import functional_call
+
+        from ..attention import portable_attention
+        from ..training.batches import forward_loss
+        from ..training.random import sample_keyed_rng
+
+        names = self.names
         named = dict(zip(names, flat[:len(names)]))
-        batch, key = list(flat[len(names):-1]), flat[-1]
-        with portable_attention(), sample_keyed_rng(seed, key[0, 0], key[0, 1]):
-            loss = forward_loss(functional_call, model, loss_fn, named, form, batch)
+        leaves = list(flat[len(names):])
+        rank = leaves.pop() if self.tensor is not None else None
+        batch, key = leaves[:-1], leaves[-1]
+        lowered = self.tensor.lowered(self.model, rank) if rank is not None else contextlib.nullcontext()
+        with portable_attention(), sample_keyed_rng(self.seed, key[0, 0], key[0, 1]), lowered:
+            loss = forward_loss(functional_call, self.model, self.loss_fn, named, self.form, batch)
         if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
             raise CaptureError(f"pw.Pipeline: the loss must be a 0-d tensor, got {type(loss).__name__}"
                                f"{list(getattr(loss, 'shape', []))}")
         return loss
 
-    with FakeTensorMode(static_shapes=True):
-        fakes = [torch.empty(tensors[n].shape, dtype=tensors[n].dtype) for n in names]
-        fakes += [torch.empty(t.shape, dtype=t.dtype) for t in leaves]
-    try:
-        with CAPTURE_LOCK:   # make_fx patches process-wide state: one trace at a time
-            return make_fx(whole, tracing_mode="fake")(*fakes)
-    except CaptureError:
-        raise
-    except Exception as exc:
-        raise CaptureError(f"pw.Pipeline: tracing {type(model).__name__}'s forward and loss failed: "
-                           f"{type(exc).__name__}: {exc}") from exc
 
-
-def _has_markers(model, loss_fn, form, leaves, names, seed: int) -> bool:
+def _has_markers(trace: _Trace) -> bool:
     """Whether the user's forward calls pw.pipe_split() (seen by tracing once)."""
-    graph_module = _trace(model, loss_fn, form, leaves, names, seed)
+    graph_module = trace()
     return any(n.op == "call_function" and n.target is MARKER for n in graph_module.graph.nodes)
 
 

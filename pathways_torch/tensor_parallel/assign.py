@@ -17,7 +17,7 @@ import fnmatch
 from ..errors import PlacementError
 from .styles import Style, read_style
 
-__all__ = ["ParamSplit", "TensorPlan", "assign", "module_kind", "SPLIT", "WHOLE", "PARTIAL"]
+__all__ = ["ParamSplit", "TensorPlan", "assign", "refuse_frozen_splits", "module_kind", "SPLIT", "WHOLE", "PARTIAL"]
 
 # How a parameter lives on the model axis, as the state's buckets are cut (one kind per bucket).
 SPLIT, WHOLE, PARTIAL = "split", "whole", "partial"
@@ -236,3 +236,11 @@ def assign(model, plan: dict, axis: str, size: int) -> TensorPlan:
     ordered = sorted(((p, s) for p, ss in styles.items() for s in ss), key=lambda item: order[item[0]])
     return TensorPlan(axis=axis, size=size, modules=tuple(ordered), splits=splits,
                       shapes={n: tuple(p.shape) for n, p in model.named_parameters()})
+
+
+def refuse_frozen_splits(model, plan: TensorPlan) -> None:
+    """Frozen parameters live with the buffers, whole on every shard: the plan may not split one."""
+    frozen = [n for n, p in model.named_parameters() if not p.requires_grad and plan.split_of(n).dim is not None]
+    if frozen:
+        raise PlacementError(f"pw.TensorParallel: frozen parameters {frozen} would be split; splitting a frozen "
+                             f"parameter is not supported: leave its module out of the plan")

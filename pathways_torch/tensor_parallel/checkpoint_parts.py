@@ -11,26 +11,31 @@ from __future__ import annotations
 from ..training.sharded_checkpoint import CheckpointPart
 from .assign import SPLIT
 
-__all__ = ["tensor_parallel_parts"]
+__all__ = ["tensor_parallel_parts", "model_shard_parts"]
 
 
 def tensor_parallel_parts(runner) -> list[CheckpointPart]:
-    layout, mesh, axis = runner.layout, runner.trainer.mesh, runner.tensor.axis
+    layout = runner.layout
     flats, states, buffers, frozen = layout.split_state(runner.checkpoint_arrays())
     wholes = [(f"model/{n}", a) for n, a in zip(layout.buffer_names + layout.frozen_names, [*buffers, *frozen])]
-    where = list(mesh.axes).index(axis)
+    return model_shard_parts(layout.buckets, runner.kinds, layout.state_names, flats, states, wholes,
+                             runner.trainer.mesh, runner.tensor_plan, runner.plan.sharded_state)
+
+
+def model_shard_parts(buckets, kinds, state_names, flats, states, wholes, mesh, plan, sharded: bool) -> list:
+    """One `CheckpointPart` per model shard of state laid out as ``buckets`` (of ``kinds``) on ``mesh``: the
+    executors at that shard's mesh positions write it, its split slots marked as that shard's slices."""
+    where = list(mesh.axes).index(plan.axis)
     parts = []
-    for m in range(runner.model_size):
+    for m in range(plan.size):
         positions = tuple(p for p in range(mesh.size) if mesh.coords(p)[where] == m)    # in data order
         splits = {}
-        for bucket, kind in zip(layout.buckets, runner.kinds):
+        for bucket, kind in zip(buckets, kinds):
             if kind == SPLIT:
                 for slot in bucket.slots:
-                    split = runner.tensor_plan.split_of(slot.name)
-                    splits[slot.name] = {"dim": split.dim, "chunks": split.chunks, "rank": m,
-                                         "of": runner.model_size}
-        parts.append(CheckpointPart(buckets=layout.buckets, state_names=layout.state_names, flats=flats,
-                                    states=states, wholes=wholes,
-                                    holders=tuple(mesh.executor_ids[p] for p in positions), positions=positions,
-                                    sharded=runner.plan.sharded_state, splits=splits))
+                    split = plan.split_of(slot.name)
+                    splits[slot.name] = {"dim": split.dim, "chunks": split.chunks, "rank": m, "of": plan.size}
+        parts.append(CheckpointPart(buckets=buckets, state_names=state_names, flats=flats, states=states,
+                                    wholes=wholes, holders=tuple(mesh.executor_ids[p] for p in positions),
+                                    positions=positions, sharded=sharded, splits=splits))
     return parts

@@ -15,17 +15,18 @@ split tensor keeps this shard's slice of the gradient (`gather`), and slicing a 
 A fused tensor (``chunks`` tensors side by side on ``dim``) moves chunk by chunk: each chunk is split on
 its own. This shard's index on the axis is ``rank`` (an int64 tensor of one element): slicing by it is a
 gather (``index_select``), which the capture keeps as a tensor op, not a number fixed at trace time.
-The ``pathways::`` collectives have no autograd formula of their own: these Functions are theirs, and
-call them under ``no_grad`` (in the backward too, which functorch runs with gradients recorded).
+The ``pathways::`` collectives have no autograd formula of their own: these moves' registered
+gradients are theirs.
 """
 
 from __future__ import annotations
 
 import torch
 
+from ..capture import DECOMPOSITIONS
 from ..collectives import all_gather, all_reduce, reduce_scatter
 
-__all__ = ["enter", "reduce", "gather", "take_slice", "reduce_scatter_to", "local_slice", "gathered"]
+__all__ = ["enter", "stop_gradient", "reduce", "gather", "take_slice", "reduce_scatter_to", "local_slice", "gathered"]
 
 
 def local_slice(x, dim: int, size: int, chunks: int, rank):
@@ -52,109 +53,171 @@ def _scattered(x, axis: str, dim: int, size: int, chunks: int):
     return reduce_scatter(parts, axis, "sum", dim + 1).flatten(dim, dim + 1)
 
 
-class _Enter(torch.autograd.Function):
+# The moves are ops of their own (``pathways_tp::``) with their gradients registered on the op, not
+# autograd Functions: a pipeline traces the forward to aten first and derives each chunk's backward from
+# that graph later (`pipeline.autograd`), so the gradient rule must travel with the op in the graph. A
+# captured step holds none of them: `capture` decomposes each into its forward (`DECOMPOSITIONS`), the
+# ``pathways::`` collectives and aten ops the executors run.
+
+def _enter_forward(x, axis):
+    return x.view_as(x)
+
+
+def _reduce_forward(x, axis):
+    return all_reduce(x, axis, "sum")
+
+
+def _gather_forward(x, axis, dim, size, chunks, rank):
+    return gathered(x, axis, dim, size, chunks)
+
+
+def _slice_forward(x, axis, dim, size, chunks, rank):
+    return local_slice(x, dim, size, chunks, rank)
+
+
+def _scatter_forward(x, axis, dim, size, chunks, rank):
+    return _scattered(x, axis, dim, size, chunks)
+
+
+def _resized(x, dim: int, factor: float):
+    shape = list(x.shape)
+    shape[dim % x.dim()] = int(shape[dim % x.dim()] * factor)
+    return x.new_empty(shape)
+
+
+@torch.library.custom_op("pathways_tp::enter", mutates_args=())
+def _enter_op(x: torch.Tensor, axis: str) -> torch.Tensor:
     """f: the identity forward; the gradient, a partial sum on each shard, all-reduced."""
-
-    @staticmethod
-    def forward(x, axis):
-        return x.view_as(x)
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        ctx.axis = inputs[1]
-
-    @staticmethod
-    def backward(ctx, grad):
-        with torch.no_grad():
-            return all_reduce(grad, ctx.axis, "sum"), None
+    return _enter_forward(x, axis).clone()      # an op's output may not alias its input when run eagerly
 
 
-class _Reduce(torch.autograd.Function):
+@torch.library.custom_op("pathways_tp::stop_gradient", mutates_args=())
+def _stop_op(x: torch.Tensor) -> torch.Tensor:
+    """``x.detach()`` that a re-traced graph keeps: make_fx records ``detach`` as an ``alias``, which a pipeline's
+    chunk backward would differentiate through."""
+    return x.clone()
+
+
+@torch.library.custom_op("pathways_tp::reduce", mutates_args=())
+def _reduce_op(x: torch.Tensor, axis: str) -> torch.Tensor:
     """g: the partial sums all-reduced forward; the (same on every shard) gradient passed through."""
-
-    @staticmethod
-    def forward(x, axis):
-        with torch.no_grad():      # the op itself has no autograd formula: this Function is its formula
-            return all_reduce(x, axis, "sum")
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        pass
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad, None
+    return _reduce_forward(x, axis)
 
 
-class _Gather(torch.autograd.Function):
+@torch.library.custom_op("pathways_tp::gather", mutates_args=())
+def _gather_op(x: torch.Tensor, axis: str, dim: int, size: int, chunks: int, rank: torch.Tensor) -> torch.Tensor:
     """S(dim) → R: all-gather forward; this shard's slice of the gradient backward."""
-
-    @staticmethod
-    def forward(x, axis, dim, size, chunks, rank):
-        with torch.no_grad():
-            return gathered(x, axis, dim, size, chunks)
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        _, ctx.axis, ctx.dim, ctx.size, ctx.chunks, rank = inputs
-        ctx.save_for_backward(rank)
-
-    @staticmethod
-    def backward(ctx, grad):
-        (rank,) = ctx.saved_tensors
-        return local_slice(grad, ctx.dim, ctx.size, ctx.chunks, rank), None, None, None, None, None
+    return _gather_forward(x, axis, dim, size, chunks, rank)
 
 
-class _Slice(torch.autograd.Function):
+@torch.library.custom_op("pathways_tp::slice", mutates_args=())
+def _slice_op(x: torch.Tensor, axis: str, dim: int, size: int, chunks: int, rank: torch.Tensor) -> torch.Tensor:
     """R → S(dim): this shard's slice forward; the gradient all-gathered backward."""
-
-    @staticmethod
-    def forward(x, axis, dim, size, chunks, rank):
-        return local_slice(x, dim, size, chunks, rank)
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        _, ctx.axis, ctx.dim, ctx.size, ctx.chunks, _ = inputs
-
-    @staticmethod
-    def backward(ctx, grad):
-        with torch.no_grad():
-            return gathered(grad, ctx.axis, ctx.dim, ctx.size, ctx.chunks), None, None, None, None, None
+    return _slice_forward(x, axis, dim, size, chunks, rank)
 
 
-class _ReduceScatter(torch.autograd.Function):
+@torch.library.custom_op("pathways_tp::reduce_scatter", mutates_args=())
+def _scatter_op(x: torch.Tensor, axis: str, dim: int, size: int, chunks: int, rank: torch.Tensor) -> torch.Tensor:
     """P → S(dim): reduce-scatter forward; the gradient all-gathered backward."""
+    return _scatter_forward(x, axis, dim, size, chunks, rank)
 
-    @staticmethod
-    def forward(x, axis, dim, size, chunks):
-        with torch.no_grad():
-            return _scattered(x, axis, dim, size, chunks)
 
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        _, ctx.axis, ctx.dim, ctx.size, ctx.chunks = inputs
+_enter_op.register_fake(lambda x, axis: torch.empty_like(x))
+_stop_op.register_fake(lambda x: torch.empty_like(x))
+_reduce_op.register_fake(lambda x, axis: torch.empty_like(x))
+_gather_op.register_fake(lambda x, axis, dim, size, chunks, rank: _resized(x, dim, size))
+_slice_op.register_fake(lambda x, axis, dim, size, chunks, rank: _resized(x, dim, 1 / size))
+_scatter_op.register_fake(lambda x, axis, dim, size, chunks, rank: _resized(x, dim, 1 / size))
 
-    @staticmethod
-    def backward(ctx, grad):
-        with torch.no_grad():
-            return gathered(grad, ctx.axis, ctx.dim, ctx.size, ctx.chunks), None, None, None, None
+
+def _keep_args(ctx, inputs, output):
+    ctx.args = inputs[1:]
+
+
+def _enter_backward(ctx, grad):
+    return _reduce_op(grad, ctx.args[0]), None
+
+
+def _stop_backward(ctx, grad):
+    return None
+
+
+def _reduce_backward(ctx, grad):
+    return grad, None
+
+
+def _gather_backward(ctx, grad):
+    axis, dim, size, chunks, rank = ctx.args
+    return local_slice(grad, dim, size, chunks, rank), None, None, None, None, None
+
+
+def _slice_backward(ctx, grad):
+    axis, dim, size, chunks, rank = ctx.args
+    return _gather_op(grad, axis, dim, size, chunks, rank), None, None, None, None, None
+
+
+def _scatter_backward(ctx, grad):
+    axis, dim, size, chunks, rank = ctx.args
+    return _gather_op(grad, axis, dim, size, chunks, rank), None, None, None, None, None
+
+
+
+def _function(op, backward):
+    """The move as an autograd Function over its op, for a step differentiated by ``torch.func`` (which runs no
+    op's registered gradient): the op and its gradient run under ``no_grad``, so only this Function's count."""
+
+    class Move(torch.autograd.Function):
+        @staticmethod
+        def forward(*args):
+            with torch.no_grad():
+                return op(*args)
+
+        setup_context = staticmethod(_keep_args)
+
+        @staticmethod
+        def backward(ctx, grad):
+            with torch.no_grad():
+                return backward(ctx, grad)
+
+    Move.__name__ = f"Move[{op._name}]"
+    return Move
+
+
+_MOVES = {}
+for _op, _backward in ((_enter_op, _enter_backward), (_stop_op, _stop_backward), (_reduce_op, _reduce_backward), (_gather_op, _gather_backward),
+                       (_slice_op, _slice_backward), (_scatter_op, _scatter_backward)):
+    _op.register_autograd(_backward, setup_context=_keep_args)
+    _MOVES[_op] = _function(_op, _backward)
+
+DECOMPOSITIONS.update({
+    torch.ops.pathways_tp.enter.default: _enter_forward,
+    torch.ops.pathways_tp.stop_gradient.default: lambda x: x.view_as(x),
+    torch.ops.pathways_tp.reduce.default: _reduce_forward,
+    torch.ops.pathways_tp.gather.default: _gather_forward,
+    torch.ops.pathways_tp.slice.default: _slice_forward,
+    torch.ops.pathways_tp.reduce_scatter.default: _scatter_forward,
+})   # each move's forward as collectives and aten ops: what a captured step runs in its place
 
 
 def enter(x, axis: str):
-    return _Enter.apply(x, axis)
+    return _MOVES[_enter_op].apply(x, axis)
+
+
+def stop_gradient(x):
+    return _MOVES[_stop_op].apply(x)
 
 
 def reduce(x, axis: str):
-    return _Reduce.apply(x, axis)
+    return _MOVES[_reduce_op].apply(x, axis)
 
 
 def gather(x, axis: str, dim: int, size: int, rank, chunks: int = 1):
-    return _Gather.apply(x, axis, dim, size, chunks, rank)
+    return _MOVES[_gather_op].apply(x, axis, dim, size, chunks, rank)
 
 
 def take_slice(x, axis: str, dim: int, size: int, rank, chunks: int = 1):
-    return _Slice.apply(x, axis, dim, size, chunks, rank)
+    return _MOVES[_slice_op].apply(x, axis, dim, size, chunks, rank)
 
 
-def reduce_scatter_to(x, axis: str, dim: int, size: int, chunks: int = 1):
-    return _ReduceScatter.apply(x, axis, dim, size, chunks)
+def reduce_scatter_to(x, axis: str, dim: int, size: int, rank, chunks: int = 1):
+    return _MOVES[_scatter_op].apply(x, axis, dim, size, chunks, rank)

@@ -16,7 +16,7 @@ import threading
 
 from ..errors import CaptureError
 from .assign import TensorPlan, module_kind
-from .layouts import enter, gather, local_slice, reduce, reduce_scatter_to, take_slice
+from .layouts import enter, gather, local_slice, reduce, reduce_scatter_to, stop_gradient, take_slice
 from .styles import P, R, S, Layout
 
 __all__ = ["Lowered"]
@@ -180,7 +180,7 @@ class Lowered(contextlib.AbstractContextManager):
             return gather(x, axis, source.dim, size, self.rank, chunks)
         if target == R:          # source is P
             return reduce(x, axis)
-        return reduce_scatter_to(x, axis, target.dim, size, chunks)
+        return reduce_scatter_to(x, axis, target.dim, size, self.rank, chunks)
 
     def reduce_rows(self, partial):
         """A row-parallel product's partial sums, whole."""
@@ -248,7 +248,7 @@ class Lowered(contextlib.AbstractContextManager):
         found = found.masked_fill(outside.unsqueeze(-1), 0)
         if module.padding_idx is not None:     # the padding row is looked up, but learns nothing
             padding = (ids == module.padding_idx % module.num_embeddings).unsqueeze(-1)
-            found = torch.where(padding, found.detach(), found)
+            found = torch.where(padding, stop_gradient(found), found)
         return found
 
     def _prepare_inputs(self, path: str, style, args: tuple, kwargs: dict) -> tuple:

@@ -12,18 +12,15 @@ each split parameter's slices once. State leaves the executors whole: ``state_di
 from __future__ import annotations
 
 import dataclasses
-import math
-
 from ..collectives import all_reduce
-from ..errors import PlacementError
 from ..placement import Replicate, Shard, normalize_placements
-from ..training.buckets import Bucket, Slot, flatten, rebased, split_for_exchange, unflatten
+from ..training.buckets import Bucket, flatten, split_for_exchange, unflatten
 from ..training.data_parallel import DataParallelRunner
 from ..training.plans import DataParallel
 from ..training.step import make_layout
-from .assign import PARTIAL, SPLIT, TensorPlan, assign
+from .assign import PARTIAL, SPLIT, TensorPlan, assign, refuse_frozen_splits
 from .lowering import Lowered
-from .shards import flats_of, join, placed_flat, shard_of
+from .shards import by_kind, joined_bucket, placed_bucket
 
 __all__ = ["TensorParallelRunner", "TensorStep"]
 
@@ -59,11 +56,7 @@ class TensorParallelRunner(DataParallelRunner):
         # The data-parallel side of the step: a plan of one shard when there is no data axis (no collective).
         self.plan = plan.data if plan.data is not None else DataParallel(plan.axis)
         self.tensor_plan = assign(trainer.model, plan.styles(), plan.axis, self.model_size)
-        frozen_split = [n for n, p in trainer.model.named_parameters()
-                        if not p.requires_grad and self.tensor_plan.split_of(n).dim is not None]
-        if frozen_split:
-            raise PlacementError(f"pw.TensorParallel: frozen parameters {frozen_split} would be split; splitting a "
-                                 f"frozen parameter is not supported: leave its module out of the plan")
+        refuse_frozen_splits(trainer.model, self.tensor_plan)
 
     def _per_unit(self) -> bool:
         return False        # the sharded data plan gathers every bucket at the step's start here
@@ -74,22 +67,13 @@ class TensorParallelRunner(DataParallelRunner):
         cap = self.plan.local_bucket_bytes(t._context.backend)
 
         def regroup(buckets):
-            cut = [piece for bucket in buckets for piece in self._by_kind(bucket)]
+            cut = [piece for bucket in buckets for piece in by_kind(bucket, self.tensor_plan)]
             return cut if cap is None else split_for_exchange(cut, cap, cap)
         self.layout = make_layout(t.model, t.optimizer, t._spec, regroup)
         self.kinds = tuple(self.tensor_plan.kind_of(b.slots[0].name) for b in self.layout.buckets)
         self._forwards, self._output_specs = {}, {}
         self.recapture()
         return self.layout
-
-    def _by_kind(self, bucket: Bucket) -> list[Bucket]:
-        """``bucket`` cut by kind (split / whole / partial), each slot in its local shape."""
-        groups: dict[str, list[Slot]] = {}
-        for slot in bucket.slots:
-            shape = self.tensor_plan.local_shape(slot.name)
-            groups.setdefault(self.tensor_plan.kind_of(slot.name), []).append(
-                Slot(slot.name, shape, 0, math.prod(shape)))
-        return [rebased(bucket, slots) for slots in groups.values()]
 
     def _tensor_step(self) -> TensorStep:
         return TensorStep(self.tensor_plan, self.kinds)
@@ -152,11 +136,9 @@ class TensorParallelRunner(DataParallelRunner):
         placement = self._bucket_placement(kind)
         if kind != SPLIT:
             return flatten(bucket, named, self._padded(bucket)), placement
-        flats = [flatten(bucket, {n: shard_of(t, self.tensor_plan.split_of(n), self.model_size, m)
-                                  for n, t in named.items()}, self._padded(bucket))
-                 for m in range(self.model_size)]
         mesh = self.trainer.mesh
-        return placed_flat(flats, normalize_placements(placement, mesh), mesh, self.tensor.axis), placement
+        return placed_bucket(bucket, named, self.tensor_plan, self._padded(bucket),
+                             normalize_placements(placement, mesh), mesh), placement
 
     def named_tensors(self) -> dict:
         return self.layout.named_tensors(self.checkpoint_arrays(), self._joined)
@@ -167,10 +149,8 @@ class TensorParallelRunner(DataParallelRunner):
         if kind != SPLIT:
             return {n: t.clone() for n, t in unflatten(bucket, whole).items()}
         mesh = self.trainer.mesh
-        per_shard = [unflatten(bucket, f) for f in flats_of(whole, normalize_placements(
-            self._bucket_placement(kind), mesh), mesh, self.tensor.axis, self.model_size)]
-        return {s.name: join([p[s.name] for p in per_shard], self.tensor_plan.split_of(s.name)).clone()
-                for s in bucket.slots}
+        return joined_bucket(bucket, whole, self.tensor_plan, normalize_placements(self._bucket_placement(kind), mesh),
+                             mesh)
 
     def checkpoint_parts(self) -> list:
         from .checkpoint_parts import tensor_parallel_parts

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from ..placement import _block_index, local_shape
 
-__all__ = ["shard_of", "join", "placed_flat", "flats_of"]
+__all__ = ["shard_of", "join", "placed_flat", "flats_of", "placed_bucket", "joined_bucket", "by_kind"]
 
 
 def shard_of(tensor, split, size: int, rank: int):
@@ -30,6 +30,38 @@ def join(pieces: list, split):
     from ..training.sharded_checkpoint import join_split
 
     return pieces[0] if split.dim is None else join_split(pieces, split.dim, split.chunks)
+
+
+def by_kind(bucket, plan) -> list:
+    """``bucket`` cut by how its parameters live on the model axis (split / whole / partial), each slot in its
+    local shape: a flat holds one kind, placed and reduced one way."""
+    import math
+
+    from ..training.buckets import Slot, rebased
+
+    groups: dict[str, list] = {}
+    for slot in bucket.slots:
+        shape = plan.local_shape(slot.name)
+        groups.setdefault(plan.kind_of(slot.name), []).append(Slot(slot.name, shape, 0, math.prod(shape)))
+    return [rebased(bucket, slots) for slots in groups.values()]
+
+
+def placed_bucket(bucket, named: dict, plan, numel: int, placements: tuple, mesh):
+    """The host array of a split ``bucket`` (its ``named`` whole tensors) on ``mesh``: each model shard's flat of
+    ``numel`` elements (its slices of every slot) where that shard lives (`placed_flat`)."""
+    from ..training.buckets import flatten
+
+    flats = [flatten(bucket, {n: shard_of(t, plan.split_of(n), plan.size, m) for n, t in named.items()}, numel)
+             for m in range(plan.size)]
+    return placed_flat(flats, placements, mesh, plan.axis)
+
+
+def joined_bucket(bucket, whole, plan, placements: tuple, mesh) -> dict:
+    """The inverse of `placed_bucket`: a split bucket's named tensors, whole, from its global array ``whole``."""
+    from ..training.buckets import unflatten
+
+    per_shard = [unflatten(bucket, f) for f in flats_of(whole, placements, mesh, plan.axis, plan.size)]
+    return {s.name: join([p[s.name] for p in per_shard], plan.split_of(s.name)).clone() for s in bucket.slots}
 
 
 def _model_coord(position: int, mesh, axis: str) -> int:
