@@ -5,8 +5,8 @@ The models are the conformance cases (transformers' GPT-2 and Llama with GQA, a 
 1e-9 (1e-4 for the transformers models, whose loss casts the logits to float32); Llama also in float32
 over 20 steps at 1e-4, and a torchtitan-style plan with sequence parallelism under
 ``ShardedDataParallel`` with clipping. On eager executors (test_tensor_parallel_eager.py): ``{model: 2}``
-too, evaluate and predict, checkpoints that reshard, recovery. The pipe x data x model mesh is not
-supported yet (docs/tensor_parallel.md).
+too, evaluate and predict, checkpoints that reshard, recovery. GPT-2, Llama and the nanoGPT-style GPT on
+the pipe x data x model mesh 2 x 1 x 2 (``pw.Pipeline(..., tensor=...)``), here and on eager executors.
 """
 
 from __future__ import annotations
@@ -23,7 +23,8 @@ from tests.unit.test_tensor_parallel import _llama_sequence_parallel_plan
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
 CASE = {c.name: c for c in CASES}
-MESHES = {"1x2": {"model": 2}, "2x2": {"data": 2, "model": 2}}
+MESHES = {"1x2": {"model": 2}, "2x2": {"data": 2, "model": 2}, "2x1x2": {"pipe": 2, "data": 1, "model": 2}}
+PIPELINE_NAMES = ["hf-gpt2", "hf-llama", "nanogpt"]     # models with a block list to cut into stages
 # transformers' causal-LM loss casts the logits to float32 (ForCausalLMLoss): in float64 they agree to its rounding,
 # which Adam's steps carry into the parameters (DataParallel alone: 1.6e-5 on Llama's, on the default backend).
 HF_FLOAT64 = 1e-4
@@ -60,8 +61,12 @@ def _relative(a, b) -> float:
 
 
 def _tensor_parallel(model, mesh: dict, data=None, plan=None):
+    """TensorParallel with the proposed plan on ``mesh``; on a mesh with a pipe axis, a pipeline of 2 microbatches
+    whose stages it splits."""
     plan = plan if plan is not None else pw.tensor_parallel_plan(model, mesh["model"])
     data = data if data is not None else pw.DataParallel("data") if "data" in mesh else None
+    if "pipe" in mesh:
+        return pw.Pipeline(microbatches=2, data=data, tensor=pw.TensorParallel(plan))
     return pw.TensorParallel(plan, data=data)
 
 
@@ -93,12 +98,20 @@ def check_trains_like_eager_in_float64(ctx, name: str, mesh: str) -> None:
     for param, value in expected.items():
         assert _relative(state[param], value) < tolerance, param
     assert "Shard(" in str(trainer.placements)
+    if "pipe" in MESHES[mesh]:
+        assert trainer.stages.startswith("2 chunks") and not any(ctx.backend_counters("fallback_ops").values())
+        return
     assert not ctx.backend_counters("fallback_ops").get(trainer._function.name, 0)   # 0 ops outside XLA
     if name == "hf-llama":
         # Megatron's count, explicit in the program: per block 2 all-reduces forward (after o_proj and
         # down_proj) and 2 backward (one for q, k, v's shared input, one for gate and up's); the vocabulary
         # embedding's forward, the head's input backward, and the head's logits gathered.
         assert collectives(trainer, "model") == {"all_reduce": 2 * 4 + 2, "all_gather": 1}
+
+
+@pytest.mark.parametrize("name", PIPELINE_NAMES)
+def test_the_proposed_plan_trains_like_eager_in_float64_on_pipe_data_model_2x1x2(ctx, name):
+    check_trains_like_eager_in_float64(ctx, name, "2x1x2")
 
 
 def collectives(trainer, axis: str) -> dict:
