@@ -67,7 +67,7 @@ class TensorParallel:
         extra = {a: n for a, n in others.items() if a != self.data.axis and n > 1}
         if extra:
             raise PlacementError(f"pw.TensorParallel: the mesh's axes {extra} are neither the model axis nor the "
-                                 f"data axis; tensor parallelism inside a pipeline's stages is not supported yet")
+                                 f"data axis; for a pipe axis, pass this plan as pw.Pipeline(..., tensor=...)")
         return axes[self.axis], axes[self.data.axis]
 
     def styles(self) -> dict:

@@ -20,6 +20,7 @@ import pathways_torch as pw
 from tests.integration.test_tensor_parallel import (CASE, HF_FLOAT64, MESHES, NAMES, PIPELINE_NAMES, _adamw,
                                                     _gpt2_batches, _loss, _oracle, _relative, _tensor_parallel, _train,
                                                     check_trains_like_eager_in_float64)
+from tests.unit.test_tensor_parallel import _llama_sequence_parallel_plan
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
@@ -135,3 +136,20 @@ def test_evaluate_runs_on_a_pipeline_of_tensor_parallel_stages(ctx):
     batch = case.batches()[0]
     _, loss = reference(*batch)
     assert abs(trainer.evaluate(batch).result(240).item() - loss.item()) < 1e-9 * abs(loss.item())
+
+
+def test_a_sequence_parallel_plan_in_pipeline_stages_with_clipping_and_sharded_data_matches_eager(ctx):
+    case = CASE["hf-llama"]
+
+    def make_model():
+        return case.make_model().double()
+    expected_losses, expected = _oracle(make_model, case.batches(), None, max_grad_norm=0.05)
+    model = make_model()
+    plan = pw.Pipeline(microbatches=2, data=pw.ShardedDataParallel("data"),
+                       tensor=pw.TensorParallel(_llama_sequence_parallel_plan()))
+    trainer = ctx.wrap(model, optimizer=_adamw(model), mesh=ctx.mesh(MESHES["2x1x2"]), plan=plan, max_grad_norm=0.05)
+    losses = [loss.result(240).item() for loss in [trainer.step(b) for b in case.batches()]]
+    assert _relative(losses, expected_losses) < HF_FLOAT64
+    state = trainer.state_dict()["model"]
+    assert max(_relative(state[n], v) for n, v in expected.items()) < 1e-9     # clipping bounds the float32 loss
+    assert "gradient summed over the axis" in str(trainer.placements)
