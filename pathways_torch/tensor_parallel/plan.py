@@ -36,17 +36,24 @@ class TensorParallel:
         if self.data is not None and not isinstance(self.data, DataParallel):
             raise PlacementError(f"pw.TensorParallel: data must be None, pw.DataParallel(axis) or "
                                  f"pw.ShardedDataParallel(axis), got {self.data!r}")
-        if self.data is not None and isinstance(self.data.axis, (tuple, list)):
-            raise PlacementError(f"pw.TensorParallel: data={self.data!r}: across islands, tensor parallelism is "
-                                 f"not supported yet; use one island")
         if self.data is not None and self.data.axis == self.axis:
             raise PlacementError(f"pw.TensorParallel: the data axis and the model axis are both {self.axis!r}; "
                                  f"name two axes of a 2-D mesh, e.g. ctx.mesh({{'data': 2, 'model': 2}})")
 
     def make_runner(self, trainer):
-        from .runner import TensorParallelRunner   # here: the plan stays importable without torch
+        # Imported here: the plan stays importable without torch.
+        if self.across_islands:
+            from .across_islands import TensorIslandRunner
+
+            return TensorIslandRunner(trainer, self)
+        from .runner import TensorParallelRunner
 
         return TensorParallelRunner(trainer, self)
+
+    @property
+    def across_islands(self) -> bool:
+        """Whether the data axis is ``("island", <data axis>)``: TP inside each island, DP across them."""
+        return self.data is not None and isinstance(self.data.axis, (tuple, list))
 
     def check(self, mesh) -> tuple[int, int]:
         """(model shards, data shards) on ``mesh``; refuses a mesh the plan does not fit."""
@@ -56,6 +63,8 @@ class TensorParallel:
                                  f"split layers over; make it with one, e.g. ctx.mesh({{'data': 2, "
                                  f"{self.axis!r}: 2}})")
         others = {a: n for a, n in axes.items() if a != self.axis}
+        if self.across_islands:     # the axes' order is the cross-island runner's to check
+            return axes[self.axis], axes.get(self.data.axis[-1], 1)
         if self.data is None:
             if any(n > 1 for n in others.values()):
                 raise PlacementError(f"pw.TensorParallel: the mesh has axes {others} besides {self.axis!r} but the "

@@ -59,9 +59,15 @@ class BucketCut:
                          for k, (s, b) in enumerate(zip(self.segments, self.bucket_order)))
 
 
-def cut_per_bucket(joint, example_inputs: list, num_buckets: int, mesh_axes: dict) -> BucketCut:
-    """Trace ``joint`` (returning ``(loss, *num_buckets gradients, *buffers)``) and cut it per bucket."""
-    graph_module = _trace(joint, example_inputs, mesh_axes)
+def cut_per_bucket(joint, example_inputs: list, num_buckets: int, mesh_axes: dict,
+                   functionalize_after: bool = False) -> BucketCut:
+    """Trace ``joint`` (returning ``(loss, *num_buckets gradients, *buffers)``) and cut it per bucket.
+
+    ``functionalize_after``: trace first, then functionalize the traced graph, for a joint whose autograd
+    Functions functionalize cannot trace through (the tensor-parallel moves: ``NYI: Functionalize rule for
+    custom_function_call``); the first trace runs their forwards (`capture.DECOMPOSITIONS`).
+    """
+    graph_module = _trace(joint, example_inputs, mesh_axes, functionalize_after)
     graph = graph_module.graph
     graph.eliminate_dead_code()
     numbering = {node: i for i, node in enumerate(graph.nodes)}
@@ -124,7 +130,7 @@ def _segment_graph(graph_module, members, placeholders, carried_in, carried_out,
                    num_ops=sum(1 for n in members if n.op == "call_function"))
 
 
-def _trace(joint, example_inputs: list, mesh_axes: dict):
+def _trace(joint, example_inputs: list, mesh_axes: dict, functionalize_after: bool = False):
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.func import functionalize
@@ -139,6 +145,10 @@ def _trace(joint, example_inputs: list, mesh_axes: dict):
         # make_fx patches process-wide state: one trace at a time. GQA attention is rewritten as capture.py
         # does it: the XLA routes cannot lower SDPA's kernel on fewer key/value heads (Llama failed here).
         with CAPTURE_LOCK, tracing_mesh(mesh_axes), portable_attention():
+            if functionalize_after:
+                from ..capture import DECOMPOSITIONS
+
+                joint = make_fx(joint, tracing_mode="fake", decomposition_table=DECOMPOSITIONS)(*fakes)
             return make_fx(functionalize(joint, remove="mutations"), tracing_mode="fake")(*fakes)
     except CaptureError:
         raise

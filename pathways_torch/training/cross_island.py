@@ -27,6 +27,8 @@ gradient bytes / D across the link, and every island holds the same parameters a
 
 from __future__ import annotations
 
+import math
+
 from ..errors import PlacementError
 from ..functions import Function
 from ..islands import ISLAND_AXIS
@@ -41,9 +43,12 @@ __all__ = ["CrossIslandRunner", "make_island_joint", "make_segment_function",
            "make_island_update"]
 
 
-def make_island_joint(model, loss_fn, layout, inner, num_shards: int, seed: int, form):
+def make_island_joint(model, loss_fn, layout, inner, num_shards: int, seed: int, form, tensor=None):
     """``(*flats, *buffers, *frozen, scalars, rank, *batch) -> (loss, *gradient flats, *buffers)`` of one shard:
-    the forward and backward, not yet reduced (the step cut per bucket adds the reductions, `bucket_cut`)."""
+    the forward and backward, not yet reduced (the step cut per bucket adds the reductions, `bucket_cut`).
+    ``tensor`` (a `tensor_parallel.TensorStep`): the model rank follows ``rank``, the plan lowered into the forward."""
+    import contextlib
+
     buckets = layout.buckets
 
     def joint(*tensors):
@@ -52,10 +57,12 @@ def make_island_joint(model, loss_fn, layout, inner, num_shards: int, seed: int,
         buffers = {name: next(it) for name in layout.buffer_names}
         frozen = {name: next(it) for name in layout.frozen_names}
         scalars, rank = next(it), next(it)
+        lowered = tensor.lowered(model, next(it)) if tensor is not None else contextlib.nullcontext()
         batch = list(it)
         params = gathered_params(buckets, flats, inner, num_shards)
-        named, loss, new_buffers = loss_and_grads(model, loss_fn, params, buffers, frozen, form, batch,
-                                                  (seed, scalars[0], rank), inner.axis, num_shards)
+        with lowered:
+            named, loss, new_buffers = loss_and_grads(model, loss_fn, params, buffers, frozen, form, batch,
+                                                      (seed, scalars[0], rank), inner.axis, num_shards)
         grads = [flatten(b, named, b.padded_numel(num_shards)) for b in buckets]
         return (loss.detach(), *grads, *[new_buffers[n] for n in layout.buffer_names])
 
@@ -94,9 +101,10 @@ def make_segment_function(segment, inner, num_buckets: int, num_shards: int, ind
 
 
 def make_island_update(spec, layout, inner, num_islands: int, num_shards: int,
-                       max_grad_norm: float | None):
+                       max_grad_norm: float | None, tensor=None):
     """``(*flats, *states, scalars, *losses[I], *slices[I][buckets], *buffers of island 0)
-    -> (loss, *flats, *states, *buffers)``: the islands' slices averaged, gathered, applied."""
+    -> (loss, *flats, *states, *buffers)``: the islands' slices averaged, gathered, applied (``tensor``: partial
+    gradients summed over the model axis, each split parameter's slices counted once in the clipping norm)."""
     import torch
 
     from ..collectives import all_gather, all_reduce
@@ -114,8 +122,11 @@ def make_island_update(spec, layout, inner, num_islands: int, num_shards: int,
         grads = [sum(island[b] for island in by_island) / num_islands for b in range(len(buckets))]
         if not inner.sharded_state and num_shards > 1:
             grads = [all_gather(g, inner.axis, 0).narrow(0, 0, b.numel) for g, b in zip(grads, buckets)]
+        if tensor is not None:
+            grads = tensor.complete(grads)
         if max_grad_norm is not None:
-            squares = sum((g.to(torch.float64) ** 2).sum() for g in grads)
+            per_bucket = [(g.to(torch.float64) ** 2).sum() for g in grads]
+            squares = tensor.sum_squares(per_bucket) if tensor is not None else sum(per_bucket)
             if inner.sharded_state and num_shards > 1:
                 squares = all_reduce(squares, inner.axis, "sum")
             coef = torch.clamp(max_grad_norm / (squares.sqrt() + 1e-6), max=1.0)
@@ -139,14 +150,16 @@ class CrossIslandRunner(HoldsTrainer):
     exposed = ("bucket_cut", "timeline", "inner", "num_islands", "_state", "_ranks", "_islands", "_programs",
                "_update")
 
-    def __init__(self, trainer, plan):
+    def __init__(self, trainer, plan, model_axis: str | None = None):
         import torch
 
         model, mesh = trainer.model, trainer.mesh
         axes = tuple(plan.axis)
-        if len(axes) != 2 or axes[0] != ISLAND_AXIS or list(mesh.axes) != list(axes):
-            raise PlacementError(f"{type(plan).__name__}({axes!r}): expected ({ISLAND_AXIS!r}, <data axis>) on a mesh "
-                                 f"with exactly those axes in that order, got a mesh with {dict(mesh.axes)}")
+        expected = [*axes, *([model_axis] if model_axis else [])]
+        if len(axes) != 2 or axes[0] != ISLAND_AXIS or list(mesh.axes) != expected:
+            inside = f", {model_axis!r}" if model_axis else ""
+            raise PlacementError(f"{type(plan).__name__}({axes!r}): expected ({ISLAND_AXIS!r}, <data axis>{inside}) on "
+                                 f"a mesh with exactly those axes in that order, got a mesh with {dict(mesh.axes)}")
         synced = [name for name, m in model.named_modules() if isinstance(m, torch.nn.SyncBatchNorm)]
         if synced:
             raise PlacementError(f"{type(plan).__name__}({axes!r}): {type(model).__name__} has nn.SyncBatchNorm "
@@ -169,20 +182,34 @@ class CrossIslandRunner(HoldsTrainer):
         self.recapture()
         return self.layout
 
+    def _island_axes(self) -> dict:
+        """The axes of each island's mesh (its executors are consecutive in the mesh's row-major order)."""
+        return {self.inner.axis: self.num_shards}
+
     def _island_meshes(self) -> list:
-        per, ctx = self.num_shards, self.trainer._context
-        ids = self.trainer.mesh.executor_ids
-        return [ctx.mesh({self.inner.axis: per}, executors=list(ids[i * per:(i + 1) * per]))
-                for i in range(self.num_islands)]
+        axes, ctx = self._island_axes(), self.trainer._context
+        per, ids = math.prod(axes.values()), self.trainer.mesh.executor_ids
+        return [ctx.mesh(axes, executors=list(ids[i * per:(i + 1) * per])) for i in range(self.num_islands)]
+
+    def _tensor_step(self):
+        return None       # layers split over a model axis inside each island: `tensor_parallel.across_islands`
+
+    def _bucket_placements(self) -> list:
+        return [self._state_placement()] * len(self.layout.buckets)
+
+    def _rank_arrays(self, island: int) -> list:
+        """The rank inputs of island ``island``'s joint: the shard's rank (and, under TP, the model rank)."""
+        return [self._ranks[island]]
 
     def recapture(self) -> None:
         """The update (captured on first use, once per island mesh); the gradient segments are made per kind of
         batch (`_program_for`)."""
-        t, layout, state = self.trainer, self.layout, self._state_placement()
+        t, layout, state = self.trainer, self.layout, self._bucket_placements()
         self._update_key = t._spec.static_key()      # the optimizer's structure the update was made for
         self._update = Function(
-            make_island_update(t._spec, layout, self.inner, self.num_islands, self.num_shards, t.max_grad_norm),
-            out=(Replicate(), *[state] * (len(layout.buckets) * (1 + len(layout.state_names))),
+            make_island_update(t._spec, layout, self.inner, self.num_islands, self.num_shards, t.max_grad_norm,
+                               self._tensor_step()),
+            out=(Replicate(), *state, *[p for p in state for _ in layout.state_names],
                  *[Replicate()] * len(layout.buffer_names)), mesh=self._islands[0])
         self._programs: dict = {}
 
@@ -252,8 +279,10 @@ class CrossIslandRunner(HoldsTrainer):
         from .bucket_cut import cut_per_bucket
 
         t, layout, nb = self.trainer, self.layout, len(self.layout.buckets)
-        joint = make_island_joint(t.model, t.loss_fn, layout, self.inner, self.num_shards, t.seed, form)
-        cut = cut_per_bucket(joint, example_inputs, nb, {self.inner.axis: self.num_shards})
+        joint = make_island_joint(t.model, t.loss_fn, layout, self.inner, self.num_shards, t.seed, form,
+                                  self._tensor_step())
+        tensor = self._tensor_step()
+        cut = cut_per_bucket(joint, example_inputs, nb, self._island_axes(), functionalize_after=tensor is not None)
         self.bucket_cut = cut
         sliced = {self.inner.axis: Shard(0)}
         functions = []
@@ -274,8 +303,9 @@ class CrossIslandRunner(HoldsTrainer):
         layout = self.layout
         nb, ns, nbuf, nfrozen = (len(layout.buckets), len(layout.state_names), len(layout.buffer_names),
                                  len(layout.frozen_names))
-        num_leaves = len(example_inputs) - (nb + nbuf + nfrozen + 2)
-        per_island = nb * (1 + ns) + nbuf + nfrozen + 2 + num_leaves
+        num_ranks = len(self._rank_arrays(0))
+        num_leaves = len(example_inputs) - (nb + nbuf + nfrozen + 1 + num_ranks)
+        per_island = nb * (1 + ns) + nbuf + nfrozen + 1 + num_ranks + num_leaves
         cut, functions = self._segments_for(form, example_inputs)
         update, islands = self._update, self._islands
 
@@ -324,10 +354,10 @@ class CrossIslandRunner(HoldsTrainer):
         for i, mesh in enumerate(self._islands):
             fresh = t._context.put_many([(scalars, Replicate()),
                                          *[(x[i * rows:(i + 1) * rows], {axis: Shard(0)}) for x in tensors]], mesh)
-            arrays += [*self._state[i], fresh[0], self._ranks[i], *fresh[1:]]
+            arrays += [*self._state[i], fresh[0], *self._rank_arrays(i), *fresh[1:]]
         shard_rows = rows // self.num_shards
-        examples = [*self._state_examples(), scalars, torch.zeros(1, dtype=torch.int64),
-                    *[x[:shard_rows] for x in tensors]]
+        ranks = [torch.zeros(1, dtype=torch.int64) for _ in self._rank_arrays(0)]
+        examples = [*self._state_examples(), scalars, *ranks, *[x[:shard_rows] for x in tensors]]
         program = self._program_for(form, (t._spec.static_key(), modes, form.key), examples)
         try:
             outputs = program(*arrays)

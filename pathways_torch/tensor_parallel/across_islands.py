@@ -1,0 +1,119 @@
+"""Tensor parallelism inside islands, data parallelism across them: ``pw.TensorParallel(plan,
+data=pw.DataParallel(("island", "data")))`` on a mesh ``{"island": I, "data": D, "model": M}``.
+
+`TensorIslandRunner` is the cross-island runner (`training.cross_island`) with each island a data x model
+mesh: the step's joint forward and backward is traced with the plan lowered into it (the model rank one
+more input), so each gradient segment holds the model axis's collectives, all inside its island; the
+buckets are cut by kind (`shards.by_kind`), a split bucket's slices placed ``Shard(0)`` on the model axis;
+each bucket's slice crosses the link between same-position executors, which hold the same model shard;
+the update sums partial gradients over the model axis and counts each split parameter once in the
+clipping norm (`runner.TensorStep`). The island axis stays data-parallel: no collective crosses it.
+"""
+
+from __future__ import annotations
+
+from ..placement import Shard, normalize_placements
+from ..training.buckets import flatten, split_for_exchange, unflatten
+from ..training.cross_island import CrossIslandRunner
+from ..training.step import make_layout
+from .assign import SPLIT, assign, refuse_frozen_splits
+from .checkpoint_parts import model_shard_parts
+from .shards import by_kind, joined_bucket, placed_bucket
+
+__all__ = ["TensorIslandRunner"]
+
+
+class TensorIslandRunner(CrossIslandRunner):
+    """The `StepRunner` of ``TensorParallel(plan, axis, data=DataParallel(("island", data axis)))``."""
+
+    exposed = CrossIslandRunner.exposed + ("placements",)
+
+    def __init__(self, trainer, plan):
+        super().__init__(trainer, plan.data, model_axis=plan.axis)
+        self.tensor = plan
+        self.model_size = trainer.mesh.axes[plan.axis]
+        self.tensor_plan = assign(trainer.model, plan.styles(), plan.axis, self.model_size)
+        refuse_frozen_splits(trainer.model, self.tensor_plan)
+
+    def build(self):
+        t, mb = self.trainer, self.plan.bucket_mb
+
+        def regroup(buckets):
+            cut = [piece for bucket in buckets for piece in by_kind(bucket, self.tensor_plan)]
+            return split_for_exchange(cut, int(mb * 2**20), int(min(1.0, mb) * 2**20))
+        self.layout = make_layout(t.model, t.optimizer, t._spec, regroup)
+        self.kinds = tuple(self.tensor_plan.kind_of(b.slots[0].name) for b in self.layout.buckets)
+        self._islands = self._island_meshes()
+        self.recapture()
+        return self.layout
+
+    def _island_axes(self) -> dict:
+        return {**super()._island_axes(), self.tensor.axis: self.model_size}
+
+    def _tensor_step(self):
+        from .runner import TensorStep
+
+        return TensorStep(self.tensor_plan, self.kinds)
+
+    def _bucket_placements(self) -> list:
+        data = self._state_placement()
+        data = dict(data) if isinstance(data, dict) else {}
+        return [{**data, self.tensor.axis: Shard(0)} if kind == SPLIT else (data or self._state_placement())
+                for kind in self.kinds]
+
+    def _rank_arrays(self, island: int) -> list:
+        return [self._ranks[island], self._model_ranks[island]]
+
+    def _put_rank(self) -> None:
+        import torch
+
+        super()._put_rank()
+        ctx = self.trainer._context
+        self._model_ranks = [ctx.put(torch.arange(self.model_size, dtype=torch.int64), mesh,
+                                     {self.tensor.axis: Shard(0)}) for mesh in self._islands]
+
+    def placed_arrays(self) -> list:
+        return [*super().placed_arrays(), *self._model_ranks]
+
+    # ------------------------------------------------------------ state, split on the model axis
+
+    def put_state(self, tensors: dict) -> None:
+        layout, ctx = self.layout, self.trainer._context
+        placements = self._bucket_placements()
+        sharded = self.inner.sharded_state
+
+        def place_on(mesh):
+            def place(index, bucket, named):
+                numel = bucket.padded_numel(self.num_shards) if sharded else bucket.numel
+                if self.kinds[index] != SPLIT:
+                    return flatten(bucket, named, numel), placements[index]
+                return placed_bucket(bucket, named, self.tensor_plan, numel,
+                                     normalize_placements(placements[index], mesh), mesh), placements[index]
+            return place
+        self._state = [ctx.put_many(layout.state_items(tensors, place_on(mesh)), mesh) for mesh in self._islands]
+
+    def named_tensors(self) -> dict:
+        placements, mesh = self._bucket_placements(), self._islands[0]
+
+        def joined(index, bucket, array):
+            if self.kinds[index] != SPLIT:
+                return {n: t.clone() for n, t in unflatten(bucket, array.result()).items()}
+            return joined_bucket(bucket, array.result(), self.tensor_plan,
+                                 normalize_placements(placements[index], mesh), mesh)
+        return self.layout.named_tensors(self.checkpoint_arrays(), joined)
+
+    def checkpoint_parts(self) -> list:
+        layout = self.layout
+        flats, states, buffers, frozen = layout.split_state(self.checkpoint_arrays())
+        wholes = [(f"model/{n}", a) for n, a in zip(layout.buffer_names + layout.frozen_names, [*buffers, *frozen])]
+        return model_shard_parts(layout.buckets, self.kinds, layout.state_names, flats, states, wholes,
+                                 self._islands[0], self.tensor_plan, self.plan.sharded_state)
+
+    @property
+    def placements(self):
+        from .runner import _Text
+
+        side = (f"data axis {self.inner.axis!r} of {self.num_shards} in each of {self.num_islands} islands: "
+                f"{type(self.plan).__name__}")
+        return _Text(self.tensor_plan.describe(side))
+
