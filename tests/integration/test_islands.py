@@ -384,3 +384,48 @@ def test_across_islands_with_dropout_equals_one_island_and_leaves_nothing_behind
     assert len(trainer.bucket_cut.segments) >= 4
     assert max(abs(a - b) for a, b in zip(one, two)) < 1e-12, (one, two)
     assert stored[-1] <= stored[1], stored     # steady: nothing carried piles up
+
+
+@pytest.mark.parametrize("name, data, clip", [("nanogpt", pw.DataParallel, None),
+                                              ("hf-llama", pw.ShardedDataParallel, 0.05),
+                                              ("hf-gpt2", pw.DataParallel, 0.05)])
+def test_tensor_parallelism_inside_islands_and_data_parallelism_across_equals_eager(ctx, name, data, clip):
+    from tests.integration.test_tensor_parallel import CASE, HF_FLOAT64, _oracle, _relative, check_islands_trainer
+
+    case = CASE[name]
+
+    def make_model():
+        return case.make_model().double()
+    expected_losses, expected = _oracle(make_model, case.batches(), case.loss_fn, max_grad_norm=clip)
+    losses, state, trainer = check_islands_trainer(ctx, make_model, case, data, clip)
+    tolerance = HF_FLOAT64 if name.startswith("hf-") else 1e-9
+    assert _relative(losses, expected_losses) < tolerance, (losses, expected_losses)
+    assert max(_relative(state[n], v) for n, v in expected.items()) < tolerance
+    assert "in each of 2 islands" in str(trainer.placements)
+    resources = ctx.controller.resources
+    for members in ctx.controller.groups.by_members:       # the model axis's collectives stayed inside each island
+        assert len({resources.island_of(e) for e in members}) == 1
+
+
+def test_a_checkpoint_of_tensor_parallel_islands_loads_into_eager(ctx, tmp_path):
+    from tests.integration.test_tensor_parallel import CASE, _adamw, _loss, _oracle, _relative, check_islands_trainer
+
+    case = CASE["nanogpt"]
+
+    def make_model():
+        return case.make_model().double()
+    batches = case.batches()
+    expected, _ = _oracle(make_model, batches, case.loss_fn)
+    first, _, trainer = check_islands_trainer(ctx, make_model, case, pw.ShardedDataParallel, None, batches[:2])
+    trainer.save_sharded(str(tmp_path)).result(120)
+    model = make_model()
+    optimizer = _adamw(model)
+    assert pw.load_checkpoint(str(tmp_path), model, optimizer)["step"] == 2
+    rest = []
+    for batch in batches[2:]:
+        optimizer.zero_grad()
+        loss = _loss(model, case.loss_fn, batch)
+        loss.backward()
+        optimizer.step()
+        rest.append(loss.item())
+    assert _relative(first + rest, expected) < 1e-9
