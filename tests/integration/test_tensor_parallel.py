@@ -110,9 +110,10 @@ def check_trains_like_eager_in_float64(ctx, name: str, mesh: str) -> None:
         assert collectives(trainer, "model") == {"all_reduce": 2 * 4 + 2, "all_gather": 1}
 
 
+@pytest.mark.parametrize("mesh", ["1x2", "2x1x2"])
 @pytest.mark.parametrize("name", PIPELINE_NAMES)
-def test_the_proposed_plan_trains_like_eager_in_float64_on_pipe_data_model_2x1x2(ctx, name):
-    check_trains_like_eager_in_float64(ctx, name, "2x1x2")
+def test_gpt2_llama_and_nanogpt_train_like_eager_in_float64_on_1x2_and_pipe_data_model_2x1x2(ctx, name, mesh):
+    check_trains_like_eager_in_float64(ctx, name, mesh)
 
 
 def collectives(trainer, axis: str) -> dict:
