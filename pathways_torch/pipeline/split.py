@@ -196,6 +196,7 @@ class _Trace:
         from torch.func import functional_call
 
         from ..attention import portable_attention
+        from ..stop_gradient import kept_detach
         from ..training.batches import forward_loss
         from ..training.random import sample_keyed_rng
 
@@ -205,7 +206,7 @@ class _Trace:
         rank = leaves.pop() if self.tensor is not None else None
         batch, key = leaves[:-1], leaves[-1]
         lowered = self.tensor.lowered(self.model, rank) if rank is not None else contextlib.nullcontext()
-        with portable_attention(), sample_keyed_rng(self.seed, key[0, 0], key[0, 1]), lowered:
+        with portable_attention(), sample_keyed_rng(self.seed, key[0, 0], key[0, 1]), lowered, kept_detach():
             loss = forward_loss(functional_call, self.model, self.loss_fn, named, self.form, batch)
         if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
             raise CaptureError(f"pw.Pipeline: the loss must be a 0-d tensor, got {type(loss).__name__}"

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from ..placement import Replicate, Shard
+from ..placement import Shard
 from ..tensor_parallel.assign import SPLIT, TensorPlan, assign, refuse_frozen_splits
 
 __all__ = ["StageTensor", "stage_tensor"]
@@ -56,10 +56,9 @@ class StageTensor:
 
     def placement(self, kind: str, data_placement):
         """Where a flat of ``kind`` lives on a stage mesh whose data plan places state as ``data_placement``."""
-        placement = dict(data_placement) if isinstance(data_placement, dict) else {}
-        if kind == SPLIT:
-            placement[self.axis] = Shard(0)
-        return placement or Replicate()
+        from ..tensor_parallel.shards import flat_placement
+
+        return flat_placement(kind, data_placement, self.axis)
 
     def host_flat(self, bucket, kind: str, named: dict, numel: int, placement, mesh):
         """The host array of one flat of ``bucket`` (its ``named`` whole tensors) as it is put on ``mesh``."""

@@ -18,7 +18,7 @@ from ..training.cross_island import CrossIslandRunner
 from ..training.step import make_layout
 from .assign import SPLIT, assign, refuse_frozen_splits
 from .checkpoint_parts import model_shard_parts
-from .shards import by_kind, joined_bucket, placed_bucket
+from .shards import by_kind, flat_placement, joined_bucket, placed_bucket
 
 __all__ = ["TensorIslandRunner"]
 
@@ -56,10 +56,7 @@ class TensorIslandRunner(CrossIslandRunner):
         return TensorStep(self.tensor_plan, self.kinds)
 
     def _bucket_placements(self) -> list:
-        data = self._state_placement()
-        data = dict(data) if isinstance(data, dict) else {}
-        return [{**data, self.tensor.axis: Shard(0)} if kind == SPLIT else (data or self._state_placement())
-                for kind in self.kinds]
+        return [flat_placement(kind, self._state_placement(), self.tensor.axis) for kind in self.kinds]
 
     def _rank_arrays(self, island: int) -> list:
         return [self._ranks[island], self._model_ranks[island]]

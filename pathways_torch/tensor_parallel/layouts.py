@@ -26,7 +26,7 @@ import torch
 from ..capture import DECOMPOSITIONS
 from ..collectives import all_gather, all_reduce, reduce_scatter
 
-__all__ = ["enter", "stop_gradient", "reduce", "gather", "take_slice", "reduce_scatter_to", "local_slice", "gathered"]
+__all__ = ["enter", "reduce", "gather", "take_slice", "reduce_scatter_to", "local_slice", "gathered"]
 
 
 def local_slice(x, dim: int, size: int, chunks: int, rank):
@@ -91,13 +91,6 @@ def _enter_op(x: torch.Tensor, axis: str) -> torch.Tensor:
     return _enter_forward(x, axis).clone()      # an op's output may not alias its input when run eagerly
 
 
-@torch.library.custom_op("pathways_tp::stop_gradient", mutates_args=())
-def _stop_op(x: torch.Tensor) -> torch.Tensor:
-    """``x.detach()`` that a re-traced graph keeps: make_fx records ``detach`` as an ``alias``, which a pipeline's
-    chunk backward would differentiate through."""
-    return x.clone()
-
-
 @torch.library.custom_op("pathways_tp::reduce", mutates_args=())
 def _reduce_op(x: torch.Tensor, axis: str) -> torch.Tensor:
     """g: the partial sums all-reduced forward; the (same on every shard) gradient passed through."""
@@ -123,7 +116,6 @@ def _scatter_op(x: torch.Tensor, axis: str, dim: int, size: int, chunks: int, ra
 
 
 _enter_op.register_fake(lambda x, axis: torch.empty_like(x))
-_stop_op.register_fake(lambda x: torch.empty_like(x))
 _reduce_op.register_fake(lambda x, axis: torch.empty_like(x))
 _gather_op.register_fake(lambda x, axis, dim, size, chunks, rank: _resized(x, dim, size))
 _slice_op.register_fake(lambda x, axis, dim, size, chunks, rank: _resized(x, dim, 1 / size))
@@ -136,10 +128,6 @@ def _keep_args(ctx, inputs, output):
 
 def _enter_backward(ctx, grad):
     return _reduce_op(grad, ctx.args[0]), None
-
-
-def _stop_backward(ctx, grad):
-    return None
 
 
 def _reduce_backward(ctx, grad):
@@ -184,14 +172,13 @@ def _function(op, backward):
 
 
 _MOVES = {}
-for _op, _backward in ((_enter_op, _enter_backward), (_stop_op, _stop_backward), (_reduce_op, _reduce_backward), (_gather_op, _gather_backward),
+for _op, _backward in ((_enter_op, _enter_backward), (_reduce_op, _reduce_backward), (_gather_op, _gather_backward),
                        (_slice_op, _slice_backward), (_scatter_op, _scatter_backward)):
     _op.register_autograd(_backward, setup_context=_keep_args)
     _MOVES[_op] = _function(_op, _backward)
 
 DECOMPOSITIONS.update({
     torch.ops.pathways_tp.enter.default: _enter_forward,
-    torch.ops.pathways_tp.stop_gradient.default: lambda x: x.view_as(x),
     torch.ops.pathways_tp.reduce.default: _reduce_forward,
     torch.ops.pathways_tp.gather.default: _gather_forward,
     torch.ops.pathways_tp.slice.default: _slice_forward,
@@ -201,10 +188,6 @@ DECOMPOSITIONS.update({
 
 def enter(x, axis: str):
     return _MOVES[_enter_op].apply(x, axis)
-
-
-def stop_gradient(x):
-    return _MOVES[_stop_op].apply(x)
 
 
 def reduce(x, axis: str):

@@ -16,7 +16,8 @@ import threading
 
 from ..errors import CaptureError
 from .assign import TensorPlan, module_kind
-from .layouts import enter, gather, local_slice, reduce, reduce_scatter_to, stop_gradient, take_slice
+from ..stop_gradient import stop_gradient
+from .layouts import enter, gather, local_slice, reduce, reduce_scatter_to, take_slice
 from .styles import P, R, S, Layout
 
 __all__ = ["Lowered"]

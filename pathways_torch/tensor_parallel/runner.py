@@ -20,7 +20,7 @@ from ..training.plans import DataParallel
 from ..training.step import make_layout
 from .assign import PARTIAL, SPLIT, TensorPlan, assign, refuse_frozen_splits
 from .lowering import Lowered
-from .shards import by_kind, joined_bucket, placed_bucket
+from .shards import by_kind, flat_placement, joined_bucket, placed_bucket
 
 __all__ = ["TensorParallelRunner", "TensorStep"]
 
@@ -81,10 +81,8 @@ class TensorParallelRunner(DataParallelRunner):
     # ------------------------------------------------------------ where things live
 
     def _bucket_placement(self, kind: str) -> dict:
-        placement = dict(self.plan.state_placement()) if self.tensor.data is not None else {}
-        if kind == SPLIT:
-            placement[self.tensor.axis] = Shard(0)
-        return placement or Replicate()
+        data = self.plan.state_placement() if self.tensor.data is not None else Replicate()
+        return flat_placement(kind, data, self.tensor.axis)
 
     def _state_placements(self) -> list:
         flats = [self._bucket_placement(kind) for kind in self.kinds]

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from ..placement import _block_index, local_shape
 
-__all__ = ["shard_of", "join", "placed_flat", "flats_of", "placed_bucket", "joined_bucket", "by_kind"]
+__all__ = ["shard_of", "join", "placed_flat", "flats_of", "placed_bucket", "joined_bucket", "by_kind", "flat_placement"]
 
 
 def shard_of(tensor, split, size: int, rank: int):
@@ -30,6 +30,18 @@ def join(pieces: list, split):
     from ..training.sharded_checkpoint import join_split
 
     return pieces[0] if split.dim is None else join_split(pieces, split.dim, split.chunks)
+
+
+def flat_placement(kind: str, data_placement, axis: str):
+    """Where a flat of ``kind`` lives: as the data plan places state (a dict, or Replicate), and ``Shard(0)`` on
+    the model ``axis`` when its parameters are split."""
+    from ..placement import Replicate, Shard
+    from .assign import SPLIT
+
+    placement = dict(data_placement) if isinstance(data_placement, dict) else {}
+    if kind == SPLIT:
+        placement[axis] = Shard(0)
+    return placement or Replicate()
 
 
 def by_kind(bucket, plan) -> list:

@@ -59,12 +59,13 @@ def test_each_chunk_carries_its_moves_forward_and_their_gradients_backward():
 
 
 def test_a_captured_chunk_runs_pathways_collectives_not_the_moves():
+    import pathways_torch.stop_gradient  # noqa: F401  (registers its op)
     from pathways_torch.capture import DECOMPOSITIONS
 
     assert {str(op) for op in DECOMPOSITIONS} >= {"pathways_tp.enter.default", "pathways_tp.reduce.default",
                                                   "pathways_tp.gather.default", "pathways_tp.slice.default",
                                                   "pathways_tp.reduce_scatter.default",
-                                                  "pathways_tp.stop_gradient.default"}
+                                                  "pathways_graph.stop_gradient.default"}
 
 
 def test_a_pipeline_refuses_a_tensor_plan_with_its_own_data_axis_and_a_mesh_without_the_model_axis():
