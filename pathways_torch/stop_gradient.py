@@ -53,27 +53,31 @@ def stop_gradient(x):
 
 class kept_detach(torch.overrides.TorchFunctionMode):
     """Within (for a forward traced now and differentiated later): ``detach`` is `stop_gradient`, and so is every
-    floating tensor computed where the forward turned gradients off (``with torch.no_grad():``). Entering turns
-    gradients on, so that only the forward's own ``no_grad`` regions count."""
+    floating tensor computed inside a ``torch.no_grad()`` the model's code entered (its own, torch's or a model
+    library's, as eager runs them; not pathways_torch's, whose autograd Functions compute their forwards under
+    ``no_grad`` by design). Entering turns gradients on, so that only those regions count."""
 
     _DETACH = {torch.Tensor.detach, torch.detach}
 
     def __enter__(self):
         self._grad = torch.enable_grad()
         self._grad.__enter__()
+        self._regions = _ModelNoGrad()
+        self._regions.__enter__()
         return super().__enter__()
 
     def __exit__(self, *exc):
         try:
             return super().__exit__(*exc)
         finally:
+            self._regions.__exit__(*exc)
             self._grad.__exit__(*exc)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         if func in self._DETACH and args and isinstance(args[0], torch.Tensor):
             return stop_gradient(args[0])
         out = func(*args, **(kwargs or {}))
-        if torch.is_grad_enabled():
+        if not self._regions.depth or torch.is_grad_enabled():
             return out
         if isinstance(out, (tuple, list)) and any(_stopped(o) is not o for o in out):
             return type(out)([_stopped(o) for o in out])     # tuple, list, torch.return_types
@@ -82,3 +86,39 @@ class kept_detach(torch.overrides.TorchFunctionMode):
 
 def _stopped(value):
     return stop_gradient(value) if isinstance(value, torch.Tensor) and value.is_floating_point() else value
+
+
+class _ModelNoGrad:
+    """Within: ``depth`` counts the ``torch.no_grad()`` regions this thread's model code is inside (entered from a
+    file outside pathways_torch). ``no_grad``'s enter and exit are wrapped meanwhile; the caller holds
+    `graph_cut.CAPTURE_LOCK`, so one trace at a time wraps them."""
+
+    def __enter__(self):
+        import os
+        import sys
+        import threading
+
+        from torch.autograd.grad_mode import no_grad
+
+        ours = os.path.dirname(os.path.abspath(__file__))
+        thread, self.depth = threading.get_ident(), 0
+        self._enter, self._exit = no_grad.__enter__, no_grad.__exit__
+        regions, enter, leave = self, self._enter, self._exit
+
+        def counted_enter(grad_mode):
+            caller = os.path.abspath(sys._getframe(1).f_code.co_filename)
+            grad_mode._pathways_counted = threading.get_ident() == thread and not caller.startswith(ours)
+            regions.depth += grad_mode._pathways_counted
+            return enter(grad_mode)
+
+        def counted_exit(grad_mode, *exc):
+            regions.depth -= getattr(grad_mode, "_pathways_counted", False)
+            return leave(grad_mode, *exc)
+        no_grad.__enter__, no_grad.__exit__ = counted_enter, counted_exit
+        return self
+
+    def __exit__(self, *exc):
+        from torch.autograd.grad_mode import no_grad
+
+        no_grad.__enter__, no_grad.__exit__ = self._enter, self._exit
+        return False
