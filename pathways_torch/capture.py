@@ -19,7 +19,7 @@ from .wire import pb
 from .wire.graph_schema import GraphSchemaError, encode_graph
 from .wire.tensors import dtype_name
 
-__all__ = ["CapturedVersion", "InputSpec", "capture", "DECOMPOSITIONS"]
+__all__ = ["CapturedVersion", "InputSpec", "capture", "DECOMPOSITIONS", "decompositions"]
 
 DECOMPOSITIONS: dict = {}
 """Op → the function a captured graph runs in its place. Ops that exist only while a step is written (the
@@ -146,7 +146,7 @@ def _trace(flat, inputs, *, data_dependent_sizes: bool, record_stack_traces: boo
     with FakeTensorMode(shape_env=shape_env, static_shapes=True):
         fakes = [torch.empty(spec.shape, dtype=spec.dtype) for spec in inputs]
     if not record_stack_traces:
-        return make_fx(flat, tracing_mode="fake", decomposition_table=DECOMPOSITIONS)(*fakes)
+        return make_fx(flat, tracing_mode="fake", decomposition_table=decompositions())(*fakes)
     # make_fx keeps only the frames of modules' forward methods; a plain function's own lines matter too.
     from unittest import mock
 
@@ -154,7 +154,24 @@ def _trace(flat, inputs, *, data_dependent_sizes: bool, record_stack_traces: boo
 
     with mock.patch.object(proxy_tensor.PythonKeyTracer, "_filter_traceback_frames", lambda self, summary: summary):
         return make_fx(flat, tracing_mode="fake", record_stack_traces=True,
-                       decomposition_table=DECOMPOSITIONS)(*fakes)
+                       decomposition_table=decompositions())(*fakes)
+
+
+_DEFAULT_TABLE: dict | None = None
+
+
+def decompositions() -> dict:
+    """`DECOMPOSITIONS` on top of what ``make_fx`` decomposes when given no table: some torch versions then record
+    ``detach`` as an alias, and a table of ours must not change the graphs of functions that use none of its ops."""
+    global _DEFAULT_TABLE
+    if _DEFAULT_TABLE is None:
+        import torch
+        from torch.fx.experimental.proxy_tensor import make_fx
+
+        probe = make_fx(lambda x: x.detach())(torch.empty(1))
+        aliased = any(n.target is torch.ops.aten.alias.default for n in probe.graph.nodes)
+        _DEFAULT_TABLE = {torch.ops.aten.detach.default: lambda x: torch.ops.aten.alias.default(x)} if aliased else {}
+    return {**_DEFAULT_TABLE, **DECOMPOSITIONS}
 
 
 def _innermost_user_frame(stack_trace: str) -> str:

@@ -81,7 +81,8 @@ def stage_meshes(context, mesh, axis: str, data_axis: str, num_shards: int, num_
         order = tuple(coords[names.index(a)] for a in inner)
         by_rank[island * pipe_size + coords[pipe_dim]].append((order, executor_id))
     axes = {data_axis: num_shards, **({model[0]: model[1]} if model else {})}
-    return [context.mesh(axes, executors=[e for _, e in sorted(by_rank[r])]) for r in range(num_ranks)]
+    return [context.mesh(axes, executors=[e for _, e in sorted(by_rank[r], key=lambda item: item[0])])
+            for r in range(num_ranks)]
 
 
 def build_step(runner, form, tensors: list, modes: tuple | None = None) -> Built:

@@ -146,9 +146,9 @@ def _trace(joint, example_inputs: list, mesh_axes: dict, functionalize_after: bo
         # does it: the XLA routes cannot lower SDPA's kernel on fewer key/value heads (Llama failed here).
         with CAPTURE_LOCK, tracing_mesh(mesh_axes), portable_attention():
             if functionalize_after:
-                from ..capture import DECOMPOSITIONS
+                from ..capture import decompositions
 
-                joint = make_fx(joint, tracing_mode="fake", decomposition_table=DECOMPOSITIONS)(*fakes)
+                joint = make_fx(joint, tracing_mode="fake", decomposition_table=decompositions())(*fakes)
             return make_fx(functionalize(joint, remove="mutations"), tracing_mode="fake")(*fakes)
     except CaptureError:
         raise

@@ -387,8 +387,7 @@ def test_across_islands_with_dropout_equals_one_island_and_leaves_nothing_behind
 
 
 @pytest.mark.parametrize("name, data, clip", [("nanogpt", pw.DataParallel, None),
-                                              ("hf-llama", pw.ShardedDataParallel, 0.05),
-                                              ("hf-gpt2", pw.DataParallel, 0.05)])
+                                              ("hf-llama", pw.ShardedDataParallel, 0.05)])
 def test_tensor_parallelism_inside_islands_and_data_parallelism_across_equals_eager(ctx, name, data, clip):
     from tests.integration.test_tensor_parallel import CASE, HF_FLOAT64, _oracle, _relative, check_islands_trainer
 

@@ -6,8 +6,8 @@ The models are the conformance cases (transformers' GPT-2 and Llama with GQA, a 
 over 20 steps at 1e-4, and a torchtitan-style plan with sequence parallelism under
 ``ShardedDataParallel`` with clipping. On eager executors (test_tensor_parallel_eager.py): ``{model: 2}``
 too, evaluate and predict, checkpoints that reshard, recovery. GPT-2, Llama and the nanoGPT-style GPT on
-the pipe x data x model mesh 2 x 1 x 2 (``pw.Pipeline(..., tensor=...)``), here and on eager executors; Llama
-with TP inside two islands and data parallelism across them (more in test_islands.py).
+the pipe x data x model mesh 2 x 1 x 2 (``pw.Pipeline(..., tensor=...)``), here and on eager executors. TP inside islands
+with data parallelism across them: test_islands.py (eager executors).
 """
 
 from __future__ import annotations
@@ -187,16 +187,3 @@ def check_islands_trainer(ctx, make_model, case, data, clip, batches=None):
                        mesh=ctx.mesh({"island": 2, "data": 1, "model": 2}))
     losses = [loss.result(240).item() for loss in [trainer.step(b) for b in batches or case.batches()]]
     return losses, trainer.state_dict()["model"], trainer
-
-
-def test_tensor_parallelism_inside_islands_equals_eager_on_the_default_backend():
-    case = CASE["hf-llama"]
-
-    def make_model():
-        return case.make_model().double()
-    expected_losses, expected = _oracle(make_model, case.batches(), None)
-    with pw.Context(islands=[2, 2]) as islands:
-        losses, state, trainer = check_islands_trainer(islands, make_model, case, pw.DataParallel, None)
-        assert not any(islands.backend_counters("fallback_ops").values())     # 0 ops outside XLA
-    assert _relative(losses, expected_losses) < HF_FLOAT64
-    assert max(_relative(state[n], v) for n, v in expected.items()) < HF_FLOAT64
