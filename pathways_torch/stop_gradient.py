@@ -7,7 +7,8 @@ forward's stop-gradient is lost; the model then trains on a gradient eager PyTor
 re-traced backward stops where the forward said. `kept_detach` turns every ``detach`` of the forward
 into it while such a graph is traced, and every floating value the forward computes under
 ``torch.no_grad()``. The executors never see the op: `capture` runs its forward (an
-alias) in its place (`capture.DECOMPOSITIONS`).
+alias) in its place (`capture.DECOMPOSITIONS`). `differentiable` gives any such op its gradient in
+both kinds of graph (the tensor-parallel moves use it too).
 """
 
 from __future__ import annotations
@@ -16,7 +17,35 @@ import torch
 
 from .capture import DECOMPOSITIONS
 
-__all__ = ["stop_gradient", "kept_detach"]
+__all__ = ["stop_gradient", "kept_detach", "differentiable"]
+
+
+def _keep_args(ctx, inputs, output):
+    ctx.args = inputs[1:]      # what a backward reads besides the gradient: the op's arguments after the tensor
+
+
+def differentiable(op, backward):
+    """Give ``op`` the gradient ``backward(ctx, grad)`` (``ctx.args``: the op's arguments after the first) in both
+    places a gradient is taken: registered on the op, for a graph traced first and differentiated later (a
+    pipeline's chunks); and the autograd Function returned, for a step differentiated by ``torch.func``, which
+    runs no op's registered gradient (op and gradient run under ``no_grad`` there: only the Function counts)."""
+    op.register_autograd(backward, setup_context=_keep_args)
+
+    class Differentiable(torch.autograd.Function):
+        @staticmethod
+        def forward(*args):
+            with torch.no_grad():
+                return op(*args)
+
+        setup_context = staticmethod(_keep_args)
+
+        @staticmethod
+        def backward(ctx, grad):
+            with torch.no_grad():
+                return backward(ctx, grad)
+
+    Differentiable.__name__ = f"Differentiable[{op._name}]"
+    return Differentiable
 
 
 @torch.library.custom_op("pathways_graph::stop_gradient", mutates_args=())
@@ -25,25 +54,8 @@ def _stop_op(x: torch.Tensor) -> torch.Tensor:
 
 
 _stop_op.register_fake(lambda x: torch.empty_like(x))
-_stop_op.register_autograd(lambda ctx, grad: None)
+_StopGradient = differentiable(_stop_op, lambda ctx, grad: None)
 DECOMPOSITIONS[torch.ops.pathways_graph.stop_gradient.default] = lambda x: x.view_as(x)
-
-
-class _StopGradient(torch.autograd.Function):
-    """The op for a step differentiated by ``torch.func`` (which runs no op's registered gradient)."""
-
-    @staticmethod
-    def forward(x):
-        with torch.no_grad():
-            return _stop_op(x)
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        pass
-
-    @staticmethod
-    def backward(ctx, grad):
-        return None
 
 
 def stop_gradient(x):
@@ -79,13 +91,17 @@ class kept_detach(torch.overrides.TorchFunctionMode):
         out = func(*args, **(kwargs or {}))
         if not self._regions.depth or torch.is_grad_enabled():
             return out
-        if isinstance(out, (tuple, list)) and any(_stopped(o) is not o for o in out):
+        if isinstance(out, (tuple, list)) and any(_floating(o) for o in out):
             return type(out)([_stopped(o) for o in out])     # tuple, list, torch.return_types
         return _stopped(out)
 
 
+def _floating(value) -> bool:
+    return isinstance(value, torch.Tensor) and value.is_floating_point()
+
+
 def _stopped(value):
-    return stop_gradient(value) if isinstance(value, torch.Tensor) and value.is_floating_point() else value
+    return stop_gradient(value) if _floating(value) else value
 
 
 class _ModelNoGrad:

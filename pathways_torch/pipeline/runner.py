@@ -18,6 +18,7 @@ from .build import Built, build_step, pipeline_schedule, stage_meshes
 from .checkpoints import PipelineCheckpoints
 from .evaluation import evaluate
 from .tensor import stage_tensor
+from ..tensor_parallel.shards import host_flat, whole_tensors
 from ..training.runner import HoldsTrainer
 
 __all__ = ["PipelineRunner"]
@@ -122,16 +123,16 @@ class PipelineRunner(PipelineCheckpoints, HoldsTrainer):
         if self.tensor is None:
             return _flat(bucket, numel, tensors, key), placement
         named = {s.name: tensors[key(s.name)].to(bucket.dtype) for s in bucket.slots}
-        return self.tensor.host_flat(bucket, plan.tensor.kinds[index], named, numel, placement,
-                                     self._mesh_of(plan.chunk.index)), placement
+        return host_flat(bucket, plan.tensor.kinds[index], named, self.tensor.plan, numel, placement,
+                         self._mesh_of(plan.chunk.index)), placement
 
     def _named(self, plan, index: int, array) -> dict:
         """The named whole tensors of flat ``index`` of ``plan`` from its array (joined over the model axis)."""
         bucket = plan.buckets[index]
         if self.tensor is None:
             return {n: t.clone() for n, t in unflatten(bucket, array.result()).items()}
-        return self.tensor.named(bucket, plan.tensor.kinds[index], array.result(), self.state_placements(plan)[index],
-                                 self._mesh_of(plan.chunk.index))
+        return whole_tensors(bucket, plan.tensor.kinds[index], array.result(), self.tensor.plan,
+                             self.state_placements(plan)[index], self._mesh_of(plan.chunk.index))
 
     @property
     def placements(self):

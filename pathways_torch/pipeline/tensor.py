@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 
 from ..placement import Shard
-from ..tensor_parallel.assign import SPLIT, TensorPlan, assign, refuse_frozen_splits
+from ..tensor_parallel.assign import TensorPlan, assign, refuse_frozen_splits
 
 __all__ = ["StageTensor", "stage_tensor"]
 
@@ -59,26 +59,6 @@ class StageTensor:
         from ..tensor_parallel.shards import flat_placement
 
         return flat_placement(kind, data_placement, self.axis)
-
-    def host_flat(self, bucket, kind: str, named: dict, numel: int, placement, mesh):
-        """The host array of one flat of ``bucket`` (its ``named`` whole tensors) as it is put on ``mesh``."""
-        from ..placement import normalize_placements
-        from ..tensor_parallel.shards import placed_bucket
-        from ..training.buckets import flatten
-
-        if kind != SPLIT:
-            return flatten(bucket, named, numel)
-        return placed_bucket(bucket, named, self.plan, numel, normalize_placements(placement, mesh), mesh)
-
-    def named(self, bucket, kind: str, whole, placement, mesh) -> dict:
-        """The named whole tensors of one flat of ``bucket`` from its global array ``whole``."""
-        from ..placement import normalize_placements
-        from ..tensor_parallel.shards import joined_bucket
-        from ..training.buckets import unflatten
-
-        if kind != SPLIT:
-            return {n: t.clone() for n, t in unflatten(bucket, whole).items()}
-        return joined_bucket(bucket, whole, self.plan, normalize_placements(placement, mesh), mesh)
 
     def rank(self):
         """The model rank leaf's host value: one int per model shard, put ``Shard(0)`` on the model axis."""

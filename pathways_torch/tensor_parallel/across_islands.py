@@ -12,13 +12,13 @@ clipping norm (`runner.TensorStep`). The island axis stays data-parallel: no col
 
 from __future__ import annotations
 
-from ..placement import Shard, normalize_placements
-from ..training.buckets import flatten, split_for_exchange, unflatten
+from ..placement import Shard
+from ..training.buckets import split_for_exchange
 from ..training.cross_island import CrossIslandRunner
 from ..training.step import make_layout
-from .assign import SPLIT, assign, refuse_frozen_splits
-from .checkpoint_parts import model_shard_parts
-from .shards import by_kind, flat_placement, joined_bucket, placed_bucket
+from .assign import assign, refuse_frozen_splits
+from .checkpoint_parts import tensor_parallel_parts
+from .shards import by_kind, flat_placement, host_flat, whole_tensors
 
 __all__ = ["TensorIslandRunner"]
 
@@ -75,17 +75,13 @@ class TensorIslandRunner(CrossIslandRunner):
     # ------------------------------------------------------------ state, split on the model axis
 
     def put_state(self, tensors: dict) -> None:
-        layout, ctx = self.layout, self.trainer._context
-        placements = self._bucket_placements()
-        sharded = self.inner.sharded_state
+        layout, ctx, placements = self.layout, self.trainer._context, self._bucket_placements()
 
         def place_on(mesh):
             def place(index, bucket, named):
-                numel = bucket.padded_numel(self.num_shards) if sharded else bucket.numel
-                if self.kinds[index] != SPLIT:
-                    return flatten(bucket, named, numel), placements[index]
-                return placed_bucket(bucket, named, self.tensor_plan, numel,
-                                     normalize_placements(placements[index], mesh), mesh), placements[index]
+                numel = bucket.padded_numel(self.num_shards) if self.inner.sharded_state else bucket.numel
+                return host_flat(bucket, self.kinds[index], named, self.tensor_plan, numel, placements[index],
+                                 mesh), placements[index]
             return place
         self._state = [ctx.put_many(layout.state_items(tensors, place_on(mesh)), mesh) for mesh in self._islands]
 
@@ -93,18 +89,11 @@ class TensorIslandRunner(CrossIslandRunner):
         placements, mesh = self._bucket_placements(), self._islands[0]
 
         def joined(index, bucket, array):
-            if self.kinds[index] != SPLIT:
-                return {n: t.clone() for n, t in unflatten(bucket, array.result()).items()}
-            return joined_bucket(bucket, array.result(), self.tensor_plan,
-                                 normalize_placements(placements[index], mesh), mesh)
+            return whole_tensors(bucket, self.kinds[index], array.result(), self.tensor_plan, placements[index], mesh)
         return self.layout.named_tensors(self.checkpoint_arrays(), joined)
 
     def checkpoint_parts(self) -> list:
-        layout = self.layout
-        flats, states, buffers, frozen = layout.split_state(self.checkpoint_arrays())
-        wholes = [(f"model/{n}", a) for n, a in zip(layout.buffer_names + layout.frozen_names, [*buffers, *frozen])]
-        return model_shard_parts(layout.buckets, self.kinds, layout.state_names, flats, states, wholes,
-                                 self._islands[0], self.tensor_plan, self.plan.sharded_state)
+        return tensor_parallel_parts(self, self._islands[0])
 
     @property
     def placements(self):

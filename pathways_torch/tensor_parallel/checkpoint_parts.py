@@ -14,12 +14,14 @@ from .assign import SPLIT
 __all__ = ["tensor_parallel_parts", "model_shard_parts"]
 
 
-def tensor_parallel_parts(runner) -> list[CheckpointPart]:
+def tensor_parallel_parts(runner, mesh) -> list[CheckpointPart]:
+    """The parts of a runner whose state is one `StepLayout` (its ``layout``, ``kinds``, ``tensor_plan``) on ``mesh``:
+    the tensor-parallel runner's mesh, or island 0's across islands (every island holds the same state)."""
     layout = runner.layout
     flats, states, buffers, frozen = layout.split_state(runner.checkpoint_arrays())
     wholes = [(f"model/{n}", a) for n, a in zip(layout.buffer_names + layout.frozen_names, [*buffers, *frozen])]
     return model_shard_parts(layout.buckets, runner.kinds, layout.state_names, flats, states, wholes,
-                             runner.trainer.mesh, runner.tensor_plan, runner.plan.sharded_state)
+                             mesh, runner.tensor_plan, runner.plan.sharded_state)
 
 
 def model_shard_parts(buckets, kinds, state_names, flats, states, wholes, mesh, plan, sharded: bool) -> list:

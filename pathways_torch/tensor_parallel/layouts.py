@@ -25,6 +25,7 @@ import torch
 
 from ..capture import DECOMPOSITIONS
 from ..collectives import all_gather, all_reduce, reduce_scatter
+from ..stop_gradient import differentiable
 
 __all__ = ["enter", "reduce", "gather", "take_slice", "reduce_scatter_to", "local_slice", "gathered"]
 
@@ -122,10 +123,6 @@ _slice_op.register_fake(lambda x, axis, dim, size, chunks, rank: _resized(x, dim
 _scatter_op.register_fake(lambda x, axis, dim, size, chunks, rank: _resized(x, dim, 1 / size))
 
 
-def _keep_args(ctx, inputs, output):
-    ctx.args = inputs[1:]
-
-
 def _enter_backward(ctx, grad):
     return _reduce_op(grad, ctx.args[0]), None
 
@@ -139,43 +136,15 @@ def _gather_backward(ctx, grad):
     return local_slice(grad, dim, size, chunks, rank), None, None, None, None, None
 
 
-def _slice_backward(ctx, grad):
+def _gathered_backward(ctx, grad):
+    """Slicing's and reduce-scattering's: the split gradient gathered whole."""
     axis, dim, size, chunks, rank = ctx.args
     return _gather_op(grad, axis, dim, size, chunks, rank), None, None, None, None, None
 
 
-def _scatter_backward(ctx, grad):
-    axis, dim, size, chunks, rank = ctx.args
-    return _gather_op(grad, axis, dim, size, chunks, rank), None, None, None, None, None
-
-
-
-def _function(op, backward):
-    """The move as an autograd Function over its op, for a step differentiated by ``torch.func`` (which runs no
-    op's registered gradient): the op and its gradient run under ``no_grad``, so only this Function's count."""
-
-    class Move(torch.autograd.Function):
-        @staticmethod
-        def forward(*args):
-            with torch.no_grad():
-                return op(*args)
-
-        setup_context = staticmethod(_keep_args)
-
-        @staticmethod
-        def backward(ctx, grad):
-            with torch.no_grad():
-                return backward(ctx, grad)
-
-    Move.__name__ = f"Move[{op._name}]"
-    return Move
-
-
-_MOVES = {}
-for _op, _backward in ((_enter_op, _enter_backward), (_reduce_op, _reduce_backward), (_gather_op, _gather_backward),
-                       (_slice_op, _slice_backward), (_scatter_op, _scatter_backward)):
-    _op.register_autograd(_backward, setup_context=_keep_args)
-    _MOVES[_op] = _function(_op, _backward)
+_MOVES = {op: differentiable(op, backward) for op, backward in (
+    (_enter_op, _enter_backward), (_reduce_op, _reduce_backward), (_gather_op, _gather_backward),
+    (_slice_op, _gathered_backward), (_scatter_op, _gathered_backward))}
 
 DECOMPOSITIONS.update({
     torch.ops.pathways_tp.enter.default: _enter_forward,

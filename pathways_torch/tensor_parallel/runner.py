@@ -12,15 +12,16 @@ each split parameter's slices once. State leaves the executors whole: ``state_di
 from __future__ import annotations
 
 import dataclasses
+
 from ..collectives import all_reduce
-from ..placement import Replicate, Shard, normalize_placements
-from ..training.buckets import Bucket, flatten, split_for_exchange, unflatten
+from ..placement import Replicate, Shard
+from ..training.buckets import Bucket, split_for_exchange
 from ..training.data_parallel import DataParallelRunner
 from ..training.plans import DataParallel
 from ..training.step import make_layout
 from .assign import PARTIAL, SPLIT, TensorPlan, assign, refuse_frozen_splits
 from .lowering import Lowered
-from .shards import by_kind, flat_placement, joined_bucket, placed_bucket
+from .shards import by_kind, flat_placement, host_flat, whole_tensors
 
 __all__ = ["TensorParallelRunner", "TensorStep"]
 
@@ -132,28 +133,22 @@ class TensorParallelRunner(DataParallelRunner):
         model shards' flats side by side on the mesh."""
         kind = self.kinds[index]
         placement = self._bucket_placement(kind)
-        if kind != SPLIT:
-            return flatten(bucket, named, self._padded(bucket)), placement
-        mesh = self.trainer.mesh
-        return placed_bucket(bucket, named, self.tensor_plan, self._padded(bucket),
-                             normalize_placements(placement, mesh), mesh), placement
+        return host_flat(bucket, kind, named, self.tensor_plan, self._padded(bucket), placement,
+                         self.trainer.mesh), placement
 
     def named_tensors(self) -> dict:
         return self.layout.named_tensors(self.checkpoint_arrays(), self._joined)
 
     def _joined(self, index: int, bucket: Bucket, array) -> dict:
         """The named tensors of bucket ``index``, whole, from its array (joined from the model shards' slices)."""
-        whole, kind = array.result(), self.kinds[index]
-        if kind != SPLIT:
-            return {n: t.clone() for n, t in unflatten(bucket, whole).items()}
-        mesh = self.trainer.mesh
-        return joined_bucket(bucket, whole, self.tensor_plan, normalize_placements(self._bucket_placement(kind), mesh),
-                             mesh)
+        kind = self.kinds[index]
+        return whole_tensors(bucket, kind, array.result(), self.tensor_plan, self._bucket_placement(kind),
+                             self.trainer.mesh)
 
     def checkpoint_parts(self) -> list:
         from .checkpoint_parts import tensor_parallel_parts
 
-        return tensor_parallel_parts(self)
+        return tensor_parallel_parts(self, self.trainer.mesh)
 
     def placed_arrays(self) -> list:
         return [*super().placed_arrays(), self._model_rank]

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 from ..placement import _block_index, local_shape
 
-__all__ = ["shard_of", "join", "placed_flat", "flats_of", "placed_bucket", "joined_bucket", "by_kind", "flat_placement"]
+__all__ = ["shard_of", "join", "placed_flat", "flats_of", "placed_bucket", "joined_bucket", "by_kind", "flat_placement", "host_flat",
+           "whole_tensors"]
 
 
 def shard_of(tensor, split, size: int, rank: int):
@@ -74,6 +75,29 @@ def joined_bucket(bucket, whole, plan, placements: tuple, mesh) -> dict:
 
     per_shard = [unflatten(bucket, f) for f in flats_of(whole, placements, mesh, plan.axis, plan.size)]
     return {s.name: join([p[s.name] for p in per_shard], plan.split_of(s.name)).clone() for s in bucket.slots}
+
+
+def host_flat(bucket, kind: str, named: dict, plan, numel: int, placement, mesh):
+    """The host array of one flat of ``bucket`` of ``kind`` (from its ``named`` whole tensors, padded to ``numel``)
+    as it is put on ``mesh`` under ``placement``: flattened, or each model shard's slices where it lives."""
+    from ..placement import normalize_placements
+    from ..training.buckets import flatten
+    from .assign import SPLIT
+
+    if kind != SPLIT:
+        return flatten(bucket, named, numel)
+    return placed_bucket(bucket, named, plan, numel, normalize_placements(placement, mesh), mesh)
+
+
+def whole_tensors(bucket, kind: str, whole, plan, placement, mesh) -> dict:
+    """The inverse of `host_flat`: the named whole tensors (copies) of one flat from its global array ``whole``."""
+    from ..placement import normalize_placements
+    from ..training.buckets import unflatten
+    from .assign import SPLIT
+
+    if kind != SPLIT:
+        return {n: t.clone() for n, t in unflatten(bucket, whole).items()}
+    return joined_bucket(bucket, whole, plan, normalize_placements(placement, mesh), mesh)
 
 
 def _model_coord(position: int, mesh, axis: str) -> int:

@@ -279,9 +279,8 @@ class CrossIslandRunner(HoldsTrainer):
         from .bucket_cut import cut_per_bucket
 
         t, layout, nb = self.trainer, self.layout, len(self.layout.buckets)
-        joint = make_island_joint(t.model, t.loss_fn, layout, self.inner, self.num_shards, t.seed, form,
-                                  self._tensor_step())
         tensor = self._tensor_step()
+        joint = make_island_joint(t.model, t.loss_fn, layout, self.inner, self.num_shards, t.seed, form, tensor)
         cut = cut_per_bucket(joint, example_inputs, nb, self._island_axes(), functionalize_after=tensor is not None)
         self.bucket_cut = cut
         sliced = {self.inner.axis: Shard(0)}
