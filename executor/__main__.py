@@ -43,14 +43,26 @@ def parse_args(argv=None) -> ExecutorConfig:
     parser.add_argument("--mmap-threshold-mb", type=float, default=DEFAULT_MMAP_THRESHOLD_MB,
                         help="glibc serves buffers of at least this many MiB with mappings of their own, returned "
                              "when freed (0: glibc's dynamic default; see executor/allocator.py)")
+    parser.add_argument("--sim-count", type=int, default=None,
+                        help="run this many simulated executors in this one process (--backend sim; --id gives one id "
+                             "X, named X.0 .. X.<K-1>, or K comma-separated ids); see executor/sim_host.py")
     args = parser.parse_args(argv)
+    if args.sim_count is not None:
+        from .sim_host import check_open_files, sim_ids
+
+        try:   # before anything starts
+            check_open_files(args.sim_count)
+            sim_ids(args.id.split(","), args.sim_count)
+        except ValueError as exc:
+            parser.error(str(exc))
     return ExecutorConfig(controller_address=args.controller, executor_id=args.id, keys_dir=args.keys,
                           backend=args.backend,
                           device=args.device, bind_host=args.bind_host, num_threads=args.threads,
                           parent_pid=args.parent_pid, heartbeat_interval_s=args.heartbeat_interval_s,
                           heartbeat_timeout_s=args.heartbeat_timeout_s, join_timeout_s=args.join_timeout_s,
                           cpus=tuple(int(c) for c in args.cpus.split(",") if c.strip()), island=args.island,
-                          key_role=args.key_role, mmap_threshold_mb=args.mmap_threshold_mb)
+                          key_role=args.key_role, mmap_threshold_mb=args.mmap_threshold_mb,
+                          sim_count=args.sim_count or 0)
 
 
 def main(argv=None) -> None:
@@ -65,6 +77,10 @@ def main(argv=None) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     # `kill -USR1 PID` writes every thread's stack to the executor's log: for a hang, the first look.
     faulthandler.register(signal.SIGUSR1, all_threads=True)
+    if config.sim_count:
+        from .sim_host import SimHost, sim_ids
+
+        raise SystemExit(SimHost(config, sim_ids(config.executor_id.split(","), config.sim_count)).run())
     from .process import ExecutorProcess
 
     ExecutorProcess(config).run()

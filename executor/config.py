@@ -43,6 +43,9 @@ class ExecutorConfig(Liveness):
     # glibc serves buffers of at least this many MiB with mappings of their own (0: glibc's dynamic default;
     # executor/allocator.py says why and what it costs).
     mmap_threshold_mb: float = DEFAULT_MMAP_THRESHOLD_MB
+    # Simulated executors this process runs (executor/sim_host.py): 0, one executor as a process of its own; K >= 1,
+    # K simulated ones on one loop, named by ``executor_id`` (K comma-separated ids, or one id X: X.0 .. X.<K-1>).
+    sim_count: int = 0
 
     def __post_init__(self):
         if self.backend not in BACKENDS:
@@ -54,6 +57,9 @@ class ExecutorConfig(Liveness):
             raise ValueError(f"cpus: expected core numbers >= 0, got {self.cpus}")
         if not self.mmap_threshold_mb >= 0:
             raise ValueError(f"mmap_threshold_mb: expected >= 0 (0: glibc's default), got {self.mmap_threshold_mb}")
+        if self.sim_count and self.backend != "sim":
+            raise ValueError(f"sim_count={self.sim_count} (--sim-count): only simulated executors share a process; "
+                             f"use --backend sim, or drop --sim-count")
         if self.num_threads < 1:
             raise ValueError(f"num_threads: expected >= 1, got {self.num_threads}")
         super().__post_init__()

@@ -42,6 +42,8 @@ class StepInterpreter:
         self._handed_over = pb.RemoteFailure(type="ProtocolError", executor_id=executor_id,
                                              message="this shard was freed: a computation took it over")
         self.backend = backend
+        # A step's device time is read from the device's clock: the wall clock, or a simulated device's own.
+        self._clock_ns = getattr(backend, "clock_ns", time.perf_counter_ns)
         self.collectives = collectives
         self.trace = trace
         # Bound once: the lookup per job allocates nothing.
@@ -124,7 +126,7 @@ class StepInterpreter:
             # Visible in the trace: what reads these outputs is dispatched only after this ends.
             detail = "data-dependent output shapes: sequential dispatch" if step.report_shapes else ""
             self.trace.record("start", name, seq=seq, call_id=call_id, function_id=step.function_id, detail=detail)
-            started = time.perf_counter_ns()
+            started = self._clock_ns()
             try:
                 with self.collectives.bind(step.axis_groups, seq=seq, cache=step):
                     outputs = self.backend.run(function.compiled, inputs)
@@ -134,7 +136,7 @@ class StepInterpreter:
                 digests = [self.backend.digest(t) for t in outputs] if step.digest else []
             except Exception as exc:
                 outputs, failure = None, remote_failure(exc, self.executor_id, origin_call_id=call_id)
-            device_ns = time.perf_counter_ns() - started
+            device_ns = self._clock_ns() - started
             self.trace.record("end", name, seq=seq, call_id=call_id, function_id=step.function_id, detail=detail)
         if failure is not None and not failure.origin_call_id:
             failure = with_origin(failure, call_id)

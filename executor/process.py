@@ -26,12 +26,10 @@ import time
 import zmq
 
 from pathways_torch.wire.process_state import is_alive
-from pathways_torch.wire import SocketLoop, body_name, decode, encode, pb
-from pathways_torch.wire.framing import FramingError
+from pathways_torch.wire import SocketLoop, encode, pb
 from pathways_torch.wire.security import (CONTROLLER, HANDSHAKE_FAILURES, HEARTBEAT_SUFFIX, INCARNATION_MARK,
-                                          STORE_SUFFIX, ConnectionWatch, Credentials, Gatekeeper, KeyDirectory,
-                                          SecurityError, make_client, make_server, peer_key, peer_role,
-                                          without_replaced_keys)
+                                          STORE_SUFFIX, ConnectionWatch, Gatekeeper, KeyDirectory, make_client,
+                                          make_server, without_replaced_keys)
 from pathways_torch.wire.threads import name_os_thread
 
 from .backends import make_backend
@@ -41,7 +39,9 @@ from .compute_loop import ComputeLoop
 from .config import ExecutorConfig
 from .core import ExecutorCore
 from .data_roles import DataGate
+from .endpoint import CoreEndpoint
 from .jobs import ComputeJob
+from .socket_outbox import SocketOutbox
 from .trace import TraceRecorder
 
 __all__ = ["ExecutorProcess", "EXIT_LOST", "EXIT_CONTROLLER_GONE", "EXIT_REFUSED"]
@@ -58,60 +58,7 @@ _COMMANDS = "commands"
 _DATA = "data"
 
 
-class _SocketOutbox:
-    """Messages out: to the controller on the compute thread's control connection (at once
-    when sent from that thread), to clients and peers through the I/O loop."""
-
-    def __init__(self, loop: SocketLoop, credentials: Credentials):
-        self._loop = loop
-        self._credentials = credentials
-        self.control: ComputeLoop | None = None
-        self.epoch = 0     # this incarnation (from Welcome): every message to the controller carries it
-        self.on_peer_frames = None   # (address, frames) -> None: what a peer sends back (transfer acks)
-        self.peer_keys: dict[str, bytes] = {}   # peer address -> the key its socket authenticates (I/O thread)
-
-    def to_controller(self, envelope, payload=()):
-        envelope.epoch = self.epoch
-        self.control.send(encode(envelope, payload))
-
-    def to_client(self, identity, envelope, payload=()):
-        self._loop.send(_DATA, [identity, *encode(envelope, payload)])
-
-    def to_peer(self, address, envelope, payload=(), public_key=b""):
-        frames = encode(envelope, payload)
-
-        def send():
-            key = f"peer:{address}"
-            if self._loop.socket(key) is None:
-                socket = self._loop.context.socket(zmq.DEALER)
-                socket.setsockopt(zmq.LINGER, 0)
-                try:
-                    make_client(socket, self._credentials, public_key)
-                except SecurityError as exc:
-                    socket.close()
-                    log.error("transfer to %s dropped: %s (the controller must send the peer's key)", address, exc)
-                    return
-                socket.connect(address)
-                self._loop.add_socket(key, socket, lambda frames: self.on_peer_frames(address, frames))
-                self.peer_keys[address] = public_key
-            self._loop.send_now(key, frames)
-
-        self._loop.call_soon(send)
-
-    def close_peers_not_admitted(self, admits) -> None:
-        """Close the connections to replaced incarnations (their keys, ``admits(key)`` False, were revoked): their
-        addresses are dead, and ZeroMQ would retry them every 100 ms for good. A replacement has an address of its
-        own."""
-        def close():
-            for address in [a for a, key in self.peer_keys.items() if not admits(key)]:
-                del self.peer_keys[address]
-                self._loop.close_socket(f"peer:{address}")
-                log.info("closed the connection to %s (a replaced incarnation's address)", address)
-
-        self._loop.call_soon(close)
-
-
-class ExecutorProcess:
+class ExecutorProcess(CoreEndpoint):
     """Runs one executor until the controller says stop, goes silent, or the parent dies."""
 
     def __init__(self, config: ExecutorConfig):
@@ -132,7 +79,8 @@ class ExecutorProcess:
             from pathways_torch.wire import collective_ops
 
             collective_ops.set_runtime(self.collectives)
-        self.outbox = _SocketOutbox(self.loop, self.credentials)
+        self.outbox = SocketOutbox(self.loop, self.credentials, data_key=_DATA)
+        self.executor_id = config.executor_id
         self.core = ExecutorCore(executor_id=config.executor_id, backend=self.backend, outbox=self.outbox,
                                  submit=self._submit, trace=trace, compiler=self.compiler,
                                  collectives=self.collectives)
@@ -150,9 +98,10 @@ class ExecutorProcess:
         self._refused: dict[str, int] = {}   # refused connections, by socket
         self.data_address = self._bind_data()
         commands, self.command_address = self._bind_commands()
-        self.compute = self.outbox.control = ComputeLoop(f"executor-{config.executor_id}", self.zmq,
+        self.compute = ComputeLoop(f"executor-{config.executor_id}", self.zmq,
                                                          commands=commands, replies=self._connect_control(),
                                                          on_control=self._on_control)
+        self.outbox.send_control = self.compute.send
 
     # ------------------------------------------------------------ sockets
 
@@ -231,46 +180,21 @@ class ExecutorProcess:
 
     def _on_control(self, frames) -> None:
         with self._core_lock:
-            role = peer_role(frames[-1])
-            if len(frames) < 2 or role != CONTROLLER:
-                self.core._drop(f"a message on the command socket from {role!r}, not the controller")
-                return
-            try:
-                envelope, payload = decode(frames[1:])
-            except FramingError as exc:
-                self.core._drop(str(exc))
-                return
-            if envelope.HasField("stats_request"):   # the I/O thread's count, for Stats (an int read)
-                self.core.counters["send_backlog_high_water"] = self.loop.backlog_high_water
-                self.core.counters["heartbeats_sent"] = self._heartbeats_sent
-                self.core.counters["peer_connections"] = len(self.outbox.peer_keys)   # open now, to peers
-            self.core.on_control(envelope, payload)
-            if envelope.HasField("welcome"):
-                self.outbox.epoch = envelope.welcome.epoch
+            self._control_frames(frames)
         if self.core.stopped:
             self._stop("the controller asked")
 
+    def _socket_counters(self) -> dict[str, int]:
+        # The I/O thread's and the heartbeat thread's counts (int reads)
+        return {"send_backlog_high_water": self.loop.backlog_high_water, "heartbeats_sent": self._heartbeats_sent}
+
     def _on_peer_frames(self, address: str, frames) -> None:
         with self._core_lock:
-            try:
-                envelope, _ = decode(frames)
-            except FramingError as exc:
-                self.core._drop(str(exc))
-                return
-            self.core.on_peer_reply(address, envelope)
+            self._peer_frames(address, frames)
 
     def _on_data(self, frames) -> None:
         with self._core_lock:
-            if len(frames) < 2:
-                self.core._drop("data message without identity and envelope")
-                return
-            try:
-                envelope, payload = decode(frames[1:])
-                # The role of the key that sent it decides what it may do here (executor/data_roles.py).
-                self.core.on_data(frames[0].bytes, envelope, payload, role=peer_role(frames[-1]),
-                                  key=peer_key(frames[-1]))
-            except (FramingError, ValueError) as exc:
-                self.core._drop(str(exc))
+            self._data_frames(frames)
 
     # ------------------------------------------------------------ compute thread
 
@@ -344,26 +268,9 @@ class ExecutorProcess:
         return self._controller_connection(HEARTBEAT_SUFFIX)
 
     def _on_heartbeat_answer(self, frames) -> None:
-        try:
-            envelope, _ = decode(frames)
-        except FramingError as exc:
-            log.warning("executor %s: bad heartbeat answer dropped: %s", self.config.executor_id, exc)
-            return
-        if body_name(envelope) == "shutdown":
-            self._exit(f"the controller says: {envelope.shutdown.reason}")
-        for entry in envelope.heartbeat.lost_peers:
-            # "executor-1@1<7": groups 1..6 were made before the loss; "transfer:<array>.<shard>:<from>-><to><7": a
-            # transfer to or from this island was lost on a link (both ends alive, but a run failed at it).
-            peer, _, before = entry.partition("<")
-            self.core.data_gate.retire(peer)   # what the lost incarnation still sends on its connections is refused
-            if peer not in self.collectives.abandoned:
-                link = peer.startswith("transfer:")
-                # On this thread, not the compute thread: that one may be blocked in a collective with the peer.
-                retired = self.collectives.abandon(
-                    peer, "a link lost it; a run of this island failed at it" if link else "the controller declared "
-                    "it lost", before_group=int(before) if before.isdigit() else None)
-                log.warning("executor %s: %s lost; abandoned its process groups %s", self.config.executor_id, peer,
-                            retired)
+        stop = self._heartbeat_answer(frames)
+        if stop is not None:
+            self._exit(stop)
 
     def _admit_key(self, role: str, public_key: bytes) -> None:
         """A replacement's fresh key: admitted from now on, the old incarnation's revoked (and its connections

@@ -7,6 +7,11 @@ as with real tensors, and a fetch returns zeros of the right size. The device
 clock advances by the declared time per run and the compute thread sleeps to that
 absolute deadline, so sleep overshoot does not accumulate. Without torch, 64+
 executors fit on a small machine.
+
+On a simulating host (`executor.sim_host`: many simulated executors in one process)
+nothing sleeps: ``sleeps=False``, the host says when each job became ready
+(``ready_at``), `run` only advances the clock, and the host finishes the job when
+the clock's deadline (`free_at`) comes.
 """
 
 from __future__ import annotations
@@ -65,9 +70,25 @@ class SimBackend:
     name = "sim"
     compiles_in_background = False
 
-    def __init__(self, device: str = "sim"):
+    def __init__(self, device: str = "sim", *, sleeps: bool = True):
         self.device = "sim"
-        self._free_at = 0.0   # when the simulated device finishes its queued work (perf_counter)
+        self.sleeps = sleeps
+        self._free_at = 0.0   # when the simulated device finishes its queued work (time.monotonic)
+        # A host that does not sleep: when the job now computed became ready (it starts then, or when the device
+        # is free, whichever is later), so that the host's lateness in finishing the last job does not accumulate.
+        self.ready_at: float | None = None
+
+    @property
+    def free_at(self) -> float:
+        """When the simulated device is done with the work it was given (time.monotonic)."""
+        return self._free_at
+
+    def clock_ns(self) -> int:
+        """The device's clock, which a step's device time is read from: the wall clock while it sleeps, else its
+        own (the start of the next step, then its end)."""
+        if self.sleeps:
+            return time.perf_counter_ns()
+        return int(max(self._free_at, self.ready_at or 0.0) * 1e9)
 
     def prepare(self, load: pb.LoadFunction, payload: list):
         outputs = [(tuple(m.shape), m.dtype) for m in load.graph.outputs]
@@ -83,9 +104,10 @@ class SimBackend:
         return function
 
     def run(self, function: _SimFunction, inputs) -> list:
-        now = time.perf_counter()
+        now = time.monotonic() if self.ready_at is None else self.ready_at
         self._free_at = max(self._free_at, now) + function.seconds
-        _sleep_until(self._free_at)
+        if self.sleeps:
+            _sleep_until(self._free_at)
         return [SimTensor(shape, dtype) for shape, dtype in function.outputs]
 
     def from_frame(self, meta: pb.TensorMeta, frames: list) -> SimTensor:
@@ -118,7 +140,7 @@ class SimBackend:
 
 def _sleep_until(deadline: float) -> None:
     while True:
-        left = deadline - time.perf_counter()
+        left = deadline - time.monotonic()
         if left <= 0:
             return
         time.sleep(max(left - _SPIN_S, 0.0))

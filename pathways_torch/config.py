@@ -48,6 +48,9 @@ class ContextConfig(Liveness):
     # with this client's key folder (``keys="DIR/clients/NAME"`` of its ``--make-keys``); docs/service.md.
     controller: str | None = None
     keys: str | None = None
+    # Simulated executors (backend="sim") to a process: None, a process each; K, K to a process on one loop
+    # (executor/sim_host.py): how a thousand of them fit on one machine.
+    sims_per_process: int | None = None
 
     def __post_init__(self):
         self._check_remote()
@@ -67,6 +70,7 @@ class ContextConfig(Liveness):
         if not (isinstance(self.executor_mmap_threshold_mb, (int, float)) and self.executor_mmap_threshold_mb >= 0):
             raise ValueError(f"executor_mmap_threshold_mb: expected a number of MiB >= 0 (0: glibc's default), got "
                              f"{self.executor_mmap_threshold_mb!r}")
+        self._check_sims()
         if self.device not in ("cpu", "cuda"):
             raise ValueError(f"device: expected 'cpu' or 'cuda', got {self.device!r}")
         if self.backend is not None and self.backend not in BACKEND_NAMES:
@@ -76,6 +80,17 @@ class ContextConfig(Liveness):
             raise ValueError(f"device='cuda' needs backend='inductor' (the default there) or 'eager', got "
                              f"{self.backend!r}: the XLA routes run on CPU and TPU hosts (docs/backends.md)")
         super().__post_init__()
+
+    def _check_sims(self) -> None:
+        if self.sims_per_process is None:
+            return
+        if not isinstance(self.sims_per_process, int) or isinstance(self.sims_per_process, bool) or \
+                self.sims_per_process < 1:
+            raise ValueError(f"sims_per_process: expected a positive int (simulated executors per process), got "
+                             f"{self.sims_per_process!r}")
+        if self.backend != "sim":
+            raise ValueError(f"sims_per_process={self.sims_per_process} with backend={self.backend!r}: only simulated "
+                             f"executors share a process; pass backend='sim', or drop sims_per_process")
 
     def _check_remote(self) -> None:
         if (self.controller is None) != (self.keys is None):
@@ -88,6 +103,7 @@ class ContextConfig(Liveness):
             raise ValueError(f"controller: expected an address such as 'tcp://10.0.0.1:5555', got "
                              f"{self.controller!r}")
         started_here = {"islands": self.islands, "link": self.link, "log_dir": self.log_dir,
+                        "sims_per_process": self.sims_per_process,
                         "pin_executors": self.pin_executors or None, "device": None if self.device == "cpu" else 1}
         named = sorted(name for name, value in started_here.items() if value is not None)
         if named:

@@ -60,6 +60,9 @@ class Session:
         self.status_server = None
         self._started = False   # the events are heard once every executor is connected
         self.zmq = zmq.Context()
+        # The controller's command connection and the data client's, per executor: past ZeroMQ's default of 1,023
+        # sockets per context from about 500 executors on.
+        self.zmq.set(zmq.MAX_SOCKETS, max(1023, 4 * config.num_executors + 256))
         # The same names as a launch's (node k's j-th executor is executor-{k * nproc + j}): one scheme.
         executor_ids = launched_ids(range(config.num_executors))
         try:
@@ -84,7 +87,7 @@ class Session:
                     devices=config.executor_devices(), threads=config.executor_threads,
                     mmap_threshold_mb=config.executor_mmap_threshold_mb,
                     **config.liveness_fields(), log_dir=config.log_dir, cpus=config.executor_cpus(),
-                    islands=config.executor_islands())
+                    islands=config.executor_islands(), sims_per_process=config.sims_per_process)
             self._wait_for_executors()
             self.client.order_executors({e: i for i, e in enumerate(executor_ids)})
             if launch is not None:

@@ -23,6 +23,8 @@ class LocalCluster:
     and its own session so a Ctrl-C in the terminal reaches only the client, which
     then stops the executors by message. ``keys_dir`` is the launcher's key
     directory (`pathways_torch.wire.security.KeyDirectory`) with a key pair per id.
+    With ``sims_per_process`` (simulated executors only) one process runs up to that many of them
+    (`executor.sim_host`): ``processes[i]`` is then the process executor i shares with others.
     """
 
     def __init__(self, controller_address: str, executor_ids: list[str], *, keys_dir: str, backend: str = "eager",
@@ -30,7 +32,7 @@ class LocalCluster:
                  heartbeat_timeout_s: float = 10.0,
                  log_dir: str | None = None, cpus: list[tuple[int, ...]] | None = None,
                  islands: list[str] | None = None, bind_host: str = "127.0.0.1", join_timeout_s: float = 60.0,
-                 mmap_threshold_mb: float | None = None):
+                 mmap_threshold_mb: float | None = None, sims_per_process: int | None = None):
         # A log directory made here is removed when every executor ended cleanly (see `stop`): a test run
         # or a notebook starts many contexts, and each left one behind in /tmp.
         self._own_log_dir = log_dir is None
@@ -43,16 +45,24 @@ class LocalCluster:
         cpus = cpus or [()] * len(self.executor_ids)
         islands = islands or [""] * len(self.executor_ids)
         self._argv = {}
-        for executor_id, device, cores, island in zip(self.executor_ids, devices, cpus, islands):
+        self._log_name = {}   # executor id -> the log of its process (simulated executors share one)
+        for group in _process_groups(islands, sims_per_process):
+            executor_id = self.executor_ids[group[0]]
+            device, cores, island = devices[group[0]], cpus[group[0]], islands[group[0]]
+            ids = [self.executor_ids[i] for i in group]
             self._argv[executor_id] = [
-                sys.executable, "-m", "executor", "--controller", controller_address, "--id", executor_id,
+                sys.executable, "-m", "executor", "--controller", controller_address, "--id", ",".join(ids),
                 "--backend", backend, "--device", device, "--threads", str(threads),
                 "--parent-pid", str(os.getpid()), "--heartbeat-interval-s", str(heartbeat_interval_s),
                 "--heartbeat-timeout-s", str(heartbeat_timeout_s), "--cpus", ",".join(map(str, cores)),
                 "--host-addr", bind_host, "--join-timeout-s", str(join_timeout_s),
                 *(["--island", island] if island else []),
+                *(["--sim-count", str(len(ids))] if sims_per_process else []),
                 *(["--mmap-threshold-mb", str(mmap_threshold_mb)] if mmap_threshold_mb is not None else [])]
-            self.processes.append(self._start(executor_id, keys_dir))
+            process = self._start(executor_id, keys_dir)
+            for other in ids:
+                self._log_name[other] = executor_id
+                self.processes.append(process)
         atexit.register(self.stop, 2.0)
 
     def _start(self, executor_id: str, keys_dir: str, log_mode: str = "wb", extra_args=()) -> subprocess.Popen:
@@ -68,6 +78,9 @@ class LocalCluster:
         old one's; ``extra_args``: more flags, e.g. the spare key's role); the old process is kept (it may be
         stopped, not dead) and killed at `stop`."""
         index = self.executor_ids.index(executor_id)
+        if self.processes.count(self.processes[index]) > 1:
+            raise ValueError(f"{executor_id} is one of several simulated executors of one process "
+                             f"(sims_per_process): it cannot be restarted alone")
         with open(os.path.join(self.log_dir, f"{executor_id}.log"), "ab") as log_file:
             log_file.write(f"\n---- replacement of pid {self.processes[index].pid} ----\n".encode())
         self.replaced.append(self.processes[index])
@@ -80,7 +93,8 @@ class LocalCluster:
 
     @property
     def pids(self) -> list[int]:
-        return [p.pid for p in self.processes]
+        """One per process (simulated executors may share one), in order of their first executor."""
+        return list(dict.fromkeys(p.pid for p in self.processes))
 
     def check_alive(self) -> None:
         """Raise with the log tail if an executor has already exited."""
@@ -96,15 +110,18 @@ class LocalCluster:
             if executor_id not in self._reported and process.poll() is not None:
                 self._reported.add(executor_id)
                 exited.append((executor_id, f"its process (pid {process.pid}) {describe_exit(process.returncode)}; "
-                                            f"log: {os.path.join(self.log_dir, executor_id + '.log')}"))
+                                            f"log: {os.path.join(self.log_dir, self._log_of(executor_id))}"))
         return exited
 
     def log_tail(self, executor_id: str, num_lines: int = 30) -> str:
         try:
-            with open(os.path.join(self.log_dir, f"{executor_id}.log"), errors="replace") as f:
+            with open(os.path.join(self.log_dir, self._log_of(executor_id)), errors="replace") as f:
                 return "".join(f.readlines()[-num_lines:])
         except OSError:
             return "(no log)"
+
+    def _log_of(self, executor_id: str) -> str:
+        return f"{self._log_name.get(executor_id, executor_id)}.log"
 
     def stop(self, grace_s: float = 5.0) -> None:
         """Wait up to ``grace_s`` for executors told to shut down; kill the rest."""
@@ -113,7 +130,7 @@ class LocalCluster:
             if process.poll() is None:
                 process.kill()
                 process.wait(5)
-        for process in self.processes:
+        for process in dict.fromkeys(self.processes):
             try:
                 process.wait(max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
@@ -128,6 +145,17 @@ class LocalCluster:
         clean = not self._reported and not self.replaced and all(p.returncode == 0 for p in self.processes)
         if self._own_log_dir and clean:
             shutil.rmtree(self.log_dir, ignore_errors=True)
+
+
+def _process_groups(islands: list[str], per_process: int | None) -> list[list[int]]:
+    """Executor indices by process: one each, or up to ``per_process`` simulated executors of one island each."""
+    groups: list[list[int]] = []
+    for index, island in enumerate(islands):
+        if groups and len(groups[-1]) < (per_process or 1) and islands[groups[-1][0]] == island:
+            groups[-1].append(index)
+        else:
+            groups.append([index])
+    return groups
 
 
 def describe_exit(returncode: int) -> str:

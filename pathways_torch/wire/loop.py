@@ -41,8 +41,11 @@ _RETRY_MS = 2
 class SocketLoop:
     """Poll a set of sockets on one thread; run timers and callbacks posted by other threads."""
 
-    def __init__(self, name: str, context: zmq.Context | None = None):
+    def __init__(self, name: str, context: zmq.Context | None = None, precise_timers: bool = False):
         self.name = name
+        # Timers to within a tenth of a millisecond, not one (ZeroMQ polls in whole milliseconds): the loop sleeps
+        # the last fraction of a millisecond before a timer falls due (a simulating host's device clocks).
+        self._precise = precise_timers
         self.context = context or zmq.Context.instance()
         self._sockets: dict[str, zmq.Socket] = {}
         self._handlers: dict[zmq.Socket, Callable[[list], None]] = {}
@@ -132,7 +135,10 @@ class SocketLoop:
 
     def call_later(self, delay_s: float, fn: Callable[[], None]) -> None:
         """Run ``fn`` on the loop thread after ``delay_s`` (calls with equal delays keep their order)."""
-        due = time.monotonic() + delay_s
+        self.call_at(time.monotonic() + delay_s, fn)
+
+    def call_at(self, due: float, fn: Callable[[], None]) -> None:
+        """Run ``fn`` on the loop thread at ``due`` (`time.monotonic`), in due order (ties: in the order given)."""
         self.call_soon(lambda: heapq.heappush(self._delayed, (due, next(self._delayed_order), fn)))
 
     def send(self, key: str, frames: Sequence) -> None:
@@ -225,6 +231,8 @@ class SocketLoop:
                     else:
                         self._receive(socket)
                 self._run_callbacks()
+                if self._precise:
+                    self._sleep_to_next_due()
                 self._run_timers()
                 if self._waiting:
                     self._send_waiting()
@@ -239,7 +247,15 @@ class SocketLoop:
         if not dues:
             return ceiling
         due = min(dues) - time.monotonic()
-        return max(0, min(ceiling, int(due * 1000) + 1))
+        # A precise loop wakes up to a millisecond early and sleeps the rest (`_sleep_to_next_due`).
+        return max(0, min(ceiling, int(due * 1000) + (0 if self._precise else 1)))
+
+    def _sleep_to_next_due(self) -> None:
+        if self._callbacks or not self._delayed:
+            return
+        left = self._delayed[0][0] - time.monotonic()
+        if 0 < left < 0.0011:
+            time.sleep(left)
 
     def _receive(self, socket: zmq.Socket) -> None:
         handler = self._handlers.get(socket)

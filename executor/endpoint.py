@@ -1,0 +1,94 @@
+"""What an executor does with the frames its sockets receive: decode them, check who sent them, hand them to its
+`ExecutorCore`.
+
+Shared by the executor process (which calls these under its core lock, from the thread that read the frames) and
+the simulating host's executors (all on one loop thread). Imports no torch.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from pathways_torch.wire import body_name, decode
+from pathways_torch.wire.framing import FramingError
+from pathways_torch.wire.security import CONTROLLER, peer_key, peer_role
+
+__all__ = ["CoreEndpoint"]
+
+log = logging.getLogger(__name__)
+
+
+class CoreEndpoint:
+    """Mixed into an executor host: it has ``core`` (`ExecutorCore`), ``outbox`` (`SocketOutbox`),
+    ``collectives`` and ``executor_id``, and says what Stats adds (`_socket_counters`)."""
+
+    core = outbox = collectives = None
+    executor_id = ""
+
+    def _socket_counters(self) -> dict[str, int]:
+        """Counts only the sockets know (send backlog, heartbeats sent ...), added to Stats."""
+        return {}
+
+    def _control_frames(self, frames) -> None:
+        """A message on the command socket: only the controller's are read."""
+        role = peer_role(frames[-1])
+        if len(frames) < 2 or role != CONTROLLER:
+            self.core._drop(f"a message on the command socket from {role!r}, not the controller")
+            return
+        try:
+            envelope, payload = decode(frames[1:])
+        except FramingError as exc:
+            self.core._drop(str(exc))
+            return
+        if envelope.HasField("stats_request"):
+            self.core.counters.update(self._socket_counters())
+            self.core.counters["peer_connections"] = len(self.outbox.peer_keys)   # open now, to peers
+        self.core.on_control(envelope, payload)
+        if envelope.HasField("welcome"):
+            self.outbox.epoch = envelope.welcome.epoch
+
+    def _peer_frames(self, address: str, frames) -> None:
+        """What a peer sent back on the connection this executor opened to it (transfer acknowledgements)."""
+        try:
+            envelope, _ = decode(frames)
+        except FramingError as exc:
+            self.core._drop(str(exc))
+            return
+        self.core.on_peer_reply(address, envelope)
+
+    def _data_frames(self, frames) -> None:
+        """A message on the data socket: the role of the key that sent it decides what it may do here
+        (executor/data_roles.py)."""
+        if len(frames) < 2:
+            self.core._drop("data message without identity and envelope")
+            return
+        try:
+            envelope, payload = decode(frames[1:])
+            self.core.on_data(frames[0].bytes, envelope, payload, role=peer_role(frames[-1]), key=peer_key(frames[-1]))
+        except (FramingError, ValueError) as exc:
+            self.core._drop(str(exc))
+
+    def _heartbeat_answer(self, frames) -> str | None:
+        """The controller's answer to a ping: the reason it gives for this executor to stop, or None. The lost
+        peers it names are retired here (their process groups abandoned)."""
+        try:
+            envelope, _ = decode(frames)
+        except FramingError as exc:
+            log.warning("executor %s: bad heartbeat answer dropped: %s", self.executor_id, exc)
+            return None
+        if body_name(envelope) == "shutdown":
+            return f"the controller says: {envelope.shutdown.reason}"
+        for entry in envelope.heartbeat.lost_peers:
+            # "executor-1@1<7": groups 1..6 were made before the loss; "transfer:<array>.<shard>:<from>-><to><7": a
+            # transfer to or from this island was lost on a link (both ends alive, but a run failed at it).
+            peer, _, before = entry.partition("<")
+            self.core.data_gate.retire(peer)   # what the lost incarnation still sends on its connections is refused
+            if peer not in self.collectives.abandoned:
+                link = peer.startswith("transfer:")
+                # On this thread, not the compute thread: that one may be blocked in a collective with the peer.
+                retired = self.collectives.abandon(
+                    peer, "a link lost it; a run of this island failed at it" if link else "the controller declared "
+                    "it lost", before_group=int(before) if before.isdigit() else None)
+                log.warning("executor %s: %s lost; abandoned its process groups %s", self.executor_id, peer,
+                            retired)
+        return None
