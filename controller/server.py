@@ -80,6 +80,7 @@ class ControllerServer:
         self.on_key_revoked = None   # (public key) -> None: the client process's Gatekeeper refuses it (Context)
         self._commands_lock = threading.Lock()       # the DEALERs are used from any thread, one at a time
         self._command_payload_bytes = 0
+        self.command_bytes = 0     # every byte sent on the command connections (envelopes and payload)
 
     def start(self) -> None:
         self.loop.start()
@@ -104,6 +105,7 @@ class ControllerServer:
             socket = self._commands.get(executor_id)
             if socket is not None:
                 self._command_payload_bytes += sum(frame_nbytes(f) for f in frames[1:])
+                self.command_bytes += sum(frame_nbytes(f) for f in frames)
                 socket.send_multipart(frames, copy=False)
                 return
         log.warning("no command connection to %s; a %d-frame message dropped", executor_id, len(frames))

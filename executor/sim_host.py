@@ -28,18 +28,18 @@ from pathways_torch.wire.security import Credentials, Gatekeeper, KeyDirectory
 from .config import ExecutorConfig
 from .sim_executor import SimExecutor
 
-__all__ = ["SimHost", "check_open_files", "FILES_PER_SIM", "sim_ids"]
+__all__ = ["SimHost", "check_open_files", "FILES_PER_SIM", "FILES_PER_PROCESS", "sim_ids"]
 
 log = logging.getLogger(__name__)
 
 # Exit codes as `executor.process` (a launcher reads them).
 _EXIT_LOST, _EXIT_CONTROLLER_GONE, _EXIT_REFUSED = 3, 4, 5
 
-# Open files per simulated executor, measured (tests/unit/test_sim_host.py): per socket its mailbox and per
+# Open files per simulated executor, measured (12 each at 16 to a process; tests/integration/test_sim.py checks): per socket its mailbox and per
 # connection its TCP socket: the data and command ROUTERs (listener, mailbox, the client's, the controller's and
 # peers' connections), the control and heartbeat DEALERs, the control socket's monitor. Rounded up.
 FILES_PER_SIM = 16
-_FILES_PER_PROCESS = 64     # the interpreter, the context's own, the ZAP handler's
+FILES_PER_PROCESS = 64     # the interpreter, the context's own, the ZAP handler's
 
 
 def sim_ids(ids: list[str], count: int) -> list[str]:
@@ -58,9 +58,9 @@ def check_open_files(count: int, limit: int | None = None) -> None:
     if count < 1:
         raise ValueError(f"--sim-count: expected at least 1 simulated executor per process, got {count}")
     limit = resource.getrlimit(resource.RLIMIT_NOFILE)[0] if limit is None else limit
-    needed = _FILES_PER_PROCESS + FILES_PER_SIM * count
+    needed = FILES_PER_PROCESS + FILES_PER_SIM * count
     if limit != resource.RLIM_INFINITY and needed > limit:
-        fit = max(0, (limit - _FILES_PER_PROCESS) // FILES_PER_SIM)
+        fit = max(0, (limit - FILES_PER_PROCESS) // FILES_PER_SIM)
         raise ValueError(f"--sim-count {count}: {count} simulated executors need about {needed} open files "
                          f"({FILES_PER_SIM} each), but this process may open {limit} (its open-file limit); raise "
                          f"it with `ulimit -n {needed}` in the shell that starts it, or run at most {fit} per process")

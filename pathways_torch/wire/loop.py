@@ -68,6 +68,8 @@ class SocketLoop:
         self.bytes_in: collections.Counter = collections.Counter()
         self.payload_bytes_out: collections.Counter = collections.Counter()
         self.payload_bytes_in: collections.Counter = collections.Counter()
+        self.messages_out: collections.Counter = collections.Counter()
+        self.messages_in: collections.Counter = collections.Counter()
 
     # ------------------------------------------------------------ set-up (any thread, before start)
 
@@ -164,6 +166,7 @@ class SocketLoop:
             return
         routed = socket.type == zmq.ROUTER
         self._count(self.bytes_out, self.payload_bytes_out, key, frames, routed=routed)
+        self.messages_out[key] += 1
         peer = (key, _identity(frames[0]) if routed else b"")
         waiting = self._waiting.get(peer)
         if waiting is None:
@@ -270,6 +273,7 @@ class SocketLoop:
                 return
             if socket not in self._uncounted:
                 self._count(self.bytes_in, self.payload_bytes_in, key, frames, routed=socket.type == zmq.ROUTER)
+                self.messages_in[key] += 1
             try:
                 handler(frames)
             except Exception:  # a bad message must not kill the loop

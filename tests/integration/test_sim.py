@@ -1,7 +1,12 @@
-"""The simulated device: no torch in the executor, deadlines kept, 64 executors on a small machine."""
+"""The simulated device: no torch in the executor, deadlines kept, 64 executors on a small machine.
+
+Each test runs with executors as processes of their own (``None``) and with ``sims_per_process`` K = 1 and 16
+(`executor.sim_host`: K simulated executors on one loop in one process).
+"""
 
 from __future__ import annotations
 
+import os
 import time
 
 import pytest
@@ -17,8 +22,10 @@ def _imports_torch(pid: int) -> bool:
         return "libtorch" in f.read()
 
 
-def test_sim_executor_occupies_its_device_and_imports_no_torch():
-    with pw.Context(num_executors=2, backend="sim") as ctx:
+@pytest.mark.parametrize("per_process", [None, 1, 16])
+def test_sim_executor_occupies_its_device_and_imports_no_torch(per_process):
+    with pw.Context(num_executors=2, backend="sim", sims_per_process=per_process) as ctx:
+        assert len(set(ctx.executor_pids)) == (1 if per_process == 16 else 2)
         mesh = ctx.mesh({"data": 2})
         busy = pw.function(lambda x: (x * 2).sum(0, keepdim=True), name="busy", sim_time_s=0.02)
         x = ctx.put(torch.ones(4, 3), mesh, [pw.Shard(0)])
@@ -35,8 +42,15 @@ def test_sim_executor_occupies_its_device_and_imports_no_torch():
         assert not any(_imports_torch(pid) for pid in ctx.executor_pids)
 
 
-def test_64_sim_executors_fit_and_run_one_gang_step():
-    with pw.Context(num_executors=64, backend="sim", start_timeout_s=180) as ctx:
+@pytest.mark.parametrize("per_process", [None, 1, 16])
+def test_64_sim_executors_fit_and_run_one_gang_step(per_process):
+    with pw.Context(num_executors=64, backend="sim", start_timeout_s=180, sims_per_process=per_process) as ctx:
+        assert len(set(ctx.executor_pids)) == (4 if per_process == 16 else 64)
+        if per_process == 16:   # the open files a host needs stay within what --sim-count checks for
+            from executor.sim_host import FILES_PER_PROCESS, FILES_PER_SIM
+
+            for pid in set(ctx.executor_pids):
+                assert len(os.listdir(f"/proc/{pid}/fd")) <= FILES_PER_PROCESS + FILES_PER_SIM * 16
         mesh = ctx.mesh({"data": 64})
         step = pw.function(lambda x: x + 1, name="step", sim_time_s=0.001)
         x = ctx.put(torch.zeros(64), mesh, [pw.Shard(0)])
@@ -44,3 +58,43 @@ def test_64_sim_executors_fit_and_run_one_gang_step():
         assert out.exception(timeout_s=60) is None
         stats = ctx.stats()["executors"]
         assert len(stats) == 64 and all(s["num_computations"] == 2 for s in stats.values())
+
+
+def test_a_killed_simulating_process_loses_its_executors_and_the_others_go_on():
+    """Failure at scale, small: 32 executors in 2 processes; SIGKILL one. Its 16 are declared lost at once (the
+    launcher sees the exit), a call that needs them fails naming one, and a Chained loop on the others goes on."""
+    import signal
+
+    with pw.Context(num_executors=32, backend="sim", sims_per_process=16) as ctx:
+        ids, pids = ctx.executor_ids, ctx.executor_pids
+        victim = pids[-1]
+        lost = [e for e, pid in zip(ids, pids) if pid == victim]
+        alive = [e for e in ids if e not in lost]
+        assert len(lost) == 16
+        step = pw.function(lambda x: x + 1, name="step", sim_time_s=0.002)
+
+        @pw.program(name="chain")
+        def chain(x):
+            for _ in range(8):
+                x = step(x)
+            return x
+
+        survivors, doomed = ctx.mesh({"data": 16}, alive), ctx.mesh({"data": 16}, lost)
+        x = ctx.put(torch.zeros(16), survivors, [pw.Shard(0)])
+        y = ctx.put(torch.zeros(16), doomed, [pw.Shard(0)])
+        assert chain(y).exception(timeout_s=60) is None
+        pending = pw.function(lambda x: x + 1, name="long", sim_time_s=30)(y)
+        killed = time.monotonic()
+        os.kill(victim, signal.SIGKILL)
+        error = pending.exception(timeout_s=60)
+        assert isinstance(error, pw.ExecutorLostError), error
+        assert any(e in str(error) for e in lost), error
+        while time.monotonic() - killed < ctx.config.heartbeat_timeout_s:   # the loss bound
+            lost_now = {info.executor_id for info in ctx._client.executors() if info.lost}
+            if lost_now == set(lost):
+                break
+            time.sleep(0.01)
+        assert lost_now == set(lost)
+        for _ in range(3):
+            x = chain(x)
+        assert torch.equal(x.result(timeout_s=60), torch.zeros(16))   # placeholders: the runs completed
