@@ -79,6 +79,17 @@ class SimBackend:
         self.ready_at: float | None = None
 
     @property
+    def runs_segments_at_once(self) -> bool:
+        """Whether a segment's steps advance the clock in one go (`executor.sim_segment`): on a host that does not
+        sleep, where the per-step Python would be the simulation's cost, not the system's."""
+        return not self.sleeps
+
+    def advance(self, seconds: float) -> None:
+        """Occupy the device for ``seconds`` more, from when the job became ready or the device is free."""
+        now = time.monotonic() if self.ready_at is None else self.ready_at
+        self._free_at = max(self._free_at, now) + seconds
+
+    @property
     def free_at(self) -> float:
         """When the simulated device is done with the work it was given (time.monotonic)."""
         return self._free_at
@@ -104,8 +115,7 @@ class SimBackend:
         return function
 
     def run(self, function: _SimFunction, inputs) -> list:
-        now = time.monotonic() if self.ready_at is None else self.ready_at
-        self._free_at = max(self._free_at, now) + function.seconds
+        self.advance(function.seconds)
         if self.sleeps:
             _sleep_until(self._free_at)
         return [SimTensor(shape, dtype) for shape, dtype in function.outputs]

@@ -62,6 +62,8 @@ class SimExecutor(CoreEndpoint):
         self._jobs: collections.deque = collections.deque()   # (job, when it became ready), in order
         self._busy = False        # the device is computing a job (its deadline is in the host's heap)
         self._finishing_at: float | None = None   # the deadline of the job being finished: when its successors became ready
+        self._received_at: float | None = None    # when the control message being handled came: when its jobs did
+        self._last_turn = -1.0
         self.stopped = False
         self.heartbeats_sent = 0
         self.last_answer = time.monotonic()
@@ -116,7 +118,16 @@ class SimExecutor(CoreEndpoint):
         return {"send_backlog_high_water": self.loop.backlog_high_water, "heartbeats_sent": self.heartbeats_sent}
 
     def _on_control(self, frames) -> None:
-        self._control_frames(frames)
+        # When the message came: its socket was ready when this turn's poll returned if it is the first read this
+        # turn (the host may have spent the turn so far computing other executors' jobs); a later one may have come
+        # during the turn, so it counts from now.
+        turn = self.loop.turn_started
+        self._received_at = turn if turn != self._last_turn else time.monotonic()
+        self._last_turn = turn
+        try:
+            self._control_frames(frames)
+        finally:
+            self._received_at = None
         if self.core.stopped:
             self.stop("the controller asked")
 
@@ -137,13 +148,13 @@ class SimExecutor(CoreEndpoint):
     # ------------------------------------------------------------ the device
 
     def _submit(self, job: ComputeJob) -> None:
-        ready = self._finishing_at if self._finishing_at is not None else time.monotonic()
+        ready = next((t for t in (self._finishing_at, self._received_at) if t is not None), None) or time.monotonic()
         self._jobs.append((job, ready))
         if not self._busy:
             self._start_next()
 
     def _start_next(self) -> None:
-        if not self._jobs or self.stopped:
+        if self._busy or not self._jobs or self.stopped:
             return
         job, ready = self._jobs.popleft()
         self._busy = True
@@ -165,7 +176,10 @@ class SimExecutor(CoreEndpoint):
         finally:
             self._finishing_at = None
             self._busy = False
-        self._start_next()
+        # After the other executors' jobs due now have finished (their Dones first): a timer due now runs after
+        # those already due.
+        if self._jobs:
+            self.host.at(time.monotonic(), self._start_next)
 
     def check_transfers(self, now: float) -> None:
         self.core.check_transfers(now)

@@ -61,6 +61,7 @@ class SocketLoop:
         self._poller.register(self._waker.socket, zmq.POLLIN)
         self._thread: threading.Thread | None = None
         self._stopping = False
+        self.turn_started = 0.0   # when the poll of this turn returned (`time.monotonic`): when its messages came
         # (socket key, peer identity or b"") → frames a peer could not take yet, oldest first
         self._waiting: dict[tuple[str, bytes], collections.deque] = {}
         self.backlog_high_water = 0     # the most messages that ever waited for one peer
@@ -228,7 +229,9 @@ class SocketLoop:
         leave_signals_to_the_main_thread()
         try:
             while not self._stopping:
-                for socket, _ in self._poller.poll(self._poll_timeout_ms()):
+                ready = self._poller.poll(self._poll_timeout_ms())
+                self.turn_started = time.monotonic()
+                for socket, _ in ready:
                     if socket is self._waker.socket:
                         self._waker.drain()
                     else:
