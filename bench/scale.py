@@ -93,16 +93,21 @@ class Measurement:
         return {"client_rss_mb": rss_mb(os.getpid()), "hosts_rss_mb": sum(rss_mb(pid) for pid in self.hosts),
                 "processes": len(self.hosts)}
 
-    def heartbeat_load(self, window_s: float = 3.0) -> dict:
-        """Heartbeats answered per second and the client process's CPU per second, idle."""
+    def heartbeat_load(self, window_s: float = 5.0, settle_s: float = 2.0) -> dict:
+        """Heartbeats answered per second and the client process's CPU per second by thread, idle (after every
+        run, and a settle: the tail of start-up, the handshakes, is not idle load)."""
+        time.sleep(settle_s)
         beats = self.server.handled_messages["heartbeat"]
-        cpu = process_cpu_s(os.getpid())
+        cpu = thread_cpu_s(os.getpid())
         time.sleep(window_s)
+        after = thread_cpu_s(os.getpid())
+        threads = {name: (after[name] - cpu.get(name, 0.0)) * 1e3 / window_s for name in after}
         return {"heartbeats_per_s": (self.server.handled_messages["heartbeat"] - beats) / window_s,
-                "idle_cpu_ms_per_s": (process_cpu_s(os.getpid()) - cpu) * 1e3 / window_s}
+                "idle_cpu_ms_per_s": sum(threads.values()),
+                "idle_threads_ms_per_s": {k: round(v, 1) for k, v in threads.items() if v > 0}}
 
-    def per_run(self, step_s: float, runs: int, idle_cpu_ms_per_s: float, heartbeats_per_s: float) -> dict:
-        """CPU, messages and bytes per awaited run, the idle (heartbeat) load subtracted."""
+    def per_run(self, step_s: float, runs: int) -> dict:
+        """CPU by thread, messages and bytes per awaited run (`without_idle` takes the idle load off)."""
         chain = chain_program(self.steps, step_s)
         chain(self.x).exception(timeout_s=600)    # registration and lowering
         counting = _CountingClient(self.ctx._client)
@@ -113,19 +118,17 @@ class Measurement:
         after_cpu = thread_cpu_s(os.getpid())
         after = self._counters()
         self.ctx._client = self.ctx._dispatch._client = counting._client
-        idle = idle_cpu_ms_per_s * wall / runs
         threads = {name: (after_cpu[name] - cpu.get(name, 0.0)) * 1e3 / runs for name in after_cpu}
         total = sum(threads.values())
         delta = {k: (after[k] - before[k]) / runs for k in after if k != "kinds"}
         kinds = {k: (n - before["kinds"].get(k, 0)) / runs for k, n in after["kinds"].items()
                  if n != before["kinds"].get(k, 0)}
         return {"step_ms": step_s * 1e3, "wall_ms": wall * 1e3 / runs,
-                "client_cpu_ms": total, "client_cpu_ms_without_heartbeats": max(0.0, total - idle),
-                "cpu_us_per_executor": max(0.0, total - idle) * 1e3 / self.size,
-                "threads_ms": {k: round(v, 2) for k, v in threads.items() if v > 0},
+                "client_cpu_ms": total, "threads_ms": {k: round(v, 2) for k, v in threads.items() if v > 0},
                 "messages_sent": delta["sent"], "messages_received": delta["received"], "sent_by_kind": kinds,
                 "bytes_sent": delta["bytes_sent"], "bytes_received": delta["bytes_received"],
                 "heartbeats": delta["heartbeats"],
+                "sent_per_executor": delta["sent"] / self.size, "received_per_executor": delta["received"] / self.size,
                 "client_requests": sum(counting.requests.values()) / runs,
                 "client_data_messages": delta["data_messages"]}
 
@@ -151,7 +154,14 @@ class Measurement:
                 "pipelined_run_ms": pipelined * 1e3 / repeats}
 
 
-def failure_at_scale(m: Measurement, step_s: float, window_s: float = 4.0) -> dict:
+def without_idle(run: dict, load: dict, size: int) -> None:
+    """Take the idle (heartbeat) load of the run's duration off its CPU: what the runs themselves cost."""
+    idle = load["idle_cpu_ms_per_s"] * run["wall_ms"] / 1e3
+    run["client_cpu_ms_without_heartbeats"] = max(0.0, run["client_cpu_ms"] - idle)
+    run["cpu_us_per_executor"] = run["client_cpu_ms_without_heartbeats"] * 1e3 / size
+
+
+def failure_at_scale(m: Measurement, step_s: float, window_s: float = 8.0) -> dict:
     """SIGKILL the last simulating process while a Chained loop runs on the executors of the others: how long until
     its executors are declared lost, what the controller's process spent meanwhile, what a call that needs them
     raises, and the loop's rate before and after."""
@@ -253,9 +263,7 @@ def main() -> None:
         print(f"N={size}: starting ...", flush=True)
         m = Measurement(size, args.sims_per_process, args.steps)
         try:
-            load = m.heartbeat_load()
-            run = m.per_run(args.cpu_time_ms / 1000, args.cpu_runs, load["idle_cpu_ms_per_s"],
-                            load["heartbeats_per_s"])
+            run = m.per_run(args.cpu_time_ms / 1000, args.cpu_runs)
             mine = []
             for step_s in times:
                 row = m.efficiency(step_s, args.repeats)
@@ -263,6 +271,8 @@ def main() -> None:
                       f"{row['pipelined_efficiency']:.1%}", flush=True)
                 mine.append(row)
             memory = m.memory()
+            load = m.heartbeat_load()
+            without_idle(run, load, size)
             if args.kill and size == sizes[-1]:
                 failure = failure_at_scale(m, args.kill_time_ms / 1000)
                 print(f"failure at N={size}: {failure}", flush=True)
@@ -294,7 +304,7 @@ def main() -> None:
                   f"{r['pipelined_run_ms']:,.1f}", f"{r['pipelined_efficiency']:.1%}"] for r in rows])
     for size in sizes:
         print(f"N={size}: client threads, ms per run at T={args.cpu_time_ms:g} ms: "
-              f"{summary[size]['per_run']['threads_ms']}")
+              f"{summary[size]['per_run']['threads_ms']}; idle, ms per s: {summary[size]['idle_threads_ms_per_s']}")
     if args.figure:
         plot(rows, parity, args.figure)
         print("figure written to", args.figure)

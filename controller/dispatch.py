@@ -181,6 +181,10 @@ class Controller:
         """The launcher saw the executor's process die: fail what depends on it now, not at the timeout."""
         self.members.declare_lost(executor_id, why)
 
+    def declare_lost_many(self, lost: list[tuple[str, str]]) -> None:
+        """Several died at once (one process of many simulated executors): one Cancel per survivor for all."""
+        self.members.declare_lost_many(lost)
+
     def shutdown_executors(self, reason: str) -> None:
         """Tell every live executor to stop; from now on no executor is declared lost."""
         self.members.shutdown_executors(reason)

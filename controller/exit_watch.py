@@ -24,8 +24,8 @@ def watch_exits(controller, loop, newly_exited: Callable[[], list], interval_s: 
 
         def look() -> None:
             exited = newly_exited()
-            for executor_id, why in exited:
-                controller.declare_lost(executor_id, why)
+            if exited:   # together: a process of many simulated executors is one exit, one Cancel per survivor
+                controller.declare_lost_many(exited)
             if not exited and time.monotonic() < deadline:
                 loop.call_later(0.02, look)
             elif then is not None:

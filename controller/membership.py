@@ -8,6 +8,7 @@ the survivors there what to drop.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -20,6 +21,18 @@ from .call_spec import InFlightCall
 from .resources import DEFAULT_ISLAND, ExecutorInfo
 
 __all__ = ["Membership"]
+
+
+@dataclasses.dataclass
+class _Loss:
+    """What one executor's loss failed, for the Cancel its survivors get."""
+
+    executor_id: str
+    incarnation: str
+    islands: list[str]
+    call_ids: list[int]
+    group_ids: list[int]
+    error: ExecutorLostError
 
 log = logging.getLogger(__name__)
 
@@ -138,10 +151,10 @@ class Membership:
             if self.shut_down:
                 return
             timeout_s = self._controller.config.heartbeat_timeout_s
-            for info in self.resources.ordered():
-                if not info.lost and now - info.last_heard > timeout_s:
-                    self.lose(info.executor_id, f"silent for {now - info.last_heard:.1f} s "
-                                                f"(heartbeat timeout {timeout_s:g} s)")
+            silent = [(info.executor_id, f"silent for {now - info.last_heard:.1f} s (heartbeat timeout {timeout_s:g} s)")
+                      for info in self.resources.ordered() if not info.lost and now - info.last_heard > timeout_s]
+            if silent:   # together: a process of many simulated executors falls silent at once
+                self.lose_many(silent)
 
     def heard_from(self, executor_id: str, epoch: int = 0) -> tuple[str, list[str]]:
         """An executor's heartbeat arrived: note it. Returns its state — ``"live"``, ``"lost"``, ``"stale"`` (an
@@ -175,13 +188,32 @@ class Membership:
 
     def declare_lost(self, executor_id: str, why: str) -> None:
         """The launcher saw the executor's process die: fail what depends on it now, not at the timeout."""
+        self.declare_lost_many([(executor_id, why)])
+
+    def declare_lost_many(self, lost: list[tuple[str, str]]) -> None:
+        """Several executors died at once (one process ran many simulated executors): each is lost as by
+        `declare_lost`, and the survivors get one Cancel for all of them, not one per loss."""
         with self._lock:
-            info = self.resources.executors.get(executor_id)
-            if info is not None and not info.lost and not self.shut_down:
-                self.lose(executor_id, why)
+            if self.shut_down:
+                return
+            live = [(e, why) for e, why in lost
+                    if (info := self.resources.executors.get(e)) is not None and not info.lost]
+            if live:
+                self.lose_many(live)
 
     def lose(self, executor_id: str, why: str) -> None:
         """Fail every future that depends on the executor; refuse new work that would."""
+        self.lose_many([(executor_id, why)])
+
+    def lose_many(self, lost: list[tuple[str, str]]) -> None:
+        """`lose` each of ``lost`` (``(executor id, why)``), then tell the survivors of the islands involved once."""
+        losses = [self._lose_one(executor_id, why) for executor_id, why in lost]
+        self._cancel_on_survivors(losses)
+        for executor_id, error in ((loss.executor_id, loss.error) for loss in losses):
+            for listener in self._controller.loss_listeners:
+                listener(executor_id, error)
+
+    def _lose_one(self, executor_id: str, why: str) -> "_Loss":
         controller = self._controller
         info = self.resources.executors[executor_id]
         info.lost = True
@@ -206,30 +238,34 @@ class Membership:
         on_it = [record for record in self.arrays.records() if executor_id in record.executor_ids]
         for record in sorted(on_it, key=lambda r: r.state == PENDING):
             record.lose(executor_id, error)
-        for call in list(self._calls.values()):
+        for call in failing:
             pushes_from_it = [route for route in call.routes if route[0] == executor_id]
-            if executor_id in call.spec.mesh.executor_ids or executor_id in call.depends_on or pushes_from_it:
-                controller.completion.fail_call(call, error)
-                self._unblock(call, pushes_from_it, error)
-                call.waiting.discard(executor_id)
-                if not call.waiting:
-                    controller.call_dispatch.end(call)
+            controller.completion.fail_call(call, error)
+            self._unblock(call, pushes_from_it, error)
+            call.waiting.discard(executor_id)
+            if not call.waiting:
+                controller.call_dispatch.end(call)
         for function in self._functions.values():
             function.loaded_on.discard(executor_id)  # a restarted executor loads afresh
-        self._cancel_on_survivors(info, islands, incarnation, failed_calls, group_ids, error)
-        for listener in controller.loss_listeners:
-            listener(executor_id, error)
+        return _Loss(executor_id, incarnation, islands, failed_calls, group_ids, error)
 
-    def _cancel_on_survivors(self, info, islands: list[str], incarnation: str, call_ids: list[int],
-                             group_ids: list[int], error: ExecutorLostError) -> None:
-        """Tell the ``islands`` (the lost executor's, and those running calls that failed with it) what failed: their
-        executors drop those calls' queued work and skip their places in gang order (else the next collective there
-        would wait for them forever), and the queued formations of the abandoned groups."""
+    def _cancel_on_survivors(self, losses: list["_Loss"]) -> None:
+        """Tell the islands involved (the lost executors', and those running calls that failed with them) what
+        failed: their executors drop those calls' queued work and skip their places in gang order (else the next
+        collective there would wait for them forever), and the queued formations of the abandoned groups. One
+        Cancel per survivor, for every loss at once."""
+        call_ids = sorted({c for loss in losses for c in loss.call_ids})
+        group_ids = sorted({g for loss in losses for g in loss.group_ids})
         if not call_ids and not group_ids:
             return
-        cancel = pb.Cancel(call_ids=call_ids, group_ids=group_ids, reason=str(error), lost_executor=incarnation)
+        first = losses[0]
+        reason = str(first.error) + (f" (and {len(losses) - 1} more executors lost with it)" if len(losses) > 1 else "")
+        cancel = pb.Cancel(call_ids=call_ids, group_ids=group_ids, reason=reason, lost_executor=first.incarnation,
+                           lost_executors=[loss.incarnation for loss in losses] if len(losses) > 1 else [])
+        islands = {island for loss in losses for island in loss.islands}
+        gone = {loss.executor_id for loss in losses}
         for other in self.resources.ordered():
-            if other.island in islands and not other.lost and other.executor_id != info.executor_id:
+            if other.island in islands and not other.lost and other.executor_id not in gone:
                 self._send(other.executor_id, pb.Envelope(cancel=cancel))
 
     def _unblock(self, call: InFlightCall, pushes, error: ExecutorLostError) -> None:

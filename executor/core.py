@@ -176,7 +176,8 @@ class ExecutorCore:
     def _on_cancel(self, msg: pb.Cancel, payload) -> None:
         """An executor of this island was lost: refuse what it still sends, drop the work of the calls that failed
         with it (`RunQueue.cancel`)."""
-        self.data.data_gate.retire(msg.lost_executor)   # its transfers still on their way are refused from now on
+        for lost in msg.lost_executors or [msg.lost_executor]:
+            self.data.data_gate.retire(lost)   # its transfers still on their way are refused from now on
         self.run_queue.cancel(msg)
 
     def _on_heartbeat(self, msg: pb.Heartbeat, payload) -> None:

@@ -317,16 +317,18 @@ class FormGroup(_message.Message):
     def __init__(self, seq: _Optional[int] = ..., prev_collective_seq: _Optional[int] = ..., group_id: _Optional[int] = ..., rank: _Optional[int] = ..., size: _Optional[int] = ..., store_path: _Optional[str] = ..., timeout_s: _Optional[float] = ..., members: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class Cancel(_message.Message):
-    __slots__ = ("call_ids", "group_ids", "reason", "lost_executor")
+    __slots__ = ("call_ids", "group_ids", "reason", "lost_executor", "lost_executors")
     CALL_IDS_FIELD_NUMBER: _ClassVar[int]
     GROUP_IDS_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
     LOST_EXECUTOR_FIELD_NUMBER: _ClassVar[int]
+    LOST_EXECUTORS_FIELD_NUMBER: _ClassVar[int]
     call_ids: _containers.RepeatedScalarFieldContainer[int]
     group_ids: _containers.RepeatedScalarFieldContainer[int]
     reason: str
     lost_executor: str
-    def __init__(self, call_ids: _Optional[_Iterable[int]] = ..., group_ids: _Optional[_Iterable[int]] = ..., reason: _Optional[str] = ..., lost_executor: _Optional[str] = ...) -> None: ...
+    lost_executors: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, call_ids: _Optional[_Iterable[int]] = ..., group_ids: _Optional[_Iterable[int]] = ..., reason: _Optional[str] = ..., lost_executor: _Optional[str] = ..., lost_executors: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class AdmitKey(_message.Message):
     __slots__ = ("role", "public_key")

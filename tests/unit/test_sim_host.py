@@ -96,3 +96,66 @@ def test_precise_timers_fire_in_due_order_and_not_early():
         loop.stop()
     assert [due for due, _ in fired] == sorted(dues)
     assert all(at >= due for due, at in fired)
+
+
+def _sim_core():
+    from executor.core import ExecutorCore
+    from tests.unit.test_executor_core import FakeOutbox
+
+    outbox, holder = FakeOutbox(), {}
+    backend = SimBackend(sleeps=False)
+
+    def submit(job):
+        backend.ready_at = 100.0
+        holder["core"].finish(holder["core"].compute(job))
+
+    core = holder["core"] = ExecutorCore(executor_id="e0", backend=backend, outbox=outbox, submit=submit)
+    return core, outbox, backend
+
+
+def _run_sim_chain(at_once: bool, functions=(1, 1, 1, 1), reporting=(1, 3)):
+    from pathways_torch.wire import pb
+
+    core, outbox, backend = _sim_core()
+    core.interpreter._at_once = at_once
+    meta = pb.TensorMeta(dtype="float32", shape=[3])
+    for function_id, seconds in ((1, 0.25), (2, 0.5)):
+        graph = pb.Graph(inputs=[meta], outputs=[meta])
+        core.on_control(pb.Envelope(load_function=pb.LoadFunction(function_id=function_id, name=f"f{function_id}",
+                                                                   graph=graph, sim_seconds=seconds)), [])
+    put = pb.Put(request_id=1, shard=pb.ShardRef(array_id=5))
+    put.tensor.CopyFrom(pb.TensorMeta(dtype="float32", shape=[3], frame=1))
+    core.on_data(b"client", pb.Envelope(put=put), [bytes(12)], role="client")
+    n = len(functions)
+    plan = pb.RegisterProgram(program_id=9, name="chain", input_values=[0], output_values=[n], num_nodes=n)
+    for index, function_id in enumerate(functions):
+        node = pb.ProgramNode(node=index, function_id=function_id, outputs=[index + 1], report=index in reporting)
+        node.inputs.add(value=index)
+        plan.actions.add().run.CopyFrom(node)
+        if 0 < index + 1 < n:
+            plan.local_intermediates.add(value=index + 1)
+    core.on_control(pb.Envelope(register_program=plan), [])
+    core.on_control(pb.Envelope(run_program=pb.RunProgram(
+        program_id=9, base_seq=10, base_call_id=100, input_array_ids=[5], output_array_ids=[6],
+        first_intermediate_id=1000)), [])
+    dones = [(d.call_id, d.seq, d.ok, d.device_ns, d.failure.message) for d in outbox.dones()]
+    stored = core.store.get((6, 0, 0))
+    details = {event[6] for event in core.trace._events}
+    return dones, core.num_computations, backend.free_at, stored.value or stored.failure, details
+
+
+@pytest.mark.parametrize("functions", [(1, 1, 1, 1), (1, 2, 2, 1), (1, 3, 1, 1)])   # 3: never loaded
+def test_a_simulated_segment_in_one_pass_reports_what_step_by_step_does(functions):
+    at_once, by_step = _run_sim_chain(True, functions), _run_sim_chain(False, functions)
+    assert at_once[:3] == by_step[:3]
+    value, reference = at_once[3], by_step[3]
+    assert type(value) is type(reference)
+    assert "simulated segment" not in by_step[4]
+    if functions == (1, 3, 1, 1):   # a failure passes on: the one-pass run declines, the same Dones come
+        assert not at_once[0][-1][2] and "never loaded" in at_once[0][-1][4]
+        assert "simulated segment" not in at_once[4]
+    else:
+        assert "simulated segment" in at_once[4]
+        assert value.shape == (3,) and at_once[2] == 100.0 + sum(0.25 if f == 1 else 0.5 for f in functions)
+        assert [d[3] for d in at_once[0]] == [int(0.25e9) + int((0.5 if functions[1] == 2 else 0.25) * 1e9),
+                                              int((0.5 if functions[2] == 2 else 0.25) * 1e9) + int(0.25e9)]
