@@ -52,7 +52,8 @@ class RunQueue:
         self._data = data               # pins a run's inputs and claims its early copies; pushes a program's sends
         self.submit = submit            # hands a job to the compute thread
         self._drop = drop
-        self.programs: dict[int, tuple[pb.RegisterProgram, list]] = {}   # the plan and its segments
+        # the plan, its segments, and the local intermediates a run stores (freed once it is enqueued)
+        self.programs: dict[int, tuple[pb.RegisterProgram, list, list]] = {}
         self._run_steps: dict = {}   # the Step of each kind of plain Run (see segments.single)
         self.queued: collections.deque = collections.deque()   # Segments and pb.FormGroups, in arrival order
         self._submitted = 0             # jobs handed to the compute thread, not yet finished
@@ -148,7 +149,13 @@ class RunQueue:
 
     def on_register_program(self, msg: pb.RegisterProgram, payload) -> None:
         self.trace.record("receive", f"register program {msg.name}", detail=f"{len(msg.actions)} actions")
-        self.programs[msg.program_id] = (msg, plan_segments(msg))
+        items = plan_segments(msg)
+        # A run frees its stored intermediates once all is enqueued; only those a segment stores can be in the store
+        # (the rest live in the segment's slots): looking up the others cost a microsecond each, 127 per run of a
+        # 128-node chain.
+        stored = {(v, shard) for item in items if isinstance(item, SegmentPlan) for v, shard, _ in item.outputs}
+        frees = [ref for ref in msg.local_intermediates if (ref.value, ref.shard) in stored]
+        self.programs[msg.program_id] = (msg, items, frees)
 
     def on_run_program(self, msg: pb.RunProgram, payload) -> None:
         """Enqueue one run of a registered program: all its segments and sends at once."""
@@ -161,7 +168,7 @@ class RunQueue:
             self.refuse_program_run(msg, f"executor {self.executor_id} was asked to run program {msg.program_id}, "
                                          f"which it does not hold (never registered here)")
             return
-        plan, items = registered
+        plan, items, frees = registered
         array_id = _value_ids(plan, msg)
         previous = None   # the run's segments are chained: each starts after the one before it here
         for item in items:
@@ -179,7 +186,7 @@ class RunQueue:
             self._data.on_send_shard(request, ())
         # Every use is enqueued (and pins its buffer): stored intermediates can be let go;
         # each is deleted once produced and used.
-        for ref in plan.local_intermediates:
+        for ref in frees:
             self.store.free((array_id(ref.value), ref.shard, 0))
 
     # ------------------------------------------------------------ refusals and cancellation

@@ -547,7 +547,7 @@ def test_a_run_of_a_program_the_executor_does_not_hold_is_reported_not_dropped()
 
 def test_a_program_run_whose_handling_raises_is_reported(monkeypatch):
     core, outbox = make_core()
-    core.programs[5] = (pb.RegisterProgram(program_id=5), [])
+    core.programs[5] = (pb.RegisterProgram(program_id=5), [], [])
 
     def broken(plan, msg):
         raise KeyError("a bug while planning")
