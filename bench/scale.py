@@ -16,7 +16,7 @@ Chained program of ``--steps`` nodes, every node occupying every device for T. P
 
 Prints a table, writes bench/results/scale.json and the figure docs/images/scale.png.
 
-    .venv/bin/python -m bench.scale [--sizes 16,64,256,1024] [--times-ms 0.1,0.3,...] [--sims-per-process 64]
+    .venv/bin/python -m bench.scale [--sizes 16,64,128,256,1024] [--times-ms 0.1,0.3,...] [--sims-per-process 64]
 """
 
 from __future__ import annotations
@@ -243,7 +243,7 @@ def plot(rows: list[dict], parity: dict, path: str) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--sizes", default="16,64,256,1024")
+    parser.add_argument("--sizes", default="16,64,128,256,1024")
     parser.add_argument("--times-ms", default="0.1,0.3,1,2.3,5,10,17,35,70")
     parser.add_argument("--steps", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=2, help="runs per T and mode")

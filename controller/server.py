@@ -29,7 +29,7 @@ import zmq
 
 from pathways_torch.wire import SocketLoop, body_name, decode, encode, pb
 from pathways_torch.wire.framing import MAX_ENVELOPE_BYTES, FramingError, log_dropped
-from pathways_torch.wire.loop import frame_nbytes
+from pathways_torch.wire.loop import RECONNECT_BACKOFF_MAX_MS, frame_nbytes
 from pathways_torch.wire.security import (CONTROLLER, is_client, HEARTBEAT_SUFFIX, STORE_SUFFIX, ConnectionWatch, Credentials,
                                           SecurityError, make_client, make_server, peer_role, spare_of,
                                           split_identity)
@@ -124,6 +124,9 @@ class ControllerServer:
         socket.setsockopt(zmq.LINGER, 0)
         # Nothing is dropped for a slow executor: the client's own pace bounds what waits.
         socket.setsockopt(zmq.SNDHWM, 0)
+        # A lost executor's address is retried with back-off, not every 100 ms for good (a replacement registers
+        # with an address of its own).
+        socket.setsockopt(zmq.RECONNECT_IVL_MAX, RECONNECT_BACKOFF_MAX_MS)
         try:
             make_client(socket, self.credentials, register.public_key)
         except SecurityError as exc:

@@ -25,6 +25,7 @@ import zmq
 from .errors import AuthenticationError, ProtocolError, RemoteError
 from .wire import SocketLoop, decode, encode, pb
 from .wire.framing import FramingError
+from .wire.loop import RECONNECT_BACKOFF_MAX_MS
 from .wire.security import HANDSHAKE_FAILURES, ConnectionWatch, Credentials, make_client
 from .wire.tensors import frame_to_tensor, tensor_to_frame
 
@@ -66,6 +67,9 @@ class DataClient:
                 return
             socket = self.loop.context.socket(zmq.DEALER)
             socket.setsockopt(zmq.LINGER, 0)
+            # A dead executor's address is retried with back-off, not every 100 ms for good: a process of 64
+            # simulated executors lost is 640 retries a second, each a monitor event on this loop.
+            socket.setsockopt(zmq.RECONNECT_IVL_MAX, RECONNECT_BACKOFF_MAX_MS)
             make_client(socket, self._credentials, public_key)
             socket.connect(address)
             # Each socket's replies are read as that executor's: a reply matches a request sent there alone.
