@@ -23,8 +23,8 @@ from bench.common import add_run_arguments, print_table, timed_calls, write_resu
 from bench.multicontroller import run_sim_multicontroller
 
 
-def chained_rates(ctx, mesh, step_s: float, steps: int, repeats: int) -> tuple[float, float]:
-    """Steps per second of Chained runs, awaited one by one and pipelined (fed futures, one wait at the end)."""
+def chain_program(steps: int, step_s: float):
+    """A Chained program: ``steps`` nodes, each occupying every simulated device for ``step_s``."""
     step = pw.function(lambda x: x + 1, name=f"step{step_s * 1e3:g}ms", sim_time_s=step_s)
 
     @pw.program(name=f"chain{steps}")
@@ -33,6 +33,12 @@ def chained_rates(ctx, mesh, step_s: float, steps: int, repeats: int) -> tuple[f
             x = step(x)
         return x
 
+    return chain
+
+
+def chained_rates(ctx, mesh, step_s: float, steps: int, repeats: int) -> tuple[float, float]:
+    """Steps per second of Chained runs, awaited one by one and pipelined (fed futures, one wait at the end)."""
+    chain = chain_program(steps, step_s)
     x = ctx.put(torch.zeros(mesh.size), mesh, [pw.Shard(0)])
     chain(x).exception(timeout_s=600)      # registration
     awaited = repeats * steps / timed_calls(chain, x, repeats, awaited=True)

@@ -31,7 +31,7 @@ import torch
 import pathways_torch as pw
 from bench.common import print_table, process_cpu_s, timed_calls, write_results
 from bench.cpu_per_call import thread_cpu_s
-from bench.overhead import parity_point
+from bench.overhead import chain_program, parity_point
 
 _TARGETS_MS = {16: 0.3, 128: 2.3, 1024: 17.0}   # the issue's parity targets (this 2-core machine)
 
@@ -58,18 +58,6 @@ class _CountingClient:
                 return value(*args, **kwargs)
             return counted
         return value
-
-
-def chain_program(steps: int, step_s: float):
-    step = pw.function(lambda x: x + 1, name=f"step{step_s * 1e3:g}ms", sim_time_s=step_s)
-
-    @pw.program(name=f"chain{steps}")
-    def chain(x):
-        for _ in range(steps):
-            x = step(x)
-        return x
-
-    return chain
 
 
 class Measurement:
@@ -152,6 +140,43 @@ class Measurement:
         return {"executors": self.size, "step_ms": step_s * 1e3, "efficiency": ideal_s / awaited,
                 "pipelined_efficiency": ideal_s / pipelined, "awaited_run_ms": awaited * 1e3 / repeats,
                 "pipelined_run_ms": pipelined * 1e3 / repeats}
+
+
+def controller_python_us(size: int, steps: int, runs: int = 20) -> dict:
+    """The controller's own Python per executor per run, without sockets: `Controller.run_program` with an outbox
+    that only serializes each message, then a Done from each executor."""
+    from controller import CallSpec, Controller, ControllerConfig
+    from controller.arrays import READY
+    from controller.program import ProgramSpec
+    from pathways_torch.wire import pb
+
+    class SerializingOutbox:
+        def to_executor(self, executor_id, envelope, payload=()):
+            envelope.SerializeToString()
+
+    controller = Controller(SerializingOutbox(), ControllerConfig())
+    for index in range(size):
+        controller.on_message(f"e{index}", pb.Envelope(register=pb.Register(
+            executor_id=f"e{index}", data_address=f"tcp://127.0.0.1:{7000 + index}", backend="sim")), [])
+    function_id = controller.register_function("step", pb.Graph(), [])
+    mesh = controller.resources.allocate({"data": size})
+    nodes = tuple(CallSpec(name="step", function_id=function_id, mesh=mesh, inputs=(i,), outputs=(i + 1,))
+                  for i in range(steps))
+    lowered = controller.register_program(ProgramSpec(name="chain", input_values=(0,), input_meshes=(mesh,),
+                                                      output_values=(steps,), nodes=nodes))
+    x = controller.arrays.new(mesh.executor_ids)
+    x.state = READY
+    send_s = done_s = 0.0
+    for _ in range(runs):
+        began = time.perf_counter()
+        controller.run_program(lowered.program_id, [x.array_id])
+        send_s += time.perf_counter() - began
+        call_id = max(controller._calls)   # the run's reporting node
+        began = time.perf_counter()
+        for index in range(size):
+            controller.on_message(f"e{index}", pb.Envelope(done=pb.Done(call_id=call_id, ok=True)), [])
+        done_s += time.perf_counter() - began
+    return {"executors": size, "send_us": send_s * 1e6 / runs / size, "done_us": done_s * 1e6 / runs / size}
 
 
 def without_idle(run: dict, load: dict, size: int) -> None:
@@ -255,7 +280,15 @@ def main() -> None:
     parser.add_argument("--kill", action="store_true", help="at the largest N, SIGKILL one simulating process while "
                                                              "a Chained loop runs on the others (failure at scale)")
     parser.add_argument("--kill-time-ms", type=float, default=10.0, help="T of that loop")
+    parser.add_argument("--in-process", action="store_true", help="only the controller's own Python per executor "
+                                                                  "per run, without sockets (seconds)")
     args = parser.parse_args()
+    if args.in_process:
+        rows = [controller_python_us(int(size), args.steps) for size in args.sizes.split(",")]
+        print_table(["N", "send µs/executor/run", "Done µs/executor/run"],
+                    [[r["executors"], f"{r['send_us']:.1f}", f"{r['done_us']:.1f}"] for r in rows])
+        print("written to", write_results("scale_in_process", {"rows": rows, "steps": args.steps}))
+        return
     sizes = [int(s) for s in args.sizes.split(",")]
     times = [float(t) / 1000 for t in args.times_ms.split(",")]
     summary, rows, parity = {}, [], {}

@@ -58,3 +58,20 @@ def test_thread_cpu_is_read_per_named_thread_and_a_busy_thread_shows():
         stop.set()
         thread.join()
     assert "main" in thread_cpu_s(os.getpid())
+
+
+def test_scale_takes_the_idle_load_of_a_run_off_its_cpu_and_counts_client_requests():
+    from bench.scale import _CountingClient, without_idle
+
+    run = {"client_cpu_ms": 30.0, "wall_ms": 200.0}
+    without_idle(run, {"idle_cpu_ms_per_s": 50.0}, size=100)    # 10 ms of the run's 30 was the idle load
+    assert run["client_cpu_ms_without_heartbeats"] == 20.0 and run["cpu_us_per_executor"] == 200.0
+
+    class Client:
+        def run_program(self, *args):
+            return "ran"
+        name = "client"
+
+    counting = _CountingClient(Client())
+    assert counting.run_program(1) == "ran" and counting.run_program(2) == "ran" and counting.name == "client"
+    assert counting.requests == {"run_program": 2}
