@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import weakref
 
 from .placement import Sharding, assemble_blocks, global_shape, positions_needed
@@ -27,7 +28,7 @@ class Array:
         self.sharding = sharding
         self.block_shape = tuple(block_shape)
         self._value = None    # the assembled tensor, once fetched: readable after the context closes
-        self._finalizer = weakref.finalize(self, context._dispatch.release, state.array_id)
+        self._finalizer = weakref.finalize(self, context._dispatch.release, state.array_id, _nbytes(shape, dtype))
         self._donated_to = ""  # the call it was given up to (donate_argnums): its shards are that call's to free
         self._holds = 0        # readers that need it kept (a checkpoint being written): not donated meanwhile
 
@@ -130,11 +131,12 @@ class Array:
         if state.done():
             return
         # Frees of dropped arrays ride on the client's next call; a client that waits a
-        # while sends them now, so the executors do not hold that memory meanwhile.
+        # while sends them now (when they hold a megabyte or more), so the executors do not
+        # hold that memory meanwhile.
         first = _IDLE_FLUSH_S if timeout_s is None else min(timeout_s, _IDLE_FLUSH_S)
         if state.wait(first):
             return
-        self._context._dispatch.flush_frees()
+        self._context._dispatch.flush_frees_while_waiting()
         if not state.wait(None if timeout_s is None else timeout_s - first):
             raise TimeoutError(f"array {self.array_id} not ready within {timeout_s} s")
 
@@ -148,3 +150,11 @@ def _timeout(timeout_s: float | None, timeout: float | None) -> float | None:
     if timeout_s is not None and timeout is not None and timeout_s != timeout:
         raise TypeError(f"result/exception: give timeout_s or timeout, not both (got {timeout_s} and {timeout})")
     return timeout_s if timeout_s is not None else timeout
+
+
+def _nbytes(shape, dtype) -> int:
+    """The bytes of an array of ``shape`` and ``dtype`` (one copy); sizes that depend on the data count as big
+    (its frees are sent when the client waits)."""
+    if not all(isinstance(d, int) and d >= 0 for d in shape):
+        return 1 << 30
+    return math.prod(shape) * getattr(dtype, "itemsize", 1)

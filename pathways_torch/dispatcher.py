@@ -19,7 +19,10 @@ from .placement import Sharding, local_shape, normalize_placements, split_blocks
 from .programs import ProgramGraph
 from .wire import pb
 
-__all__ = ["Dispatcher"]
+__all__ = ["Dispatcher", "IDLE_FLUSH_BYTES"]
+
+# Dropped arrays holding at least this much are freed when the client starts to wait (`flush_frees_while_waiting`).
+IDLE_FLUSH_BYTES = 1 << 20
 
 
 class Dispatcher:
@@ -28,6 +31,7 @@ class Dispatcher:
     def __init__(self, context, client, data):
         self._context, self._client, self._data = context, client, data
         self._batched = threading.local()    # see batched_release
+        self._dropped_bytes = 0              # of arrays dropped since the last flush of frees
         self._function_ids: dict[int, tuple] = {}      # id(version) → (function id, version)
         self._lowered_programs: dict[int, tuple] = {}  # id(graph) → (program id, graph)
 
@@ -158,10 +162,11 @@ class Dispatcher:
 
     # ------------------------------------------------------------ frees
 
-    def release(self, array_id: int) -> None:
-        """An array was dropped: free its shards (with this thread's batch, if one is open)."""
+    def release(self, array_id: int, nbytes: int = 0) -> None:
+        """An array (of ``nbytes``) was dropped: free its shards (with this thread's batch, if one is open)."""
         if self._context.closed:
             return
+        self._dropped_bytes += nbytes   # from any thread (a finalizer): a lost update only delays an idle flush
         batch = getattr(self._batched, "ids", None)
         if batch is not None:
             batch.append(array_id)
@@ -170,8 +175,17 @@ class Dispatcher:
 
     def flush_frees(self) -> None:
         """Send the frees still waiting for a message to ride on (the client is about to idle)."""
+        self._dropped_bytes = 0
         if not self._context.closed:
             self._client.flush_frees()
+
+    def flush_frees_while_waiting(self) -> None:
+        """The client waits: send the frees now if the arrays dropped since the last flush hold at least
+        ``IDLE_FLUSH_BYTES``, so that executors let go of that memory meanwhile. Smaller ones wait for the next
+        message to their executors: a flush is a Free to every executor with one pending (at 1,024 executors,
+        1,024 messages to give back a few bytes each; docs/scale.md)."""
+        if self._dropped_bytes >= IDLE_FLUSH_BYTES:
+            self.flush_frees()
 
     @contextlib.contextmanager
     def batched_release(self):

@@ -159,3 +159,34 @@ def test_a_simulated_segment_in_one_pass_reports_what_step_by_step_does(function
         assert value.shape == (3,) and at_once[2] == 100.0 + sum(0.25 if f == 1 else 0.5 for f in functions)
         assert [d[3] for d in at_once[0]] == [int(0.25e9) + int((0.5 if functions[1] == 2 else 0.25) * 1e9),
                                               int((0.5 if functions[2] == 2 else 0.25) * 1e9) + int(0.25e9)]
+
+
+def test_a_waiting_client_flushes_frees_only_for_a_megabyte_or_more():
+    """At N executors a flush is N Free messages: dropped scalars wait for the next message to their executors."""
+    import torch
+
+    from pathways_torch.array import _nbytes
+    from pathways_torch.dispatcher import IDLE_FLUSH_BYTES, Dispatcher
+
+    class Client:
+        flushes = 0
+
+        def release(self, array_id):
+            pass
+
+        def flush_frees(self):
+            Client.flushes += 1
+
+    class Context:
+        closed = False
+
+    dispatch = Dispatcher(Context(), Client(), None)
+    dispatch.release(1, nbytes=_nbytes((1024,), torch.float32))
+    dispatch.flush_frees_while_waiting()
+    assert Client.flushes == 0                          # 4 KB dropped: nothing sent
+    dispatch.release(2, nbytes=_nbytes((512, 512), torch.float32))
+    dispatch.flush_frees_while_waiting()
+    assert Client.flushes == 1                          # 1 MB more: sent, and counted afresh
+    dispatch.flush_frees_while_waiting()
+    assert Client.flushes == 1
+    assert _nbytes((512, 512), torch.float32) == IDLE_FLUSH_BYTES and _nbytes((None, 3), torch.float32) > IDLE_FLUSH_BYTES
