@@ -156,12 +156,15 @@ class Membership:
             if silent:   # together: a process of many simulated executors falls silent at once
                 self.lose_many(silent)
 
-    def heard_from(self, executor_id: str, epoch: int = 0) -> tuple[str, list[str]]:
+    def heard_from(self, executor_id: str, epoch: int = 0, awaiting_welcome: bool = False) -> tuple[str, list[str]]:
         """An executor's heartbeat arrived: note it. Returns its state — ``"live"``, ``"lost"``, ``"stale"`` (an
         incarnation that was replaced) or ``"unknown"`` (not registered) — and the lost incarnations of its
-        island, whose groups it must abandon."""
+        island, whose groups it must abandon. ``awaiting_welcome``: epoch 0 from the very process whose Register
+        was accepted (its Welcome is on the way): it is the current incarnation."""
         with self._lock:
             info = self.resources.executors.get(executor_id)
+            if info is not None and not epoch and awaiting_welcome:
+                epoch = info.epoch
             if info is None or not epoch:
                 # Not welcomed yet (its Register may still be on its way, or was refused): it keeps no one alive.
                 return "unknown", []

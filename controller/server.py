@@ -31,8 +31,8 @@ from pathways_torch.wire import SocketLoop, body_name, decode, encode, pb
 from pathways_torch.wire.framing import MAX_ENVELOPE_BYTES, FramingError, log_dropped
 from pathways_torch.wire.loop import RECONNECT_BACKOFF_MAX_MS, frame_nbytes
 from pathways_torch.wire.security import (CONTROLLER, is_client, HEARTBEAT_SUFFIX, STORE_SUFFIX, ConnectionWatch, Credentials,
-                                          SecurityError, make_client, make_server, peer_role, spare_of,
-                                          split_identity)
+                                          SecurityError, identity_nonce, make_client, make_server, peer_role,
+                                          spare_of, split_identity)
 
 from .config import ControllerConfig
 from .dispatch import Controller
@@ -77,6 +77,9 @@ class ControllerServer:
         self._commands: dict[str, zmq.Socket] = {}   # executor id → DEALER to its command ROUTER
         # executor id → the role of the key it registered with (its own, or a spare after a replacement)
         self._active_roles: dict[str, str] = {}
+        # executor id → the process (identity nonce) its last accepted Register came from: that process's pings count
+        # before its Welcome reaches it (a start-up of a thousand executors can take longer than the heartbeat bound)
+        self._registered_process: dict[str, str] = {}
         self.on_key_revoked = None   # (public key) -> None: the client process's Gatekeeper refuses it (Context)
         self._commands_lock = threading.Lock()       # the DEALERs are used from any thread, one at a time
         self._command_payload_bytes = 0
@@ -184,6 +187,7 @@ class ControllerServer:
                 return
             previous = self._active_roles.get(executor_id)
             self._active_roles[executor_id] = role
+            self._registered_process[executor_id] = identity_nonce(identity)
             self.controller.on_message(executor_id, envelope, payload)
             if previous is not None and previous != role:
                 self._revoke_replaced(executor_id, previous, role)
@@ -227,7 +231,12 @@ class ControllerServer:
             self._drop(f"{body_name(envelope)!r} on {executor_id}'s heartbeat connection")
             return
         self.handled_messages["heartbeat"] += 1
-        state, lost_peers = self.controller.heard_from(executor_id, envelope.heartbeat.epoch or envelope.epoch)
+        epoch = envelope.heartbeat.epoch or envelope.epoch
+        # Before its Welcome (epoch 0), only the process whose Register was accepted keeps its executor alive; a
+        # new process pinging under the same id must not keep a dead incarnation alive.
+        nonce = identity_nonce(identity_frame.bytes.decode())
+        awaiting_welcome = not epoch and nonce != "" and self._registered_process.get(executor_id) == nonce
+        state, lost_peers = self.controller.heard_from(executor_id, epoch, awaiting_welcome=awaiting_welcome)
         if state == "unknown":
             return  # its Register is still on the way; an executor never registered times out by itself
         if state == "lost":

@@ -242,7 +242,7 @@ class SocketLoop:
                 for socket, _ in ready:
                     if socket is self._waker.socket:
                         self._waker.drain()
-                    else:
+                    elif socket in self._handlers:   # not closed by a handler earlier in this turn
                         self._receive(socket)
                 self._run_callbacks()
                 if self._precise:
@@ -289,6 +289,8 @@ class SocketLoop:
                 handler(frames)
             except Exception:  # a bad message must not kill the loop
                 log.exception("%s: handler for %r failed; message dropped", self.name, key)
+            if socket.closed:   # its handler closed it (an executor told to stop)
+                return
 
     def _run_callbacks(self) -> None:
         while self._callbacks:

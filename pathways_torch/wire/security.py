@@ -45,7 +45,7 @@ from .threads import threads_leave_signals
 __all__ = [
     "CONTROLLER", "CLIENT", "ZAP_DOMAIN", "HEARTBEAT_SUFFIX", "STORE_SUFFIX", "SecurityError", "KeyPair", "Credentials", "KeyDirectory",
     "Gatekeeper", "make_server", "make_client", "check_role", "peer_role", "peer_key", "ConnectionWatch",
-    "HANDSHAKE_FAILURES", "INCARNATION_MARK", "split_identity", "spare_role", "spare_of", "without_replaced_keys",
+    "HANDSHAKE_FAILURES", "INCARNATION_MARK", "identity_nonce", "split_identity", "spare_role", "spare_of", "without_replaced_keys",
     "CLIENT_PREFIX", "CLIENT_NAME", "client_name", "is_client", "owner_role", "put_token", "PUT_SECRET_BYTES",
 ]
 
@@ -125,6 +125,11 @@ def without_replaced_keys(allowed: Mapping[str, bytes], executor_id: str, role: 
     other keys, those of the incarnations it replaces (a stopped one that is continued must not reach it)."""
     return {r: key for r, key in allowed.items()
             if r == role or (r != executor_id and spare_of(r) != executor_id)}
+
+
+def identity_nonce(identity: str) -> str:
+    """``"executor-1#heartbeat~3f2a"`` → ``"3f2a"``: the process its connections belong to ("" if none given)."""
+    return identity.partition(INCARNATION_MARK)[2]
 
 
 def split_identity(identity: str) -> tuple[str, str]:

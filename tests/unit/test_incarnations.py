@@ -511,3 +511,17 @@ def test_a_fault_during_recovery_recovers_again_but_a_replacement_that_never_reg
     with pytest.raises(ExecutorLostError, match=f"lost {MAX_ATTEMPTS - 1}"):
         trainer.recover_from(ExecutorLostError("first"))
     assert len(trainer.errors) == MAX_ATTEMPTS
+
+
+def test_pings_before_the_welcome_keep_alive_only_the_process_that_registered(setup):
+    """A start-up of a thousand executors can take longer than the heartbeat bound to deliver every Welcome: the
+    registered process's pings (epoch 0) count meanwhile; another process's do not (it must not keep a dead
+    incarnation alive)."""
+    controller, _, _ = setup
+    info = controller.resources.executors["e0"]
+    info.last_heard -= 100.0
+    assert controller.heard_from("e0", 0) == ("unknown", [])               # who sent it is not known
+    assert controller.heard_from("e0", 0, awaiting_welcome=True)[0] == "live"
+    assert controller.clock() - info.last_heard < 5.0
+    controller.declare_lost("e0", "killed")
+    assert controller.heard_from("e0", 0, awaiting_welcome=True)[0] == "lost"

@@ -112,3 +112,37 @@ def test_a_call_soon_racing_the_drain_of_wake_ups_still_wakes_the_loop_later():
     finally:
         loop._close_all()
         context.term()
+
+
+def test_a_socket_closed_by_a_handler_in_the_same_turn_is_not_read_again():
+    """A simulated executor told to stop closes its sockets from a handler; another of its sockets may be ready in
+    the same poll turn. The loop must skip it, not read a closed socket (which killed a process of 64 executors)."""
+    context = zmq.Context()
+    loop = SocketLoop("test-loop", context)
+    pairs = []
+    for key in ("a", "b"):
+        server, client = context.socket(zmq.PAIR), context.socket(zmq.PAIR)
+        server.bind(f"inproc://{key}")
+        client.connect(f"inproc://{key}")
+        pairs.append(client)
+        seen = []
+
+        def close_both(frames, seen=seen):
+            seen.append(frames)
+            loop.close_socket("a")
+            loop.close_socket("b")
+        loop.add_socket(key, server, close_both)
+    loop.start()
+    try:
+        for client in pairs:
+            client.send(b"x")
+            client.send(b"y")
+        time.sleep(0.3)
+        handled = threading.Event()
+        loop.call_soon(handled.set)
+        assert handled.wait(5), "the loop died reading a closed socket"
+    finally:
+        loop.stop()
+        for client in pairs:
+            client.close(linger=0)
+        context.term()
