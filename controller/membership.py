@@ -150,9 +150,15 @@ class Membership:
         with self._lock:
             if self.shut_down:
                 return
-            timeout_s = self._controller.config.heartbeat_timeout_s
-            silent = [(info.executor_id, f"silent for {now - info.last_heard:.1f} s (heartbeat timeout {timeout_s:g} s)")
-                      for info in self.resources.ordered() if not info.lost and now - info.last_heard > timeout_s]
+            config = self._controller.config
+            # An incarnation not heard from on its heartbeat connection yet may still be connecting: a start-up of a
+            # thousand executors took 13 s here between a Register and that executor's first ping. It gets the loss
+            # bound (twice the timeout), as the executor gives the controller its join timeout.
+            limits = (config.heartbeat_timeout_s, config.loss_bound_s)
+            silent = [(info.executor_id, f"silent for {now - info.last_heard:.1f} s (heartbeat timeout "
+                                         f"{limits[not info.pinged]:g} s)")
+                      for info in self.resources.ordered()
+                      if not info.lost and now - info.last_heard > limits[not info.pinged]]
             if silent:   # together: a process of many simulated executors falls silent at once
                 self.lose_many(silent)
 
@@ -174,6 +180,7 @@ class Membership:
             if info.lost:
                 return "lost", []
             info.last_heard = self._controller.clock()
+            info.pinged = True
             return "live", self._controller.groups.lost_peers.get(info.island, [])
 
     def check_live(self, executor_ids) -> None:

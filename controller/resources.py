@@ -26,6 +26,7 @@ class ExecutorInfo:
     island: str = DEFAULT_ISLAND
     last_heard: float = dataclasses.field(default_factory=time.monotonic)
     lost: bool = False
+    pinged: bool = False          # a heartbeat of this incarnation arrived (until then it may still be connecting)
     public_key: bytes = b""       # CURVE public key (Z85) of its data socket, checked by the server
     command_address: str = ""     # its command ROUTER, where control messages go
     link_address: str = ""        # where other islands send it transfers (a shaped link's relay), if not direct

@@ -138,6 +138,8 @@ def test_silent_executor_is_lost_and_its_futures_fail(setup):
     mesh = controller.resources.allocate({"data": 2}, ["e0", "e1"])
     x = controller.new_array(mesh.executor_ids)
     [y] = controller.call(CallSpec(function_id=function_id, name="f", mesh=mesh, inputs=(x.array_id,), num_outputs=1))
+    for executor_id in ("e0", "e1", "e2", "e3"):   # each pinged once: from now on the timeout holds
+        controller.heard_from(executor_id, 1)
     clock.now += 3
     for executor_id in ("e0", "e2", "e3"):
         controller.on_message(executor_id, pb.Envelope(heartbeat=pb.Heartbeat()), [])

@@ -525,3 +525,18 @@ def test_pings_before_the_welcome_keep_alive_only_the_process_that_registered(se
     assert controller.clock() - info.last_heard < 5.0
     controller.declare_lost("e0", "killed")
     assert controller.heard_from("e0", 0, awaiting_welcome=True)[0] == "lost"
+
+
+def test_an_incarnation_never_pinged_gets_the_loss_bound_one_that_pinged_the_timeout(setup):
+    """Its heartbeat connection may still be connecting (a thousand executors starting at once): lost after twice
+    the timeout, not once; after its first ping, the timeout."""
+    controller, _, _ = setup
+    assert controller.heard_from("e1", 1)[0] == "live"
+    controller.clock.now += 6.0                       # past the timeout (5 s), within the loss bound (10 s)
+    controller.heartbeat()
+    lost = {e for e, info in controller.resources.executors.items() if info.lost}
+    assert lost == {"e1"}
+    controller.clock.now += 4.5
+    controller.heartbeat()
+    lost = {e for e, info in controller.resources.executors.items() if info.lost}
+    assert lost == {"e0", "e1", "e2"}
