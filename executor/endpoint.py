@@ -41,7 +41,8 @@ class CoreEndpoint:
             self.core._drop(str(exc))
             return
         if envelope.HasField("stats_request"):
-            self.core.counters.update(self._socket_counters())
+            for key, value in self._socket_counters().items():   # set, not added: counters is a Counter
+                self.core.counters[key] = value
             self.core.counters["peer_connections"] = len(self.outbox.peer_keys)   # open now, to peers
         self.core.on_control(envelope, payload)
         if envelope.HasField("welcome"):
