@@ -234,8 +234,10 @@ class ControllerServer:
         epoch = envelope.heartbeat.epoch or envelope.epoch
         # Before its Welcome (epoch 0), only the process whose Register was accepted keeps its executor alive; a
         # new process pinging under the same id must not keep a dead incarnation alive.
-        nonce = identity_nonce(identity_frame.bytes.decode())
-        awaiting_welcome = not epoch and nonce != "" and self._registered_process.get(executor_id) == nonce
+        awaiting_welcome = False
+        if not epoch:   # the identity is parsed only before a Welcome, not on every ping
+            nonce = identity_nonce(identity_frame.bytes.decode())
+            awaiting_welcome = nonce != "" and self._registered_process.get(executor_id) == nonce
         state, lost_peers = self.controller.heard_from(executor_id, epoch, awaiting_welcome=awaiting_welcome)
         if state == "unknown":
             return  # its Register is still on the way; an executor never registered times out by itself
