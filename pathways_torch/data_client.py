@@ -52,6 +52,7 @@ class DataClient:
         self.loop = SocketLoop("client-data", context)
         self._credentials = credentials
         self._pending: dict[int, _Request] = {}
+        self._targets: dict[str, tuple[str, bytes]] = {}   # executor → (address, public key) (loop thread)
         self._unavailable: dict[str, BaseException] = {}   # executor → why requests to it fail (loop thread)
         self._lock = threading.Lock()
         self._room = threading.Condition(self._lock)       # notified as requests finish
@@ -61,24 +62,33 @@ class DataClient:
         self.loop.start()
 
     def connect(self, executor_id: str, address: str, public_key: bytes) -> None:
-        """Open the socket to ``executor_id``, which must hold the secret of ``public_key``."""
-        def add():
-            if self.loop.socket(executor_id) is not None:
-                return
-            socket = self.loop.context.socket(zmq.DEALER)
-            socket.setsockopt(zmq.LINGER, 0)
-            # A dead executor's address is retried with back-off, not every 100 ms for good: a process of 64
-            # simulated executors lost is 640 retries a second, each a monitor event on this loop.
-            socket.setsockopt(zmq.RECONNECT_IVL_MAX, RECONNECT_BACKOFF_MAX_MS)
-            make_client(socket, self._credentials, public_key)
-            socket.connect(address)
-            # Each socket's replies are read as that executor's: a reply matches a request sent there alone.
-            self.loop.add_socket(executor_id, socket, lambda frames: self._on_frames(executor_id, frames))
-            watch = ConnectionWatch(f"client → {executor_id}",
-                                    lambda event, w: self._on_connection_event(executor_id, event, w))
-            self.loop.monitor(executor_id, watch.on_frames)
+        """Know ``executor_id`` at ``address``, holding the secret of ``public_key``. The socket opens at the first
+        request to it: a run needs no data socket, and 1,024 executors registering would otherwise be 1,024 CURVE
+        handshakes through this process's Python ZAP handler during start-up."""
+        def remember():
+            self._targets[executor_id] = (address, public_key)
 
-        self.loop.call_soon(add)
+        self.loop.call_soon(remember)
+
+    def _open(self, executor_id: str) -> bool:
+        """Open the socket to a known executor (loop thread); False if the controller never announced it."""
+        target = self._targets.get(executor_id)
+        if target is None:
+            return False
+        address, public_key = target
+        socket = self.loop.context.socket(zmq.DEALER)
+        socket.setsockopt(zmq.LINGER, 0)
+        # A dead executor's address is retried with back-off, not every 100 ms for good: a process of 64
+        # simulated executors lost is 640 retries a second, each a monitor event on this loop.
+        socket.setsockopt(zmq.RECONNECT_IVL_MAX, RECONNECT_BACKOFF_MAX_MS)
+        make_client(socket, self._credentials, public_key)
+        socket.connect(address)
+        # Each socket's replies are read as that executor's: a reply matches a request sent there alone.
+        self.loop.add_socket(executor_id, socket, lambda frames: self._on_frames(executor_id, frames))
+        watch = ConnectionWatch(f"client → {executor_id}",
+                                lambda event, w: self._on_connection_event(executor_id, event, w))
+        self.loop.monitor(executor_id, watch.on_frames)
+        return True
 
     def reconnect(self, executor_id: str, address: str, public_key: bytes) -> None:
         """A replacement took ``executor_id``'s place: talk to it (at ``address``, holding ``public_key``) from now
@@ -157,6 +167,10 @@ class DataClient:
             error = self._unavailable.get(executor_id)
             if error is not None:
                 self._finish(request_id, error)
+            elif self.loop.socket(executor_id) is None and not self._open(executor_id):
+                self._finish(request_id, ProtocolError(
+                    f"no executor {executor_id!r} is known to this client: expected one the controller announced "
+                    f"(known: {sorted(self._targets)[:8]}); use an array's own placement"))
             else:
                 self.loop.send_now(executor_id, frames)
 

@@ -94,6 +94,7 @@ def test_a_disconnected_client_fails_at_once_and_what_it_held_is_freed(service):
     with open_context("remote", service, "bob", backend="eager") as bob:
         bob_mesh = bob.mesh({"data": 2})
         kept = bob.put(torch.arange(8.0), bob_mesh, [pw.Shard(0)])
+        kept.result(30)   # landed on both executors (the first put to each opens its data socket)
         baseline = _store_bytes(service)
         with open_context("remote", service, "alice", backend="eager") as alice:
             mesh = alice.mesh({"data": 2})
@@ -115,6 +116,7 @@ def test_a_killed_client_is_cleaned_up_within_the_heartbeat_bound_and_the_others
     with open_context("remote", service, "bob", backend="eager") as bob:
         mesh = bob.mesh({"data": 2})
         x = bob.put(torch.arange(16.0).reshape(4, 4), mesh, [pw.Shard(0)])
+        x.result(30)   # landed on both executors (the first put to each opens its data socket)
         baseline = _store_bytes(service)
         child = subprocess.Popen([sys.executable, os.path.join(REPO_ROOT, "tests/integration/service_client_script.py"),
                                   service.address, service.keys("carol")], cwd=REPO_ROOT, stdout=subprocess.PIPE,

@@ -117,3 +117,31 @@ def test_the_client_takes_a_reply_only_from_the_executor_it_asked():
     finally:
         client.close()
         context.destroy(linger=0)
+
+
+def test_the_client_opens_an_executors_data_socket_at_its_first_request_not_when_it_registers():
+    """1,024 executors registering must not be 1,024 CURVE handshakes through the client's ZAP handler."""
+    import zmq
+
+    from pathways_torch.data_client import DataClient
+    from pathways_torch.errors import ProtocolError
+    from pathways_torch.wire.security import Credentials, KeyPair
+
+    public, secret = zmq.curve_keypair()
+    credentials = Credentials(role="client", keys=KeyPair(public=public, secret=secret), allowed={})
+    context = zmq.Context()
+    client = DataClient(context, credentials)
+    try:
+        client.connect("executor-0", "tcp://127.0.0.1:9", zmq.curve_keypair()[0])
+        opened = concurrent.futures.Future()
+        client.loop.call_soon(lambda: opened.set_result(client.loop.socket("executor-0") is not None))
+        assert opened.result(timeout=5) is False
+        pending = client.fetch("executor-0", pb.ShardRef(array_id=1))   # nobody listens: stays pending
+        opened = concurrent.futures.Future()
+        client.loop.call_soon(lambda: opened.set_result(client.loop.socket("executor-0") is not None))
+        assert opened.result(timeout=5) is True and not pending.done()
+        with pytest.raises(ProtocolError, match="executor-9"):
+            client.fetch("executor-9", pb.ShardRef(array_id=1)).result(timeout=5)
+    finally:
+        client.close()
+        context.destroy(linger=0)
