@@ -324,6 +324,8 @@ class _RoleAuthenticator(ThreadAuthenticator):
 
 _KEY_PROPERTY = b"X-Key"
 
+LISTEN_BACKLOG = 4096   # connections waiting to be accepted on a server socket (make_server)
+
 
 class Gatekeeper:
     """Admits exactly the allow-listed public keys on every CURVE server socket of one ``zmq.Context``.
@@ -387,6 +389,10 @@ def make_server(socket: zmq.Socket, credentials: Credentials) -> zmq.Socket:
     socket.curve_secretkey = credentials.keys.secret
     socket.zap_domain = ZAP_DOMAIN.encode()
     socket.setsockopt(zmq.ZAP_ENFORCE_DOMAIN, 1)  # no ZAP handler → refuse, never admit
+    # The controller's one socket takes three connections per executor. libzmq's listen backlog of 100 overflowed
+    # 15,186 times in one start of 1,024 executors, and each dropped SYN is retried after 1, 3, 7, 15 s: executors
+    # registered late and were declared silent. The kernel caps it at net.core.somaxconn (4,096 here).
+    socket.setsockopt(zmq.BACKLOG, LISTEN_BACKLOG)
     return socket
 
 
