@@ -173,9 +173,11 @@ class Controller:
         """Declare lost every executor silent past the timeout (run every heartbeat interval)."""
         self.members.heartbeat()
 
-    def heard_from(self, executor_id: str, epoch: int = 0, awaiting_welcome: bool = False) -> tuple[str, list[str]]:
-        """An executor's heartbeat arrived: its state, and the faults of its island (`Membership.heard_from`)."""
-        return self.members.heard_from(executor_id, epoch, awaiting_welcome)
+    def heard_from(self, executor_id: str, epoch: int = 0, awaiting_welcome: bool = False,
+                   told: int = 0) -> tuple[str, list[str], int]:
+        """An executor's heartbeat arrived: its state, and the faults of its island after the first ``told``, and
+        their count (`Membership.heard_from`)."""
+        return self.members.heard_from(executor_id, epoch, awaiting_welcome, told)
 
     def declare_lost(self, executor_id: str, why: str) -> None:
         """The launcher saw the executor's process die: fail what depends on it now, not at the timeout."""

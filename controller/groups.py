@@ -32,7 +32,8 @@ class ProcessGroups:
         self._send = controller._send
         self.by_members: dict[tuple[str, ...], int] = {}       # members (in rank order) → group id (live ones)
         # island → its faults, each "what<first group id after it": a lost "id@epoch" or a lost "transfer:..."
-        self.lost_peers: dict[str, list[str]] = collections.defaultdict(list)
+        self.lost_peers: dict[str, list[str]] = collections.defaultdict(list)   # the last _MAX_LOST_PEERS
+        self.faults_counted: collections.Counter = collections.Counter()         # island → faults ever recorded
         self._axis_group_cache: dict[tuple, dict[str, list[int]]] = {}
         self._last_group_id = 0   # groups get increasing ids: a loss names the last one made before it
         self.epoch = 0            # part of every group's rendezvous prefix
@@ -83,10 +84,20 @@ class ProcessGroups:
         entries = self.lost_peers[island]
         entries.append(f"{what}<{self._last_group_id + 1}")
         del entries[:-_MAX_LOST_PEERS]
+        self.faults_counted[island] += 1
         # A registered program names its groups: one with an executor there is lowered again at its next run.
         self._stale_programs.update(pid for pid, lowered in self._programs.items()
                                     if any(self.resources.island_of(e) == island for e in lowered.plans))
         return self._forget_island(island)
+
+    def faults_since(self, island: str, told: int) -> tuple[list[str], int]:
+        """The faults of ``island`` after the first ``told`` (at most the last _MAX_LOST_PEERS), and how many there
+        are in all. A heartbeat answer carries only these: with every fault in every answer, 64 lost executors were
+        64 entries in each of 1,920 answers a second to the 960 survivors, and their loop ran at 41 % of its rate."""
+        total = self.faults_counted[island]
+        entries = self.lost_peers.get(island, [])
+        fresh = min(total - told, len(entries)) if told <= total else len(entries)   # more told: not this island's
+        return entries[len(entries) - fresh:], total
 
     def _forget_island(self, island: str) -> list[int]:
         """Drop every group of ``island`` at a loss there: its survivors abandon them all (a group without the lost

@@ -162,26 +162,28 @@ class Membership:
             if silent:   # together: a process of many simulated executors falls silent at once
                 self.lose_many(silent)
 
-    def heard_from(self, executor_id: str, epoch: int = 0, awaiting_welcome: bool = False) -> tuple[str, list[str]]:
+    def heard_from(self, executor_id: str, epoch: int = 0, awaiting_welcome: bool = False,
+                   told: int = 0) -> tuple[str, list[str], int]:
         """An executor's heartbeat arrived: note it. Returns its state — ``"live"``, ``"lost"``, ``"stale"`` (an
-        incarnation that was replaced) or ``"unknown"`` (not registered) — and the lost incarnations of its
-        island, whose groups it must abandon. ``awaiting_welcome``: epoch 0 from the very process whose Register
-        was accepted (its Welcome is on the way): it is the current incarnation."""
+        incarnation that was replaced) or ``"unknown"`` (not registered) — the faults of its island after the
+        first ``told`` (lost incarnations, whose groups it must abandon), and how many its island had in all.
+        ``awaiting_welcome``: epoch 0 from the very process whose Register was accepted (its Welcome is on the
+        way): it is the current incarnation."""
         with self._lock:
             info = self.resources.executors.get(executor_id)
             if info is not None and not epoch and awaiting_welcome:
                 epoch = info.epoch
             if info is None or not epoch:
                 # Not welcomed yet (its Register may still be on its way, or was refused): it keeps no one alive.
-                return "unknown", []
+                return "unknown", [], 0
             if epoch and epoch != info.epoch:
                 self._controller.stale_messages += 1
-                return "stale", []
+                return "stale", [], 0
             if info.lost:
-                return "lost", []
+                return "lost", [], 0
             info.last_heard = self._controller.clock()
             info.pinged = True
-            return "live", self._controller.groups.lost_peers.get(info.island, [])
+            return ("live", *self._controller.groups.faults_since(info.island, told))
 
     def check_live(self, executor_ids) -> None:
         """Refuse work for a mesh with a lost executor."""

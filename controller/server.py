@@ -238,7 +238,8 @@ class ControllerServer:
         if not epoch:   # the identity is parsed only before a Welcome, not on every ping
             nonce = identity_nonce(identity_frame.bytes.decode())
             awaiting_welcome = nonce != "" and self._registered_process.get(executor_id) == nonce
-        state, lost_peers = self.controller.heard_from(executor_id, epoch, awaiting_welcome=awaiting_welcome)
+        state, lost_peers, faults = self.controller.heard_from(executor_id, epoch, awaiting_welcome=awaiting_welcome,
+                                                               told=envelope.heartbeat.lost_peers_told)
         if state == "unknown":
             return  # its Register is still on the way; an executor never registered times out by itself
         if state == "lost":
@@ -247,8 +248,9 @@ class ControllerServer:
             envelope = pb.Envelope(shutdown=pb.Shutdown(
                 reason=f"this process is incarnation {envelope.heartbeat.epoch} of {executor_id}, which was declared "
                        f"lost and replaced: it may not rejoin"))
-        elif lost_peers:
+        else:
             envelope.heartbeat.lost_peers[:] = lost_peers
+            envelope.heartbeat.lost_peers_told = faults
         self.loop.send_now(_ROUTER, [identity_frame.bytes, envelope.SerializeToString()])
 
     def admit(self, role: str, public_key: bytes) -> None:

@@ -8,8 +8,9 @@ the simulating host's executors (all on one loop thread). Imports no torch.
 from __future__ import annotations
 
 import logging
+import time
 
-from pathways_torch.wire import body_name, decode
+from pathways_torch.wire import body_name, decode, encode, pb
 from pathways_torch.wire.framing import FramingError
 from pathways_torch.wire.security import CONTROLLER, peer_key, peer_role
 
@@ -24,6 +25,12 @@ class CoreEndpoint:
 
     core = outbox = collectives = None
     executor_id = ""
+    lost_peers_told = 0   # the island's faults the controller has told this executor of (its answers name later ones)
+
+    def heartbeat(self) -> bytes:
+        """A ping: this incarnation, and how many of its island's faults it knows."""
+        return encode(pb.Envelope(heartbeat=pb.Heartbeat(sent_at=time.time(), epoch=self.outbox.epoch,
+                                                         lost_peers_told=self.lost_peers_told)))[0]
 
     def _socket_counters(self) -> dict[str, int]:
         """Counts only the sockets know (send backlog, heartbeats sent ...), added to Stats."""
@@ -92,4 +99,5 @@ class CoreEndpoint:
                     "it lost", before_group=int(before) if before.isdigit() else None)
                 log.warning("executor %s: %s lost; abandoned its process groups %s", self.executor_id, peer,
                             retired)
+        self.lost_peers_told = envelope.heartbeat.lost_peers_told
         return None

@@ -250,8 +250,7 @@ class ExecutorProcess(CoreEndpoint):
                         f"the controller at {self.config.controller_address} never answered"
                     self._exit(f"{what} for {now - last_answer:.1f} s (timeout {limit:g} s)", EXIT_CONTROLLER_GONE)
                 try:
-                    beat = pb.Envelope(heartbeat=pb.Heartbeat(sent_at=time.time(), epoch=self.outbox.epoch))
-                    socket.send(encode(beat)[0], zmq.NOBLOCK)
+                    socket.send(self.heartbeat(), zmq.NOBLOCK)
                     self._heartbeats_sent += 1
                 except zmq.Again:
                     pass  # not connected yet; the silence check above still runs

@@ -132,9 +132,8 @@ class SimExecutor(CoreEndpoint):
             self.stop("the controller asked")
 
     def ping(self, now: float) -> None:
-        beat = pb.Envelope(heartbeat=pb.Heartbeat(sent_at=time.time(), epoch=self.outbox.epoch))
         try:   # a ping that cannot leave now is not kept: the next one will (the silence check still runs)
-            self.loop.socket(self._keys["heartbeat"]).send(encode(beat)[0], zmq.NOBLOCK)
+            self.loop.socket(self._keys["heartbeat"]).send(self.heartbeat(), zmq.NOBLOCK)
             self.heartbeats_sent += 1
         except zmq.Again:
             pass

@@ -137,14 +137,16 @@ class Welcome(_message.Message):
     def __init__(self, index: _Optional[int] = ..., heartbeat_interval_s: _Optional[float] = ..., heartbeat_timeout_s: _Optional[float] = ..., epoch: _Optional[int] = ..., transfer_timeout_s: _Optional[float] = ..., put_secret: _Optional[bytes] = ...) -> None: ...
 
 class Heartbeat(_message.Message):
-    __slots__ = ("sent_at", "epoch", "lost_peers")
+    __slots__ = ("sent_at", "epoch", "lost_peers", "lost_peers_told")
     SENT_AT_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     LOST_PEERS_FIELD_NUMBER: _ClassVar[int]
+    LOST_PEERS_TOLD_FIELD_NUMBER: _ClassVar[int]
     sent_at: float
     epoch: int
     lost_peers: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, sent_at: _Optional[float] = ..., epoch: _Optional[int] = ..., lost_peers: _Optional[_Iterable[str]] = ...) -> None: ...
+    lost_peers_told: int
+    def __init__(self, sent_at: _Optional[float] = ..., epoch: _Optional[int] = ..., lost_peers: _Optional[_Iterable[str]] = ..., lost_peers_told: _Optional[int] = ...) -> None: ...
 
 class LoadFunction(_message.Message):
     __slots__ = ("function_id", "name", "graph", "sim_seconds")

@@ -97,7 +97,7 @@ def test_loss_fails_dependents_frees_waiting_consumers_and_spares_the_rest(setup
 
 def test_heartbeats_decide_liveness_and_loss_is_declared_once(setup):
     controller, outbox, clock, _ = setup
-    assert controller.heard_from("e1", 1) == ("live", []) and controller.heard_from("nobody")[0] == "unknown"
+    assert controller.heard_from("e1", 1) == ("live", [], 0) and controller.heard_from("nobody")[0] == "unknown"
     clock.now += 4
     for executor_id in ("e0", "e2", "e3"):
         assert controller.heard_from(executor_id, 1)[0] == "live"
@@ -106,7 +106,7 @@ def test_heartbeats_decide_liveness_and_loss_is_declared_once(setup):
     assert controller.resources.executors["e1"].lost and controller.heard_from("e1", epoch=1)[0] == "lost"
     assert controller.heard_from("e1")[0] == "unknown"   # no epoch: not welcomed (a replacement on its way)
     # The survivors' answers name the lost incarnation: they abandon its process groups at once.
-    assert controller.heard_from("e0", 1) == ("live", ["e1@1<1"])   # no group made yet
+    assert controller.heard_from("e0", 1) == ("live", ["e1@1<1"], 1)   # no group made yet
     assert not any(controller.resources.executors[e].lost for e in ("e0", "e2", "e3"))
     assert outbox.of("heartbeat") == []     # executors ping; the controller only answers
     losses = []
@@ -272,7 +272,7 @@ def test_heartbeats_are_answered_while_the_launcher_is_asked_about_a_lost_peer(e
     def heartbeat(sent):   # what the controller's server does with e0's heartbeat, on its I/O thread
         controller = controllers[0]
         pending = any(not call.failed for call in controller._calls.values())
-        state, _ = controller.heard_from("e0", controller.resources.executors["e0"].epoch)
+        state, *_ = controller.heard_from("e0", controller.resources.executors["e0"].epoch)
         answers.append((time.monotonic() - sent, pending, state))
 
     def deliver(handle):   # the Done, then a heartbeat of e0 sent just after it, both on the I/O thread

@@ -62,7 +62,11 @@ def test_a_replacement_registers_with_the_next_epoch_and_starts_its_gang_order_a
     assert list(cancels[0][1].cancel.call_ids) == [first.producer_call]
     assert list(cancels[0][1].cancel.group_ids) == [form_before.form_group.group_id]
     assert cancels[0][1].cancel.lost_executor == "e1@1"
-    assert controller.heard_from("e0", 1) == ("live", ["e1@1<2"])   # groups made before the loss: 1
+    assert controller.heard_from("e0", 1) == ("live", ["e1@1<2"], 1)   # groups made before the loss: 1
+    # An executor that says it was told of that fault is not told again (every answer to every survivor would
+    # carry every fault); one that says more than there are (another controller's count) is told them all.
+    assert controller.heard_from("e0", 1, told=1) == ("live", [], 1)
+    assert controller.heard_from("e0", 1, told=5) == ("live", ["e1@1<2"], 1)
 
     _register(controller, "e1", 7, key=b"z" * 40)
     info = controller.resources.executors["e1"]
@@ -82,7 +86,7 @@ def test_messages_of_a_replaced_incarnation_are_refused_by_their_epoch(setup):
     controller, outbox, function_id = setup
     controller.declare_lost("e2", "stopped")
     _register(controller, "e2", 9)
-    assert controller.heard_from("e2", epoch=1) == ("stale", [])
+    assert controller.heard_from("e2", epoch=1) == ("stale", [], 0)
     assert controller.heard_from("e2", epoch=2)[0] == "live"
     mesh = controller.resources.allocate({"data": 1}, ["e2"])
     [out] = controller.call(CallSpec(function_id=function_id, name="f", mesh=mesh, inputs=(), num_outputs=1))
@@ -520,7 +524,7 @@ def test_pings_before_the_welcome_keep_alive_only_the_process_that_registered(se
     controller, _, _ = setup
     info = controller.resources.executors["e0"]
     info.last_heard -= 100.0
-    assert controller.heard_from("e0", 0) == ("unknown", [])               # who sent it is not known
+    assert controller.heard_from("e0", 0) == ("unknown", [], 0)               # who sent it is not known
     assert controller.heard_from("e0", 0, awaiting_welcome=True)[0] == "live"
     assert controller.clock() - info.last_heard < 5.0
     controller.declare_lost("e0", "killed")
