@@ -93,7 +93,7 @@ class ProcessGroups:
     def faults_since(self, island: str, told: int) -> tuple[list[str], int]:
         """The faults of ``island`` after the first ``told`` (at most the last _MAX_LOST_PEERS), and how many there
         are in all. A heartbeat answer carries only these: with every fault in every answer, 64 lost executors were
-        64 entries in each of 1,920 answers a second to the 960 survivors, and their loop ran at 41 % of its rate."""
+        64 entries, built, encrypted and walked, in each of 1,920 answers a second to the 960 survivors."""
         total = self.faults_counted[island]
         entries = self.lost_peers.get(island, [])
         fresh = min(total - told, len(entries)) if told <= total else len(entries)   # more told: not this island's

@@ -64,7 +64,7 @@ class DataClient:
     def connect(self, executor_id: str, address: str, public_key: bytes) -> None:
         """Know ``executor_id`` at ``address``, holding the secret of ``public_key``. The socket opens at the first
         request to it: a run needs no data socket, and 1,024 executors registering would otherwise be 1,024 CURVE
-        handshakes through this process's Python ZAP handler during start-up."""
+        handshakes during start-up, each answered by a Python ZAP handler in the executor's (simulating) process."""
         def remember():
             self._targets[executor_id] = (address, public_key)
 

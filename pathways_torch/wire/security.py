@@ -324,8 +324,6 @@ class _RoleAuthenticator(ThreadAuthenticator):
 
 _KEY_PROPERTY = b"X-Key"
 
-LISTEN_BACKLOG = 4096   # connections waiting to be accepted on a server socket (make_server)
-
 
 class Gatekeeper:
     """Admits exactly the allow-listed public keys on every CURVE server socket of one ``zmq.Context``.
@@ -380,6 +378,8 @@ class Gatekeeper:
 
 
 # ---------------------------------------------------------------- sockets
+
+LISTEN_BACKLOG = 4096   # connections waiting to be accepted on a server socket (make_server)
 
 
 def make_server(socket: zmq.Socket, credentials: Credentials) -> zmq.Socket:

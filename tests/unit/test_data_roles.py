@@ -120,7 +120,7 @@ def test_the_client_takes_a_reply_only_from_the_executor_it_asked():
 
 
 def test_the_client_opens_an_executors_data_socket_at_its_first_request_not_when_it_registers():
-    """1,024 executors registering must not be 1,024 CURVE handshakes through the client's ZAP handler."""
+    """1,024 executors registering must not be 1,024 data-socket handshakes during start-up (a run needs none)."""
     import zmq
 
     from pathways_torch.data_client import DataClient
