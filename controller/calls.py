@@ -229,7 +229,7 @@ class CallDispatch:
         lowered = lower(spec, program_id, self.resources.address_for, keys, axis_groups=axis_groups)
         for executor_id, plan in lowered.plans.items():
             self._controller.members.check_live([executor_id])
-            for function_id in {a.run.function_id for a in plan.actions if a.WhichOneof("kind") == "run"}:
+            for function_id in lowered.function_ids.get(executor_id, ()):
                 self._ensure_loaded(function_id, executor_id)
             self._send(executor_id, pb.Envelope(register_program=plan))
         self._programs[program_id] = lowered

@@ -17,6 +17,8 @@ import dataclasses
 from pathways_torch.wire import pb
 from pathways_torch.wire.seam import ProgramSpec
 
+from .plan_bytes import PlanWriter
+
 
 __all__ = ["ProgramSpec", "LoweredProgram", "lower"]
 
@@ -30,6 +32,7 @@ class LoweredProgram:
     plans: dict[str, pb.RegisterProgram]
     last_collective_node: dict[str, int]     # executor → 1 + index of its last collective node (0: none)
     reporting_nodes: list[int]
+    function_ids: dict[str, frozenset[int]] = dataclasses.field(default_factory=dict)   # executor → what it runs
 
     def describe(self) -> str:
         lines = [f"lowered {self.spec.name}: {len(self.spec.nodes)} nodes on {len(self.plans)} executors"]
@@ -72,44 +75,44 @@ def lower(spec: ProgramSpec, program_id: int, addresses, keys: dict[str, bytes] 
     where = spec.value_meshes()
     outputs = set(spec.output_values)
     inputs = set(spec.input_values)
-    plans: dict[str, pb.RegisterProgram] = {}
+    writer = PlanWriter(pb.RegisterProgram(program_id=program_id, name=spec.name, input_values=spec.input_values,
+                                           output_values=spec.output_values, num_nodes=len(spec.nodes)))
     last_collective: dict[str, int] = collections.defaultdict(int)
     produced_here: dict[str, list[tuple[int, int]]] = collections.defaultdict(list)
-
-    def plan_for(executor_id: str) -> pb.RegisterProgram:
-        if executor_id not in plans:
-            plans[executor_id] = pb.RegisterProgram(program_id=program_id, name=spec.name,
-                                                    input_values=spec.input_values,
-                                                    output_values=spec.output_values, num_nodes=len(spec.nodes))
-        return plans[executor_id]
+    functions: dict[str, set[int]] = collections.defaultdict(set)
 
     reporting = []
     for index, node in enumerate(spec.nodes):
         report = any(v in outputs for v in node.outputs)
         if report:
             reporting.append(index)
+        template = PlanWriter.node_template(pb.ProgramNode(
+            node=index, function_id=node.function_id, outputs=node.outputs, report=report,
+            digest_outputs=report and node.debug and any(node.replicated_outputs)))
+        kept = [PlanWriter.value_key(v) for v in node.outputs if v not in outputs and v not in inputs]
+        input_meshes = [(PlanWriter.value_key(value), value, where[value].executor_ids) for value in node.inputs]
         for position, executor_id in enumerate(node.mesh.executor_ids):
-            run = pb.ProgramNode(node=index, function_id=node.function_id, shard=position, outputs=node.outputs,
-                                 report=report,
-                                 digest_outputs=report and node.debug and any(node.replicated_outputs))
-            for value in node.inputs:
-                source = where[value].executor_ids[position]
-                run.inputs.add(value=value, shard=position, copy=source != executor_id)
+            run_inputs = []
+            for key, value, sources in input_meshes:
+                source = sources[position]
+                run_inputs.append((key, source != executor_id))
                 if source != executor_id:   # pass 2: the owner pushes its shard here
-                    plan_for(source).actions.add().send.CopyFrom(pb.ProgramSend(
+                    writer.add_send(source, pb.ProgramSend(
                         value=value, shard=position, to_node=index, to_address=address_for(source, executor_id),
                         to_public_key=keys.get(executor_id, b"")))
+            chaining = None
             if node.collective_axes:
-                run.collective = True
-                run.prev_collective_node = last_collective[executor_id]
+                chaining = pb.ProgramNode(collective=True, prev_collective_node=last_collective[executor_id])
                 last_collective[executor_id] = index + 1
                 for axis in node.collective_axes:
-                    run.axis_groups[axis] = axis_groups[index][axis][position]
-            plan_for(executor_id).actions.add().run.CopyFrom(run)
-            for value in node.outputs:
-                if value not in outputs and value not in inputs:
-                    produced_here[executor_id].append((value, position))
+                    chaining.axis_groups[axis] = axis_groups[index][axis][position]
+            writer.add_run(executor_id, template, position, run_inputs, chaining)
+            functions[executor_id].add(node.function_id)
+            for value in kept:
+                produced_here[executor_id].append((value, position))
     for executor_id, shards in produced_here.items():   # pass 3: the buffer plan
         for value, position in shards:
-            plans[executor_id].local_intermediates.add(value=value, shard=position)
-    return LoweredProgram(spec, program_id, plans, dict(last_collective), reporting)
+            writer.add_intermediate(executor_id, value, position)
+    plans = writer.plans()
+    return LoweredProgram(spec, program_id, plans, dict(last_collective), reporting,
+                          {e: frozenset(f) for e, f in functions.items()})
