@@ -2,13 +2,15 @@
 
 Runs `bench.dispatch`'s computations (a scalar all-reduce + add) on N eager executors
 and reads every thread's user + system CPU from ``/proc/PID/task/TID/stat`` before
-and after a window of awaited calls, for the client process and for executor 0 (the
-others run the same code). Our threads carry OS names (`pathways_torch.wire.threads`:
-``pw-compute``, ``pw-controller`` …); libzmq's I/O thread is ``ZMQbg/IO/0``; a process's
-main thread is ``main``. A thread inherits its creator's OS name: gloo's threads, made
-when the compute thread forms a group, show as ``pw-compute (spawned)`` (any thread
-named like an earlier one of its process). The clock ticks at 100 Hz, so a window
-should last seconds. Prints a table of µs per computation, writes
+and after a window of awaited calls, in the client process and in every executor's.
+Our threads carry OS names (`pathways_torch.wire.threads`: ``pw-compute``,
+``pw-controller`` …); libzmq's I/O thread is ``ZMQbg/IO/0``; a process's main thread
+is ``main``. A thread inherits its creator's OS name: gloo's threads, made when the
+compute thread forms a group, show as ``pw-compute (spawned)`` (any thread named like
+an earlier one of its process). The clock ticks at 100 Hz, so a window should last
+seconds. Each thread's wake-ups are counted too: the times it blocked in the window
+(``voluntary_ctxt_switches`` in ``/proc/PID/task/TID/status``), per awaited call.
+Prints a table of µs per computation and wake-ups per call, writes
 bench/results/cpu_per_call.json.
 
     .venv/bin/python -m bench.cpu_per_call [--executors 4] [--calls 1500] [--mode OpByOp|Chained]
@@ -27,23 +29,45 @@ from bench.common import print_table, process_cpu_s, timed_calls, write_results
 from bench.dispatch import chained, step
 from bench.gloo_loop import CHAIN
 
-def thread_cpu_s(pid: int) -> dict[str, float]:
-    """CPU seconds so far of the threads of ``pid``, summed by label (see the module docstring)."""
-    by_label: collections.Counter = collections.Counter()
+def _thread_labels(pid: int):
+    """(tid, label) of each thread of ``pid``, in creation order (see the module docstring for the labels)."""
     seen: set[str] = set()
-    for tid in sorted(os.listdir(f"/proc/{pid}/task"), key=int):   # creation order
+    for tid in sorted(os.listdir(f"/proc/{pid}/task"), key=int):
         try:
             with open(f"/proc/{pid}/task/{tid}/comm") as f:
                 name = f.read().strip()
         except OSError:
             continue   # the thread ended meanwhile
-        used = process_cpu_s(pid, int(tid))
-        if used is None:
-            continue
-        label = "main" if int(tid) == pid else f"{name} (spawned)" if name in seen else name
+        yield int(tid), "main" if int(tid) == pid else f"{name} (spawned)" if name in seen else name
         seen.add(name)
-        by_label[label] += used
+
+
+def thread_cpu_s(pid: int) -> dict[str, float]:
+    """CPU seconds so far of the threads of ``pid``, summed by label (see the module docstring)."""
+    by_label: collections.Counter = collections.Counter()
+    for tid, label in _thread_labels(pid):
+        used = process_cpu_s(pid, tid)
+        if used is not None:
+            by_label[label] += used
     return dict(by_label)
+
+
+def thread_wakeups(pid: int) -> dict[str, int]:
+    """Times each thread of ``pid`` has blocked so far (its ``voluntary_ctxt_switches``), summed by label: a
+    thread that blocks is woken once for each time it blocked, so the difference over a window counts wake-ups."""
+    by_label: collections.Counter = collections.Counter()
+    for tid, label in _thread_labels(pid):
+        try:
+            with open(f"/proc/{pid}/task/{tid}/status") as f:
+                switches = next(line for line in f if line.startswith("voluntary_ctxt_switches"))
+        except (OSError, StopIteration):
+            continue
+        by_label[label] += int(switches.split()[1])
+    return dict(by_label)
+
+
+def _usage(pids: dict) -> dict:
+    return {who: (thread_cpu_s(pid), thread_wakeups(pid)) for who, pid in pids.items()}
 
 
 def measure(executors: int, calls: int, mode: str) -> dict:
@@ -53,19 +77,23 @@ def measure(executors: int, calls: int, mode: str) -> dict:
         for _ in range(3):
             x = step(x)
         chained(x).exception(timeout_s=60)
-        pids = {"client": os.getpid(), "executor 0": ctx._cluster.processes[0].pid}
+        pids = {"client": os.getpid(), **{f"executor {i}": process.pid
+                                          for i, process in enumerate(ctx._cluster.processes)}}
         run, count, per_call = (step, calls, 1) if mode == "OpByOp" else (chained, max(1, calls // CHAIN), CHAIN)
-        before = {who: thread_cpu_s(pid) for who, pid in pids.items()}
+        before = _usage(pids)
         wall_s = timed_calls(run, x, count, awaited=True, timeout_s=600)
-        after = {who: thread_cpu_s(pid) for who, pid in pids.items()}
+        after = _usage(pids)
     computations = count * per_call
     rows = []
     for who in pids:
-        for name in sorted(after[who], key=lambda n: -(after[who][n] - before[who].get(n, 0.0))):
-            used = after[who][name] - before[who].get(name, 0.0)
-            if used > 0:
-                rows.append({"process": who, "thread": name, "us_per_computation": used / computations * 1e6})
-    return {"executors": executors, "mode": mode, "computations": computations,
+        (cpu_after, wakes_after), (cpu_before, wakes_before) = after[who], before[who]
+        for name in sorted(cpu_after, key=lambda n: -(cpu_after[n] - cpu_before.get(n, 0.0))):
+            used = cpu_after[name] - cpu_before.get(name, 0.0)
+            woken = wakes_after.get(name, 0) - wakes_before.get(name, 0)
+            if used > 0 or woken > 0:
+                rows.append({"process": who, "thread": name, "us_per_computation": used / computations * 1e6,
+                             "wakeups_per_call": woken / count})
+    return {"executors": executors, "mode": mode, "computations": computations, "calls": count,
             "per_second": computations / wall_s, "threads": rows}
 
 
@@ -78,13 +106,15 @@ def main() -> None:
     result = measure(args.executors, args.calls, args.mode)
     print(f"{args.mode}, N={args.executors}: {result['computations']} computations, "
           f"{result['per_second']:,.0f}/s")
-    print_table(["process", "thread", "CPU µs per computation"],
-                [[r["process"], r["thread"], f"{r['us_per_computation']:.0f}"] for r in result["threads"]])
-    totals = collections.defaultdict(float)
+    print_table(["process", "thread", "CPU µs per computation", "wake-ups per call"],
+                [[r["process"], r["thread"], f"{r['us_per_computation']:.0f}", f"{r['wakeups_per_call']:.2f}"]
+                 for r in result["threads"]])
+    totals, wakeups = collections.defaultdict(float), collections.defaultdict(float)
     for r in result["threads"]:
         totals[r["process"]] += r["us_per_computation"]
-    print("totals:", ", ".join(f"{who} {us:.0f} µs" for who, us in totals.items()),
-          f"(each of the {args.executors} executors runs the same code)")
+        wakeups[r["process"]] += r["wakeups_per_call"]
+    print("totals:", ", ".join(f"{who} {us:.0f} µs, {wakeups[who]:.1f} wake-ups" for who, us in totals.items()))
+    print(f"per awaited call: {sum(wakeups.values()):.1f} thread wake-ups in {len(totals)} processes")
     print("written to", write_results("cpu_per_call", result))
 
 

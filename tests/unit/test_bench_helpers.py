@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 
 import pytest
 
@@ -75,3 +76,28 @@ def test_scale_takes_the_idle_load_of_a_run_off_its_cpu_and_counts_client_reques
     counting = _CountingClient(Client())
     assert counting.run_program(1) == "ran" and counting.run_program(2) == "ran" and counting.name == "client"
     assert counting.requests == {"run_program": 2}
+
+
+def test_thread_wakeups_count_the_times_a_thread_blocked():
+    from bench.cpu_per_call import thread_wakeups
+
+    ready, stop = threading.Event(), threading.Event()
+
+    def sleeper():
+        from pathways_torch.wire.threads import name_os_thread
+
+        name_os_thread()
+        ready.set()
+        while not stop.is_set():
+            time.sleep(0.001)
+
+    thread = threading.Thread(target=sleeper, name="pathways-sleeper")
+    thread.start()
+    try:
+        ready.wait(5)
+        before = thread_wakeups(os.getpid()).get("pw-sleeper", 0)
+        time.sleep(0.3)
+        assert thread_wakeups(os.getpid())["pw-sleeper"] - before >= 20   # ~300 sleeps of 1 ms
+    finally:
+        stop.set()
+        thread.join()
