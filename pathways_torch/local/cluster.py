@@ -11,6 +11,8 @@ import sys
 import tempfile
 import time
 
+from .fork_server import fork_server
+
 __all__ = ["LocalCluster", "describe_exit", "with_huge_pages"]
 
 _HUGE_PAGES = "glibc.malloc.hugetlb=1"
@@ -68,6 +70,11 @@ class LocalCluster:
     def _start(self, executor_id: str, keys_dir: str, log_mode: str = "wb", extra_args=()) -> subprocess.Popen:
         # Transparent huge pages for the executor's large buffers (executor/allocator.py).
         env = with_huge_pages(dict(os.environ, PYTHONUNBUFFERED="1"))
+        argv = self._argv[executor_id]
+        server = fork_server(env) if argv[1:3] == ["-m", "executor"] else None
+        if server is not None:   # torch and jax imported once (pathways_torch/local/fork_server.py)
+            return server.spawn([*argv[3:], "--keys", keys_dir, *extra_args], env,
+                                os.path.join(self.log_dir, f"{executor_id}.log"), append=log_mode == "ab")
         with open(os.path.join(self.log_dir, f"{executor_id}.log"), log_mode) as log_file:
             return subprocess.Popen([*self._argv[executor_id], "--keys", keys_dir, *extra_args],
                                     stdin=subprocess.DEVNULL, stdout=log_file, stderr=subprocess.STDOUT, env=env,
