@@ -3,7 +3,7 @@
 An executor's process spends most of its start importing torch, jax and torchax (4.8 s of a 2-core machine's
 time for ``import torchax``), and a context starts one per executor: a 2-executor context on the default backend
 took 5.3-5.7 s to start, and 0.5-0.6 s with its executors forked from a server that had imported torch and jax
-(measured, interleaved). The server (`fork_server_main`) is started once per client process, at the first
+(measured, interleaved). The server (`executor.fork_server`) is started once per client process, at the first
 context, with the environment executors get (glibc reads ``GLIBC_TUNABLES`` at exec, not at fork).
 
 A forked executor is driven through `ForkedProcess`, which answers as `subprocess.Popen` does (``pid``,
@@ -33,7 +33,7 @@ class ForkServer:
     """The client's end of one fork server: spawn executors, learn when they end."""
 
     def __init__(self, environ: dict):
-        self._process = subprocess.Popen([sys.executable, "-m", "pathways_torch.local.fork_server_main"],
+        self._process = subprocess.Popen([sys.executable, "-m", "executor.fork_server"],
                                          stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=environ,
                                          start_new_session=True)
         self._pids: queue.Queue = queue.Queue()
@@ -95,16 +95,16 @@ class ForkedProcess:
     """An executor forked by the server, with the part of `subprocess.Popen`'s interface the cluster uses."""
 
     def __init__(self, server: ForkServer, pid: int):
-        self._server, self.pid, self.returncode = server, pid, None
+        self._forks, self.pid, self.returncode = server, pid, None
 
     def poll(self) -> int | None:
         if self.returncode is None:
-            self.returncode = self._server.exit_code(self.pid)
+            self.returncode = self._forks.exit_code(self.pid)
         return self.returncode
 
     def wait(self, timeout: float | None = None) -> int:
         if self.returncode is None:
-            self.returncode = self._server.wait_exit(self.pid, timeout)
+            self.returncode = self._forks.wait_exit(self.pid, timeout)
         if self.returncode is None:
             raise subprocess.TimeoutExpired(f"executor pid {self.pid}", timeout)
         return self.returncode
