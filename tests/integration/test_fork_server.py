@@ -1,0 +1,43 @@
+"""Executors forked from the client's fork server (pathways_torch/local/fork_server.py) behave as processes
+started with Popen: their pid, their exit status (a SIGKILL reads as -9), and ``PATHWAYS_FORK_SERVER=0`` starts
+them with Popen instead."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import pathways_torch as pw
+from pathways_torch.local.fork_server import ForkedProcess
+from tests.conftest import REPO_ROOT
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
+
+
+def test_a_forked_executor_computes_and_its_sigkill_reads_as_popens_returncode():
+    with pw.Context(num_executors=2, backend="eager") as ctx:
+        processes = ctx._cluster.processes
+        assert all(isinstance(p, ForkedProcess) for p in processes), processes
+        x = ctx.put(torch.arange(4.0), ctx.mesh({"data": 2}), [pw.Shard(0)])
+        assert torch.equal(pw.function(lambda a: a * 2, name="double")(x).result(60), torch.arange(4.0) * 2)
+        victim = processes[1]
+        assert victim.poll() is None
+        os.kill(victim.pid, signal.SIGKILL)
+        assert victim.wait(30) == -signal.SIGKILL
+
+
+def test_pathways_fork_server_0_starts_executors_with_popen():
+    script = ("import torch, pathways_torch as pw\n"
+              "with pw.Context(num_executors=1, backend='eager') as ctx:\n"
+              "    x = ctx.put(torch.ones(2), ctx.mesh({'data': 1}), [pw.Replicate()])\n"
+              "    print(type(ctx._cluster.processes[0]).__name__, pw.function(lambda a: a + 1, name='inc')(x)"
+              ".result(60).tolist())\n")
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=100,
+                            cwd=REPO_ROOT, env=dict(os.environ, PATHWAYS_FORK_SERVER="0", PYTHONPATH=REPO_ROOT))
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.split("\n")[0] == "Popen [2.0, 2.0]", result.stdout
