@@ -64,7 +64,7 @@ def test_sigkill_mid_run_is_recovered_onto_a_replacement_with_the_losses_of_an_u
     assert "restored step 6" in stats["events"][0]
 
 
-def test_a_stopped_executor_fails_a_blocked_all_reduce_fast_and_its_old_incarnation_cannot_come_back():
+def test_a_stopped_executor_fails_a_blocked_all_reduce_fast_and_its_old_incarnation_cannot_come_back(monkeypatch):
     batches = _batches(30)
     with pw.Context(num_executors=2, backend="eager", heartbeat_timeout_s=HEARTBEAT_TIMEOUT_S) as ctx:
         trainer = _trainer(ctx)
@@ -81,7 +81,10 @@ def test_a_stopped_executor_fails_a_blocked_all_reduce_fast_and_its_old_incarnat
             assert lost and all(isinstance(e, pw.ExecutorLostError) and victim in str(e) for e in lost), lost[:2]
             assert failed_after < 2 * HEARTBEAT_TIMEOUT_S + 2, failed_after   # the heartbeat bound, not gloo's 20 s
 
-            with pytest.raises(pw.ExecutorLostError, match="no replacement for executor-1 registered within"):
+            with monkeypatch.context() as env, \
+                    pytest.raises(pw.ExecutorLostError, match="no replacement for executor-1 registered within"):
+                # Started with Popen (it imports torch: seconds), not forked from the fork server (milliseconds).
+                env.setenv("PATHWAYS_FORK_SERVER", "0")
                 ctx.replace_executor(victim, timeout_s=0.05)
             with pytest.raises(pw.PathwaysError, match="is alive"):
                 ctx.replace_executor(ctx.executor_ids[0])
