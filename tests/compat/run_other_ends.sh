@@ -47,14 +47,36 @@ install() {
     .venv-py312/bin/pip install -q -e '.[dev]'
 }
 
-run_tests() {
+test_oldest() {
     echo "== compat 1/2: torch 2.9.0 + torch_xla 2.9.0, Python 3.11"
     .venv-oldest/bin/python -c "import torch; v = torch.__version__; assert v.startswith('2.9.'), v; print('torch', v)"
     # pytest exits 5 when nothing is collected: with `set -e` that fails the run.
-    .venv-oldest/bin/python -m pytest -m compat -q
+    .venv-oldest/bin/python -m pytest -m compat -q -p no:cacheprovider
+}
+
+test_py312() {
     echo "== compat 2/2: Python 3.12, newest torch"
     .venv-py312/bin/python -c "import sys, torch, jax; print('python', sys.version.split()[0], 'torch', torch.__version__, 'jax', jax.__version__)"
-    .venv-py312/bin/python -m pytest -m compat -q
+    .venv-py312/bin/python -m pytest -m compat -q -p no:cacheprovider
+}
+
+run_tests() {
+    # Both ends at once, each with a log of its own, printed when both are done: they share no file (each pytest
+    # process makes its own compile cache, tests/conftest.py) and each leaves a core idle much of the time.
+    local logs oldest=0 py312=0
+    logs=$(mktemp -d -t pathways-compat-logs.XXXXXX)
+    test_oldest > "$logs/oldest" 2>&1 &
+    local oldest_pid=$!
+    test_py312 > "$logs/py312" 2>&1 &
+    local py312_pid=$!
+    wait "$oldest_pid" || oldest=$?
+    wait "$py312_pid" || py312=$?
+    cat "$logs/oldest" "$logs/py312"
+    rm -rf "$logs"
+    if [ "$oldest" -ne 0 ] || [ "$py312" -ne 0 ]; then
+        echo "compat failed: torch 2.9 end exit code $oldest, Python 3.12 end exit code $py312" >&2
+        exit 1
+    fi
 }
 
 if [ "$what" != test ]; then install; fi

@@ -34,8 +34,11 @@ def _resident_after_a_churn(threshold_mb: float) -> float:
 
 
 def test_a_fixed_threshold_gives_freed_large_buffers_back():
-    dynamic, fixed = _resident_after_a_churn(0), _resident_after_a_churn(2)
-    assert fixed < dynamic - 4, (fixed, dynamic)    # with glibc's dynamic threshold, the heap keeps them
+    fixed = _resident_after_a_churn(2)
+    # With glibc's dynamic threshold the heap keeps them (737 MiB against 530 here), but once in the whole suite
+    # it did not (530: where the kernel puts the heap can make glibc extend it with mmap): the larger of two.
+    dynamic = max(_resident_after_a_churn(0), _resident_after_a_churn(0))
+    assert fixed < dynamic - 4, (fixed, dynamic)
 
 
 def test_the_launcher_asks_for_huge_pages_unless_told_otherwise():
