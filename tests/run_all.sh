@@ -18,8 +18,12 @@ if [ ! -x .venv/bin/python ]; then
 fi
 
 install_log=$(mktemp -t pathways-compat-install.XXXXXX)
-# A session of its own (setsid): stopping it stops its pip processes too, not only the shell that runs them.
-setsid bash tests/compat/run_other_ends.sh install > "$install_log" 2>&1 < /dev/null &
+# A session of its own (setsid): stopping it stops its pip processes too, not only the shell that runs them. At the
+# lowest CPU and I/O priority (nice, ionice idle): the suite leaves a core idle much of the time, which the install
+# takes, instead of slowing the suite's processes down.
+low_priority=(nice -n 19)
+if command -v ionice > /dev/null; then low_priority+=(ionice -c 3); fi
+setsid "${low_priority[@]}" bash tests/compat/run_other_ends.sh install > "$install_log" 2>&1 < /dev/null &
 installer=$!
 stop_installer() { kill -TERM -- "-$installer" 2>/dev/null || true; }
 trap stop_installer EXIT
