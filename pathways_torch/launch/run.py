@@ -63,6 +63,13 @@ class Node:
 
         config = self.config
         env = config.environment()
+        if config.node_rank == 0 and not config.joins_controller:
+            # The script first: its imports (torch, seconds) overlap the executors' fork server's; its context waits
+            # for them to join. Should the executors fail to start, `stop` kills it.
+            environ = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+            environ.update(dataclasses.replace(env, keys_dir=self.keys_dir).to_environ())
+            self.script = subprocess.Popen([sys.executable, config.script, *config.script_args], env=environ,
+                                           preexec_fn=_die_with_parent)
         self.cluster = LocalCluster(
             config.controller_address, config.executor_ids, keys_dir=self.keys_dir, backend=config.backend,
             islands=[config.island] * config.nproc_per_node, bind_host=config.host_addr,
@@ -70,11 +77,6 @@ class Node:
         joining = " (a standalone controller; no script runs here)" if config.joins_controller else ""
         _say(f"node {config.node_rank}: {config.nproc_per_node} executor(s) {', '.join(config.executor_ids)} on "
              f"{config.host_addr}, joining {config.controller_address}{joining}; logs in {self.cluster.log_dir}")
-        if config.node_rank == 0 and not config.joins_controller:
-            environ = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-            environ.update(dataclasses.replace(env, keys_dir=self.keys_dir).to_environ())
-            self.script = subprocess.Popen([sys.executable, config.script, *config.script_args], env=environ,
-                                           preexec_fn=_die_with_parent)
         if config.health_port:
             self._serve_health()
         if config.max_executor_restarts:
@@ -152,8 +154,11 @@ class Node:
         if self.script is not None:
             code = _wait_interruptibly(self.script)
             self._stopping = True     # executors that exit from now on are not started again
-            # The script's context told them to stop (a script that failed before making one did not): kill
-            # what has not stopped by then.
+            if code != 0:
+                # A script that failed may have made no context, or lost it: nothing tells its executors to stop.
+                # SIGTERM now (a grace of seconds spent waiting for nothing), SIGKILL for what outlives it.
+                self.cluster.terminate()
+            # The script's context told them to stop: kill what has not stopped by then.
             self.cluster.stop(grace_s=10.0 if code == 0 else 3.0)
             return code
         if self.config.joins_controller:

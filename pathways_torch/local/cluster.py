@@ -132,6 +132,12 @@ class LocalCluster:
     def _log_of(self, executor_id: str) -> str:
         return f"{self._log_name.get(executor_id, executor_id)}.log"
 
+    def terminate(self) -> None:
+        """SIGTERM to every executor still running (they have no controller left to tell them to stop)."""
+        for process in dict.fromkeys(self.processes):
+            if process.poll() is None:
+                process.terminate()
+
     def stop(self, grace_s: float = 5.0) -> None:
         """Wait up to ``grace_s`` for executors told to shut down; kill the rest."""
         deadline = time.monotonic() + grace_s
