@@ -1,6 +1,7 @@
 """The fork server's process: imports what every executor imports, once, then forks an executor per request.
 
-Started by `pathways_torch.local.fork_server.ForkServer` (one per client process). Requests come on stdin, one
+Started by `pathways_torch.local.fork_server.ForkServer` (one per client process; ``--with-jax`` imports jax too).
+Requests come on stdin, one
 JSON line each (``argv``, ``env``, ``log``, ``append``, ``cwd``); on stdout it answers each with ``{"pid": N}`` and
 reports every child that ends as ``{"exited": N, "code": C}`` (``C`` as `subprocess.Popen.returncode` has it:
 negative for a signal). One thread only: a fork copies the calling thread alone, so no other thread may hold a lock
@@ -70,7 +71,8 @@ def main() -> None:
     from executor.allocator import DEFAULT_MMAP_THRESHOLD_MB, tune_allocator
 
     tune_allocator(DEFAULT_MMAP_THRESHOLD_MB)   # before torch allocates, as executor/__main__.py does
-    import jax  # noqa: F401  (no backend is initialised by the import)
+    if "--with-jax" in sys.argv[1:]:   # for the XLA route; eager and inductor executors never import it
+        import jax  # noqa: F401  (no backend is initialised by the import)
     import torch  # noqa: F401
 
     import executor.__main__ as executor_main

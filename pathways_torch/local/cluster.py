@@ -72,8 +72,9 @@ class LocalCluster:
         env = with_huge_pages(dict(os.environ, PYTHONUNBUFFERED="1"))
         argv = self._argv[executor_id]
         # Simulated executors import no torch (their point is a small process): they keep Popen.
-        forkable = argv[1:3] == ["-m", "executor"] and argv[argv.index("--backend") + 1] != "sim"
-        server = fork_server(env) if forkable else None
+        backend = argv[argv.index("--backend") + 1]
+        forkable = argv[1:3] == ["-m", "executor"] and backend != "sim"
+        server = fork_server(env, with_jax=backend not in ("eager", "inductor")) if forkable else None
         if server is not None:   # torch and jax imported once (pathways_torch/local/fork_server.py)
             return server.spawn([*argv[3:], "--keys", keys_dir, *extra_args], env,
                                 os.path.join(self.log_dir, f"{executor_id}.log"), append=log_mode == "ab")

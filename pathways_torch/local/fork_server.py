@@ -4,7 +4,9 @@ An executor's process spends most of its start importing torch, jax and torchax 
 time for ``import torchax``), and a context starts one per executor: a 2-executor context on the default backend
 took 5.3-5.7 s to start, and 0.5-0.6 s with its executors forked from a server that had imported torch and jax
 (measured, interleaved). The server (`executor.fork_server`) is started once per client process, at the first
-context, with the environment executors get (glibc reads ``GLIBC_TUNABLES`` at exec, not at fork).
+context, with the environment executors get (glibc reads ``GLIBC_TUNABLES`` at exec, not at fork). It imports jax
+too only for the XLA route's executors: a client whose first context is eager gets one without, and a second one,
+with jax, at its first context on the XLA route.
 
 A forked executor is driven through `ForkedProcess`, which answers as `subprocess.Popen` does (``pid``,
 ``poll``, ``wait``, ``returncode``, ``kill``); its exit status comes from the server, its parent.
@@ -32,8 +34,9 @@ _START_TIMEOUT_S = 120.0
 class ForkServer:
     """The client's end of one fork server: spawn executors, learn when they end."""
 
-    def __init__(self, environ: dict):
-        self._process = subprocess.Popen([sys.executable, "-m", "executor.fork_server"],
+    def __init__(self, environ: dict, with_jax: bool = True):
+        self._process = subprocess.Popen([sys.executable, "-m", "executor.fork_server",
+                                          *(["--with-jax"] if with_jax else [])],
                                          stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=environ,
                                          start_new_session=True)
         self._pids: queue.Queue = queue.Queue()
@@ -123,17 +126,21 @@ class ForkedProcess:
         self.send_signal(signal.SIGTERM)
 
 
-_server: ForkServer | None = None
+_servers: dict[bool, ForkServer] = {}   # with jax or not → the server
 _server_lock = threading.Lock()
 
 
-def fork_server(environ: dict) -> ForkServer | None:
-    """This process's fork server, started at the first call (None when ``PATHWAYS_FORK_SERVER=0``)."""
-    global _server
+def fork_server(environ: dict, with_jax: bool = True) -> ForkServer | None:
+    """This process's fork server, started at the first call (None when ``PATHWAYS_FORK_SERVER=0``). ``with_jax``:
+    one that imported jax too (1.5 s here), which only the XLA route's executors use; eager and inductor executors
+    come from one that did not, so a client that uses them alone never pays for it."""
     if os.environ.get("PATHWAYS_FORK_SERVER", "1") == "0":
         return None
     with _server_lock:
-        if _server is None or not _server.alive:
-            _server = ForkServer(environ)
-            atexit.register(_server.close)
-        return _server
+        server = _servers.get(with_jax)
+        if not with_jax and (server is None or not server.alive):   # one with jax serves eager executors as well
+            server = _servers.get(True)
+        if server is None or not server.alive:
+            server = _servers[with_jax] = ForkServer(environ, with_jax)
+            atexit.register(server.close)
+        return server

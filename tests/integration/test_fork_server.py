@@ -41,3 +41,22 @@ def test_pathways_fork_server_0_starts_executors_with_popen():
                             cwd=REPO_ROOT, env=dict(os.environ, PATHWAYS_FORK_SERVER="0", PYTHONPATH=REPO_ROOT))
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.split("\n")[0] == "Popen [2.0, 2.0]", result.stdout
+
+
+def test_an_eager_client_forks_from_a_server_without_jax_and_an_xla_context_gets_one_with_it():
+    """jax is 1.5 s of a server's start; only the XLA route's executors use it."""
+    script = ("import torch, pathways_torch as pw\n"
+              "def jax_mapped(ctx):\n"
+              "    server = ctx._cluster.processes[0]._forks._process.pid\n"
+              "    return 'jaxlib' in open(f'/proc/{server}/maps').read()\n"
+              "with pw.Context(num_executors=1, backend='eager') as ctx:\n"
+              "    print('eager', jax_mapped(ctx))\n"
+              "with pw.Context(num_executors=1, backend='xla') as ctx:\n"
+              "    print('xla', jax_mapped(ctx))\n"
+              "with pw.Context(num_executors=1, backend='eager') as ctx:\n"
+              "    print('eager again', jax_mapped(ctx))\n")
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=100,
+                            cwd=REPO_ROOT, env=dict(os.environ, PYTHONPATH=REPO_ROOT))
+    assert result.returncode == 0, result.stderr[-3000:]
+    # The first eager context's server never imported jax; once one that did runs, eager executors come from it too.
+    assert result.stdout.splitlines() == ["eager False", "xla True", "eager again True"], result.stdout

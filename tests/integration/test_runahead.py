@@ -1,6 +1,6 @@
 """Bounded run-ahead (issue 15): a client that never waits keeps memory and queues bounded.
 
-50k unawaited tiny calls, then 2k training steps, on eager executors: the client's
+20k unawaited tiny calls, then 1k training steps, on eager executors: the client's
 RSS at the end is within 20 MB of its RSS at 10 % of the run, and no queue (unfinished
 calls at the controller, runs queued or running on an executor, messages waiting for a
 slow peer) ever holds more than ``max_inflight`` x the messages of one call.
@@ -17,8 +17,8 @@ import pathways_torch as pw
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 
-CALLS = 50_000
-STEPS = 2_000
+CALLS = 20_000
+STEPS = 1_000
 MAX_INFLIGHT = 256
 
 
