@@ -43,7 +43,7 @@ def test_example_trainer_loss_falls_and_checkpoint_is_written(tmp_path):
 
 def _held_out_accuracy(tmp_path, *flags) -> float:
     result = subprocess.run(
-        [sys.executable, os.path.join(REPO_ROOT, "examples", "train_transformer.py"), "--steps", "120",
+        [sys.executable, os.path.join(REPO_ROOT, "examples", "train_transformer.py"), "--steps", "80",
          "--checkpoint", str(tmp_path / "_".join(flags or ("dp",))), *flags],
         capture_output=True, text=True, timeout=280, cwd=str(tmp_path))
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
@@ -51,12 +51,13 @@ def _held_out_accuracy(tmp_path, *flags) -> float:
 
 
 # The data-parallel run of the example reaches 100.0 % of answer tokens in 80 steps (the first test here; 100 % in 300,
-# README): the pipelined run must come within a point of it in 120 (100.0 % measured on the 2-core machine).
+# README): the pipelined run must come within a point of it in as many steps (100.0 % measured on the 2-core machine,
+# loss 3.374 -> 0.31).
 DATA_PARALLEL_ACCURACY = 100.0
 
 
 def test_example_pipeline_run_reaches_the_data_parallel_accuracy(tmp_path):
-    """As docs/pipelines.md runs it: 2 stages x 8 microbatches, 1F1B, dropout and clipping on; 120 steps."""
+    """As docs/pipelines.md runs it: 2 stages x 8 microbatches, 1F1B, dropout and clipping on; 80 steps."""
     pipelined = _held_out_accuracy(tmp_path, "--plan", "pipeline", "--stages", "2", "--microbatches", "8")
     assert pipelined >= DATA_PARALLEL_ACCURACY - 1.0, pipelined
 
