@@ -304,17 +304,24 @@ class CallDispatch:
                     program_id=program_id, admitted=admitted)
             if admitted is not None:
                 admitted.dispatched = True
+            run = pb.RunProgram(program_id=program_id, base_call_id=base_call, input_array_ids=list(input_ids),
+                                output_array_ids=[r.array_id for r in outputs], first_intermediate_id=first_intermediate,
+                                owner=owner_role(owner))
+            tree = self._controller.launch_trees.tree_for(lowered.plans) if len(islands) == 1 else None
+            prev_collective = {}
             for executor_id in lowered.plans:
                 sequencer = self.sequencer_of(executor_id)
                 island_base = base_seqs[sequencer.island]
-                run = pb.RunProgram(program_id=program_id, base_seq=island_base, base_call_id=base_call,
-                                    input_array_ids=list(input_ids), output_array_ids=[r.array_id for r in outputs],
-                                    first_intermediate_id=first_intermediate,
-                                    prev_collective_seq=sequencer.last_collective[executor_id], owner=owner_role(owner))
+                prev_collective[executor_id] = sequencer.last_collective[executor_id]
                 last = lowered.last_collective_node.get(executor_id, 0)
                 if last:
                     sequencer.chain(executor_id, island_base + last - 1)
-                self._send(executor_id, pb.Envelope(run_program=run))
+                if tree is None:
+                    run.base_seq, run.prev_collective_seq = island_base, prev_collective[executor_id]
+                    self._send(executor_id, pb.Envelope(run_program=run))
+            if tree is not None:   # one island: one base sequence number
+                run.base_seq = base_seqs[min(islands)]
+                self._controller.launch_trees.launch(tree, run, prev_collective)
             return outputs
 
     # ------------------------------------------------------------ inputs and functions on executors

@@ -51,6 +51,24 @@ class Completion:
 
     # ------------------------------------------------------------ Done
 
+    def on_done_batch(self, sender: str, batch: pb.DoneBatch) -> None:
+        """The Dones of one run from ``sender``'s subtree of a launch tree: each handled as if its executor sent
+        it. A batch naming an executor outside that subtree is dropped whole."""
+        refused = self._controller.launch_trees.covers(sender, batch)
+        if refused:
+            self._drop(refused)
+            return
+        executors = self.resources.executors
+        for done in batch.dones:
+            info = executors.get(done.executor_id)
+            if info is None or info.lost:
+                continue   # its calls failed with it
+            call = self._calls.get(done.call_id)
+            try:
+                self.on_done(done.executor_id, done)
+            except Exception as exc:   # as in Controller.on_message: the call must still end, with the reason
+                self.fail_done_call(call, exc)
+
     def on_done(self, executor_id: str, done: pb.Done, probed: bool = False) -> None:
         controller = self._controller
         if not done.ok and done.failure.type == PROGRAM_RUN_REFUSED:

@@ -40,6 +40,12 @@ class ControllerConfig(Liveness):
     # `OutOfMemoryError` (controller/memory.py).
     executor_memory_bytes: int = 0
     memory_wait_s: float = 30.0
+    # A program run on every executor of an island, when there are at least ``launch_tree_min_executors``, goes down
+    # a tree where each sends to ``launch_fanout`` children, and its Dones come back up it in batches
+    # (controller/launch_tree.py): the controller sends and receives ``launch_fanout`` messages per run, not one per
+    # executor. 0: never.
+    launch_fanout: int = 32
+    launch_tree_min_executors: int = 128
 
     @property
     def group_timeout_s(self) -> float:
@@ -58,6 +64,12 @@ class ControllerConfig(Liveness):
                              f"got {self.executor_memory_bytes!r}")
         if not self.memory_wait_s >= 0:
             raise ValueError(f"memory_wait_s: expected seconds >= 0, got {self.memory_wait_s!r}")
+        if not isinstance(self.launch_fanout, int) or self.launch_fanout < 0 or self.launch_fanout == 1:
+            raise ValueError(f"launch_fanout: expected children per executor in a launch tree, 2 or more (0: no "
+                             f"trees), got {self.launch_fanout!r}")
+        if not isinstance(self.launch_tree_min_executors, int) or self.launch_tree_min_executors < 2:
+            raise ValueError(f"launch_tree_min_executors: expected an int >= 2, got "
+                             f"{self.launch_tree_min_executors!r}")
         super().__post_init__()
         if not self.bind_address.startswith(("tcp://", "ipc://", "inproc://")):
             raise ValueError(f"bind_address: expected a ZeroMQ endpoint like tcp://127.0.0.1:0, "

@@ -37,6 +37,7 @@ from .calls import CallDispatch
 from .completion import Completion
 from .config import ControllerConfig
 from .groups import ProcessGroups
+from .launch_tree import UNNUMBERED_KINDS, LaunchTrees
 from .membership import Membership
 from .memory import MemoryBudget
 from .program import LoweredProgram, ProgramSpec
@@ -49,7 +50,7 @@ __all__ = ["Controller", "ControllerOutbox"]
 
 log = logging.getLogger(__name__)
 
-_HANDLED = ("done", "transfer_lost", "stats", "trace_reply", "heartbeat")   # on_message's kinds (and register)
+_HANDLED = ("done", "done_batch", "transfer_lost", "stats", "trace_reply", "heartbeat")   # on_message's kinds (and register)
 
 
 class ControllerOutbox(Protocol):
@@ -99,6 +100,7 @@ class Controller:
         self.completion = Completion(self)
         self.lifetimes = Lifetimes(self)
         self.requests = ExecutorRequests(self)
+        self.launch_trees = LaunchTrees(self)
 
     # ------------------------------------------------------------ messages from executors
 
@@ -126,6 +128,8 @@ class Controller:
                     self.completion.on_done(executor_id, envelope.done)
                 except Exception as exc:   # a bug of ours: the call must still end, with the reason
                     self.completion.fail_done_call(call, exc)
+            elif kind == "done_batch":
+                self.completion.on_done_batch(executor_id, envelope.done_batch)
             elif kind == "transfer_lost":
                 self.completion.on_transfer_lost(executor_id, envelope.transfer_lost)
             elif kind in ("stats", "trace_reply"):
@@ -143,12 +147,21 @@ class Controller:
         A free rides on a message sent after the release; any Run that reads the array
         was sent before it (a released array cannot be called with), so it is pinned there.
         """
-        frees = self.lifetimes.take_pending_frees(executor_id)
+        kind = body_name(envelope)
+        if kind in UNNUMBERED_KINDS:
+            # Handled on arrival, ahead of commands a launch tree holds back (controller/launch_tree.py): a free on
+            # it could pass the Run that reads the array. And one Cancel goes to every survivor: each its own copy.
+            copy = pb.Envelope()
+            copy.CopyFrom(envelope)
+            envelope, frees = copy, None
+        else:
+            frees = self.lifetimes.take_pending_frees(executor_id)
         if frees and not envelope.HasField("free"):
             envelope.frees.extend(frees)
         elif frees:
             envelope.free.shards.extend(frees)
-        self.messages_sent[body_name(envelope)] += 1
+        self.messages_sent[kind] += 1
+        self.launch_trees.stamp(executor_id, envelope)   # set on the envelope just before it is encoded
         self.outbox.to_executor(executor_id, envelope, payload)
 
     # ------------------------------------------------------------ membership and liveness (`Membership`)
@@ -286,3 +299,4 @@ class Controller:
     def gather(self, kind: str, timeout_s: float | None = None) -> dict[str, pb.Envelope]:
         """Send a stats or trace request to every live executor; wait for every reply."""
         return self.requests.gather(kind, timeout_s)
+

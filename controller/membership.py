@@ -221,6 +221,7 @@ class Membership:
         """`lose` each of ``lost`` (``(executor id, why)``), then tell the survivors of the islands involved once."""
         losses = [self._lose_one(executor_id, why) for executor_id, why in lost]
         self._cancel_on_survivors(losses)
+        self._controller.launch_trees.tell_ended(str(losses[0].error))   # those no Cancel told
         for executor_id, error in ((loss.executor_id, loss.error) for loss in losses):
             for listener in self._controller.loss_listeners:
                 listener(executor_id, error)
@@ -230,6 +231,7 @@ class Membership:
         info = self.resources.executors[executor_id]
         info.lost = True
         controller.lifetimes.take_pending_frees(executor_id)   # never sent: its store is gone
+        controller.launch_trees.end_island(info.island)   # launches on their way through it will never arrive
         label = controller.executor_labels.get(executor_id)
         error = ExecutorLostError(f"executor {executor_id}{f' ({label})' if label else ''} lost: {why}",
                                   executor_id=executor_id)

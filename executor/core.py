@@ -27,10 +27,12 @@ from pathways_torch.wire.framing import body_name, log_dropped
 
 from .collectives import CollectiveRuntime
 from .compile_cache import CompileCache, graph_key
+from .data_roles import executor_of_role
 from .data_plane import DataPlane
 from .backends.mutated_inputs import mutated_inputs
 from .interpreter import StepInterpreter
 from .jobs import ComputeJob, LoadedFunction
+from .launch_tree import TREE_DATA_KINDS, TreeIntake
 from .messages import Outbox, remote_failure, shard_key
 from .run_queue import RunQueue
 from .store import ObjectStore
@@ -72,8 +74,12 @@ class ExecutorCore:
 
         self.data = DataPlane(executor_id=executor_id, backend=backend, store=self.store, outbox=outbox,
                               trace=self.trace, counters=self.counters, drop=self._drop)
+        programs: dict = {}
+        # Its place in a launch tree, and the merge of the orders its commands come in (executor/launch_tree.py).
+        self.tree = TreeIntake(executor_id=executor_id, outbox=outbox, handle=self._handle_control, programs=programs,
+                               free_array=self.store.free_array, drop=self._drop)
         self.run_queue = RunQueue(executor_id=executor_id, store=self.store, functions=self.functions,
-                                  outbox=outbox, trace=self.trace, data=self.data, submit=submit, drop=self._drop,
+                                  outbox=self.tree.outbox, programs=programs, trace=self.trace, data=self.data, submit=submit, drop=self._drop,
                                   gang_order=gang_order, program_order=program_order)
         self.interpreter = StepInterpreter(executor_id=executor_id, backend=backend,
                                            collectives=self.collectives, trace=self.trace,
@@ -83,7 +89,6 @@ class ExecutorCore:
         self.compute = self.interpreter.compute
         self.fail = self.interpreter.fail
         self.finish = self.run_queue.finish
-        self.on_data = self.data.on_data
         self.on_peer_reply = self.data.on_peer_reply
         self.check_transfers = self.data.check_transfers
         self._pump = self.run_queue.pump
@@ -97,6 +102,7 @@ class ExecutorCore:
             "shutdown": self._on_shutdown,
             "load_function": self._on_load_function,
             "register_program": self.run_queue.on_register_program,
+            "launch_tree": self._on_launch_tree,
             "run": self.run_queue.on_run,
             "run_program": self.run_queue.on_run_program,
             "form_group": self.run_queue.on_form_group,
@@ -127,6 +133,31 @@ class ExecutorCore:
     # ------------------------------------------------------------ control plane
 
     def on_control(self, envelope: pb.Envelope, payload: list) -> None:
+        if envelope.command_index or envelope.launches_before or envelope.HasField("tree_launch"):
+            self.tree.on_command(envelope, payload)   # in a launch tree: the controller's order, merged back
+            return
+        self._handle_control(envelope, payload)
+
+    def on_data(self, identity: bytes, envelope: pb.Envelope, payload: list, *, role: str | None,
+                key: bytes | None = None) -> None:
+        """A message on the data socket: a launch from this executor's parent, a batch of Dones from a child, or
+        the data plane's (`DataPlane.on_data`)."""
+        kind = body_name(envelope)
+        if kind not in TREE_DATA_KINDS:
+            self.data.on_data(identity, envelope, payload, role=role, key=key)
+            return
+        refused = self.data.data_gate.refusal(role, envelope, key)
+        if refused:
+            self.counters["refused_data_messages"] += 1
+            self._drop(refused)
+            return
+        self.counters[f"handled:data:{kind}"] += 1
+        if kind == "tree_launch":
+            self.tree.on_launch(envelope.tree_launch, executor_of_role(role) or "")
+        else:
+            self.tree.on_done_batch(envelope.done_batch, role)
+
+    def _handle_control(self, envelope: pb.Envelope, payload: list) -> None:
         for ref in envelope.frees:   # frees ride on the next message; they come before its body
             self.store.free(shard_key(ref))
         kind = body_name(envelope)
@@ -179,6 +210,12 @@ class ExecutorCore:
         for lost in msg.lost_executors or [msg.lost_executor]:
             self.data.data_gate.retire(lost)   # its transfers still on their way are refused from now on
         self.run_queue.cancel(msg)
+        self.tree.cancel(msg)
+
+    def _on_launch_tree(self, msg: pb.LaunchTree, payload) -> None:
+        self.trace.record("receive", "launch tree", detail=f"generation {msg.generation}, position {msg.position}, "
+                                                            f"{len(msg.children)} children")
+        self.tree.tree = msg
 
     def _on_heartbeat(self, msg: pb.Heartbeat, payload) -> None:
         pass  # liveness is tracked by the process wrapper on any message

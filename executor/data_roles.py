@@ -35,7 +35,9 @@ from pathways_torch.wire.security import CLIENT, CONTROLLER, is_client, put_toke
 __all__ = ["DataGate", "OwnerCheck", "CLIENT_KINDS", "EXECUTOR_KINDS", "executor_of_role"]
 
 CLIENT_KINDS = frozenset({"put", "fetch", "save_shards"})   # data messages only the client may send
-EXECUTOR_KINDS = frozenset({"transfer"})                    # data messages only executors may send
+# Data messages only executors may send: a transfer, and a launch tree's launches (down) and Dones (up), which the
+# tree checks come from this executor's parent or children (executor/launch_tree.py).
+EXECUTOR_KINDS = frozenset({"transfer", "tree_launch", "done_batch"})
 
 
 def executor_of_role(role: str | None) -> str | None:

@@ -43,7 +43,8 @@ class RunQueue:
 
     def __init__(self, *, executor_id: str, store: ObjectStore, functions: dict[int, LoadedFunction],
                  outbox: Outbox, trace: TraceRecorder, data: DataPlane, submit: Callable[[ComputeJob], None],
-                 drop: Callable[[str], None], gang_order: bool = True, program_order: bool = True):
+                 drop: Callable[[str], None], gang_order: bool = True, program_order: bool = True,
+                 programs: dict | None = None):
         self.executor_id = executor_id
         self.store = store
         self.functions = functions      # the core's, filled as LoadFunction messages come
@@ -53,7 +54,7 @@ class RunQueue:
         self.submit = submit            # hands a job to the compute thread
         self._drop = drop
         # the plan, its segments, and the local intermediates a run stores (freed once it is enqueued)
-        self.programs: dict[int, tuple[pb.RegisterProgram, list, list]] = {}
+        self.programs: dict[int, tuple[pb.RegisterProgram, list, list]] = {} if programs is None else programs
         self._run_steps: dict = {}   # the Step of each kind of plain Run (see segments.single)
         self.queued: collections.deque = collections.deque()   # Segments and pb.FormGroups, in arrival order
         self._submitted = 0             # jobs handed to the compute thread, not yet finished

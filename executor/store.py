@@ -54,6 +54,9 @@ class ObjectStore:
 
     def __init__(self):
         self._entries: dict[Key, Entry] = {}
+        # Array id → its shards here (untagged: not a run's copy), so that a launch tree's frees can name arrays alone
+        # (`free_array`).
+        self._shards: dict[int, set[int]] = {}
         self._held = 0              # bytes of the values stored (I/O thread, under the core's lock)
         self._handed = 0            # of those, bytes handed over to computations (the compute thread's alone)
         self.bytes_high_water = 0   # the most bytes held at once since `take_high_water` last ran
@@ -84,6 +87,8 @@ class ObjectStore:
         entry = self._entries.get(key)
         if entry is None:
             entry = self._entries[key] = Entry()
+            if not key[2]:
+                self._shards.setdefault(key[0], set()).add(key[1])
         if owned and not entry.freed:
             entry.owned = True
         if pin:
@@ -149,20 +154,33 @@ class ObjectStore:
         entry.owned, entry.freed = False, True
         self._collect(key, entry)
 
+    def free_array(self, array_id: int) -> None:
+        """The controller dropped array ``array_id``: `free` each of its shards held here (not a run's copies)."""
+        for shard in list(self._shards.get(array_id, ())):
+            self.free((array_id, shard, 0))
+
     def abandon(self, key: Key) -> None:
         """Forget ``key`` whether or not it was filled: a copy whose run was cancelled (nothing pins it any more;
         should it still arrive, it is refused as late)."""
         entry = self._entries.get(key)
         if entry is None or entry.pins:
             return
-        del self._entries[key]
-        self._release_bytes(entry)
+        self._delete(key, entry)
 
     def _collect(self, key: Key, entry: Entry) -> None:
         # A waiter may already have released (and deleted) the entry it was woken for.
         if entry.owned or entry.pins or not entry.ready or self._entries.get(key) is not entry:
             return
+        self._delete(key, entry)
+
+    def _delete(self, key: Key, entry: Entry) -> None:
         del self._entries[key]
+        if not key[2]:
+            shards = self._shards.get(key[0])
+            if shards is not None:
+                shards.discard(key[1])
+                if not shards:
+                    del self._shards[key[0]]
         self._release_bytes(entry)
 
     def _release_bytes(self, entry: Entry) -> None:

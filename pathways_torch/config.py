@@ -51,6 +51,10 @@ class ContextConfig(Liveness):
     # Simulated executors (backend="sim") to a process: None, a process each; K, K to a process on one loop
     # (executor/sim_host.py): how a thousand of them fit on one machine.
     sims_per_process: int | None = None
+    # A program run on every executor of an island, when there are at least ``launch_tree_min_executors``, goes down
+    # a tree of ``launch_fanout`` children per executor, its Dones back up it (docs/scale.md); 0: never.
+    launch_fanout: int = 32
+    launch_tree_min_executors: int = 128
 
     def __post_init__(self):
         self._check_remote()

@@ -332,6 +332,64 @@ class Cancel(_message.Message):
     lost_executors: _containers.RepeatedScalarFieldContainer[str]
     def __init__(self, call_ids: _Optional[_Iterable[int]] = ..., group_ids: _Optional[_Iterable[int]] = ..., reason: _Optional[str] = ..., lost_executor: _Optional[str] = ..., lost_executors: _Optional[_Iterable[str]] = ...) -> None: ...
 
+class TreeChild(_message.Message):
+    __slots__ = ("executor_id", "data_address", "public_key", "position", "end")
+    EXECUTOR_ID_FIELD_NUMBER: _ClassVar[int]
+    DATA_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    PUBLIC_KEY_FIELD_NUMBER: _ClassVar[int]
+    POSITION_FIELD_NUMBER: _ClassVar[int]
+    END_FIELD_NUMBER: _ClassVar[int]
+    executor_id: str
+    data_address: str
+    public_key: bytes
+    position: int
+    end: int
+    def __init__(self, executor_id: _Optional[str] = ..., data_address: _Optional[str] = ..., public_key: _Optional[bytes] = ..., position: _Optional[int] = ..., end: _Optional[int] = ...) -> None: ...
+
+class LaunchTree(_message.Message):
+    __slots__ = ("generation", "parent", "parent_address", "parent_key", "position", "end", "children")
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    PARENT_FIELD_NUMBER: _ClassVar[int]
+    PARENT_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    PARENT_KEY_FIELD_NUMBER: _ClassVar[int]
+    POSITION_FIELD_NUMBER: _ClassVar[int]
+    END_FIELD_NUMBER: _ClassVar[int]
+    CHILDREN_FIELD_NUMBER: _ClassVar[int]
+    generation: int
+    parent: str
+    parent_address: str
+    parent_key: bytes
+    position: int
+    end: int
+    children: _containers.RepeatedCompositeFieldContainer[TreeChild]
+    def __init__(self, generation: _Optional[int] = ..., parent: _Optional[str] = ..., parent_address: _Optional[str] = ..., parent_key: _Optional[bytes] = ..., position: _Optional[int] = ..., end: _Optional[int] = ..., children: _Optional[_Iterable[_Union[TreeChild, _Mapping]]] = ...) -> None: ...
+
+class TreeLaunch(_message.Message):
+    __slots__ = ("generation", "run", "position", "prev_collective_seqs", "commands_before", "free_array_ids")
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    RUN_FIELD_NUMBER: _ClassVar[int]
+    POSITION_FIELD_NUMBER: _ClassVar[int]
+    PREV_COLLECTIVE_SEQS_FIELD_NUMBER: _ClassVar[int]
+    COMMANDS_BEFORE_FIELD_NUMBER: _ClassVar[int]
+    FREE_ARRAY_IDS_FIELD_NUMBER: _ClassVar[int]
+    generation: int
+    run: RunProgram
+    position: int
+    prev_collective_seqs: _containers.RepeatedScalarFieldContainer[int]
+    commands_before: _containers.RepeatedScalarFieldContainer[int]
+    free_array_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, generation: _Optional[int] = ..., run: _Optional[_Union[RunProgram, _Mapping]] = ..., position: _Optional[int] = ..., prev_collective_seqs: _Optional[_Iterable[int]] = ..., commands_before: _Optional[_Iterable[int]] = ..., free_array_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class DoneBatch(_message.Message):
+    __slots__ = ("generation", "base_call_id", "dones")
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    BASE_CALL_ID_FIELD_NUMBER: _ClassVar[int]
+    DONES_FIELD_NUMBER: _ClassVar[int]
+    generation: int
+    base_call_id: int
+    dones: _containers.RepeatedCompositeFieldContainer[Done]
+    def __init__(self, generation: _Optional[int] = ..., base_call_id: _Optional[int] = ..., dones: _Optional[_Iterable[_Union[Done, _Mapping]]] = ...) -> None: ...
+
 class AdmitKey(_message.Message):
     __slots__ = ("role", "public_key")
     ROLE_FIELD_NUMBER: _ClassVar[int]
@@ -387,7 +445,7 @@ class RemoteFailure(_message.Message):
     def __init__(self, type: _Optional[str] = ..., message: _Optional[str] = ..., traceback: _Optional[str] = ..., executor_id: _Optional[str] = ..., origin_call_id: _Optional[int] = ..., op: _Optional[str] = ..., node_index: _Optional[int] = ...) -> None: ...
 
 class Done(_message.Message):
-    __slots__ = ("call_id", "seq", "ok", "failure", "digests", "output_shapes", "device_ns")
+    __slots__ = ("call_id", "seq", "ok", "failure", "digests", "output_shapes", "device_ns", "executor_id")
     CALL_ID_FIELD_NUMBER: _ClassVar[int]
     SEQ_FIELD_NUMBER: _ClassVar[int]
     OK_FIELD_NUMBER: _ClassVar[int]
@@ -395,6 +453,7 @@ class Done(_message.Message):
     DIGESTS_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_SHAPES_FIELD_NUMBER: _ClassVar[int]
     DEVICE_NS_FIELD_NUMBER: _ClassVar[int]
+    EXECUTOR_ID_FIELD_NUMBER: _ClassVar[int]
     call_id: int
     seq: int
     ok: bool
@@ -402,7 +461,8 @@ class Done(_message.Message):
     digests: _containers.RepeatedScalarFieldContainer[bytes]
     output_shapes: _containers.RepeatedCompositeFieldContainer[TensorMeta]
     device_ns: int
-    def __init__(self, call_id: _Optional[int] = ..., seq: _Optional[int] = ..., ok: _Optional[bool] = ..., failure: _Optional[_Union[RemoteFailure, _Mapping]] = ..., digests: _Optional[_Iterable[bytes]] = ..., output_shapes: _Optional[_Iterable[_Union[TensorMeta, _Mapping]]] = ..., device_ns: _Optional[int] = ...) -> None: ...
+    executor_id: str
+    def __init__(self, call_id: _Optional[int] = ..., seq: _Optional[int] = ..., ok: _Optional[bool] = ..., failure: _Optional[_Union[RemoteFailure, _Mapping]] = ..., digests: _Optional[_Iterable[bytes]] = ..., output_shapes: _Optional[_Iterable[_Union[TensorMeta, _Mapping]]] = ..., device_ns: _Optional[int] = ..., executor_id: _Optional[str] = ...) -> None: ...
 
 class StatsRequest(_message.Message):
     __slots__ = ("request_id",)
@@ -641,7 +701,7 @@ class StoreReply(_message.Message):
     def __init__(self, request_id: _Optional[int] = ..., ok: _Optional[bool] = ..., value: _Optional[bytes] = ..., number: _Optional[int] = ..., found: _Optional[bool] = ..., error: _Optional[str] = ...) -> None: ...
 
 class Envelope(_message.Message):
-    __slots__ = ("register", "welcome", "heartbeat", "load_function", "run", "send_shard", "free", "done", "stats_request", "stats", "trace_request", "trace_reply", "shutdown", "form_group", "register_program", "run_program", "put", "put_ack", "transfer", "fetch", "fetch_reply", "store_request", "store_reply", "save_shards", "save_reply", "cancel", "admit_key", "transfer_ack", "transfer_lost", "forget", "frees", "epoch")
+    __slots__ = ("register", "welcome", "heartbeat", "load_function", "run", "send_shard", "free", "done", "stats_request", "stats", "trace_request", "trace_reply", "shutdown", "form_group", "register_program", "run_program", "put", "put_ack", "transfer", "fetch", "fetch_reply", "store_request", "store_reply", "save_shards", "save_reply", "cancel", "admit_key", "transfer_ack", "transfer_lost", "forget", "launch_tree", "tree_launch", "done_batch", "frees", "epoch", "command_index", "launches_before")
     REGISTER_FIELD_NUMBER: _ClassVar[int]
     WELCOME_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_FIELD_NUMBER: _ClassVar[int]
@@ -672,8 +732,13 @@ class Envelope(_message.Message):
     TRANSFER_ACK_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_LOST_FIELD_NUMBER: _ClassVar[int]
     FORGET_FIELD_NUMBER: _ClassVar[int]
+    LAUNCH_TREE_FIELD_NUMBER: _ClassVar[int]
+    TREE_LAUNCH_FIELD_NUMBER: _ClassVar[int]
+    DONE_BATCH_FIELD_NUMBER: _ClassVar[int]
     FREES_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
+    COMMAND_INDEX_FIELD_NUMBER: _ClassVar[int]
+    LAUNCHES_BEFORE_FIELD_NUMBER: _ClassVar[int]
     register: Register
     welcome: Welcome
     heartbeat: Heartbeat
@@ -704,9 +769,14 @@ class Envelope(_message.Message):
     transfer_ack: TransferAck
     transfer_lost: TransferLost
     forget: Forget
+    launch_tree: LaunchTree
+    tree_launch: TreeLaunch
+    done_batch: DoneBatch
     frees: _containers.RepeatedCompositeFieldContainer[ShardRef]
     epoch: int
-    def __init__(self, register: _Optional[_Union[Register, _Mapping]] = ..., welcome: _Optional[_Union[Welcome, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., load_function: _Optional[_Union[LoadFunction, _Mapping]] = ..., run: _Optional[_Union[Run, _Mapping]] = ..., send_shard: _Optional[_Union[SendShard, _Mapping]] = ..., free: _Optional[_Union[Free, _Mapping]] = ..., done: _Optional[_Union[Done, _Mapping]] = ..., stats_request: _Optional[_Union[StatsRequest, _Mapping]] = ..., stats: _Optional[_Union[Stats, _Mapping]] = ..., trace_request: _Optional[_Union[TraceRequest, _Mapping]] = ..., trace_reply: _Optional[_Union[TraceReply, _Mapping]] = ..., shutdown: _Optional[_Union[Shutdown, _Mapping]] = ..., form_group: _Optional[_Union[FormGroup, _Mapping]] = ..., register_program: _Optional[_Union[RegisterProgram, _Mapping]] = ..., run_program: _Optional[_Union[RunProgram, _Mapping]] = ..., put: _Optional[_Union[Put, _Mapping]] = ..., put_ack: _Optional[_Union[PutAck, _Mapping]] = ..., transfer: _Optional[_Union[Transfer, _Mapping]] = ..., fetch: _Optional[_Union[Fetch, _Mapping]] = ..., fetch_reply: _Optional[_Union[FetchReply, _Mapping]] = ..., store_request: _Optional[_Union[StoreRequest, _Mapping]] = ..., store_reply: _Optional[_Union[StoreReply, _Mapping]] = ..., save_shards: _Optional[_Union[SaveShards, _Mapping]] = ..., save_reply: _Optional[_Union[SaveReply, _Mapping]] = ..., cancel: _Optional[_Union[Cancel, _Mapping]] = ..., admit_key: _Optional[_Union[AdmitKey, _Mapping]] = ..., transfer_ack: _Optional[_Union[TransferAck, _Mapping]] = ..., transfer_lost: _Optional[_Union[TransferLost, _Mapping]] = ..., forget: _Optional[_Union[Forget, _Mapping]] = ..., frees: _Optional[_Iterable[_Union[ShardRef, _Mapping]]] = ..., epoch: _Optional[int] = ...) -> None: ...
+    command_index: int
+    launches_before: int
+    def __init__(self, register: _Optional[_Union[Register, _Mapping]] = ..., welcome: _Optional[_Union[Welcome, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., load_function: _Optional[_Union[LoadFunction, _Mapping]] = ..., run: _Optional[_Union[Run, _Mapping]] = ..., send_shard: _Optional[_Union[SendShard, _Mapping]] = ..., free: _Optional[_Union[Free, _Mapping]] = ..., done: _Optional[_Union[Done, _Mapping]] = ..., stats_request: _Optional[_Union[StatsRequest, _Mapping]] = ..., stats: _Optional[_Union[Stats, _Mapping]] = ..., trace_request: _Optional[_Union[TraceRequest, _Mapping]] = ..., trace_reply: _Optional[_Union[TraceReply, _Mapping]] = ..., shutdown: _Optional[_Union[Shutdown, _Mapping]] = ..., form_group: _Optional[_Union[FormGroup, _Mapping]] = ..., register_program: _Optional[_Union[RegisterProgram, _Mapping]] = ..., run_program: _Optional[_Union[RunProgram, _Mapping]] = ..., put: _Optional[_Union[Put, _Mapping]] = ..., put_ack: _Optional[_Union[PutAck, _Mapping]] = ..., transfer: _Optional[_Union[Transfer, _Mapping]] = ..., fetch: _Optional[_Union[Fetch, _Mapping]] = ..., fetch_reply: _Optional[_Union[FetchReply, _Mapping]] = ..., store_request: _Optional[_Union[StoreRequest, _Mapping]] = ..., store_reply: _Optional[_Union[StoreReply, _Mapping]] = ..., save_shards: _Optional[_Union[SaveShards, _Mapping]] = ..., save_reply: _Optional[_Union[SaveReply, _Mapping]] = ..., cancel: _Optional[_Union[Cancel, _Mapping]] = ..., admit_key: _Optional[_Union[AdmitKey, _Mapping]] = ..., transfer_ack: _Optional[_Union[TransferAck, _Mapping]] = ..., transfer_lost: _Optional[_Union[TransferLost, _Mapping]] = ..., forget: _Optional[_Union[Forget, _Mapping]] = ..., launch_tree: _Optional[_Union[LaunchTree, _Mapping]] = ..., tree_launch: _Optional[_Union[TreeLaunch, _Mapping]] = ..., done_batch: _Optional[_Union[DoneBatch, _Mapping]] = ..., frees: _Optional[_Iterable[_Union[ShardRef, _Mapping]]] = ..., epoch: _Optional[int] = ..., command_index: _Optional[int] = ..., launches_before: _Optional[int] = ...) -> None: ...
 
 class StatusRequest(_message.Message):
     __slots__ = ("with_stats",)
