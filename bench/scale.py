@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
+import dataclasses
 import os
 import time
 
@@ -63,11 +65,11 @@ class _CountingClient:
 class Measurement:
     """One N: a context of simulated executors and what is measured on it."""
 
-    def __init__(self, size: int, per_process: int, steps: int):
+    def __init__(self, size: int, per_process: int, steps: int, tree: dict):
         self.size, self.steps = size, steps
         began = time.perf_counter()
         self.ctx = pw.Context(num_executors=size, backend="sim", sims_per_process=min(per_process, size),
-                              start_timeout_s=600)
+                              start_timeout_s=600, **tree)
         self.startup_s = time.perf_counter() - began
         self.mesh = self.ctx.mesh({"data": size})
         self.x = self.ctx.put(torch.zeros(size), self.mesh, [pw.Shard(0)])
@@ -93,6 +95,34 @@ class Measurement:
         return {"heartbeats_per_s": (self.server.handled_messages["heartbeat"] - beats) / window_s,
                 "idle_cpu_ms_per_s": sum(threads.values()),
                 "idle_threads_ms_per_s": {k: round(v, 1) for k, v in threads.items() if v > 0}}
+
+    @contextlib.contextmanager
+    def direct(self):
+        """Runs sent to each executor, not down the launch tree (the controller's config, swapped for a while)."""
+        controller = self.server.controller
+        config = controller.config
+        controller.config = dataclasses.replace(config, launch_fanout=0)
+        try:
+            yield
+        finally:
+            controller.config = config
+
+    def per_run_both_ways(self, step_s: float, runs: int, rounds: int = 3) -> tuple[dict, dict | None]:
+        """`per_run` down the tree and sent to each executor, interleaved in ``rounds``: the median round of each
+        (by CPU); the second is None when no tree is used at this N."""
+        config = self.server.controller.config
+        if not (config.launch_fanout >= 2 and self.size >= config.launch_tree_min_executors):
+            return self.per_run(step_s, runs), None
+        tree, direct = [], []
+        for _ in range(rounds):
+            tree.append(self.per_run(step_s, max(1, runs // rounds)))
+            with self.direct():
+                direct.append(self.per_run(step_s, max(1, runs // rounds)))
+
+        def median(measured):
+            return sorted(measured, key=lambda r: r["client_cpu_ms"])[len(measured) // 2]
+
+        return median(tree), median(direct)
 
     def per_run(self, step_s: float, runs: int) -> dict:
         """CPU by thread, messages and bytes per awaited run (`without_idle` takes the idle load off)."""
@@ -284,6 +314,8 @@ def main() -> None:
     parser.add_argument("--kill", action="store_true", help="at the largest N, SIGKILL one simulating process while "
                                                              "a Chained loop runs on the others (failure at scale)")
     parser.add_argument("--kill-time-ms", type=float, default=10.0, help="T of that loop")
+    parser.add_argument("--launch-fanout", type=int, default=32, help="children per executor in a launch tree (0: none)")
+    parser.add_argument("--launch-tree-min", type=int, default=128, help="executors from which runs use the tree")
     parser.add_argument("--in-process", action="store_true", help="only the controller's own Python per executor "
                                                                   "per run, without sockets (seconds)")
     args = parser.parse_args()
@@ -298,9 +330,10 @@ def main() -> None:
     summary, rows, parity = {}, [], {}
     for size in sizes:
         print(f"N={size}: starting ...", flush=True)
-        m = Measurement(size, args.sims_per_process, args.steps)
+        m = Measurement(size, args.sims_per_process, args.steps,
+                        {"launch_fanout": args.launch_fanout, "launch_tree_min_executors": args.launch_tree_min})
         try:
-            run = m.per_run(args.cpu_time_ms / 1000, args.cpu_runs)
+            run, direct = m.per_run_both_ways(args.cpu_time_ms / 1000, args.cpu_runs)
             mine = []
             for step_s in times:
                 row = m.efficiency(step_s, args.repeats)
@@ -310,6 +343,9 @@ def main() -> None:
             memory = m.memory()
             load = m.heartbeat_load()
             without_idle(run, load, size)
+            if direct is not None:
+                without_idle(direct, load, size)
+                run["sent_to_each_executor"] = direct
             if args.kill and size == sizes[-1]:
                 failure = failure_at_scale(m, args.kill_time_ms / 1000)
                 print(f"failure at N={size}: {failure}", flush=True)
@@ -339,6 +375,18 @@ def main() -> None:
     print_table(["N", "T ms", "awaited run ms", "efficiency", "pipelined run ms", "efficiency"],
                 [[r["executors"], f"{r['step_ms']:g}", f"{r['awaited_run_ms']:,.1f}", f"{r['efficiency']:.1%}",
                   f"{r['pipelined_run_ms']:,.1f}", f"{r['pipelined_efficiency']:.1%}"] for r in rows])
+    both = [size for size in sizes if "sent_to_each_executor" in summary[size]["per_run"]]
+    if both:
+        print(f"Down the launch tree (fanout {args.launch_fanout}) against sent to each executor, per awaited run at "
+              f"T={args.cpu_time_ms:g} ms, interleaved rounds (median round of 3 each):")
+        print_table(["N", "CPU µs/executor/run, tree", "direct", "controller msgs out / in, tree", "direct",
+                     "awaited run ms, tree", "direct"],
+                    [[size, f"{tree['cpu_us_per_executor']:.1f}", f"{direct['cpu_us_per_executor']:.1f}",
+                      f"{tree['messages_sent']:,.0f} / {tree['messages_received']:,.0f}",
+                      f"{direct['messages_sent']:,.0f} / {direct['messages_received']:,.0f}",
+                      f"{tree['wall_ms']:,.1f}", f"{direct['wall_ms']:,.1f}"]
+                     for size in both
+                     for tree, direct in [(summary[size]["per_run"], summary[size]["per_run"]["sent_to_each_executor"])]])
     for size in sizes:
         print(f"N={size}: client threads, ms per run at T={args.cpu_time_ms:g} ms: "
               f"{summary[size]['per_run']['threads_ms']}; idle, ms per s: {summary[size]['idle_threads_ms_per_s']}")
@@ -346,7 +394,9 @@ def main() -> None:
         plot(rows, parity, args.figure)
         print("figure written to", args.figure)
     print("written to", write_results("scale", {"summary": summary, "rows": rows, "parity_ms": parity,
-                                                 "steps": args.steps, "sims_per_process": args.sims_per_process}))
+                                                 "steps": args.steps, "sims_per_process": args.sims_per_process,
+                                                 "launch_fanout": args.launch_fanout,
+                                                 "launch_tree_min_executors": args.launch_tree_min}))
 
 
 def _parity_text(point: float | None) -> str:

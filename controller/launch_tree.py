@@ -112,7 +112,10 @@ class LaunchTrees:
         self.commands_sent: collections.Counter = collections.Counter()   # numbered commands, per executor
         self.launches_sent: collections.Counter = collections.Counter()   # tree launches, per executor
         self._numbered: set[str] = set()      # executors that were ever in a tree: their commands stay numbered
-        self._tree_ended: set[str] = set()    # their tree ended: the next unnumbered message says so
+        self._tree_ended: dict[str, int] = {}  # their tree ended (its generation): the next unnumbered message says so
+        # Runs launched down a tree whose collectives hold gang places: first call id → (generation, executor →
+        # (its collective before the run, the run's last one there)), while a call of theirs may be in flight.
+        self._gang_runs: dict[int, tuple[int, dict]] = {}
 
     # ------------------------------------------------------------ numbering
 
@@ -120,11 +123,15 @@ class LaunchTrees:
         """Number ``envelope`` (about to be encoded for ``executor_id``) if that executor was ever in a tree."""
         if executor_id not in self._numbered:
             return
-        if body_name(envelope) in UNNUMBERED_KINDS:
+        kind = body_name(envelope)
+        if kind in UNNUMBERED_KINDS:
             envelope.command_index = 0
-            ended = executor_id in self._tree_ended
-            self._tree_ended.discard(executor_id)
-            envelope.launches_before = self.launches_sent[executor_id] if ended else 0
+            ended = self._tree_ended.pop(executor_id, None)
+            envelope.launches_before = self.launches_sent[executor_id] if ended is not None else 0
+            if ended is not None and kind == "cancel":   # a copy of its own (Controller._send)
+                for generation, gang in self._gang_runs.values():
+                    if generation == ended and executor_id in gang:
+                        envelope.cancel.skip_collectives.extend(gang[executor_id])
             return
         self.commands_sent[executor_id] += 1
         envelope.command_index = self.commands_sent[executor_id]
@@ -170,10 +177,18 @@ class LaunchTrees:
                              public_key=info.public_key, position=child, end=tree.ends[child])
         return msg
 
-    def launch(self, tree: IslandTree, run: pb.RunProgram, prev_collective_seqs: dict[str, int]) -> None:
+    def launch(self, tree: IslandTree, run: pb.RunProgram, prev_collective_seqs: dict[str, int],
+               gang: dict[str, tuple[int, int]] | None = None) -> None:
         """Send ``run`` to the tree's roots, with each member's own part by position, and every free waiting for a
-        member (as array ids: each member frees its shards of them)."""
+        member (as array ids: each member frees its shards of them). ``gang``: the gang places its collectives take
+        per executor, kept while it may be in flight (a loss must let the survivors skip those of a launch that
+        never reached them)."""
         controller = self._controller
+        if gang:
+            oldest = min(controller._calls, default=run.base_call_id)
+            for base in [b for b in self._gang_runs if b < oldest]:
+                del self._gang_runs[base]
+            self._gang_runs[run.base_call_id] = (tree.generation, gang)
         free_ids = set()
         for executor_id in tree.members:
             leftover = []
@@ -226,7 +241,14 @@ class LaunchTrees:
         tree = self._trees.pop(island, None)
         if tree is not None:
             self._retire(tree)
-            self._tree_ended.update(tree.members)
+            self._tree_ended.update(dict.fromkeys(tree.members, tree.generation))
+
+    def forget(self, executor_id: str) -> None:
+        """``executor_id`` registers (again): its new process counts commands and launches from zero."""
+        self.commands_sent.pop(executor_id, None)
+        self.launches_sent.pop(executor_id, None)
+        self._numbered.discard(executor_id)
+        self._tree_ended.pop(executor_id, None)
 
     def tell_ended(self, reason: str) -> None:
         """Tell each live member of an ended tree not told yet (no Cancel went to it) how many launches it will
@@ -235,7 +257,7 @@ class LaunchTrees:
         for executor_id in sorted(self._tree_ended):
             info = executors.get(executor_id)
             if info is None or info.lost:
-                self._tree_ended.discard(executor_id)
+                self._tree_ended.pop(executor_id, None)
             else:
                 self._controller._send(executor_id, pb.Envelope(cancel=pb.Cancel(reason=reason)))
 

@@ -65,6 +65,7 @@ class Membership:
             # Registered again before its loss was declared (restarted within the heartbeat timeout): the old
             # incarnation's work fails now, as for any loss.
             self.lose(executor_id, f"it registered again from {msg.data_address} (a new incarnation)")
+        self._controller.launch_trees.forget(executor_id)   # a new process: its commands are numbered afresh
         info = self.resources.register(executor_id, data_address=msg.data_address, device=msg.device,
                                        backend=msg.backend, pid=msg.pid, last_heard=controller.clock(),
                                        public_key=msg.public_key, command_address=msg.command_address,

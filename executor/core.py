@@ -77,7 +77,8 @@ class ExecutorCore:
         programs: dict = {}
         # Its place in a launch tree, and the merge of the orders its commands come in (executor/launch_tree.py).
         self.tree = TreeIntake(executor_id=executor_id, outbox=outbox, handle=self._handle_control, programs=programs,
-                               free_array=self.store.free_array, drop=self._drop)
+                               free_array=self.store.free_array, drop=self._drop,
+                               skip_gang=lambda prev, last: self.run_queue.skip_gang(prev, last))
         self.run_queue = RunQueue(executor_id=executor_id, store=self.store, functions=self.functions,
                                   outbox=self.tree.outbox, programs=programs, trace=self.trace, data=self.data, submit=submit, drop=self._drop,
                                   gang_order=gang_order, program_order=program_order)
@@ -192,7 +193,7 @@ class ExecutorCore:
             self.heartbeat_settings = (msg.heartbeat_interval_s, msg.heartbeat_timeout_s)
         if msg.transfer_timeout_s > 0:
             self.data.transfer_timeout_s = msg.transfer_timeout_s
-        self.data.epoch = msg.epoch
+        self.data.epoch = self.tree.epoch = msg.epoch
         if msg.put_secret:   # service clients' puts are checked with it (executor/data_roles.py, OwnerCheck)
             self.data.owners.put_secret = bytes(msg.put_secret)
             self.data.welcomed()

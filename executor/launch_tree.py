@@ -19,6 +19,7 @@ import bisect
 import collections
 import dataclasses
 import logging
+import time
 from typing import Callable
 
 from pathways_torch.wire import pb
@@ -67,10 +68,11 @@ class TreeIntake:
     of registered programs (its plans say which steps report); ``free_array`` frees an array's shards here."""
 
     def __init__(self, *, executor_id: str, outbox, handle: Callable, programs: dict,
-                 free_array: Callable[[int], None], drop: Callable[[str], None]):
+                 free_array: Callable[[int], None], drop: Callable[[str], None],
+                 skip_gang: Callable[[int, int], None] = lambda prev, last: None):
         self.executor_id = executor_id
         self._outbox, self._handle, self._programs = outbox, handle, programs
-        self._free_array, self._drop = free_array, drop
+        self._free_array, self._drop, self._skip_gang = free_array, drop, skip_gang
         self.outbox = _BatchingOutbox(outbox, self)
         self.tree: pb.LaunchTree | None = None
         self.dead_generation = 0     # trees up to this one ended: their launches still coming are dropped
@@ -83,6 +85,12 @@ class TreeIntake:
         self._by_call: dict[int, _Batch] = {}    # a reporting step's call id → its run's batch
         self._reports: dict[int, tuple] = {}     # program id → (its plan, the nodes that report here)
         self.forwarded = 0                       # launches sent to children (Stats, tests)
+        # This incarnation (the Welcome's): a peer refuses what an incarnation it knows was replaced sends (DataGate).
+        self.epoch = 0
+        # When the launch being handled came (a simulated executor: the start of the poll turn that read it), and
+        # while its run is handled, when its parent had it (`TreeLaunch.sent_at`; None: from the controller).
+        self.arrival_time: Callable[[], float] = time.monotonic
+        self.launch_sent_at: float | None = None
 
     # ------------------------------------------------------------ the two orders
 
@@ -94,6 +102,9 @@ class TreeIntake:
         if not envelope.command_index:   # unnumbered: now
             if envelope.launches_before:
                 self._end_tree(envelope.launches_before)
+                pairs = envelope.cancel.skip_collectives
+                for prev, last in zip(pairs[::2], pairs[1::2]):   # before the Cancel is handled: it pumps the queue
+                    self._skip_gang(prev, last)
             self._handle(envelope, payload)
         else:
             self._held_commands.append((envelope, payload))
@@ -142,22 +153,28 @@ class TreeIntake:
                        f"{tree.parent or 'the controller'}, this executor's parent in tree {tree.generation} (refused)")
             return
         self.launches += 1
+        sent_at = (launch.sent_at or self.arrival_time()) if tree.children else 0.0
         for child in tree.children:   # first: the subtree starts while this executor handles its own part
             part = pb.TreeLaunch(generation=tree.generation, position=child.position,
                                  prev_collective_seqs=launch.prev_collective_seqs[child.position - tree.position:
                                                                                   child.end - tree.position],
                                  commands_before=launch.commands_before[child.position - tree.position:
                                                                         child.end - tree.position],
-                                 free_array_ids=launch.free_array_ids)
+                                 free_array_ids=launch.free_array_ids, sent_at=sent_at)
             part.run.CopyFrom(launch.run)
-            self._outbox.to_peer(child.data_address, pb.Envelope(tree_launch=part), public_key=child.public_key)
+            self._outbox.to_peer(child.data_address, pb.Envelope(tree_launch=part, epoch=self.epoch),
+                                 public_key=child.public_key)
             self.forwarded += 1
         for array_id in launch.free_array_ids:
             self._free_array(array_id)
         run = launch.run
         self._open_batch(tree, run)
         run.prev_collective_seq = launch.prev_collective_seqs[0]
-        self._handle(pb.Envelope(run_program=run), ())
+        self.launch_sent_at = launch.sent_at or None
+        try:
+            self._handle(pb.Envelope(run_program=run), ())
+        finally:
+            self.launch_sent_at = None
 
     # ------------------------------------------------------------ Dones on the way up
 
@@ -211,7 +228,7 @@ class TreeIntake:
         if batch.own_left > 0 or batch.children:
             return
         self._batches.pop(batch.message.base_call_id, None)
-        envelope = pb.Envelope(done_batch=batch.message)
+        envelope = pb.Envelope(done_batch=batch.message, epoch=self.epoch)
         if batch.parent:
             self._outbox.to_peer(batch.parent_address, envelope, public_key=batch.parent_key)
         else:

@@ -273,6 +273,12 @@ class RunQueue:
                 done.failure.CopyFrom(with_origin(failure, call_id))
                 self.outbox.to_controller(pb.Envelope(done=done))
 
+    def skip_gang(self, prev_collective_seq: int, last_collective_seq: int) -> None:
+        """Gang order steps over a run that failed before it came here (its launch was lost with a launch tree's
+        executor): its collectives ran from after ``prev_collective_seq`` to ``last_collective_seq``."""
+        if self.last_collective_seq < last_collective_seq:
+            self._skip(prev_collective_seq, last_collective_seq)
+
     def _skip(self, prev_collective_seq: int, last_collective_seq: int) -> None:
         self._skipped[prev_collective_seq] = last_collective_seq
 

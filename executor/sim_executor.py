@@ -59,6 +59,7 @@ class SimExecutor(CoreEndpoint):
                                  compiler=CompileCache(self.backend, trace, background=False))
         self.core.admit_key = host.admit_key
         self.core.data_gate = DataGate(host.gatekeeper.admits)
+        self.core.tree.arrival_time = lambda: self._received_at or time.monotonic()
         self._jobs: collections.deque = collections.deque()   # (job, when it became ready), in order
         self._busy = False        # the device is computing a job (its deadline is in the host's heap)
         self._finishing_at: float | None = None   # the deadline of the job being finished: when its successors became ready
@@ -69,7 +70,7 @@ class SimExecutor(CoreEndpoint):
         self.last_answer = time.monotonic()
         self.answered = False
         self._nonce = nonce
-        self.data_address = self._bind(self._keys["data"], self._data_frames, mandatory=True)
+        self.data_address = self._bind(self._keys["data"], self._on_data, mandatory=True)
         self.command_address = self._bind(self._keys["commands"], self._on_control)
         self._connect(self._keys["control"], "", lambda frames: None, watch=True)
         self._connect(self._keys["heartbeat"], HEARTBEAT_SUFFIX, self._on_heartbeat_answer)
@@ -118,18 +119,24 @@ class SimExecutor(CoreEndpoint):
         return {"send_backlog_high_water": self.loop.backlog_high_water, "heartbeats_sent": self.heartbeats_sent}
 
     def _on_control(self, frames) -> None:
-        # When the message came: its socket was ready when this turn's poll returned if it is the first read this
-        # turn (the host may have spent the turn so far computing other executors' jobs); a later one may have come
-        # during the turn, so it counts from now.
+        self._arrived(self._control_frames, frames)
+        if self.core.stopped:
+            self.stop("the controller asked")
+
+    def _on_data(self, frames) -> None:
+        self._arrived(self._data_frames, frames)   # a launch from this executor's parent in a launch tree, too
+
+    def _arrived(self, handle, frames) -> None:
+        """Handle a message whose jobs are ready when it came: its socket was ready when this turn's poll returned if
+        it is the first read this turn (the host may have spent the turn so far computing other executors' jobs); a
+        later one may have come during the turn, so it counts from now."""
         turn = self.loop.turn_started
         self._received_at = turn if turn != self._last_turn else time.monotonic()
         self._last_turn = turn
         try:
-            self._control_frames(frames)
+            handle(frames)
         finally:
             self._received_at = None
-        if self.core.stopped:
-            self.stop("the controller asked")
 
     def ping(self, now: float) -> None:
         try:   # a ping that cannot leave now is not kept: the next one will (the silence check still runs)
@@ -147,7 +154,9 @@ class SimExecutor(CoreEndpoint):
     # ------------------------------------------------------------ the device
 
     def _submit(self, job: ComputeJob) -> None:
-        ready = next((t for t in (self._finishing_at, self._received_at) if t is not None), None) or time.monotonic()
+        # A launch from a parent in a launch tree came when the parent had it (the host's turn is the simulation's).
+        came = self.core.tree.launch_sent_at or self._received_at
+        ready = next((t for t in (self._finishing_at, came) if t is not None), None) or time.monotonic()
         self._jobs.append((job, ready))
         if not self._busy:
             self._start_next()

@@ -319,18 +319,20 @@ class FormGroup(_message.Message):
     def __init__(self, seq: _Optional[int] = ..., prev_collective_seq: _Optional[int] = ..., group_id: _Optional[int] = ..., rank: _Optional[int] = ..., size: _Optional[int] = ..., store_path: _Optional[str] = ..., timeout_s: _Optional[float] = ..., members: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class Cancel(_message.Message):
-    __slots__ = ("call_ids", "group_ids", "reason", "lost_executor", "lost_executors")
+    __slots__ = ("call_ids", "group_ids", "reason", "lost_executor", "lost_executors", "skip_collectives")
     CALL_IDS_FIELD_NUMBER: _ClassVar[int]
     GROUP_IDS_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
     LOST_EXECUTOR_FIELD_NUMBER: _ClassVar[int]
     LOST_EXECUTORS_FIELD_NUMBER: _ClassVar[int]
+    SKIP_COLLECTIVES_FIELD_NUMBER: _ClassVar[int]
     call_ids: _containers.RepeatedScalarFieldContainer[int]
     group_ids: _containers.RepeatedScalarFieldContainer[int]
     reason: str
     lost_executor: str
     lost_executors: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, call_ids: _Optional[_Iterable[int]] = ..., group_ids: _Optional[_Iterable[int]] = ..., reason: _Optional[str] = ..., lost_executor: _Optional[str] = ..., lost_executors: _Optional[_Iterable[str]] = ...) -> None: ...
+    skip_collectives: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, call_ids: _Optional[_Iterable[int]] = ..., group_ids: _Optional[_Iterable[int]] = ..., reason: _Optional[str] = ..., lost_executor: _Optional[str] = ..., lost_executors: _Optional[_Iterable[str]] = ..., skip_collectives: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class TreeChild(_message.Message):
     __slots__ = ("executor_id", "data_address", "public_key", "position", "end")
@@ -365,20 +367,22 @@ class LaunchTree(_message.Message):
     def __init__(self, generation: _Optional[int] = ..., parent: _Optional[str] = ..., parent_address: _Optional[str] = ..., parent_key: _Optional[bytes] = ..., position: _Optional[int] = ..., end: _Optional[int] = ..., children: _Optional[_Iterable[_Union[TreeChild, _Mapping]]] = ...) -> None: ...
 
 class TreeLaunch(_message.Message):
-    __slots__ = ("generation", "run", "position", "prev_collective_seqs", "commands_before", "free_array_ids")
+    __slots__ = ("generation", "run", "position", "prev_collective_seqs", "commands_before", "free_array_ids", "sent_at")
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     RUN_FIELD_NUMBER: _ClassVar[int]
     POSITION_FIELD_NUMBER: _ClassVar[int]
     PREV_COLLECTIVE_SEQS_FIELD_NUMBER: _ClassVar[int]
     COMMANDS_BEFORE_FIELD_NUMBER: _ClassVar[int]
     FREE_ARRAY_IDS_FIELD_NUMBER: _ClassVar[int]
+    SENT_AT_FIELD_NUMBER: _ClassVar[int]
     generation: int
     run: RunProgram
     position: int
     prev_collective_seqs: _containers.RepeatedScalarFieldContainer[int]
     commands_before: _containers.RepeatedScalarFieldContainer[int]
     free_array_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, generation: _Optional[int] = ..., run: _Optional[_Union[RunProgram, _Mapping]] = ..., position: _Optional[int] = ..., prev_collective_seqs: _Optional[_Iterable[int]] = ..., commands_before: _Optional[_Iterable[int]] = ..., free_array_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    sent_at: float
+    def __init__(self, generation: _Optional[int] = ..., run: _Optional[_Union[RunProgram, _Mapping]] = ..., position: _Optional[int] = ..., prev_collective_seqs: _Optional[_Iterable[int]] = ..., commands_before: _Optional[_Iterable[int]] = ..., free_array_ids: _Optional[_Iterable[int]] = ..., sent_at: _Optional[float] = ...) -> None: ...
 
 class DoneBatch(_message.Message):
     __slots__ = ("generation", "base_call_id", "dones")

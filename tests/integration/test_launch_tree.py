@@ -100,3 +100,41 @@ def test_a_parent_lost_before_forwarding_fails_the_run_holds_no_call_and_the_sur
         assert y.exception(timeout_s=60) is None and time.monotonic() - began < 30
         sent = ctx.stats()["controller_messages"]
         assert sent.get("launch_tree") == 6 + 5   # the first tree, then one of the five survivors
+
+
+def test_a_pipeline_down_a_tree_recovers_a_killed_executor_onto_a_replacement_with_the_losses_of_an_unbroken_run(
+        tmp_path):
+    """A 1F1B pipeline's steps (one program on all 4 executors) go down a tree; executor-3 is SIGKILLed after step 7
+    of 12 (test_pipeline_recovery's run): it is replaced, its new process counts commands from zero, the survivors
+    skip the gang places of the runs that failed, the last checkpoint is restored, the losses are those of an
+    unbroken run, and the later steps go down a new tree."""
+    from tests.integration.test_pipeline_recovery import HEARTBEAT_TIMEOUT_S, _recovers_exactly
+
+    with pw.Context(num_executors=4, heartbeat_timeout_s=HEARTBEAT_TIMEOUT_S, **TREE) as ctx:   # the default backend
+        got, expected, stats = _recovers_exactly(ctx, tmp_path)
+        sent = ctx.stats()["controller_messages"]
+    assert got == expected
+    assert stats["recoveries"] == 1, stats
+    assert sent.get("tree_launch", 0) >= 2 * 12 and "run_program" not in sent, sent
+    assert sent.get("launch_tree") == 2 * 4, sent   # the first tree, then one with the replacement
+
+
+def test_sixty_four_simulated_executors_of_four_processes_take_runs_down_a_tree():
+    with pw.Context(num_executors=64, backend="sim", sims_per_process=16, launch_fanout=8,
+                    launch_tree_min_executors=64) as ctx:
+        step = pw.function(lambda x: x + 1, name="step", sim_time_s=0.001)
+
+        @pw.program(name="chain")
+        def chain(x):
+            for _ in range(16):
+                x = step(x)
+            return x
+
+        x = ctx.put(torch.zeros(64), ctx.mesh({"data": 64}), [pw.Shard(0)])
+        for _ in range(10):
+            x = chain(x)
+        assert x.exception(timeout_s=60) is None
+        stats = ctx.stats()
+        assert stats["controller_messages"].get("tree_launch") == 8 * 10
+        assert stats["controller"]["handled_messages"].get("control:done_batch") == 8 * 10
+        assert all(s["num_computations"] == 160 for s in stats["executors"].values())
