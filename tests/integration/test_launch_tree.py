@@ -42,6 +42,19 @@ def _eager_step(shards: list[torch.Tensor]) -> list[torch.Tensor]:
     return shards
 
 
+def _sim_chain(nodes: int, sim_time_s: float):
+    """A simulated step, and a program of ``nodes`` of them one after another."""
+    step = pw.function(lambda x: x + 1, name="step", sim_time_s=sim_time_s)
+
+    @pw.program(name="chain")
+    def chain(x):
+        for _ in range(nodes):
+            x = step(x)
+        return x
+
+    return step, chain
+
+
 def test_runs_down_a_tree_match_eager_with_calls_collectives_and_frees_between_them():
     with pw.Context(num_executors=5, backend="eager", **TREE) as ctx:
         mesh = ctx.mesh({"data": 5})
@@ -74,14 +87,7 @@ def test_a_parent_lost_before_forwarding_fails_the_run_holds_no_call_and_the_sur
     (which they wait for) still runs, and runs on the survivors go down a new tree."""
     with pw.Context(num_executors=6, backend="sim", **TREE) as ctx:
         ids, pids = ctx.executor_ids, ctx.executor_pids
-        step = pw.function(lambda x: x + 1, name="step", sim_time_s=0.002)
-
-        @pw.program(name="chain")
-        def chain(x):
-            for _ in range(4):
-                x = step(x)
-            return x
-
+        step, chain = _sim_chain(4, 0.002)
         everyone = ctx.mesh({"data": 6})
         x = ctx.put(torch.zeros(6), everyone, [pw.Shard(0)])
         assert chain(x).exception(timeout_s=60) is None
@@ -122,14 +128,7 @@ def test_a_pipeline_down_a_tree_recovers_a_killed_executor_onto_a_replacement_wi
 def test_sixty_four_simulated_executors_of_four_processes_take_runs_down_a_tree():
     with pw.Context(num_executors=64, backend="sim", sims_per_process=16, launch_fanout=8,
                     launch_tree_min_executors=64) as ctx:
-        step = pw.function(lambda x: x + 1, name="step", sim_time_s=0.001)
-
-        @pw.program(name="chain")
-        def chain(x):
-            for _ in range(16):
-                x = step(x)
-            return x
-
+        _, chain = _sim_chain(16, 0.001)
         x = ctx.put(torch.zeros(64), ctx.mesh({"data": 64}), [pw.Shard(0)])
         for _ in range(10):
             x = chain(x)

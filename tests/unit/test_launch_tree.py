@@ -168,3 +168,14 @@ def test_dones_go_up_in_one_batch_once_the_subtree_is_in_and_a_failure_goes_stra
     assert [e.done.call_id for e in outbox.up] == [201]
     intake.on_done_batch(child, "stranger")
     assert "does not wait for" in handled[-1]
+
+
+def test_a_cancel_that_ends_the_tree_skips_the_gang_places_of_runs_that_never_came_before_it_is_handled():
+    skipped, order = [], []
+    intake = TreeIntake(executor_id="me", outbox=_Outbox(), handle=lambda e, p: order.append(e.WhichOneof("body")),
+                        programs={}, free_array=lambda a: None, drop=lambda why: None,
+                        skip_gang=lambda prev, last: (skipped.append((prev, last)), order.append("skip")))
+    cancel = pb.Cancel(call_ids=[100], skip_collectives=[3, 9, 9, 17])
+    intake.on_command(pb.Envelope(launches_before=2, cancel=cancel), [])
+    assert skipped == [(3, 9), (9, 17)] and order == ["skip", "skip", "cancel"]
+    assert intake.launches == 2
