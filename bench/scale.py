@@ -314,7 +314,8 @@ def main() -> None:
     parser.add_argument("--kill", action="store_true", help="at the largest N, SIGKILL one simulating process while "
                                                              "a Chained loop runs on the others (failure at scale)")
     parser.add_argument("--kill-time-ms", type=float, default=10.0, help="T of that loop")
-    parser.add_argument("--launch-fanout", type=int, default=32, help="children per executor in a launch tree (0: none)")
+    parser.add_argument("--launch-fanout", type=int, default=32,
+                        help="children per executor in a launch tree (0: none)")
     parser.add_argument("--launch-tree-min", type=int, default=128, help="executors from which runs use the tree")
     parser.add_argument("--in-process", action="store_true", help="only the controller's own Python per executor "
                                                                   "per run, without sockets (seconds)")
@@ -385,8 +386,8 @@ def main() -> None:
                       f"{tree['messages_sent']:,.0f} / {tree['messages_received']:,.0f}",
                       f"{direct['messages_sent']:,.0f} / {direct['messages_received']:,.0f}",
                       f"{tree['wall_ms']:,.1f}", f"{direct['wall_ms']:,.1f}"]
-                     for size in both
-                     for tree, direct in [(summary[size]["per_run"], summary[size]["per_run"]["sent_to_each_executor"])]])
+                     for size in both for tree in [summary[size]["per_run"]]
+                     for direct in [tree["sent_to_each_executor"]]])
     for size in sizes:
         print(f"N={size}: client threads, ms per run at T={args.cpu_time_ms:g} ms: "
               f"{summary[size]['per_run']['threads_ms']}; idle, ms per s: {summary[size]['idle_threads_ms_per_s']}")

@@ -305,8 +305,8 @@ class CallDispatch:
             if admitted is not None:
                 admitted.dispatched = True
             run = pb.RunProgram(program_id=program_id, base_call_id=base_call, input_array_ids=list(input_ids),
-                                output_array_ids=[r.array_id for r in outputs], first_intermediate_id=first_intermediate,
-                                owner=owner_role(owner))
+                                output_array_ids=[r.array_id for r in outputs],
+                                first_intermediate_id=first_intermediate, owner=owner_role(owner))
             tree = self._controller.launch_trees.tree_for(lowered.plans) if len(islands) == 1 else None
             prev_collective, gang = {}, {}
             for executor_id in lowered.plans:

@@ -50,7 +50,8 @@ __all__ = ["Controller", "ControllerOutbox"]
 
 log = logging.getLogger(__name__)
 
-_HANDLED = ("done", "done_batch", "transfer_lost", "stats", "trace_reply", "heartbeat")   # on_message's kinds (and register)
+# on_message's kinds (and register)
+_HANDLED = ("done", "done_batch", "transfer_lost", "stats", "trace_reply", "heartbeat")
 
 
 class ControllerOutbox(Protocol):
@@ -299,4 +300,3 @@ class Controller:
     def gather(self, kind: str, timeout_s: float | None = None) -> dict[str, pb.Envelope]:
         """Send a stats or trace request to every live executor; wait for every reply."""
         return self.requests.gather(kind, timeout_s)
-

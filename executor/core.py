@@ -80,7 +80,8 @@ class ExecutorCore:
                                free_array=self.store.free_array, drop=self._drop,
                                skip_gang=lambda prev, last: self.run_queue.skip_gang(prev, last))
         self.run_queue = RunQueue(executor_id=executor_id, store=self.store, functions=self.functions,
-                                  outbox=self.tree.outbox, programs=programs, trace=self.trace, data=self.data, submit=submit, drop=self._drop,
+                                  outbox=self.tree.outbox, programs=programs, trace=self.trace, data=self.data,
+                                  submit=submit, drop=self._drop,
                                   gang_order=gang_order, program_order=program_order)
         self.interpreter = StepInterpreter(executor_id=executor_id, backend=backend,
                                            collectives=self.collectives, trace=self.trace,
@@ -147,10 +148,7 @@ class ExecutorCore:
         if kind not in TREE_DATA_KINDS:
             self.data.on_data(identity, envelope, payload, role=role, key=key)
             return
-        refused = self.data.data_gate.refusal(role, envelope, key)
-        if refused:
-            self.counters["refused_data_messages"] += 1
-            self._drop(refused)
+        if self.data.refuses(role, envelope, key):
             return
         self.counters[f"handled:data:{kind}"] += 1
         if kind == "tree_launch":

@@ -77,10 +77,7 @@ class DataPlane:
         """A put, transfer or fetch sent with a key of ``role`` (its connection's User-Id); one whose handling raises
         still ends its request (never a silent drop). One from a sender its kind does not admit (`DataGate`) is
         dropped unanswered: it came from no one we would answer."""
-        refused = self.data_gate.refusal(role, envelope, key)
-        if refused:
-            self.counters["refused_data_messages"] += 1
-            self._drop(refused)
+        if self.refuses(role, envelope, key):
             return
         kind = body_name(envelope)
         handlers = {"put": lambda: self._on_put(identity, envelope.put, payload, role),
@@ -95,6 +92,15 @@ class DataPlane:
             handlers[kind]()
         except Exception as exc:
             self._refuse_data(identity, kind, getattr(envelope, kind), exc)
+
+    def refuses(self, role: str | None, envelope: pb.Envelope, key: bytes | None = None) -> bool:
+        """Whether the data socket's ``envelope`` from a key of ``role`` is refused (`DataGate`): counted and dropped
+        unanswered if so."""
+        refused = self.data_gate.refusal(role, envelope, key)
+        if refused:
+            self.counters["refused_data_messages"] += 1
+            self._drop(refused)
+        return bool(refused)
 
     def _refuse_data(self, identity: bytes, kind: str, msg, exc: BaseException) -> None:
         """Handling a data message raised: answer the client's request with the failure, or fail the run
