@@ -202,11 +202,29 @@ def controller_python_us(size: int, steps: int, runs: int = 20) -> dict:
         controller.run_program(lowered.program_id, [x.array_id])
         send_s += time.perf_counter() - began
         call_id = max(controller._calls)   # the run's reporting node
+        reports = _reports(controller, size, call_id)
         began = time.perf_counter()
-        for index in range(size):
-            controller.on_message(f"e{index}", pb.Envelope(done=pb.Done(call_id=call_id, ok=True)), [])
+        for executor_id, envelope in reports:
+            controller.on_message(executor_id, envelope, [])
         done_s += time.perf_counter() - began
     return {"executors": size, "send_us": send_s * 1e6 / runs / size, "done_us": done_s * 1e6 / runs / size}
+
+
+def _reports(controller, size: int, call_id: int) -> list:
+    """What the executors send the controller when a run's reporting node ends: a Done each, or, down a launch tree,
+    one batch from each of the controller's children with its subtree's successes (encoded and parsed, as sent)."""
+    from pathways_torch.wire import pb
+
+    tree = next(iter(controller.launch_trees._trees.values()), None)
+    if tree is None:
+        return [(f"e{index}", pb.Envelope.FromString(pb.Envelope(done=pb.Done(call_id=call_id, ok=True))
+                                                     .SerializeToString())) for index in range(size)]
+    reports = []
+    for root in tree.roots:
+        batch = pb.DoneBatch(generation=tree.generation, base_call_id=call_id)
+        batch.groups.add(call_id=call_id, executor_ids=tree.members[root:tree.ends[root]], device_ns=1000)
+        reports.append((tree.members[root], pb.Envelope.FromString(pb.Envelope(done_batch=batch).SerializeToString())))
+    return reports
 
 
 def without_idle(run: dict, load: dict, size: int) -> None:

@@ -12,7 +12,7 @@ import collections
 import itertools
 import threading
 import time
-from typing import Sequence
+from typing import Iterable, Sequence
 
 from pathways_torch.errors import ContextClosedError, ExecutorLostError
 from pathways_torch.wire import pb
@@ -54,6 +54,7 @@ class CallDispatch:
         self._mesh_islands: dict[int, tuple[str, ...]] = {}   # mesh id → its islands (cached per mesh)
         self._next_program_id = itertools.count(1)
         self.program_constant_bytes = 0   # graph constants are the only tensor bytes we ever send
+        self._forget_after_runs: dict[int, int] = {}   # program id → its calls still in flight, then it is forgotten
 
     # ------------------------------------------------------------ functions and calls
 
@@ -178,8 +179,36 @@ class CallDispatch:
         if call.admitted is not None:
             self._admission.node_ended(call.admitted, call.device_s, self._admission.costs)
             call.admitted = None
+        if self._forget_after_runs and call.run_base and call.program_id in self._forget_after_runs:
+            self._forget_after_runs[call.program_id] -= 1
+            if not self._forget_after_runs[call.program_id]:
+                del self._forget_after_runs[call.program_id]
+                self.forget((), (call.program_id,))
         if len(self._calls) <= self._low_water():
             self._room.notify_all()
+
+    def forget(self, function_ids: Iterable[int], program_ids: Iterable[int]) -> None:
+        """Functions and programs no client will use again leave the controller's tables and every executor that
+        holds them (one Forget each). A program with calls in flight goes when the last ends: a report on a copy
+        of its runs is checked against its plan. Under the lock."""
+        by_executor: dict[str, tuple[list, list]] = {}
+        for function_id in function_ids:
+            function = self._functions.pop(function_id, None)
+            for executor_id in function.loaded_on if function is not None else ():
+                by_executor.setdefault(executor_id, ([], []))[0].append(function_id)
+        running = collections.Counter(call.program_id for call in self._calls.values() if call.run_base)
+        for program_id in program_ids:
+            if running[program_id]:
+                self._forget_after_runs[program_id] = running[program_id]
+                continue
+            lowered = self._programs.pop(program_id, None)
+            self._stale_programs.discard(program_id)
+            for executor_id in lowered.plans if lowered is not None else ():
+                by_executor.setdefault(executor_id, ([], []))[1].append(program_id)
+        for executor_id, (functions, programs) in by_executor.items():
+            info = self.resources.executors.get(executor_id)
+            if info is not None and not info.lost:
+                self._send(executor_id, pb.Envelope(forget=pb.Forget(function_ids=functions, program_ids=programs)))
 
     def _low_water(self) -> int:
         limit = self._controller.config.max_inflight_calls

@@ -14,7 +14,6 @@ from __future__ import annotations
 import collections
 from typing import Sequence
 
-from pathways_torch.wire import pb
 from pathways_torch.wire.seam import CallSpec, ControllerCounters, ExecutorView, MeshAllocation, ProgramSpec
 
 from .arrays import ArrayRecord
@@ -170,26 +169,17 @@ class ClientOps:
         self.controller.flush_frees()
         return len(held)
 
+    def forget_programs(self, program_ids: Sequence[int]) -> None:
+        """The client will not run these programs again (their traced graphs are gone): they leave the controller
+        and the executors, once their runs in flight end. Another client's ids are ignored."""
+        ours = [program_id for program_id in program_ids if self.programs.pop(program_id, None) is not None]
+        if ours:
+            self.controller.forget((), ours)
+
     def forget_everything(self) -> int:
         """The client is gone: its functions and programs leave the controller's tables and every executor that
         loaded them (one ``Forget`` each); how many."""
-        controller = self.controller
-        by_executor: dict[str, tuple[list, list]] = {}
-        with controller._lock:
-            for function_id in self.functions:
-                function = controller._functions.pop(function_id, None)
-                for executor_id in function.loaded_on if function is not None else ():
-                    by_executor.setdefault(executor_id, ([], []))[0].append(function_id)
-            for program_id in self.programs:
-                lowered = controller._programs.pop(program_id, None)
-                controller._stale_programs.discard(program_id)
-                for executor_id in lowered.plans if lowered is not None else ():
-                    by_executor.setdefault(executor_id, ([], []))[1].append(program_id)
-            for executor_id, (functions, programs) in by_executor.items():
-                info = controller.resources.executors.get(executor_id)
-                if info is not None and not info.lost:
-                    controller._send(executor_id, pb.Envelope(forget=pb.Forget(function_ids=functions,
-                                                                               program_ids=programs)))
+        self.controller.forget(sorted(self.functions), sorted(self.programs))
         forgotten = len(self.functions) + len(self.programs)
         self.functions.clear()
         self.programs.clear()

@@ -68,6 +68,31 @@ class Completion:
                 self.on_done(done.executor_id, done)
             except Exception as exc:   # as in Controller.on_message: the call must still end, with the reason
                 self.fail_done_call(call, exc)
+        for group in batch.groups:
+            call = self._calls.get(group.call_id)
+            try:
+                self._on_done_group(group, call)
+            except Exception as exc:
+                self.fail_done_call(call, exc)
+
+    def _on_done_group(self, group: pb.DoneGroup, call: InFlightCall | None) -> None:
+        """Successes of one call from many executors: `on_done`'s success path with set operations, not a Done
+        handled per executor (a run on 1,024 executors ends with 1,024 of them)."""
+        if call is None:
+            if not self._controller.call_dispatch.closing_reason:
+                self._drop(f"Dones for unknown call {group.call_id} from {len(group.executor_ids)} executors")
+            return
+        named = set(group.executor_ids)
+        waited = named & call.waiting
+        if len(waited) < len(named):
+            executors = self.resources.executors
+            unexpected = sorted(e for e in named - waited if e not in executors or not executors[e].lost)
+            if unexpected:   # a lost executor's Done is late, not unknown: its calls failed with it
+                self._drop(f"Done for call {group.call_id} from {unexpected[:3]}, which it does not wait for")
+        call.waiting -= waited
+        call.device_s += group.device_ns / 1e9
+        if not call.waiting:
+            self._end_when_all_reported(call)
 
     def on_done(self, executor_id: str, done: pb.Done, probed: bool = False) -> None:
         controller = self._controller
@@ -109,11 +134,14 @@ class Completion:
             if done.output_shapes:
                 call.shapes[executor_id] = [tuple(meta.shape) for meta in done.output_shapes]
         if not call.waiting:
-            if call.held_failure is not None:
-                self.fail_call(call, self._error_for(call, call.held_failure))
-            controller.call_dispatch.end(call)   # the liveness probe may have ended it already
-            if not call.failed:
-                self._complete(call)
+            self._end_when_all_reported(call)
+
+    def _end_when_all_reported(self, call: InFlightCall) -> None:
+        if call.held_failure is not None:
+            self.fail_call(call, self._error_for(call, call.held_failure))
+        self._controller.call_dispatch.end(call)   # the liveness probe may have ended it already
+        if not call.failed:
+            self._complete(call)
 
     def _on_probed_done(self, executor_id: str, done: pb.Done) -> None:
         """The liveness probe a failed Done waited for has ended: handle the Done, unless its call ended."""

@@ -46,6 +46,17 @@ class ControllerConfig(Liveness):
     # executor. 0: never.
     launch_fanout: int = 32
     launch_tree_min_executors: int = 128
+    # Heartbeats the controller asks for per second, at most, all executors together: with more executors than
+    # heartbeat_interval_s allows for, each heartbeat answer asks for a longer interval (never above a quarter of
+    # heartbeat_timeout_s, so a loss is still declared after the same silence). 0: always heartbeat_interval_s.
+    max_heartbeats_per_s: float = 512.0
+
+    def asked_heartbeat_interval_s(self, executors: int) -> float:
+        """The interval ``executors`` executors are asked to ping at (see ``max_heartbeats_per_s``)."""
+        if not self.max_heartbeats_per_s:
+            return self.heartbeat_interval_s
+        spread = min(executors / self.max_heartbeats_per_s, self.heartbeat_timeout_s / 4)
+        return max(self.heartbeat_interval_s, spread)
 
     @property
     def group_timeout_s(self) -> float:
@@ -64,6 +75,9 @@ class ControllerConfig(Liveness):
                              f"got {self.executor_memory_bytes!r}")
         if not self.memory_wait_s >= 0:
             raise ValueError(f"memory_wait_s: expected seconds >= 0, got {self.memory_wait_s!r}")
+        if not self.max_heartbeats_per_s >= 0:
+            raise ValueError(f"max_heartbeats_per_s: expected heartbeats per second >= 0 (0: no limit), got "
+                             f"{self.max_heartbeats_per_s!r}")
         if not isinstance(self.launch_fanout, int) or self.launch_fanout < 0 or self.launch_fanout == 1:
             raise ValueError(f"launch_fanout: expected children per executor in a launch tree, 2 or more (0: no "
                              f"trees), got {self.launch_fanout!r}")

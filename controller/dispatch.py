@@ -193,6 +193,10 @@ class Controller:
         their count (`Membership.heard_from`)."""
         return self.members.heard_from(executor_id, epoch, awaiting_welcome, told)
 
+    def asked_heartbeat_interval_s(self) -> float:
+        """How often each executor is asked to ping, for as many as have registered (`ControllerConfig`)."""
+        return self.config.asked_heartbeat_interval_s(len(self.resources.executors))
+
     def declare_lost(self, executor_id: str, why: str) -> None:
         """The launcher saw the executor's process die: fail what depends on it now, not at the timeout."""
         self.members.declare_lost(executor_id, why)
@@ -220,6 +224,11 @@ class Controller:
     def register_program(self, spec: ProgramSpec) -> LoweredProgram:
         """Lower ``spec`` and register it on every executor it uses (once)."""
         return self.call_dispatch.register_program(spec)
+
+    def forget(self, function_ids, program_ids) -> None:
+        """Functions and programs no client uses again leave here and the executors (`CallDispatch.forget`)."""
+        with self._lock:
+            self.call_dispatch.forget(function_ids, program_ids)
 
     def run_program(self, program_id: int, input_ids: Sequence[int], owner: str = "",
                     output_ids: Sequence[int] | None = None) -> list[ArrayRecord]:

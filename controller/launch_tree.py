@@ -223,7 +223,8 @@ class LaunchTrees:
                    f"{batch.generation}"
         position = tree.position(sender)
         subtree = set(tree.members[position:tree.ends[position]])
-        strangers = sorted({d.executor_id for d in batch.dones} - subtree)
+        named = {d.executor_id for d in batch.dones}.union(*(group.executor_ids for group in batch.groups))
+        strangers = sorted(named - subtree)
         if strangers:
             return f"a batch of Dones from {sender} names executors outside its subtree: {strangers[:3]}"
         return None

@@ -76,7 +76,7 @@ class Membership:
                 listener(info)
         config = controller.config
         self._send(executor_id, pb.Envelope(welcome=pb.Welcome(
-            index=info.index, heartbeat_interval_s=config.heartbeat_interval_s,
+            index=info.index, heartbeat_interval_s=config.asked_heartbeat_interval_s(len(self.resources.executors)),
             heartbeat_timeout_s=config.heartbeat_timeout_s, epoch=info.epoch,
             transfer_timeout_s=config.resolved_transfer_timeout_s, put_secret=controller.lifetimes.put_secret)))
         self._registered.notify_all()

@@ -251,6 +251,7 @@ class ControllerServer:
         else:
             envelope.heartbeat.lost_peers[:] = lost_peers
             envelope.heartbeat.lost_peers_told = faults
+            envelope.heartbeat.interval_s = self.controller.asked_heartbeat_interval_s()
         self.loop.send_now(_ROUTER, [identity_frame.bytes, envelope.SerializeToString()])
 
     def admit(self, role: str, public_key: bytes) -> None:

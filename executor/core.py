@@ -25,6 +25,7 @@ from typing import Callable
 from pathways_torch.wire import pb
 from pathways_torch.wire.framing import body_name, log_dropped
 
+from .allocator import release_free_memory
 from .collectives import CollectiveRuntime
 from .compile_cache import CompileCache, graph_key
 from .data_roles import executor_of_role
@@ -69,6 +70,7 @@ class ExecutorCore:
         self.counters: collections.Counter = collections.Counter()  # reported with Stats (e.g. refused connections)
         self.stopped = False
         self.heartbeat_settings: tuple[float, float] | None = None   # (interval, timeout) from Welcome
+        self.asked_heartbeat_interval_s = 0.0   # the controller's last heartbeat answer asked for it (0: none yet)
         # Admits a replacement's fresh key on this process's sockets (set by ExecutorProcess; None in tests).
         self.admit_key: Callable[[str, bytes], None] | None = None
 
@@ -183,6 +185,13 @@ class ExecutorCore:
             else:
                 raise    # the compute loop logs it; these kinds name no call
 
+    def heartbeat_timing(self, interval_s: float, timeout_s: float) -> tuple[float, float]:
+        """(interval, timeout) of the next ping: the Welcome's pair (else the given one), with the interval the
+        controller's answers ask for (it spreads the pings of many executors out)."""
+        interval_s, timeout_s = self.heartbeat_settings or (interval_s, timeout_s)
+        asked = self.asked_heartbeat_interval_s
+        return (asked if 0 < asked < timeout_s else interval_s), timeout_s
+
     def _on_welcome(self, msg: pb.Welcome, payload) -> None:
         self.trace.record("receive", "welcome", detail=f"index {msg.index}")
         # The controller's heartbeat settings rule (an executor that joined from another host was started
@@ -230,6 +239,9 @@ class ExecutorCore:
             self.functions.pop(function_id, None)
         for program_id in msg.program_ids:
             self.run_queue.programs.pop(program_id, None)
+            self.tree.forget_program(program_id)
+        if msg.program_ids:
+            release_free_memory()   # a plan is many small blocks: without a trim the process keeps their pages
 
     def _on_load_function(self, msg: pb.LoadFunction, payload) -> None:
         self.trace.record("receive", f"load {msg.name}", function_id=msg.function_id)
@@ -268,7 +280,8 @@ class ExecutorCore:
                          num_computations=self.num_computations, num_function_loads=self.num_function_loads,
                          num_compiles=self.backend.num_compiles(), backend=self.backend.name,
                          queue_high_water=self.queue_high_water,
-                         store_bytes_high_water=self.store.take_high_water(), transfers_lost=self.transfers_lost)
+                         store_bytes_high_water=self.store.take_high_water(), transfers_lost=self.transfers_lost,
+                         programs_held=len(self.run_queue.programs))
         for name, count in self.backend.counters().items():
             stats.backend_counters[name] = count
         for hop, count in self.hop_bytes.items():

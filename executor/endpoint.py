@@ -100,4 +100,5 @@ class CoreEndpoint:
                 log.warning("executor %s: %s lost; abandoned its process groups %s", self.executor_id, peer,
                             retired)
         self.lost_peers_told = envelope.heartbeat.lost_peers_told
+        self.core.asked_heartbeat_interval_s = envelope.heartbeat.interval_s
         return None

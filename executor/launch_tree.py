@@ -44,6 +44,15 @@ class _Batch:
     parent_address: str
     parent_key: bytes
     calls: tuple[int, ...] = ()
+    groups: dict[int, pb.DoneGroup] = dataclasses.field(default_factory=dict)   # call id → its ok Dones, compact
+
+    def add_ok(self, call_id: int, executor_ids, device_ns: int) -> None:
+        """Successes of ``call_id`` with nothing more to report: one group per call, whatever the subtree."""
+        group = self.groups.get(call_id)
+        if group is None:
+            group = self.groups[call_id] = self.message.groups.add(call_id=call_id)
+        group.executor_ids.extend(executor_ids)
+        group.device_ns += device_ns
 
 
 class _BatchingOutbox:
@@ -199,13 +208,19 @@ class TreeIntake:
             cached = self._reports[program_id] = (plan, nodes)
         return cached[1]
 
+    def forget_program(self, program_id: int) -> None:
+        """The program was forgotten here: its plan must not stay alive in this cache."""
+        self._reports.pop(program_id, None)
+
     def batched(self, done: pb.Done) -> bool:
         """Whether ``done`` joins a batch (a failure counts there but still goes to the controller at once)."""
         batch = self._by_call.pop(done.call_id, None)
         if batch is None:
             return False
         batch.own_left -= 1
-        if done.ok:
+        if done.ok and not (done.digests or done.output_shapes):
+            batch.add_ok(done.call_id, (self.executor_id,), done.device_ns)
+        elif done.ok:
             entry = batch.message.dones.add()
             entry.CopyFrom(done)
             entry.executor_id = self.executor_id
@@ -222,6 +237,8 @@ class TreeIntake:
             return
         batch.children.discard(child)
         batch.message.dones.extend(message.dones)
+        for group in message.groups:
+            batch.add_ok(group.call_id, group.executor_ids, group.device_ns)
         self._flush(batch)
 
     def _flush(self, batch: _Batch) -> None:

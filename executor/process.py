@@ -239,7 +239,7 @@ class ExecutorProcess(CoreEndpoint):
         while not self.loop._stopping:
             now = time.monotonic()
             if now >= next_ping:
-                interval, timeout = self.core.heartbeat_settings or (interval, timeout)
+                interval, timeout = self.core.heartbeat_timing(interval, timeout)
                 if self.config.parent_pid and not is_alive(self.config.parent_pid):
                     self._exit(f"parent process {self.config.parent_pid} is gone", EXIT_CONTROLLER_GONE)
                 # Until the controller first answers, it may still be starting (a launcher starts executors

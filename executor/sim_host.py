@@ -118,8 +118,8 @@ class SimHost:
     def _beat(self) -> None:
         """Ping from every live executor, and give up when the controller (or the parent) is gone; then again
         after the interval the controller's Welcome set."""
-        interval, timeout = self.executors[0].core.heartbeat_settings or (self.config.heartbeat_interval_s,
-                                                                          self.config.heartbeat_timeout_s)
+        interval, timeout = self.executors[0].core.heartbeat_timing(self.config.heartbeat_interval_s,
+                                                                     self.config.heartbeat_timeout_s)
         if self.config.parent_pid and not is_alive(self.config.parent_pid):
             self._exit(f"parent process {self.config.parent_pid} is gone", _EXIT_CONTROLLER_GONE)
         now = time.monotonic()

@@ -75,6 +75,9 @@ class InProcessClient:
     def describe_program(self, program_id: int) -> str:
         return self._ops.describe_program(program_id)
 
+    def forget_programs(self, program_ids: Sequence[int]) -> None:
+        self._ops.forget_programs(program_ids)
+
     def call(self, spec: CallSpec) -> list[ArrayState]:
         return self._follow(self._ops.call(spec))
 

@@ -55,6 +55,9 @@ class ContextConfig(Liveness):
     # a tree of ``launch_fanout`` children per executor, its Dones back up it (docs/scale.md); 0: never.
     launch_fanout: int = 32
     launch_tree_min_executors: int = 128
+    # Heartbeats per second the controller asks for, all executors together, at most (0: no limit): beyond it each
+    # executor pings less often, the loss still declared after heartbeat_timeout_s of silence (docs/scale.md).
+    max_heartbeats_per_s: float = 512.0
 
     def __post_init__(self):
         self._check_remote()

@@ -106,6 +106,9 @@ class ControllerClient(Protocol):
     def describe_program(self, program_id: int) -> str:
         """A registered program's lowered form, as text."""
 
+    def forget_programs(self, program_ids: Sequence[int]) -> None:
+        """The client will not run these registered programs again: the controller and executors let them go."""
+
     def call(self, spec) -> list[ArrayState]:
         """Dispatch one call (a ``CallSpec``); its outputs' states at once (may wait at the run-ahead bound). An
         error the controller meets may raise here (embedded) or fail the outputs (remote: the call is not waited

@@ -7,9 +7,11 @@ tensors and fetches shards straight to and from the executors (`DataClient`), an
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import threading
 import time
+import weakref
 
 from .array import Array
 from .client import CallSpec, ProgramSpec
@@ -33,7 +35,10 @@ class Dispatcher:
         self._batched = threading.local()    # see batched_release
         self._dropped_bytes = 0              # of arrays dropped since the last flush of frees
         self._function_ids: dict[int, tuple] = {}      # id(version) → (function id, version)
-        self._lowered_programs: dict[int, tuple] = {}  # id(graph) → (program id, graph)
+        self._lowered_programs: dict[int, tuple] = {}  # id(graph) → (program id, weak reference to the graph)
+        # Programs whose traced graphs are gone (the finalizer's thread may be any, even one inside the controller):
+        # forgotten on the controller and executors at this client's next call (`_forget_dead_programs`).
+        self._dead_programs: collections.deque = collections.deque()
 
     # ------------------------------------------------------------ calls and programs
 
@@ -41,6 +46,7 @@ class Dispatcher:
         """Dispatch one call of a captured function on ``mesh``; its output arrays at once. ``donated``: the
         positions of ``inputs`` the call frees (the caller gave them up)."""
         self._context._check_open()
+        self._forget_dead_programs()
         check_collectives_in_islands(version, mesh.allocation, self._client)
         replicated = tuple(sharding.is_replicated for _, _, sharding, _ in layouts)
         spec = CallSpec(function_id=self._function_id(version), name=version.name, mesh=mesh.allocation,
@@ -57,6 +63,7 @@ class Dispatcher:
     def run_program(self, graph, inputs) -> list[Array]:
         """Run a traced program (registered on first use) on ``inputs``; its output arrays at once."""
         self._context._check_open()
+        self._forget_dead_programs()
         states = self._client.run_program(self._program_id(graph), [a.array_id for a in inputs],
                                           num_outputs=len(graph.output_values))
         return [Array(self._context, state, *graph.layouts[value])
@@ -91,9 +98,28 @@ class Dispatcher:
     def _program_id(self, graph) -> int:
         """The id of a traced graph's lowered, registered form (registered on first use)."""
         entry = self._lowered_programs.get(id(graph))
-        if entry is None or entry[1] is not graph:   # ids of dead graphs can be reused
-            entry = self._lowered_programs[id(graph)] = (self._register_program(graph), graph)
+        if entry is None or entry[1]() is not graph:   # ids of dead graphs can be reused
+            program_id = self._register_program(graph)
+            entry = self._lowered_programs[id(graph)] = (program_id, weakref.ref(graph))
+            weakref.finalize(graph, self._program_died, id(graph), program_id)
         return entry[0]
+
+    def _program_died(self, key: int, program_id: int) -> None:
+        """A traced graph was collected: its program is never run again (any thread; only noted here)."""
+        entry = self._lowered_programs.get(key)
+        if entry is not None and entry[0] == program_id:
+            del self._lowered_programs[key]
+        self._dead_programs.append(program_id)
+
+    def _forget_dead_programs(self) -> None:
+        """Let the programs of collected graphs go, on the controller and every executor that holds them (a
+        thousand executors each hold a plan of every program registered; docs/scale.md)."""
+        if not self._dead_programs or self._context.closed:
+            return
+        dead = []
+        while self._dead_programs:
+            dead.append(self._dead_programs.popleft())
+        self._client.forget_programs(dead)
 
     def _function_id(self, version) -> int:
         entry = self._function_ids.get(id(version))
@@ -177,6 +203,7 @@ class Dispatcher:
         """Send the frees still waiting for a message to ride on (the client is about to idle)."""
         self._dropped_bytes = 0
         if not self._context.closed:
+            self._forget_dead_programs()
             self._client.flush_frees()
 
     def flush_frees_while_waiting(self) -> None:

@@ -221,6 +221,9 @@ class RemoteClient:
     def describe_program(self, program_id: int) -> str:
         return self._request("describe_program", program_id)
 
+    def forget_programs(self, program_ids: Sequence[int]) -> None:
+        self._post("forget_programs", list(program_ids))
+
     def call(self, spec: CallSpec) -> list[ArrayState]:
         """Sent without waiting for the controller: its outputs are named with ids granted before, and an error
         it meets there fails them (as a remote error does)."""

@@ -79,6 +79,7 @@ class Session:
                 **config.liveness_fields(), inject_latency_s=config.inject_latency_s,
                 max_inflight_calls=config.max_inflight, transfer_timeout_s=config.transfer_timeout_s,
                 launch_fanout=config.launch_fanout, launch_tree_min_executors=config.launch_tree_min_executors,
+                max_heartbeats_per_s=config.max_heartbeats_per_s,
                 **({"bind_address": launch.controller_bind} if launch else {})),
                 self.keys.credentials(CONTROLLER), self.zmq)
             self.client.subscribe(self)

@@ -137,16 +137,18 @@ class Welcome(_message.Message):
     def __init__(self, index: _Optional[int] = ..., heartbeat_interval_s: _Optional[float] = ..., heartbeat_timeout_s: _Optional[float] = ..., epoch: _Optional[int] = ..., transfer_timeout_s: _Optional[float] = ..., put_secret: _Optional[bytes] = ...) -> None: ...
 
 class Heartbeat(_message.Message):
-    __slots__ = ("sent_at", "epoch", "lost_peers", "lost_peers_told")
+    __slots__ = ("sent_at", "epoch", "lost_peers", "lost_peers_told", "interval_s")
     SENT_AT_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     LOST_PEERS_FIELD_NUMBER: _ClassVar[int]
     LOST_PEERS_TOLD_FIELD_NUMBER: _ClassVar[int]
+    INTERVAL_S_FIELD_NUMBER: _ClassVar[int]
     sent_at: float
     epoch: int
     lost_peers: _containers.RepeatedScalarFieldContainer[str]
     lost_peers_told: int
-    def __init__(self, sent_at: _Optional[float] = ..., epoch: _Optional[int] = ..., lost_peers: _Optional[_Iterable[str]] = ..., lost_peers_told: _Optional[int] = ...) -> None: ...
+    interval_s: float
+    def __init__(self, sent_at: _Optional[float] = ..., epoch: _Optional[int] = ..., lost_peers: _Optional[_Iterable[str]] = ..., lost_peers_told: _Optional[int] = ..., interval_s: _Optional[float] = ...) -> None: ...
 
 class LoadFunction(_message.Message):
     __slots__ = ("function_id", "name", "graph", "sim_seconds")
@@ -385,14 +387,26 @@ class TreeLaunch(_message.Message):
     def __init__(self, generation: _Optional[int] = ..., run: _Optional[_Union[RunProgram, _Mapping]] = ..., position: _Optional[int] = ..., prev_collective_seqs: _Optional[_Iterable[int]] = ..., commands_before: _Optional[_Iterable[int]] = ..., free_array_ids: _Optional[_Iterable[int]] = ..., sent_at: _Optional[float] = ...) -> None: ...
 
 class DoneBatch(_message.Message):
-    __slots__ = ("generation", "base_call_id", "dones")
+    __slots__ = ("generation", "base_call_id", "dones", "groups")
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     BASE_CALL_ID_FIELD_NUMBER: _ClassVar[int]
     DONES_FIELD_NUMBER: _ClassVar[int]
+    GROUPS_FIELD_NUMBER: _ClassVar[int]
     generation: int
     base_call_id: int
     dones: _containers.RepeatedCompositeFieldContainer[Done]
-    def __init__(self, generation: _Optional[int] = ..., base_call_id: _Optional[int] = ..., dones: _Optional[_Iterable[_Union[Done, _Mapping]]] = ...) -> None: ...
+    groups: _containers.RepeatedCompositeFieldContainer[DoneGroup]
+    def __init__(self, generation: _Optional[int] = ..., base_call_id: _Optional[int] = ..., dones: _Optional[_Iterable[_Union[Done, _Mapping]]] = ..., groups: _Optional[_Iterable[_Union[DoneGroup, _Mapping]]] = ...) -> None: ...
+
+class DoneGroup(_message.Message):
+    __slots__ = ("call_id", "executor_ids", "device_ns")
+    CALL_ID_FIELD_NUMBER: _ClassVar[int]
+    EXECUTOR_IDS_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_NS_FIELD_NUMBER: _ClassVar[int]
+    call_id: int
+    executor_ids: _containers.RepeatedScalarFieldContainer[str]
+    device_ns: int
+    def __init__(self, call_id: _Optional[int] = ..., executor_ids: _Optional[_Iterable[str]] = ..., device_ns: _Optional[int] = ...) -> None: ...
 
 class AdmitKey(_message.Message):
     __slots__ = ("role", "public_key")
@@ -475,7 +489,7 @@ class StatsRequest(_message.Message):
     def __init__(self, request_id: _Optional[int] = ...) -> None: ...
 
 class Stats(_message.Message):
-    __slots__ = ("request_id", "executor_id", "store_bytes", "store_buffers", "hop_bytes", "num_computations", "num_function_loads", "num_compiles", "backend", "backend_counters", "queue_high_water", "store_bytes_high_water", "transfers_lost")
+    __slots__ = ("request_id", "executor_id", "store_bytes", "store_buffers", "hop_bytes", "num_computations", "num_function_loads", "num_compiles", "backend", "backend_counters", "queue_high_water", "store_bytes_high_water", "transfers_lost", "programs_held")
     class HopBytesEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -503,6 +517,7 @@ class Stats(_message.Message):
     QUEUE_HIGH_WATER_FIELD_NUMBER: _ClassVar[int]
     STORE_BYTES_HIGH_WATER_FIELD_NUMBER: _ClassVar[int]
     TRANSFERS_LOST_FIELD_NUMBER: _ClassVar[int]
+    PROGRAMS_HELD_FIELD_NUMBER: _ClassVar[int]
     request_id: int
     executor_id: str
     store_bytes: int
@@ -516,7 +531,8 @@ class Stats(_message.Message):
     queue_high_water: int
     store_bytes_high_water: int
     transfers_lost: int
-    def __init__(self, request_id: _Optional[int] = ..., executor_id: _Optional[str] = ..., store_bytes: _Optional[int] = ..., store_buffers: _Optional[int] = ..., hop_bytes: _Optional[_Mapping[str, int]] = ..., num_computations: _Optional[int] = ..., num_function_loads: _Optional[int] = ..., num_compiles: _Optional[int] = ..., backend: _Optional[str] = ..., backend_counters: _Optional[_Mapping[str, int]] = ..., queue_high_water: _Optional[int] = ..., store_bytes_high_water: _Optional[int] = ..., transfers_lost: _Optional[int] = ...) -> None: ...
+    programs_held: int
+    def __init__(self, request_id: _Optional[int] = ..., executor_id: _Optional[str] = ..., store_bytes: _Optional[int] = ..., store_buffers: _Optional[int] = ..., hop_bytes: _Optional[_Mapping[str, int]] = ..., num_computations: _Optional[int] = ..., num_function_loads: _Optional[int] = ..., num_compiles: _Optional[int] = ..., backend: _Optional[str] = ..., backend_counters: _Optional[_Mapping[str, int]] = ..., queue_high_water: _Optional[int] = ..., store_bytes_high_water: _Optional[int] = ..., transfers_lost: _Optional[int] = ..., programs_held: _Optional[int] = ...) -> None: ...
 
 class TraceEvent(_message.Message):
     __slots__ = ("name", "kind", "time_ns", "seq", "call_id", "function_id", "detail")

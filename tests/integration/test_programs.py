@@ -3,6 +3,7 @@ parallel dispatch hiding control latency, and Python control flow refused."""
 
 from __future__ import annotations
 
+import gc
 import time
 
 import pytest
@@ -93,6 +94,26 @@ def test_every_node_keeps_its_own_sequence_number(ctx, tmp_path):
     for seqs in per_executor.values():
         last_run = sorted(seqs)[-8:]
         assert last_run == list(range(last_run[0], last_run[0] + 8))
+
+
+def _programs_held(ctx) -> dict:
+    return {executor_id: s["programs_held"] for executor_id, s in ctx.stats()["executors"].items()}
+
+
+def test_a_dropped_program_is_forgotten_by_every_executor_once_its_run_in_flight_ends(ctx):
+    mesh = ctx.mesh({"data": 4})
+    x = ctx.put(torch.zeros(8), mesh, [pw.Shard(0)])
+    gc.collect()
+    inc(x).result(timeout_s=60)   # programs earlier tests dropped are forgotten with this call
+    before = _programs_held(ctx)
+    chain = _chain(3)
+    out = chain(x)
+    assert _programs_held(ctx) == {e: n + 1 for e, n in before.items()}
+    del chain   # its run may still be in flight: the executors keep its plan until the run ends
+    gc.collect()
+    inc(x).result(timeout_s=60)
+    assert torch.equal(out.result(timeout_s=60), torch.full((8,), 3.0))
+    assert _programs_held(ctx) == before
 
 
 def test_python_control_flow_on_a_value_is_refused_at_the_line(ctx):

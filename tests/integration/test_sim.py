@@ -60,6 +60,21 @@ def test_64_sim_executors_fit_and_run_one_gang_step(per_process):
         assert len(stats) == 64 and all(s["num_computations"] == 2 for s in stats.values())
 
 
+def test_executors_ping_less_often_when_together_they_would_pass_the_controllers_heartbeat_budget():
+    """16 executors at 0.5 s would ping 32 times a second; with a budget of 8 a second the answers ask each for one
+    every 2 s (16 / 8), and the controller hears about 8 a second, with work still running."""
+    with pw.Context(num_executors=16, backend="sim", sims_per_process=16, max_heartbeats_per_s=8) as ctx:
+        server = ctx._client._server
+        time.sleep(2.5)   # the first answers ask for the longer interval; the pings already sent still come
+        before = server.handled_messages["heartbeat"]
+        time.sleep(6.0)
+        rate = (server.handled_messages["heartbeat"] - before) / 6.0
+        assert 5.0 <= rate <= 11.0, rate
+        mesh = ctx.mesh({"data": 16})
+        step = pw.function(lambda x: x + 1, name="step", sim_time_s=0.001)
+        assert step(ctx.put(torch.zeros(16), mesh, [pw.Shard(0)])).exception(timeout_s=30) is None
+
+
 def test_a_killed_simulating_process_loses_its_executors_and_the_others_go_on():
     """Failure at scale, small: 32 executors in 2 processes; SIGKILL one. Its 16 are declared lost at once (the
     launcher sees the exit), a call that needs them fails naming one, and a Chained loop on the others goes on."""

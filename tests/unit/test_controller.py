@@ -209,6 +209,29 @@ def test_an_executor_that_does_not_hold_a_program_is_lost_and_its_calls_fail(set
     assert elsewhere.state == "pending"
 
 
+def test_a_forgotten_program_leaves_its_executors_only_when_its_run_in_flight_ends(setup):
+    from controller.arrays import READY
+    from controller.program import ProgramSpec
+
+    controller, outbox, _, function_id = setup
+    mesh = controller.resources.allocate({"data": 2}, ["e0", "e1"])
+    nodes = tuple(CallSpec(name="f", function_id=function_id, mesh=mesh, inputs=(i,), outputs=(i + 1,))
+                  for i in range(2))
+    lowered = controller.register_program(ProgramSpec(name="two", input_values=(0,), input_meshes=(mesh,),
+                                                      output_values=(2,), nodes=nodes))
+    x = controller.arrays.new(mesh.executor_ids)
+    x.state = READY
+    controller.run_program(lowered.program_id, [x.array_id])
+    controller.forget((), [lowered.program_id])
+    assert outbox.of("forget") == []                      # its run is in flight: a report may still name its plan
+    for call_id in sorted(controller._calls):
+        for executor_id in ("e0", "e1"):
+            _done(controller, executor_id, call_id)
+    assert [(e, list(env.forget.program_ids)) for e, env in outbox.of("forget")] == [("e0", [lowered.program_id]),
+                                                                                   ("e1", [lowered.program_id])]
+    assert lowered.program_id not in controller._programs
+
+
 def test_a_done_whose_handling_raises_still_ends_its_call(setup, monkeypatch):
     from pathways_torch.errors import PathwaysError
 
@@ -226,3 +249,16 @@ def test_a_done_whose_handling_raises_still_ends_its_call(setup, monkeypatch):
     assert out.state == "failed" and isinstance(out.error, PathwaysError)
     assert "a bug while completing" in str(out.error) and "train.py" in str(out.error)
     assert call_id not in controller._calls
+
+
+@pytest.mark.parametrize("executors, budget, asked", [(16, 512.0, 0.5), (1024, 512.0, 2.0), (100_000, 512.0, 2.5),
+                                                      (1024, 0.0, 0.5)])
+def test_the_heartbeat_interval_asked_for_keeps_all_executors_within_the_budget_and_a_quarter_of_the_timeout(
+        executors, budget, asked):
+    config = ControllerConfig(heartbeat_interval_s=0.5, heartbeat_timeout_s=10.0, max_heartbeats_per_s=budget)
+    assert config.asked_heartbeat_interval_s(executors) == asked
+
+
+def test_a_negative_heartbeat_budget_is_refused_with_what_was_expected():
+    with pytest.raises(ValueError, match="max_heartbeats_per_s: expected heartbeats per second >= 0"):
+        ControllerConfig(max_heartbeats_per_s=-1)

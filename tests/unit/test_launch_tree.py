@@ -156,12 +156,15 @@ def test_dones_go_up_in_one_batch_once_the_subtree_is_in_and_a_failure_goes_stra
     intake.outbox.to_controller(pb.Envelope(done=pb.Done(call_id=101, ok=True, device_ns=3)))
     assert outbox.up == [] and len(outbox.to_parent) == 1          # only the launch to the child so far
     child = pb.DoneBatch(generation=1, base_call_id=100)
-    child.dones.add(call_id=101, ok=True, executor_id="c1")
+    child.groups.add(call_id=101, executor_ids=["c1"], device_ns=5)
+    child.dones.add(call_id=101, ok=True, executor_id="c1-child", digests=[b"d"])   # more than success: kept whole
     intake.on_done_batch(child, "c1")
     address, envelope = outbox.to_parent[1]
     assert address == "tcp://p"
-    assert [(d.executor_id, d.call_id, d.device_ns) for d in envelope.done_batch.dones] == [("me", 101, 3),
-                                                                                           ("c1", 101, 0)]
+    batch = envelope.done_batch
+    # Plain successes join one group per call (its device time summed); a Done with more to say goes up whole.
+    assert [(g.call_id, list(g.executor_ids), g.device_ns) for g in batch.groups] == [(101, ["me", "c1"], 8)]
+    assert [(d.executor_id, d.call_id, list(d.digests)) for d in batch.dones] == [("c1-child", 101, [b"d"])]
     # The next run: a failed step's Done is not held behind the subtree.
     intake.on_launch(_launch(commands_before=1, base_call=200), "p")
     intake.outbox.to_controller(pb.Envelope(done=pb.Done(call_id=201, ok=False)))
@@ -179,3 +182,60 @@ def test_a_cancel_that_ends_the_tree_skips_the_gang_places_of_runs_that_never_ca
     intake.on_command(pb.Envelope(launches_before=2, cancel=cancel), [])
     assert skipped == [(3, 9), (9, 17)] and order == ["skip", "skip", "cancel"]
     assert intake.launches == 2
+
+
+# ------------------------------------------------------------ the controller's side of the batches
+
+
+class _Sent:
+    def __init__(self):
+        self.envelopes = []
+
+    def to_executor(self, executor_id, envelope, payload=()):
+        self.envelopes.append((executor_id, envelope))
+
+
+def _controller_running_a_tree(size=8):
+    """A controller of ``size`` executors that has launched one run of a 2-node program down a tree of fanout 2."""
+    from controller import CallSpec, Controller, ControllerConfig
+    from controller.arrays import READY
+    from controller.program import ProgramSpec
+
+    controller = Controller(_Sent(), ControllerConfig(launch_fanout=2, launch_tree_min_executors=4))
+    for index in range(size):
+        controller.on_message(f"e{index}", pb.Envelope(register=pb.Register(
+            executor_id=f"e{index}", data_address=f"tcp://127.0.0.1:{7000 + index}", backend="sim")), [])
+    function_id = controller.register_function("step", pb.Graph(), [])
+    mesh = controller.resources.allocate({"data": size})
+    nodes = tuple(CallSpec(name="step", function_id=function_id, mesh=mesh, inputs=(i,), outputs=(i + 1,))
+                  for i in range(2))
+    lowered = controller.register_program(ProgramSpec(name="chain", input_values=(0,), input_meshes=(mesh,),
+                                                      output_values=(2,), nodes=nodes))
+    x = controller.arrays.new(mesh.executor_ids)
+    x.state = READY
+    (out,) = controller.run_program(lowered.program_id, [x.array_id])
+    tree = next(iter(controller.launch_trees._trees.values()))
+    return controller, tree, max(controller._calls), out
+
+
+def _group_batch(tree, call_id, executor_ids):
+    batch = pb.DoneBatch(generation=tree.generation, base_call_id=call_id - 1)
+    batch.groups.add(call_id=call_id, executor_ids=executor_ids, device_ns=10)
+    return pb.Envelope(done_batch=batch)
+
+
+def test_a_run_down_a_tree_ends_when_each_root_has_reported_its_subtree_as_one_group():
+    controller, tree, call_id, out = _controller_running_a_tree()
+    assert tree.roots == [0, 4]
+    controller.on_message(tree.members[0], _group_batch(tree, call_id, tree.members[0:4]), [])
+    assert call_id in controller._calls and out.state != "ready"
+    controller.on_message(tree.members[4], _group_batch(tree, call_id, tree.members[4:8]), [])
+    assert call_id not in controller._calls and controller.arrays.get(out.array_id).state == "ready"
+    assert controller.dropped_messages == 0
+
+
+def test_a_group_naming_an_executor_outside_the_senders_subtree_is_dropped_whole():
+    controller, tree, call_id, _ = _controller_running_a_tree()
+    controller.on_message(tree.members[0], _group_batch(tree, call_id, [*tree.members[0:4], tree.members[5]]), [])
+    assert controller.dropped_messages == 1
+    assert controller._calls[call_id].waiting == set(tree.members)   # not one of them counted
