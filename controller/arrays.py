@@ -17,7 +17,7 @@ from pathways_torch.wire.security import PUT_SECRET_BYTES, owner_role, put_token
 
 from .memory import demand_of
 
-__all__ = ["ArrayRecord", "ArrayTable", "Lifetimes", "PENDING", "READY", "FAILED"]
+__all__ = ["ArrayRecord", "ArrayTable", "Lifetimes", "PENDING", "READY", "FAILED", "shard_refs"]
 
 PENDING, READY, FAILED = "pending", "ready", "failed"
 
@@ -114,6 +114,11 @@ class ArrayTable:
 _MAX_PENDING_FREES = 256
 
 
+def shard_refs(pairs) -> list:
+    """``(array id, shard)`` pairs as the ``ShardRef`` messages a Free carries."""
+    return [pb.ShardRef(array_id=array_id, shard=shard) for array_id, shard in pairs]
+
+
 class Lifetimes:
     """The `Controller`'s array lifetimes: puts landing, handles released, shards freed.
 
@@ -124,7 +129,9 @@ class Lifetimes:
         self._controller = controller
         self._lock, self.arrays, self.resources = controller._lock, controller.arrays, controller.resources
         self._send = controller._send
-        self._pending_frees: dict[str, list] = collections.defaultdict(list)   # executor → shards to free
+        # executor → (array id, shard) of each shard to free there: tuples, not ShardRefs (a release on 1,024
+        # executors would make 1,024 messages' worth; down a launch tree only the array ids travel)
+        self._pending_frees: dict[str, list] = collections.defaultdict(list)
         self._batching_frees = False     # inside release_many (under the lock)
         # The key of every put token (`new_array`); each executor has it from its Welcome.
         self.put_secret = os.urandom(PUT_SECRET_BYTES)
@@ -187,11 +194,13 @@ class Lifetimes:
         if record.held_bytes:
             self._controller.memory.release(record.owner, demand_of(record.executor_ids, record.held_bytes))
             record.held_bytes = 0
+        pending_frees, array_id, flush = self._pending_frees, record.array_id, False
         for position, executor_id in enumerate(record.executor_ids):
-            pending = self._pending_frees[executor_id]
-            pending.append(pb.ShardRef(array_id=record.array_id, shard=position))
-            if len(pending) >= _MAX_PENDING_FREES and not self._batching_frees:
-                self._flush_frees()
+            pending = pending_frees[executor_id]
+            pending.append((array_id, position))
+            flush = flush or len(pending) >= _MAX_PENDING_FREES
+        if flush and not self._batching_frees:
+            self._flush_frees()
         self._controller.completion.output_forgotten(record.producer_call)
 
     def release_many(self, array_ids) -> None:
@@ -218,8 +227,9 @@ class Lifetimes:
         pending, self._pending_frees = self._pending_frees, collections.defaultdict(list)
         for executor_id, shards in pending.items():
             if not self.resources.executors[executor_id].lost:
-                self._send(executor_id, pb.Envelope(free=pb.Free(shards=shards)))
+                self._send(executor_id, pb.Envelope(free=pb.Free(shards=shard_refs(shards))))
 
     def take_pending_frees(self, executor_id: str) -> list | None:
-        """The frees waiting for ``executor_id``, no longer pending (they ride on a message to it, or it is lost)."""
+        """The frees waiting for ``executor_id``, no longer pending (they ride on a message to it, or it is lost), as
+        (array id, shard) pairs: `shard_refs` makes them messages."""
         return self._pending_frees.pop(executor_id, None)

@@ -337,21 +337,26 @@ class CallDispatch:
                                 output_array_ids=[r.array_id for r in outputs],
                                 first_intermediate_id=first_intermediate, owner=owner_role(owner))
             tree = self._controller.launch_trees.tree_for(lowered.plans) if len(islands) == 1 else None
-            prev_collective, gang = {}, {}
-            for executor_id in lowered.plans:
-                sequencer = self.sequencer_of(executor_id)
-                island_base = base_seqs[sequencer.island]
-                prev_collective[executor_id] = sequencer.last_collective[executor_id]
-                last = lowered.last_collective_node.get(executor_id, 0)
+            if tree is None:
+                for executor_id in lowered.plans:
+                    sequencer = self.sequencer_of(executor_id)
+                    run.base_seq = island_base = base_seqs[sequencer.island]
+                    last = lowered.last_collective_node.get(executor_id, 0)
+                    run.prev_collective_seq = sequencer.chain(executor_id, island_base + last - 1) if last else \
+                        sequencer.last_collective[executor_id]
+                    self._send(executor_id, pb.Envelope(run_program=run))
+                return outputs
+            # One island, one base sequence number; each member's previous collective rides in the launch's table.
+            sequencer = self.sequencers.of(next(iter(islands)))
+            run.base_seq = island_base = base_seqs[sequencer.island]
+            last_collective = sequencer.last_collective
+            prev_collective = {executor_id: last_collective[executor_id] for executor_id in lowered.plans}
+            gang = {}
+            for executor_id, last in lowered.last_collective_node.items():
                 if last:
                     sequencer.chain(executor_id, island_base + last - 1)
                     gang[executor_id] = (prev_collective[executor_id], island_base + last - 1)
-                if tree is None:
-                    run.base_seq, run.prev_collective_seq = island_base, prev_collective[executor_id]
-                    self._send(executor_id, pb.Envelope(run_program=run))
-            if tree is not None:   # one island: one base sequence number
-                run.base_seq = base_seqs[min(islands)]
-                self._controller.launch_trees.launch(tree, run, prev_collective, gang)
+            self._controller.launch_trees.launch(tree, run, prev_collective, gang)
             return outputs
 
     # ------------------------------------------------------------ inputs and functions on executors

@@ -31,7 +31,7 @@ from pathways_torch.wire import pb
 from pathways_torch.wire.framing import body_name, log_dropped
 
 from .admission import Admission
-from .arrays import ArrayRecord, ArrayTable, Lifetimes
+from .arrays import ArrayRecord, ArrayTable, Lifetimes, shard_refs
 from .call_spec import CallSpec, InFlightCall, RegisteredFunction
 from .calls import CallDispatch
 from .completion import Completion
@@ -158,9 +158,9 @@ class Controller:
         else:
             frees = self.lifetimes.take_pending_frees(executor_id)
         if frees and not envelope.HasField("free"):
-            envelope.frees.extend(frees)
+            envelope.frees.extend(shard_refs(frees))
         elif frees:
-            envelope.free.shards.extend(frees)
+            envelope.free.shards.extend(shard_refs(frees))
         self.messages_sent[kind] += 1
         self.launch_trees.stamp(executor_id, envelope)   # set on the envelope just before it is encoded
         self.outbox.to_executor(executor_id, envelope, payload)

@@ -50,9 +50,9 @@ class IslandTree:
     def _positions(self) -> dict[str, int]:
         return {executor_id: position for position, executor_id in enumerate(self.members)}
 
-    @property
-    def roots(self) -> list[int]:
-        return [p for p, parent in enumerate(self.parents) if parent < 0]
+    @functools.cached_property
+    def roots(self) -> tuple[int, ...]:
+        return tuple(p for p, parent in enumerate(self.parents) if parent < 0)
 
     def children(self, position: int) -> list[int]:
         return [p for p in range(position + 1, self.ends[position]) if self.parents[p] == position]
@@ -189,20 +189,15 @@ class LaunchTrees:
             for base in [b for b in self._gang_runs if b < oldest]:
                 del self._gang_runs[base]
             self._gang_runs[run.base_call_id] = (tree.generation, gang)
-        free_ids = set()
-        for executor_id in tree.members:
-            leftover = []
-            for ref in controller.lifetimes.take_pending_frees(executor_id) or ():
-                if ref.tag:
-                    leftover.append(ref)
-                else:
-                    free_ids.add(ref.array_id)
-            if leftover:   # a tagged copy: by its exact reference, on a message of its own (rare)
-                controller._send(executor_id, pb.Envelope(free=pb.Free(shards=leftover)))
-        prev = [prev_collective_seqs[e] for e in tree.members]
-        commands = [self.commands_sent[e] for e in tree.members]
-        for executor_id in tree.members:
-            self.launches_sent[executor_id] += 1
+        # Each member frees its own shards of these arrays: one list of ids for all, not a ShardRef per shard.
+        members, take, pending = tree.members, controller.lifetimes.take_pending_frees, []
+        for frees in [take(executor_id) for executor_id in members]:
+            if frees:
+                pending.extend(frees)
+        free_ids = {array_id for array_id, _ in pending}
+        prev = [prev_collective_seqs[executor_id] for executor_id in members]
+        commands = [self.commands_sent[executor_id] for executor_id in members]
+        self.launches_sent.update(members)
         ids = sorted(free_ids)
         for root in tree.roots:
             end = tree.ends[root]

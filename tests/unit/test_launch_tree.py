@@ -226,7 +226,7 @@ def _group_batch(tree, call_id, executor_ids):
 
 def test_a_run_down_a_tree_ends_when_each_root_has_reported_its_subtree_as_one_group():
     controller, tree, call_id, out = _controller_running_a_tree()
-    assert tree.roots == [0, 4]
+    assert tree.roots == (0, 4)
     controller.on_message(tree.members[0], _group_batch(tree, call_id, tree.members[0:4]), [])
     assert call_id in controller._calls and out.state != "ready"
     controller.on_message(tree.members[4], _group_batch(tree, call_id, tree.members[4:8]), [])
