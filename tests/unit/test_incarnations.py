@@ -444,6 +444,21 @@ def test_a_loss_cancels_and_abandons_on_every_island_its_program_run_spans():
     assert controller.groups.by_members == {} and lowered.program_id in controller._stale_programs
 
 
+def test_a_loss_lowers_again_only_the_programs_whose_collectives_name_the_islands_groups():
+    from controller.program import ProgramSpec
+
+    controller, _, with_collectives, _ = _two_island_program()
+    here = controller.resources.allocate({"data": 1}, ["e2"])   # island b, where e3 is lost
+    function_id = controller.register_function("g", pb.Graph(), [])
+    plain = controller.register_program(ProgramSpec(name="plain", input_values=(0,), input_meshes=(here,),
+                                                    output_values=(1,), nodes=(CallSpec(
+                                                        name="g", function_id=function_id, mesh=here, inputs=(0,),
+                                                        outputs=(1,)),)))
+    controller.declare_lost("e3", "killed")
+    assert with_collectives.program_id in controller._stale_programs
+    assert plain.program_id not in controller._stale_programs   # it names no group: its plans still hold
+
+
 def test_a_lost_transfer_abandons_both_islands_groups_and_lowers_their_programs_again_but_a_late_report_does_not():
     controller, outbox, lowered, out = _two_island_program()
     (action,) = [a.send for a in outbox.of("register_program")[0][1].register_program.actions
