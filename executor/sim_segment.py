@@ -22,51 +22,89 @@ from .jobs import SegmentJob
 from .messages import value_or_failure
 from .sim import SimTensor, _SimFunction
 
-__all__ = ["run_segment_at_once"]
+__all__ = ["run_segment_at_once", "SegmentSummaries"]
 
 
-def run_segment_at_once(job: SegmentJob, backend, trace, hand_over, handed_over, check_signature) -> bool:
+class _Summary:
+    """What a qualifying segment plan does on a simulated device, the same for every run: worked out once per plan
+    and functions (walking 128 steps twice per run was a tenth of a simulating host's time per run)."""
+
+    __slots__ = ("functions", "total_s", "reports", "placeholders", "external", "name", "first", "last")
+
+    def __init__(self, steps, functions, output_slots):
+        self.functions = functions
+        stored = set(output_slots)
+        self.total_s, unreported = 0.0, 0
+        self.reports: list = []          # [step, device ns its Done carries]: its own and the quiet steps' before it
+        self.placeholders: list = []     # (slot, shape, dtype) of every stored output
+        for step, function in zip(steps, functions):
+            simulated: _SimFunction = function.compiled
+            device_ns = int(simulated.seconds * 1e9)
+            self.total_s += simulated.seconds
+            for index, slot in enumerate(step.outputs):
+                if slot in stored:
+                    self.placeholders.append((slot, *simulated.outputs[index]))
+            if step.report:
+                self.reports.append([step, unreported + device_ns])
+                unreported = 0
+            else:
+                unreported += device_ns
+        if unreported and self.reports:
+            self.reports[-1][1] += unreported
+        self.external = [(step, function) for step, function in zip(steps, functions) if step.external]
+        self.name = f"{functions[0].name} +{len(functions) - 1} steps" if len(functions) > 1 else functions[0].name
+        self.first, self.last = steps[0], steps[-1]
+
+
+class SegmentSummaries:
+    """An executor's summaries by segment plan (its step list, shared by every run of the plan), for the functions
+    loaded when made; None for a plan that does not qualify."""
+
+    _LIMIT = 256   # plans remembered: more, and the table starts again (a forgotten program's plan goes with it)
+
+    def __init__(self):
+        self._by_steps: dict[int, tuple] = {}
+
+    def of(self, segment, functions) -> _Summary | None:
+        cached = self._by_steps.get(id(segment.steps))
+        if cached is not None and cached[0] is segment.steps and cached[1] == functions:
+            return cached[2]
+        summary = _Summary(segment.steps, functions, segment.output_slots) \
+            if _qualifies(segment, functions) else None
+        if len(self._by_steps) >= self._LIMIT:
+            self._by_steps.clear()
+        self._by_steps[id(segment.steps)] = (segment.steps, list(functions), summary)
+        return summary
+
+
+def run_segment_at_once(job: SegmentJob, backend, trace, hand_over, handed_over, check_signature,
+                        summaries: SegmentSummaries) -> bool:
     """Run ``job`` in one pass if it qualifies (see the module docstring); False: run it step by step."""
-    segment, functions = job.segment, job.functions
-    if not _qualifies(segment, functions):
+    segment = job.segment
+    summary = summaries.of(segment, job.functions)
+    if summary is None:
         return False
     entries = job.entries
     values = [value_or_failure(e) for e in entries]
     if any(v is None or isinstance(v, pb.RemoteFailure) for v in values):
         return False
-    for step, function in zip(segment.steps, functions):
-        if not step.external:
-            continue
+    for step, function in summary.external:
         if any(slot >= len(values) for slot in step.inputs) or check_signature(
                 segment.ids(step)[1], function, [values[slot] for slot in step.inputs]) is not None:
             return False
     slots: list = [None] * segment.num_slots
     for index, entry in enumerate(entries):
         slots[index] = hand_over(entry, handed_over)
-    stored = set(segment.output_slots)
-    total = unreported = 0
-    for step, function in zip(segment.steps, functions):
-        simulated: _SimFunction = function.compiled
-        device_ns = int(simulated.seconds * 1e9)
-        total += simulated.seconds
-        for index, slot in enumerate(step.outputs):
-            if slot in stored:
-                shape, dtype = simulated.outputs[index]
-                slots[slot] = SimTensor(shape, dtype)
-        if step.report:
-            seq, call_id = segment.ids(step)
-            job.dones.append(pb.Done(call_id=call_id, seq=seq, ok=True, device_ns=unreported + device_ns))
-            unreported = 0
-        else:
-            unreported += device_ns
-    if unreported and job.dones:
-        job.dones[-1].device_ns += unreported
-    first, last = segment.steps[0], segment.steps[-1]
-    name = f"{functions[0].name} +{len(functions) - 1} steps" if len(functions) > 1 else functions[0].name
-    trace.record("start", name, seq=segment.ids(first)[0], call_id=segment.ids(first)[1],
-                 function_id=first.function_id, detail="simulated segment")
-    backend.advance(total)
-    trace.record("end", name, seq=segment.ids(last)[0], call_id=segment.ids(last)[1], function_id=last.function_id,
+    for slot, shape, dtype in summary.placeholders:
+        slots[slot] = SimTensor(shape, dtype)
+    for step, device_ns in summary.reports:
+        seq, call_id = segment.ids(step)
+        job.dones.append(pb.Done(call_id=call_id, seq=seq, ok=True, device_ns=device_ns))
+    (first_seq, first_call), (last_seq, last_call) = segment.ids(summary.first), segment.ids(summary.last)
+    trace.record("start", summary.name, seq=first_seq, call_id=first_call, function_id=summary.first.function_id,
+                 detail="simulated segment")
+    backend.advance(summary.total_s)
+    trace.record("end", summary.name, seq=last_seq, call_id=last_call, function_id=summary.last.function_id,
                  detail="simulated segment")
     job.computed = len(segment.steps)
     job.values = [slots[slot] for slot in segment.output_slots]
