@@ -193,6 +193,14 @@ class Controller:
         their count (`Membership.heard_from`)."""
         return self.members.heard_from(executor_id, epoch, awaiting_welcome, told)
 
+    def island_faults(self, executor_id: str, told: int) -> tuple[list[str], int] | None:
+        """The faults of a live executor's island after the first ``told``, and how many in all (None: not live)."""
+        with self._lock:
+            info = self.resources.executors.get(executor_id)
+            if info is None or info.lost:
+                return None
+            return self.groups.faults_since(info.island, told)
+
     def asked_heartbeat_interval_s(self) -> float:
         """How often each executor is asked to ping, for as many as have registered (`ControllerConfig`)."""
         return self.config.asked_heartbeat_interval_s(len(self.resources.executors))

@@ -81,6 +81,11 @@ class ControllerServer:
         # before its Welcome reaches it (a start-up of a thousand executors can take longer than the heartbeat bound)
         self._registered_process: dict[str, str] = {}
         self.on_key_revoked = None   # (public key) -> None: the client process's Gatekeeper refuses it (Context)
+        # executor id → (the routing identity of its heartbeat connection, the faults its last ping said it knew):
+        # a loss is told to the survivors on it at once, unasked (`_tell_faults`)
+        self._pingers: dict[str, tuple[bytes, int]] = {}
+        self._telling_faults = False
+        self.controller.loss_listeners.append(self._on_loss)
         self._commands_lock = threading.Lock()       # the DEALERs are used from any thread, one at a time
         self._command_payload_bytes = 0
         self.command_bytes = 0     # every byte sent on the command connections (envelopes and payload)
@@ -249,10 +254,35 @@ class ControllerServer:
                 reason=f"this process is incarnation {envelope.heartbeat.epoch} of {executor_id}, which was declared "
                        f"lost and replaced: it may not rejoin"))
         else:
+            self._pingers[executor_id] = (identity_frame.bytes, faults)
             envelope.heartbeat.lost_peers[:] = lost_peers
             envelope.heartbeat.lost_peers_told = faults
             envelope.heartbeat.interval_s = self.controller.asked_heartbeat_interval_s()
         self.loop.send_now(_ROUTER, [identity_frame.bytes, envelope.SerializeToString()])
+
+    def _on_loss(self, executor_id: str, error) -> None:
+        """An executor was lost (any thread, under the controller's lock): its island's survivors hear of it on their
+        heartbeat connections in the loop's next turn, not at their next ping, which may be seconds away where many
+        executors ping seldom (`ControllerConfig.max_heartbeats_per_s`); one pass for a storm of losses."""
+        self._pingers.pop(executor_id, None)
+        if not self._telling_faults:
+            self._telling_faults = True
+            self.loop.call_later(0.0, self._tell_faults)
+
+    def _tell_faults(self) -> None:
+        """Send each live executor the faults of its island it has not said it knows, as a heartbeat answer."""
+        self._telling_faults = False
+        for executor_id, (identity, told) in list(self._pingers.items()):
+            faults = self.controller.island_faults(executor_id, told)
+            if faults is None or not faults[0]:
+                continue
+            answer = pb.Heartbeat(lost_peers=faults[0], lost_peers_told=faults[1],
+                                  interval_s=self.controller.asked_heartbeat_interval_s())
+            self._pingers[executor_id] = (identity, faults[1])
+            try:
+                self.loop.send_now(_ROUTER, [identity, pb.Envelope(heartbeat=answer).SerializeToString()])
+            except zmq.ZMQError as exc:
+                self._drop(f"faults to {executor_id} undeliverable: {exc}")
 
     def admit(self, role: str, public_key: bytes) -> None:
         """Accept ``public_key`` as ``role``'s registered key from now on (a replacement's fresh key)."""

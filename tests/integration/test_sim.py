@@ -75,12 +75,15 @@ def test_executors_ping_less_often_when_together_they_would_pass_the_controllers
         assert step(ctx.put(torch.zeros(16), mesh, [pw.Shard(0)])).exception(timeout_s=30) is None
 
 
-def test_a_killed_simulating_process_loses_its_executors_and_the_others_go_on():
+def test_a_killed_simulating_process_loses_its_executors_and_the_others_go_on(tmp_path):
     """Failure at scale, small: 32 executors in 2 processes; SIGKILL one. Its 16 are declared lost at once (the
-    launcher sees the exit), a call that needs them fails naming one, and a Chained loop on the others goes on."""
+    launcher sees the exit), a call that needs them fails naming one, and a Chained loop on the others goes on.
+    Each survivor pings every 100 s here (a quarter of the timeout: a budget of 0.01 heartbeats a second for all),
+    yet hears of the losses at once: the controller tells them on their heartbeat connections, unasked."""
     import signal
 
-    with pw.Context(num_executors=32, backend="sim", sims_per_process=16) as ctx:
+    with pw.Context(num_executors=32, backend="sim", sims_per_process=16, max_heartbeats_per_s=0.01,
+                    heartbeat_timeout_s=400, log_dir=str(tmp_path)) as ctx:
         ids, pids = ctx.executor_ids, ctx.executor_pids
         victim = pids[-1]
         lost = [e for e, pid in zip(ids, pids) if pid == victim]
@@ -113,3 +116,11 @@ def test_a_killed_simulating_process_loses_its_executors_and_the_others_go_on():
         for _ in range(3):
             x = chain(x)
         assert torch.equal(x.result(timeout_s=60), torch.zeros(16))   # placeholders: the runs completed
+
+        def told() -> set:   # the survivors that abandoned the lost executor-31's groups (their host logs it)
+            logs = "".join(path.read_text(errors="replace") for path in tmp_path.glob("*.log"))
+            return {e for e in alive if f"executor {e}: {lost[-1]}@1 lost; abandoned" in logs}
+
+        while told() != set(alive) and time.monotonic() - killed < 4.0:
+            time.sleep(0.1)
+        assert told() == set(alive), sorted(set(alive) - told())   # long before their next pings
