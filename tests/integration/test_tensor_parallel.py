@@ -80,9 +80,12 @@ def _train(ctx, make_model, batches, loss_fn, mesh: dict, **options):
 
 
 NAMES = ["hf-gpt2", "hf-llama", "nanogpt", "torch-transformer"]
+# On the default backend at 2 x 2: the nanoGPT-style GPT's plan runs there on 2 x 1 x 2 and inside islands (below), and
+# every model's on eager executors at 1 x 2 and 2 x 2 (test_tensor_parallel_eager.py).
+DEFAULT_BACKEND_NAMES = ["hf-gpt2", "hf-llama", "torch-transformer"]
 
 
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name", DEFAULT_BACKEND_NAMES)
 def test_the_proposed_plan_trains_like_eager_in_float64_on_2x2(ctx, name):
     check_trains_like_eager_in_float64(ctx, name, "2x2")      # 1 x 2 too on eager executors (each mesh a compile)
 
