@@ -172,30 +172,50 @@ class Measurement:
                 "pipelined_run_ms": pipelined * 1e3 / repeats}
 
 
-def controller_python_us(size: int, steps: int, runs: int = 20) -> dict:
-    """The controller's own Python per executor per run, without sockets: `Controller.run_program` with an outbox
-    that only serializes each message, then a Done from each executor."""
-    from controller import CallSpec, Controller, ControllerConfig
+def chain_on_controller(controller, steps: int, executor_ids=None, function_id: int | None = None):
+    """A Chained program of ``steps`` nodes registered on an in-process `Controller`, on ``executor_ids`` (None: every
+    registered executor); its lowered form and a ready input array (bench and unit tests)."""
+    from controller import CallSpec
     from controller.arrays import READY
     from controller.program import ProgramSpec
     from pathways_torch.wire import pb
 
-    class SerializingOutbox:
-        def to_executor(self, executor_id, envelope, payload=()):
-            envelope.SerializeToString()
-
-    controller = Controller(SerializingOutbox(), ControllerConfig())
-    for index in range(size):
-        controller.on_message(f"e{index}", pb.Envelope(register=pb.Register(
-            executor_id=f"e{index}", data_address=f"tcp://127.0.0.1:{7000 + index}", backend="sim")), [])
-    function_id = controller.register_function("step", pb.Graph(), [])
-    mesh = controller.resources.allocate({"data": size})
+    if function_id is None:
+        function_id = controller.register_function("step", pb.Graph(), [])
+    count = len(executor_ids) if executor_ids is not None else len(controller.resources.executors)
+    mesh = controller.resources.allocate({"data": count}, executor_ids)
     nodes = tuple(CallSpec(name="step", function_id=function_id, mesh=mesh, inputs=(i,), outputs=(i + 1,))
                   for i in range(steps))
     lowered = controller.register_program(ProgramSpec(name="chain", input_values=(0,), input_meshes=(mesh,),
                                                       output_values=(steps,), nodes=nodes))
     x = controller.arrays.new(mesh.executor_ids)
     x.state = READY
+    return lowered, x
+
+
+def controller_with_executors(outbox, config, size: int):
+    """An in-process `Controller` with ``size`` simulated executors registered (e0 .. e{size-1})."""
+    from controller import Controller
+    from pathways_torch.wire import pb
+
+    controller = Controller(outbox, config)
+    for index in range(size):
+        controller.on_message(f"e{index}", pb.Envelope(register=pb.Register(
+            executor_id=f"e{index}", data_address=f"tcp://127.0.0.1:{7000 + index}", backend="sim")), [])
+    return controller
+
+
+def controller_python_us(size: int, steps: int, runs: int = 20) -> dict:
+    """The controller's own Python per executor per run, without sockets: `Controller.run_program` with an outbox
+    that only serializes each message, then a Done from each executor."""
+    from controller import ControllerConfig
+
+    class SerializingOutbox:
+        def to_executor(self, executor_id, envelope, payload=()):
+            envelope.SerializeToString()
+
+    controller = controller_with_executors(SerializingOutbox(), ControllerConfig(), size)
+    lowered, x = chain_on_controller(controller, steps)
     send_s = done_s = 0.0
     for _ in range(runs):
         began = time.perf_counter()

@@ -210,17 +210,10 @@ def test_an_executor_that_does_not_hold_a_program_is_lost_and_its_calls_fail(set
 
 
 def test_a_forgotten_program_leaves_its_executors_only_when_its_run_in_flight_ends(setup):
-    from controller.arrays import READY
-    from controller.program import ProgramSpec
+    from bench.scale import chain_on_controller
 
     controller, outbox, _, function_id = setup
-    mesh = controller.resources.allocate({"data": 2}, ["e0", "e1"])
-    nodes = tuple(CallSpec(name="f", function_id=function_id, mesh=mesh, inputs=(i,), outputs=(i + 1,))
-                  for i in range(2))
-    lowered = controller.register_program(ProgramSpec(name="two", input_values=(0,), input_meshes=(mesh,),
-                                                      output_values=(2,), nodes=nodes))
-    x = controller.arrays.new(mesh.executor_ids)
-    x.state = READY
+    lowered, x = chain_on_controller(controller, 2, ["e0", "e1"], function_id)
     controller.run_program(lowered.program_id, [x.array_id])
     controller.forget((), [lowered.program_id])
     assert outbox.of("forget") == []                      # its run is in flight: a report may still name its plan

@@ -197,22 +197,12 @@ class _Sent:
 
 def _controller_running_a_tree(size=8):
     """A controller of ``size`` executors that has launched one run of a 2-node program down a tree of fanout 2."""
-    from controller import CallSpec, Controller, ControllerConfig
-    from controller.arrays import READY
-    from controller.program import ProgramSpec
+    from bench.scale import chain_on_controller, controller_with_executors
+    from controller import ControllerConfig
 
-    controller = Controller(_Sent(), ControllerConfig(launch_fanout=2, launch_tree_min_executors=4))
-    for index in range(size):
-        controller.on_message(f"e{index}", pb.Envelope(register=pb.Register(
-            executor_id=f"e{index}", data_address=f"tcp://127.0.0.1:{7000 + index}", backend="sim")), [])
-    function_id = controller.register_function("step", pb.Graph(), [])
-    mesh = controller.resources.allocate({"data": size})
-    nodes = tuple(CallSpec(name="step", function_id=function_id, mesh=mesh, inputs=(i,), outputs=(i + 1,))
-                  for i in range(2))
-    lowered = controller.register_program(ProgramSpec(name="chain", input_values=(0,), input_meshes=(mesh,),
-                                                      output_values=(2,), nodes=nodes))
-    x = controller.arrays.new(mesh.executor_ids)
-    x.state = READY
+    controller = controller_with_executors(_Sent(), ControllerConfig(launch_fanout=2, launch_tree_min_executors=4),
+                                           size)
+    lowered, x = chain_on_controller(controller, 2)
     (out,) = controller.run_program(lowered.program_id, [x.array_id])
     tree = next(iter(controller.launch_trees._trees.values()))
     return controller, tree, max(controller._calls), out
