@@ -23,7 +23,7 @@ from pathways_torch.wire.tensors import dtype_name
 from .collectives import CollectiveRuntime
 from .jobs import ComputeJob, FormJob, LoadedFunction, RunJob, SegmentJob
 from .messages import remote_failure, with_origin
-from .sim_segment import SegmentSummaries, run_segment_at_once
+from .sim_segment import run_segment_at_once
 from .trace import TraceRecorder
 
 __all__ = ["StepInterpreter"]
@@ -47,7 +47,6 @@ class StepInterpreter:
         self._clock_ns = getattr(backend, "clock_ns", time.perf_counter_ns)
         # A simulated device on a host that does not sleep runs a whole segment in one pass (executor/sim_segment.py)
         self._at_once = getattr(backend, "runs_segments_at_once", False)
-        self._summaries = SegmentSummaries()
         self.collectives = collectives
         self.trace = trace
         # Bound once: the lookup per job allocates nothing.
@@ -67,7 +66,7 @@ class StepInterpreter:
 
     def _compute_segment(self, job: SegmentJob) -> SegmentJob:
         if self._at_once and run_segment_at_once(job, self.backend, self.trace, self._hand_over, self._handed_over,
-                                                 self._check_signature, self._summaries):
+                                                 self._check_signature):
             return job
         segment = job.segment
         slots = [None] * segment.num_slots

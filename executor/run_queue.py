@@ -112,7 +112,7 @@ class RunQueue:
     def _enqueue(self, segment: Segment, owner: str = "", donated=()) -> None:
         """Queue a segment of a run of the client of role ``owner`` (its outputs are that client's); ``donated``:
         input positions the client gave up with it."""
-        self.trace.record_steps("receive", segment.steps, segment.base_seq, segment.base_call_id, self._name)
+        self.trace.record_steps("receive", segment.trace_ids, segment.base_seq, segment.base_call_id, self._name)
         self._data.accept_run(segment.input_keys, segment.output_keys, segment.last_call_id, owner, donated)
         self._queue_in_order(segment)
         self._note_depth()

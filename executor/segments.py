@@ -74,7 +74,7 @@ class SegmentPlan:
     """
 
     __slots__ = ("steps", "inputs", "outputs", "produced", "num_slots", "first_prev_collective_node",
-                 "last_collective_node")
+                 "last_collective_node", "_trace_ids", "device_summary")
 
     def __init__(self):
         self.steps: list[Step] = []
@@ -84,6 +84,16 @@ class SegmentPlan:
         self.num_slots = 0
         self.first_prev_collective_node = -1   # the first collective step's ProgramNode.prev_collective_node
         self.last_collective_node = -1
+        self._trace_ids: tuple | None = None
+        self.device_summary = None   # what a simulated device does with it, worked out once (executor/sim_segment.py)
+
+    @property
+    def trace_ids(self) -> tuple:
+        """(offset, function id) of each step: what a trace entry keeps of them (not the steps, whose resolved
+        process groups it would keep alive)."""
+        if self._trace_ids is None:
+            self._trace_ids = tuple((step.offset, step.function_id) for step in self.steps)
+        return self._trace_ids
 
     def describe(self) -> str:
         """One line, e.g. ``segment n0..n127 (128 steps, 1 in, 1 out, collective)``."""
@@ -103,10 +113,12 @@ class Segment:
     """
 
     __slots__ = ("steps", "base_seq", "base_call_id", "input_keys", "output_keys", "output_slots", "num_slots",
-                 "collective", "prev_collective_seq", "last_collective_seq", "after", "started")
+                 "collective", "prev_collective_seq", "last_collective_seq", "after", "started", "plan")
 
     def __init__(self, *, steps, base_seq, base_call_id, input_keys, output_keys, output_slots, num_slots,
-                 collective, prev_collective_seq, last_collective_seq, after: "Segment | None" = None):
+                 collective, prev_collective_seq, last_collective_seq, after: "Segment | None" = None,
+                 plan: "SegmentPlan | None" = None):
+        self.plan = plan   # the registered program's segment it is a run of (None: a plain Run)
         self.steps, self.base_seq, self.base_call_id = steps, base_seq, base_call_id
         self.input_keys, self.output_keys, self.output_slots = input_keys, output_keys, output_slots
         self.num_slots, self.collective = num_slots, collective
@@ -116,6 +128,13 @@ class Segment:
     def ids(self, step: Step) -> tuple[int, int]:
         """(sequence number, call id) of one of its steps."""
         return self.base_seq + step.offset, self.base_call_id + step.offset
+
+    @property
+    def trace_ids(self) -> tuple:
+        """(offset, function id) of each step (`SegmentPlan.trace_ids`)."""
+        if self.plan is not None:
+            return self.plan.trace_ids
+        return tuple((step.offset, step.function_id) for step in self.steps)
 
     @property
     def seq(self) -> int:
@@ -248,4 +267,5 @@ def instantiate(plan: SegmentPlan, run: pb.RunProgram, array_id, after: Segment 
                    output_slots=[slot for _, _, slot in plan.outputs], num_slots=plan.num_slots,
                    collective=collective,
                    prev_collective_seq=(run.base_seq + prev - 1 if prev > 0 else run.prev_collective_seq),
-                   last_collective_seq=run.base_seq + plan.last_collective_node if collective else 0, after=after)
+                   last_collective_seq=run.base_seq + plan.last_collective_node if collective else 0, after=after,
+                   plan=plan)

@@ -22,17 +22,16 @@ from .jobs import SegmentJob
 from .messages import value_or_failure
 from .sim import SimTensor, _SimFunction
 
-__all__ = ["run_segment_at_once", "SegmentSummaries"]
+__all__ = ["run_segment_at_once"]
 
 
 class _Summary:
     """What a qualifying segment plan does on a simulated device, the same for every run: worked out once per plan
     and functions (walking 128 steps twice per run was a tenth of a simulating host's time per run)."""
 
-    __slots__ = ("functions", "total_s", "reports", "placeholders", "external", "name", "first", "last")
+    __slots__ = ("total_s", "reports", "placeholders", "external", "name", "first", "last")
 
     def __init__(self, steps, functions, output_slots):
-        self.functions = functions
         stored = set(output_slots)
         self.total_s, unreported = 0.0, 0
         self.reports: list = []          # [step, device ns its Done carries]: its own and the quiet steps' before it
@@ -56,32 +55,23 @@ class _Summary:
         self.first, self.last = steps[0], steps[-1]
 
 
-class SegmentSummaries:
-    """An executor's summaries by segment plan (its step list, shared by every run of the plan), for the functions
-    loaded when made; None for a plan that does not qualify."""
-
-    _LIMIT = 256   # plans remembered: more, and the table starts again (a forgotten program's plan goes with it)
-
-    def __init__(self):
-        self._by_steps: dict[int, tuple] = {}
-
-    def of(self, segment, functions) -> _Summary | None:
-        cached = self._by_steps.get(id(segment.steps))
-        if cached is not None and cached[0] is segment.steps and cached[1] == functions:
-            return cached[2]
-        summary = _Summary(segment.steps, functions, segment.output_slots) \
-            if _qualifies(segment, functions) else None
-        if len(self._by_steps) >= self._LIMIT:
-            self._by_steps.clear()
-        self._by_steps[id(segment.steps)] = (segment.steps, list(functions), summary)
-        return summary
+def _summary_of(segment, functions) -> _Summary | None:
+    """The segment's summary, kept on its plan (a registered program's segment) for the functions it was made with;
+    None when the segment does not qualify."""
+    plan = segment.plan
+    cached = plan.device_summary if plan is not None else None
+    if cached is not None and cached[0] == functions:
+        return cached[1]
+    summary = _Summary(segment.steps, functions, segment.output_slots) if _qualifies(segment, functions) else None
+    if plan is not None:
+        plan.device_summary = (list(functions), summary)
+    return summary
 
 
-def run_segment_at_once(job: SegmentJob, backend, trace, hand_over, handed_over, check_signature,
-                        summaries: SegmentSummaries) -> bool:
+def run_segment_at_once(job: SegmentJob, backend, trace, hand_over, handed_over, check_signature) -> bool:
     """Run ``job`` in one pass if it qualifies (see the module docstring); False: run it step by step."""
     segment = job.segment
-    summary = summaries.of(segment, job.functions)
+    summary = _summary_of(segment, job.functions)
     if summary is None:
         return False
     entries = job.entries
