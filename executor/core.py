@@ -25,7 +25,6 @@ from typing import Callable
 from pathways_torch.wire import pb
 from pathways_torch.wire.framing import body_name, log_dropped
 
-from .allocator import release_free_memory
 from .collectives import CollectiveRuntime
 from .compile_cache import CompileCache, graph_key
 from .data_roles import executor_of_role
@@ -240,8 +239,6 @@ class ExecutorCore:
         for program_id in msg.program_ids:
             self.run_queue.programs.pop(program_id, None)
             self.tree.forget_program(program_id)
-        if msg.program_ids:
-            release_free_memory()   # a plan is many small blocks: without a trim the process keeps their pages
 
     def _on_load_function(self, msg: pb.LoadFunction, payload) -> None:
         self.trace.record("receive", f"load {msg.name}", function_id=msg.function_id)
