@@ -43,7 +43,8 @@ _IDS = (list, tuple)
 # op → the types of its positional arguments (checked before anything runs: a client sends plain data only)
 _SIGNATURES: dict[str, tuple] = {
     "register_function": (str, pb.Graph, list, (int, float)), "register_program": (ProgramSpec,),
-    "describe_program": (int,), "forget_programs": ((list, tuple),), "call": (CallSpec, _IDS), "run_program": (int, _IDS, (*_IDS, type(None))),
+    "describe_program": (int,), "forget_programs": ((list, tuple),), "call": (CallSpec, _IDS),
+    "run_program": (int, _IDS, (*_IDS, type(None))),
     "grant_ids": (int,),
     "new_array": ((list, tuple), int, int), "landed": (int, (BaseException, type(None))), "release": (int,),
     "release_many": ((list, tuple),), "flush_frees": (), "allocate_mesh": (dict, (list, tuple, type(None))),

@@ -255,10 +255,14 @@ class ControllerServer:
                        f"lost and replaced: it may not rejoin"))
         else:
             self._pingers[executor_id] = (identity_frame.bytes, faults)
-            envelope.heartbeat.lost_peers[:] = lost_peers
-            envelope.heartbeat.lost_peers_told = faults
-            envelope.heartbeat.interval_s = self.controller.asked_heartbeat_interval_s()
+            self._fill_answer(envelope.heartbeat, lost_peers, faults)
         self.loop.send_now(_ROUTER, [identity_frame.bytes, envelope.SerializeToString()])
+
+    def _fill_answer(self, heartbeat: pb.Heartbeat, lost_peers: list[str], faults: int) -> None:
+        """What a heartbeat answer tells: the island's faults not yet told, their count, and the interval to ping at."""
+        heartbeat.lost_peers[:] = lost_peers
+        heartbeat.lost_peers_told = faults
+        heartbeat.interval_s = self.controller.asked_heartbeat_interval_s()
 
     def _on_loss(self, executor_id: str, error) -> None:
         """An executor was lost (any thread, under the controller's lock): its island's survivors hear of it on their
@@ -276,8 +280,8 @@ class ControllerServer:
             faults = self.controller.island_faults(executor_id, told)
             if faults is None or not faults[0]:
                 continue
-            answer = pb.Heartbeat(lost_peers=faults[0], lost_peers_told=faults[1],
-                                  interval_s=self.controller.asked_heartbeat_interval_s())
+            answer = pb.Heartbeat()
+            self._fill_answer(answer, *faults)
             self._pingers[executor_id] = (identity, faults[1])
             try:
                 self.loop.send_now(_ROUTER, [identity, pb.Envelope(heartbeat=answer).SerializeToString()])

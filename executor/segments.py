@@ -38,7 +38,7 @@ from __future__ import annotations
 
 from pathways_torch.wire import pb
 
-__all__ = ["Step", "SegmentPlan", "Segment", "plan_segments", "instantiate", "single", "run_step"]
+__all__ = ["Step", "SegmentPlan", "Segment", "plan_segments", "instantiate", "single", "run_step", "trace_ids"]
 
 _MAX_CACHED_STEPS = 4096
 
@@ -63,6 +63,11 @@ class Step:
         # The slots no later step reads and the segment does not store: emptied once this step has read them,
         # so that an input handed over (`ObjectStore.hand_over`) is freed inside the function (its last use).
         self.frees: tuple[int, ...] = tuple(inputs)
+
+
+def trace_ids(steps) -> tuple:
+    """(offset, function id) of each step: what a trace entry keeps of a segment (`TraceRecorder.record_steps`)."""
+    return tuple((step.offset, step.function_id) for step in steps)
 
 
 class SegmentPlan:
@@ -92,7 +97,7 @@ class SegmentPlan:
         """(offset, function id) of each step: what a trace entry keeps of them (not the steps, whose resolved
         process groups it would keep alive)."""
         if self._trace_ids is None:
-            self._trace_ids = tuple((step.offset, step.function_id) for step in self.steps)
+            self._trace_ids = trace_ids(self.steps)
         return self._trace_ids
 
     def describe(self) -> str:
@@ -132,9 +137,7 @@ class Segment:
     @property
     def trace_ids(self) -> tuple:
         """(offset, function id) of each step (`SegmentPlan.trace_ids`)."""
-        if self.plan is not None:
-            return self.plan.trace_ids
-        return tuple((step.offset, step.function_id) for step in self.steps)
+        return self.plan.trace_ids if self.plan is not None else trace_ids(self.steps)
 
     @property
     def seq(self) -> int:
