@@ -25,7 +25,7 @@ import time
 
 from bench.common import median, print_table, run_ranks, write_results
 
-WAYS = ("eager", "cut", "callback per node", "callback, 128 fused")
+WAYS = ("eager", "cut", "callback per node", "callback, 128 fused", "ffi per node", "ffi, 128 fused")
 
 
 def _rank(rank: int, size: int, steps: int, rounds: int, store_path: str, results) -> None:
@@ -64,6 +64,7 @@ def _rank(rank: int, size: int, steps: int, rounds: int, store_path: str, result
 
     one_node = jax.jit(node).lower(scalar).compile()
     fused = jax.jit(chain).lower(scalar).compile()
+    ffi_node, ffi_fused = _ffi_executables(group, steps)
 
     def eager():
         x = torch.zeros(())
@@ -83,7 +84,14 @@ def _rank(rank: int, size: int, steps: int, rounds: int, store_path: str, result
             x = one_node(x)
         return x
 
-    ways = dict(zip(WAYS, (eager, cut, per_node, lambda: fused(jnp.zeros((), jnp.float32)))))
+    def ffi_per_node():
+        x = jnp.zeros((), jnp.float32)
+        for _ in range(steps):
+            x = ffi_node(x)
+        return x
+
+    ways = dict(zip(WAYS, (eager, cut, per_node, lambda: fused(jnp.zeros((), jnp.float32)), ffi_per_node,
+                           lambda: ffi_fused(jnp.zeros((), jnp.float32)))))
     for name, run in ways.items():     # warm-up, and the oracle: every way counts to `steps`
         value = float(np.asarray(run()))
         if value != steps:
@@ -96,6 +104,35 @@ def _rank(rank: int, size: int, steps: int, rounds: int, store_path: str, result
             run()
             per_round[name].append((time.perf_counter() - began) / steps * 1e6)
     results.put((rank, per_round))
+
+
+def _ffi_executables(group, steps: int):
+    """The node as one executable with the collective as an XLA FFI custom call into ``group``
+    (executor/backends/xla_collectives.py), and 128 nodes as one such executable."""
+    import jax
+    import jax.numpy as jnp
+
+    from executor.backends import xla_collectives
+
+    module = xla_collectives.ensure_built()
+    xla_collectives.register_targets()
+    module.bind([(xla_collectives.axis_id("data"), module.register_group(group), False, "")])
+    scalar = jax.ShapeDtypeStruct((), jnp.float32)
+
+    def node(a):
+        return xla_collectives.all_reduce(a, "data", "max") + 1
+
+    def chain(a):
+        xla_collectives.reset_order()
+        for _ in range(steps):
+            a = node(a)
+        return a
+
+    def one(a):
+        xla_collectives.reset_order()
+        return node(a)
+
+    return jax.jit(one).lower(scalar).compile(), jax.jit(chain).lower(scalar).compile()
 
 
 def main() -> None:

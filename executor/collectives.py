@@ -22,6 +22,7 @@ import functools
 import logging
 import threading
 import time
+import weakref
 
 __all__ = ["CollectiveRuntime", "make_gloo_group", "make_nccl_group", "gloo_group_on", "nccl_group_on", "dry_runs"]
 
@@ -137,7 +138,7 @@ class CollectiveRuntime:
                 _mark_formed(store, group_id)
             # NCCL's wait only orders the stream (the host does not block in it): nothing to slice.
             self._groups[group_id] = _Group(group, size, frozenset(members), sliced=not self.device.startswith("cuda"),
-                                            timeout_s=timeout_s)
+                                            timeout_s=timeout_s, native=_native_collectives())
         except Exception as exc:
             self._failures[group_id] = f"{type(exc).__name__}: {exc}"
             raise
@@ -315,25 +316,38 @@ class CollectiveRuntime:
 
 
 class _Group:
-    """A formed process group, its members' incarnations, and whether it was abandoned (a member lost)."""
+    """A formed process group, its members' incarnations, and whether it was abandoned (a member lost).
 
-    __slots__ = ("group", "size", "members", "abandoned", "timeout_s", "retired_at", "_pending", "_event", "_sliced")
+    ``native``: the extension that runs collectives inside XLA executables (`executor.backends.xla_collectives`),
+    where this executor's backend uses it: the group is registered there too (``slot``), abandoned and let go
+    with this object."""
 
-    def __init__(self, group, size: int, members: frozenset, sliced: bool = True, timeout_s: float = 60.0):
+    __slots__ = ("group", "size", "members", "abandoned", "timeout_s", "retired_at", "_pending", "_event", "_sliced",
+                 "_native", "slot", "__weakref__")
+
+    def __init__(self, group, size: int, members: frozenset, sliced: bool = True, timeout_s: float = 60.0,
+                 native=None):
         self.group, self.size, self.members, self._sliced = group, size, members, sliced
         self.abandoned = ""                 # why, once a member was lost
         self.timeout_s, self.retired_at = timeout_s, 0.0
         self._pending: list = []            # ops given up on (abandoned while waited for): they may still run
         self._event = threading.Event()     # set when abandoned: a blocked wait gives up
+        self._native, self.slot = (native, native.register_group(group)) if native is not None and sliced else \
+            (None, -1)
+        if self._native is not None:
+            weakref.finalize(self, self._native.release, self.slot)
 
     def abandon(self, reason: str) -> None:
         self.abandoned = reason
         self.retired_at = time.monotonic()
         self._event.set()
+        if self._native is not None:
+            self._native.abandon(self.slot, reason)
 
     def quiet(self) -> bool:
         """No op given up on still runs here: dropping the group joins idle threads only."""
-        return all(work.is_completed() for work in self._pending)
+        return all(work.is_completed() for work in self._pending) and (
+            self._native is None or self._native.quiet(self.slot))
 
     def wait(self, work) -> None:
         """Wait for ``work`` in slices, so that abandoning the group ends the wait within one slice.
@@ -379,14 +393,42 @@ def _mark_formed(store, group_id: int) -> None:
 
 
 class _Binding:
+    """Mesh axes bound to groups (or to why they have none) while a computation runs: for host stages on this
+    thread, and for collectives inside XLA executables in the extension (which XLA may call from its threads)."""
+
     def __init__(self, runtime: CollectiveRuntime, axis_groups: dict):
         self._runtime, self._axis_groups = runtime, axis_groups
+        self._native = _native_collectives()
+        self._native_axes = _native_axes(axis_groups) if self._native is not None else None
 
     def __enter__(self):
         self._runtime._local.binding = self._axis_groups
+        if self._native is not None:
+            self._native.bind(self._native_axes)
 
     def __exit__(self, *exc):
         self._runtime._local.binding = None
+
+
+def _native_collectives():
+    """The extension running collectives inside XLA executables, where this process's backend loaded it."""
+    from executor.backends import xla_collectives
+
+    return xla_collectives.loaded()
+
+
+def _native_axes(axis_groups: dict) -> list:
+    """The extension's binding of ``axis_groups``: (axis id, slot, abandoned, why not) per axis."""
+    from executor.backends.xla_collectives import axis_id
+
+    axes = []
+    for axis, bound in axis_groups.items():
+        if isinstance(bound, str):
+            axes.append((axis_id(axis), -1, isinstance(bound, _AbandonedReason), f"axis {axis!r}: {bound}"))
+        else:
+            axes.append((axis_id(axis), bound.slot, False, "" if bound.slot >= 0 else
+                         f"axis {axis!r}: its group is not registered with the extension"))
+    return axes
 
 
 @functools.cache

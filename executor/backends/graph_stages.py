@@ -1,7 +1,9 @@
 """Cut an aten graph into stages a compiler takes whole and stages that must run on the host.
 
 A *host* node is a ``pathways::`` collective (it talks to other executors through
-gloo/NCCL) or an op the compiler cannot lower (a *fallback*). Every maximal run of
+gloo/NCCL) that the compiler cannot take (``compiled_collective`` says which it can: on
+``xla:torchax`` with the built extension, `xla_collectives`), or an op the compiler cannot
+lower (a *fallback*). Every maximal run of
 the other nodes between host nodes is one compiled stage. Values cross stages
 through numbered *slots*: the graph's inputs first, then its tensor constants,
 then every value one stage makes and a later one reads. `StagePlan` prints as
@@ -32,6 +34,8 @@ class Stage:
     input_slots: list[int]
     output_slots: list[int]
     node_names: list[str]         # the aten ops of the stage (fallbacks: what ran outside XLA)
+    compiled_collectives: int = 0  # collectives inside a compiled stage (custom calls)
+    host_reason: str = ""          # a collective stage: why it is not inside the compiled stage
 
 
 @dataclasses.dataclass
@@ -55,6 +59,10 @@ class StagePlan:
         lines = [f"inputs 0..{self.num_inputs - 1}, constants {self.num_constants}"]
         for i, stage in enumerate(self.stages):
             what = f"{len(stage.node_names)} ops" if stage.kind == "jax" else ", ".join(stage.node_names)
+            if stage.compiled_collectives:
+                what += f", {stage.compiled_collectives} collective(s) inside"
+            if stage.host_reason:
+                what += f": {stage.host_reason}"
             lines.append(f"stage {i} {stage.kind}: {stage.input_slots} -> {stage.output_slots} ({what})")
         lines.append(f"outputs {self.output_slots}")
         return "\n".join(lines)
@@ -65,11 +73,13 @@ def is_collective(node) -> bool:
 
 
 def split_stages(graph_module, example_inputs: Sequence, lowerable: Callable[[object], bool],
-                 compiled_device=None) -> StagePlan:
+                 compiled_device=None, collective_refusal: Callable[[object], str] | None = None) -> StagePlan:
     """The stages of ``graph_module`` (an aten fx graph) for inputs shaped like ``example_inputs``.
 
     ``compiled_device``: the device that constructors inside a compiled stage name (torchax's ``jax``);
-    None leaves them as traced."""
+    None leaves them as traced. ``collective_refusal(node)``: why a collective node (its shapes in
+    ``node.meta["val"]``) cannot run inside a compiled stage, "" where it can; None: every collective is a host
+    stage."""
     graph_module = _decompose_unlowerable(graph_module, example_inputs, lowerable)
     _propagate_shapes(graph_module, example_inputs)
     nodes = list(graph_module.graph.nodes)
@@ -79,7 +89,7 @@ def split_stages(graph_module, example_inputs: Sequence, lowerable: Callable[[ob
     constant_values = {i: _attr(graph_module, n.target) for i, n in enumerate(constants)}
     output = next(n for n in nodes if n.op == "output")
     outputs = _as_list(output.args[0])
-    groups = _group(nodes, lowerable)
+    groups = _group(nodes, lowerable, collective_refusal)
     if len(groups) == 1 and groups[0][0] == "jax":
         # The common case: the whole graph is one executable over (inputs, constants).
         stage = _stage("jax", groups[0][1], placeholders + constants, outputs, compiled_device)
@@ -106,7 +116,7 @@ def split_stages(graph_module, example_inputs: Sequence, lowerable: Callable[[ob
     return StagePlan(stages, len(placeholders), constant_values, num_intermediates, [slot[n] for n in outputs])
 
 
-def _group(nodes, lowerable) -> list[tuple[str, list]]:
+def _group(nodes, lowerable, collective_refusal=None) -> list[tuple[str, list]]:
     """Consecutive compute nodes in groups of one kind; a host op with its getitems is a group of its own."""
     groups: list[tuple[str, list]] = []
     group_of = {}
@@ -118,7 +128,7 @@ def _group(nodes, lowerable) -> list[tuple[str, list]]:
             groups[group_of[source]][1].append(node)     # a host op's tuple element stays with the op
             group_of[node] = group_of[source]
             continue
-        kind = _kind(node, lowerable)
+        kind = _kind(node, lowerable, collective_refusal)
         if kind == "jax" and groups and groups[-1][0] == "jax":
             groups[-1][1].append(node)
         else:
@@ -127,9 +137,11 @@ def _group(nodes, lowerable) -> list[tuple[str, list]]:
     return groups or [("jax", [])]
 
 
-def _kind(node, lowerable) -> str:
+def _kind(node, lowerable, collective_refusal=None) -> str:
     if is_collective(node):
-        return "collective"
+        why = "no custom call for collectives here" if collective_refusal is None else collective_refusal(node)
+        node.meta["pathways_host_reason"] = why
+        return "collective" if why else "jax"
     target = node.target
     if _is_aten(target) and not lowerable(target):
         return "fallback"
@@ -170,7 +182,9 @@ def _stage(kind: str, members: list, inputs: list, outputs: list, on_device=None
     graph.output(tuple(env[n] for n in outputs))
     module = torch.fx.GraphModule(torch.nn.Module(), graph)
     names = [str(getattr(n.target, "__name__", n.target)) for n in members if n.target is not operator.getitem]
-    return Stage(kind, module, [n.meta.get("val") for n in inputs], [], [], names)
+    inside = sum(1 for n in members if is_collective(n)) if kind == "jax" else 0
+    why = members[0].meta.get("pathways_host_reason", "") if kind == "collective" else ""
+    return Stage(kind, module, [n.meta.get("val") for n in inputs], [], [], names, inside, why)
 
 
 def _decompose_unlowerable(graph_module, example_inputs, lowerable):

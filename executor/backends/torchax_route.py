@@ -25,6 +25,7 @@ from pathways_torch.wire.graph_schema import decode_graph
 from pathways_torch.wire.tensors import frame_to_tensor
 
 from .compile_errors import REFUSE_ENV, BackendCompileError, failing_node, refused_lowerings
+from . import xla_collectives
 from .graph_stages import Stage, split_stages
 from .torch_based import bytes_digest, meta_examples
 from .torchax_compat import has_lowering, import_torchax
@@ -113,6 +114,10 @@ class TorchaxBackend:
         warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
         self._torchax, self._env = import_torchax()
         _refuse_for_tests(self._env)
+        # Collectives as custom calls inside the executables where the extension is built; else they cut.
+        self.collectives_in_xla = xla_collectives.register_lowerings(self._env)
+        if not self.collectives_in_xla:
+            log.info("xla:torchax: collectives cut the executables (%s)", xla_collectives.unavailable_reason())
         self._jax_device = jax.devices()[0]
         self.device = f"{self._jax_device.platform}:{self._jax_device.id}"
         self._compiles = 0
@@ -131,7 +136,8 @@ class TorchaxBackend:
         try:
             stages = split_stages(prepared.graph_module, example_inputs,
                                   lowerable=lambda op: has_lowering(self._env, op),
-                                  compiled_device=self._torch.device("jax"))   # torchax's device: XLA values
+                                  compiled_device=self._torch.device("jax"),   # torchax's device: XLA values
+                                  collective_refusal=self._collective_refusal)
         except Exception as exc:
             if not _data_dependent(exc):
                 raise
@@ -144,9 +150,16 @@ class TorchaxBackend:
                         prepared.name, len(fallbacks), ", ".join(ops))
         self._counts[f"fallback_ops:{prepared.name}"] = len(fallbacks)
         self._counts[f"collective_cuts:{prepared.name}"] = cuts
+        self._counts[f"collectives_in_xla:{prepared.name}"] = sum(s.compiled_collectives for s in stages.stages)
         program = _StagedProgram(self, stages, prepared.donated)
         self._compiles += program.num_jitted
         return program
+
+    def _collective_refusal(self, node) -> str:
+        """Why collective ``node`` cuts the executable ("" where it runs inside it)."""
+        if not self.collectives_in_xla:
+            return f"collectives cut executables here ({xla_collectives.unavailable_reason()})"
+        return xla_collectives.why_not_compiled(node)
 
     def _whole_function_on_host(self, prepared: _Prepared, why: BaseException):
         """A function whose output sizes depend on the data (``x[x > 0]``): XLA needs static shapes, so the
@@ -246,6 +259,7 @@ class TorchaxBackend:
         from torchax import interop
 
         def traced(*arrays):
+            xla_collectives.reset_order()   # this executable's collectives in its graph's order
             return interop.call_torch(forward, *arrays)
 
         shapes = [jax.ShapeDtypeStruct(tuple(t.shape), _jax_dtype(t.dtype)) for t in example_inputs]
@@ -324,6 +338,8 @@ class _StagedProgram:
                                and (slot >= stages.num_inputs or slot in donated_inputs))
                 donated.update(stage.input_slots[i] for i in donate if stage.input_slots[i] < stages.num_inputs)
                 executable = backend.jit(stage.graph_module, stage.example_inputs, donate)
+                if stage.compiled_collectives:
+                    executable = _raising_collective_errors(executable)
                 self.num_jitted += 1
                 self._steps.append((True, executable, stage.input_slots, stage.output_slots))
             else:
@@ -337,8 +353,10 @@ class _StagedProgram:
         single = stages.single_jax_stage()
         self._single = self._steps[0][1] if single else None
         kinds = collections.Counter(stage.kind for stage in stages.stages)
+        inside = sum(stage.compiled_collectives for stage in stages.stages)
         self.summary = (f"{kinds['jax']} XLA stage(s), cut at {kinds['collective']} collective(s), "
-                        f"{kinds['fallback']} op(s) outside XLA")
+                        f"{kinds['fallback']} op(s) outside XLA"
+                        + (f", {inside} collective(s) inside XLA" if inside else ""))
 
     def __call__(self, inputs):
         if self._single is not None:
@@ -372,6 +390,31 @@ class _StagedProgram:
         """What the store keeps: jax arrays (a host stage's numpy output becomes one here)."""
         return self._backend.from_torch(self._backend._torch.from_numpy(value), counted=False) \
             if isinstance(value, self._ndarray) else value
+
+
+def _raising_collective_errors(executable):
+    """An executable with collectives inside, whose custom call failures raise as a host stage's would: a group
+    abandoned after a fault (``ABORTED``) as `CollectiveAbandoned`, which recovery runs again."""
+    def call(*arguments):
+        try:
+            return executable(*arguments)
+        except Exception as exc:
+            error = _collective_error(exc)
+            if error is exc:
+                raise
+            raise error from exc
+
+    return call
+
+
+def _collective_error(exc: Exception) -> Exception:
+    from executor.collectives import CollectiveAbandoned
+
+    text = str(exc)
+    for code, kind in (("ABORTED: ", CollectiveAbandoned), ("FAILED_PRECONDITION: ", RuntimeError)):
+        if code in text:
+            return kind(text[text.index(code) + len(code):].strip())
+    return exc
 
 
 def _last_uses(stages) -> list[tuple[int, ...]]:

@@ -68,28 +68,46 @@ def test_float64_runs_on_xla(ctx):
     torch.testing.assert_close(out.result(timeout_s=120), expected, rtol=1e-12, atol=1e-12)
 
 
-def test_collective_cuts_the_xla_graph_and_matches_eager(ctx, tmp_path):
+def _collectives_inside(ctx) -> bool:
+    """Whether this route runs collectives inside its executables here (xla:torchax with the extension built)."""
+    from executor.backends import xla_collectives
+
+    return ctx.backend == "xla:torchax" and xla_collectives.available()
+
+
+def _normalized(ctx, tmp_path):
+    """Two all-reduces between XLA ops on {data: 2}, checked against eager; the counters and the trace's detail."""
     mesh = ctx.mesh({"data": 2})
     host = torch.randn(8, 4)
 
     @pw.function(out=pw.Replicate())
     def normalized(a):
-        total = pw.all_reduce((a * a).sum(), axis="data")     # XLA segment, gloo on the host, XLA segment
+        total = pw.all_reduce((a * a).sum(), axis="data")
         return pw.all_reduce(a.sum(0), axis="data") / total.sqrt()
 
     out = normalized(ctx.put(host, mesh, [pw.Shard(0)]))
     expected = host.sum(0) / (host * host).sum().sqrt()
     torch.testing.assert_close(out.result(timeout_s=120), expected, rtol=1e-5, atol=1e-5)
-    for stats in ctx.stats()["executors"].values():     # both routes count per function
-        counters = stats["backend_counters"]
-        assert counters["collective_cuts:normalized"] == 2 and counters["fallback_ops:normalized"] == 0
-    # The trace names the route on each executor's row (and, on xla:torchax, says where the graph was cut).
+    counters = [stats["backend_counters"] for stats in ctx.stats()["executors"].values()]
     events = ctx.trace(str(tmp_path / "trace.json"))["traceEvents"]
+    return counters, events
+
+
+def test_collectives_run_inside_or_cut_the_xla_graph_and_match_eager(ctx, tmp_path):
+    counters, events = _normalized(ctx, tmp_path)
+    inside = _collectives_inside(ctx)
+    for counter in counters:     # both routes count per function
+        assert counter["fallback_ops:normalized"] == 0
+        assert counter["collective_cuts:normalized"] == (0 if inside else 2), counter
+        assert counter.get("collectives_in_xla:normalized", 0) == (2 if inside else 0), counter
+    # The trace names the route on each executor's row (and, on xla:torchax, says where the collectives ran).
     rows = {e["args"]["name"] for e in events if e.get("name") == "process_name"}
     assert rows == {f"executor-0 ({ctx.backend})", f"executor-1 ({ctx.backend})"}, rows
     if ctx.backend == "xla:torchax":
         compile_span = next(e for e in events if e.get("cat") == "compile" and e["name"] == "normalized")
-        assert "3 XLA stage(s), cut at 2 collective(s), 0 op(s) outside XLA" in compile_span["args"]["detail"], compile_span
+        detail = ("1 XLA stage(s), cut at 0 collective(s), 0 op(s) outside XLA, 2 collective(s) inside XLA" if inside
+                  else "3 XLA stage(s), cut at 2 collective(s), 0 op(s) outside XLA")
+        assert detail in compile_span["args"]["detail"], compile_span
 
 
 def test_values_stay_jax_arrays_between_calls(ctx):
@@ -122,9 +140,10 @@ def test_values_stay_jax_arrays_between_calls(ctx):
     for executor_id in before:
         b, a = before[executor_id], after[executor_id]
         delta = {k: a.get(k, 0) - b.get(k, 0) for k in a}
-        # Per step on each executor: the all-reduce's input to torch and its result back, nothing else
+        # Per step on each executor: nothing, or (cut) the all-reduce's input to torch and its result back
         # (the result goes to the client once, on the wire).
-        assert delta["conversions:jax->torch"] == runs and delta["conversions:torch->jax"] == runs, delta
+        per_cut = 0 if _collectives_inside(ctx) else runs
+        assert delta["conversions:jax->torch"] == per_cut and delta["conversions:torch->jax"] == per_cut, delta
         assert delta.get("conversions:wire->jax", 0) == 0, delta
         assert delta.get("conversions:jax->wire", 0) <= 1, delta
 

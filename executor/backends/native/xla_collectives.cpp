@@ -1,0 +1,347 @@
+// The pathways:: collectives inside an XLA executable: XLA FFI handlers that call the executor's own gloo (or
+// NCCL) group through torch's c10d Backend, on the executable's buffers, with no Python and no host stage.
+//
+// Built from this file by torch.utils.cpp_extension against the installed torch and jaxlib headers
+// (executor/backends/xla_collectives.py). State is per process, as the executor is:
+// - groups: slot -> the c10d Backend of a formed group, its abandoned flag and reason, and the ops given up on;
+// - the binding: mesh axis id -> slot (or why the axis has no usable group), set by the compute thread before
+//   it calls an executable. XLA may run a custom call on one of its own threads, so the binding is not
+//   thread-local; one compute thread per executor calls executables, one at a time.
+//
+// Every handler takes and returns an int32 "order" scalar besides its data, so that the collectives of one
+// executable run in graph order on every member (XLA schedules independent side-effecting calls freely).
+
+#include <ATen/ATen.h>
+#include <torch/csrc/utils/pybind.h>
+#include <torch/csrc/distributed/c10d/Backend.hpp>
+#include <torch/csrc/distributed/c10d/Types.hpp>
+#include <torch/csrc/distributed/c10d/Work.hpp>
+
+#include <atomic>
+#include <chrono>
+#include <cstring>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+struct Group {
+  c10::intrusive_ptr<c10d::Backend> backend;
+  int rank = 0;
+  int size = 1;
+  std::atomic<bool> abandoned{false};
+  std::mutex mutex;                                   // reason and pending
+  std::string reason;
+  std::vector<c10::intrusive_ptr<c10d::Work>> pending;  // given up on while abandoned: they may still run
+};
+
+struct Bound {
+  int64_t slot = -1;
+  bool abandoned = false;   // the axis's group was abandoned before this binding (a CollectiveAbandoned)
+  std::string reason;       // why slot is -1
+};
+
+constexpr int kMaxAxes = 64;
+constexpr std::chrono::milliseconds kWaitSlice(200);  // as executor.collectives._WAIT_SLICE
+
+std::mutex groups_mutex;
+std::unordered_map<int64_t, std::shared_ptr<Group>> groups;
+int64_t next_slot = 0;
+Bound binding[kMaxAxes];
+
+std::shared_ptr<Group> find_group(int64_t slot) {
+  std::lock_guard<std::mutex> lock(groups_mutex);
+  auto found = groups.find(slot);
+  return found == groups.end() ? nullptr : found->second;
+}
+
+ffi::Error aborted(const std::string& what) { return ffi::Error(ffi::ErrorCode::kAborted, what); }
+
+ffi::Error failed(const std::string& what) { return ffi::Error(ffi::ErrorCode::kFailedPrecondition, what); }
+
+// The group bound to `axis`, or the error a collective on it raises (its text reaches the executor).
+ffi::Error bound_group(const char* name, int64_t axis, std::shared_ptr<Group>* out) {
+  if (axis < 0 || axis >= kMaxAxes) return failed(std::string(name) + ": axis id out of range");
+  const Bound& bound = binding[axis];
+  if (bound.slot < 0) {
+    std::string why = std::string(name) + ": " +
+        (bound.reason.empty() ? "no process group bound for this axis (a collective outside a bound computation)"
+                              : bound.reason);
+    return bound.abandoned ? aborted(why) : failed(why);
+  }
+  auto group = find_group(bound.slot);
+  if (!group) return failed(std::string(name) + ": the axis's process group was released");
+  if (group->abandoned.load()) {
+    std::lock_guard<std::mutex> lock(group->mutex);
+    return aborted(std::string(name) + ": collective abandoned: " + group->reason);
+  }
+  *out = group;
+  return ffi::Error::Success();
+}
+
+// Wait in slices, so that abandoning the group ends the wait within one slice (as _Group.wait in Python).
+ffi::Error wait(Group& group, const c10::intrusive_ptr<c10d::Work>& work) {
+  while (true) {
+    try {
+      work->wait(kWaitSlice);
+      return ffi::Error::Success();
+    } catch (const std::exception& error) {
+      if (work->isCompleted()) {
+        try {
+          work->wait();   // its own outcome, not the slice's timeout
+          return ffi::Error::Success();
+        } catch (const std::exception& own) {
+          return ffi::Error::Internal(own.what());
+        }
+      }
+      if (group.abandoned.load()) {
+        std::lock_guard<std::mutex> lock(group.mutex);
+        group.pending.push_back(work);
+        return aborted("collective abandoned: " + group.reason);
+      }
+    }
+  }
+}
+
+c10::ScalarType scalar_type(ffi::DataType type) {
+  switch (type) {
+    case ffi::DataType::F32: return c10::ScalarType::Float;
+    case ffi::DataType::F64: return c10::ScalarType::Double;
+    case ffi::DataType::F16: return c10::ScalarType::Half;
+    case ffi::DataType::BF16: return c10::ScalarType::BFloat16;
+    case ffi::DataType::S64: return c10::ScalarType::Long;
+    case ffi::DataType::S32: return c10::ScalarType::Int;
+    case ffi::DataType::S16: return c10::ScalarType::Short;
+    case ffi::DataType::S8: return c10::ScalarType::Char;
+    case ffi::DataType::U8: return c10::ScalarType::Byte;
+    case ffi::DataType::PRED: return c10::ScalarType::Bool;
+    default: return c10::ScalarType::Undefined;
+  }
+}
+
+// A CPU tensor over an FFI buffer's bytes (no copy), in the buffer's dtype and shape.
+at::Tensor view(void* data, ffi::DataType type, const std::vector<int64_t>& shape) {
+  return at::from_blob(data, shape, at::TensorOptions().dtype(scalar_type(type)).device(at::kCPU));
+}
+
+std::vector<int64_t> shape_of(const ffi::AnyBuffer& buffer) {
+  auto dims = buffer.dimensions();
+  return std::vector<int64_t>(dims.begin(), dims.end());
+}
+
+std::vector<int64_t> shape_of(ffi::Result<ffi::AnyBuffer>& buffer) {
+  auto dims = buffer->dimensions();
+  return std::vector<int64_t>(dims.begin(), dims.end());
+}
+
+enum Reduce : int64_t { kSum = 0, kMean = 1, kMax = 2 };
+
+c10d::ReduceOp reduce_op(int64_t op) { return op == kMax ? c10d::ReduceOp::MAX : c10d::ReduceOp::SUM; }
+
+void pass_order(ffi::AnyBuffer order_in, ffi::Result<ffi::AnyBuffer> order_out) {
+  std::memcpy(order_out->untyped_data(), order_in.untyped_data(), order_in.size_bytes());
+}
+
+ffi::Error check_dtype(const char* name, ffi::DataType type) {
+  if (scalar_type(type) == c10::ScalarType::Undefined)
+    return failed(std::string(name) + ": an element type gloo does not take");
+  return ffi::Error::Success();
+}
+
+// all_reduce(x) -> y, the reduction over the axis's group (mean: the sum divided by the group's size).
+ffi::Error AllReduceImpl(ffi::AnyBuffer x, ffi::AnyBuffer order_in, ffi::Result<ffi::AnyBuffer> y,
+                         ffi::Result<ffi::AnyBuffer> order_out, int64_t axis, int64_t op) {
+  pass_order(order_in, order_out);
+  std::shared_ptr<Group> group;
+  if (auto error = bound_group("all_reduce", axis, &group); error.failure()) return error;
+  if (auto error = check_dtype("all_reduce", x.element_type()); error.failure()) return error;
+  try {
+    if (y->untyped_data() != x.untyped_data()) std::memcpy(y->untyped_data(), x.untyped_data(), x.size_bytes());
+    std::vector<at::Tensor> tensors{view(y->untyped_data(), x.element_type(), shape_of(x))};
+    c10d::AllreduceOptions options;
+    options.reduceOp = reduce_op(op);
+    if (auto error = wait(*group, group->backend->allreduce(tensors, options)); error.failure()) return error;
+    if (op == kMean) tensors[0].div_(group->size);
+  } catch (const std::exception& error) {
+    return ffi::Error::Internal(std::string("all_reduce: ") + error.what());
+  }
+  return ffi::Error::Success();
+}
+
+// all_gather(x) -> y of shape (size, *x.shape): member i's x at y[i] (the jax side moves the axis where asked).
+ffi::Error AllGatherImpl(ffi::AnyBuffer x, ffi::AnyBuffer order_in, ffi::Result<ffi::AnyBuffer> y,
+                         ffi::Result<ffi::AnyBuffer> order_out, int64_t axis) {
+  pass_order(order_in, order_out);
+  std::shared_ptr<Group> group;
+  if (auto error = bound_group("all_gather", axis, &group); error.failure()) return error;
+  if (auto error = check_dtype("all_gather", x.element_type()); error.failure()) return error;
+  auto out_shape = shape_of(y);
+  if (out_shape.empty() || out_shape[0] != group->size)
+    return failed("all_gather: the executable was traced for a group of " +
+                  std::to_string(out_shape.empty() ? 0 : out_shape[0]) + " members, the bound group has " +
+                  std::to_string(group->size));
+  try {
+    std::vector<at::Tensor> inputs{view(x.untyped_data(), x.element_type(), shape_of(x))};
+    at::Tensor gathered = view(y->untyped_data(), x.element_type(), out_shape);
+    std::vector<std::vector<at::Tensor>> outputs(1);
+    for (int i = 0; i < group->size; ++i) outputs[0].push_back(gathered[i]);
+    if (auto error = wait(*group, group->backend->allgather(outputs, inputs)); error.failure()) return error;
+  } catch (const std::exception& error) {
+    return ffi::Error::Internal(std::string("all_gather: ") + error.what());
+  }
+  return ffi::Error::Success();
+}
+
+// reduce_scatter(x of shape (size, *chunk)) -> y of shape chunk: this member's chunk of the reduction.
+ffi::Error ReduceScatterImpl(ffi::AnyBuffer x, ffi::AnyBuffer order_in, ffi::Result<ffi::AnyBuffer> y,
+                             ffi::Result<ffi::AnyBuffer> order_out, int64_t axis, int64_t op) {
+  pass_order(order_in, order_out);
+  std::shared_ptr<Group> group;
+  if (auto error = bound_group("reduce_scatter", axis, &group); error.failure()) return error;
+  if (auto error = check_dtype("reduce_scatter", x.element_type()); error.failure()) return error;
+  auto in_shape = shape_of(x);
+  if (in_shape.empty() || in_shape[0] != group->size)
+    return failed("reduce_scatter: the executable was traced for a group of " +
+                  std::to_string(in_shape.empty() ? 0 : in_shape[0]) + " members, the bound group has " +
+                  std::to_string(group->size));
+  try {
+    at::Tensor chunks = view(x.untyped_data(), x.element_type(), in_shape);
+    at::Tensor out = view(y->untyped_data(), x.element_type(), shape_of(y));
+    auto type = chunks.scalar_type();
+    if (op == kMax || !(type == c10::ScalarType::Float || type == c10::ScalarType::Double)) {
+      // gloo's reduce_scatter does not take every dtype on CPU (executor.collectives does the same).
+      std::vector<at::Tensor> whole{chunks.clone()};
+      c10d::AllreduceOptions options;
+      options.reduceOp = reduce_op(op);
+      if (auto error = wait(*group, group->backend->allreduce(whole, options)); error.failure()) return error;
+      out.copy_(whole[0][group->rank]);
+    } else {
+      std::vector<at::Tensor> outputs{out};
+      std::vector<std::vector<at::Tensor>> inputs(1);
+      for (int i = 0; i < group->size; ++i) inputs[0].push_back(chunks[i]);
+      c10d::ReduceScatterOptions options;
+      options.reduceOp = c10d::ReduceOp::SUM;
+      if (auto error = wait(*group, group->backend->reduce_scatter(outputs, inputs, options)); error.failure())
+        return error;
+    }
+    if (op == kMean) out.div_(group->size);
+  } catch (const std::exception& error) {
+    return ffi::Error::Internal(std::string("reduce_scatter: ") + error.what());
+  }
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(PathwaysAllReduce, AllReduceImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Attr<int64_t>("axis")
+                                  .Attr<int64_t>("op"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(PathwaysAllGather, AllGatherImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Attr<int64_t>("axis"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(PathwaysReduceScatter, ReduceScatterImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Attr<int64_t>("axis")
+                                  .Attr<int64_t>("op"));
+
+namespace {
+
+int64_t register_group(const c10::intrusive_ptr<c10d::Backend>& backend) {
+  auto group = std::make_shared<Group>();
+  group->backend = backend;
+  group->rank = backend->getRank();
+  group->size = backend->getSize();
+  std::lock_guard<std::mutex> lock(groups_mutex);
+  groups[next_slot] = group;
+  return next_slot++;
+}
+
+void abandon(int64_t slot, const std::string& reason) {
+  auto group = find_group(slot);
+  if (!group) return;
+  {
+    std::lock_guard<std::mutex> lock(group->mutex);
+    group->reason = reason;
+  }
+  group->abandoned.store(true);
+}
+
+bool quiet(int64_t slot) {
+  auto group = find_group(slot);
+  if (!group) return true;
+  std::lock_guard<std::mutex> lock(group->mutex);
+  for (auto& work : group->pending)
+    if (!work->isCompleted()) return false;
+  return true;
+}
+
+void release(int64_t slot) {
+  std::shared_ptr<Group> group;
+  {
+    std::lock_guard<std::mutex> lock(groups_mutex);
+    auto found = groups.find(slot);
+    if (found == groups.end()) return;
+    group = found->second;
+    groups.erase(found);
+  }
+  // Dropping the backend joins gloo's threads: outside the table's lock.
+  py::gil_scoped_release no_gil;
+  group.reset();
+}
+
+// axis id -> (slot, abandoned, reason); every axis not named is unbound.
+void bind_axes(const std::vector<std::tuple<int64_t, int64_t, bool, std::string>>& axes) {
+  for (auto& bound : binding) bound = Bound();
+  for (const auto& [axis, slot, was_abandoned, reason] : axes) {
+    if (axis < 0 || axis >= kMaxAxes) throw std::out_of_range("axis id " + std::to_string(axis));
+    binding[axis] = Bound{slot, was_abandoned, reason};
+  }
+}
+
+void unbind() {
+  for (auto& bound : binding) bound = Bound();
+}
+
+py::capsule capsule(void* handler) { return py::capsule(handler); }
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "pathways:: collectives as XLA FFI custom calls into the executor's c10d groups";
+  m.def("register_group", &register_group, "keep a formed group; returns its slot");
+  m.def("abandon", &abandon, "mark a group abandoned: collectives on it fail within one wait slice");
+  m.def("quiet", &quiet, "no op given up on still runs in the group");
+  m.def("release", &release, "let the group go");
+  m.def("bind", &bind_axes, "bind mesh axis ids to slots (or to why they have no group) for the next executables");
+  m.def("unbind", &unbind);
+  m.def("max_axes", []() { return kMaxAxes; });
+  m.def("handlers", []() {
+    py::dict out;
+    out["pathways_all_reduce"] = capsule(reinterpret_cast<void*>(PathwaysAllReduce));
+    out["pathways_all_gather"] = capsule(reinterpret_cast<void*>(PathwaysAllGather));
+    out["pathways_reduce_scatter"] = capsule(reinterpret_cast<void*>(PathwaysReduceScatter));
+    return out;
+  });
+}

@@ -1,0 +1,143 @@
+"""The collectives-inside-XLA extension (executor/backends/xla_collectives.py) on two real gloo ranks.
+
+Each rank compiles jax functions whose collectives are the extension's custom calls, runs them on its own
+inputs, and sends the results back; the test compares them with torch's reduction of both ranks' inputs.
+Also: several collectives in one executable (kept in graph order), a group abandoned while a call waits in
+it (the call fails within a wait slice, as `CollectiveAbandoned`), and an executable run with its axis unbound.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from bench.common import run_ranks
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
+
+SHAPE = (4, 6)
+DTYPES = ("float32", "float64", "bfloat16", "int64")
+
+
+def _input(rank: int, dtype: str) -> torch.Tensor:
+    values = torch.arange(24, dtype=torch.float64).reshape(SHAPE) * (rank + 1) - 5 * rank
+    return values.to(getattr(torch, dtype))
+
+
+def _cases(dtype: str):
+    """name -> (the jax function of x, what torch makes of the two ranks' inputs [x0, x1] for rank r)."""
+    from executor.backends import xla_collectives as xc
+
+    floating = dtype != "int64"
+    cases = {
+        "all_reduce sum": (lambda x: xc.all_reduce(x, "data", "sum"), lambda xs, r: xs[0] + xs[1]),
+        "all_reduce max": (lambda x: xc.all_reduce(x, "data", "max"), lambda xs, r: torch.maximum(xs[0], xs[1])),
+        "all_gather dim 0": (lambda x: xc.all_gather(x, "data", 2, 0), lambda xs, r: torch.cat(xs, 0)),
+        "all_gather dim -1": (lambda x: xc.all_gather(x, "data", 2, -1), lambda xs, r: torch.cat(xs, -1)),
+        "reduce_scatter sum dim 0": (lambda x: xc.reduce_scatter(x, "data", 2, "sum", 0),
+                                     lambda xs, r: (xs[0] + xs[1]).chunk(2, 0)[r]),
+        "reduce_scatter max dim 1": (lambda x: xc.reduce_scatter(x, "data", 2, "max", 1),
+                                     lambda xs, r: torch.maximum(xs[0], xs[1]).chunk(2, 1)[r]),
+        # Three in one executable: they must pair up in graph order on both ranks.
+        "three in one": (lambda x: xc.all_gather(xc.all_reduce(x, "data", "sum") * 2, "data", 2, 1)
+                         + xc.all_gather(xc.all_reduce(x, "data", "max"), "data", 2, 1),
+                         lambda xs, r: torch.cat([(xs[0] + xs[1]) * 2] * 2, 1)
+                         + torch.cat([torch.maximum(xs[0], xs[1])] * 2, 1)),
+    }
+    if floating:
+        cases["all_reduce mean"] = (lambda x: xc.all_reduce(x, "data", "mean"), lambda xs, r: (xs[0] + xs[1]) / 2)
+        cases["reduce_scatter mean dim 1"] = (lambda x: xc.reduce_scatter(x, "data", 2, "mean", 1),
+                                              lambda xs, r: ((xs[0] + xs[1]) / 2).chunk(2, 1)[r])
+    return cases
+
+
+def _rank(rank: int, size: int, store_path: str, results) -> None:
+    import os
+
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from executor.backends import xla_collectives as xc
+    from executor.backends.torchax_route import _collective_error
+    from executor.collectives import make_gloo_group
+
+    jax.config.update("jax_enable_x64", True)
+    jax.config.update("jax_cpu_enable_async_dispatch", False)
+    module = xc.register_targets()
+    if module is None:
+        results.put((rank, {"unavailable": xc.unavailable_reason()}))
+        return
+    group = make_gloo_group(store_path, "xla-collectives", rank, size, 60.0)
+    slot = module.register_group(group)
+    module.bind([(xc.axis_id("data"), slot, False, "")])
+    out = {}
+    for dtype in DTYPES:
+        x = jnp.asarray(_input(rank, dtype).float().numpy()).astype(dtype)
+        for name, (function, _) in _cases(dtype).items():
+            def traced(a, function=function):
+                xc.reset_order()
+                return function(a)
+
+            value = jax.jit(traced)(x)
+            out[(dtype, name)] = np.asarray(value.astype(jnp.float64))
+
+    def call_all_reduce():
+        def traced(a):
+            xc.reset_order()
+            return xc.all_reduce(a, "data", "sum")
+        return jax.jit(traced)(jnp.ones(3, jnp.float32))
+
+    # An axis with no group bound: the executable fails, naming why.
+    module.bind([(xc.axis_id("data"), -1, False, "axis 'data': it was never formed")])
+    try:
+        call_all_reduce()
+        out["unbound"] = "no error"
+    except Exception as exc:
+        error = _collective_error(exc)
+        out["unbound"] = f"{type(error).__name__}: {error}"
+    module.bind([(xc.axis_id("data"), slot, False, "")])
+    group.barrier().wait()
+    if rank == 0:
+        # Rank 1 never joins this all-reduce; the group is abandoned 0.5 s in: the call must end within a slice.
+        import threading
+
+        threading.Timer(0.5, module.abandon, (slot, "member executor-1@0 was lost (test)")).start()
+        began = time.monotonic()
+        try:
+            call_all_reduce()
+            out["abandoned"] = ("no error", 0.0)
+        except Exception as exc:
+            error = _collective_error(exc)
+            out["abandoned"] = (f"{type(error).__name__}: {error}", time.monotonic() - began)
+        out["quiet after abandon"] = module.quiet(slot)
+    else:
+        time.sleep(3.0)
+    results.put((rank, out))
+
+
+def test_collectives_inside_xla_match_torch_on_two_ranks():
+    rows = run_ranks(_rank, 2, (2,), "pathways-test-xla-collectives-", timeout_s=180)
+    outs = [row[1] for row in rows]
+    assert "unavailable" not in outs[0], (
+        f"the extension is not built here ({outs[0].get('unavailable')}): the README's install runs "
+        f"pathways-build-extensions")
+    inputs = {dtype: [_input(r, dtype) for r in range(2)] for dtype in DTYPES}
+    for rank, out in enumerate(outs):
+        for dtype in DTYPES:
+            for name, (_, expected) in _cases(dtype).items():
+                want = expected([x.double() for x in inputs[dtype]], rank)
+                if dtype != "float64":
+                    want = want.to(getattr(torch, dtype)).double()
+                got = torch.from_numpy(out[(dtype, name)])
+                tolerance = dict(rtol=1e-2, atol=1e-2) if dtype == "bfloat16" else dict(rtol=1e-6, atol=1e-6)
+                torch.testing.assert_close(got, want, **tolerance, msg=f"rank {rank}, {dtype}, {name}")
+        assert out["unbound"].startswith("RuntimeError: all_reduce: axis 'data': it was never formed"), out["unbound"]
+    message, waited = outs[0]["abandoned"]
+    assert message.startswith("CollectiveAbandoned: collective abandoned: member executor-1@0 was lost"), \
+        message
+    assert 0.4 < waited < 2.0, waited    # the abandon at 0.5 s, seen within a 200 ms slice
+    assert outs[0]["quiet after abandon"] is False   # the given-up op is pending: rank 1 never joined it
