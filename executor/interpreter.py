@@ -21,6 +21,7 @@ from pathways_torch.wire import pb
 from pathways_torch.wire.tensors import dtype_name
 
 from .collectives import CollectiveRuntime
+from .fusion import FusedSteps, plan_fusion
 from .jobs import ComputeJob, FormJob, LoadedFunction, RunJob, SegmentJob
 from .messages import remote_failure, with_origin
 from .sim_segment import run_segment_at_once
@@ -49,6 +50,7 @@ class StepInterpreter:
         self._at_once = getattr(backend, "runs_segments_at_once", False)
         self.collectives = collectives
         self.trace = trace
+        self._fuses = hasattr(backend, "fuse")   # consecutive steps as one executable (executor/fusion.py)
         # Bound once: the lookup per job allocates nothing.
         self._by_kind: dict[type, Callable[[ComputeJob], ComputeJob]] = {
             SegmentJob: self._compute_segment,
@@ -74,8 +76,16 @@ class StepInterpreter:
         for index, entry in enumerate(job.entries):
             slots[index] = hand_over(entry, handed_over)
         unreported = 0   # device time of quiet steps: charged with the next report (a run's last node reports)
-        for step, function in zip(segment.steps, job.functions):
-            unreported = self._run_step(job, step, function, slots, unreported)
+        fusion = self._fusion(segment, job.functions) if self._fuses and segment.plan is not None else None
+        if fusion is None:
+            for step, function in zip(segment.steps, job.functions):
+                unreported = self._run_step(job, step, function, slots, unreported)
+        else:
+            for unit in fusion.units:
+                if type(unit) is FusedSteps:
+                    unreported = self._run_fused(job, unit, slots, unreported)
+                else:
+                    unreported = self._run_step(job, unit[0], unit[1], slots, unreported)
         if unreported and job.dones:
             job.dones[-1].device_ns += unreported
         job.values = [slots[slot] for slot in segment.output_slots]
@@ -94,6 +104,88 @@ class StepInterpreter:
         if done is not None:
             job.dones.append(done)
         return job
+
+    def _fusion(self, segment, functions: list):
+        """The segment plan's fusion (`executor.fusion`), made once for its loaded functions; None: nothing fused."""
+        plan = segment.plan
+        fusion = plan.fusion
+        if fusion is None or fusion.functions != tuple(functions):
+            fusion = plan.fusion = plan_fusion(plan.steps, functions, segment.output_slots, self.backend)
+            log.info("%s: %s\n%s", self.executor_id, plan.describe(), fusion.describe())
+        return fusion if fusion.fused else None
+
+    def _run_fused(self, job: SegmentJob, unit: FusedSteps, slots: list, unreported: int) -> int:
+        """Run consecutive steps as one executable; alone, one by one, where an input is a failure, an input from
+        outside the segment does not fit its function, or the executable did not compile."""
+        steps = unit.steps
+        arguments = [slots[slot] for slot in unit.inputs]
+        if unit.executable is None:
+            unit.executable = self._compile_fused(unit, arguments)
+        if unit.executable is False or self._refuses_any(unit, arguments):
+            del arguments
+            for step, function in zip(steps, unit.functions):
+                unreported = self._run_step(job, step, function, slots, unreported)
+            return unreported
+        for slot in unit.frees:   # the list passed on holds them now
+            slots[slot] = None
+        seq, call_id = job.segment.ids(steps[0])
+        self.trace.record("start", unit.label, seq=seq, call_id=call_id, function_id=steps[0].function_id)
+        started = self._clock_ns()
+        try:
+            with self.collectives.bind(steps[0].axis_groups, seq=seq, cache=steps[0]):
+                outputs = self.backend.run(unit.executable, arguments)
+            failure = None
+        except Exception as exc:
+            outputs, failure = None, remote_failure(exc, self.executor_id, origin_call_id=call_id)
+        del arguments
+        device_ns = self._clock_ns() - started + unreported
+        self.trace.record("end", unit.label, seq=seq, call_id=call_id, function_id=steps[0].function_id)
+        for index, slot in enumerate(unit.outputs):
+            slots[slot] = failure if outputs is None else outputs[index]
+        if outputs is not None:
+            job.computed += len(steps)
+        reporting = [step for step in steps if step.report]
+        for step in reporting:
+            step_seq, step_call_id = job.segment.ids(step)
+            done = pb.Done(call_id=step_call_id, seq=step_seq, ok=failure is None,
+                           device_ns=device_ns if step is reporting[-1] else 0)
+            if failure is not None:
+                done.failure.CopyFrom(failure)
+            job.dones.append(done)
+        return 0 if reporting else device_ns
+
+    def _compile_fused(self, unit: FusedSteps, arguments: list):
+        """The unit's executable, or False (logged) where it cannot be built: its steps then run alone."""
+        if any(isinstance(value, pb.RemoteFailure) for value in arguments):
+            return None      # no shapes to trace from this run: the next one compiles it
+        self.trace.record("compile_start", unit.label, detail=self.backend.name)
+        try:
+            return self.backend.fuse(unit, arguments)
+        except Exception as exc:
+            log.warning("%s: %s did not compile as one executable (%s: %s); its steps run one by one",
+                        self.executor_id, unit.label, type(exc).__name__, exc)
+            return False
+        finally:
+            self.trace.record("compile_end", unit.label, detail=unit.describe())
+
+    @staticmethod
+    def _refuses_any(unit: FusedSteps, arguments: list) -> bool:
+        """An input is a failure, or a value from outside the segment does not fit the step that reads it (the
+        steps then run alone, and the lone step's check names the problem)."""
+        if any(isinstance(value, pb.RemoteFailure) for value in arguments):
+            return True
+        where = unit.input_index
+        for step, function in zip(unit.steps, unit.functions):
+            if not step.external:
+                continue
+            signature = function.signature
+            if len(step.inputs) != len(signature):
+                return True
+            for (shape, dtype), slot in zip(signature, step.inputs):
+                value = arguments[where[slot]] if slot in where else None
+                if value is not None and (tuple(value.shape) != shape or dtype_name(value.dtype) != dtype):
+                    return True
+        return False
 
     def _run_step(self, job: SegmentJob, step, function: LoadedFunction | None, slots: list, unreported: int) -> int:
         """Run one step of a segment; the device time not yet reported, after it."""

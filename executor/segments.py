@@ -79,7 +79,7 @@ class SegmentPlan:
     """
 
     __slots__ = ("steps", "inputs", "outputs", "produced", "num_slots", "first_prev_collective_node",
-                 "last_collective_node", "_trace_ids", "device_summary")
+                 "last_collective_node", "_trace_ids", "device_summary", "fusion")
 
     def __init__(self):
         self.steps: list[Step] = []
@@ -91,6 +91,7 @@ class SegmentPlan:
         self.last_collective_node = -1
         self._trace_ids: tuple | None = None
         self.device_summary = None   # what a simulated device does with it, worked out once (executor/sim_segment.py)
+        self.fusion = None           # which steps run as one executable (executor/fusion.py), worked out once
 
     @property
     def trace_ids(self) -> tuple:

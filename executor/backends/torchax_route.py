@@ -25,12 +25,12 @@ from pathways_torch.wire.graph_schema import decode_graph
 from pathways_torch.wire.tensors import frame_to_tensor
 
 from .compile_errors import REFUSE_ENV, BackendCompileError, failing_node, refused_lowerings
-from . import xla_collectives
+from . import torchax_fusion, xla_collectives
 from .graph_stages import Stage, split_stages
 from .torch_based import bytes_digest, meta_examples
 from .torchax_compat import has_lowering, import_torchax
 
-__all__ = ["TorchaxBackend", "cache_dir", "cache_dir_refusal"]
+__all__ = ["TorchaxBackend", "cache_dir", "cache_dir_refusal", "raising_collective_errors"]
 
 log = logging.getLogger(__name__)
 
@@ -180,6 +180,26 @@ class TorchaxBackend:
 
     def num_compiles(self) -> int:
         return self._compiles
+
+    # ------------------------------------------------------------ fusion (executor/fusion.py)
+
+    def fusion_refusal(self, compiled) -> str:
+        return torchax_fusion.fusion_refusal(compiled)
+
+    def fusion_ops(self, compiled) -> int:
+        return torchax_fusion.fusion_ops(compiled)
+
+    def fuse(self, unit, values: list):
+        """One executable for the consecutive steps of ``unit`` (`executor.fusion.FusedSteps`)."""
+        self._compiles += 1
+        executable = torchax_fusion.fuse(self, unit, values)
+        self._counts["fused_executables"] += 1
+        self._counts["fused_steps"] += len(unit.steps)
+        return executable
+
+    @staticmethod
+    def fast_call(compiled):
+        return _fast_call(compiled)
 
     def counters(self) -> dict[str, int]:
         return {**self._counts, "conversions:jax->torch": self.num_to_torch,
@@ -339,7 +359,7 @@ class _StagedProgram:
                 donated.update(stage.input_slots[i] for i in donate if stage.input_slots[i] < stages.num_inputs)
                 executable = backend.jit(stage.graph_module, stage.example_inputs, donate)
                 if stage.compiled_collectives:
-                    executable = _raising_collective_errors(executable)
+                    executable = raising_collective_errors(executable)
                 self.num_jitted += 1
                 self._steps.append((True, executable, stage.input_slots, stage.output_slots))
             else:
@@ -352,6 +372,8 @@ class _StagedProgram:
         self.donated_inputs = frozenset(donated)   # function inputs it consumes (executor: `LoadedFunction.mutates`)
         single = stages.single_jax_stage()
         self._single = self._steps[0][1] if single else None
+        self.single_stage = stages.stages[0] if single else None   # what a fused executable traces again
+        self.constants = self._constants
         kinds = collections.Counter(stage.kind for stage in stages.stages)
         inside = sum(stage.compiled_collectives for stage in stages.stages)
         self.summary = (f"{kinds['jax']} XLA stage(s), cut at {kinds['collective']} collective(s), "
@@ -392,7 +414,7 @@ class _StagedProgram:
             if isinstance(value, self._ndarray) else value
 
 
-def _raising_collective_errors(executable):
+def raising_collective_errors(executable):
     """An executable with collectives inside, whose custom call failures raise as a host stage's would: a group
     abandoned after a fault (``ABORTED``) as `CollectiveAbandoned`, which recovery runs again."""
     def call(*arguments):

@@ -110,6 +110,55 @@ def test_collectives_run_inside_or_cut_the_xla_graph_and_match_eager(ctx, tmp_pa
         assert detail in compile_span["args"]["detail"], compile_span
 
 
+def test_with_the_extension_turned_off_collectives_cut_the_graph_and_match_eager(tmp_path, monkeypatch):
+    """The pure-Python path, which platforms without the extension take: same results, host stages."""
+    monkeypatch.setenv("PATHWAYS_COLLECTIVES_IN_XLA", "0")     # inherited by the executors
+    with pw.Context(num_executors=2, backend="xla:torchax") as ctx:
+        counters, events = _normalized(ctx, tmp_path)
+    for counter in counters:
+        assert counter["collective_cuts:normalized"] == 2, counter
+        assert counter.get("collectives_in_xla:normalized", 0) == 0, counter
+    compile_span = next(e for e in events if e.get("cat") == "compile" and e["name"] == "normalized")
+    assert "3 XLA stage(s), cut at 2 collective(s)" in compile_span["args"]["detail"], compile_span
+
+
+def test_a_program_s_consecutive_steps_run_as_one_executable(ctx, tmp_path):
+    """Fusion (executor/fusion.py): a chain of 16 nodes on one mesh is one executable on each executor, its
+    collectives inside it in program order; results as eager's. A node with a host stage stays alone."""
+    if ctx.backend != "xla:torchax":
+        pytest.skip("xla:torchax fuses; torch_xla runs node by node")
+    mesh = ctx.mesh({"data": 2})
+    scale = torch.tensor([1.0, 2.0, 3.0])
+
+    def node_fn(x):
+        # A tensor made from a literal is a constant of the graph: an argument of the fused executable.
+        return pw.all_reduce(x * torch.tensor([1.0, 2.0, 3.0]), axis="data", op="max") + 1
+
+    node = pw.function(node_fn, name="node", out=pw.Replicate())
+
+    @pw.program
+    def chain(x):
+        for _ in range(16):
+            x = node(x)
+        return x
+
+    host = torch.tensor([[0.5, -1.0, 2.0], [1.5, 0.25, -3.0]])
+    expected = torch.maximum(host[0] * scale, host[1] * scale) + 1    # the first node: the max over the shards
+    for _ in range(15):
+        expected = expected * scale + 1                                 # then each node's input is replicated
+    x = ctx.put(host, mesh, [pw.Shard(0)])
+    outs = [chain(x) for _ in range(3)]
+    for out in outs:
+        torch.testing.assert_close(out.result(timeout_s=120).reshape(3), expected, rtol=1e-6, atol=1e-6)
+    events = ctx.trace(str(tmp_path / "trace.json"))["traceEvents"]
+    fused = [e for e in events if e.get("name") == "fused n0..n15" and e.get("cat") != "compile"]
+    assert len(fused) == 3 * 2, [e.get("name") for e in events][:50]        # 3 runs on 2 executors
+    compiles = [e for e in events if e.get("cat") == "compile" and e["name"] == "fused n0..n15"]
+    assert len(compiles) == 2 and "16 steps, one executable" in compiles[0]["args"]["detail"], compiles
+    for stats in ctx.stats()["executors"].values():
+        assert stats["backend_counters"]["fused_steps"] == 16, stats["backend_counters"]
+
+
 def test_values_stay_jax_arrays_between_calls(ctx):
     """Between two functions and inside a program the store keeps XLA's own values: no conversion at all;
     a collective converts its input and its output once each."""
