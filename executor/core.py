@@ -281,6 +281,7 @@ class ExecutorCore:
                          programs_held=len(self.run_queue.programs))
         for name, count in self.backend.counters().items():
             stats.backend_counters[name] = count
+        stats.fusion.extend(self.run_queue.fusion_text())
         for hop, count in self.hop_bytes.items():
             stats.hop_bytes[hop] = count
         # Stats has no fields for these counts yet: they ride in hop_bytes under reserved names.

@@ -155,6 +155,17 @@ class RunQueue:
         frees = [ref for ref in msg.local_intermediates if (ref.value, ref.shard) in stored]
         self.programs[msg.program_id] = (msg, items, frees)
 
+    def fusion_text(self) -> list[str]:
+        """Per segment of a held program that has run (its fusion is planned at the first run): which steps run as
+        one executable and why the others do not (`executor.fusion`)."""
+        texts = []
+        for program_id, (msg, items, _) in self.programs.items():
+            for item in items:
+                fusion = getattr(item, "fusion", None)
+                if fusion is not None:
+                    texts.append(f"program {msg.name} ({program_id}) {item.describe()}\n{fusion.describe()}")
+        return texts
+
     def on_run_program(self, msg: pb.RunProgram, payload) -> None:
         """Enqueue one run of a registered program: all its segments and sends at once."""
         registered = self.programs.get(msg.program_id)

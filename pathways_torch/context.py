@@ -302,6 +302,7 @@ def _executor_stats(s) -> dict:
     return {"store_bytes": s.store_bytes, "store_buffers": s.store_buffers,
             "hop_bytes": hop_bytes, "num_computations": s.num_computations,
             "num_function_loads": s.num_function_loads, "programs_held": s.programs_held,
+            "fusion": list(s.fusion),
             "num_compiles": s.num_compiles, "backend": s.backend,
             "backend_counters": dict(s.backend_counters),
             # Counts that ride in hop_bytes until Stats has fields for them.

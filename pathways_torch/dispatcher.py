@@ -78,7 +78,21 @@ class Dispatcher:
         return self._describe(graph)
 
     def _describe(self, graph) -> str:
-        return self._client.describe_program(self._program_id(graph))
+        program_id = self._program_id(graph)
+        return self._client.describe_program(program_id) + "\n" + self._fusion(program_id)
+
+    def _fusion(self, program_id: int) -> str:
+        """What each executor fused of the program (planned there at its first run: executor/fusion.py)."""
+        lines = []
+        for executor_id, stats in sorted(self._context.stats()["executors"].items()):
+            for text in stats.get("fusion", ()):
+                header, _, body = text.partition("\n")
+                if header.split(" (", 1)[-1].startswith(f"{program_id}) "):
+                    lines.append(f"{executor_id}: {header.split(') ', 1)[1]}")
+                    lines.extend(f"  {line}" for line in body.splitlines())
+        if not lines:
+            return "fusion: not planned yet (each executor plans it at the program's first run)"
+        return "\n".join(["fusion:"] + lines)
 
     def _register_program(self, graph) -> int:
         nodes = []

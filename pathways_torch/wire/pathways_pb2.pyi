@@ -489,7 +489,7 @@ class StatsRequest(_message.Message):
     def __init__(self, request_id: _Optional[int] = ...) -> None: ...
 
 class Stats(_message.Message):
-    __slots__ = ("request_id", "executor_id", "store_bytes", "store_buffers", "hop_bytes", "num_computations", "num_function_loads", "num_compiles", "backend", "backend_counters", "queue_high_water", "store_bytes_high_water", "transfers_lost", "programs_held")
+    __slots__ = ("request_id", "executor_id", "store_bytes", "store_buffers", "hop_bytes", "num_computations", "num_function_loads", "num_compiles", "backend", "backend_counters", "queue_high_water", "store_bytes_high_water", "transfers_lost", "programs_held", "fusion")
     class HopBytesEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -518,6 +518,7 @@ class Stats(_message.Message):
     STORE_BYTES_HIGH_WATER_FIELD_NUMBER: _ClassVar[int]
     TRANSFERS_LOST_FIELD_NUMBER: _ClassVar[int]
     PROGRAMS_HELD_FIELD_NUMBER: _ClassVar[int]
+    FUSION_FIELD_NUMBER: _ClassVar[int]
     request_id: int
     executor_id: str
     store_bytes: int
@@ -532,7 +533,8 @@ class Stats(_message.Message):
     store_bytes_high_water: int
     transfers_lost: int
     programs_held: int
-    def __init__(self, request_id: _Optional[int] = ..., executor_id: _Optional[str] = ..., store_bytes: _Optional[int] = ..., store_buffers: _Optional[int] = ..., hop_bytes: _Optional[_Mapping[str, int]] = ..., num_computations: _Optional[int] = ..., num_function_loads: _Optional[int] = ..., num_compiles: _Optional[int] = ..., backend: _Optional[str] = ..., backend_counters: _Optional[_Mapping[str, int]] = ..., queue_high_water: _Optional[int] = ..., store_bytes_high_water: _Optional[int] = ..., transfers_lost: _Optional[int] = ..., programs_held: _Optional[int] = ...) -> None: ...
+    fusion: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, request_id: _Optional[int] = ..., executor_id: _Optional[str] = ..., store_bytes: _Optional[int] = ..., store_buffers: _Optional[int] = ..., hop_bytes: _Optional[_Mapping[str, int]] = ..., num_computations: _Optional[int] = ..., num_function_loads: _Optional[int] = ..., num_compiles: _Optional[int] = ..., backend: _Optional[str] = ..., backend_counters: _Optional[_Mapping[str, int]] = ..., queue_high_water: _Optional[int] = ..., store_bytes_high_water: _Optional[int] = ..., transfers_lost: _Optional[int] = ..., programs_held: _Optional[int] = ..., fusion: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class TraceEvent(_message.Message):
     __slots__ = ("name", "kind", "time_ns", "seq", "call_id", "function_id", "detail")

@@ -61,3 +61,28 @@ def test_a_training_step_whose_op_cannot_compile_names_the_model_line(ctx):
     error = loss.exception(120)
     assert isinstance(error, pw.RemoteError) and error.op == "aten.cos.default", error
     assert "return torch.cos(self.lin(x))" in str(error), str(error)
+
+
+def test_a_fused_program_given_a_failed_input_fails_as_its_steps_would(ctx):
+    """Fusion (executor/fusion.py) never changes results: a fused run whose input is a failure runs its steps one
+    by one, and the failure reaches the program's output naming where it began; a good input then runs fused."""
+    mesh = ctx.mesh({"data": 2})
+    waves = pw.function(_waves, name="waves")
+    node = pw.function(lambda x: pw.all_reduce(x * 2, axis="data") + 1, name="node")
+
+    @pw.program
+    def chain(x):
+        for _ in range(4):
+            x = node(x)
+        return x
+
+    failed = waves(ctx.put(torch.arange(4.0), mesh, [pw.Shard(0)]))
+    with pytest.raises(pw.RemoteError) as caught:
+        chain(failed).result(120)
+    assert "could not compile aten.cos.default" in str(caught.value), str(caught.value)
+    good = chain(ctx.put(torch.arange(4.0), mesh, [pw.Shard(0)]))
+    expected = torch.arange(4.0).reshape(2, 2)
+    for _ in range(4):
+        expected = (expected * 2).sum(0).expand(2, 2) + 1    # each shard all-reduced over the two
+    torch.testing.assert_close(good.result(120), expected.reshape(4), rtol=1e-6, atol=1e-6)
+    assert "fused n0..n3: 4 steps, one executable" in ctx.lowered(chain, good), ctx.lowered(chain, good)

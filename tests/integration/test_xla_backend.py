@@ -157,6 +157,10 @@ def test_a_program_s_consecutive_steps_run_as_one_executable(ctx, tmp_path):
     assert len(compiles) == 2 and "16 steps, one executable" in compiles[0]["args"]["detail"], compiles
     for stats in ctx.stats()["executors"].values():
         assert stats["backend_counters"]["fused_steps"] == 16, stats["backend_counters"]
+    lowered = ctx.lowered(chain, x)
+    for executor_id in ctx.executor_ids:   # what each executor fused, under the controller's lowering
+        assert (f"{executor_id}: segment n0..n15 (16 steps, 1 in, 1 out, collective)\n"
+                f"  fused n0..n15: 16 steps, one executable (64 ops, 1 in, 1 out)") in lowered, lowered
 
 
 def test_values_stay_jax_arrays_between_calls(ctx):
