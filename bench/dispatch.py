@@ -161,6 +161,7 @@ def summarize(size: int, rounds: list[dict]) -> dict:
     for key in rounds[0]:
         if key.endswith(" (xla)"):
             ratios[f"{key} / eager"] = [r[key] / r[key.removesuffix(" (xla)")] for r in rounds]
+            ratios[f"{key} / multi-controller"] = [r[key] / r["multi-controller"] for r in rounds]
     if any(f"{name} OpByOp" in rounds[0] for name in BASELINES):
         ratios["OpByOp / best baseline OpByOp"] = [
             r["OpByOp"] / max(r[f"{name} OpByOp"] for name in BASELINES if f"{name} OpByOp" in r) for r in rounds]
@@ -185,6 +186,10 @@ def _table_row(result: dict) -> list[str]:
     return cells
 
 
+def _ratio_text(ratio: dict) -> str:
+    return f"{ratio['median']:.2f} ({ratio['min']:.2f}-{ratio['max']:.2f})"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_run_arguments(parser, sizes="1,2,4,8", steps=200, repeats=4)
@@ -200,11 +205,12 @@ def main() -> None:
     print("(x: median of the per-round ratios, then their range)")
     xla_rows = [[str(r["executors"]), key.removesuffix(" / eager"), f"{r['rates'][key.removesuffix(' / eager')]:,.0f}",
                  f"{r['rates'][key.removesuffix(' (xla) / eager')]:,.0f}",
-                 f"{v['median']:.2f} ({v['min']:.2f}-{v['max']:.2f})"]
+                 f"{v['median']:.2f} ({v['min']:.2f}-{v['max']:.2f})", _ratio_text(
+                     r["ratios"][key.removesuffix(" / eager") + " / multi-controller"])]
                 for r in results for key, v in r["ratios"].items() if key.endswith("(xla) / eager")]
     if xla_rows:
-        print("\nThe default backend (XLA) against eager executors, same rounds:")
-        print_table(["N", "mode", "xla /s", "eager /s", "xla / eager"], xla_rows)
+        print("\nThe default backend (XLA) against eager executors and the multi-controller loop, same rounds:")
+        print_table(["N", "mode", "xla /s", "eager /s", "xla / eager", "xla / multi-controller"], xla_rows)
         for r in results:
             chained = r["ratios"].get("Chained (xla) / eager")
             if chained:
