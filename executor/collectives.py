@@ -102,8 +102,12 @@ class _AbandonedReason(str):
 class CollectiveRuntime:
     """This executor's process groups and the axis bindings of the running computation."""
 
-    def __init__(self, bind_host: str = "127.0.0.1", device: str = "cpu", trace=None, store_factory=None):
+    def __init__(self, bind_host: str = "127.0.0.1", device: str = "cpu", trace=None, store_factory=None,
+                 native=None):
         self.bind_host = bind_host
+        # The groups' side in the extension that runs collectives inside XLA executables, where the backend has
+        # it (`executor.backends.xla_collectives.NativeGroups`): groups registered there, axes bound there too.
+        self.native = native
         # Makes this executor's connection to the controller's rendezvous store (at the first group).
         self._store_factory, self._store = store_factory, None
         self.trace = trace       # a TraceRecorder: each collective is a span inside its computation
@@ -138,7 +142,7 @@ class CollectiveRuntime:
                 _mark_formed(store, group_id)
             # NCCL's wait only orders the stream (the host does not block in it): nothing to slice.
             self._groups[group_id] = _Group(group, size, frozenset(members), sliced=not self.device.startswith("cuda"),
-                                            timeout_s=timeout_s, native=_native_collectives())
+                                            timeout_s=timeout_s, native=self.native)
         except Exception as exc:
             self._failures[group_id] = f"{type(exc).__name__}: {exc}"
             raise
@@ -318,8 +322,8 @@ class CollectiveRuntime:
 class _Group:
     """A formed process group, its members' incarnations, and whether it was abandoned (a member lost).
 
-    ``native``: the extension that runs collectives inside XLA executables (`executor.backends.xla_collectives`),
-    where this executor's backend uses it: the group is registered there too (``slot``), abandoned and let go
+    ``native``: the extension's side of the groups (`CollectiveRuntime.native`), where this executor's backend
+    runs collectives inside XLA executables: the group is registered there too (``slot``), abandoned and let go
     with this object."""
 
     __slots__ = ("group", "size", "members", "abandoned", "timeout_s", "retired_at", "_pending", "_event", "_sliced",
@@ -332,8 +336,7 @@ class _Group:
         self.timeout_s, self.retired_at = timeout_s, 0.0
         self._pending: list = []            # ops given up on (abandoned while waited for): they may still run
         self._event = threading.Event()     # set when abandoned: a blocked wait gives up
-        self._native, self.slot = (native, native.register_group(group)) if native is not None and sliced else \
-            (None, -1)
+        self._native, self.slot = (native, native.register(group)) if native is not None and sliced else (None, -1)
         if self._native is not None:
             weakref.finalize(self, self._native.release, self.slot)
 
@@ -398,8 +401,8 @@ class _Binding:
 
     def __init__(self, runtime: CollectiveRuntime, axis_groups: dict):
         self._runtime, self._axis_groups = runtime, axis_groups
-        self._native = _native_collectives()
-        self._native_axes = _native_axes(axis_groups) if self._native is not None else None
+        self._native = runtime.native
+        self._native_axes = _native_axes(self._native, axis_groups) if self._native is not None else None
 
     def __enter__(self):
         self._runtime._local.binding = self._axis_groups
@@ -410,17 +413,9 @@ class _Binding:
         self._runtime._local.binding = None
 
 
-def _native_collectives():
-    """The extension running collectives inside XLA executables, where this process's backend loaded it."""
-    from executor.backends import xla_collectives
-
-    return xla_collectives.loaded()
-
-
-def _native_axes(axis_groups: dict) -> list:
+def _native_axes(native, axis_groups: dict) -> list:
     """The extension's binding of ``axis_groups``: (axis id, slot, abandoned, why not) per axis."""
-    from executor.backends.xla_collectives import axis_id
-
+    axis_id = native.axis_id
     axes = []
     for axis, bound in axis_groups.items():
         if isinstance(bound, str):

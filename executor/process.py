@@ -74,7 +74,8 @@ class ExecutorProcess(CoreEndpoint):
         trace = TraceRecorder(config.max_trace_events)
         self.compiler = CompileCache(self.backend, trace, post=lambda fn: self.loop.call_soon(self._locked(fn)))
         self.collectives = CollectiveRuntime(config.bind_host, config.device, trace,
-                                             store_factory=self._rendezvous_store)
+                                             store_factory=self._rendezvous_store,
+                                             native=getattr(self.backend, "native_collectives", None))
         if config.backend != "sim":   # the simulated device imports no torch
             from pathways_torch.wire import collective_ops
 

@@ -57,9 +57,7 @@ def fuse(backend, unit, values: list):
     executable = backend.fast_call(jax.jit(traced).lower(*shapes).compile())
     inside = sum(program.single_stage.compiled_collectives for program, _, _ in members)
     if inside:
-        from .torchax_route import raising_collective_errors
-
-        executable = raising_collective_errors(executable)
+        executable = xla_collectives.raising_collective_errors(executable)
 
     def call(arguments: list):
         return list(executable(*arguments, *constants))

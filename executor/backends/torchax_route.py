@@ -30,7 +30,7 @@ from .graph_stages import Stage, split_stages
 from .torch_based import bytes_digest, meta_examples
 from .torchax_compat import has_lowering, import_torchax
 
-__all__ = ["TorchaxBackend", "cache_dir", "cache_dir_refusal", "raising_collective_errors"]
+__all__ = ["TorchaxBackend", "cache_dir", "cache_dir_refusal"]
 
 log = logging.getLogger(__name__)
 
@@ -116,6 +116,9 @@ class TorchaxBackend:
         _refuse_for_tests(self._env)
         # Collectives as custom calls inside the executables where the extension is built; else they cut.
         self.collectives_in_xla = xla_collectives.register_lowerings(self._env)
+        # What the executor's CollectiveRuntime registers its groups with (None: collectives cut the graph).
+        self.native_collectives = xla_collectives.NativeGroups(xla_collectives.load()) if self.collectives_in_xla \
+            else None
         if not self.collectives_in_xla:
             log.info("xla:torchax: collectives cut the executables (%s)", xla_collectives.unavailable_reason())
         self._jax_device = jax.devices()[0]
@@ -359,7 +362,7 @@ class _StagedProgram:
                 donated.update(stage.input_slots[i] for i in donate if stage.input_slots[i] < stages.num_inputs)
                 executable = backend.jit(stage.graph_module, stage.example_inputs, donate)
                 if stage.compiled_collectives:
-                    executable = raising_collective_errors(executable)
+                    executable = xla_collectives.raising_collective_errors(executable)
                 self.num_jitted += 1
                 self._steps.append((True, executable, stage.input_slots, stage.output_slots))
             else:
@@ -412,31 +415,6 @@ class _StagedProgram:
         """What the store keeps: jax arrays (a host stage's numpy output becomes one here)."""
         return self._backend.from_torch(self._backend._torch.from_numpy(value), counted=False) \
             if isinstance(value, self._ndarray) else value
-
-
-def raising_collective_errors(executable):
-    """An executable with collectives inside, whose custom call failures raise as a host stage's would: a group
-    abandoned after a fault (``ABORTED``) as `CollectiveAbandoned`, which recovery runs again."""
-    def call(*arguments):
-        try:
-            return executable(*arguments)
-        except Exception as exc:
-            error = _collective_error(exc)
-            if error is exc:
-                raise
-            raise error from exc
-
-    return call
-
-
-def _collective_error(exc: Exception) -> Exception:
-    from executor.collectives import CollectiveAbandoned
-
-    text = str(exc)
-    for code, kind in (("ABORTED: ", CollectiveAbandoned), ("FAILED_PRECONDITION: ", RuntimeError)):
-        if code in text:
-            return kind(text[text.index(code) + len(code):].strip())
-    return exc
 
 
 def _last_uses(stages) -> list[tuple[int, ...]]:

@@ -31,7 +31,7 @@ import os
 import threading
 
 __all__ = ["ENABLE_ENV", "available", "ensure_built", "load", "axis_id", "register_lowerings", "reset_order",
-           "extension_dir", "unavailable_reason", "register_targets", "why_not_compiled", "loaded", "all_reduce", "all_gather", "reduce_scatter"]
+           "extension_dir", "unavailable_reason", "register_targets", "why_not_compiled", "NativeGroups", "raising_collective_errors", "all_reduce", "all_gather", "reduce_scatter"]
 
 log = logging.getLogger(__name__)
 
@@ -100,7 +100,9 @@ def load():
         try:
             import importlib.util
 
-            import torch  # noqa: F401  (the extension links against torch's libraries, loaded first)
+            import torch
+
+            del torch   # imported first: the extension links against torch's libraries
 
             spec = importlib.util.spec_from_file_location(_NAME, path)
             module = importlib.util.module_from_spec(spec)
@@ -219,7 +221,9 @@ def register_lowerings(env) -> bool:
     import torch
     from torchax.ops import ops_registry
 
-    import pathways_torch.wire.collective_ops  # noqa: F401  (defines the torch.ops.pathways ops)
+    from pathways_torch.wire import collective_ops
+
+    del collective_ops   # imported for its side effect: it defines the torch.ops.pathways ops
 
     for op, lowering in ((torch.ops.pathways.all_reduce.default, all_reduce),
                          (torch.ops.pathways.all_gather.default, all_gather),
@@ -257,6 +261,50 @@ def why_not_compiled(node) -> str:
     return ""
 
 
-def loaded():
-    """The extension if it was loaded in this process (by the torchax backend), else None; never loads it."""
-    return _loaded
+class NativeGroups:
+    """The extension's side of an executor's process groups, as `executor.collectives` uses it (a group registered
+    gets a slot; abandoned, quiet and released by slot; axes bound before each computation)."""
+
+    def __init__(self, module):
+        self._module = module
+        self.axis_id = axis_id
+
+    def register(self, group) -> int:
+        return self._module.register_group(group)
+
+    def abandon(self, slot: int, reason: str) -> None:
+        self._module.abandon(slot, reason)
+
+    def quiet(self, slot: int) -> bool:
+        return self._module.quiet(slot)
+
+    def release(self, slot: int) -> None:
+        self._module.release(slot)
+
+    def bind(self, axes: list) -> None:
+        self._module.bind(axes)
+
+
+def raising_collective_errors(executable):
+    """An executable with collectives inside, whose custom call failures raise as a host stage's would: a group
+    abandoned after a fault (``ABORTED``) as `CollectiveAbandoned`, which recovery runs again."""
+    def call(*arguments):
+        try:
+            return executable(*arguments)
+        except Exception as exc:
+            error = _collective_error(exc)
+            if error is exc:
+                raise
+            raise error from exc
+
+    return call
+
+
+def _collective_error(exc: Exception) -> Exception:
+    from executor.collectives import CollectiveAbandoned   # the executor's, as a host stage raises it
+
+    text = str(exc)
+    for code, kind in (("ABORTED: ", CollectiveAbandoned), ("FAILED_PRECONDITION: ", RuntimeError)):
+        if code in text:
+            return kind(text[text.index(code) + len(code):].strip())
+    return exc

@@ -62,7 +62,7 @@ def _rank(rank: int, size: int, store_path: str, results) -> None:
     import numpy as np
 
     from executor.backends import xla_collectives as xc
-    from executor.backends.torchax_route import _collective_error
+    from executor.backends.xla_collectives import _collective_error
     from executor.collectives import make_gloo_group
 
     jax.config.update("jax_enable_x64", True)
