@@ -70,8 +70,8 @@ def _usage(pids: dict) -> dict:
     return {who: (thread_cpu_s(pid), thread_wakeups(pid)) for who, pid in pids.items()}
 
 
-def measure(executors: int, calls: int, mode: str) -> dict:
-    with pw.Context(num_executors=executors, backend="eager") as ctx:
+def measure(executors: int, calls: int, mode: str, backend: str = "eager") -> dict:
+    with pw.Context(num_executors=executors, backend=backend) as ctx:
         mesh = ctx.mesh({"data": executors})
         x = ctx.put(torch.zeros(()), mesh, [pw.Replicate()])
         for _ in range(3):
@@ -93,7 +93,7 @@ def measure(executors: int, calls: int, mode: str) -> dict:
             if used > 0 or woken > 0:
                 rows.append({"process": who, "thread": name, "us_per_computation": used / computations * 1e6,
                              "wakeups_per_call": woken / count})
-    return {"executors": executors, "mode": mode, "computations": computations, "calls": count,
+    return {"executors": executors, "mode": mode, "backend": backend, "computations": computations, "calls": count,
             "per_second": computations / wall_s, "threads": rows}
 
 
@@ -102,9 +102,10 @@ def main() -> None:
     parser.add_argument("--executors", type=int, default=4)
     parser.add_argument("--calls", type=int, default=1500, help="computations in the timed window")
     parser.add_argument("--mode", choices=("OpByOp", "Chained"), default="OpByOp")
+    parser.add_argument("--backend", default="eager", help="the executors' backend (eager: like the baselines)")
     args = parser.parse_args()
-    result = measure(args.executors, args.calls, args.mode)
-    print(f"{args.mode}, N={args.executors}: {result['computations']} computations, "
+    result = measure(args.executors, args.calls, args.mode, args.backend)
+    print(f"{args.mode} on {args.backend}, N={args.executors}: {result['computations']} computations, "
           f"{result['per_second']:,.0f}/s")
     print_table(["process", "thread", "CPU µs per computation", "wake-ups per call"],
                 [[r["process"], r["thread"], f"{r['us_per_computation']:.0f}", f"{r['wakeups_per_call']:.2f}"]

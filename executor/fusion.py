@@ -22,10 +22,11 @@ from __future__ import annotations
 
 import logging
 
-__all__ = ["MAX_FUSED_OPS", "FusedSteps", "FusionPlan", "plan_fusion"]
+__all__ = ["MAX_FUSED_OPS", "FUSE_ENV", "FusedSteps", "FusionPlan", "plan_fusion"]
 
 log = logging.getLogger(__name__)
 
+FUSE_ENV = "PATHWAYS_FUSE"   # "0": every step runs alone (to measure what fusion changes)
 MAX_FUSED_OPS = 8192   # aten ops in one fused executable: past it, a new one starts (compile time grows with it)
 
 

@@ -14,6 +14,7 @@ stored by `RunQueue.finish`, on the same thread, right after.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from typing import Callable
 
@@ -21,7 +22,7 @@ from pathways_torch.wire import pb
 from pathways_torch.wire.tensors import dtype_name
 
 from .collectives import CollectiveRuntime
-from .fusion import FusedSteps, plan_fusion
+from .fusion import FUSE_ENV, FusedSteps, plan_fusion
 from .jobs import ComputeJob, FormJob, LoadedFunction, RunJob, SegmentJob
 from .messages import remote_failure, with_origin
 from .sim_segment import run_segment_at_once
@@ -50,7 +51,8 @@ class StepInterpreter:
         self._at_once = getattr(backend, "runs_segments_at_once", False)
         self.collectives = collectives
         self.trace = trace
-        self._fuses = hasattr(backend, "fuse")   # consecutive steps as one executable (executor/fusion.py)
+        # Consecutive steps as one executable (executor/fusion.py), unless PATHWAYS_FUSE=0.
+        self._fuses = hasattr(backend, "fuse") and os.environ.get(FUSE_ENV, "1") != "0"
         # Bound once: the lookup per job allocates nothing.
         self._by_kind: dict[type, Callable[[ComputeJob], ComputeJob]] = {
             SegmentJob: self._compute_segment,

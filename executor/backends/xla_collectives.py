@@ -233,7 +233,7 @@ def register_lowerings(env) -> bool:
     return True
 
 
-_GLOO_DTYPES = ("float32", "float64", "float16", "bfloat16", "int64", "int32", "int16", "int8", "uint8")
+_GLOO_DTYPES = ("float32", "float64", "float16", "bfloat16", "int64", "int32", "int8", "uint8")   # ProcessGroupGloo's
 
 
 def why_not_compiled(node) -> str:
