@@ -9,7 +9,7 @@ second executable. Measured in docs/backends.md ("Collectives inside the executa
 
 - **Built, not shipped**: the extension compiles from the project's own C++ against the
   installed torch and jaxlib headers (``torch.utils.cpp_extension``, the machine's g++),
-  into ``native/build/<torch>-<jaxlib>-<source digest>`` beside the source; `ensure_built` builds it
+  into ``native/build/<python>-<torch>-<jaxlib>-<source digest>`` beside the source; `ensure_built` builds it
   (``pathways-build-extensions``, which the README's install commands run). An executor
   never builds it: where it is missing, or ``PATHWAYS_COLLECTIVES_IN_XLA=0``, collectives cut
   the graph as before (the pure-Python path), and the stage plan says so.
@@ -28,6 +28,8 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import platform
+import sys
 import threading
 
 __all__ = ["ENABLE_ENV", "available", "ensure_built", "load", "axis_id", "register_lowerings", "reset_order",
@@ -55,7 +57,9 @@ def extension_dir() -> str:
 
     with open(_SOURCE, "rb") as source:
         digest = hashlib.sha256(source.read()).hexdigest()[:12]
-    version = f"torch{torch.__version__.replace('+', '_')}-jaxlib{jaxlib.__version__}-{digest}"
+    # Everything the binary's ABI depends on: Python (a module built for 3.11 must not load in 3.12), torch, jaxlib.
+    python = f"py{sys.version_info[0]}{sys.version_info[1]}-{platform.machine()}"
+    version = f"{python}-torch{torch.__version__.replace('+', '_')}-jaxlib{jaxlib.__version__}-{digest}"
     return os.path.join(os.path.dirname(_SOURCE), "build", version)   # beside the source, in the install
 
 

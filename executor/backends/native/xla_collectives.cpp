@@ -118,7 +118,6 @@ c10::ScalarType scalar_type(ffi::DataType type) {
     case ffi::DataType::BF16: return c10::ScalarType::BFloat16;
     case ffi::DataType::S64: return c10::ScalarType::Long;
     case ffi::DataType::S32: return c10::ScalarType::Int;
-    case ffi::DataType::S16: return c10::ScalarType::Short;
     case ffi::DataType::S8: return c10::ScalarType::Char;
     case ffi::DataType::U8: return c10::ScalarType::Byte;
     case ffi::DataType::PRED: return c10::ScalarType::Bool;
