@@ -33,7 +33,8 @@ import sys
 import threading
 
 __all__ = ["ENABLE_ENV", "available", "ensure_built", "load", "axis_id", "register_lowerings", "reset_order",
-           "extension_dir", "unavailable_reason", "register_targets", "why_not_compiled", "NativeGroups", "raising_collective_errors", "all_reduce", "all_gather", "reduce_scatter"]
+           "extension_dir", "unavailable_reason", "register_targets", "why_not_compiled", "NativeGroups",
+           "raising_collective_errors", "all_reduce", "all_gather", "reduce_scatter"]
 
 log = logging.getLogger(__name__)
 
@@ -129,7 +130,8 @@ def unavailable_reason() -> str:
 
 
 def axis_id(axis: str) -> int:
-    """The small integer an executable names ``axis`` by (the same in every executable of this process)."""
+    """The small integer an executable names ``axis`` by (the same in every executable of this process; another
+    process may number its axes otherwise, and its executables, traced there, carry its own numbers)."""
     with _lock:
         found = _axis_ids.get(axis)
         if found is None:

@@ -148,69 +148,74 @@ void pass_order(ffi::AnyBuffer order_in, ffi::Result<ffi::AnyBuffer> order_out) 
   std::memcpy(order_out->untyped_data(), order_in.untyped_data(), order_in.size_bytes());
 }
 
-ffi::Error check_dtype(const char* name, ffi::DataType type) {
-  if (scalar_type(type) == c10::ScalarType::Undefined)
+// What every handler starts with: the order scalar passed on, the group bound to the axis, a dtype gloo takes.
+ffi::Error prepare(const char* name, int64_t axis, ffi::AnyBuffer& x, ffi::AnyBuffer& order_in,
+                   ffi::Result<ffi::AnyBuffer>& order_out, std::shared_ptr<Group>* group) {
+  pass_order(order_in, order_out);
+  if (auto error = bound_group(name, axis, group); error.failure()) return error;
+  if (scalar_type(x.element_type()) == c10::ScalarType::Undefined)
     return failed(std::string(name) + ": an element type gloo does not take");
   return ffi::Error::Success();
+}
+
+// A gathered or scattered buffer's leading dimension is the group's size it was traced for.
+ffi::Error check_members(const char* name, const std::vector<int64_t>& shape, const Group& group) {
+  if (!shape.empty() && shape[0] == group.size) return ffi::Error::Success();
+  return failed(std::string(name) + ": the executable was traced for a group of " +
+                std::to_string(shape.empty() ? 0 : shape[0]) + " members, the bound group has " +
+                std::to_string(group.size));
+}
+
+// `body` with a C++ exception (torch's, gloo's) as the handler's error: none may cross into XLA.
+template <typename Body>
+ffi::Error guarded(const char* name, Body body) {
+  try {
+    return body();
+  } catch (const std::exception& error) {
+    return ffi::Error::Internal(std::string(name) + ": " + error.what());
+  }
 }
 
 // all_reduce(x) -> y, the reduction over the axis's group (mean: the sum divided by the group's size).
 ffi::Error AllReduceImpl(ffi::AnyBuffer x, ffi::AnyBuffer order_in, ffi::Result<ffi::AnyBuffer> y,
                          ffi::Result<ffi::AnyBuffer> order_out, int64_t axis, int64_t op) {
-  pass_order(order_in, order_out);
   std::shared_ptr<Group> group;
-  if (auto error = bound_group("all_reduce", axis, &group); error.failure()) return error;
-  if (auto error = check_dtype("all_reduce", x.element_type()); error.failure()) return error;
-  try {
+  if (auto error = prepare("all_reduce", axis, x, order_in, order_out, &group); error.failure()) return error;
+  return guarded("all_reduce", [&]() {
     if (y->untyped_data() != x.untyped_data()) std::memcpy(y->untyped_data(), x.untyped_data(), x.size_bytes());
     std::vector<at::Tensor> tensors{view(y->untyped_data(), x.element_type(), shape_of(x))};
     c10d::AllreduceOptions options;
     options.reduceOp = reduce_op(op);
     if (auto error = wait(*group, group->backend->allreduce(tensors, options)); error.failure()) return error;
     if (op == kMean) tensors[0].div_(group->size);
-  } catch (const std::exception& error) {
-    return ffi::Error::Internal(std::string("all_reduce: ") + error.what());
-  }
-  return ffi::Error::Success();
+    return ffi::Error::Success();
+  });
 }
 
 // all_gather(x) -> y of shape (size, *x.shape): member i's x at y[i] (the jax side moves the axis where asked).
 ffi::Error AllGatherImpl(ffi::AnyBuffer x, ffi::AnyBuffer order_in, ffi::Result<ffi::AnyBuffer> y,
                          ffi::Result<ffi::AnyBuffer> order_out, int64_t axis) {
-  pass_order(order_in, order_out);
   std::shared_ptr<Group> group;
-  if (auto error = bound_group("all_gather", axis, &group); error.failure()) return error;
-  if (auto error = check_dtype("all_gather", x.element_type()); error.failure()) return error;
+  if (auto error = prepare("all_gather", axis, x, order_in, order_out, &group); error.failure()) return error;
   auto out_shape = shape_of(y);
-  if (out_shape.empty() || out_shape[0] != group->size)
-    return failed("all_gather: the executable was traced for a group of " +
-                  std::to_string(out_shape.empty() ? 0 : out_shape[0]) + " members, the bound group has " +
-                  std::to_string(group->size));
-  try {
+  if (auto error = check_members("all_gather", out_shape, *group); error.failure()) return error;
+  return guarded("all_gather", [&]() {
     std::vector<at::Tensor> inputs{view(x.untyped_data(), x.element_type(), shape_of(x))};
     at::Tensor gathered = view(y->untyped_data(), x.element_type(), out_shape);
     std::vector<std::vector<at::Tensor>> outputs(1);
     for (int i = 0; i < group->size; ++i) outputs[0].push_back(gathered[i]);
-    if (auto error = wait(*group, group->backend->allgather(outputs, inputs)); error.failure()) return error;
-  } catch (const std::exception& error) {
-    return ffi::Error::Internal(std::string("all_gather: ") + error.what());
-  }
-  return ffi::Error::Success();
+    return wait(*group, group->backend->allgather(outputs, inputs));
+  });
 }
 
 // reduce_scatter(x of shape (size, *chunk)) -> y of shape chunk: this member's chunk of the reduction.
 ffi::Error ReduceScatterImpl(ffi::AnyBuffer x, ffi::AnyBuffer order_in, ffi::Result<ffi::AnyBuffer> y,
                              ffi::Result<ffi::AnyBuffer> order_out, int64_t axis, int64_t op) {
-  pass_order(order_in, order_out);
   std::shared_ptr<Group> group;
-  if (auto error = bound_group("reduce_scatter", axis, &group); error.failure()) return error;
-  if (auto error = check_dtype("reduce_scatter", x.element_type()); error.failure()) return error;
+  if (auto error = prepare("reduce_scatter", axis, x, order_in, order_out, &group); error.failure()) return error;
   auto in_shape = shape_of(x);
-  if (in_shape.empty() || in_shape[0] != group->size)
-    return failed("reduce_scatter: the executable was traced for a group of " +
-                  std::to_string(in_shape.empty() ? 0 : in_shape[0]) + " members, the bound group has " +
-                  std::to_string(group->size));
-  try {
+  if (auto error = check_members("reduce_scatter", in_shape, *group); error.failure()) return error;
+  return guarded("reduce_scatter", [&]() {
     at::Tensor chunks = view(x.untyped_data(), x.element_type(), in_shape);
     at::Tensor out = view(y->untyped_data(), x.element_type(), shape_of(y));
     auto type = chunks.scalar_type();
@@ -231,10 +236,8 @@ ffi::Error ReduceScatterImpl(ffi::AnyBuffer x, ffi::AnyBuffer order_in, ffi::Res
         return error;
     }
     if (op == kMean) out.div_(group->size);
-  } catch (const std::exception& error) {
-    return ffi::Error::Internal(std::string("reduce_scatter: ") + error.what());
-  }
-  return ffi::Error::Success();
+    return ffi::Error::Success();
+  });
 }
 
 }  // namespace
