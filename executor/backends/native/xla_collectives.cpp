@@ -242,31 +242,19 @@ ffi::Error ReduceScatterImpl(ffi::AnyBuffer x, ffi::AnyBuffer order_in, ffi::Res
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(PathwaysAllReduce, AllReduceImpl,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Attr<int64_t>("axis")
-                                  .Attr<int64_t>("op"));
+// Every handler: (data, order in) -> (data, order out), and the axis id it runs on.
+auto collective_binding() {
+  return ffi::Ffi::Bind()
+      .Arg<ffi::AnyBuffer>()
+      .Arg<ffi::AnyBuffer>()
+      .Ret<ffi::AnyBuffer>()
+      .Ret<ffi::AnyBuffer>()
+      .Attr<int64_t>("axis");
+}
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(PathwaysAllGather, AllGatherImpl,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Attr<int64_t>("axis"));
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(PathwaysReduceScatter, ReduceScatterImpl,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Attr<int64_t>("axis")
-                                  .Attr<int64_t>("op"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(PathwaysAllReduce, AllReduceImpl, collective_binding().Attr<int64_t>("op"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(PathwaysAllGather, AllGatherImpl, collective_binding());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(PathwaysReduceScatter, ReduceScatterImpl, collective_binding().Attr<int64_t>("op"));
 
 namespace {
 
