@@ -36,7 +36,8 @@ class FusedSteps:
     ``executable``: None until the first run compiles it; False where that failed (the steps then run alone).
     """
 
-    __slots__ = ("steps", "functions", "inputs", "input_index", "outputs", "frees", "executable", "num_ops", "label")
+    __slots__ = ("steps", "functions", "inputs", "input_index", "outputs", "frees", "executable", "num_ops", "label",
+                 "reporting")
 
     def __init__(self, steps: list, functions: list, kept_slots: set, num_ops: int):
         self.steps, self.functions, self.num_ops = steps, functions, num_ops
@@ -47,6 +48,7 @@ class FusedSteps:
         freed = {slot for step in steps for slot in step.frees}
         self.frees = tuple(slot for slot in self.inputs if slot in freed)
         self.executable = None
+        self.reporting = [step for step in steps if step.report]   # the steps whose Done goes out
         self.label = f"fused n{steps[0].offset}..n{steps[-1].offset}"
 
     def describe(self) -> str:

@@ -146,7 +146,7 @@ class StepInterpreter:
             slots[slot] = failure if outputs is None else outputs[index]
         if outputs is not None:
             job.computed += len(steps)
-        reporting = [step for step in steps if step.report]
+        reporting = unit.reporting
         for step in reporting:
             step_seq, step_call_id = job.segment.ids(step)
             done = pb.Done(call_id=step_call_id, seq=step_seq, ok=failure is None,

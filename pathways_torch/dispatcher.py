@@ -86,9 +86,12 @@ class Dispatcher:
         lines = []
         for executor_id, stats in sorted(self._context.stats()["executors"].items()):
             for text in stats.get("fusion", ()):
+                # "program <name> (<id>) segment ...": the id is matched at its place before "segment", so a
+                # name with parentheses of its own cannot match another program's.
                 header, _, body = text.partition("\n")
-                if header.split(" (", 1)[-1].startswith(f"{program_id}) "):
-                    lines.append(f"{executor_id}: {header.split(') ', 1)[1]}")
+                _, found, segment = header.partition(f" ({program_id}) segment ")
+                if found:
+                    lines.append(f"{executor_id}: segment {segment}")
                     lines.extend(f"  {line}" for line in body.splitlines())
         if not lines:
             return "fusion: not planned yet (each executor plans it at the program's first run)"

@@ -344,7 +344,7 @@ class _StagedProgram:
         self._backend = backend
         self._plan = stages
         self.num_jitted = 0
-        self._constants = [None] * stages.num_constants
+        self.constants = [None] * stages.num_constants   # as jax arrays (a fused executable's arguments too)
         self._ndarray = backend._np.ndarray
         self._from_numpy, self._to_torch = backend._torch.from_numpy, backend.to_torch
         self._free_slots = [None] * stages.num_intermediates
@@ -368,7 +368,7 @@ class _StagedProgram:
             else:
                 self._steps.append((False, _host_callable(stage), stage.input_slots, stage.output_slots))
         for index, tensor in stages.constants.items():
-            self._constants[index] = backend.from_torch(tensor, counted=False)
+            self.constants[index] = backend.from_torch(tensor, counted=False)
         host_made = {slot for stage in stages.stages if stage.kind != "jax" for slot in stage.output_slots}
         # Outputs a host stage made are numpy views until stored: only then is a pass over them needed.
         self._host_made_outputs = bool(host_made & set(stages.output_slots))
@@ -376,7 +376,6 @@ class _StagedProgram:
         single = stages.single_jax_stage()
         self._single = self._steps[0][1] if single else None
         self.single_stage = stages.stages[0] if single else None   # what a fused executable traces again
-        self.constants = self._constants
         kinds = collections.Counter(stage.kind for stage in stages.stages)
         inside = sum(stage.compiled_collectives for stage in stages.stages)
         self.summary = (f"{kinds['jax']} XLA stage(s), cut at {kinds['collective']} collective(s), "
@@ -385,8 +384,8 @@ class _StagedProgram:
 
     def __call__(self, inputs):
         if self._single is not None:
-            return list(self._single(*inputs, *self._constants))
-        slots = [*inputs, *self._constants, *self._free_slots]
+            return list(self._single(*inputs, *self.constants))
+        slots = [*inputs, *self.constants, *self._free_slots]
         inputs.clear()   # the slots hold them now, each until its last stage
         as_torch, host_to_stage = self._as_torch, self._backend.host_to_stage
         for (is_jax, run, input_slots, output_slots), frees in zip(self._steps, self._frees):

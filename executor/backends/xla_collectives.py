@@ -135,11 +135,11 @@ def axis_id(axis: str) -> int:
     with _lock:
         found = _axis_ids.get(axis)
         if found is None:
-            found = _axis_ids[axis] = len(_axis_ids)
             limit = _loaded.max_axes() if _loaded is not None else 64
-            if found >= limit:
-                raise ValueError(f"more than {limit} mesh axis names in one executor ({sorted(_axis_ids)}); "
-                                 f"collectives inside XLA take at most {limit}")
+            if len(_axis_ids) >= limit:   # checked before recording: a refused name must stay refused
+                raise ValueError(f"more than {limit} mesh axis names in one executor ({sorted(_axis_ids)} and "
+                                 f"{axis!r}); collectives inside XLA take at most {limit}")
+            found = _axis_ids[axis] = len(_axis_ids)
         return found
 
 

@@ -135,11 +135,6 @@ std::vector<int64_t> shape_of(const ffi::AnyBuffer& buffer) {
   return std::vector<int64_t>(dims.begin(), dims.end());
 }
 
-std::vector<int64_t> shape_of(ffi::Result<ffi::AnyBuffer>& buffer) {
-  auto dims = buffer->dimensions();
-  return std::vector<int64_t>(dims.begin(), dims.end());
-}
-
 enum Reduce : int64_t { kSum = 0, kMean = 1, kMax = 2 };
 
 c10d::ReduceOp reduce_op(int64_t op) { return op == kMax ? c10d::ReduceOp::MAX : c10d::ReduceOp::SUM; }
@@ -197,7 +192,7 @@ ffi::Error AllGatherImpl(ffi::AnyBuffer x, ffi::AnyBuffer order_in, ffi::Result<
                          ffi::Result<ffi::AnyBuffer> order_out, int64_t axis) {
   std::shared_ptr<Group> group;
   if (auto error = prepare("all_gather", axis, x, order_in, order_out, &group); error.failure()) return error;
-  auto out_shape = shape_of(y);
+  auto out_shape = shape_of(*y);
   if (auto error = check_members("all_gather", out_shape, *group); error.failure()) return error;
   return guarded("all_gather", [&]() {
     std::vector<at::Tensor> inputs{view(x.untyped_data(), x.element_type(), shape_of(x))};
@@ -217,7 +212,7 @@ ffi::Error ReduceScatterImpl(ffi::AnyBuffer x, ffi::AnyBuffer order_in, ffi::Res
   if (auto error = check_members("reduce_scatter", in_shape, *group); error.failure()) return error;
   return guarded("reduce_scatter", [&]() {
     at::Tensor chunks = view(x.untyped_data(), x.element_type(), in_shape);
-    at::Tensor out = view(y->untyped_data(), x.element_type(), shape_of(y));
+    at::Tensor out = view(y->untyped_data(), x.element_type(), shape_of(*y));
     auto type = chunks.scalar_type();
     if (op == kMax || !(type == c10::ScalarType::Float || type == c10::ScalarType::Double)) {
       // gloo's reduce_scatter does not take every dtype on CPU (executor.collectives does the same).
@@ -310,10 +305,6 @@ void bind_axes(const std::vector<std::tuple<int64_t, int64_t, bool, std::string>
   }
 }
 
-void unbind() {
-  for (auto& bound : binding) bound = Bound();
-}
-
 py::capsule capsule(void* handler) { return py::capsule(handler); }
 
 }  // namespace
@@ -325,7 +316,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quiet", &quiet, "no op given up on still runs in the group");
   m.def("release", &release, "let the group go");
   m.def("bind", &bind_axes, "bind mesh axis ids to slots (or to why they have no group) for the next executables");
-  m.def("unbind", &unbind);
   m.def("max_axes", []() { return kMaxAxes; });
   m.def("handlers", []() {
     py::dict out;
