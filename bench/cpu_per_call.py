@@ -13,7 +13,11 @@ seconds. Each thread's wake-ups are counted too: the times it blocked in the win
 Prints a table of µs per computation and wake-ups per call, writes
 bench/results/cpu_per_call.json.
 
-    .venv/bin/python -m bench.cpu_per_call [--executors 4] [--calls 1500] [--mode OpByOp|Chained]
+Mode ``Hops`` counts a pipeline hop instead: a program of 128 nodes alternating between two single-executor
+meshes (``x + 1`` each), so every node but the first waits for a copy from the other executor. Its rows are per
+hop: the CPU of every thread and the wake-ups a copy costs on its way (sender, ZeroMQ, receiver).
+
+    .venv/bin/python -m bench.cpu_per_call [--executors 4] [--calls 1500] [--mode OpByOp|Chained|Hops]
 """
 
 from __future__ import annotations
@@ -70,16 +74,40 @@ def _usage(pids: dict) -> dict:
     return {who: (thread_cpu_s(pid), thread_wakeups(pid)) for who, pid in pids.items()}
 
 
+@pw.function(out=pw.Replicate())
+def _inc(x):
+    return x + 1
+
+
+def _hops_program(ctx):
+    """A program whose ``CHAIN`` nodes alternate between executors 0 and 1: ``CHAIN - 1`` copies a run."""
+    meshes = [ctx.mesh({"data": 1}, executors=[0]), ctx.mesh({"data": 1}, executors=[1])]
+
+    @pw.program
+    def hops(x):
+        for k in range(CHAIN):
+            x = _inc.on(meshes[k % 2])(x)
+        return x
+
+    return hops, meshes[0]
+
+
 def measure(executors: int, calls: int, mode: str, backend: str = "eager") -> dict:
+    if mode == "Hops":
+        executors = 2
     with pw.Context(num_executors=executors, backend=backend) as ctx:
-        mesh = ctx.mesh({"data": executors})
+        if mode == "Hops":
+            program, mesh = _hops_program(ctx)
+        else:
+            program, mesh = chained, ctx.mesh({"data": executors})
         x = ctx.put(torch.zeros(()), mesh, [pw.Replicate()])
         for _ in range(3):
-            x = step(x)
-        chained(x).exception(timeout_s=60)
+            x = step(x) if mode != "Hops" else _inc(x)
+        program(x).exception(timeout_s=60)
         pids = {"client": os.getpid(), **{f"executor {i}": process.pid
                                           for i, process in enumerate(ctx._cluster.processes)}}
-        run, count, per_call = (step, calls, 1) if mode == "OpByOp" else (chained, max(1, calls // CHAIN), CHAIN)
+        per_call = {"OpByOp": 1, "Chained": CHAIN, "Hops": CHAIN - 1}[mode]
+        run, count = (step, calls) if mode == "OpByOp" else (program, max(1, calls // per_call))
         before = _usage(pids)
         wall_s = timed_calls(run, x, count, awaited=True, timeout_s=600)
         after = _usage(pids)
@@ -92,7 +120,7 @@ def measure(executors: int, calls: int, mode: str, backend: str = "eager") -> di
             woken = wakes_after.get(name, 0) - wakes_before.get(name, 0)
             if used > 0 or woken > 0:
                 rows.append({"process": who, "thread": name, "us_per_computation": used / computations * 1e6,
-                             "wakeups_per_call": woken / count})
+                             "wakeups_per_call": woken / count, "wakeups_per_computation": woken / computations})
     return {"executors": executors, "mode": mode, "backend": backend, "computations": computations, "calls": count,
             "per_second": computations / wall_s, "threads": rows}
 
@@ -101,21 +129,24 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--executors", type=int, default=4)
     parser.add_argument("--calls", type=int, default=1500, help="computations in the timed window")
-    parser.add_argument("--mode", choices=("OpByOp", "Chained"), default="OpByOp")
+    parser.add_argument("--mode", choices=("OpByOp", "Chained", "Hops"), default="OpByOp",
+                        help="Hops: a copy between two executors per computation (--executors is 2)")
     parser.add_argument("--backend", default="eager", help="the executors' backend (eager: like the baselines)")
     args = parser.parse_args()
     result = measure(args.executors, args.calls, args.mode, args.backend)
-    print(f"{args.mode} on {args.backend}, N={args.executors}: {result['computations']} computations, "
+    print(f"{args.mode} on {args.backend}, N={result['executors']}: {result['computations']} computations, "
           f"{result['per_second']:,.0f}/s")
-    print_table(["process", "thread", "CPU µs per computation", "wake-ups per call"],
-                [[r["process"], r["thread"], f"{r['us_per_computation']:.0f}", f"{r['wakeups_per_call']:.2f}"]
-                 for r in result["threads"]])
-    totals, wakeups = collections.defaultdict(float), collections.defaultdict(float)
+    print_table(["process", "thread", "CPU µs per computation", "wake-ups per call", "wake-ups per computation"],
+                [[r["process"], r["thread"], f"{r['us_per_computation']:.0f}", f"{r['wakeups_per_call']:.2f}",
+                  f"{r['wakeups_per_computation']:.2f}"] for r in result["threads"]])
+    totals, wakeups, per_computation = (collections.defaultdict(float) for _ in range(3))
     for r in result["threads"]:
         totals[r["process"]] += r["us_per_computation"]
         wakeups[r["process"]] += r["wakeups_per_call"]
+        per_computation[r["process"]] += r["wakeups_per_computation"]
     print("totals:", ", ".join(f"{who} {us:.0f} µs, {wakeups[who]:.1f} wake-ups" for who, us in totals.items()))
-    print(f"per awaited call: {sum(wakeups.values()):.1f} thread wake-ups in {len(totals)} processes")
+    print(f"per awaited call: {sum(wakeups.values()):.1f} thread wake-ups in {len(totals)} processes; per "
+          f"{'hop' if args.mode == 'Hops' else 'computation'}: {sum(per_computation.values()):.2f}")
     print("written to", write_results("cpu_per_call", result))
 
 

@@ -52,6 +52,7 @@ class ComputeLoop:
         self._waker = WakePipe(context, f"compute-{name}")
         self._thread: threading.Thread | None = None
         self._stopping = False
+        self.between_jobs: Callable[[], None] | None = None   # run before each job, and before each wait
 
     # ------------------------------------------------------------ any thread
 
@@ -86,6 +87,8 @@ class ComputeLoop:
         try:
             while not self._stopping:
                 self._read_control()
+                if self.between_jobs is not None:
+                    self._run_one(self.between_jobs)
                 if self._calls:
                     self._run_one(self._calls.popleft())
                     continue

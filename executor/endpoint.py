@@ -50,7 +50,7 @@ class CoreEndpoint:
         if envelope.HasField("stats_request"):
             for key, value in self._socket_counters().items():   # set, not added: counters is a Counter
                 self.core.counters[key] = value
-            self.core.counters["peer_connections"] = len(self.outbox.peer_keys)   # open now, to peers
+            self.core.counters["peer_connections"] = self.outbox.peer_connections()   # open now, to peers
         self.core.on_control(envelope, payload)
         if envelope.HasField("welcome"):
             self.outbox.epoch = envelope.welcome.epoch

@@ -41,6 +41,7 @@ from .core import ExecutorCore
 from .data_roles import DataGate
 from .endpoint import CoreEndpoint
 from .jobs import ComputeJob
+from .direct_peers import DirectPeers, sends_from_compute
 from .socket_outbox import SocketOutbox
 from .trace import TraceRecorder
 
@@ -88,7 +89,6 @@ class ExecutorProcess(CoreEndpoint):
         self.core.admit_key = self._admit_key
         self.core.data_gate = DataGate(self.gatekeeper.admits)   # a revoked key's old connections are refused
         self.outbox.on_peer_frames = self._on_peer_frames
-        self.loop.every(_TRANSFER_CHECK_S, self._locked(lambda: self.core.check_transfers(time.monotonic())))
         # Appended to every identity towards the controller: this process's connections are its own.
         self._nonce = secrets.token_hex(4)
         self._heartbeats_sent = 0   # written by the heartbeat thread alone; reported with Stats
@@ -103,6 +103,10 @@ class ExecutorProcess(CoreEndpoint):
                                                          commands=commands, replies=self._connect_control(),
                                                          on_control=self._on_control)
         self.outbox.send_control = self.compute.send
+        if sends_from_compute():
+            self.outbox.direct = DirectPeers(self.compute, self.zmq, self.credentials, self._on_peer_frames)
+            self.compute.between_jobs = self.outbox.direct.read_replies
+        self.loop.every(_TRANSFER_CHECK_S, self._locked(self._check_transfers))
 
     # ------------------------------------------------------------ sockets
 
@@ -185,9 +189,18 @@ class ExecutorProcess(CoreEndpoint):
         if self.core.stopped:
             self._stop("the controller asked")
 
+    def _check_transfers(self) -> None:
+        """Report copies not acknowledged by their deadline (I/O thread, every second). The acknowledgements of the
+        compute thread's copies are read first, here: a long job (or a blocked collective) leaves them unread there,
+        and must neither make a copy look lost nor hide a lost one."""
+        if self.outbox.direct is not None:
+            self.outbox.direct.read_replies()
+        self.core.check_transfers(time.monotonic())
+
     def _socket_counters(self) -> dict[str, int]:
         # The I/O thread's and the heartbeat thread's counts (int reads)
-        return {"send_backlog_high_water": self.loop.backlog_high_water, "heartbeats_sent": self._heartbeats_sent}
+        return {"send_backlog_high_water": self.loop.backlog_high_water, "heartbeats_sent": self._heartbeats_sent,
+                "sent_from_compute": self.outbox.direct.sent if self.outbox.direct is not None else 0}
 
     def _on_peer_frames(self, address: str, frames) -> None:
         with self._core_lock:
@@ -302,6 +315,8 @@ class ExecutorProcess(CoreEndpoint):
         threading.Thread(target=self._compute_thread, name="pathways-compute", daemon=True).start()
         threading.Thread(target=self._watch, name="pathways-heartbeat", daemon=True).start()
         self.loop.run_forever()
+        if self.outbox.direct is not None:
+            self.outbox.direct.close_all()
         self.gatekeeper.stop()
         log.info("executor %s stopped: %s", self.config.executor_id, self._exit_reason)
 

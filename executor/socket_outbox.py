@@ -36,6 +36,7 @@ class SocketOutbox:
         self.epoch = 0     # this incarnation (from Welcome): every message to the controller carries it
         self.on_peer_frames = None   # (address, frames) -> None: what a peer sends back (transfer acks)
         self.peer_keys: dict[str, bytes] = {}   # peer address -> the key its socket authenticates (I/O thread)
+        self.direct = None   # `DirectPeers`: a message to a peer made on the compute thread leaves from there
 
     def to_controller(self, envelope, payload=()):
         envelope.epoch = self.epoch
@@ -46,6 +47,8 @@ class SocketOutbox:
 
     def to_peer(self, address, envelope, payload=(), public_key=b""):
         frames = encode(envelope, payload)
+        if self.direct is not None and self.direct.on_own_thread() and self.direct.send(address, frames, public_key):
+            return
 
         def send():
             key = f"{self._peer_prefix}{address}"
@@ -75,6 +78,12 @@ class SocketOutbox:
                 log.info("closed the connection to %s (a replaced incarnation's address)", address)
 
         self._loop.call_soon(close)
+        if self.direct is not None:
+            self.direct.close_not_admitted(admits)
+
+    def peer_connections(self) -> int:
+        """Connections to peers open now (the I/O thread's and the compute thread's)."""
+        return len(self.peer_keys) + (len(self.direct.keys) if self.direct is not None else 0)
 
     def close_peer(self, address: str) -> None:
         """Close the connection to ``address`` (on the loop thread)."""

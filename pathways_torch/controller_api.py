@@ -16,24 +16,25 @@ import threading
 from typing import Protocol, Sequence
 
 from .wire.seam import ArraySettled, ControllerCounters, ExecutorView
+from .wire.wake import set_at_turn_end, this_threads_waker
 
 __all__ = ["ControllerClient", "ClientEvents", "ExecutorView", "ArraySettled", "ArrayState", "ControllerCounters",
            "PENDING", "READY", "FAILED"]
 
 PENDING, READY, FAILED = "pending", "ready", "failed"
 _RANK = {PENDING: 0, READY: 1, FAILED: 2}   # an array's state only moves forward
-_MAKING_EVENTS = threading.Lock()
+_WAITERS = threading.Lock()
 
 
 class ArrayState:
     """The client's own view of one array: its state, error and lost holders, set by `ArraySettled` events.
 
     Moves forward only (pending → ready → failed; the first error is kept), so an event that arrives late
-    never undoes a newer one. The event a waiter waits on is made by the first waiter (most arrays are
-    never waited for: a training step's intermediates).
+    never undoes a newer one. A waiting thread blocks on its own `ThreadWaker`, which the settle wakes with the GIL let
+    go: the thread wakes once, not three times (see `pathways_torch.wire.wake`).
     """
 
-    __slots__ = ("array_id", "state", "error", "block_shape", "lost_holders", "put_token", "_event")
+    __slots__ = ("array_id", "state", "error", "block_shape", "lost_holders", "put_token", "_wakers")
 
     def __init__(self, array_id: int):
         self.array_id = array_id
@@ -42,7 +43,7 @@ class ArrayState:
         self.block_shape: tuple[int, ...] | None = None
         self.lost_holders: tuple[str, ...] = ()
         self.put_token = b""   # sent with each put of its shards (the controller's, for a service client's array)
-        self._event: threading.Event | None = None
+        self._wakers: tuple = ()   # of the threads waiting (`ThreadWaker`): most arrays are never waited for
 
     def apply(self, event: ArraySettled) -> None:
         """Take in an event about this array (from the controller's thread or the client's)."""
@@ -55,9 +56,8 @@ class ArrayState:
         if self.error is None:
             self.error = event.error
         self.state = event.state
-        waiting = self._event     # read after the state is set: see wait
-        if waiting is not None:
-            waiting.set()
+        for waker in self._wakers:   # read after the state is set: see wait
+            set_at_turn_end(waker)
 
     def done(self) -> bool:
         """Computed or failed."""
@@ -67,11 +67,14 @@ class ArrayState:
         """Wait until computed or failed; False if ``timeout_s`` passed first."""
         if self.state != PENDING:
             return True
-        with _MAKING_EVENTS:
-            if self._event is None:
-                self._event = threading.Event()
-        # Looked at again after the event exists: `apply` sets the state first, then sets the event if any.
-        return self.state != PENDING or self._event.wait(timeout_s)
+        waker = this_threads_waker()
+        with _WAITERS:
+            self._wakers = (*self._wakers, waker)
+        try:   # the state is looked at again after the waker is listed: `apply` sets the state, then wakes the listed
+            return waker.wait_until(self.done, timeout_s)
+        finally:
+            with _WAITERS:
+                self._wakers = tuple(w for w in self._wakers if w is not waker)
 
 
 class ClientEvents(Protocol):

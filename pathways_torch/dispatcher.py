@@ -23,7 +23,7 @@ from .wire import pb
 
 __all__ = ["Dispatcher", "IDLE_FLUSH_BYTES"]
 
-# Dropped arrays holding at least this much are freed when the client starts to wait (`flush_frees_while_waiting`).
+# Dropped arrays holding at least this much are freed when the client waits over 50 ms (`frees_worth_flushing`).
 IDLE_FLUSH_BYTES = 1 << 20
 
 
@@ -223,13 +223,12 @@ class Dispatcher:
             self._forget_dead_programs()
             self._client.flush_frees()
 
-    def flush_frees_while_waiting(self) -> None:
-        """The client waits: send the frees now if the arrays dropped since the last flush hold at least
-        ``IDLE_FLUSH_BYTES``, so that executors let go of that memory meanwhile. Smaller ones wait for the next
-        message to their executors: a flush is a Free to every executor with one pending (at 1,024 executors,
+    def frees_worth_flushing(self) -> bool:
+        """Whether a client that waits a while should send the frees now: the arrays dropped since the last flush
+        hold at least ``IDLE_FLUSH_BYTES``, which executors should let go of meanwhile. Smaller ones wait for the
+        next message to their executors: a flush is a Free to every executor with one pending (at 1,024 executors,
         1,024 messages to give back a few bytes each; docs/scale.md)."""
-        if self._dropped_bytes >= IDLE_FLUSH_BYTES:
-            self.flush_frees()
+        return self._dropped_bytes >= IDLE_FLUSH_BYTES
 
     @contextlib.contextmanager
     def batched_release(self):

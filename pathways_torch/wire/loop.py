@@ -27,7 +27,7 @@ from typing import Callable, Sequence
 import zmq
 
 from .threads import leave_signals_to_the_main_thread, name_os_thread
-from .wake import POLLIN, WakePipe
+from .wake import POLLIN, WakePipe, defer_sets_on_this_thread, end_turn, sets_deferred
 
 __all__ = ["SocketLoop", "frame_nbytes", "RECONNECT_BACKOFF_MAX_MS"]
 
@@ -236,8 +236,15 @@ class SocketLoop:
         name_os_thread()
         leave_signals_to_the_main_thread()
         try:
+            defer_sets_on_this_thread()
+            held = False   # waiters' events were held back a turn already
             while not self._stopping:
-                ready = self._poller.poll(self._poll_timeout_ms())
+                timeout_ms = self._poll_timeout_ms()
+                ready = self._poller.poll(0) if sets_deferred() and not held and timeout_ms else []
+                held = bool(ready)
+                if not ready:   # nothing more to read: wake the waiters, then sleep
+                    end_turn()
+                    ready = self._poller.poll(timeout_ms)
                 self.turn_started = time.monotonic()
                 for socket, _ in ready:
                     if socket is self._waker.socket:

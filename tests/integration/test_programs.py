@@ -62,6 +62,9 @@ def test_program_across_meshes_matches_eager_and_prints(ctx):
     torch.testing.assert_close(z.result(timeout_s=60), host + 2)
     torch.testing.assert_close(t.result(timeout_s=60), (host + 2).sum())
     assert "(copy)" in ctx.lowered(pipeline, x)            # the hop between meshes is a push
+    # ... sent from the compute thread that made the value, not handed to the I/O thread (executor/direct_peers.py)
+    executors = ctx.stats()["executors"]
+    assert sum(executors[e]["hop_bytes"].get("sent_from_compute", 0) for e in ctx.executor_ids[:2]) >= 2
     z2, t2 = pipeline(x)                                    # a second run reuses the registration
     assert pipeline.num_traces == 1
     torch.testing.assert_close(t2.result(timeout_s=60), (host + 2).sum())

@@ -182,11 +182,9 @@ def test_a_waiting_client_flushes_frees_only_for_a_megabyte_or_more():
 
     dispatch = Dispatcher(Context(), Client(), None)
     dispatch.release(1, nbytes=_nbytes((1024,), torch.float32))
-    dispatch.flush_frees_while_waiting()
-    assert Client.flushes == 0                          # 4 KB dropped: nothing sent
+    assert not dispatch.frees_worth_flushing()          # 4 KB dropped: a wait sends nothing (and waits once)
     dispatch.release(2, nbytes=_nbytes((512, 512), torch.float32))
-    dispatch.flush_frees_while_waiting()
-    assert Client.flushes == 1                          # 1 MB more: sent, and counted afresh
-    dispatch.flush_frees_while_waiting()
-    assert Client.flushes == 1
+    assert dispatch.frees_worth_flushing()              # 1 MB more: a wait past 50 ms sends them
+    dispatch.flush_frees()
+    assert Client.flushes == 1 and not dispatch.frees_worth_flushing()   # counted afresh
     assert _nbytes((512, 512), torch.float32) == IDLE_FLUSH_BYTES and _nbytes((None, 3), torch.float32) > IDLE_FLUSH_BYTES
