@@ -254,7 +254,7 @@ class Completion:
         """The sender's report: tell the receiver its copy will not come, on the control path. Nothing fails yet:
         the copy may have arrived, its acknowledgement alone lost (then the receiver ignores this)."""
         destination = next((info for info in self.resources.ordered()
-                            if msg.to_address in (info.data_address, info.link_address)), None)
+                            if msg.to_address in (info.data_address, info.link_address, info.transfer_address)), None)
         if destination is not None and not self._believed(sender, sender, destination.executor_id, msg.shard):
             return
         self.transfers_lost += 1

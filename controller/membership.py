@@ -69,7 +69,7 @@ class Membership:
         info = self.resources.register(executor_id, data_address=msg.data_address, device=msg.device,
                                        backend=msg.backend, pid=msg.pid, last_heard=controller.clock(),
                                        public_key=msg.public_key, command_address=msg.command_address,
-                                       island=msg.island or DEFAULT_ISLAND)
+                                       island=msg.island or DEFAULT_ISLAND, transfer_address=msg.transfer_address)
         if previous is not None:
             self._take_place(executor_id, info)
             for listener in controller.incarnation_listeners:

@@ -30,6 +30,7 @@ class ExecutorInfo:
     public_key: bytes = b""       # CURVE public key (Z85) of its data socket, checked by the server
     command_address: str = ""     # its command ROUTER, where control messages go
     link_address: str = ""        # where other islands send it transfers (a shaped link's relay), if not direct
+    transfer_address: str = ""    # where its island's peers send it transfers (read by its compute thread), if any
     epoch: int = 1                # registrations of this id so far (a restarted executor registers again)
     draining: bool = False        # the operator drains it: no new work, removed once idle (controller/admin.py)
 
@@ -65,11 +66,12 @@ class ResourceManager:
 
     def address_for(self, source: str, destination: str) -> str:
         """Where ``source`` sends a transfer to ``destination``: through the link between islands when they
-        differ and a link is set up, else straight to its data socket."""
+        differ and a link is set up, else straight to its transfer socket (its compute thread reads it), or its data
+        socket where it has none (a simulated executor)."""
         target = self.executors[destination]
         if target.link_address and self.executors[source].island != target.island:
             return target.link_address
-        return target.data_address
+        return target.transfer_address or target.data_address
 
     def allocate(self, axes: dict[str, int], executor_ids: list[str] | None = None) -> MeshAllocation:
         """A mesh over ``executor_ids`` (default: chosen island by island) with the given named axes.

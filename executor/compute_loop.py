@@ -6,9 +6,11 @@ requests for stats) to the executor's *command* ROUTER, and the executor answers
 run whose inputs are ready is started by the thread that read it: an OpByOp call
 costs no wake-up of a second thread on its way in, and its Done leaves at once.
 
-Other threads (the I/O thread: puts, transfers and fetches on the data socket,
-compile results) hand work over with `call_soon`, which wakes this thread through
-an inproc pipe (`pathways_torch.wire.wake.WakePipe`, as `SocketLoop` does).
+Other threads (the I/O thread: puts and fetches on the data socket, compile
+results) hand work over with `call_soon`, which wakes this thread through an
+inproc pipe (`pathways_torch.wire.wake.WakePipe`, as `SocketLoop` does). Peers'
+copies land on the transfer inbox, which this thread polls while idle and reads
+between jobs (executor/transfer_inbox.py: the I/O thread reads it while a job runs).
 
 Between two jobs the thread reads every control message already waiting, so runs
 and push requests the controller sent ahead are queued before the next job starts.
@@ -53,6 +55,7 @@ class ComputeLoop:
         self._thread: threading.Thread | None = None
         self._stopping = False
         self.between_jobs: Callable[[], None] | None = None   # run before each job, and before each wait
+        self._inbox = None   # `TransferInbox`: polled with the commands while idle (`share_inbox`)
 
     # ------------------------------------------------------------ any thread
 
@@ -73,6 +76,11 @@ class ComputeLoop:
         else:
             self.call_soon(lambda: self._replies.send_multipart(frames, copy=False))
 
+    def share_inbox(self, inbox) -> None:
+        """Poll ``inbox.socket`` too while idle, holding ``inbox.lock`` (the I/O thread reads it while a job runs:
+        executor/transfer_inbox.py); set up before `run`."""
+        self._inbox = inbox
+
     def stop(self) -> None:
         self._stopping = True
         self.call_soon(lambda: None)
@@ -84,6 +92,8 @@ class ComputeLoop:
         poller = zmq.Poller()
         poller.register(self._commands, zmq.POLLIN)
         poller.register(self._waker.socket, zmq.POLLIN)
+        if self._inbox is not None:
+            poller.register(self._inbox.socket, zmq.POLLIN)
         try:
             while not self._stopping:
                 self._read_control()
@@ -92,13 +102,24 @@ class ComputeLoop:
                 if self._calls:
                     self._run_one(self._calls.popleft())
                     continue
-                for socket, _ in poller.poll(100):
+                for socket, _ in self._poll_idle(poller):
                     if socket is self._waker.socket:
                         self._waker.drain()   # calls queued before it are looked at next
         finally:
             self._waker.close()
             self._commands.close(linger=0)
             self._replies.close(linger=0)
+
+    def _poll_idle(self, poller: zmq.Poller) -> list:
+        """Sleep until a message or a hand-over comes. The inbox is this thread's while it sleeps: its queued
+        replies leave first, and a copy that came since the last read is read before sleeping."""
+        if self._inbox is None:
+            return poller.poll(100)
+        with self._inbox.lock:
+            self._inbox.flush()
+            if self._inbox.socket.get(zmq.EVENTS) & POLLIN:
+                return []   # read between jobs, next turn
+            return poller.poll(100)
 
     def _read_control(self) -> None:
         # Asking EVENTS is far cheaper than the zmq.Again a non-blocking recv raises when empty.

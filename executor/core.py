@@ -142,12 +142,13 @@ class ExecutorCore:
         self._handle_control(envelope, payload)
 
     def on_data(self, identity: bytes, envelope: pb.Envelope, payload: list, *, role: str | None,
-                key: bytes | None = None) -> None:
+                key: bytes | None = None, reply=None) -> None:
         """A message on the data socket: a launch from this executor's parent, a batch of Dones from a child, or
-        the data plane's (`DataPlane.on_data`)."""
+        the data plane's (`DataPlane.on_data`). ``reply(identity, envelope)``: how a transfer's acknowledgement
+        goes back (the transfer inbox's), if not on the data socket."""
         kind = body_name(envelope)
         if kind not in TREE_DATA_KINDS:
-            self.data.on_data(identity, envelope, payload, role=role, key=key)
+            self.data.on_data(identity, envelope, payload, role=role, key=key, reply=reply)
             return
         if self.data.refuses(role, envelope, key):
             return

@@ -73,7 +73,7 @@ class DataPlane:
             self._on_put(identity, msg, payload, role)
 
     def on_data(self, identity: bytes, envelope: pb.Envelope, payload: list, *, role: str | None,
-                key: bytes | None = None) -> None:
+                key: bytes | None = None, reply=None) -> None:
         """A put, transfer or fetch sent with a key of ``role`` (its connection's User-Id); one whose handling raises
         still ends its request (never a silent drop). One from a sender its kind does not admit (`DataGate`) is
         dropped unanswered: it came from no one we would answer."""
@@ -81,7 +81,7 @@ class DataPlane:
             return
         kind = body_name(envelope)
         handlers = {"put": lambda: self._on_put(identity, envelope.put, payload, role),
-                    "transfer": lambda: self.on_transfer(envelope.transfer, payload, identity),
+                    "transfer": lambda: self.on_transfer(envelope.transfer, payload, identity, reply),
                     "fetch": lambda: self._on_fetch(identity, envelope.fetch, role),
                     "save_shards": lambda: self._on_save(identity, envelope.save_shards, role)}
         if kind not in handlers:
@@ -154,8 +154,9 @@ class DataPlane:
             self.store.fill(shard_key(item.shard), tensor)
         self.outbox.to_client(identity, pb.Envelope(put_ack=ack))
 
-    def on_transfer(self, msg: pb.Transfer, payload, identity: bytes | None = None) -> None:
-        """A copy from a peer (``identity`` its connection), or the controller's failed copy (no identity)."""
+    def on_transfer(self, msg: pb.Transfer, payload, identity: bytes | None = None, reply=None) -> None:
+        """A copy from a peer (``identity`` its connection; ``reply(identity, envelope)`` acknowledges it where it
+        came: the transfer inbox, or by default the data socket), or the controller's failed copy (no identity)."""
         key = shard_key(msg.shard)
         if not self._expects_transfer(key):
             self._drop(f"transfer of array {key[0]} shard {key[1]} for call {key[2]}: no run waits for it")
@@ -175,7 +176,7 @@ class DataPlane:
         if identity is not None:   # from a peer (not the controller's failed copy), and kept: say so
             ack = pb.TransferAck()
             ack.shard.CopyFrom(msg.shard)
-            self.outbox.to_client(identity, pb.Envelope(transfer_ack=ack))
+            (reply or self.outbox.to_client)(identity, pb.Envelope(transfer_ack=ack))
 
     # ------------------------------------------------------------ out of the store
 

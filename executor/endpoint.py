@@ -64,15 +64,19 @@ class CoreEndpoint:
             return
         self.core.on_peer_reply(address, envelope)
 
-    def _data_frames(self, frames) -> None:
+    def _data_frames(self, frames, reply=None) -> None:
         """A message on the data socket: the role of the key that sent it decides what it may do here
-        (executor/data_roles.py)."""
+        (executor/data_roles.py). ``reply``: the transfer inbox's, for a message that came there (only copies may)."""
         if len(frames) < 2:
             self.core._drop("data message without identity and envelope")
             return
         try:
             envelope, payload = decode(frames[1:])
-            self.core.on_data(frames[0].bytes, envelope, payload, role=peer_role(frames[-1]), key=peer_key(frames[-1]))
+            if reply is not None and body_name(envelope) != "transfer":
+                self.core._drop(f"a {body_name(envelope)!r} on the transfer inbox (only copies from peers go there)")
+                return
+            self.core.on_data(frames[0].bytes, envelope, payload, role=peer_role(frames[-1]), key=peer_key(frames[-1]),
+                              reply=reply)
         except (FramingError, ValueError) as exc:
             self.core._drop(str(exc))
 

@@ -43,6 +43,7 @@ from .endpoint import CoreEndpoint
 from .jobs import ComputeJob
 from .direct_peers import DirectPeers, sends_from_compute
 from .socket_outbox import SocketOutbox
+from .transfer_inbox import IO_READ_INTERVAL_S, TransferInbox, receives_on_compute
 from .trace import TraceRecorder
 
 __all__ = ["ExecutorProcess", "EXIT_LOST", "EXIT_CONTROLLER_GONE", "EXIT_REFUSED"]
@@ -57,6 +58,7 @@ EXIT_REFUSED = 5           # its key was refused: another key of the same folder
 _CONTROL = "control"
 _COMMANDS = "commands"
 _DATA = "data"
+_INBOX = "transfer inbox"
 
 
 class ExecutorProcess(CoreEndpoint):
@@ -105,7 +107,8 @@ class ExecutorProcess(CoreEndpoint):
         self.outbox.send_control = self.compute.send
         if sends_from_compute():
             self.outbox.direct = DirectPeers(self.compute, self.zmq, self.credentials, self._on_peer_frames)
-            self.compute.between_jobs = self.outbox.direct.read_replies
+        self.inbox = self._bind_inbox() if receives_on_compute() else None
+        self.compute.between_jobs = self._between_jobs
         self.loop.every(_TRANSFER_CHECK_S, self._locked(self._check_transfers))
 
     # ------------------------------------------------------------ sockets
@@ -127,6 +130,26 @@ class ExecutorProcess(CoreEndpoint):
         """Refused connections, summed over the sockets we bind (data and command), for Stats."""
         self._refused[watch.name] = watch.refused
         self.core.counters["refused_connections"] = sum(self._refused.values())
+
+    def _bind_inbox(self) -> TransferInbox:
+        """The ROUTER peers send copies to, read by the compute thread (and by the I/O thread while it runs a job)."""
+        inbox = TransferInbox(self.zmq, self.credentials, self.config.bind_host, self._on_inbox)
+        watch = ConnectionWatch(f"executor {self.config.executor_id} transfer inbox", self._on_server_socket_event)
+        self.loop.monitor(_INBOX, watch.on_frames, socket=inbox.socket)
+        self.compute.share_inbox(inbox)
+        self.loop.every(IO_READ_INTERVAL_S, lambda: inbox.read(wait=False, by_io=True))
+        return inbox
+
+    def _between_jobs(self) -> None:
+        """On the compute thread before each job: peers' acknowledgements and copies."""
+        if self.outbox.direct is not None:
+            self.outbox.direct.read_replies()
+        if self.inbox is not None:
+            self.inbox.read()
+
+    def _on_inbox(self, frames) -> None:
+        with self._core_lock:
+            self._data_frames(frames, reply=self.inbox.reply)
 
     def _bind_commands(self) -> tuple[zmq.Socket, str]:
         """The ROUTER the controller sends control messages to, for the compute thread (which
@@ -200,7 +223,8 @@ class ExecutorProcess(CoreEndpoint):
     def _socket_counters(self) -> dict[str, int]:
         # The I/O thread's and the heartbeat thread's counts (int reads)
         return {"send_backlog_high_water": self.loop.backlog_high_water, "heartbeats_sent": self._heartbeats_sent,
-                "sent_from_compute": self.outbox.direct.sent if self.outbox.direct is not None else 0}
+                "sent_from_compute": self.outbox.direct.sent if self.outbox.direct is not None else 0,
+                "inbox_read_by_io": self.inbox.read_by_io if self.inbox is not None else 0}
 
     def _on_peer_frames(self, address: str, frames) -> None:
         with self._core_lock:
@@ -310,13 +334,16 @@ class ExecutorProcess(CoreEndpoint):
         register = pb.Register(executor_id=self.config.executor_id, data_address=self.data_address,
                                device=self.backend.device, backend=self.backend.name, pid=os.getpid(),
                                store_bytes=self.core.store.bytes, public_key=self.credentials.keys.public,
-                               command_address=self.command_address, island=self.config.island)
+                               command_address=self.command_address, island=self.config.island,
+                               transfer_address=self.inbox.address if self.inbox is not None else "")
         self.compute.send(encode(pb.Envelope(register=register)))   # the first thing the thread does
         threading.Thread(target=self._compute_thread, name="pathways-compute", daemon=True).start()
         threading.Thread(target=self._watch, name="pathways-heartbeat", daemon=True).start()
         self.loop.run_forever()
         if self.outbox.direct is not None:
             self.outbox.direct.close_all()
+        if self.inbox is not None:
+            self.inbox.close()
         self.gatekeeper.stop()
         log.info("executor %s stopped: %s", self.config.executor_id, self._exit_reason)
 

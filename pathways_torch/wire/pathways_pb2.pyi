@@ -99,7 +99,7 @@ class Graph(_message.Message):
     def __init__(self, nodes: _Optional[_Iterable[_Union[GraphNode, _Mapping]]] = ..., constants: _Optional[_Iterable[_Union[TensorMeta, _Mapping]]] = ..., inputs: _Optional[_Iterable[_Union[TensorMeta, _Mapping]]] = ..., outputs: _Optional[_Iterable[_Union[TensorMeta, _Mapping]]] = ..., donated_inputs: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class Register(_message.Message):
-    __slots__ = ("executor_id", "data_address", "device", "backend", "pid", "store_bytes", "public_key", "command_address", "island")
+    __slots__ = ("executor_id", "data_address", "device", "backend", "pid", "store_bytes", "public_key", "command_address", "island", "transfer_address")
     EXECUTOR_ID_FIELD_NUMBER: _ClassVar[int]
     DATA_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
@@ -109,6 +109,7 @@ class Register(_message.Message):
     PUBLIC_KEY_FIELD_NUMBER: _ClassVar[int]
     COMMAND_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     ISLAND_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     executor_id: str
     data_address: str
     device: str
@@ -118,7 +119,8 @@ class Register(_message.Message):
     public_key: bytes
     command_address: str
     island: str
-    def __init__(self, executor_id: _Optional[str] = ..., data_address: _Optional[str] = ..., device: _Optional[str] = ..., backend: _Optional[str] = ..., pid: _Optional[int] = ..., store_bytes: _Optional[int] = ..., public_key: _Optional[bytes] = ..., command_address: _Optional[str] = ..., island: _Optional[str] = ...) -> None: ...
+    transfer_address: str
+    def __init__(self, executor_id: _Optional[str] = ..., data_address: _Optional[str] = ..., device: _Optional[str] = ..., backend: _Optional[str] = ..., pid: _Optional[int] = ..., store_bytes: _Optional[int] = ..., public_key: _Optional[bytes] = ..., command_address: _Optional[str] = ..., island: _Optional[str] = ..., transfer_address: _Optional[str] = ...) -> None: ...
 
 class Welcome(_message.Message):
     __slots__ = ("index", "heartbeat_interval_s", "heartbeat_timeout_s", "epoch", "transfer_timeout_s", "put_secret")

@@ -129,6 +129,33 @@ def test_a_cut_link_fails_exactly_the_call_whose_transfer_it_lost_and_the_next_o
         assert ctx.stats()["controller"]["lost_executors"] == []
 
 
+def test_a_copy_that_lands_while_its_receiver_runs_a_long_job_is_acknowledged_in_time():
+    """Copies land on the receiver's transfer inbox, which its compute thread reads between jobs; while a job runs,
+    the I/O thread reads it (executor/transfer_inbox.py). With a 1 s transfer deadline and a job of several seconds
+    on the receiver, the copy is acknowledged on time: nothing is reported lost, and the result is right."""
+    with pw.Context(num_executors=2, backend="eager", transfer_timeout_s=1.0) as ctx:
+        here, there = (ctx.mesh({"data": 1}, executors=[e]) for e in ctx.executor_ids)
+
+        def slow(m):
+            for _ in range(40):
+                m = torch.tanh(m @ m)
+            return m
+
+        slow_there, twice_there = pw.function(slow).on(there), pw.function(lambda t: t * 2).on(there)
+        m = ctx.put(torch.eye(1200) * 0.5, there, {"data": pw.Replicate()})
+        x = ctx.put(torch.ones(3), here, {"data": pw.Replicate()})
+        assert torch.equal(twice_there(x).result(60), torch.full((3,), 2.0))   # compiled, connected
+        slow_there(m).exception(60)
+        began = time.monotonic()
+        busy = slow_there(m)
+        doubled = twice_there(x)     # its copy lands while executor-1 runs `slow`
+        assert busy.exception(60) is None and time.monotonic() - began > 1.5, "the job must outlast the deadline"
+        assert torch.equal(doubled.result(60), torch.full((3,), 2.0))
+        stats = ctx.stats()
+        assert stats["controller"]["transfers_lost"] == 0
+        assert stats["executors"][ctx.executor_ids[1]]["hop_bytes"].get("inbox_read_by_io", 0) >= 1
+
+
 def test_training_across_islands_recovers_from_a_cut_link_and_a_lost_executor_with_the_losses_of_an_unbroken_run(
         tmp_path):
     # Two islands of two: a cut loses the slices in flight (one executor of an island fails its step at that input
