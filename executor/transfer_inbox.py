@@ -81,9 +81,13 @@ class TransferInbox:
             self.read_by_io += len(messages)
         for frames in messages:
             self._on_frames(frames)
-        if messages and self._acks:
-            with self.lock:
+        # The replies those made leave now, unless the compute thread took the inbox back meanwhile: it sends them
+        # when it wakes (a run a copy made ready wakes it; its poll ends within 100 ms). The I/O thread never waits.
+        if messages and self._acks and self.lock.acquire(blocking=wait):
+            try:
                 self.flush()
+            finally:
+                self.lock.release()
         return True
 
     def flush(self) -> None:
