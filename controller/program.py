@@ -65,10 +65,10 @@ class LoweredProgram:
 
 
 def lower(spec: ProgramSpec, program_id: int, addresses, keys: dict[str, bytes] | None = None,
-          axis_groups: dict[int, dict[str, list[int]]] | None = None) -> LoweredProgram:
+          axis_groups: dict[int, dict[str, list[int]]] | None = None, inboxes=None) -> LoweredProgram:
     """Lower ``spec``: ``addresses`` gives each executor's data address (a dict), or where a source sends to a
     destination (a callable: across islands, the link's); ``axis_groups[node][axis][position]`` the group of
-    each collective node's shards."""
+    each collective node's shards; ``inboxes(source, destination)``: whether that address is a transfer inbox."""
     address_for = addresses if callable(addresses) else (lambda source, destination: addresses[destination])
     keys = keys or {}
     axis_groups = axis_groups or {}
@@ -99,7 +99,8 @@ def lower(spec: ProgramSpec, program_id: int, addresses, keys: dict[str, bytes] 
                 if source != executor_id:   # pass 2: the owner pushes its shard here
                     writer.add_send(source, pb.ProgramSend(
                         value=value, shard=position, to_node=index, to_address=address_for(source, executor_id),
-                        to_public_key=keys.get(executor_id, b"")))
+                        to_public_key=keys.get(executor_id, b""),
+                        to_inbox=bool(inboxes and inboxes(source, executor_id))))
             chaining = None
             if node.collective_axes:
                 chaining = pb.ProgramNode(collective=True, prev_collective_node=last_collective[executor_id])

@@ -73,6 +73,12 @@ class ResourceManager:
             return target.link_address
         return target.transfer_address or target.data_address
 
+    def to_inbox(self, source: str, destination: str) -> bool:
+        """Whether `address_for` names ``destination``'s transfer inbox (its compute thread reads it, and the
+        sender's compute thread sends there): a copy inside the island, to an executor that has one."""
+        target = self.executors[destination]
+        return bool(target.transfer_address) and self.address_for(source, destination) == target.transfer_address
+
     def allocate(self, axes: dict[str, int], executor_ids: list[str] | None = None) -> MeshAllocation:
         """A mesh over ``executor_ids`` (default: chosen island by island) with the given named axes.
 

@@ -56,6 +56,10 @@ class ComputeLoop:
         self._stopping = False
         self.between_jobs: Callable[[], None] | None = None   # run before each job, and before each wait
         self._inbox = None   # `TransferInbox`: polled with the commands while idle (`share_inbox`)
+        self._poller = zmq.Poller()
+        self._poller.register(self._commands, zmq.POLLIN)
+        self._poller.register(self._waker.socket, zmq.POLLIN)
+        self._held_while_idle: list = []   # locks of sockets shared with the I/O thread, held while this one polls
 
     # ------------------------------------------------------------ any thread
 
@@ -80,6 +84,21 @@ class ComputeLoop:
         """Poll ``inbox.socket`` too while idle, holding ``inbox.lock`` (the I/O thread reads it while a job runs:
         executor/transfer_inbox.py); set up before `run`."""
         self._inbox = inbox
+        self.hold_while_idle(inbox.lock)
+        self._poller.register(inbox.socket, zmq.POLLIN)
+
+    def hold_while_idle(self, lock) -> None:
+        """Hold ``lock`` while polling (the sockets it guards are this thread's then); set up before `run`."""
+        self._held_while_idle.append(lock)
+
+    def watch(self, socket: zmq.Socket) -> None:
+        """Wake for ``socket`` too while idle (compute thread): ZeroMQ carries out a socket's pending work (a
+        reconnection's hand-over, say) only when its owner touches it, so a socket that only sends must be polled."""
+        self._poller.register(socket, zmq.POLLIN)
+
+    def unwatch(self, socket: zmq.Socket) -> None:
+        """Stop polling ``socket`` (compute thread, before it is closed)."""
+        self._poller.unregister(socket)
 
     def stop(self) -> None:
         self._stopping = True
@@ -89,11 +108,6 @@ class ComputeLoop:
 
     def run(self) -> None:
         self._thread = threading.current_thread()
-        poller = zmq.Poller()
-        poller.register(self._commands, zmq.POLLIN)
-        poller.register(self._waker.socket, zmq.POLLIN)
-        if self._inbox is not None:
-            poller.register(self._inbox.socket, zmq.POLLIN)
         try:
             while not self._stopping:
                 self._read_control()
@@ -102,7 +116,7 @@ class ComputeLoop:
                 if self._calls:
                     self._run_one(self._calls.popleft())
                     continue
-                for socket, _ in self._poll_idle(poller):
+                for socket, _ in self._poll_idle():
                     if socket is self._waker.socket:
                         self._waker.drain()   # calls queued before it are looked at next
         finally:
@@ -110,16 +124,21 @@ class ComputeLoop:
             self._commands.close(linger=0)
             self._replies.close(linger=0)
 
-    def _poll_idle(self, poller: zmq.Poller) -> list:
-        """Sleep until a message or a hand-over comes. The inbox is this thread's while it sleeps: its queued
-        replies leave first, and a copy that came since the last read is read before sleeping."""
-        if self._inbox is None:
-            return poller.poll(100)
-        with self._inbox.lock:
-            self._inbox.flush()
-            if self._inbox.socket.get(zmq.EVENTS) & POLLIN:
-                return []   # read between jobs, next turn
-            return poller.poll(100)
+    def _poll_idle(self) -> list:
+        """Sleep until a message or a hand-over comes. The shared sockets are this thread's while it sleeps (their
+        locks held); the inbox's queued replies leave first, and a copy that came since the last read is read
+        before sleeping."""
+        for lock in self._held_while_idle:
+            lock.acquire()
+        try:
+            if self._inbox is not None:
+                self._inbox.flush()
+                if self._inbox.socket.get(zmq.EVENTS) & POLLIN:
+                    return []   # read between jobs, next turn
+            return self._poller.poll(100)
+        finally:
+            for lock in reversed(self._held_while_idle):
+                lock.release()
 
     def _read_control(self) -> None:
         # Asking EVENTS is far cheaper than the zmq.Again a non-blocking recv raises when empty.

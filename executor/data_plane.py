@@ -284,8 +284,11 @@ class DataPlane:
         self.unacked[(msg.to_address, shard_key(msg.as_ref))] = (now + self.transfer_timeout_s + nbytes / _SLOWEST_LINK,
                                                                  msg.as_ref, nbytes, now)
         # The epoch names this incarnation: once it is replaced, the receiver refuses what it still sends.
+        # To a transfer inbox (a copy inside the island) it may leave from the compute thread; over a link it goes
+        # through the I/O thread (a relayed link's copies sent from the compute thread were seen held back past a
+        # cut and delivered seconds later, where through the I/O thread they were lost: not understood yet).
         self.outbox.to_peer(msg.to_address, pb.Envelope(transfer=transfer, epoch=self.epoch), payload,
-                            msg.to_public_key)
+                            msg.to_public_key, direct=msg.to_inbox)
         self.store.unpin(key)
 
     def on_peer_reply(self, address: str, envelope: pb.Envelope) -> None:

@@ -3,11 +3,14 @@
 Before, every copy to a peer was handed to the I/O thread (a queue and a wake-up), which then sent it on a
 DEALER of its own. Measured on a 2-executor hop (`bench/cpu_per_call.py --mode Hops`), that hand-off was one of
 the 11.5 thread wake-ups a hop cost. ZeroMQ sockets belong to one thread each, so the compute thread keeps
-DEALERs of its own, one per peer it sends to. Their acknowledgements are read between jobs by the compute thread
-and every second by the I/O thread, before it checks the deadlines of copies (a long job, or a collective blocked
-on a peer, must neither make a copy look lost nor hide a lost one). A lock passes the sockets between the two
-threads (ZeroMQ allows a socket to move between threads behind a full memory barrier); the replies' handlers run
-after it is let go, so its order against the executor's lock never inverts.
+DEALERs of its own, one per peer it sends to. The compute thread polls them while idle (ZeroMQ does a socket's
+pending work, such as taking up a reconnected peer, only when its owner touches it: unpolled, a copy sent just
+before a reconnection waited seconds) and reads their acknowledgements between jobs; while a job runs, the I/O
+thread reads them every second, before it checks the deadlines of copies (a long job, or a collective blocked on a
+peer, must neither make a copy look lost nor hide a lost one). A lock passes the sockets between the two threads
+(ZeroMQ allows a socket to move between threads behind a full memory barrier): the compute thread holds it while it
+sleeps, the I/O thread only takes it when free. The replies' handlers run after it is let go, so its order against
+the executor's lock never inverts.
 
 Where a send cannot leave at once (a peer whose queue is full, a key we do not have), it goes the old way,
 through the I/O thread, which retries and logs: nothing is dropped here that was not dropped before.
@@ -51,6 +54,7 @@ class DirectPeers:
         self._credentials = credentials
         self._on_frames = on_frames
         self._lock = threading.Lock()      # the sockets, between the compute and the I/O thread
+        compute.hold_while_idle(self._lock)   # polled by the compute thread while it sleeps
         self._sockets: dict[str, zmq.Socket] = {}
         self.keys: dict[str, bytes] = {}   # peer address -> the key its socket authenticates
         self.sent = 0                      # messages sent from the compute thread
@@ -76,13 +80,18 @@ class DirectPeers:
             self.sent += 1
             return True
 
-    def read_replies(self) -> None:
-        """Handle what peers sent back (acknowledgements), on the calling thread (compute or I/O)."""
+    def read_replies(self, wait: bool = True) -> None:
+        """Handle what peers sent back (acknowledgements), on the calling thread (compute or I/O). ``wait=False``
+        (the I/O thread): only if the compute thread does not hold the sockets; it reads them itself then."""
         replies = []
-        with self._lock:
+        if not self._lock.acquire(blocking=wait):
+            return
+        try:
             for address, socket in self._sockets.items():
                 while socket.get(zmq.EVENTS) & POLLIN:
                     replies.append((address, socket.recv_multipart(zmq.NOBLOCK, copy=False)))
+        finally:
+            self._lock.release()
         for address, frames in replies:
             self._on_frames(address, frames)
 
@@ -97,22 +106,29 @@ class DirectPeers:
         socket.connect(address)
         self._sockets[address] = socket
         self.keys[address] = public_key
+        self._compute.watch(socket)
         return socket
 
-    def _close(self, address: str) -> None:
+    def _close(self, address: str, unwatch: bool = True) -> None:
         self.keys.pop(address, None)
         socket = self._sockets.pop(address, None)
         if socket is not None:
+            if unwatch:
+                self._compute.unwatch(socket)
             socket.close(linger=0)
 
     def close_not_admitted(self, admits: Callable[[bytes], bool]) -> None:
-        """Close the connections to replaced incarnations (their keys revoked; any thread)."""
-        with self._lock:
-            for address in [a for a, key in self.keys.items() if not admits(key)]:
-                self._close(address)
+        """Close the connections to replaced incarnations (their keys revoked; any thread: done on the compute
+        thread, whose poller holds them)."""
+        def close():
+            with self._lock:
+                for address in [a for a, key in self.keys.items() if not admits(key)]:
+                    self._close(address)
+
+        self._compute.call_soon(close)
 
     def close_all(self) -> None:
-        """Close every connection (the executor stops)."""
+        """Close every connection (the executor stops; its compute thread polls no more)."""
         with self._lock:
             for address in list(self._sockets):
-                self._close(address)
+                self._close(address, unwatch=False)

@@ -188,7 +188,7 @@ class RunQueue:
                 self._enqueue(segment, msg.owner)
                 continue
             request = pb.SendShard(to_address=item.to_address, to_public_key=item.to_public_key,
-                                   call_id=msg.base_call_id + item.to_node)
+                                   call_id=msg.base_call_id + item.to_node, to_inbox=item.to_inbox)
             request.shard.CopyFrom(pb.ShardRef(array_id=array_id(item.value), shard=item.shard))
             request.as_ref.CopyFrom(pb.ShardRef(array_id=array_id(item.value), shard=item.shard,
                                                 tag=msg.base_call_id + item.to_node))

@@ -45,9 +45,11 @@ class SocketOutbox:
     def to_client(self, identity, envelope, payload=()):
         self._loop.send(self._data_key, [identity, *encode(envelope, payload)])
 
-    def to_peer(self, address, envelope, payload=(), public_key=b""):
+    def to_peer(self, address, envelope, payload=(), public_key=b"", direct=False):
+        """``direct``: it may leave from the compute thread, if it was made there (`DirectPeers`)."""
         frames = encode(envelope, payload)
-        if self.direct is not None and self.direct.on_own_thread() and self.direct.send(address, frames, public_key):
+        if direct and self.direct is not None and self.direct.on_own_thread() and \
+                self.direct.send(address, frames, public_key):
             return
 
         def send():

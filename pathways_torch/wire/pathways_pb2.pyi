@@ -206,18 +206,20 @@ class ProgramNode(_message.Message):
     def __init__(self, node: _Optional[int] = ..., function_id: _Optional[int] = ..., inputs: _Optional[_Iterable[_Union[ValueRef, _Mapping]]] = ..., outputs: _Optional[_Iterable[int]] = ..., shard: _Optional[int] = ..., collective: _Optional[bool] = ..., prev_collective_node: _Optional[int] = ..., axis_groups: _Optional[_Mapping[str, int]] = ..., report: _Optional[bool] = ..., digest_outputs: _Optional[bool] = ...) -> None: ...
 
 class ProgramSend(_message.Message):
-    __slots__ = ("value", "shard", "to_node", "to_address", "to_public_key")
+    __slots__ = ("value", "shard", "to_node", "to_address", "to_public_key", "to_inbox")
     VALUE_FIELD_NUMBER: _ClassVar[int]
     SHARD_FIELD_NUMBER: _ClassVar[int]
     TO_NODE_FIELD_NUMBER: _ClassVar[int]
     TO_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     TO_PUBLIC_KEY_FIELD_NUMBER: _ClassVar[int]
+    TO_INBOX_FIELD_NUMBER: _ClassVar[int]
     value: int
     shard: int
     to_node: int
     to_address: str
     to_public_key: bytes
-    def __init__(self, value: _Optional[int] = ..., shard: _Optional[int] = ..., to_node: _Optional[int] = ..., to_address: _Optional[str] = ..., to_public_key: _Optional[bytes] = ...) -> None: ...
+    to_inbox: bool
+    def __init__(self, value: _Optional[int] = ..., shard: _Optional[int] = ..., to_node: _Optional[int] = ..., to_address: _Optional[str] = ..., to_public_key: _Optional[bytes] = ..., to_inbox: _Optional[bool] = ...) -> None: ...
 
 class ProgramAction(_message.Message):
     __slots__ = ("run", "send")
@@ -419,18 +421,20 @@ class AdmitKey(_message.Message):
     def __init__(self, role: _Optional[str] = ..., public_key: _Optional[bytes] = ...) -> None: ...
 
 class SendShard(_message.Message):
-    __slots__ = ("shard", "to_address", "as_ref", "call_id", "to_public_key")
+    __slots__ = ("shard", "to_address", "as_ref", "call_id", "to_public_key", "to_inbox")
     SHARD_FIELD_NUMBER: _ClassVar[int]
     TO_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     AS_REF_FIELD_NUMBER: _ClassVar[int]
     CALL_ID_FIELD_NUMBER: _ClassVar[int]
     TO_PUBLIC_KEY_FIELD_NUMBER: _ClassVar[int]
+    TO_INBOX_FIELD_NUMBER: _ClassVar[int]
     shard: ShardRef
     to_address: str
     as_ref: ShardRef
     call_id: int
     to_public_key: bytes
-    def __init__(self, shard: _Optional[_Union[ShardRef, _Mapping]] = ..., to_address: _Optional[str] = ..., as_ref: _Optional[_Union[ShardRef, _Mapping]] = ..., call_id: _Optional[int] = ..., to_public_key: _Optional[bytes] = ...) -> None: ...
+    to_inbox: bool
+    def __init__(self, shard: _Optional[_Union[ShardRef, _Mapping]] = ..., to_address: _Optional[str] = ..., as_ref: _Optional[_Union[ShardRef, _Mapping]] = ..., call_id: _Optional[int] = ..., to_public_key: _Optional[bytes] = ..., to_inbox: _Optional[bool] = ...) -> None: ...
 
 class Free(_message.Message):
     __slots__ = ("shards",)

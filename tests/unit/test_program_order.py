@@ -285,7 +285,7 @@ class _Executor:
     def to_controller(self, envelope, payload=()):
         self.controller.on_message(self.core.executor_id, envelope, [])
 
-    def to_peer(self, address, envelope, payload=(), public_key=b""):
+    def to_peer(self, address, envelope, payload=(), public_key=b"", direct=False):
         self.network.send(address, envelope, payload)
 
     def to_client(self, *args):

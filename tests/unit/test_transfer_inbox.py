@@ -22,8 +22,23 @@ pytestmark = pytest.mark.timeout(60)
 class _OnItsThread:
     """The sender's compute loop, as DirectPeers sees it: the caller is always on it."""
 
+    def __init__(self):
+        self.watched, self.held = set(), []
+
     def on_loop_thread(self) -> bool:
         return True
+
+    def hold_while_idle(self, lock) -> None:
+        self.held.append(lock)
+
+    def watch(self, socket) -> None:
+        self.watched.add(socket)
+
+    def unwatch(self, socket) -> None:
+        self.watched.remove(socket)
+
+    def call_soon(self, fn) -> None:
+        fn()
 
 
 @pytest.fixture
@@ -84,7 +99,8 @@ def test_the_io_thread_reads_the_inbox_only_while_the_compute_thread_does_not_ho
 def test_a_revoked_keys_connection_is_closed_and_a_later_send_opens_a_fresh_one(pair):
     sender, inbox, _, _, receiver_key = pair
     assert sender.send(inbox.address, encode(pb.Envelope(transfer=pb.Transfer())), receiver_key)
+    assert len(sender._compute.watched) == 1                       # polled by the compute thread while idle
     sender.close_not_admitted(lambda key: key != receiver_key)
-    assert sender.keys == {}
+    assert sender.keys == {} and not sender._compute.watched
     assert sender.send(inbox.address, encode(pb.Envelope(transfer=pb.Transfer())), receiver_key)
     assert list(sender.keys.values()) == [receiver_key]
