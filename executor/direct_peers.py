@@ -26,10 +26,11 @@ from typing import Callable
 
 import zmq
 
-from pathways_torch.wire.security import Credentials, SecurityError, make_client
+from pathways_torch.wire.security import Credentials, SecurityError
 from pathways_torch.wire.wake import POLLIN
 
 from .compute_loop import ComputeLoop
+from .socket_outbox import peer_socket
 
 __all__ = ["DirectPeers", "SEND_FROM_COMPUTE_ENV", "sends_from_compute"]
 
@@ -96,14 +97,10 @@ class DirectPeers:
             self._on_frames(address, frames)
 
     def _connect(self, address: str, public_key: bytes) -> zmq.Socket | None:
-        socket = self._context.socket(zmq.DEALER)
-        socket.setsockopt(zmq.LINGER, 0)
         try:
-            make_client(socket, self._credentials, public_key)
+            socket = peer_socket(self._context, self._credentials, address, public_key)
         except SecurityError:
-            socket.close()
             return None   # the I/O thread's path logs why it is dropped
-        socket.connect(address)
         self._sockets[address] = socket
         self.keys[address] = public_key
         self._compute.watch(socket)

@@ -137,7 +137,7 @@ class ExecutorProcess(CoreEndpoint):
         watch = ConnectionWatch(f"executor {self.config.executor_id} transfer inbox", self._on_server_socket_event)
         self.loop.monitor(_INBOX, watch.on_frames, socket=inbox.socket)
         self.compute.share_inbox(inbox)
-        self.loop.every(IO_READ_INTERVAL_S, lambda: inbox.read(wait=False, by_io=True))
+        self.loop.every(IO_READ_INTERVAL_S, lambda: inbox.read(by_io=True))
         return inbox
 
     def _between_jobs(self) -> None:

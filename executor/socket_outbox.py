@@ -15,9 +15,23 @@ import zmq
 from pathways_torch.wire import SocketLoop, encode
 from pathways_torch.wire.security import Credentials, SecurityError, make_client
 
-__all__ = ["SocketOutbox"]
+__all__ = ["SocketOutbox", "peer_socket"]
 
 log = logging.getLogger(__name__)
+
+
+def peer_socket(context: zmq.Context, credentials: Credentials, address: str, public_key: bytes) -> zmq.Socket:
+    """A DEALER connected to the peer at ``address``, CURVE to ``public_key``; raises `SecurityError` (the socket
+    closed) for a key that is not one. The I/O thread's and the compute thread's (`DirectPeers`) are made alike."""
+    socket = context.socket(zmq.DEALER)
+    socket.setsockopt(zmq.LINGER, 0)
+    try:
+        make_client(socket, credentials, public_key)
+    except SecurityError:
+        socket.close()
+        raise
+    socket.connect(address)
+    return socket
 
 
 class SocketOutbox:
@@ -55,15 +69,11 @@ class SocketOutbox:
         def send():
             key = f"{self._peer_prefix}{address}"
             if self._loop.socket(key) is None:
-                socket = self._loop.context.socket(zmq.DEALER)
-                socket.setsockopt(zmq.LINGER, 0)
                 try:
-                    make_client(socket, self._credentials, public_key)
+                    socket = peer_socket(self._loop.context, self._credentials, address, public_key)
                 except SecurityError as exc:
-                    socket.close()
                     log.error("transfer to %s dropped: %s (the controller must send the peer's key)", address, exc)
                     return
-                socket.connect(address)
                 self._loop.add_socket(key, socket, lambda frames: self.on_peer_frames(address, frames))
                 self.peer_keys[address] = public_key
             self._loop.send_now(key, frames)

@@ -67,9 +67,11 @@ class TransferInbox:
         """Queue a reply to the peer that sent on ``identity`` (any thread); it leaves with the next read."""
         self._acks.append([identity, *encode(envelope, payload)])
 
-    def read(self, *, wait: bool = True, by_io: bool = False) -> bool:
-        """Send the queued replies and handle the messages waiting, on the calling thread. ``wait=False``: only if
-        the lock is free now (the I/O thread's turn); returns whether it read."""
+    def read(self, *, by_io: bool = False) -> bool:
+        """Send the queued replies and handle the messages waiting, on the calling thread. ``by_io``: the I/O
+        thread's turn, taken only if the lock is free now (the compute thread waits for it); returns whether it
+        read."""
+        wait = not by_io
         if not self.lock.acquire(blocking=wait):
             return False
         try:

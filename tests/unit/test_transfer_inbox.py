@@ -87,12 +87,12 @@ def test_the_io_thread_reads_the_inbox_only_while_the_compute_thread_does_not_ho
     sender, inbox, received, _, receiver_key = pair
     assert sender.send(inbox.address, encode(pb.Envelope(transfer=pb.Transfer())), receiver_key)
     with inbox.lock:                                                # the compute thread sleeps in its poll
-        held = threading.Thread(target=lambda: received.append(inbox.read(wait=False, by_io=True)))
+        held = threading.Thread(target=lambda: received.append(inbox.read(by_io=True)))
         held.start()
         held.join()
     assert received == [False] and inbox.read_by_io == 0           # the I/O thread left it alone
     received.clear()
-    assert _until(lambda: received, lambda: inbox.read(wait=False, by_io=True))   # a job runs: the I/O thread reads
+    assert _until(lambda: received, lambda: inbox.read(by_io=True))   # a job runs: the I/O thread reads
     assert inbox.read_by_io == 1
 
 
