@@ -20,6 +20,7 @@ of calls that failed with a lost peer and steps over their places in gang order.
 from __future__ import annotations
 
 import collections
+import contextlib
 import logging
 from typing import Callable
 
@@ -252,12 +253,9 @@ class RunQueue:
         # The queue first, then the drops: filling a dropped output wakes what reads it, and a pass over the queue
         # must not run inside this one (it would take items from the queue being rebuilt).
         self.queued = kept
-        pumping, self._pumping = self._pumping, True
-        try:
+        with self._pumps_deferred():
             for segment in dropped:
                 self._drop_segment(segment, failure)
-        finally:
-            self._pumping = pumping
         self.trace.record("receive", "cancel", detail=f"{msg.lost_executor} lost: {len(dropped)} segments dropped")
         self.pump()
 
@@ -314,6 +312,29 @@ class RunQueue:
         finally:
             self._pumping = False
 
+    @contextlib.contextmanager
+    def _pumps_deferred(self):
+        """What wakes the queue inside this block waits for the caller's `pump` after it: a job's outputs filled
+        one by one woke a full pass over the queue each (90 passes for an optimizer step's outputs), and a pass
+        must not run while the queue is being rebuilt (`cancel`)."""
+        pumping, self._pumping = self._pumping, True
+        try:
+            yield
+        finally:
+            self._pumping = pumping
+
+    def _inputs_ready(self, segment: Segment) -> bool:
+        """Whether every input of ``segment`` is stored or being computed here (the compute thread runs jobs in
+        order), looking only past those seen so before (`Segment.inputs_ready`)."""
+        keys, get, index = segment.input_keys, self.store.get, segment.inputs_ready
+        while index < len(keys):
+            entry = get(keys[index])
+            if entry is None or not (entry.ready or entry.computing):
+                break
+            index += 1
+        segment.inputs_ready = index
+        return index == len(keys)
+
     def _pump_once(self) -> bool:
         """One pass over the queue; True if a collective action started (and another may now be due).
 
@@ -343,14 +364,11 @@ class RunQueue:
                     waiting.append(item)   # behind earlier work, in gang order or in its run
                     held = self._program_order
                     continue
-                entries = [self.store.get(key) for key in item.input_keys]
                 functions = [self.functions.get(step.function_id) for step in item.steps]
-                # An input still being computed here is fine: the compute thread runs jobs in order.
-                if (all(e is not None and (e.ready or e.computing) for e in entries)
-                        and all(f is None or f.ready for f in functions)):
+                if self._inputs_ready(item) and all(f is None or f.ready for f in functions):
                     if collective:
                         self.last_collective_seq, collective_started = item.last_collective_seq, True
-                    self._start(item, functions, entries)
+                    self._start(item, functions, [self.store.get(key) for key in item.input_keys])
                 else:
                     waiting.append(item)
                     held = self._program_order
@@ -397,11 +415,12 @@ class RunQueue:
         for entry in job.out_entries:
             entry.computing = False
         # Outputs were claimed (owned) when the run arrived; a Free since then must stand.
-        for key, value in zip(job.output_keys, job.values):
-            if isinstance(value, pb.RemoteFailure):
-                self.store.fill(key, failure=value, owned=False)
-            else:
-                self.store.fill(key, value, owned=False)
+        with self._pumps_deferred():
+            for key, value in zip(job.output_keys, job.values):
+                if isinstance(value, pb.RemoteFailure):
+                    self.store.fill(key, failure=value, owned=False)
+                else:
+                    self.store.fill(key, value, owned=False)
         self.num_computations += job.computed
         for key in job.input_keys:
             self.store.unpin(key)

@@ -119,7 +119,8 @@ class Segment:
     """
 
     __slots__ = ("steps", "base_seq", "base_call_id", "input_keys", "output_keys", "output_slots", "num_slots",
-                 "collective", "prev_collective_seq", "last_collective_seq", "after", "started", "plan")
+                 "collective", "prev_collective_seq", "last_collective_seq", "after", "started", "plan",
+                 "inputs_ready")
 
     def __init__(self, *, steps, base_seq, base_call_id, input_keys, output_keys, output_slots, num_slots,
                  collective, prev_collective_seq, last_collective_seq, after: "Segment | None" = None,
@@ -130,6 +131,9 @@ class Segment:
         self.num_slots, self.collective = num_slots, collective
         self.prev_collective_seq, self.last_collective_seq = prev_collective_seq, last_collective_seq
         self.after, self.started = after, False
+        # How many leading inputs were seen ready (or being computed here): once so, an input stays so while the
+        # segment is queued (it pins them), and the queue's next pass starts its look from there.
+        self.inputs_ready = 0
 
     def ids(self, step: Step) -> tuple[int, int]:
         """(sequence number, call id) of one of its steps."""

@@ -28,7 +28,7 @@ from pathways_torch.capture import InputSpec, capture
 from pathways_torch.collectives import all_reduce, tracing_mesh
 from pathways_torch.wire import collective_ops, pb
 from pathways_torch.wire.tensors import tensor_to_frame
-from tests.unit.test_executor_core import FakeOutbox, fetch_tensor, load, make_core, put, ref
+from tests.unit.test_executor_core import FakeOutbox, fetch_tensor, load, make_core, put, ref, run
 from tests.unit.test_gang_scheduling import FakeGroups
 
 V = torch.tensor([1.0, 2.0])
@@ -502,3 +502,53 @@ def test_without_the_order_rules_the_latest_copies_break_the_listed_order():
     finished, lowered, runs, outbox, executors, _ = _pipeline(0, late=True, program_order=False)
     broken = [e for e in STAGE1 if _started_order(outbox, executors, e)[0] != _listed_order(lowered, e)]
     assert broken == list(STAGE1)
+
+
+# ---------------------------------------------------------------- the queue's passes
+
+@pytest.mark.timeout(30)
+def test_a_job_with_many_outputs_wakes_one_pass_over_the_queue_and_a_pass_looks_past_inputs_seen_ready():
+    # Eight runs wait, each for one output of the job at seq 1 and for a value of its own (sent later). The job's
+    # eight outputs used to wake a full pass over the queue each (an optimizer step's 90 outputs: 90 passes over
+    # every queued segment of the steps run ahead), and each pass looked every input up again.
+    n = 8
+    jobs = []   # run by hand, as the compute thread runs them: after the pass that started them
+    core = ExecutorCore(executor_id="e0", backend=EagerBackend(), outbox=(outbox := FakeOutbox()), submit=jobs.append)
+
+    def run_jobs():
+        while jobs:
+            core.finish(core.compute(jobs.pop(0)))
+
+    load(core, 1, lambda x: tuple(x + i for i in range(n)), V, name="spread")
+    load(core, 2, lambda a, b: a * b, V, V.clone(), name="mul")
+    run(core, seq=1, call_id=1, function_id=1, inputs=[ref(9)], outputs=[ref(100 + i) for i in range(n)])
+    for i in range(n):
+        run(core, seq=2 + i, call_id=2 + i, function_id=2, inputs=[ref(100 + i), ref(200 + i)], outputs=[ref(300 + i)])
+    queue_, store = core.run_queue, core.run_queue.store
+    passes, lookups = [0], collections.Counter()
+    pump_once, get = queue_._pump_once, store.get
+
+    def counted_pass():
+        passes[0] += 1
+        return pump_once()
+
+    def counted_get(key):
+        lookups[key] += 1
+        return get(key)
+
+    queue_._pump_once, store.get = counted_pass, counted_get
+    put(core, ref(9), V)                  # seq 1 runs; its outputs fill while all eight wait
+    passes[0] = 0
+    run_jobs()
+    assert _starts(core) == [("spread", 1)]
+    assert passes[0] == 1, f"expected one pass for one job's {n} outputs, counted {passes[0]}"
+    for i in range(n - 1):                # seven more passes, each started by one run's second value
+        put(core, ref(200 + i), V, request_id=10 + i)
+        run_jobs()
+    # (100, 0, 0) was seen ready at the first pass after seq 1 ended: looked up then and when its run started.
+    assert lookups[(100, 0, 0)] <= 3, lookups[(100, 0, 0)]
+    assert lookups[(100 + n - 1, 0, 0)] <= 2, lookups[(100 + n - 1, 0, 0)]   # behind a missing one: not again
+    put(core, ref(200 + n - 1), V, request_id=99)
+    run_jobs()
+    assert [name for name, _ in _starts(core)] == ["spread"] + ["mul"] * n
+    torch.testing.assert_close(fetch_tensor(core, outbox, ref(300 + 3)), (V + 3) * V)
