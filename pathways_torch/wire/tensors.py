@@ -13,7 +13,7 @@ from typing import Any
 
 from . import pathways_pb2 as pb
 
-__all__ = ["tensor_to_frame", "frame_to_tensor", "dtype_name", "dtype_from_name", "WireTensorError"]
+__all__ = ["tensor_to_frame", "frame_to_tensor", "frame_buffer", "dtype_name", "dtype_from_name", "WireTensorError"]
 
 # Upper bound on one tensor's element count, to refuse absurd headers before allocating.
 _MAX_ELEMENTS = 1 << 40
@@ -54,11 +54,9 @@ def tensor_to_frame(tensor, meta: pb.TensorMeta, frame_index: int) -> Any:
     return memoryview(flat.numpy())
 
 
-def frame_to_tensor(meta: pb.TensorMeta, frames: list):
-    """Wrap the frame named by ``meta`` as a tensor (no copy); validate the header first."""
-    import torch
-
-    dtype = dtype_from_name(meta.dtype)
+def frame_buffer(meta: pb.TensorMeta, frames: list, itemsize: int) -> tuple[memoryview, list[int]]:
+    """The buffer of the frame named by ``meta`` and its shape, once the header is checked against it (elements
+    of ``itemsize`` bytes): the frame exists, no dimension is negative or absurd, the bytes are exactly enough."""
     if meta.frame < 1 or meta.frame > len(frames):
         raise WireTensorError(f"tensor header names frame {meta.frame}, message has frames 1..{len(frames)}")
     shape = list(meta.shape)
@@ -71,10 +69,20 @@ def frame_to_tensor(meta: pb.TensorMeta, frames: list):
             raise WireTensorError(f"shape {shape} exceeds {_MAX_ELEMENTS} elements")
     frame = frames[meta.frame - 1]
     buffer = frame.buffer if hasattr(frame, "buffer") else memoryview(frame)
-    expected = numel * torch.empty((), dtype=dtype).element_size()
+    expected = numel * itemsize
     if buffer.nbytes != expected:
         raise WireTensorError(
             f"tensor {meta.dtype}{shape} needs {expected} bytes, frame has {buffer.nbytes}")
+    return buffer, shape
+
+
+def frame_to_tensor(meta: pb.TensorMeta, frames: list):
+    """Wrap the frame named by ``meta`` as a tensor (no copy); validate the header first."""
+    import torch
+
+    dtype = dtype_from_name(meta.dtype)
+    buffer, shape = frame_buffer(meta, frames, dtype.itemsize)
+    numel = buffer.nbytes // dtype.itemsize
     if numel == 0:
         return torch.empty(shape, dtype=dtype)
     with warnings.catch_warnings():

@@ -140,3 +140,24 @@ def test_an_op_without_a_lowering_runs_on_the_host_counted(xla):
     assert "1 op(s) outside XLA" in compiled.summary
     out = _through_wire(lambda meta, frames: frame_to_tensor(meta, frames), got[0], xla.to_frame)
     assert torch.equal(out, fn(x))
+
+
+@pytest.mark.parametrize("value", [torch.randn(8, 32, 64), torch.arange(10), torch.tensor([True, False]),
+                                   torch.randn(3, dtype=torch.bfloat16), torch.randn(300, 300), torch.zeros(0, 3),
+                                   torch.tensor(2.5, dtype=torch.float64)],
+                         ids=["48KB", "int64", "bool", "bfloat16", "360KB", "empty", "0-d"])
+def test_a_received_frame_becomes_the_same_value_on_either_path_and_a_short_frame_is_refused(xla, value):
+    # Small frames of a dtype numpy has go straight to a jax array; bfloat16 and frames over 64 KB through torch.
+    from pathways_torch.wire.tensors import WireTensorError
+
+    out = _through_wire(lambda meta, frames: frame_to_tensor(meta, frames), _through_wire(xla.from_frame, value),
+                        xla.to_frame)
+    assert out.dtype == value.dtype and out.shape == value.shape and torch.equal(out, value)
+    meta = pb.TensorMeta()
+    frame = bytes(tensor_to_frame(value, meta, 1))
+    if value.numel():
+        meta.shape.append(2)    # a header that asks for more bytes than the frame has
+    else:
+        meta.frame = 2          # one that names a frame the message does not have
+    with pytest.raises(WireTensorError, match="needs|names frame"):
+        xla.from_frame(meta, [frame])
