@@ -364,8 +364,10 @@ class RunQueue:
                     waiting.append(item)   # behind earlier work, in gang order or in its run
                     held = self._program_order
                     continue
-                functions = [self.functions.get(step.function_id) for step in item.steps]
-                if self._inputs_ready(item) and all(f is None or f.ready for f in functions):
+                # Inputs first: a run dispatched ahead waits for them, and its functions need not be looked up.
+                ready = self._inputs_ready(item)
+                functions = [self.functions.get(step.function_id) for step in item.steps] if ready else ()
+                if ready and all(f is None or f.ready for f in functions):
                     if collective:
                         self.last_collective_seq, collective_started = item.last_collective_seq, True
                     self._start(item, functions, [self.store.get(key) for key in item.input_keys])
