@@ -141,14 +141,23 @@ def test_a_copy_that_lands_while_its_receiver_runs_a_long_job_is_acknowledged_in
                 m = torch.tanh(m @ m)
             return m
 
+        def pause(t, m):   # a quarter of `slow`: what it returns leaves executor-0 well after `slow` started
+            for _ in range(10):
+                m = torch.tanh(m @ m)
+            return t + m.sum() * 0
+
         slow_there, twice_there = pw.function(slow).on(there), pw.function(lambda t: t * 2).on(there)
+        pause_here = pw.function(pause).on(here)
         m = ctx.put(torch.eye(1200) * 0.5, there, {"data": pw.Replicate()})
+        m_here = ctx.put(torch.eye(1200) * 0.5, here, {"data": pw.Replicate()})
         x = ctx.put(torch.ones(3), here, {"data": pw.Replicate()})
-        assert torch.equal(twice_there(x).result(60), torch.full((3,), 2.0))   # compiled, connected
+        assert torch.equal(twice_there(pause_here(x, m_here)).result(60), torch.full((3,), 2.0))   # compiled
         slow_there(m).exception(60)
         began = time.monotonic()
         busy = slow_there(m)
-        doubled = twice_there(x)     # its copy lands while executor-1 runs `slow`
+        # Its copy lands while executor-1 runs `slow`: made after `pause`, not sent at once (a copy of `x` itself
+        # could beat `slow`'s start, and be read by the compute thread before it).
+        doubled = twice_there(pause_here(x, m_here))
         assert busy.exception(60) is None and time.monotonic() - began > 1.5, "the job must outlast the deadline"
         assert torch.equal(doubled.result(60), torch.full((3,), 2.0))
         stats = ctx.stats()
