@@ -315,7 +315,7 @@ class RunQueue:
     @contextlib.contextmanager
     def _pumps_deferred(self):
         """What wakes the queue inside this block waits for the caller's `pump` after it: a job's outputs filled
-        one by one woke a full pass over the queue each (90 passes for an optimizer step's outputs), and a pass
+        one by one woke a full pass over the queue each (33 passes for a pipeline stage's fused job), and a pass
         must not run while the queue is being rebuilt (`cancel`)."""
         pumping, self._pumping = self._pumping, True
         try:

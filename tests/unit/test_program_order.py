@@ -509,7 +509,7 @@ def test_without_the_order_rules_the_latest_copies_break_the_listed_order():
 @pytest.mark.timeout(30)
 def test_a_job_with_many_outputs_wakes_one_pass_over_the_queue_and_a_pass_looks_past_inputs_seen_ready():
     # Eight runs wait, each for one output of the job at seq 1 and for a value of its own (sent later). The job's
-    # eight outputs used to wake a full pass over the queue each (an optimizer step's 90 outputs: 90 passes over
+    # eight outputs used to wake a full pass over the queue each (a pipeline stage's fused job has 33: 33 passes over
     # every queued segment of the steps run ahead), and each pass looked every input up again.
     n = 8
     jobs = []   # run by hand, as the compute thread runs them: after the pass that started them
