@@ -255,8 +255,7 @@ class CallDispatch:
         axis_groups = {index: groups.axis_groups(node.mesh, node.collective_axes)
                        for index, node in enumerate(spec.nodes) if node.collective_axes}
         keys = {e: info.public_key for e, info in self.resources.executors.items()}
-        lowered = lower(spec, program_id, self.resources.address_for, keys, axis_groups=axis_groups,
-                        inboxes=self.resources.to_inbox)
+        lowered = lower(spec, program_id, self.resources.route, keys, axis_groups=axis_groups)
         for executor_id, plan in lowered.plans.items():
             self._controller.members.check_live([executor_id])
             for function_id in lowered.function_ids.get(executor_id, ()):
@@ -385,9 +384,9 @@ class CallDispatch:
             return copy   # the same array passed twice: one copy serves both
         routes.append((source, executor_id, copy))
         destination = self.resources.executors[executor_id]
-        request = pb.SendShard(to_address=self.resources.address_for(source, executor_id),
-                               to_public_key=destination.public_key, call_id=call_id,
-                               to_inbox=self.resources.to_inbox(source, executor_id))
+        address, to_inbox = self.resources.route(source, executor_id)
+        request = pb.SendShard(to_address=address, to_public_key=destination.public_key, call_id=call_id,
+                               to_inbox=to_inbox)
         request.shard.CopyFrom(pb.ShardRef(array_id=record.array_id, shard=position))
         request.as_ref.CopyFrom(copy)
         self._send(source, pb.Envelope(send_shard=request))

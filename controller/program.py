@@ -65,11 +65,11 @@ class LoweredProgram:
 
 
 def lower(spec: ProgramSpec, program_id: int, addresses, keys: dict[str, bytes] | None = None,
-          axis_groups: dict[int, dict[str, list[int]]] | None = None, inboxes=None) -> LoweredProgram:
+          axis_groups: dict[int, dict[str, list[int]]] | None = None) -> LoweredProgram:
     """Lower ``spec``: ``addresses`` gives each executor's data address (a dict), or where a source sends to a
-    destination (a callable: across islands, the link's); ``axis_groups[node][axis][position]`` the group of
-    each collective node's shards; ``inboxes(source, destination)``: whether that address is a transfer inbox."""
-    address_for = addresses if callable(addresses) else (lambda source, destination: addresses[destination])
+    destination and whether that is its transfer inbox (a callable: `ResourceManager.route`; across islands, the
+    link's); ``axis_groups[node][axis][position]`` the group of each collective node's shards."""
+    route = addresses if callable(addresses) else (lambda source, destination: (addresses[destination], False))
     keys = keys or {}
     axis_groups = axis_groups or {}
     where = spec.value_meshes()
@@ -97,10 +97,10 @@ def lower(spec: ProgramSpec, program_id: int, addresses, keys: dict[str, bytes] 
                 source = sources[position]
                 run_inputs.append((key, source != executor_id))
                 if source != executor_id:   # pass 2: the owner pushes its shard here
+                    address, to_inbox = route(source, executor_id)
                     writer.add_send(source, pb.ProgramSend(
-                        value=value, shard=position, to_node=index, to_address=address_for(source, executor_id),
-                        to_public_key=keys.get(executor_id, b""),
-                        to_inbox=bool(inboxes and inboxes(source, executor_id))))
+                        value=value, shard=position, to_node=index, to_address=address,
+                        to_public_key=keys.get(executor_id, b""), to_inbox=to_inbox))
             chaining = None
             if node.collective_axes:
                 chaining = pb.ProgramNode(collective=True, prev_collective_node=last_collective[executor_id])

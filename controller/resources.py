@@ -64,20 +64,17 @@ class ResourceManager:
     def island_of(self, executor_id: str) -> str:
         return self.executors[executor_id].island
 
-    def address_for(self, source: str, destination: str) -> str:
-        """Where ``source`` sends a transfer to ``destination``: through the link between islands when they
-        differ and a link is set up, else straight to its transfer socket (its compute thread reads it), or its data
-        socket where it has none (a simulated executor)."""
+    def route(self, source: str, destination: str) -> tuple[str, bool]:
+        """Where ``source`` sends a transfer to ``destination``, and whether that is its transfer inbox: through the
+        link between islands when they differ and a link is set up, else straight to its transfer inbox (its
+        compute thread reads it, and the sender's compute thread sends there), or its data socket where it has none
+        (a simulated executor)."""
         target = self.executors[destination]
         if target.link_address and self.executors[source].island != target.island:
-            return target.link_address
-        return target.transfer_address or target.data_address
-
-    def to_inbox(self, source: str, destination: str) -> bool:
-        """Whether `address_for` names ``destination``'s transfer inbox (its compute thread reads it, and the
-        sender's compute thread sends there): a copy inside the island, to an executor that has one."""
-        target = self.executors[destination]
-        return bool(target.transfer_address) and self.address_for(source, destination) == target.transfer_address
+            return target.link_address, False
+        if target.transfer_address:
+            return target.transfer_address, True
+        return target.data_address, False
 
     def allocate(self, axes: dict[str, int], executor_ids: list[str] | None = None) -> MeshAllocation:
         """A mesh over ``executor_ids`` (default: chosen island by island) with the given named axes.
