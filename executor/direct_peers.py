@@ -81,11 +81,12 @@ class DirectPeers:
             self.sent += 1
             return True
 
-    def read_replies(self, wait: bool = True) -> None:
-        """Handle what peers sent back (acknowledgements), on the calling thread (compute or I/O). ``wait=False``
-        (the I/O thread): only if the compute thread does not hold the sockets; it reads them itself then."""
+    def read_replies(self, *, by_io: bool = False) -> None:
+        """Handle what peers sent back (acknowledgements), on the calling thread. ``by_io`` (the I/O thread's turn,
+        as `TransferInbox.read` takes it): only if the compute thread does not hold the sockets; it reads them
+        itself then."""
         replies = []
-        if not self._lock.acquire(blocking=wait):
+        if not self._lock.acquire(blocking=not by_io):
             return
         try:
             for address, socket in self._sockets.items():

@@ -217,7 +217,7 @@ class ExecutorProcess(CoreEndpoint):
         compute thread's copies are read first, here: a long job (or a blocked collective) leaves them unread there,
         and must neither make a copy look lost nor hide a lost one."""
         if self.outbox.direct is not None:
-            self.outbox.direct.read_replies(wait=False)   # held by the compute thread: it reads them as they come
+            self.outbox.direct.read_replies(by_io=True)   # held by the compute thread: it reads them as they come
         self.core.check_transfers(time.monotonic())
 
     def _socket_counters(self) -> dict[str, int]:
