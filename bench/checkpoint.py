@@ -25,7 +25,7 @@ import torch
 
 import pathways_torch as pw
 from bench.common import add_backend_argument, add_model_arguments, print_table, write_results
-from bench.train import ReverseTask, loss_fn, make_config, make_model
+from bench.train_setup import ReverseTask, loss_fn, make_config, make_model
 
 __all__ = ["main"]
 

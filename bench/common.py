@@ -5,13 +5,22 @@ from __future__ import annotations
 import json
 import os
 import platform
+import socket
 import statistics
 import time
 
 __all__ = ["write_results", "print_table", "spans", "machine", "add_run_arguments", "add_quick_and_json",
-           "add_backend_argument", "add_model_arguments", "add_trace_dir_argument", "timed_calls", "process_cpu_s"]
+           "add_backend_argument", "add_model_arguments", "add_trace_dir_argument", "timed_calls", "process_cpu_s",
+           "median", "rotated"]
 
 RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+
+
+def free_port() -> int:
+    """A TCP port free on loopback now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def machine() -> dict:
@@ -82,6 +91,13 @@ def spans(trace: dict, name: str, category: str) -> list[float]:
 
 def median(values: list[float]) -> float:
     return statistics.median(values) if values else float("nan")
+
+
+def rotated(items: list, shift: int) -> list:
+    """``items`` rotated left by ``shift``: round i of a round-robin starts with item i mod n, so that no
+    configuration always takes the same place in its rounds."""
+    shift %= len(items)
+    return list(items[shift:]) + list(items[:shift])
 
 
 def timed_calls(run, x, count: int, *, awaited: bool, timeout_s: float = 600.0) -> float:

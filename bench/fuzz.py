@@ -18,6 +18,8 @@ An executor's key may legitimately disturb its own calls: that is what the probe
 measure, on calls made after the inputs that could disturb them.
 
     .venv/bin/python -m bench.fuzz [--inputs 100000] [--seed 0]
+
+A `pathways-controller`'s client socket (seam_codec requests from a client key) is fuzzed by `bench.fuzz_service`.
 """
 
 from __future__ import annotations
@@ -169,20 +171,34 @@ def alive(ctx) -> list[str]:
 def _counts(ctx, sent_to: collections.Counter) -> dict:
     """Handled and dropped messages per port, and the cluster's own traffic, as of now (one ctx.stats()).
     ``sent_to``: the controller's messages to each executor so far."""
-    stats = ctx.stats()
+    stats, sent = _stats_with_nothing_else_sent(ctx, sent_to)
     controller = stats["controller"]["handled_messages"]
     counts = collections.Counter({
         "controller control": sum(n for k, n in controller.items() if k.startswith("control:")),
         "controller heartbeat": controller.get("heartbeat", 0), "controller store": controller.get("store", 0),
         "controller dropped": stats["controller"]["dropped_messages"],
         "legit heartbeats": sum(s["heartbeats_sent"] for s in stats["executors"].values())})
-    counts.update({f"{e} command sent": n for e, n in sent_to.items()})   # read after the stats replies came
+    counts.update({f"{e} command sent": n for e, n in sent.items()})
     for executor_id, s in stats["executors"].items():
         for key, n in s["handled_messages"].items():
             counts[f"{executor_id} {key.split(':', 1)[0]}"] += n
         counts[f"{executor_id} dropped"] = s["dropped_messages"]
         counts[f"{executor_id} refused"] = s["refused_data_messages"]
     return counts
+
+
+def _stats_with_nothing_else_sent(ctx, sent_to: collections.Counter, tries: int = 20):
+    """``ctx.stats()`` and the controller's messages to each executor so far, read when the controller sent nothing
+    but the Stats requests while they were answered: a message sent then (a Free, say) would be counted as sent
+    but not yet as handled, and seen as one the fuzzer got through the command port at the next count."""
+    for _ in range(tries):
+        before = collections.Counter(sent_to)
+        stats = ctx.stats()
+        after = collections.Counter(sent_to)
+        if all(after[e] - before[e] == 1 for e in stats["executors"]):   # the Stats request alone
+            return stats, after
+        time.sleep(0.01)
+    raise AssertionError(f"the controller kept sending while its executors' counts were read ({tries} tries)")
 
 
 class Window:

@@ -32,7 +32,7 @@ import torch
 import pathways_torch as pw
 from bench.common import add_run_arguments, print_table, write_results
 from bench.dispatch import MODES, PathwaysLoops
-from bench.train import loss_fn, make_batches, make_config, make_model, tokens_per_s
+from bench.train_setup import loss_fn, make_batches, make_config, make_model, tokens_per_s
 
 UNBOUNDED = {"max_inflight": 10**9, "max_inflight_steps": 10**9}
 

@@ -8,11 +8,12 @@ too (every connection through it reset, the frames in flight dropped: the transf
 not acknowledged and fail their step, both executors alive). The trainer writes a checkpoint every ``--checkpoint-every`` steps (the executors
 write it) and recovers by itself (docs/faults.md). Reported: steps completed, faults, recoveries, steps
 run again and recomputed, the loss curve against an unbroken run of the same steps (same seed, same
-batches: on this runtime they should be equal), and the executors' object-store bytes at the end
-against the start. It exits 1 (`verdict`, each reason printed) when a fault was not recovered, an old
-incarnation is left, a loss differs from the unbroken run's at all, or an executor's store ends larger than
-it started by more than the losses the trainer still keeps (`kept_loss_bytes`: those of the steps since its
-last checkpoint, held to be run again).
+batches: on this runtime they should be equal), the executors' object-store bytes at the end
+against the start, and how every executor process of the run ended (`executor_exits`). It exits 1 (`verdict`, each
+reason printed) when a fault was not recovered, an old incarnation is left, a loss differs from the unbroken run's
+at all, an executor's store ends larger than it started by more than the losses the trainer still keeps
+(`kept_loss_bytes`: those of the steps since its last checkpoint, held to be run again), or an executor ended in a
+way no fault of the soak explains (a survivor's SIGSEGV, issue 47: recovered from, it had passed unnoticed).
 
     .venv/bin/python -m bench.soak [--minutes 2] [--fault-every-s 20] [--executors 2] [--backend eager]
     .venv/bin/python -m bench.soak --islands 1,1 [--link-delay-ms 20] [--transfer-timeout-s 3]
@@ -35,11 +36,12 @@ import torch
 
 import pathways_torch as pw
 from bench.common import add_backend_argument, add_model_arguments, print_table, write_results
-from bench.train import ReverseTask, loss_fn, make_config, make_model
+from bench.train_setup import ReverseTask, loss_fn, make_config, make_model
 from pathways_torch.islands import ISLAND_AXIS
+from pathways_torch.local.cluster import describe_exit
 from pathways_torch.wire.process_state import is_gone
 
-__all__ = ["main", "verdict", "kept_loss_bytes"]
+__all__ = ["main", "verdict", "kept_loss_bytes", "executor_exits"]
 
 IN_FLIGHT = 4          # steps dispatched ahead of the loss the loop reads (as the example does)
 
@@ -133,11 +135,38 @@ def kept_loss_bytes(trainer) -> dict[str, int]:
     return dict(held)
 
 
+def executor_exits(incarnations, faults: list[dict]) -> list[dict]:
+    """How each executor process of the run (``incarnations``: (executor id, process) pairs, every incarnation, with
+    Popen's ``poll``) has ended so far, the fault of ours that hit it ("" for none), and whether that fault explains
+    the ending: a SIGKILLed process died of SIGKILL; a SIGSTOPped one, continued, left by itself (code >= 0); one no
+    fault touched is still running. Anything else (a SIGSEGV, an exit with an error) is a failure of the runtime."""
+    hit = {fault["pid"]: fault["kind"] for fault in faults if fault.get("pid") is not None}
+    exits = []
+    for executor_id, process in incarnations:
+        code, kind = process.poll(), hit.get(process.pid, "")
+        exits.append({"executor": executor_id, "pid": process.pid, "code": code, "injected": kind,
+                      "ended": "running" if code is None else describe_exit(code),
+                      "explained": _explained(kind, code)})
+    return exits
+
+
+def _explained(kind: str, code: int | None) -> bool:
+    if code is None:
+        return True     # running (an old incarnation still running is `leftover`'s to report)
+    if kind == "SIGKILL":
+        return code == -signal.SIGKILL
+    if kind == "SIGSTOP":
+        return code >= 0
+    return False
+
+
 def verdict(*, losses: list[float], expected: list[float], start_bytes: dict, end_bytes: dict, kept_start: dict,
-            kept_end: dict, per_fault: list[dict], leftover: list[int]) -> list[str]:
+            kept_end: dict, per_fault: list[dict], leftover: list[int], exits: list[dict] = ()) -> list[str]:
     """Why the soak failed, one line each; empty if it passed. A store may end larger than it started only by
-    the kept losses' bytes it gained (``kept_end`` less ``kept_start``, per executor)."""
-    problems = []
+    the kept losses' bytes it gained (``kept_end`` less ``kept_start``, per executor). ``exits``: `executor_exits`."""
+    problems = [f"{e['executor']} (pid {e['pid']}) {e['ended']}, " +
+                (f"after the soak's {e['injected']}" if e["injected"] else "which no fault of the soak injected") +
+                ": see its log" for e in exits if not e["explained"]]
     unrecovered = [f for f in per_fault if not f["recoveries"] and not _harmless(f)]
     if unrecovered:
         problems.append(f"{len(unrecovered)} fault(s) not recovered: "
@@ -238,6 +267,7 @@ def main(argv=None) -> int:
             per_fault = faults.per_fault(stats["recoveries"], ctx.controller.calls_failed_by_lost_transfers)
             time.sleep(2 * args.heartbeat_timeout_s)   # continued old incarnations exit
             leftover = [pid for pid in faults.stopped if not is_gone(pid)]
+            exits = executor_exits(_incarnations(ctx), faults.faults)
             if trainer._checkpoint is not None:   # a save in flight holds the state it writes: let it end
                 trainer._checkpoint.exception()
             end_bytes, kept_end = _store_bytes(ctx), kept_loss_bytes(trainer)
@@ -269,19 +299,29 @@ def main(argv=None) -> int:
                   f"{kept_start.get(e, 0)} -> {kept_end.get(e, 0)}"] for e in sorted(epochs)])
     curve = [(i, losses[i], expected[i]) for i in range(0, len(losses), max(1, len(losses) // 8))]
     print_table(["step", "loss (faults)", "loss (unbroken)"], [[i + 1, f"{a:.4f}", f"{b:.4f}"] for i, a, b in curve])
+    print_table(["executor", "pid", "fault injected", "ended", "explained"],
+                [[e["executor"], e["pid"], e["injected"] or "-", e["ended"], "yes" if e["explained"] else "NO"]
+                 for e in exits])
     problems = verdict(losses=losses, expected=expected, start_bytes=start_bytes, end_bytes=end_bytes,
-                       kept_start=kept_start, kept_end=kept_end, per_fault=per_fault, leftover=leftover)
+                       kept_start=kept_start, kept_end=kept_end, per_fault=per_fault, leftover=leftover, exits=exits)
     path = write_results("soak", {"backend": backend, "seconds": took, "steps": len(losses), "faults": per_fault,
                                   "stats": stats, "losses": losses, "unbroken": expected, "equal": equal,
                                   "largest_difference": worst, "store_bytes_start": start_bytes,
                                   "store_bytes_end": end_bytes, "old_incarnations_left": leftover,
                                   "kept_loss_bytes_start": kept_start, "kept_loss_bytes_end": kept_end,
+                                  "executor_exits": exits,
                                   "problems": problems, "args": vars(args)})
     print(f"written to {path}")
     for problem in problems:
         print("FAILED:", problem)
     print("soak:", "FAILED" if problems else "passed (exit 0)")
     return 1 if problems else 0
+
+
+def _incarnations(ctx) -> list:
+    """Every executor process the context's local cluster started, replaced ones first, with its executor id."""
+    cluster = ctx._cluster   # no public view of the processes: a benchmark's look, as _store_bytes' _flush_frees
+    return [*cluster.replaced_incarnations(), *zip(cluster.executor_ids, cluster.processes)]
 
 
 def _harmless(fault: dict) -> bool:

@@ -8,14 +8,23 @@ HOST:PORT`` (tables; ``--set-weight alice=4``, ``--disconnect alice``, ``--drain
 - drain an executor: it takes no new work (a call on a mesh with it fails with `ExecutorLostError`, as for a lost
   one, so a trainer with checkpoints moves on), and once no call runs there it is removed (declared lost, told to
   exit).
+
+Each lever needs the operator's admin token (``--make-keys`` writes it into ``DIR/controller/admin.token``; the
+controller loads it at start, `use_token`; ``pathways-status --keys-dir DIR`` sends it): anyone on the host reaches
+the loopback port, and a lever can stop any tenant. A request without it, or with another, is refused, logged (the
+first ten, then every thousandth) and counted (`refused_requests`, in the status). Tokens are compared in constant
+time. The status itself stays readable without one (on loopback by default).
 """
 
 from __future__ import annotations
 
+import hmac
 import logging
 import threading
 
 from pathways_torch.wire import pb
+from pathways_torch.wire.framing import log_dropped
+from pathways_torch.wire.limits import WEIGHT, bounded
 
 __all__ = ["Admin", "DRAIN_POLL_S"]
 
@@ -31,10 +40,26 @@ class Admin:
         self.controller, self.clients = controller, clients
         self._draining: set[str] = set()
         self._lock = threading.Lock()
+        self._token: bytes | None = None   # none set: every request is refused
+        self.refused_requests = 0
         clients.loop.every(DRAIN_POLL_S, self._remove_idle_drained)
 
-    def handle(self, request: pb.AdminRequest) -> pb.AdminReply:
+    def use_token(self, token: str) -> None:
+        """From now on, a request must come with ``token`` (the operator's: `service_keys.admin_token`)."""
+        if not token:
+            raise ValueError("use_token: expected the operator's admin token, got an empty one")
+        self._token = token.encode()
+
+    def handle(self, request: pb.AdminRequest, token: str | None = None) -> pb.AdminReply:
+        """Do what ``request`` asks if ``token`` is the operator's; otherwise refuse it, changing nothing."""
         action = request.WhichOneof("action")
+        refusal = self._token_refusal(token)
+        if refusal is not None:
+            with self._lock:
+                self.refused_requests += 1
+                count = self.refused_requests
+            log_dropped(log, count, "controller: an operator request", f"{action or 'no action'}: {refusal}")
+            return pb.AdminReply(ok=False, message=f"{action or 'request'} refused: {refusal}")
         try:
             if action == "set_weight":
                 return self.set_weight(request.set_weight.client, request.set_weight.weight)
@@ -47,8 +72,8 @@ class Admin:
         return pb.AdminReply(ok=False, message=f"expected set_weight, disconnect or drain, got {action!r}")
 
     def set_weight(self, client: str, weight: float) -> pb.AdminReply:
-        if not weight > 0 or weight == float("inf"):
-            raise ValueError(f"set weight {client}={weight!r}: expected a weight > 0 (a share of device time)")
+        weight = bounded(weight, f"set weight {client}={weight!r}", WEIGHT,
+                         "give a share of device time such as 1 (relative: 2 is twice 1's)")
         if client not in self.clients.sessions:
             raise ValueError(f"set weight of {client!r}: no such client is connected; connected: "
                              f"{sorted(self.clients.sessions) or 'none'}")
@@ -64,7 +89,7 @@ class Admin:
         return pb.AdminReply(ok=True, message=f"{client} disconnected; what it held is freed")
 
     def drain(self, executor_id: str) -> pb.AdminReply:
-        with self.controller._lock:
+        with self.controller.state.lock:
             info = self.controller.resources.executors.get(executor_id)
             if info is None:
                 raise ValueError(f"drain {executor_id!r}: no such executor; known: "
@@ -77,12 +102,25 @@ class Admin:
         log.warning("controller: the operator drains %s: no new work; removed once idle", executor_id)
         return pb.AdminReply(ok=True, message=f"{executor_id} takes no new work; it is removed once idle")
 
+    def _token_refusal(self, token: str | None) -> str | None:
+        """Why a request with ``token`` is refused (None: it is the operator's)."""
+        fix = ("pass pathways-status --keys-dir DIR, the folder pathways-controller --make-keys wrote (the token is "
+               "DIR/controller/admin.token)")
+        if self._token is None:
+            return ("this controller was started without an admin token, so it takes no operator requests; start it "
+                    "with pathways-controller --keys-dir DIR")
+        if not token:
+            return f"expected the operator's admin token, got none; {fix}"
+        if not hmac.compare_digest(token.encode(), self._token):
+            return f"expected the operator's admin token, got another; {fix}, the DIR this controller serves"
+        return None
+
     def _remove_idle_drained(self) -> None:
         with self._lock:
             draining = list(self._draining)
         for executor_id in draining:
-            with self.controller._lock:
-                busy = any(executor_id in call.waiting for call in self.controller._calls.values())
+            with self.controller.state.lock:
+                busy = any(executor_id in call.waiting for call in self.controller.state.calls.values())
                 if busy:
                     continue
                 self.controller.members.lose(executor_id, "removed by the operator after draining")
@@ -104,4 +142,6 @@ class Admin:
                 requests_served=session.requests_served, seconds_since_heard=max(0.0, now - session.last_heard)))
         reply.refused_clients = self.clients.refused_clients
         reply.dropped_client_messages = self.clients.dropped_messages
+        reply.refused_client_requests = sum(self.clients.refusals.values())
+        reply.refused_admin_requests = self.refused_requests
         return reply

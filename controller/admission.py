@@ -10,19 +10,35 @@ A call is charged its estimated device time when admitted (a `CostModel` per fun
 runs measured, else its simulated seconds, else 1 ms per executor) and corrected by the device time its
 executors measured once it ends (``Done.device_ns``, summed over the mesh).
 
+A call waits for its turn at most ``timeout_s`` (`ServiceConfig.admission_timeout_s`), then fails with a
+`TimeoutError` naming the island and who is ahead of it: it never waits forever. What is charged is bounded: an
+estimate or a measure that is not finite counts as nothing (logged), one past `MAX_CHARGE_S` counts that much.
+
 The embedded controller has one client and admits everything at once (``enabled`` False): nothing changes there.
 """
 
 from __future__ import annotations
 
+import logging
+import math
 import threading
+import time
 from typing import Hashable
 
 from pathways_torch.errors import ContextClosedError
+from pathways_torch.wire.limits import COST_SECONDS
 
-from .shares import ClientGone, CostModel, ShareScheduler, Ticket
+from .config import ServiceConfig
+from .shares import ClientGone, CostModel, ShareScheduler, Ticket, check_weight
 
-__all__ = ["Admission", "Admitted", "ClientGone"]
+__all__ = ["Admission", "Admitted", "ClientGone", "MAX_CHARGE_S"]
+
+log = logging.getLogger(__name__)
+
+# The most device seconds one call or program run is charged (estimated or measured, all its executors together):
+# the longest run a cost may declare (COST_SECONDS) on 10,000 executors. More is a broken clock or report, not
+# work: it is clamped, so no pass runs away (an executor's Done.device_ns is a uint64: up to 584 years each).
+MAX_CHARGE_S = COST_SECONDS.high * 10_000
 
 
 class Admitted:
@@ -41,24 +57,35 @@ class Admitted:
 class Admission:
     """Every island's share scheduler, the clients' weights, and what calls cost."""
 
-    def __init__(self, window: int = 16):
+    def __init__(self, window: int = 16, timeout_s: float = ServiceConfig.admission_timeout_s):
         self.enabled = False
         self.window = window
+        self.timeout_s = _check_timeout(timeout_s)
+        self.clamped_charges = 0   # estimates or measures out of bounds (not finite, below 0, past MAX_CHARGE_S)
         self.costs = CostModel()
         self._islands: dict[str, ShareScheduler] = {}
         self.weights: dict[str, float] = {}
         self._lock = threading.Lock()
         self.closing_reason = ""
 
+    def enable(self, timeout_s: float = ServiceConfig.admission_timeout_s) -> None:
+        """Admit calls island by island at the clients' shares (a controller serving clients), each waiting at
+        most ``timeout_s`` for its turn."""
+        self.timeout_s = _check_timeout(timeout_s)
+        self.enabled = True
+
     # ------------------------------------------------------------ clients
 
     def add_client(self, client: str, weight: float) -> None:
+        """A client connected (again: a reconnect resumes the pass it left with on each island)."""
+        weight = check_weight(client, weight)
         with self._lock:
             for scheduler in self._islands.values():
                 scheduler.add_client(client, weight)
             self.weights[client] = weight
 
     def set_weight(self, client: str, weight: float) -> None:
+        weight = check_weight(client, weight)
         with self._lock:
             if client not in self.weights:
                 raise ValueError(f"set weight of {client!r}: no such client is connected; the connected ones are "
@@ -92,16 +119,20 @@ class Admission:
     def admit(self, client: str, islands, cost_key: Hashable, default_cost_s: float, nodes: int = 1):
         """Wait until ``client`` may dispatch on every one of ``islands`` (in name order); None when not enabled.
 
-        ``nodes``: the reporting nodes of a program run (it holds that many slots)."""
+        ``nodes``: the reporting nodes of a program run (it holds that many slots). Waits ``timeout_s`` in all at
+        most, then raises `TimeoutError` naming the island and who is ahead."""
         if not self.enabled:
             return None
-        estimate = self.costs.estimate(cost_key, default_cost_s)
+        names = sorted(set(islands))
+        estimate = self._bounded_charge(self.costs.estimate(cost_key, default_cost_s), f"the estimate of {cost_key}")
+        deadline = time.monotonic() + self.timeout_s
         taken: list[tuple[ShareScheduler, Ticket]] = []
         try:
-            for name in sorted(set(islands)):
+            for name in names:
                 scheduler = self.island(name)
-                taken.append((scheduler, scheduler.admit(client, estimate / max(1, len(set(islands))),
-                                                         slots=max(1, nodes))))
+                left = max(0.0, deadline - time.monotonic())
+                taken.append((scheduler, scheduler.admit(client, estimate / max(1, len(names)),
+                                                         slots=max(1, nodes), timeout_s=left)))
                 if self.closing_reason:
                     raise ContextClosedError(f"{self.closing_reason} while a call of {client} waited for its turn")
         except BaseException:
@@ -110,12 +141,14 @@ class Admission:
             raise
         return Admitted(taken, cost_key, nodes)
 
-    @staticmethod
-    def node_ended(admitted: "Admitted | None", device_s: float, costs: CostModel) -> None:
-        """One reporting node of an admitted call ended (finished, failed or lost), having used ``device_s``."""
+    def node_ended(self, admitted: "Admitted | None", device_s: float, costs: CostModel | None = None) -> None:
+        """One reporting node of an admitted call ended (finished, failed or lost), having used ``device_s`` (what
+        its executors measured: bounded here, see `MAX_CHARGE_S`)."""
         if admitted is None:
             return
-        admitted.device_s += device_s
+        costs = costs or self.costs
+        measured = self._bounded_charge(device_s, f"the device time of {admitted.cost_key}")
+        admitted.device_s = min(MAX_CHARGE_S, admitted.device_s + measured)
         admitted.nodes_left -= 1
         if admitted.nodes_left > 0:
             return
@@ -156,6 +189,23 @@ class Admission:
             u["share"] = u["device_s"] / whole if whole > 0 else 0.0
         return out
 
+    def _bounded_charge(self, seconds: float, what: str) -> float:
+        """``seconds`` within [0, MAX_CHARGE_S]; one outside (NaN included) is counted and logged (rate-limited)."""
+        if 0 <= seconds <= MAX_CHARGE_S:
+            return float(seconds)
+        self.clamped_charges += 1
+        charged = MAX_CHARGE_S if seconds > MAX_CHARGE_S else 0.0
+        if self.clamped_charges <= 10 or self.clamped_charges % 1000 == 0:   # a broken reporter must not flood the log
+            log.warning("admission: %s is %r device seconds, outside [0, %g]; charged %g instead (%d so far)",
+                        what, seconds, MAX_CHARGE_S, charged, self.clamped_charges)
+        return charged
+
     def describe(self) -> str:
         """Every island's table of clients, weights, passes and shares (printable)."""
         return "\n".join(s.describe() for _, s in sorted(self.islands().items())) or "no island admitted a call yet"
+
+
+def _check_timeout(timeout_s: float) -> float:
+    if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not 0 < timeout_s < math.inf:
+        raise ValueError(f"admission timeout: expected seconds > 0 and finite, got {timeout_s!r}")
+    return float(timeout_s)

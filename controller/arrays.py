@@ -13,7 +13,8 @@ import threading
 from typing import Callable
 
 from pathways_torch.wire import pb
-from pathways_torch.wire.security import PUT_SECRET_BYTES, owner_role, put_token
+from pathways_torch.wire.put_tokens import PUT_SECRET_BYTES, put_token, put_token_claim, shard_put_token
+from pathways_torch.wire.security import owner_role
 
 from .memory import demand_of
 
@@ -37,8 +38,9 @@ class ArrayRecord:
     event: threading.Event = dataclasses.field(default_factory=threading.Event)
     replicated: bool = False      # every shard holds the same value (a Replicate() output)
     owner: str = ""               # the client it was handed to (`client_ops`): "" the embedded one
-    # What lets its owner put its shards (`security.put_token`; the executors check it): a service client's put
-    # only. The embedded client's puts need none (its role owns what no one else does).
+    # What lets its owner put its shards: one token per shard, in shard order (`put_tokens.put_token`; each good for
+    # one put of exactly the bytes the budget counted, on the shard's executor, which checks it). A service client's
+    # put only. The embedded client's puts need none (its role owns what no one else does).
     put_token: bytes = b""
     # Executors whose shard of it was lost: gone for good, even once a replacement takes the executor's place
     # (a call reading it there would wait forever), so the array may no longer be an input.
@@ -127,14 +129,20 @@ class Lifetimes:
 
     def __init__(self, controller):
         self._controller = controller
-        self._lock, self.arrays, self.resources = controller._lock, controller.arrays, controller.resources
-        self._send = controller._send
+        self._lock, self.arrays, self.resources = controller.state.lock, controller.arrays, controller.resources
+        self._send = controller.state.send
         # executor → (array id, shard) of each shard to free there: tuples, not ShardRefs (a release on 1,024
         # executors would make 1,024 messages' worth; down a launch tree only the array ids travel)
         self._pending_frees: dict[str, list] = collections.defaultdict(list)
         self._batching_frees = False     # inside release_many (under the lock)
         # The key of every put token (`new_array`); each executor has it from its Welcome.
         self.put_secret = os.urandom(PUT_SECRET_BYTES)
+        self._put_sequences: collections.Counter = collections.Counter()   # (client, executor) → tokens made
+        # executor → `pb.SpentPut` of each forgotten put array's shards there, and those shards: sent at once in a
+        # Free of their own (the executor fails the runs still waiting for a shard named there, so a Free with
+        # spent puts names put arrays' shards only: never a computed one whose run has not begun)
+        self._spent_puts: dict[str, list] = collections.defaultdict(list)
+        self._put_frees: dict[str, list] = collections.defaultdict(list)
 
     def new_array(self, executor_ids: tuple[str, ...], *, landing: int = 0, owner: str = "",
                   shard_bytes: int = 0) -> ArrayRecord:
@@ -160,10 +168,32 @@ class Lifetimes:
             if reservation is not None:
                 record.held_bytes, reservation.claimed = shard_bytes, True
             if owner:
-                record.put_token = put_token(self.put_secret, record.array_id, owner_role(owner))
+                record.put_token = self._put_tokens(record, owner, shard_bytes)
             if landing == 0:
                 record.settle(READY)
             return record
+
+    def _put_tokens(self, record: ArrayRecord, owner: str, shard_bytes: int) -> bytes:
+        """One token per shard of ``record``: its executor (and incarnation), its position, and ``shard_bytes``, the
+        bytes the budget reserved for it (the executor refuses a frame of any other size)."""
+        role, executors, tokens = owner_role(owner), self.resources.executors, []
+        for position, executor_id in enumerate(record.executor_ids):
+            self._put_sequences[(owner, executor_id)] += 1
+            tokens.append(put_token(self.put_secret, sequence=self._put_sequences[(owner, executor_id)],
+                                    array_id=record.array_id, shard=position, nbytes=max(shard_bytes, 0),
+                                    executor_id=executor_id, epoch=executors[executor_id].epoch, role=role))
+        return b"".join(tokens)
+
+    def abandon_puts(self, array_ids, error: BaseException) -> None:
+        """The client that puts these arrays left: the shards not landed yet never will (its tokens are spent with
+        the arrays' Free, so a put still on its way is refused, not kept); settle them failed."""
+        with self._lock:
+            for array_id in array_ids:
+                record = self.arrays.get(array_id)
+                if record is not None and record.landing > 0:
+                    record.settle(FAILED, error)
+                    record.landing = 0
+                    self._maybe_forget(record)
 
     def landed(self, array_id: int, error: BaseException | None = None) -> None:
         """One put shard arrived on its executor (the client saw the ack), or never will (``error``)."""
@@ -195,10 +225,15 @@ class Lifetimes:
             self._controller.memory.release(record.owner, demand_of(record.executor_ids, record.held_bytes))
             record.held_bytes = 0
         pending_frees, array_id, flush = self._pending_frees, record.array_id, False
+        if record.put_token:
+            pending_frees = self._put_frees
         for position, executor_id in enumerate(record.executor_ids):
             pending = pending_frees[executor_id]
             pending.append((array_id, position))
             flush = flush or len(pending) >= _MAX_PENDING_FREES
+        if record.put_token:   # whether or not its puts came (the client's word), its tokens are spent: sent now
+            self._spend_put_tokens(record)
+            flush = True
         if flush and not self._batching_frees:
             self._flush_frees()
         self._controller.completion.output_forgotten(record.producer_call)
@@ -223,11 +258,25 @@ class Lifetimes:
         with self._lock:
             self._flush_frees()
 
+    def _spend_put_tokens(self, record: ArrayRecord) -> None:
+        role = owner_role(record.owner)
+        for position, executor_id in enumerate(record.executor_ids):
+            claim = put_token_claim(shard_put_token(record.put_token, position))
+            if claim is not None:
+                self._spent_puts[executor_id].append(pb.SpentPut(role=role, sequence=claim.sequence))
+
     def _flush_frees(self) -> None:
         pending, self._pending_frees = self._pending_frees, collections.defaultdict(list)
-        for executor_id, shards in pending.items():
-            if not self.resources.executors[executor_id].lost:
-                self._send(executor_id, pb.Envelope(free=pb.Free(shards=shard_refs(shards))))
+        spent, self._spent_puts = self._spent_puts, collections.defaultdict(list)
+        put_frees, self._put_frees = self._put_frees, collections.defaultdict(list)
+        for executor_id in {**pending, **spent, **put_frees}:
+            if self.resources.executors[executor_id].lost:
+                continue
+            if executor_id in pending:
+                self._send(executor_id, pb.Envelope(free=pb.Free(shards=shard_refs(pending[executor_id]))))
+            if executor_id in spent or executor_id in put_frees:
+                free = pb.Free(shards=shard_refs(put_frees.get(executor_id, ())), spent_puts=spent.get(executor_id, ()))
+                self._send(executor_id, pb.Envelope(free=free))
 
     def take_pending_frees(self, executor_id: str) -> list | None:
         """The frees waiting for ``executor_id``, no longer pending (they ride on a message to it, or it is lost), as

@@ -37,6 +37,7 @@ class InFlightCall:
     run_nodes: int = 0       # ... and how many call ids the run holds (run_base .. run_base + run_nodes - 1)
     program_id: int = 0      # ... and its program, whose plan names who sends each copy to whom
     admitted: object = None  # its `admission.Admitted` when the controller serves many clients (shared by a run's nodes)
+    owner: str = ""          # the client whose call it is ("": the embedded one): run-ahead is bounded per client
     device_s: float = 0.0    # device time its executors measured (their Done reports)
 
 

@@ -4,15 +4,17 @@ Every computation gets its island's next sequence number. A call is sent to ever
 inputs that live on other executors are pushed there executor→executor (`SendShard`), never through the
 controller. A program is lowered once and then run with one ``RunProgram`` per executor. A client thread past
 ``max_inflight_calls`` unfinished calls waits here (bounded run-ahead) until enough have ended.
+
+No lock is held across a client's work: a program is lowered (seconds, for a large one on many executors) holding
+neither the controller's lock nor a sequencer, and a call waits for executor memory before its turn on the
+islands (admission), so a call waiting for memory holds no admission slot.
 """
 
 from __future__ import annotations
 
-import collections
 import itertools
-import threading
-import time
-from typing import Iterable, Sequence
+import logging
+from typing import Sequence
 
 from pathways_torch.errors import ContextClosedError, ExecutorLostError
 from pathways_torch.wire import pb
@@ -21,11 +23,17 @@ from pathways_torch.wire.security import owner_role
 from .admission import ClientGone
 from .arrays import FAILED, PENDING, ArrayRecord
 from .call_spec import CallSpec, InFlightCall, RegisteredFunction
+from .forgetting import Forgetting
+from .graph_limits import check_sim_seconds
+from .lowering import ProgramInstaller
 from .memory import demand_of
-from .program import LoweredProgram, ProgramSpec, lower
+from .program import LoweredProgram, ProgramSpec
 from .resources import MeshAllocation
+from .run_ahead import RunAhead
 
 __all__ = ["CallDispatch"]
+
+log = logging.getLogger(__name__)
 
 
 class CallDispatch:
@@ -37,48 +45,61 @@ class CallDispatch:
 
     def __init__(self, controller):
         self._controller = controller
-        self._lock, self._calls, self._functions = controller._lock, controller._calls, controller._functions
-        self._programs, self._stale_programs = controller._programs, controller._stale_programs
+        state = controller.state
+        self._lock, self._calls, self._functions = state.lock, state.calls, state.functions
+        self._programs, self._stale_programs = state.programs, state.stale_programs
         self.resources, self.arrays, self.sequencers = controller.resources, controller.arrays, controller.sequencers
-        self._send = controller._send
+        self._send = state.send
         self._admission = controller.admission
         self._memory = controller.memory     # bytes per executor under --executor-memory-bytes (memory.py)
-        # Notified whenever a call leaves the calls in flight: a client thread past the run-ahead bound waits on it.
-        self._room = threading.Condition(self._lock)
         self.closing_reason = ""             # set by fail_pending: a waiting call must not dispatch after it
-        self.inflight_high_water = 0         # the most calls ever unfinished at once
-        # Run-ahead waits, (start ns, end ns, calls in flight) on the wall clock the executors' traces use.
-        self.runahead_waits: collections.deque = collections.deque(maxlen=10_000)
+        # Each client's calls in flight, bounded (a client thread past the bound waits for its own to end)
+        self.run_ahead = RunAhead(self._lock, controller.config.max_inflight_calls)
         self._next_function_id = itertools.count(1)
         self.last_call_id = 0
         self._mesh_islands: dict[int, tuple[str, ...]] = {}   # mesh id → its islands (cached per mesh)
         self._next_program_id = itertools.count(1)
         self.program_constant_bytes = 0   # graph constants are the only tensor bytes we ever send
-        self._forget_after_runs: dict[int, int] = {}   # program id → its calls still in flight, then it is forgotten
+        self.forgetting = Forgetting(calls=self._calls, functions=self._functions, programs=self._programs,
+                                     stale_programs=self._stale_programs, resources=self.resources, send=self._send)
+        self.refused_costs = 0   # functions refused for a simulated time out of bounds (logged, rate-limited)
+        self.installer = ProgramInstaller(controller, lock=self._lock, programs=self._programs, send=self._send,
+                                          stale=self._stale_programs, ensure_loaded=self._ensure_loaded)
 
     # ------------------------------------------------------------ functions and calls
 
     def register_function(self, name: str, graph: pb.Graph, constants: list, *, sim_seconds: float = 0.0) -> int:
+        sim_seconds = self._checked_sim_seconds(name, sim_seconds)
         with self._lock:
             function_id = next(self._next_function_id)
             self._functions[function_id] = RegisteredFunction(name, graph, list(constants), sim_seconds=sim_seconds)
             return function_id
+
+    def _checked_sim_seconds(self, name: str, sim_seconds) -> float:
+        """0 or within COST_SECONDS (`graph_limits`: the scheduler's estimate too); a refusal is counted and logged."""
+        try:
+            return check_sim_seconds(name, sim_seconds)
+        except ValueError as refused:
+            self.refused_costs += 1
+            if self.refused_costs <= 10 or self.refused_costs % 1000 == 0:   # a client must not flood the log
+                log.warning("controller: refused (%d so far): %s", self.refused_costs, refused)
+            raise
 
     def call(self, spec: CallSpec, owner: str = "", output_ids: Sequence[int] | None = None) -> list[ArrayRecord]:
         """Dispatch one call to every executor of its mesh; return its output records at once
         (after waiting, if ``max_inflight_calls`` are unfinished, for one to finish)."""
         mesh = spec.mesh
         islands = self._islands_of(mesh)
-        admitted = self._admission.admit(owner, islands, ("function", spec.function_id),
-                                         self._function_cost(spec.function_id, mesh.size))
-        reservation = None
+        admitted = reservation = None
         try:
-            if self._memory.limit_bytes:   # its turn came: now room for its outputs (waits for frees, or raises)
+            if self._memory.limit_bytes:   # room for its outputs first (waits for frees, or raises), holding no slot
                 sizes = _output_bytes(spec.output_shard_bytes[:spec.num_outputs])
                 demand = {}
                 for shard_bytes in sizes:
                     demand_of(mesh.executor_ids, shard_bytes, demand)
                 reservation = self._reserve(owner, demand, f"call {spec.name!r}")
+            admitted = self._admission.admit(owner, islands, ("function", spec.function_id),
+                                             self._function_cost(spec.function_id, mesh.size))
             return self._dispatch_call(spec, owner, islands, admitted, output_ids, reservation)
         except BaseException:
             if admitted is not None and not admitted.dispatched:   # never in flight: its slots go back uncharged
@@ -105,8 +126,9 @@ class CallDispatch:
     def _dispatch_call(self, spec: CallSpec, owner: str, islands, admitted, output_ids,
                        reservation=None) -> list[ArrayRecord]:
         mesh = spec.mesh
+        with self._lock:   # before the islands' sequencers: a client waiting for room holds up no other client
+            self._wait_for_room(1, spec.name, owner)
         with self.sequencers.taking(islands), self._lock:
-            self._wait_for_room(1, spec.name)
             self._controller.members.check_live(mesh.executor_ids)
             inputs = [self._input_record(array_id) for array_id in spec.inputs]
             axis_groups = self._controller.groups.axis_groups(mesh, spec.collective_axes)
@@ -121,18 +143,20 @@ class CallDispatch:
             if reservation is not None:
                 self._hold(reservation, outputs, _output_bytes(spec.output_shard_bytes[:spec.num_outputs]))
             call = InFlightCall(spec, call_id, seqs[islands[0]], outputs, waiting=set(mesh.executor_ids),
-                                admitted=admitted)
+                                admitted=admitted, owner=owner)
             self._calls[call_id] = call
+            self.run_ahead.added(owner)
             if admitted is not None:
                 admitted.dispatched = True
             runs = []
+            budgets = _run_budgets(spec) if self._memory.enabled else ()   # the executors store no more (memory.py)
             for position, executor_id in enumerate(mesh.executor_ids):
                 self._ensure_loaded(spec.function_id, executor_id)
                 sequencer = self.sequencer_of(executor_id)
                 seq = seqs[sequencer.island]
                 run = pb.Run(seq=seq, call_id=call_id, function_id=spec.function_id,
                              digest_outputs=spec.debug and any(spec.replicated_outputs),
-                             report_shapes=spec.report_shapes, owner=owner_role(owner))
+                             report_shapes=spec.report_shapes, owner=owner_role(owner), output_budget_bytes=budgets)
                 if spec.collective_axes:
                     run.collective = True
                     run.prev_collective_seq = sequencer.chain(executor_id, seq)
@@ -152,25 +176,11 @@ class CallDispatch:
                 self._send(executor_id, pb.Envelope(run=run))
             return outputs
 
-    def _wait_for_room(self, count: int, name: str) -> None:
-        """Bounded run-ahead: wait (the lock released) until ``count`` more calls fit under the bound.
-
-        A program with more calls than the bound runs once nothing else is in flight. Each
-        wait is kept for the trace (`runahead_waits`): a client that waits here runs ahead as
-        far as it may, and the executors are its pace.
-        """
-        def room(limit: int) -> bool:
-            return self.closing_reason != "" or not self._calls or len(self._calls) + count <= limit
-
-        if not room(self._controller.config.max_inflight_calls):
-            # Once at the bound, wait down to the low-water mark: one wake-up per quarter of the bound,
-            # not one per finished call (which costs the client a thread switch per call).
-            start, waiting, low = time.time_ns(), len(self._calls), self._low_water()
-            self._room.wait_for(lambda: room(low))
-            self.runahead_waits.append((start, time.time_ns(), waiting, name))
+    def _wait_for_room(self, count: int, name: str, owner: str = "") -> None:
+        """Wait (the lock released) until ``count`` more calls of ``owner`` fit its run-ahead (`RunAhead`)."""
+        self.run_ahead.wait_for_room(count, name, owner, closed=lambda: self.closing_reason != "")
         if self.closing_reason:
             raise ContextClosedError(f"{self.closing_reason} while {name!r} waited to be dispatched")
-        self.inflight_high_water = max(self.inflight_high_water, len(self._calls) + count)
 
     def end(self, call: InFlightCall) -> None:
         """The call is no longer in flight (finished, failed or its executors lost): make room for another."""
@@ -179,40 +189,8 @@ class CallDispatch:
         if call.admitted is not None:
             self._admission.node_ended(call.admitted, call.device_s, self._admission.costs)
             call.admitted = None
-        if self._forget_after_runs and call.run_base and call.program_id in self._forget_after_runs:
-            self._forget_after_runs[call.program_id] -= 1
-            if not self._forget_after_runs[call.program_id]:
-                del self._forget_after_runs[call.program_id]
-                self.forget((), (call.program_id,))
-        if len(self._calls) <= self._low_water():
-            self._room.notify_all()
-
-    def forget(self, function_ids: Iterable[int], program_ids: Iterable[int]) -> None:
-        """Functions and programs no client will use again leave the controller's tables and every executor that
-        holds them (one Forget each). A program with calls in flight goes when the last ends: a report on a copy
-        of its runs is checked against its plan. Under the lock."""
-        by_executor: dict[str, tuple[list, list]] = {}
-        for function_id in function_ids:
-            function = self._functions.pop(function_id, None)
-            for executor_id in function.loaded_on if function is not None else ():
-                by_executor.setdefault(executor_id, ([], []))[0].append(function_id)
-        running = collections.Counter(call.program_id for call in self._calls.values() if call.run_base)
-        for program_id in program_ids:
-            if running[program_id]:
-                self._forget_after_runs[program_id] = running[program_id]
-                continue
-            lowered = self._programs.pop(program_id, None)
-            self._stale_programs.discard(program_id)
-            for executor_id in lowered.plans if lowered is not None else ():
-                by_executor.setdefault(executor_id, ([], []))[1].append(program_id)
-        for executor_id, (functions, programs) in by_executor.items():
-            info = self.resources.executors.get(executor_id)
-            if info is not None and not info.lost:
-                self._send(executor_id, pb.Envelope(forget=pb.Forget(function_ids=functions, program_ids=programs)))
-
-    def _low_water(self) -> int:
-        limit = self._controller.config.max_inflight_calls
-        return limit - max(1, limit // 4)
+        self.forgetting.call_ended(call)
+        self.run_ahead.ended(call.owner)
 
     def sequencer_of(self, executor_id: str):
         """The sequencer of the executor's island."""
@@ -243,45 +221,31 @@ class CallDispatch:
     # ------------------------------------------------------------ programs
 
     def register_program(self, spec: ProgramSpec) -> LoweredProgram:
-        """Lower ``spec`` and register it on every executor it uses (once)."""
+        """Lower ``spec`` (holding no lock: `lowering`) and register it on every executor it uses (once)."""
         islands = {island for node in spec.nodes for island in self._islands_of(node.mesh)}
-        with self.sequencers.taking(islands), self._lock:
-            return self._lower_and_register(spec, next(self._next_program_id))
-
-    def _lower_and_register(self, spec: ProgramSpec, program_id: int) -> LoweredProgram:
-        """Lower ``spec`` for the executors as they are now and send each its plan (under the island's sequencers
-        and the lock: forming a group is sequenced)."""
-        groups = self._controller.groups
-        axis_groups = {index: groups.axis_groups(node.mesh, node.collective_axes)
-                       for index, node in enumerate(spec.nodes) if node.collective_axes}
-        keys = {e: info.public_key for e, info in self.resources.executors.items()}
-        lowered = lower(spec, program_id, self.resources.route, keys, axis_groups=axis_groups)
-        for executor_id, plan in lowered.plans.items():
-            self._controller.members.check_live([executor_id])
-            for function_id in lowered.function_ids.get(executor_id, ()):
-                self._ensure_loaded(function_id, executor_id)
-            self._send(executor_id, pb.Envelope(register_program=plan))
-        self._programs[program_id] = lowered
-        self._stale_programs.discard(program_id)
-        return lowered
+        return self.installer.lower_outside_lock(spec, next(self._next_program_id), islands)
 
     def run_program(self, program_id: int, input_ids: Sequence[int], owner: str = "",
                     output_ids: Sequence[int] | None = None) -> list[ArrayRecord]:
         """One run: one ``RunProgram`` per executor; every node gets its own sequence number (of its island's)."""
         with self._lock:
             lowered = self._programs[program_id]
+            if (stale := program_id in self._stale_programs):
+                self._controller.members.check_live(list(lowered.plans))
         islands = {self.resources.island_of(e) for e in lowered.plans}
+        if stale:   # lowered again for a replaced executor or new groups: holding no lock, as at its registration
+            lowered = self.installer.lower_outside_lock(lowered.spec, program_id, islands, again=True)
         nodes = len(lowered.reporting_nodes)
-        admitted = self._admission.admit(owner, islands, ("program", program_id), self._program_cost(lowered.spec),
-                                         nodes=nodes)
-        reservation = None
+        admitted = reservation = None
         try:
-            if self._memory.limit_bytes:   # room for its outputs (not its intermediates: memory.py)
+            if self._memory.limit_bytes:   # room for its outputs first (not its intermediates: memory.py), no slot held
                 spec, meshes = lowered.spec, lowered.spec.value_meshes()
                 demand = {}
                 for value, shard_bytes in zip(spec.output_values, _program_output_bytes(spec)):
                     demand_of(meshes[value].executor_ids, shard_bytes, demand)
                 reservation = self._reserve(owner, demand, f"program {spec.name!r}")
+            admitted = self._admission.admit(owner, islands, ("program", program_id),
+                                             self._program_cost(lowered.spec), nodes=nodes)
             return self._dispatch_run(program_id, input_ids, owner, islands, admitted, output_ids, reservation)
         except BaseException:
             if admitted is not None and not admitted.dispatched:
@@ -291,13 +255,15 @@ class CallDispatch:
 
     def _dispatch_run(self, program_id: int, input_ids: Sequence[int], owner: str, islands, admitted, output_ids,
                       reservation=None):
+        with self._lock:   # before the islands' sequencers, as for a call
+            lowered = self._programs[program_id]
+            self._wait_for_room(len(lowered.reporting_nodes), lowered.spec.name, owner)
         with self.sequencers.taking(islands), self._lock:
             lowered = self._programs[program_id]
             spec = lowered.spec
-            self._wait_for_room(len(lowered.reporting_nodes), spec.name)
             self._controller.members.check_live(list(lowered.plans))
             if program_id in self._stale_programs:   # one of its executors was replaced: new address and groups
-                lowered = self._lower_and_register(spec, program_id)
+                lowered = self.installer.lower_under_lock(spec, program_id)
             for array_id in input_ids:
                 self._input_record(array_id)
             num_nodes = len(spec.nodes)
@@ -330,12 +296,14 @@ class CallDispatch:
                 self._calls[base_call + index] = InFlightCall(
                     call_spec, base_call + index, base_seq + index, records, waiting=set(node.mesh.executor_ids),
                     depends_on=frozenset(lowered.plans), run_base=base_call, run_nodes=num_nodes,
-                    program_id=program_id, admitted=admitted)
+                    program_id=program_id, admitted=admitted, owner=owner)
+                self.run_ahead.added(owner)
             if admitted is not None:
                 admitted.dispatched = True
             run = pb.RunProgram(program_id=program_id, base_call_id=base_call, input_array_ids=list(input_ids),
                                 output_array_ids=[r.array_id for r in outputs],
-                                first_intermediate_id=first_intermediate, owner=owner_role(owner))
+                                first_intermediate_id=first_intermediate, owner=owner_role(owner),
+                                output_budget_bytes=_program_output_bytes(spec) if self._memory.enabled else ())
             tree = self._controller.launch_trees.tree_for(lowered.plans) if len(islands) == 1 else None
             if tree is None:
                 for executor_id in lowered.plans:
@@ -420,7 +388,7 @@ class CallDispatch:
             self.closing_reason = reason
             self._admission.close(reason)
             self._memory.close(reason)
-            self._room.notify_all()
+            self.run_ahead.clear()   # every wait for room ends (it sees the closing reason)
             for record in self.arrays.records():   # puts not yet acknowledged, a program's inputs
                 if record.state == PENDING:
                     record.settle(FAILED, ContextClosedError(f"{reason} before array {record.array_id} was ready"))
@@ -431,6 +399,13 @@ class CallDispatch:
 def _output_bytes(sizes) -> tuple[int, ...]:
     """A client's ``output_shard_bytes``, each a count of bytes (anything else, or below 0, counts 0: unknown)."""
     return tuple(b if type(b) is int and b > 0 else 0 for b in sizes)
+
+
+def _run_budgets(spec: CallSpec) -> tuple[int, ...]:
+    """Under a limit, the bytes counted per shard of each of a call's outputs, sent with its runs: the executors
+    store no more (executor/output_budget.py). An output the client gave no size for counts 0, and may store 0."""
+    sizes = _output_bytes(spec.output_shard_bytes[:spec.num_outputs])
+    return sizes + (0,) * (spec.num_outputs - len(sizes))
 
 
 def _program_output_bytes(spec: ProgramSpec) -> tuple[int, ...]:

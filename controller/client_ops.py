@@ -7,16 +7,31 @@ remote client of `pathways-controller` (`client_service.ClientService`). It answ
 It also scopes what a client names to what it owns (DESIGN §10, docs/service.md): the arrays, functions and
 programs it was handed, so a client can neither read, free, call nor name another's. An id that is not the
 client's is refused exactly like one that never existed: its owner is not revealed either.
+
+When the client leaves, `release_everything` closes it: whatever a request still running then (a call that was
+being dispatched, a put's new array waiting for memory) adds afterwards is undone at once, its budget given back,
+and the request fails with `ClientGone`; one still waiting for executor memory stops waiting as the client is
+disconnected (`stop_waiting`, `MemoryBudget.forget_client`). Its puts still landing are abandoned: their tokens are spent with the
+arrays' Free, so a shard that comes later is refused by its executor, never kept.
 """
 
 from __future__ import annotations
 
 import collections
+import threading
 from typing import Sequence
 
+from pathways_torch.wire.limits import Bounds, bounded
+from pathways_torch.wire.op_allowlist import check_service_graph
 from pathways_torch.wire.seam import CallSpec, ControllerCounters, ExecutorView, MeshAllocation, ProgramSpec
 
 from .arrays import ArrayRecord
+from .config import ServiceConfig
+from .graph_limits import check_graph, check_program
+from .shares import ClientGone
+
+_WAIT_S = Bounds(0.0, 600.0)   # how long a request may wait for executors to register
+_WHAT_CHARS = 200              # of a run-ahead wait's description a client sends
 
 __all__ = ["ClientOps", "executor_view", "controller_counters", "NotYoursError"]
 
@@ -56,30 +71,49 @@ def controller_counters(controller, server) -> ControllerCounters:
 class ClientOps:
     """One client's requests over the controller, checked against what it owns (``owner``: its name)."""
 
-    def __init__(self, controller, server, owner: str = ""):
+    def __init__(self, controller, server, owner: str = "", limits: ServiceConfig | None = None):
         self.controller, self.server, self.owner = controller, server, owner
+        # A remote client's programs and graphs are capped (`graph_limits`); the embedded one's are not.
+        self.limits = limits or (ServiceConfig() if owner else None)
         self.arrays: set[int] = set()      # array ids handed to this client and not released
         self.functions: set[int] = set()
         self.programs: dict[int, object] = {}   # program id → its lowered form (describe_program)
         self.meshes: dict[int, MeshAllocation] = {}
         self._grants: collections.deque = collections.deque()   # (next, end) of each block of ids granted
         self._never_made: dict[int, BaseException] = {}   # output ids of calls that failed before dispatch
+        # Guards what it holds against `release_everything` (another thread, the client gone): after it, `closed`
+        # and nothing more is kept.
+        self._held_lock = threading.Lock()
+        self.closed = False
 
     # ------------------------------------------------------------ functions, programs, calls
 
     def register_function(self, name: str, graph, constants: list, *, sim_seconds: float = 0.0) -> int:
+        if self.limits is not None:   # a service client: bounded, and no op that hurts every tenant
+            check_graph(graph, constants, self.limits, name)
+            check_service_graph(graph)
         function_id = self.controller.register_function(name, graph, constants, sim_seconds=sim_seconds)
-        self.functions.add(function_id)
-        return function_id
+        with self._held_lock:
+            if not self.closed:
+                self.functions.add(function_id)
+                return function_id
+        self.controller.forget([function_id], ())
+        raise self._gone(f"function {name!r} was being registered")
 
     def register_program(self, spec: ProgramSpec) -> int:
+        if self.limits is not None:
+            check_program(spec, self.limits)
         for node in spec.nodes:
             self._check_call(node, inputs=False)
         for mesh in spec.input_meshes:
             self._check_mesh(mesh)
         lowered = self.controller.register_program(spec)
-        self.programs[lowered.program_id] = lowered
-        return lowered.program_id
+        with self._held_lock:
+            if not self.closed:
+                self.programs[lowered.program_id] = lowered
+                return lowered.program_id
+        self.controller.forget((), [lowered.program_id])
+        raise self._gone(f"program {spec.name!r} was being registered")
 
     def describe_program(self, program_id: int) -> str:
         return self._program(program_id).describe()
@@ -112,7 +146,7 @@ class ClientOps:
         each call's answer); ``(first, count)``. The client uses them in order."""
         if not 1 <= count <= 1 << 20:
             raise ValueError(f"grant_ids({count}): expected 1 to {1 << 20} ids")
-        with self.controller._lock:
+        with self.controller.state.lock:
             first = self.controller.arrays.reserve(count)
         self._grants.append((first, first + count))
         return first, count
@@ -148,33 +182,60 @@ class ClientOps:
         self.controller.landed(array_id, error)
 
     def release(self, array_id: int) -> None:
-        self._never_made.pop(array_id, None)
-        if array_id in self.arrays:   # twice, or never ours: nothing to free (a finalizer must not raise)
+        with self._held_lock:
+            self._never_made.pop(array_id, None)
+            if array_id not in self.arrays:   # twice, or never ours: nothing to free (a finalizer must not raise)
+                return
             self.arrays.discard(array_id)
-            self.controller.release(array_id)
+        self.controller.release(array_id)
 
     def release_many(self, array_ids: Sequence[int]) -> None:
-        for array_id in array_ids:
-            self._never_made.pop(array_id, None)
-        ours = [a for a in array_ids if a in self.arrays]
-        self.arrays.difference_update(ours)
+        with self._held_lock:
+            for array_id in array_ids:
+                self._never_made.pop(array_id, None)
+            ours = [a for a in array_ids if a in self.arrays]
+            self.arrays.difference_update(ours)
         self.controller.release_many(ours)
 
+    def stop_waiting(self) -> None:
+        """A request of this client still waiting for executor memory ends now (ClientGone), not in 30 s. Called as
+        the client is disconnected, before a new connection under its name may wait for memory of its own."""
+        if self.owner:
+            self.controller.memory.forget_client(self.owner)
+
     def release_everything(self) -> int:
-        """The client is gone: free every array it holds; how many."""
-        held = sorted(self.arrays)
-        self.arrays.clear()
-        self._never_made.clear()
-        self.controller.release_many(held)
-        self.controller.flush_frees()
+        """The client is gone: close (nothing made for it from now on is kept) and free every array it holds, its
+        puts still landing too (`Lifetimes.abandon_puts`); how many. Call it once its requests are stopped: one
+        still running is undone where it adds its records (`_own`)."""
+        with self._held_lock:
+            self.closed = True
+            held = sorted(self.arrays)
+            self.arrays.clear()
+            self._never_made.clear()
+        self._free_for_good(held, self._gone("its puts were landing"))
         return len(held)
 
-    def forget_programs(self, program_ids: Sequence[int]) -> None:
-        """The client will not run these programs again (their traced graphs are gone): they leave the controller
-        and the executors, once their runs in flight end. Another client's ids are ignored."""
-        ours = [program_id for program_id in program_ids if self.programs.pop(program_id, None) is not None]
-        if ours:
-            self.controller.forget((), ours)
+    def _free_for_good(self, array_ids: list[int], error: BaseException) -> None:
+        """Free ``array_ids`` now, those still landing included, and send the frees (and spent put tokens) at once."""
+        self.controller.lifetimes.abandon_puts(array_ids, error)
+        self.controller.release_many(array_ids)
+        self.controller.flush_frees()
+
+    def _gone(self, what: str) -> ClientGone:
+        who = f"client {self.owner!r}" if self.owner else "the client"
+        return ClientGone(f"{who} left while {what}: nothing is kept for it (its arrays, budget and functions are "
+                          f"freed); connect again to go on")
+
+    def forget(self, function_ids: Sequence[int], program_ids: Sequence[int]) -> None:
+        """The client will not call these functions nor run these programs again (their captured versions and
+        traced graphs are gone): they leave the controller and the executors, once their calls in flight end.
+        Another client's ids are ignored."""
+        with self._held_lock:
+            functions = [function_id for function_id in function_ids if function_id in self.functions]
+            self.functions.difference_update(functions)
+            programs = [program_id for program_id in program_ids if self.programs.pop(program_id, None) is not None]
+        if functions or programs:
+            self.controller.forget(functions, programs)
 
     def forget_everything(self) -> int:
         """The client is gone: its functions and programs leave the controller's tables and every executor that
@@ -206,6 +267,8 @@ class ClientOps:
         return None if info is None else executor_view(self.controller, info)
 
     def wait_for_executors(self, count: int, timeout_s: float) -> None:
+        if self.owner:   # a service client's worker parked here is its own, but not for a time the client picks
+            timeout_s = bounded(timeout_s, "wait_for_executors: timeout_s", _WAIT_S)
         self.controller.wait_for_executors(count, timeout_s)
 
     # ------------------------------------------------------------ observability
@@ -222,13 +285,19 @@ class ClientOps:
         return tuple(self.controller.runahead_waits)
 
     def note_runahead_wait(self, start_ns: int, end_ns: int, in_flight: int, what: str) -> None:
-        self.controller.runahead_waits.append((int(start_ns), int(end_ns), int(in_flight), str(what)))
+        # 10,000 are kept for every client's trace: each a line, not whatever a client sends (up to 8 MiB)
+        self.controller.runahead_waits.append((int(start_ns), int(end_ns), int(in_flight), str(what)[:_WHAT_CHARS]))
 
     # ------------------------------------------------------------ what the client owns
 
     def _own(self, records: list[ArrayRecord]) -> list[ArrayRecord]:
-        self.arrays.update(record.array_id for record in records)
-        return records
+        """Hold ``records`` for this client; once it left (`closed`), free them at once and fail the request."""
+        with self._held_lock:
+            if not self.closed:
+                self.arrays.update(record.array_id for record in records)
+                return records
+        self._free_for_good([record.array_id for record in records], self._gone("a request was making arrays"))
+        raise self._gone("a request was making arrays")
 
     def never_made(self, output_ids: Sequence[int], error: BaseException) -> None:
         """A call sent without waiting failed before it made ``output_ids``: the client holds them as failed

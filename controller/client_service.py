@@ -6,16 +6,19 @@ message: a request ``{"r": id, "op": name, "a": [args]}`` (``r`` 0: no answer wa
 ``{"r": id, "ok": value}`` or ``{"r": id, "err": error}``; the service also sends events, ``{"ev": kind, ...}``:
 an array settled, an executor lost or replaced, a key revoked.
 
-Requests arrive on the controller's I/O thread and run on a worker thread of the client's own, in order: a call
-may wait at the run-ahead bound, and a gather waits for the executors' answers, which arrive on the I/O thread.
-A ping is answered on the I/O thread at once, so a client's view of the controller's liveness never depends on how
-busy its worker is. A client silent for ``heartbeat_timeout_s`` (killed, cut off) is disconnected: every array it
-holds is freed.
+The client socket has an I/O thread of its own (``self.loop``), apart from the one that answers executors'
+heartbeats and reads their Dones (`ControllerServer.loop`): no client's traffic can delay those. That thread only
+measures a message, refuses one over ``max_client_message_bytes``, answers a ping, and queues the raw frames in the
+client's bounded `RequestQueue` (`client_inbox`); the client's own worker thread decodes and runs them, in order (a
+call may wait at the run-ahead bound, and a gather waits for the executors' answers). A client silent for
+``heartbeat_timeout_s`` (killed, cut off) is disconnected: its worker is stopped first, then every array it holds
+is freed.
 """
 
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import dataclasses
 import logging
 import threading
@@ -24,33 +27,44 @@ from typing import Callable
 
 import zmq
 
-from pathways_torch.wire import pb, seam_codec
+from pathways_torch.wire import SocketLoop, pb, seam_codec
+from pathways_torch.wire.checkpoint_paths import DEFAULT_CHECKPOINT_ROOT, client_root
 from pathways_torch.wire.framing import log_dropped
+from pathways_torch.wire.limits import Bounds, bounded
 from pathways_torch.wire.seam import ArraySettled, CallSpec, ProgramSpec
 from pathways_torch.wire.security import ConnectionWatch, client_name, make_server, peer_role
 
+from .client_inbox import QueueFull, RefusalPace, RequestQueue, is_ping, message_bytes, peek_request_id
 from .client_ops import ClientOps, executor_view
+from .config import ServiceConfig
 
 __all__ = ["ClientService", "CLIENT_SOCKET"]
 
 log = logging.getLogger(__name__)
 
 CLIENT_SOCKET = "clients"
-_MAX_MESSAGE_BYTES = 1 << 30     # graph constants ride on register_function; tensors never come this way
+# A message this many times the cap is cut off by libzmq itself (the connection dropped, nothing allocated); up to
+# it, the client is told why its message was refused.
+_HARD_LIMIT_FACTOR = 4
+# A worker still inside a request this long after its client left: what the client held is freed anyway (anything
+# that request adds afterwards is freed as it is added: `ClientOps` is closed by then).
+_FREE_AFTER_S = 1.0
+_READS_PER_TURN = 4
+REPLACE_TIMEOUT_S = Bounds(0.001, 600.0)   # a client's wait for an executor's replacement
 _ACK_EVERY = 32                   # requests served between acknowledgements (and whenever the queue runs dry)
 _OUTPUT_IDS = {"call": 1, "run_program": 2}   # where a call's output ids are among its arguments
 _IDS = (list, tuple)
 # op → the types of its positional arguments (checked before anything runs: a client sends plain data only)
 _SIGNATURES: dict[str, tuple] = {
     "register_function": (str, pb.Graph, list, (int, float)), "register_program": (ProgramSpec,),
-    "describe_program": (int,), "forget_programs": ((list, tuple),), "call": (CallSpec, _IDS),
+    "describe_program": (int,), "forget": ((list, tuple), (list, tuple)), "call": (CallSpec, _IDS),
     "run_program": (int, _IDS, (*_IDS, type(None))),
     "grant_ids": (int,),
     "new_array": ((list, tuple), int, int), "landed": (int, (BaseException, type(None))), "release": (int,),
     "release_many": ((list, tuple),), "flush_frees": (), "allocate_mesh": (dict, (list, tuple, type(None))),
     "island_of": (str,), "executors": (), "executor": (str,), "wait_for_executors": (int, (int, float)),
     "gather": (str,), "counters": (), "runahead_waits": (), "note_runahead_wait": (int, int, int, str),
-    "replace_executor": (str, (int, float)), "bye": (),
+    "replace_executor": (str, (int, float)), "bye": (), "checkpoint_root": (),
 }
 
 
@@ -62,75 +76,105 @@ class _Session:
     identity: bytes
     ops: ClientOps
     last_heard: float
-    requests: collections.deque = dataclasses.field(default_factory=collections.deque)
-    wake: threading.Condition = dataclasses.field(default_factory=threading.Condition)
+    requests: RequestQueue
     connected: bool = True
     requests_served: int = 0
+    freed: bool = False     # what it held is freed (once: by its worker as it stops, or after _FREE_AFTER_S)
+    worker: threading.Thread | None = None
+    refusals: RefusalPace = dataclasses.field(default_factory=RefusalPace)
 
 
 class ClientService:
-    """Serves remote clients of ``server`` (a `ControllerServer`, not yet started) on ``bind_address``."""
+    """Serves remote clients of ``server`` (a `ControllerServer`, not yet started) on ``bind_address``, on an I/O
+    thread of its own (`start`)."""
 
     def __init__(self, server, bind_address: str, *, heartbeat_timeout_s: float, weights: dict | None = None,
-                 clock: Callable[[], float] = time.monotonic):
-        self.server, self.controller, self.loop = server, server.controller, server.loop
+                 config: ServiceConfig | None = None, clock: Callable[[], float] = time.monotonic):
+        self.server, self.controller = server, server.controller
+        self.config = config or ServiceConfig()
+        self.loop = SocketLoop("clients", server.loop.context)
         self.heartbeat_timeout_s, self.clock = heartbeat_timeout_s, clock
         socket = self.loop.context.socket(zmq.ROUTER)
         socket.setsockopt(zmq.LINGER, 0)
         socket.setsockopt(zmq.ROUTER_MANDATORY, 1)
-        socket.setsockopt(zmq.MAXMSGSIZE, _MAX_MESSAGE_BYTES)
+        socket.setsockopt(zmq.MAXMSGSIZE, _HARD_LIMIT_FACTOR * self.config.max_client_message_bytes)
+        if self.loop.context.get(zmq.IO_THREADS) >= 2:   # libzmq's second I/O thread: not the executors' (bit 0)
+            socket.setsockopt(zmq.AFFINITY, 0b10)
         make_server(socket, server.credentials)
         socket.bind(bind_address)
         self.address = socket.getsockopt_string(zmq.LAST_ENDPOINT)
-        self.loop.add_socket(CLIENT_SOCKET, socket, self._on_frames)
+        # A few messages per turn: one tenant's flood delays the answers to the others by a few of its messages.
+        self.loop.add_socket(CLIENT_SOCKET, socket, self._on_frames, batch=_READS_PER_TURN)
         self.connections = ConnectionWatch("client socket")   # handshakes refused: keys not on the allow-list
         self.loop.monitor(CLIENT_SOCKET, self.connections.on_frames)
         self.sessions: dict[str, _Session] = {}     # client name → its session (connected ones)
         # Connections of disconnected clients: heard no more (a new process with the same key may connect again).
-        self._gone: collections.deque = collections.deque(maxlen=1024)
+        self._gone = _RecentSet(1024)
         self._lock = threading.Lock()
         self.dropped_messages = 0
         self.refused_messages = 0         # messages from a key that is not a client's (an executor's, say)
+        self.oversized_messages = 0       # refused for their size (--max-client-message-bytes)
         self.disconnected: collections.Counter = collections.Counter()   # why → how many
         self.replacer = None   # (executor id, timeout s) -> ExecutorView: the host replaces executors it started
         self._replacing = threading.Lock()
+        self._replacements: dict[str, concurrent.futures.Future] = {}   # executor id → its replacement under way
         self._error_names = seam_codec.ErrorNames()   # one failure reaching many arrays stays one error there
         # client name → its share of device time, set by the operator (a client not named: 1)
         self.weights: dict[str, float] = dict(weights or {})
+        self.refusals: collections.Counter = collections.Counter()   # (op, error type) → requests that raised it
         self.admission = self.controller.admission
-        self.admission.enabled = True   # calls are admitted island by island, at the clients' proportional shares
+        # calls are admitted island by island, at the clients' proportional shares, waiting a bounded time
+        self.admission.enable(self.config.admission_timeout_s)
         self.controller.loss_listeners.append(self._executor_lost)
         self.controller.incarnation_listeners.append(self._new_incarnation)
         server.on_key_revoked = self._key_revoked
         self.loop.every(max(0.05, heartbeat_timeout_s / 4), self._check_silent)
 
-    # ------------------------------------------------------------ the I/O thread
+    def start(self) -> None:
+        self.loop.start()
+
+    def stop(self) -> None:
+        self.loop.stop()
+
+    # ------------------------------------------------------------ the client socket's I/O thread
 
     def _on_frames(self, frames) -> None:
-        identity = frames[0].bytes
+        """Measure, answer a ping, queue: nothing here decodes or runs a client's request (module docstring)."""
+        identity, body = frames[0].bytes, frames[1:]
+        if identity in self._gone:   # the rest of a flood that got its sender cut off: counted, nothing more
+            self.dropped_messages += 1
+            return
         role = peer_role(frames[1]) if len(frames) > 1 else None
         name = client_name(role)
         if name is None:
             self.refused_messages += 1
             self._drop(f"a message on the client socket from {role!r}, which is not a client's key")
             return
-        try:
-            message = seam_codec.decode(frames[1:])
-            request_id, op, args = message["r"], message["op"], list(message.get("a", []))
-        except (seam_codec.SeamCodecError, KeyError, TypeError) as exc:
-            self._drop(f"a malformed request from client {name}: {exc}")
-            return
-        if identity in self._gone:
-            self._drop(f"a message from client {name}'s connection, which was disconnected")
+        if not body:
+            self._drop(f"an empty message from client {name}")
             return
         session = self._session(name, identity)
         session.last_heard = self.clock()
-        if op == "ping":
-            self._send(session, {"r": request_id, "ok": None})
+        nbytes = message_bytes(body)
+        if nbytes > self.config.max_client_message_bytes:
+            self._refuse_oversized(session, body, nbytes)
             return
-        with session.wake:
-            session.requests.append((request_id, op, args))
-            session.wake.notify()
+        if is_ping(body):
+            self._send(session, {"r": peek_request_id(body[0].buffer), "ok": None})
+            return
+        try:
+            session.requests.put(body, nbytes)
+        except QueueFull as exc:
+            self._end(session, f"it sent faster than it is served: {exc}")
+
+    def _refuse_oversized(self, session: _Session, body, nbytes: int) -> None:
+        self.oversized_messages += 1
+        limit = self.config.max_client_message_bytes
+        why = (f"a message of {nbytes} bytes: expected at most {limit} (the controller's --max-client-message-bytes; "
+               f"graph constants ride on register_function: pass large tensors as inputs instead)")
+        self._drop(f"client {session.name} sent {why}")
+        request_id = peek_request_id(body[0].buffer)
+        self._send(session, {"r": request_id, "err": ValueError(why)} if request_id else {"ev": "refused", "why": why})
 
     def _session(self, name: str, identity: bytes) -> _Session:
         with self._lock:
@@ -141,11 +185,14 @@ class ClientService:
                 self._disconnect_locked(session, "it connected again from a new process")
                 session = None
             if session is None:
-                session = _Session(name, identity, ClientOps(self.controller, self.server, owner=name), self.clock())
+                session = _Session(name, identity, ClientOps(self.controller, self.server, owner=name,
+                                                             limits=self.config), self.clock(),
+                                   RequestQueue(self.config.max_queued_requests, self.config.max_queued_bytes))
                 self.sessions[name] = session
                 self.admission.add_client(name, self.weights.get(name, 1.0))
-                threading.Thread(target=self._serve, args=(session,), name=f"pathways-client-{name}",
-                                 daemon=True).start()
+                session.worker = threading.Thread(target=self._serve, args=(session,), name=f"pathways-client-{name}",
+                                                  daemon=True)
+                session.worker.start()
                 log.info("controller: client %s connected", name)
             return session
 
@@ -160,38 +207,58 @@ class ClientService:
     # ------------------------------------------------------------ a client's worker
 
     def _serve(self, session: _Session) -> None:
-        while True:
-            with session.wake:
-                session.wake.wait_for(lambda: session.requests or not session.connected)
-                if not session.connected:
+        try:
+            while session.connected:
+                frames = session.requests.take()
+                if frames is None:
                     return
-                request_id, op, args = session.requests.popleft()
-            try:
-                result = self._handle(session, op, args, answered=bool(request_id))
-                answer = {"r": request_id, "ok": result}
-            except BaseException as exc:   # the client's error: it raises it, the service goes on
-                answer = {"r": request_id, "err": exc}
-                if not request_id and op in _OUTPUT_IDS:   # a call not waited for: its outputs fail with it
-                    self._fail_outputs(session, args[_OUTPUT_IDS[op]], exc)
-            session.requests_served += 1
+                self._serve_one(session, frames)
+        finally:   # stopped: now what it held goes (nothing it runs can add more)
+            self._free(session)
+
+    def _serve_one(self, session: _Session, frames) -> None:
+        try:
+            message = seam_codec.decode(frames)
+            request_id, op, args = message["r"], message["op"], list(message.get("a", []))
+            if not isinstance(request_id, int) or not isinstance(op, str):
+                raise TypeError(f"expected an int request id and an op name, got {request_id!r} and {op!r}")
+        except (seam_codec.SeamCodecError, KeyError, TypeError, AttributeError) as exc:
+            self._drop(f"a malformed request from client {session.name}: {exc}")
+            request_id = peek_request_id(frames[0].buffer if hasattr(frames[0], "buffer") else frames[0])
             if request_id:
-                self._send(session, answer)
-            if not session.requests or session.requests_served % _ACK_EVERY == 0:
-                # The client sends calls without waiting for them: it waits only when this many are unread here.
-                self._send(session, {"ev": "ack", "n": session.requests_served})
-            if op == "bye":
-                self.disconnect(session.name, "it closed its context", tell=False)
-                return
+                self._send(session, {"r": request_id, "err": ValueError(f"a malformed request: {exc}")})
+            session.refusals.pace()
+            return
+        try:
+            result = self._handle(session, op, args, answered=bool(request_id))
+            answer = {"r": request_id, "ok": result}
+        except BaseException as exc:   # the client's error: it raises it, the service goes on
+            answer = {"r": request_id, "err": exc}
+            self._refused(session, op, exc)
+            session.refusals.pace()
+            if not request_id and op in _OUTPUT_IDS and len(args) > _OUTPUT_IDS[op]:
+                self._fail_outputs(session, args[_OUTPUT_IDS[op]], exc)   # a call not waited for fails its outputs
+        session.requests_served += 1
+        if request_id:
+            self._send(session, answer)
+        if session.requests.empty or session.requests_served % _ACK_EVERY == 0:
+            # The client sends calls without waiting for them: it waits only when this many are unread here.
+            self._send(session, {"ev": "ack", "n": session.requests_served})
+        if op == "bye" and "ok" in answer:   # a bye refused (bad arguments) ends nothing: its client is told why
+            self._end(session, "it closed its context", tell=False)
 
     def _handle(self, session: _Session, op: str, args: list, answered: bool = True):
         signature = _SIGNATURES.get(op)
         if signature is None or len(args) != len(signature) or not all(
                 isinstance(a, t) for a, t in zip(args, signature)):
-            raise TypeError(f"request {op!r} with {[type(a).__name__ for a in args]}: expected one of "
-                            f"{sorted(_SIGNATURES)} with arguments of {signature}")
+            raise TypeError(f"request {str(op)[:40]!r} with {len(args)} argument(s): expected " +
+                            (f"arguments of {signature}" if signature else f"one of the {len(_SIGNATURES)} ops of "
+                             f"controller/client_service.py (_SIGNATURES)"))
         ops = session.ops
         if op == "bye":
             return None
+        if op == "checkpoint_root":   # the client's own folder of the root: its checkpoints live there alone
+            return client_root(self.config.checkpoint_root or DEFAULT_CHECKPOINT_ROOT, session.name)
         if op == "call":
             return self._followed(session, ops.call(args[0], args[1]), answered)
         if op == "run_program":
@@ -200,7 +267,7 @@ class ClientService:
             return self._followed(session, [ops.new_array(tuple(args[0]), landing=args[1], shard_bytes=args[2])],
                                   answered)[0]
         if op == "replace_executor":
-            return self._replace(args[0], float(args[1]))
+            return self._replace(args[0], args[1])
         if op == "register_function":
             return ops.register_function(args[0], args[1], args[2], sim_seconds=float(args[3]))
         return getattr(ops, op)(*args)
@@ -209,7 +276,7 @@ class ClientService:
         """Each record's state now, and its changes from now on as events (attached under the controller's lock,
         where every change happens: none is missed between the two). A call not waited for (``answered``
         False) gets its state now as an event too, if it is no longer pending."""
-        with self.controller._lock:
+        with self.controller.state.lock:
             snapshots = []
             for record in records:
                 record.listener = self._settle_listener(session)
@@ -232,23 +299,44 @@ class ClientService:
         return changed
 
     def _replace(self, executor_id: str, timeout_s: float):
-        """A client's recovery asks for a lost executor's replacement: made once (the first asker's), awaited by
-        every other; the executor's view once it registered. ``replacer``: the host's (it started the executors),
-        else an incarnation someone else starts (the operator, a node's launcher) is awaited."""
-        info = self.controller.resources.executors.get(executor_id)
-        if info is None:
-            raise ValueError(f"replace_executor: expected one of {sorted(self.controller.resources.executors)}, got "
-                             f"{executor_id!r}")
+        """A client's recovery asks for a lost executor's replacement: made once (the first asker's, on its worker),
+        awaited by every other for at most its own ``timeout_s``, holding no lock meanwhile; the executor's view
+        once it registered. ``replacer``: the host's (it started the executors), else an incarnation someone else
+        starts (the operator, a node's launcher) is awaited."""
+        timeout_s = bounded(timeout_s, "replace_executor: timeout_s", REPLACE_TIMEOUT_S)
         with self._replacing:
-            info = self.controller.resources.executors[executor_id]
+            info = self.controller.resources.executors.get(executor_id)
+            if info is None:
+                raise ValueError(f"replace_executor: expected one of {sorted(self.controller.resources.executors)}, "
+                                 f"got {executor_id!r}")
             if not info.lost:   # replaced already, for another client
                 return executor_view(self.controller, info)
             if info.draining:
                 raise ValueError(f"replace_executor: {executor_id} was removed by the operator; use a mesh without it")
+            pending = self._replacements.get(executor_id)
+            making = pending is None
+            if making:
+                pending = self._replacements[executor_id] = concurrent.futures.Future()
+        if making:
+            self._make_replacement(executor_id, info.epoch, timeout_s, pending)
+        try:
+            return pending.result(timeout_s)
+        except concurrent.futures.TimeoutError:
+            raise TimeoutError(f"replace_executor: {executor_id} was not replaced within {timeout_s:g} s (another "
+                               f"client's request is making it); ask again, or use a mesh without it") from None
+
+    def _make_replacement(self, executor_id: str, epoch: int, timeout_s: float, pending) -> None:
+        try:
             if self.replacer is not None:
-                return self.replacer(executor_id, timeout_s)
-            return executor_view(self.controller,
-                                 self.controller.wait_for_incarnation(executor_id, info.epoch + 1, timeout_s))
+                pending.set_result(self.replacer(executor_id, timeout_s))
+            else:
+                pending.set_result(executor_view(self.controller, self.controller.wait_for_incarnation(
+                    executor_id, epoch + 1, timeout_s)))
+        except BaseException as exc:   # every asker gets the maker's failure
+            pending.set_exception(exc)
+        finally:
+            with self._replacing:
+                self._replacements.pop(executor_id, None)
 
     # ------------------------------------------------------------ events to every client
 
@@ -286,23 +374,44 @@ class ClientService:
             self._disconnect_locked(session, why, tell=tell)
             return True
 
+    def _end(self, session: _Session, why: str, *, tell: bool = True) -> None:
+        """Disconnect this session, not whichever has its client's name now: a bye its old worker was running must
+        not end the session of the client's new process (bench/fuzz_service.py found that)."""
+        with self._lock:
+            if self.sessions.get(session.name) is session:
+                self._disconnect_locked(session, why, tell=tell)
+
     def _disconnect_locked(self, session: _Session, why: str, *, tell: bool = True) -> None:
+        """Its worker is stopped first (nothing queued runs; a call waiting for its turn fails), then what it held
+        is freed: by the worker as it stops, or after `_FREE_AFTER_S` if it is still inside a request then."""
         if self.sessions.get(session.name) is session:
             del self.sessions[session.name]
         if tell:   # it fails what it waits for at once (ControllerLostError), and its connection speaks no more
             self._send(session, {"ev": "disconnected", "why": why})
-        self._gone.append(session.identity)
-        with session.wake:
-            session.connected = False
-            dropped = len(session.requests)
-            session.requests.clear()
-            session.wake.notify_all()
+        self._gone.add(session.identity)
+        session.connected = False
+        dropped = session.requests.close()
         self.admission.remove_client(session.name)   # its calls waiting for their turn are dropped
+        session.ops.stop_waiting()                    # and those waiting for executor memory
+        if session.worker is not threading.current_thread():
+            timer = threading.Timer(_FREE_AFTER_S, self._free, args=(session,))
+            timer.daemon = True
+            timer.start()
+        self.disconnected[why.split(":")[0].split(" (")[0]] += 1
+        log.warning("controller: client %s disconnected: %s; %d queued request(s) dropped", session.name, why,
+                    dropped)
+
+    def _free(self, session: _Session) -> None:
+        """Every array, function and program ``session``'s client held, once; its `ClientOps` refuses more."""
+        with self._lock:
+            if session.connected:   # its worker stopped without a disconnect (a bug): the client must know
+                self._disconnect_locked(session, "its worker on the controller stopped")
+            if session.freed:
+                return
+            session.freed = True
         freed = session.ops.release_everything()
         session.ops.forget_everything()
-        self.disconnected[why.split(" (")[0]] += 1
-        log.warning("controller: client %s disconnected: %s; %d queued request(s) dropped, %d array(s) freed",
-                    session.name, why, dropped, freed)
+        log.info("controller: client %s: %d array(s) freed", session.name, freed)
 
     def close(self, why: str = "the controller stopped") -> None:
         """Tell every client the controller stops (each fails what it waits for with `ControllerLostError` at
@@ -318,9 +427,34 @@ class ClientService:
         client's."""
         return self.connections.refused + self.refused_messages
 
+    def _refused(self, session: _Session, op: str, error: BaseException) -> None:
+        """Count a request that raised; log the first of each kind (op and error type), then every thousandth."""
+        key = (op if op in _SIGNATURES else "?", type(error).__name__)
+        self.refusals[key] += 1
+        if self.refusals[key] == 1 or self.refusals[key] % 1000 == 0:
+            log.warning("controller: client %s: %s refused (%s of this kind so far): %s: %s", session.name, key[0],
+                        self.refusals[key], key[1], str(error)[:300])
+
     def _drop(self, why: str) -> None:
         self.dropped_messages += 1
         log_dropped(log, self.dropped_messages, "client socket", why)
+
+
+class _RecentSet:
+    """The last ``size`` items added, for ``in`` in constant time (a flood's messages are each looked up)."""
+
+    def __init__(self, size: int):
+        self._order: collections.deque = collections.deque(maxlen=size)
+        self._items: set = set()
+
+    def add(self, item) -> None:
+        if len(self._order) == self._order.maxlen:
+            self._items.discard(self._order[0])
+        self._order.append(item)
+        self._items.add(item)
+
+    def __contains__(self, item) -> bool:
+        return item in self._items
 
 
 def _settled(record) -> ArraySettled:

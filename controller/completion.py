@@ -38,9 +38,10 @@ class Completion:
 
     def __init__(self, controller):
         self._controller = controller
-        self._lock, self._calls, self._programs = controller._lock, controller._calls, controller._programs
+        state = controller.state
+        self._lock, self._calls, self._programs = state.lock, state.calls, state.programs
         self.resources = controller.resources
-        self._send, self._drop = controller._send, controller._drop
+        self._send, self._drop = state.send, state.drop
         self._failures: dict[int, BaseException] = {}   # call id → the error it raised
         self._failure_holders: dict[int, int] = {}      # call id → its outputs still held
         self.transfers_lost = 0                  # reported by their senders: not acknowledged in time (a cut link)

@@ -6,7 +6,7 @@ import dataclasses
 
 from pathways_torch.wire.liveness import Liveness
 
-__all__ = ["ControllerConfig"]
+__all__ = ["ControllerConfig", "ServiceConfig"]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -89,3 +89,40 @@ class ControllerConfig(Liveness):
             raise ValueError(f"bind_address: expected a ZeroMQ endpoint like tcp://127.0.0.1:0, "
                              f"got {self.bind_address!r}")
 
+
+
+MiB = 1 << 20
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ServiceConfig:
+    """What a controller serving many clients (`pathways-controller`) bounds per client: every tenant is a stranger
+    to the others (docs/service.md, "Threats"). The embedded single-script context uses none of it."""
+
+    # Where executors write and read remote clients' checkpoints: DIR/<client name>/ (None: pathways-checkpoints/
+    # in the controller's working directory).
+    checkpoint_root: str | None = None
+    # One message on the client socket, at most: larger ones are refused and counted, the client told why.
+    max_client_message_bytes: int = 8 * MiB
+    # Requests of one client queued on the controller, unread by its worker, at most (count and bytes): past them
+    # the client's socket is read no more until its worker catches up (back-pressure).
+    max_queued_requests: int = 1024
+    max_queued_bytes: int = 64 * MiB
+    # A program's nodes, and a function's graph constants plus creation-op outputs, at most.
+    max_program_nodes: int = 4096
+    max_graph_bytes: int = 1 << 30
+    # A call waits for its turn on an island (admission) this long at most, then fails naming the island and queue.
+    admission_timeout_s: float = 300.0
+    # How old a status answer may be: status calls are answered from a cache refreshed at most this often.
+    status_cache_s: float = 1.0
+
+    def __post_init__(self):
+        for name in ("max_client_message_bytes", "max_queued_requests", "max_queued_bytes", "max_program_nodes",
+                     "max_graph_bytes"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}: expected a positive int, got {value!r}")
+        for name in ("admission_timeout_s", "status_cache_s"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
+                raise ValueError(f"{name}: expected seconds > 0 and finite, got {value!r}")

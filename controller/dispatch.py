@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import collections
 import logging
-import threading
 import time
 from typing import Callable, Protocol, Sequence
 
@@ -45,6 +44,7 @@ from .rendezvous import RendezvousStore
 from .requests import ExecutorRequests
 from .resources import ExecutorInfo, ResourceManager
 from .sequencer import Sequencers
+from .state import ControllerState
 
 __all__ = ["Controller", "ControllerOutbox"]
 
@@ -73,11 +73,13 @@ class Controller:
         # Each executor's bytes of arrays against --executor-memory-bytes (0: nothing counted; memory.py).
         self.memory = MemoryBudget(self.config.executor_memory_bytes)
         self.rendezvous = RendezvousStore(self.config.group_timeout_s)   # where groups meet (on the I/O thread)
-        self._lock = threading.RLock()
-        self._calls: dict[int, InFlightCall] = {}       # unfinished calls (and program runs' reporting nodes) by id
-        self._functions: dict[int, RegisteredFunction] = {}
-        self._programs: dict[int, LoweredProgram] = {}
-        self._stale_programs: set[int] = set()   # programs to lower again (new groups, a replaced executor)
+        # The lock and the tables every part shares (state.py); the names below are this façade's own views of them.
+        self.state = ControllerState(send=self.send, drop=self.drop)
+        self._lock = self.state.lock
+        self._calls: dict[int, InFlightCall] = self.state.calls
+        self._functions: dict[int, RegisteredFunction] = self.state.functions
+        self._programs: dict[int, LoweredProgram] = self.state.programs
+        self._stale_programs: set[int] = self.state.stale_programs
         self.messages_sent: collections.Counter = collections.Counter()
         self.dropped_messages = 0
         self.handled_messages: collections.Counter = collections.Counter()   # by kind, on executors' control
@@ -112,7 +114,7 @@ class Controller:
             info = self.resources.executors.get(executor_id)
             if info is not None and envelope.epoch and envelope.epoch != info.epoch:
                 self.stale_messages += 1
-                self._drop(f"{kind} from incarnation {envelope.epoch} of {executor_id}, which was replaced by "
+                self.drop(f"{kind} from incarnation {envelope.epoch} of {executor_id}, which was replaced by "
                            f"incarnation {info.epoch}")
                 return
             if info is not None:
@@ -122,7 +124,7 @@ class Controller:
             if kind == "register":
                 self.members.on_register(executor_id, envelope.register)
             elif info is None or info.lost:
-                self._drop(f"{kind} from unknown or lost executor {executor_id!r}")
+                self.drop(f"{kind} from unknown or lost executor {executor_id!r}")
             elif kind == "done":
                 call = self._calls.get(envelope.done.call_id)
                 try:
@@ -136,13 +138,14 @@ class Controller:
             elif kind in ("stats", "trace_reply"):
                 self.requests.on_reply(executor_id, getattr(envelope, kind).request_id, envelope)
             elif kind != "heartbeat":
-                self._drop(f"unexpected {kind!r} from {executor_id}")
+                self.drop(f"unexpected {kind!r} from {executor_id}")
 
-    def _drop(self, why: str) -> None:
+    def drop(self, why: str) -> None:
+        """Count and log a message dropped as malformed or unexpected."""
         self.dropped_messages += 1
         log_dropped(log, self.dropped_messages, "controller", why)
 
-    def _send(self, executor_id: str, envelope: pb.Envelope, payload: Sequence = ()) -> None:
+    def send(self, executor_id: str, envelope: pb.Envelope, payload: Sequence = ()) -> None:
         """Send on the calling thread's order; pending frees for the executor ride along.
 
         A free rides on a message sent after the release; any Run that reads the array
@@ -234,9 +237,9 @@ class Controller:
         return self.call_dispatch.register_program(spec)
 
     def forget(self, function_ids, program_ids) -> None:
-        """Functions and programs no client uses again leave here and the executors (`CallDispatch.forget`)."""
+        """Functions and programs no client uses again leave here and the executors (`forgetting.py`)."""
         with self._lock:
-            self.call_dispatch.forget(function_ids, program_ids)
+            self.call_dispatch.forgetting.forget(function_ids, program_ids)
 
     def run_program(self, program_id: int, input_ids: Sequence[int], owner: str = "",
                     output_ids: Sequence[int] | None = None) -> list[ArrayRecord]:
@@ -255,12 +258,12 @@ class Controller:
     @property
     def inflight_high_water(self) -> int:
         """The most calls ever unfinished at once."""
-        return self.call_dispatch.inflight_high_water
+        return self.call_dispatch.run_ahead.high_water
 
     @property
     def runahead_waits(self) -> collections.deque:
         """Run-ahead waits, (start ns, end ns, calls in flight, name), on the executors' trace clock."""
-        return self.call_dispatch.runahead_waits
+        return self.call_dispatch.run_ahead.waits
 
     @property
     def program_constant_bytes(self) -> int:

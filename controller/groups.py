@@ -28,8 +28,8 @@ class ProcessGroups:
         self._controller = controller
         self.resources, self.sequencers = controller.resources, controller.sequencers
         self.rendezvous = controller.rendezvous
-        self._programs, self._stale_programs = controller._programs, controller._stale_programs
-        self._send = controller._send
+        self._programs, self._stale_programs = controller.state.programs, controller.state.stale_programs
+        self._send = controller.state.send
         self.by_members: dict[tuple[str, ...], int] = {}       # members (in rank order) → group id (live ones)
         # island → its faults, each "what<first group id after it": a lost "id@epoch" or a lost "transfer:..."
         self.lost_peers: dict[str, list[str]] = collections.defaultdict(list)   # the last _MAX_LOST_PEERS

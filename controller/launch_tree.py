@@ -128,7 +128,7 @@ class LaunchTrees:
             envelope.command_index = 0
             ended = self._tree_ended.pop(executor_id, None)
             envelope.launches_before = self.launches_sent[executor_id] if ended is not None else 0
-            if ended is not None and kind == "cancel":   # a copy of its own (Controller._send)
+            if ended is not None and kind == "cancel":   # a copy of its own (Controller.send)
                 for generation, gang in self._gang_runs.values():
                     if generation == ended and executor_id in gang:
                         envelope.cancel.skip_collectives.extend(gang[executor_id])
@@ -161,7 +161,7 @@ class LaunchTrees:
         self._trees[island] = tree
         self._numbered.update(live)
         for position, executor_id in enumerate(tree.members):
-            self._controller._send(executor_id, pb.Envelope(launch_tree=self._place(tree, position)))
+            self._controller.send(executor_id, pb.Envelope(launch_tree=self._place(tree, position)))
         return tree
 
     def _place(self, tree: IslandTree, position: int) -> pb.LaunchTree:
@@ -185,7 +185,7 @@ class LaunchTrees:
         never reached them)."""
         controller = self._controller
         if gang:
-            oldest = min(controller._calls, default=run.base_call_id)
+            oldest = min(controller.state.calls, default=run.base_call_id)
             for base in [b for b in self._gang_runs if b < oldest]:
                 del self._gang_runs[base]
             self._gang_runs[run.base_call_id] = (tree.generation, gang)
@@ -255,7 +255,7 @@ class LaunchTrees:
             if info is None or info.lost:
                 self._tree_ended.pop(executor_id, None)
             else:
-                self._controller._send(executor_id, pb.Envelope(cancel=pb.Cancel(reason=reason)))
+                self._controller.send(executor_id, pb.Envelope(cancel=pb.Cancel(reason=reason)))
 
     def _retire(self, tree: IslandTree) -> None:
         self._ended[tree.generation] = tree

@@ -46,10 +46,11 @@ class Membership:
 
     def __init__(self, controller):
         self._controller = controller
-        self._lock, self._calls, self._functions = controller._lock, controller._calls, controller._functions
-        self._programs, self._stale_programs = controller._programs, controller._stale_programs
+        state = controller.state
+        self._lock, self._calls, self._functions = state.lock, state.calls, state.functions
+        self._programs, self._stale_programs = state.programs, state.stale_programs
         self.resources, self.arrays, self.rendezvous = controller.resources, controller.arrays, controller.rendezvous
-        self._send, self._drop = controller._send, controller._drop
+        self._send, self._drop = state.send, state.drop
         self._registered = threading.Condition(self._lock)   # notified at each registration
         self.shut_down = False
 

@@ -3,15 +3,23 @@
 What it counts, per executor: the bytes of the arrays the controller knows live there, from when they are asked
 for until their record is forgotten (the owner released the array and no put of it is still landing). Those are
 
+- each put (``new_array``'s ``shard_bytes``): exactly what the executors store of it. Each shard's put token
+  (`pathways_torch.wire.put_tokens`) binds the bytes reserved here, with the array, executor, shard, tag and
+  client, and is good for one put; the executor refuses a frame of any other size, a second put, or a put after
+  the array was freed (its Free spends the tokens), so a client cannot store more than it was counted for;
 - each call's outputs: ``CallSpec.output_shard_bytes`` (the client knows each output's block shape and dtype when
-  it traces; an output whose size depends on the data counts 0);
-- each program run's outputs (the program's nodes carry ``output_shard_bytes`` too);
-- each put (``new_array``'s ``shard_bytes``).
+  it traces; an output whose size depends on the data counts 0). The client's word, held to: each Run carries the
+  bytes counted per output shard (``Run.output_budget_bytes``), and an executor stores an output found larger as
+  a failure of 0 bytes instead (`executor.output_budget`), so what it stores is never more than what is counted
+  here (an output that counts 0, its size depending on the data, is one such: it cannot be stored under a limit);
+- each program run's outputs (the program's nodes carry ``output_shard_bytes`` too; ``RunProgram`` carries the
+  budgets, held to the same way).
 
 It does not count a program's intermediates, copies in transit between executors (or their landing buffers),
 function constants, compiled code, or anything else an executor's store or device holds: the executors report
 their stores' actual bytes (``ctx.stats()``), and those may be more. A shard's bytes stay counted after its
-executor is lost, until its owner drops the array.
+executor is lost, until its owner drops the array. When a client leaves, its arrays are dropped, those it was
+still putting too (`client_ops.ClientOps.release_everything`): their bytes come back at once.
 
 A call or put that would take an executor past the limit waits (back-pressure: the client's call, remote or
 embedded, blocks there, holding no lock of the controller's and none of the islands' sequencers, so others' calls
@@ -22,7 +30,10 @@ are not queued in order: a small request that fits goes ahead of a large one sti
 running while one waits). A client waiting for memory its own earlier arrays hold waits for their frees: a remote
 client's frees sent after the call are read after it, so that wait ends in the timeout.
 
-Limit 0 (the default, and the embedded controller's): nothing is counted and nothing waits.
+A client that leaves while its call or put waits here ends that wait at once with `ClientGone` (`forget_client`,
+from `client_ops.ClientOps.release_everything`): its worker is not parked for ``memory_wait_s``.
+
+Limit 0 (the default, and the embedded controller's): nothing is counted, nothing waits, and runs carry no budgets.
 """
 
 from __future__ import annotations
@@ -33,6 +44,8 @@ import time
 from typing import Callable, Mapping
 
 from pathways_torch.errors import ContextClosedError, OutOfMemoryError
+
+from .shares import ClientGone
 
 __all__ = ["MemoryBudget", "Reservation", "demand_of"]
 
@@ -72,6 +85,9 @@ class MemoryBudget:
         self.waits = 0            # requests that ever waited
         self.refused = 0          # requests that failed with OutOfMemoryError
         self.closing_reason = ""
+        # Client → how many times it left (`forget_client`): a wait that began before its client's latest departure
+        # ends with ClientGone.
+        self._departures: collections.Counter = collections.Counter()
 
     @property
     def enabled(self) -> bool:
@@ -81,7 +97,8 @@ class MemoryBudget:
                 ) -> Reservation | None:
         """Wait until every executor of ``demand`` (executor → bytes) has room for its bytes, then take them all;
         None when there is no limit or nothing is asked. Raises `OutOfMemoryError` after ``timeout_s`` (at once
-        for a request over the limit), `ContextClosedError` once the controller closes."""
+        for a request over the limit), `ContextClosedError` once the controller closes, `ClientGone` once
+        ``client`` leaves while it waits (`forget_client`)."""
         demand = {e: b for e, b in demand.items() if b > 0}
         if not self.enabled or not demand:
             return None
@@ -92,12 +109,14 @@ class MemoryBudget:
                     held = self.held[executor_id]
                 raise self._error(client, executor_id, wanted, held, what, never=True)
         with self._cond:
+            departures = self._departures[client]
             if not self._fits(demand):
                 self.waiting += 1
                 self.waits += 1
                 deadline = self.clock() + timeout_s
                 try:
-                    while not self.closing_reason and not self._fits(demand):
+                    while (not self.closing_reason and not self._fits(demand)
+                           and self._departures[client] == departures):
                         left = deadline - self.clock()
                         if left <= 0:
                             break
@@ -107,6 +126,9 @@ class MemoryBudget:
             if self.closing_reason:
                 raise ContextClosedError(f"{self.closing_reason} while {what} of {client or 'the client'} waited "
                                          f"for executor memory")
+            if self._departures[client] != departures:
+                raise ClientGone(f"client {client!r} left while {what} waited for executor memory: nothing was "
+                                 f"made for it; connect again to go on")
             short = self._short(demand)
             if short is not None:
                 self.refused += 1
@@ -124,6 +146,13 @@ class MemoryBudget:
         """Bytes an array held (its record is forgotten) are free again; wake the waiters."""
         with self._cond:
             self._add(client, demand, -1)
+            self._cond.notify_all()
+
+    def forget_client(self, client: str) -> None:
+        """``client`` left: the waits its requests have begun end now with `ClientGone` (not after
+        ``memory_wait_s``). Its bytes come back as its arrays are released (`release`)."""
+        with self._cond:
+            self._departures[client] += 1
             self._cond.notify_all()
 
     def close(self, reason: str) -> None:

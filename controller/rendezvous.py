@@ -53,6 +53,12 @@ class RendezvousStore:
             return {"groups": len(self._members), "keys": sum(len(v) for v in self._values.values()),
                     "waiting": self._num_waiting}
 
+    def stored_bytes(self) -> int:
+        """The bytes of the keys and values held now, prefixes included (none, between formations)."""
+        with self._lock:
+            return sum(len(prefix) + sum(len(k) + len(v) for k, v in values.items())
+                       for prefix, values in self._values.items())
+
     def allow(self, prefix: str, members) -> None:
         """Open ``prefix`` to ``members`` (before their FormGroup is sent)."""
         with self._lock:

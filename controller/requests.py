@@ -17,7 +17,7 @@ class ExecutorRequests:
 
     def __init__(self, controller):
         self._controller = controller
-        self._lock, self.resources, self._send = controller._lock, controller.resources, controller._send
+        self._lock, self.resources, self._send = controller.state.lock, controller.resources, controller.state.send
         self._next_request_id = itertools.count(1)
         self._replies: dict[int, dict[str, pb.Envelope]] = {}
         self._reply_events: dict[int, threading.Event] = {}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 import time
 
@@ -40,7 +41,8 @@ class ResourceManager:
 
     def __init__(self):
         self.executors: dict[str, ExecutorInfo] = {}
-        self._next_mesh_id = 1
+        # Mesh ids: next() of a count is one step under the GIL, so two clients' workers never share an id.
+        self._mesh_ids = itertools.count(1)
 
     def register(self, executor_id: str, **info) -> ExecutorInfo:
         existing = self.executors.get(executor_id)
@@ -100,9 +102,7 @@ class ResourceManager:
         if unknown:
             raise PlacementError(f"unknown executors {unknown}; known: {sorted(self.executors)}")
         self._check_islands(axes, list(executor_ids))
-        mesh = MeshAllocation(self._next_mesh_id, tuple(axes.items()), tuple(executor_ids))
-        self._next_mesh_id += 1
-        return mesh
+        return MeshAllocation(next(self._mesh_ids), tuple(axes.items()), tuple(executor_ids))
 
     def _choose(self, axes: dict[str, int], needed: int) -> list[str]:
         """The first live executors that fit: of one island, or of the first ``axes["island"]`` islands."""

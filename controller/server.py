@@ -60,6 +60,8 @@ class ControllerServer:
         socket.setsockopt(zmq.ROUTER_MANDATORY, 1)
         # Executors send the controller envelopes, never tensors: a bigger frame is hostile.
         socket.setsockopt(zmq.MAXMSGSIZE, MAX_ENVELOPE_BYTES)
+        if self.loop.context.get(zmq.IO_THREADS) >= 2:   # the first libzmq I/O thread: a service's clients get the other
+            socket.setsockopt(zmq.AFFINITY, 0b01)
         make_server(socket, credentials)
         socket.bind(self.config.bind_address)
         self.address = socket.getsockopt_string(zmq.LAST_ENDPOINT)

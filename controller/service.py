@@ -1,7 +1,8 @@
 """`ControllerService`: a controller that outlives any one script, serving many clients (`pathways-controller`).
 
 It is the embedded controller's server (`ControllerServer`: executors register, report and heartbeat there) plus
-the client service (`ClientService`: remote clients' requests and events), on one I/O thread. Executors join it
+the client service (`ClientService`: remote clients' requests and events), each on an I/O thread of its own: no
+client's traffic delays an executor's heartbeat answer. Executors join it
 (``pathways-executor --controller ADDR``) or its host starts them; clients attach with
 ``pw.Context(controller=..., keys=...)`` and come and go (docs/service.md).
 """
@@ -15,7 +16,7 @@ import zmq
 
 from .admin import Admin
 from .client_service import ClientService
-from .config import ControllerConfig
+from .config import ControllerConfig, ServiceConfig
 from .exit_watch import watch_exits
 from .server import ControllerServer
 
@@ -28,15 +29,16 @@ class ControllerService:
     """Serves executors at ``config.bind_address`` and clients at ``client_bind``; `stop` ends both."""
 
     def __init__(self, config: ControllerConfig, credentials, zmq_context: zmq.Context, client_bind: str,
-                 weights: dict | None = None):
+                 weights: dict | None = None, service_config: ServiceConfig | None = None):
         self.server = ControllerServer(config, credentials, zmq_context)
         try:
             self.clients = ClientService(self.server, client_bind, heartbeat_timeout_s=config.heartbeat_timeout_s,
-                                         weights=weights)
+                                         weights=weights, config=service_config)
         except BaseException:
             self.server.stop()
             raise
         self.server.start()
+        self.clients.start()
         self.controller = self.server.controller
         self.admin = Admin(self.controller, self.clients)   # the operator's levers (served with the status)
         self.executor_address = self.server.address
@@ -65,6 +67,7 @@ class ControllerService:
             self.clients.close(why)
             self.controller.fail_pending(why)
             self.controller.shutdown_executors(why)
-            time.sleep(0.2)   # the I/O thread sends the news before its sockets close
+            time.sleep(0.2)   # the I/O threads send the news before their sockets close
         finally:
+            self.clients.stop()
             self.server.stop()

@@ -8,6 +8,11 @@ estimate by what the executors measured. The island admits, among the clients wa
 smallest pass, as long as the island has a free slot; so over time each client's device seconds divided by its
 weight stay level, which is device time in proportion to the weights. Estimates come from a `CostModel`.
 
+Every pass stays finite: weights are bounded where they enter (`pathways_torch.wire.limits.WEIGHT`), and a charge
+that would make a pass infinite or NaN is refused loudly (`_charged`): one NaN pass makes every comparison false,
+and nobody would be admitted again. A client that leaves keeps its pass for a while (`REMEMBERED_CLIENTS`): one
+that reconnects under its name comes back with its debt, never with a fresh start ahead of the busy ones.
+
 Stdlib only: the controller never touches tensors.
 """
 
@@ -17,20 +22,35 @@ import collections
 import dataclasses
 import itertools
 import math
+import logging
 import threading
 import time
 from typing import Callable, Hashable
 
-__all__ = ["ShareScheduler", "Ticket", "ClientGone", "CostModel"]
+from pathways_torch.wire.limits import WEIGHT, bounded
+
+__all__ = ["ShareScheduler", "Ticket", "ClientGone", "CostModel", "NonFinitePassError", "check_weight"]
+
+log = logging.getLogger(__name__)
 
 # `shares` sees at most this far back, and at most this many finished records: memory stays bounded however
 # long the island runs (describe() asks for the last minute).
 HISTORY_S = 600.0
 HISTORY_RECORDS = 200_000
+# Passes of clients that left, kept (the most recently gone) so that one reconnecting resumes its own.
+REMEMBERED_CLIENTS = 4096
+# An admitted call still unfinished after this long gives its slots back (charged to its client): stuck or very
+# long calls cannot hold an island's admission window for good. Waiters look at most this often.
+HOLD_S = 10.0
+_EXPIRY_CHECK_S = 1.0
 
 
 class ClientGone(Exception):
     """The client was removed while its call waited for admission: the call was never dispatched."""
+
+
+class NonFinitePassError(ArithmeticError):
+    """A charge would have made a client's pass infinite or NaN; refused, the pass kept as it was."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,12 +71,16 @@ class _Waiter:
         self.client, self.slots, self.seq, self.gone = client, slots, seq, False
 
 
-def _check_weight(client: str, weight: float) -> float:
-    if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not weight > 0 or not math.isfinite(weight):
-        raise ValueError(f"client {client!r}: weight must be a finite number > 0, got {weight!r}; give a "
-                         f"positive share such as 1 (weights are relative: 1 and 2 give the second client "
-                         f"twice the device time of the first)")
-    return float(weight)
+def check_weight(client: str, weight: float) -> float:
+    return bounded(weight, f"client {client!r}: weight", WEIGHT,
+                   "give a share such as 1 (weights are relative: 1 and 2 give the second client twice the device "
+                   "time of the first)")
+
+
+def _check_seconds(client: str, what: str, seconds: float) -> None:
+    """Device seconds the scheduler is handed (an estimate, a measure): a finite number >= 0."""
+    if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not 0 <= seconds < math.inf:
+        raise ValueError(f"client {client!r}: {what} must be finite device seconds >= 0, got {seconds!r}")
 
 
 class ShareScheduler:
@@ -69,13 +93,15 @@ class ShareScheduler:
     """
 
     def __init__(self, island: str, *, slots: int, clock: Callable[[], float] = time.monotonic,
-                 quantum_s: float = 0.002):
+                 quantum_s: float = 0.002, hold_s: float = HOLD_S):
         if not isinstance(slots, int) or slots < 1:
             raise ValueError(f"island {island!r}: slots must be an int >= 1 (calls in flight at once), "
                              f"got {slots!r}")
         if not quantum_s >= 0:
             raise ValueError(f"island {island!r}: quantum_s must be >= 0, got {quantum_s!r}")
         self.island, self.slots, self.quantum_s, self._clock = island, slots, float(quantum_s), clock
+        self.hold_s = float(hold_s)
+        self.expired = 0   # tickets whose slots went back unfinished after hold_s (stuck or very long calls)
         self._cond = threading.Condition()
         self._weight: dict[str, float] = {}
         self._pass: dict[str, float] = {}
@@ -83,8 +109,10 @@ class ShareScheduler:
         self._held: dict[str, int] = {}                      # client → slots in flight
         self._live: dict[int, Ticket] = {}                   # admitted, not finished
         self._voided: set[int] = set()                       # live when their client was removed
+        self._expired: set[int] = set()                      # slots given back after hold_s, not yet finished
         self._in_flight = 0
         self._vtime = 0.0                                    # smallest backlogged pass, last seen
+        self._left: collections.OrderedDict[str, float] = collections.OrderedDict()   # gone client → its pass
         self._seq = itertools.count(1)
         self._records: collections.deque[tuple[float, str, float]] = collections.deque(maxlen=HISTORY_RECORDS)
 
@@ -93,18 +121,20 @@ class ShareScheduler:
     def add_client(self, client: str, weight: float) -> None:
         """Register `client` with a relative `weight`; adding it again only sets its weight.
 
-        A new client's pass starts at 0; its first `admit` lifts it to the island's (see `admit`), so it
-        neither starts ahead of the others nor behind them."""
-        weight = _check_weight(client, weight)
+        A new client's pass starts at 0, one that left and comes back (a reconnect) at the pass it left with; its
+        first `admit` lifts it to at least the island's (see `admit`), so it neither starts ahead of the others
+        nor behind them, and leaving does not clear what it used."""
+        weight = check_weight(client, weight)
         with self._cond:
             if client not in self._weight:
-                self._pass[client], self._queue[client], self._held[client] = 0.0, collections.deque(), 0
+                self._pass[client] = self._left.pop(client, 0.0)
+                self._queue[client], self._held[client] = collections.deque(), 0
             self._weight[client] = weight
             self._cond.notify_all()
 
     def set_weight(self, client: str, weight: float) -> None:
         """Change a known client's weight; its pass so far stays, its later calls are charged at the new one."""
-        weight = _check_weight(client, weight)
+        weight = check_weight(client, weight)
         with self._cond:
             self._known(client)
             self._weight[client] = weight
@@ -113,7 +143,8 @@ class ShareScheduler:
     def remove_client(self, client: str) -> None:
         """Forget `client`: its waiting calls raise `ClientGone`, its slots in flight are free at once.
 
-        Its tickets still running are void: finishing one later changes nothing."""
+        Its tickets still running are void: finishing one later changes nothing. Its pass is remembered (the last
+        `REMEMBERED_CLIENTS` to leave): adding it again resumes it."""
         with self._cond:
             self._known(client)
             for waiter in self._queue.pop(client):
@@ -122,7 +153,11 @@ class ShareScheduler:
             for number in [n for n, t in self._live.items() if t.client == client]:
                 del self._live[number]
                 self._voided.add(number)
-            del self._weight[client], self._pass[client]
+            self._left[client] = self._pass.pop(client)
+            self._left.move_to_end(client)
+            while len(self._left) > REMEMBERED_CLIENTS:
+                self._left.popitem(last=False)
+            del self._weight[client]
             self._cond.notify_all()
 
     def _known(self, client: str) -> None:
@@ -144,8 +179,7 @@ class ShareScheduler:
         """
         if not isinstance(slots, int) or slots < 1:
             raise ValueError(f"client {client!r}: slots must be an int >= 1, got {slots!r}")
-        if not estimate_s >= 0:
-            raise ValueError(f"client {client!r}: estimate_s must be >= 0 device seconds, got {estimate_s!r}")
+        _check_seconds(client, "estimate_s", estimate_s)
         with self._cond:
             self._known(client)
             queue = self._queue[client]
@@ -155,27 +189,95 @@ class ShareScheduler:
             waiter = _Waiter(client, slots, next(self._seq))
             queue.append(waiter)
             self._note_vtime()
-            ready = self._cond.wait_for(lambda: waiter.gone or self._may_admit(waiter), timeout_s)
+            ready = self._wait_for_turn(waiter, timeout_s)
             if waiter.gone:
                 raise ClientGone(f"client {client!r} was removed from island {self.island!r} while its "
                                  f"{slots} slot(s) waited for admission; nothing was dispatched")
             if not ready:
-                queue.remove(waiter)
-                self._cond.notify_all()             # it may have been the head everyone else waited behind
-                held = {c: n for c, n in sorted(self._held.items()) if n}
-                raise TimeoutError(f"client {client!r} waited {timeout_s:g} s for {slots} slot(s) on island "
-                                   f"{self.island!r}: {self._in_flight} of {self.slots} slots in flight "
-                                   f"{held}, waiting {self._waiting_counts()}; raise timeout_s, or the island's "
-                                   f"slots, or this client's weight")
+                ahead = self._ahead_of(waiter)
+                self._drop_waiter(waiter)
+                raise TimeoutError(f"client {client!r} waited {timeout_s:.3g} s for {slots} slot(s) on island "
+                                   f"{self.island!r} and was not admitted: {ahead}; try again later, or ask the "
+                                   f"operator for a larger weight or a longer admission timeout")
+            try:
+                charged = self._charged(client, estimate_s)
+            except NonFinitePassError:
+                self._drop_waiter(waiter)
+                raise
             queue.popleft()
             self._in_flight += slots
             self._held[client] += slots
-            self._pass[client] += estimate_s / self._weight[client]
+            self._pass[client] = charged
             ticket = Ticket(client, slots, float(estimate_s), self._clock(), next(self._seq))
             self._live[ticket.number] = ticket
             self._note_vtime()
             self._cond.notify_all()                 # its next waiter is the client's head now; room may remain
             return ticket
+
+    def _wait_for_turn(self, waiter: _Waiter, timeout_s: float | None) -> bool:
+        """Wait (the condition held) until ``waiter`` is gone or may be admitted; False after ``timeout_s``. Every
+        second at most it also takes back the slots of tickets held past ``hold_s`` (`_expire_held`)."""
+        deadline = None if timeout_s is None else self._clock() + timeout_s
+        while True:
+            self._expire_held()
+            if waiter.gone or self._may_admit(waiter):
+                return True
+            left = None if deadline is None else deadline - self._clock()
+            if left is not None and left <= 0:
+                return False
+            self._cond.wait(_EXPIRY_CHECK_S if left is None else min(left, _EXPIRY_CHECK_S))
+
+    def _expire_held(self) -> None:
+        """A ticket unfinished after ``hold_s`` gives its slots back, and its client is charged the time it held
+        them (as device time of every slot: what it kept from the others). A call whose inputs never come (a put
+        its client never sends) held the island's window for good before (issue 46: found by bench/fuzz_service);
+        now it costs its client, and the others go on. The call still runs if its inputs come."""
+        now = self._clock()
+        for number, ticket in list(self._live.items()):
+            if now - ticket.admitted_at <= self.hold_s:
+                continue
+            del self._live[number]
+            self._expired.add(number)
+            self._in_flight -= ticket.slots
+            self._held[ticket.client] -= ticket.slots
+            self.expired += 1
+            try:
+                self._pass[ticket.client] = self._charged(ticket.client, self.hold_s * ticket.slots)
+            except NonFinitePassError:
+                pass
+            self._cond.notify_all()
+
+    def _drop_waiter(self, waiter: _Waiter) -> None:
+        self._queue[waiter.client].remove(waiter)
+        self._cond.notify_all()                     # it may have been the head everyone else waited behind
+
+    def _ahead_of(self, waiter: _Waiter) -> str:
+        """Who is ahead of ``waiter`` on this island: the calls in flight and the waiting ones that go first, by
+        client."""
+        in_flight = {c: n for c, n in sorted(self._held.items()) if n}
+        mine = (self._pass[waiter.client], waiter.seq)
+        first = {c: len(q) for c, q in sorted(self._queue.items())
+                 if q and c != waiter.client and (self._pass[c], q[0].seq) <= mine}
+        own = list(self._queue[waiter.client]).index(waiter)
+        if own:
+            first[waiter.client] = own
+        return (f"{sum(in_flight.values()) + sum(first.values())} call(s) ahead of it ({self._in_flight} of "
+                f"{self.slots} slots in flight: {in_flight or 'none'}; waiting to go first: {first or 'none'})")
+
+    def _charged(self, client: str, seconds: float) -> float:
+        """``client``'s pass after ``seconds`` more device seconds; `NonFinitePassError` (logged) if not finite.
+
+        Checked inputs cannot get here; this is the scheduler's own guard: a NaN pass would freeze the island."""
+        charged = self._pass[client] + seconds / self._weight[client]
+        if not math.isfinite(charged):
+            error = NonFinitePassError(
+                f"island {self.island!r}: charging client {client!r} {seconds!r} device seconds at weight "
+                f"{self._weight[client]!r} would make its pass {charged!r} (it is {self._pass[client]!r}); refused, "
+                f"the pass is kept. Costs and weights must be finite and bounded where they enter "
+                f"(pathways_torch/wire/limits.py)")
+            log.error("%s", error)
+            raise error
+        return charged
 
     def _may_admit(self, waiter: _Waiter) -> bool:
         queue = self._queue[waiter.client]
@@ -183,9 +285,19 @@ class ShareScheduler:
             return False
         if self._in_flight and self._in_flight + waiter.slots > self.slots:
             return False
+        if self._over_own_share(waiter):
+            return False
         # Its own head is in the comparison too: a later waiter of the same client never counts as first.
         mine = (self._pass[waiter.client], waiter.seq)
         return all(mine <= (self._pass[c], q[0].seq) for c, q in self._queue.items() if q)
+
+    def _over_own_share(self, waiter: _Waiter) -> bool:
+        """While another client waits or holds slots, no client holds more than half the window: one whose calls
+        are slow or stuck leaves the others room (alone, a client may fill the window)."""
+        client = waiter.client
+        others = any(q for c, q in self._queue.items() if c != client) or any(
+            n for c, n in self._held.items() if c != client)
+        return others and self._held[client] > 0 and self._held[client] + waiter.slots > max(1, self.slots // 2)
 
     def _island_pass(self, exclude: str) -> float:
         backlogged = [p for c, p in self._pass.items() if c != exclude and (self._queue[c] or self._held[c])]
@@ -201,17 +313,22 @@ class ShareScheduler:
 
         Frees its slots and corrects its client's pass by what the estimate missed, so a client whose
         estimates run low pays the difference before its next call competes."""
-        if not device_s >= 0:
-            raise ValueError(f"client {ticket.client!r}: device_s must be >= 0, got {device_s!r}")
+        _check_seconds(ticket.client, "device_s", device_s)
         with self._cond:
             if ticket.number in self._voided:
                 self._voided.discard(ticket.number)
+                return
+            if ticket.number in self._expired:   # its slots went back already, its hold charged
+                self._expired.discard(ticket.number)
                 return
             if self._live.pop(ticket.number, None) is None:
                 raise ValueError(f"ticket {ticket.number} of client {ticket.client!r} on island "
                                  f"{self.island!r} is not in flight: finished twice, or from another island")
             client = ticket.client
-            self._pass[client] += (device_s - ticket.estimate_s) / self._weight[client]
+            try:
+                self._pass[client] = self._charged(client, device_s - ticket.estimate_s)
+            except NonFinitePassError:
+                pass                                # logged; its slots are freed all the same
             self._note_vtime()                      # while it is still backlogged
             self._in_flight -= ticket.slots
             self._held[client] -= ticket.slots

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import argparse
-import faulthandler
 import logging
 import os
 import signal
 import socket
+
+from pathways_torch.wire.crash_stacks import enable_crash_stacks
 
 from .allocator import DEFAULT_MMAP_THRESHOLD_MB, tune_allocator
 from .config import BACKENDS, ExecutorConfig
@@ -46,6 +47,10 @@ def parse_args(argv=None) -> ExecutorConfig:
     parser.add_argument("--sim-count", type=int, default=None,
                         help="run this many simulated executors in this one process (--backend sim; --id gives one id "
                              "X, named X.0 .. X.<K-1>, or K comma-separated ids); see executor/sim_host.py")
+    parser.add_argument("--checkpoint-root", default="pathways-checkpoints",
+                        help="where service clients' checkpoints are written, each under DIR/<client name>/: the "
+                             "controller's --checkpoint-root, the same storage at the same path (default: "
+                             "pathways-checkpoints in the working directory)")
     args = parser.parse_args(argv)
     if args.sim_count is not None:
         from .sim_host import check_open_files, sim_ids
@@ -62,10 +67,12 @@ def parse_args(argv=None) -> ExecutorConfig:
                           heartbeat_timeout_s=args.heartbeat_timeout_s, join_timeout_s=args.join_timeout_s,
                           cpus=tuple(int(c) for c in args.cpus.split(",") if c.strip()), island=args.island,
                           key_role=args.key_role, mmap_threshold_mb=args.mmap_threshold_mb,
-                          sim_count=args.sim_count or 0)
+                          sim_count=args.sim_count or 0, checkpoint_root=os.path.abspath(args.checkpoint_root))
 
 
 def main(argv=None) -> None:
+    # First: a native crash writes every thread's stack to the executor's log; `kill -USR1 PID` too, for a hang.
+    enable_crash_stacks()
     logging.basicConfig(level=os.environ.get("PATHWAYS_LOG_LEVEL", "WARNING"),
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
     config = parse_args(argv)
@@ -75,8 +82,6 @@ def main(argv=None) -> None:
         os.sched_setaffinity(0, config.cpus)
     # Ctrl-C in the client's terminal is the client's to handle: it stops us by message.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    # `kill -USR1 PID` writes every thread's stack to the executor's log: for a hang, the first look.
-    faulthandler.register(signal.SIGUSR1, all_threads=True)
     if config.sim_count:
         from .sim_host import SimHost, sim_ids
 

@@ -6,7 +6,8 @@ rendezvous store, reached over this executor's CURVE connection to it
 on every interface), with a timeout of the heartbeat bound so a dead peer surfaces as an error. A group
 knows its members' incarnations (``id@epoch``): when the controller reports one lost
 (`abandon`, from the heartbeat thread), the group is retired at once and a collective
-blocked on it fails within a fraction of a second, whatever gloo's own timeout. The
+blocked on it fails within a fraction of a second, whatever gloo's own timeout; the bindings
+that steps cache let go of it then (else each replacement left every survivor a gloo group). The
 gloo device binds to the executor's own interface (loopback unless told
 otherwise). The ``pathways::`` ops call `CollectiveRuntime.run`; while the compute
 thread runs a function, each mesh axis it names is bound to a group. A call with no
@@ -23,6 +24,9 @@ import logging
 import threading
 import time
 import weakref
+
+# The factories live in process_groups; here too, where the benchmarks and tests have always imported them.
+from .process_groups import gloo_group_on, make_gloo_group, make_nccl_group, nccl_group_on
 
 __all__ = ["CollectiveRuntime", "make_gloo_group", "make_nccl_group", "gloo_group_on", "nccl_group_on", "dry_runs"]
 
@@ -41,51 +45,6 @@ def dry_runs():
         yield
     finally:
         _dry.on = previous
-
-
-def make_gloo_group(store_path: str, prefix: str, rank: int, size: int, timeout_s: float,
-                    bind_host: str = "127.0.0.1"):
-    """A gloo group from a FileStore (no TCPStore, no world group), its device bound to ``bind_host``.
-
-    Blocks until all ``size`` members have joined (or ``timeout_s``). The benchmarks'
-    baselines make their groups here too, so both sides of a comparison use the same gloo.
-    """
-    import torch.distributed as dist
-
-    return gloo_group_on(dist.PrefixStore(prefix, dist.FileStore(store_path, size)), rank, size, timeout_s,
-                         bind_host)
-
-
-def gloo_group_on(store, rank: int, size: int, timeout_s: float, bind_host: str = "127.0.0.1"):
-    """A gloo group meeting through ``store`` (a ``torch.distributed.Store``), its device bound to ``bind_host``."""
-    import torch.distributed as dist
-
-    options = dist.ProcessGroupGloo._Options()
-    options._timeout = datetime.timedelta(seconds=timeout_s)
-    options._devices = [dist.ProcessGroupGloo.create_device(hostname=bind_host)]
-    return dist.ProcessGroupGloo(store, rank, size, options)
-
-
-def make_nccl_group(store_path: str, prefix: str, rank: int, size: int, timeout_s: float, device: str):
-    """An NCCL group for executors on CUDA devices, from the same FileStore rendezvous as gloo.
-
-    ``device`` (``cuda:N``) becomes the current device first: NCCL binds a communicator
-    to it. Untested on this project's CI machines (no GPU); see docs/backends.md.
-    """
-    import torch.distributed as dist
-
-    return nccl_group_on(dist.PrefixStore(prefix, dist.FileStore(store_path, size)), rank, size, timeout_s, device)
-
-
-def nccl_group_on(store, rank: int, size: int, timeout_s: float, device: str):
-    """An NCCL group meeting through ``store``, on ``device`` (made the current device first)."""
-    import torch
-    import torch.distributed as dist
-
-    torch.cuda.set_device(torch.device(device))
-    options = dist.ProcessGroupNCCL.Options()
-    options._timeout = datetime.timedelta(seconds=timeout_s)
-    return dist.ProcessGroupNCCL(store, rank, size, options)
 
 
 class CollectiveAbandoned(RuntimeError):
@@ -225,6 +184,7 @@ class CollectiveRuntime:
             binding = _Binding(self, resolved)
             if cache is not None and not any(isinstance(v, str) for v in resolved.values()):
                 cache.binding = binding
+                binding.hold()
         return binding
 
     # ------------------------------------------------------------ the ops
@@ -327,7 +287,7 @@ class _Group:
     with this object."""
 
     __slots__ = ("group", "size", "members", "abandoned", "timeout_s", "retired_at", "_pending", "_event", "_sliced",
-                 "_native", "slot", "__weakref__")
+                 "_native", "slot", "_holders", "__weakref__")
 
     def __init__(self, group, size: int, members: frozenset, sliced: bool = True, timeout_s: float = 60.0,
                  native=None):
@@ -336,6 +296,10 @@ class _Group:
         self.timeout_s, self.retired_at = timeout_s, 0.0
         self._pending: list = []            # ops given up on (abandoned while waited for): they may still run
         self._event = threading.Event()     # set when abandoned: a blocked wait gives up
+        # Weak references to the cached bindings that resolved an axis to this group (a program's step, a call
+        # site's step: kept as long as the program or the cache of call sites). Abandoning the group takes it out of
+        # them, or each would keep it, its gloo threads and sockets, for good: one more per executor replacement.
+        self._holders: list = []
         self._native, self.slot = (native, native.register(group)) if native is not None and sliced else (None, -1)
         if self._native is not None:
             weakref.finalize(self, self._native.release, self.slot)
@@ -346,6 +310,17 @@ class _Group:
         self._event.set()
         if self._native is not None:
             self._native.abandon(self.slot, reason)
+        for held_by in list(self._holders):    # a copy: the compute thread may add one meanwhile (`held_by`)
+            binding = held_by()
+            if binding is not None:
+                binding.let_go(self)
+        self._holders.clear()
+
+    def held_by(self, binding: "_Binding") -> None:
+        """``binding`` keeps this group (a cached one): let go of it there once abandoned."""
+        self._holders.append(weakref.ref(binding))
+        if self.abandoned:    # abandoned between its resolution and now (the heartbeat thread): at once
+            binding.let_go(self)
 
     def quiet(self) -> bool:
         """No op given up on still runs here: dropping the group joins idle threads only."""
@@ -411,6 +386,26 @@ class _Binding:
 
     def __exit__(self, *exc):
         self._runtime._local.binding = None
+
+    def hold(self) -> None:
+        """This binding is cached (by a step run again and again): its groups let go of it when abandoned."""
+        for bound in set(self._axis_groups.values()):
+            if not isinstance(bound, str):    # already let go of (abandoned meanwhile, on the heartbeat thread)
+                bound.held_by(self)
+
+    def let_go(self, group: "_Group") -> None:
+        """``group`` was abandoned: its axes are bound to why from now on, and the binding keeps it no more (only
+        the runtime's retired list does, until it is quiet). Any thread: each entry is replaced whole, so a reader
+        sees the group (abandoned: its ops fail) or the reason."""
+        for axis, bound in list(self._axis_groups.items()):
+            if bound is not group:
+                continue
+            why = _AbandonedReason(f"the process group for axis {axis!r} is unusable: {group.abandoned}")
+            self._axis_groups[axis] = why
+            if self._native_axes is not None:
+                native_id = self._native.axis_id(axis)
+                self._native_axes[:] = [(native_id, -1, True, f"axis {axis!r}: {why}") if entry[0] == native_id
+                                        else entry for entry in self._native_axes]
 
 
 def _native_axes(native, axis_groups: dict) -> list:

@@ -46,6 +46,9 @@ class ExecutorConfig(Liveness):
     # Simulated executors this process runs (executor/sim_host.py): 0, one executor as a process of its own; K >= 1,
     # K simulated ones on one loop, named by ``executor_id`` (K comma-separated ids, or one id X: X.0 .. X.<K-1>).
     sim_count: int = 0
+    # Where service clients' checkpoints live, each under DIR/<client name>/ (executor/shard_writer.py): the
+    # controller's --checkpoint-root. The embedded run's client writes where it names, as ever.
+    checkpoint_root: str = "pathways-checkpoints"
 
     def __post_init__(self):
         if self.backend not in BACKENDS:

@@ -233,8 +233,8 @@ class ExecutorCore:
         self.stopped = True
 
     def _on_forget(self, msg: pb.Forget, payload) -> None:
-        """A client left: its functions and programs go (a compiled executable stays in the compile cache,
-        keyed by its graph, bounded as that cache is)."""
+        """A client left, or dropped these functions and programs: they go (a compiled executable stays in the
+        compile cache, keyed by its graph, bounded as that cache is)."""
         for function_id in msg.function_ids:
             self.functions.pop(function_id, None)
         for program_id in msg.program_ids:
@@ -269,8 +269,18 @@ class ExecutorCore:
         self._pump()
 
     def _on_free(self, msg: pb.Free, payload) -> None:
+        # A Free with spent puts names put arrays' shards only (controller/arrays.py): a shard not put by now
+        # never will be, and the runs that wait for it fail
+        if msg.spent_puts:
+            for ref in msg.shards:
+                self.store.give_up(shard_key(ref), pb.RemoteFailure(
+                    type="PutAbandoned", executor_id=self.executor_id,
+                    message=f"array {ref.array_id} shard {ref.shard} was freed before its put came (its client left, "
+                            f"or said it landed without putting it): a run that reads it cannot run"))
         for ref in msg.shards:
             self.store.free(shard_key(ref))
+        if msg.spent_puts:   # a put that comes after its array was freed is refused, never kept
+            self.data.spend_puts(msg.spent_puts)
 
     def _on_stats_request(self, msg: pb.StatsRequest, payload) -> None:
         stats = pb.Stats(request_id=msg.request_id, executor_id=self.executor_id,
@@ -279,7 +289,7 @@ class ExecutorCore:
                          num_compiles=self.backend.num_compiles(), backend=self.backend.name,
                          queue_high_water=self.queue_high_water,
                          store_bytes_high_water=self.store.take_high_water(), transfers_lost=self.transfers_lost,
-                         programs_held=len(self.run_queue.programs))
+                         programs_held=len(self.run_queue.programs), functions_held=len(self.functions))
         for name, count in self.backend.counters().items():
             stats.backend_counters[name] = count
         stats.fusion.extend(self.run_queue.fusion_text())

@@ -16,6 +16,7 @@ from typing import Callable
 
 from pathways_torch.errors import TRANSFER_LOST
 from pathways_torch.wire import pb
+from pathways_torch.wire.checkpoint_paths import CheckpointPathError
 from pathways_torch.wire.framing import body_name
 from pathways_torch.wire.tensors import frame_to_tensor
 
@@ -129,16 +130,19 @@ class DataPlane:
         ack = pb.PutAck(request_id=msg.request_id)
         ack.shard.CopyFrom(msg.shard)
         items = (msg, *msg.more)
-        for item in items:   # every shard is the sender's to put, or none is stored
-            refused = self.owners.put_refusal(role, item, self.store.get(shard_key(item.shard)))
-            if refused:
-                self.counters["refused_not_owner"] += 1
-                self._drop(refused)
-                ack.failed = True
-                ack.failure.CopyFrom(pb.RemoteFailure(type="PermissionError", message=refused,
-                                                      executor_id=self.executor_id))
-                self.outbox.to_client(identity, pb.Envelope(put_ack=ack))
-                return
+        # Every shard is the sender's to put, exactly as its token says, or none is stored.
+        refused = self.owners.admit_put(role, items, entry_of=lambda item: self.store.get(shard_key(item.shard)),
+                                        nbytes_of=lambda item: _frame_bytes(payload, item.tensor.frame),
+                                        executor_id=self.executor_id, epoch=self.epoch)
+        if refused:
+            self.counters["refused_not_owner"] += 1
+            self.counters["refused_data_messages"] += 1
+            self._drop(refused)
+            ack.failed = True
+            ack.failure.CopyFrom(pb.RemoteFailure(type="PermissionError", message=refused,
+                                                  executor_id=self.executor_id))
+            self.outbox.to_client(identity, pb.Envelope(put_ack=ack))
+            return
         owner = self.owners.as_owner(role)
         for item in items:
             try:
@@ -153,6 +157,10 @@ class DataPlane:
                 self.store.claim(shard_key(item.shard), owned=True).owner = owner
             self.store.fill(shard_key(item.shard), tensor)
         self.outbox.to_client(identity, pb.Envelope(put_ack=ack))
+
+    def spend_puts(self, spent_puts) -> None:
+        """A Free's spent put tokens (`pb.SpentPut`): their arrays are gone, so none of them may store anything."""
+        self.owners.spend(spent_puts)
 
     def on_transfer(self, msg: pb.Transfer, payload, identity: bytes | None = None, reply=None) -> None:
         """A copy from a peer (``identity`` its connection; ``reply(identity, envelope)`` acknowledges it where it
@@ -201,10 +209,13 @@ class DataPlane:
         self.store.unpin(key)
 
     def _on_save(self, identity: bytes, msg: pb.SaveShards, role: str | None) -> None:
-        """Write shards of this store to one file, once each is ready (checkpoints written by the executors)."""
-        from .shard_writer import check_save_path
-
-        check_save_path(msg.path)
+        """Write shards of this store to one file, once each is ready (checkpoints written by the executors). Where
+        is checked first (`ShardWriter.target`: a service client's under its own folder of the checkpoint root)."""
+        try:
+            target = self.writer.target(role, msg.path)
+        except ValueError:   # refused before a byte is written: the client is told why (`_refuse_data`)
+            self.counters["refused_checkpoint_paths"] += 1
+            raise
         if len(msg.names) != len(msg.shards) or len(set(msg.names)) != len(msg.names):
             raise ValueError(f"save: expected one distinct name per shard, got {len(msg.names)} names for "
                              f"{len(msg.shards)} shards")
@@ -225,16 +236,17 @@ class DataPlane:
                 tensors[name] = frame_to_tensor(meta, [frame]).clone()
             self.store.unpin(key)
             if len(tensors) == len(keys):
-                self._write_shards(identity, msg, tensors)
+                self._write_shards(identity, msg, tensors, target)
 
         # The span covers the wait for the shards, their host copy and the write (the request is the save's start).
-        self.trace.record("save_start", "save shards", call_id=msg.request_id, detail=msg.path)
+        # The trace is every client's to read: a service client's path is not shown (`SaveTarget.shown`).
+        self.trace.record("save_start", "save shards", call_id=msg.request_id, detail=target.shown)
         for name, key in zip(msg.names, keys):
             self.store.claim(key, pin=True)
         for name, key in zip(msg.names, keys):
             self.store.when_ready(key, lambda entry, name=name, key=key: ready(name, key, entry))
 
-    def _write_shards(self, identity: bytes, msg: pb.SaveShards, tensors: dict) -> None:
+    def _write_shards(self, identity: bytes, msg: pb.SaveShards, tensors: dict, target) -> None:
         failed = next((t for t in tensors.values() if isinstance(t, pb.RemoteFailure)), None)
         if failed is not None:   # a shard that never came: its producer's failure is the save's
             reply = pb.SaveReply(request_id=msg.request_id, failed=True, failure=failed)
@@ -247,12 +259,15 @@ class DataPlane:
             if error is not None:
                 reply.failed = True
                 reply.failure.CopyFrom(remote_failure(error, self.executor_id, origin_call_id=0))
+                if isinstance(error, CheckpointPathError):   # a link met while writing: refused as a path too
+                    self.counters["refused_checkpoint_paths"] += 1
+            shown = f" -> {target.shown}" if target.shown else ""
             self.trace.record("save_end", "save shards", call_id=msg.request_id,
-                              detail=f"{len(tensors)} shards, {nbytes} B -> {msg.path}")
+                              detail=f"{len(tensors)} shards, {nbytes} B{shown}")
             self.outbox.to_client(identity, pb.Envelope(save_reply=reply))
 
         self.hop_bytes["executor->disk"] += sum(t.numel() * t.element_size() for t in tensors.values())
-        self.writer.write(msg.path, tensors, done)
+        self.writer.write(target, tensors, done)
 
     # ------------------------------------------------------------ to peers
 
@@ -314,11 +329,12 @@ class DataPlane:
     # ------------------------------------------------------------ copies and their Runs
 
     def accept_run(self, input_keys: list, output_keys: list, last_call_id: int, owner: str = "",
-                   donated=()) -> None:
+                   donated=(), budgets=()) -> None:
         """A run's inputs are pinned until it ends, its outputs owned until freed; copies for calls
         up to ``last_call_id`` that arrive from now on are late. ``owner``: the role of the client whose run it
         is (the controller's word), which its outputs and the copies made for it belong to. ``donated``: input
-        positions the client gave up with the run, freed now (the run alone holds them: `ObjectStore.hand_over`)."""
+        positions the client gave up with the run, freed now (the run alone holds them: `ObjectStore.hand_over`).
+        ``budgets``: per output key, the bytes the controller counts for it (None: unchecked); empty: no limit."""
         owner = self.owners.as_owner(owner)
         for key in input_keys:
             entry = self.store.claim(key, pin=True)
@@ -333,6 +349,9 @@ class DataPlane:
             entry = self.store.claim(key, owned=True)
             if owner:
                 entry.owner = owner
+        if budgets:   # checked as the outputs are stored (`executor.output_budget`)
+            for key, budget in zip(output_keys, budgets):
+                self.store.get(key).budget = budget
         self._last_run_call_id = max(self._last_run_call_id, last_call_id)
         if self._early:
             self._forget_early(last_call_id)
@@ -370,3 +389,11 @@ class DataPlane:
         for key in [k for k in self._early if k[2] <= call_id]:
             self._early.discard(key)
             self.store.free(key)
+
+
+def _frame_bytes(payload: list, frame: int) -> int:
+    """The bytes of frame ``frame`` (1-based) of a message's ``payload``; -1 if it has none."""
+    if not 1 <= frame <= len(payload):
+        return -1
+    data = payload[frame - 1]
+    return (data.buffer if hasattr(data, "buffer") else memoryview(data)).nbytes

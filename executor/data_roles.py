@@ -12,8 +12,10 @@ A controller serving many clients (``client-<name>`` keys) also keeps each clien
 Every store entry carries the role of the client it belongs to (`executor.store.Entry.owner`), as the controller
 announced it: a Run's or a RunProgram's ``owner`` for what the run makes (a copy made for a run is its inputs'
 owner's, who is the run's: the controller lets no client call on another's arrays), and for a put, the client whose
-put token (`pathways_torch.wire.security.put_token`, made with the secret of the controller's Welcome) names the
-array. A client's fetch or save of an array that is not its own is answered as one of an array this executor never
+put token (`pathways_torch.wire.put_tokens.put_token`, made with the secret of the controller's Welcome) names the
+shard. A token names one put exactly (array, shard, tag, bytes, this executor's id and incarnation, client) and is
+taken once (`PutLedger`; the controller's Free spends the tokens of the arrays it frees), so what a client stores
+here is what the controller's memory budget counted; a put that does not match is refused, saying what differs. A client's fetch or save of an array that is not its own is answered as one of an array this executor never
 held: its owner is not revealed. An entry with no owner recorded belongs to the embedded run's one client
 (``client``), whose path is unchanged and costs one look at the entry: no token, no HMAC. The service's key folders
 never hold a plain ``client`` key (`pathways_torch.launch.service_keys`), so that role never shares an executor with
@@ -24,15 +26,15 @@ This module imports no torch (the simulated executor uses it).
 
 from __future__ import annotations
 
-import hmac
 import threading
 from typing import Callable
 
 from pathways_torch.wire import pb
 from pathways_torch.wire.framing import body_name
-from pathways_torch.wire.security import CLIENT, CONTROLLER, is_client, put_token, spare_of
+from pathways_torch.wire.put_tokens import checked_put_claim, is_for_executor, put_token_claim
+from pathways_torch.wire.security import CLIENT, CONTROLLER, is_client, spare_of
 
-__all__ = ["DataGate", "OwnerCheck", "CLIENT_KINDS", "EXECUTOR_KINDS", "executor_of_role"]
+__all__ = ["DataGate", "OwnerCheck", "PutLedger", "CLIENT_KINDS", "EXECUTOR_KINDS", "executor_of_role"]
 
 CLIENT_KINDS = frozenset({"put", "fetch", "save_shards"})   # data messages only the client may send
 # Data messages only executors may send: a transfer, and a launch tree's launches (down) and Dones (up), which the
@@ -108,14 +110,57 @@ class DataGate:
             return self._floor.get(executor_id, 0)
 
 
+_PUT_WINDOW = 1 << 14   # a client's put may arrive behind this many later ones of its own to this executor
+
+
+class PutLedger:
+    """The put tokens of one client taken (or spent by the controller's Free) on this executor: each is good once.
+
+    Its tokens carry sequence numbers the controller counts up per (client, executor). Those within ``window`` of
+    the highest seen are remembered one by one; older ones are all refused (their arrays are long made). So it
+    holds at most ``window`` numbers however long the client puts, and puts may arrive out of order within it (two
+    threads of a client putting at once)."""
+
+    __slots__ = ("window", "highest", "taken")
+
+    def __init__(self, window: int = _PUT_WINDOW):
+        self.window, self.highest, self.taken = window, 0, set()
+
+    def refusal(self, sequence: int) -> str | None:
+        if sequence in self.taken:
+            return "its put token was used already (each is good for one put)"
+        if sequence + self.window <= self.highest:
+            return (f"its put token is too old (number {sequence}, {self.highest - sequence} puts behind this "
+                    f"client's latest here)")
+        return None
+
+    def take(self, sequence: int) -> None:
+        self.taken.add(sequence)
+        if sequence > self.highest:
+            self.highest = sequence
+            if len(self.taken) > 2 * self.window:   # now and then: forget the numbers below the window
+                self.taken = {n for n in self.taken if n + self.window > self.highest}
+
+
 class OwnerCheck:
     """Which client's arrays a client may put, fetch and save here (see the module's docstring); one per executor.
 
-    ``put_secret`` is the controller's (its Welcome): until it came, no service client's put is taken.
+    ``put_secret`` is the controller's (its Welcome): until it came, no service client's put is taken. A new secret
+    (another controller) starts every client's `PutLedger` afresh: the old tokens no longer check.
     """
 
     def __init__(self) -> None:
-        self.put_secret = b""
+        self._put_secret = b""
+        self._ledgers: dict[str, PutLedger] = {}   # client role → its put tokens taken here
+
+    @property
+    def put_secret(self) -> bytes:
+        return self._put_secret
+
+    @put_secret.setter
+    def put_secret(self, secret: bytes) -> None:
+        if secret != self._put_secret:
+            self._put_secret, self._ledgers = secret, {}
 
     @staticmethod
     def as_owner(role: str | None) -> str:
@@ -132,19 +177,64 @@ class OwnerCheck:
     def awaits_secret(self, role: str | None) -> bool:
         """Whether a put from ``role`` must wait for the controller's Welcome (a service client's, none yet):
         the client may have heard of this executor, and sent to it, before the Welcome arrived here."""
-        return role != CLIENT and not self.put_secret
+        return role != CLIENT and not self._put_secret
 
-    def put_refusal(self, role: str | None, item, entry) -> str | None:
-        """Why a put of ``item`` (a Put or a PutItem: its shard and token) from ``role`` is refused, ``entry`` the
-        store's entry for its key if there is one; None if it is taken (the caller records ``role`` as its owner)."""
-        array_id = item.shard.array_id
-        if role != CLIENT:   # a service client: the controller's token for this array and this client, or nothing
-            if not self.put_secret:
-                return (f"put of array {array_id} from {role!r}: this executor has no put secret from the controller "
-                        f"yet, so it cannot tell whose array it is (refused)")
-            if not hmac.compare_digest(bytes(item.token), put_token(self.put_secret, array_id, role)):
-                return (f"put of array {array_id}: array {array_id} is not this client's (its put token is not the "
-                        f"one the controller gave with it; put to the arrays your own ctx.put made) (refused)")
-        if entry is not None and entry.owner and entry.owner != role:
-            return f"put of array {array_id}: array {array_id} is not this client's (refused)"
+    def admit_put(self, role: str | None, items, *, entry_of: Callable, nbytes_of: Callable, executor_id: str,
+                  epoch: int) -> str | None:
+        """Why the put of ``items`` (a Put and its PutItems: shard, token, frame) from ``role`` is refused here; None
+        if every shard is taken, its token spent. ``entry_of(item)``: the store's entry for its key (None if none);
+        ``nbytes_of(item)``: the bytes of its frame. All or nothing: one refused shard refuses the message."""
+        sequences = []
+        for item in items:
+            refused = self._item_refusal(role, item, entry_of(item), nbytes_of(item), executor_id, epoch, sequences)
+            if refused:
+                return refused
+        if sequences:
+            ledger = self._ledgers.setdefault(role, PutLedger())
+            for sequence in sequences:
+                ledger.take(sequence)
         return None
+
+    def spend(self, spent_puts) -> None:
+        """The controller freed arrays whose tokens these are (``SpentPut``: role, sequence): none of them may put
+        from now on, whether or not its put came."""
+        for spent in spent_puts:
+            self._ledgers.setdefault(spent.role, PutLedger()).take(spent.sequence)
+
+    def _item_refusal(self, role, item, entry, nbytes: int, executor_id: str, epoch: int, sequences: list
+                      ) -> str | None:
+        array_id, shard, tag = item.shard.array_id, item.shard.shard, item.shard.tag
+        what = f"put of array {array_id} shard {shard}" + (f" tag {tag}" if tag else "")
+        if entry is not None and entry.owner and entry.owner != role:
+            return f"{what}: array {array_id} is not this client's (refused)"
+        if role != CLIENT:   # a service client: the controller's token for exactly this put, or nothing
+            refused = self._token_refusal(role, item, nbytes, executor_id, epoch, sequences)
+            if refused:
+                return f"{what} ({nbytes} bytes) on {executor_id}: {refused} (refused)"
+        return None
+
+    def _token_refusal(self, role, item, nbytes: int, executor_id: str, epoch: int, sequences: list) -> str | None:
+        if not self._put_secret:
+            return "this executor has no put secret from the controller yet, so it cannot tell whose array it is"
+        token = bytes(item.token)
+        claim = checked_put_claim(self._put_secret, token, executor_id, role)
+        if claim is None:
+            told = put_token_claim(token)
+            if told is not None and not is_for_executor(told, executor_id):
+                return "its put token is for another executor (put each shard where the controller placed it)"
+            return (f"array {item.shard.array_id} is not this client's (its put token is not one the controller gave "
+                    f"this client; put to the arrays your own ctx.put made)")
+        if claim.array_id != item.shard.array_id:
+            return (f"array {item.shard.array_id} is not this client's (its put token is for array {claim.array_id}; "
+                    f"put to the arrays your own ctx.put made)")
+        asked = (item.shard.shard, item.shard.tag, nbytes, epoch)
+        allowed = (claim.shard, claim.tag, claim.nbytes, claim.epoch)
+        for name, want, got in zip(("shard", "tag", "byte count", "executor incarnation"), allowed, asked):
+            if want != got:
+                return f"its put token is for {name} {want}, not {got} (the token binds what the controller counted)"
+        ledger = self._ledgers.get(role)
+        refused = ledger.refusal(claim.sequence) if ledger is not None else None
+        if refused is None and claim.sequence in sequences:
+            refused = "its put token is used twice in one message (each is good for one put)"
+        sequences.append(claim.sequence)
+        return refused

@@ -69,6 +69,9 @@ def _run_executor(request: dict, executor_main, wake_fds) -> int:
 
 def main() -> None:
     from executor.allocator import DEFAULT_MMAP_THRESHOLD_MB, tune_allocator
+    from pathways_torch.wire.crash_stacks import enable_crash_stacks
+
+    enable_crash_stacks()   # the server's own stderr; each executor enables it again on its log (executor.__main__)
 
     tune_allocator(DEFAULT_MMAP_THRESHOLD_MB)   # before torch allocates, as executor/__main__.py does
     if "--with-jax" in sys.argv[1:]:   # for the XLA route; eager and inductor executors never import it

@@ -88,6 +88,7 @@ class ExecutorProcess(CoreEndpoint):
         self.core = ExecutorCore(executor_id=config.executor_id, backend=self.backend, outbox=self.outbox,
                                  submit=self._submit, trace=trace, compiler=self.compiler,
                                  collectives=self.collectives)
+        self.core.data.writer.checkpoint_root = config.checkpoint_root   # service clients' checkpoints, under it
         self.core.admit_key = self._admit_key
         self.core.data_gate = DataGate(self.gatekeeper.admits)   # a revoked key's old connections are refused
         self.outbox.on_peer_frames = self._on_peer_frames

@@ -30,6 +30,7 @@ from pathways_torch.wire.framing import PROGRAM_RUN_REFUSED
 from .data_plane import DataPlane
 from .jobs import ComputeJob, FormJob, LoadedFunction, RunJob, SegmentJob
 from .messages import Outbox, remote_failure, shard_key, with_origin
+from .output_budget import program_budgets, refuse_over_budget
 from .segments import Segment, SegmentPlan, instantiate, plan_segments, run_step, single
 from .store import ObjectStore
 from .trace import TraceRecorder
@@ -78,7 +79,7 @@ class RunQueue:
     def on_run(self, run: pb.Run, payload) -> None:
         if not self.queued and not self._pumping and self._start_now(run):
             return
-        self._enqueue(single(run, self._run_steps), run.owner, run.donated_inputs)
+        self._enqueue(single(run, self._run_steps), run.owner, run.donated_inputs, run.output_budget_bytes)
 
     def _start_now(self, run: pb.Run) -> bool:
         """Start a plain Run that can start now, without a segment or a pass over the queue.
@@ -101,7 +102,7 @@ class RunQueue:
         seq, call_id = run.seq, run.call_id
         self.trace.record("receive", function.name, seq=seq, call_id=call_id, function_id=run.function_id)
         output_keys = [(r.array_id, r.shard, r.tag) for r in run.outputs]
-        self._data.accept_run(input_keys, output_keys, call_id, run.owner, run.donated_inputs)
+        self._data.accept_run(input_keys, output_keys, call_id, run.owner, run.donated_inputs, run.output_budget_bytes)
         if run.collective:
             self.last_collective_seq = seq
         job = RunJob(function, run_step(run, self._run_steps), seq=seq, call_id=call_id,
@@ -110,11 +111,11 @@ class RunQueue:
         self._begin(job)
         return True
 
-    def _enqueue(self, segment: Segment, owner: str = "", donated=()) -> None:
+    def _enqueue(self, segment: Segment, owner: str = "", donated=(), budgets=()) -> None:
         """Queue a segment of a run of the client of role ``owner`` (its outputs are that client's); ``donated``:
-        input positions the client gave up with it."""
+        input positions the client gave up with it; ``budgets``: the bytes counted for each output (`accept_run`)."""
         self.trace.record_steps("receive", segment.trace_ids, segment.base_seq, segment.base_call_id, self._name)
-        self._data.accept_run(segment.input_keys, segment.output_keys, segment.last_call_id, owner, donated)
+        self._data.accept_run(segment.input_keys, segment.output_keys, segment.last_call_id, owner, donated, budgets)
         self._queue_in_order(segment)
         self._note_depth()
         # Wake the queue when a missing input arrives. Only missing ones: a segment that
@@ -186,7 +187,7 @@ class RunQueue:
                 segment = instantiate(item, msg, array_id, after=previous)
                 if self._program_order:
                     previous = segment
-                self._enqueue(segment, msg.owner)
+                self._enqueue(segment, msg.owner, budgets=program_budgets(msg, segment.output_keys))
                 continue
             request = pb.SendShard(to_address=item.to_address, to_public_key=item.to_public_key,
                                    call_id=msg.base_call_id + item.to_node, to_inbox=item.to_inbox)
@@ -414,8 +415,12 @@ class RunQueue:
         if type(job) is FormJob:
             self.pump()
             return
+        budgeted = False
         for entry in job.out_entries:
             entry.computing = False
+            budgeted = budgeted or entry.budget is not None
+        if budgeted:   # under the controller's memory limit: none stored past the bytes counted for it
+            refuse_over_budget(job, self.executor_id, self._data.counters)
         # Outputs were claimed (owned) when the run arrived; a Free since then must stand.
         with self._pumps_deferred():
             for key, value in zip(job.output_keys, job.values):

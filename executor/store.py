@@ -23,7 +23,8 @@ Key = tuple  # (array_id, shard, tag)
 
 
 class Entry:
-    __slots__ = ("value", "failure", "owned", "pins", "waiters", "nbytes", "computing", "owner", "handed", "freed")
+    __slots__ = ("value", "failure", "owned", "pins", "waiters", "nbytes", "computing", "owner", "handed", "freed",
+                 "budget")
 
     def __init__(self):
         self.value = None
@@ -43,6 +44,9 @@ class Entry:
         self.handed = False       # its value went to the computation that read it last (`ObjectStore.hand_over`)
         # The controller freed it (or a run it was donated to arrived): bytes that arrive later do not own it again.
         self.freed = False
+        # A run's output under the controller's memory limit: the bytes counted for it there, which its value may
+        # not exceed (`executor.output_budget`); None: not checked (no limit, or not a run's output).
+        self.budget: int | None = None
 
     @property
     def ready(self) -> bool:
@@ -145,6 +149,13 @@ class ObjectStore:
             entry.handed = True
             self.handed_over += 1
         return entry.failure if value is None else value
+
+    def give_up(self, key: Key, failure) -> None:
+        """Nothing will ever fill ``key`` (a put its client abandoned: it left, or said the shard landed without
+        putting it): whoever waits for it gets ``failure`` now instead of waiting for good."""
+        entry = self._entries.get(key)
+        if entry is not None and not entry.ready and not entry.computing:
+            self.fill(key, failure=failure)
 
     def free(self, key: Key) -> None:
         """The controller dropped ``key``: delete it once nothing pins it."""

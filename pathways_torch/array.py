@@ -20,15 +20,15 @@ class Array:
     (or losing every reference) frees the shards on the executors.
     """
 
-    def __init__(self, context, state, shape, dtype, sharding: Sharding, block_shape):
-        self._context = context
+    def __init__(self, dispatcher, state, shape, dtype, sharding: Sharding, block_shape):
+        self.dispatcher = dispatcher   # its context's call path (pathways_torch.dispatcher): calls on it go there
         self._state = state   # the client's own ArrayState (pathways_torch.controller_api), kept by its events
         self.shape = tuple(shape)
         self.dtype = dtype
         self.sharding = sharding
         self.block_shape = tuple(block_shape)
         self._value = None    # the assembled tensor, once fetched: readable after the context closes
-        self._finalizer = weakref.finalize(self, context._dispatch.release, state.array_id, _nbytes(shape, dtype))
+        self._finalizer = weakref.finalize(self, dispatcher.release, state.array_id, _nbytes(shape, dtype))
         self._donated_to = ""  # the call it was given up to (donate_argnums): its shards are that call's to free
         self._holds = 0        # readers that need it kept (a checkpoint being written): not donated meanwhile
 
@@ -74,7 +74,7 @@ class Array:
         """Wait for the array; return the error it failed with, or None. ``timeout`` is the
         ``concurrent.futures`` spelling of ``timeout_s``."""
         self._wait(_timeout(timeout_s, timeout))
-        return self._context._explained(self._state.error) if self._state.error is not None else None
+        return self.dispatcher.explained(self._state.error) if self._state.error is not None else None
 
     def result(self, timeout_s: float | None = None, *, timeout: float | None = None):
         """Wait, then fetch the shards straight from their executors and assemble them.
@@ -89,15 +89,15 @@ class Array:
         self._check_not_donated("result()")
         self._wait(timeout_s)
         if self._state.error is not None:
-            raise self._context._explained(self._state.error)
-        if self._context.closed:
+            raise self.dispatcher.explained(self._state.error)
+        if self.dispatcher.closed:
             from .errors import ContextClosedError
 
             raise ContextClosedError(f"array {self.array_id} was never fetched and its context is closed: its "
                                      f"shards are gone; fetch it (.result()) inside the `with pw.Context` block")
         self._learn_shape()
         positions = positions_needed(self.block_shape, self.sharding.placements, self.mesh)
-        blocks = self._context._dispatch.fetch_blocks(self, positions, self._state.lost_holders, timeout_s)
+        blocks = self.dispatcher.fetch_blocks(self, positions, self._state.lost_holders, timeout_s)
         # Kept as assembled (a lone block is a read-only view of the received message: no copy to keep it);
         # the caller always gets a copy of its own.
         self._value = assemble_blocks(blocks, self.block_shape, self.sharding.placements, self.mesh)
@@ -122,7 +122,7 @@ class Array:
             return
         self._wait(timeout_s)
         if self._state.error is not None:
-            raise self._context._explained(self._state.error)
+            raise self.dispatcher.explained(self._state.error)
         self.block_shape = tuple(self._state.block_shape)
         self.shape = global_shape(self.block_shape, self.sharding.placements, self.mesh)
 
@@ -136,11 +136,11 @@ class Array:
         # With none worth sending, the wait is one: its thread blocks once and wakes once, at the settle (a
         # timed first wait woke it again after 50 ms: a 128-node program's wait, measured, woke 1.8 times).
         first = 0.0
-        if self._context._dispatch.frees_worth_flushing():
+        if self.dispatcher.frees_worth_flushing():
             first = _IDLE_FLUSH_S if timeout_s is None else min(timeout_s, _IDLE_FLUSH_S)
             if state.wait(first):
                 return
-            self._context._dispatch.flush_frees()
+            self.dispatcher.flush_frees()
         if not state.wait(None if timeout_s is None else timeout_s - first):
             raise TimeoutError(f"array {self.array_id} not ready within {timeout_s} s")
 

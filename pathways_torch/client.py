@@ -61,7 +61,7 @@ class InProcessClient:
 
         Attached under the controller's lock, where every settle and loss happens: a record that changed
         before its listener was there is caught up here, and no change can land between the two."""
-        with self.controller._lock:
+        with self.controller.state.lock:
             return [_follow_one(record) for record in records]
 
     # ------------------------------------------------------------ functions, programs, calls, arrays (ClientOps)
@@ -75,8 +75,8 @@ class InProcessClient:
     def describe_program(self, program_id: int) -> str:
         return self._ops.describe_program(program_id)
 
-    def forget_programs(self, program_ids: Sequence[int]) -> None:
-        self._ops.forget_programs(program_ids)
+    def forget(self, function_ids: Sequence[int], program_ids: Sequence[int]) -> None:
+        self._ops.forget(function_ids, program_ids)
 
     def call(self, spec: CallSpec) -> list[ArrayState]:
         return self._follow(self._ops.call(spec))
@@ -110,6 +110,9 @@ class InProcessClient:
 
     def executors(self) -> tuple[ExecutorView, ...]:
         return self._ops.executors()
+
+    def checkpoint_root(self) -> None:
+        return None   # the embedded client's checkpoint paths are its own, as the user names them
 
     def executor(self, executor_id: str) -> ExecutorView | None:
         return self._ops.executor(executor_id)

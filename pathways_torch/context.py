@@ -8,12 +8,12 @@ behind it is elsewhere: `session` (bring-up and take-down), `incarnations` (repl
 
 from __future__ import annotations
 
+import functools
 import json
 from typing import TYPE_CHECKING
 
 from .config import ContextConfig
 from .dispatcher import Dispatcher
-from .errors import PathwaysError, RemoteError
 from .incarnations import Incarnations
 from .islands import IslandTable, island_key
 from .launch.environment import LaunchEnvironment
@@ -55,10 +55,9 @@ class Context:
             num_executors = 1 if options.get("controller") else 4
         self.config = ContextConfig(num_executors=num_executors, islands=islands,
                                     **options)
-        self._closed = False
         self._session = Session(self.config, self.launch)   # closes what it started if it fails
         self._client = self._session.client
-        self._dispatch = Dispatcher(self, self._client, self._session.data)
+        self._dispatch = Dispatcher(self._client, self._session.data, debug=self.config.debug)
         self._incarnations = Incarnations(self._session)
 
     # ------------------------------------------------------------ executors
@@ -85,6 +84,23 @@ class Context:
         """The relay shaping the link between local islands (``link=``), or None."""
         return self._session.link
 
+    @functools.cached_property
+    def checkpoint_root(self) -> str | None:
+        """A client of a `pathways-controller`: its own folder of the service's checkpoint root, ``DIR/<name>``
+        (``--checkpoint-root DIR``), where its checkpoints live and nowhere else. None for the embedded context."""
+        return self._client.checkpoint_root()
+
+    def checkpoint_path(self, path):
+        """Where checkpoint ``path`` (``checkpoint_dir=``, ``trainer.save``/``load``) is. The embedded context:
+        ``path`` itself. A service client: under `checkpoint_root` (a relative path lands there, an absolute one
+        must be there already; ``..`` and symbolic links are refused: `CheckpointPathError`), absolute."""
+        root = self.checkpoint_root
+        if root is None:
+            return path
+        from .wire.checkpoint_paths import resolve_under_root
+
+        return resolve_under_root(root, path)
+
     def islands(self) -> "IslandTable":
         """Each island's executors and devices, and how islands are linked (prints as a table)."""
         return IslandTable.of(self._client.executors(), self.link)
@@ -100,7 +116,7 @@ class Context:
         gone: restore it from a checkpoint (the trainer does, with ``checkpoint_every``; docs/faults.md).
         Raises `ExecutorLostError` if no replacement registers within ``timeout_s``.
         """
-        self._check_open()
+        self._dispatch.check_open()
         return self._incarnations.replace(executor_id, timeout_s)
 
     # ------------------------------------------------------------ meshes and arrays
@@ -137,7 +153,7 @@ class Context:
         """
         from .training import Trainer
 
-        self._check_open()
+        self._dispatch.check_open()
         # One trainer for every plan: the plan picks the runner that runs its steps (`training.runner`).
         return Trainer(self, model, optimizer=optimizer, loss_fn=loss_fn, mesh=mesh, plan=plan,
                        max_grad_norm=max_grad_norm, seed=seed, checkpoint_dir=checkpoint_dir,
@@ -162,19 +178,6 @@ class Context:
     def _note_runahead_wait(self, start_ns: int, in_flight: int, what: str) -> None:
         """Keep a wait at the run-ahead bound for the trace (the controller keeps its own the same way)."""
         self._dispatch.note_runahead_wait(start_ns, in_flight, what)
-
-    def _explained(self, error: BaseException) -> BaseException:
-        """``error``, with the user's line of the op a backend could not compile when it names one."""
-        if isinstance(error, RemoteError) and error.node_index and not error.user_line:
-            error.locate(self._dispatch.user_line)
-        # The same object is raised by every future it failed, and the controller keeps it: each raise would add
-        # its frames (and their locals: arrays, losses) to one traceback that lives as long as the run.
-        error.__traceback__ = None
-        return error
-
-    def _check_open(self) -> None:
-        if self._closed:
-            raise PathwaysError("this context is closed; create a new pw.Context")
 
     # ------------------------------------------------------------ what tests and benchmarks look at
 
@@ -204,7 +207,7 @@ class Context:
     @property
     def closed(self) -> bool:
         """Whether `close` has run (the executors are gone; arrays not fetched before cannot be)."""
-        return self._closed
+        return self._dispatch.closed
 
     @property
     def backend(self) -> str:
@@ -290,9 +293,9 @@ class Context:
         so no ``.result()`` waits forever; an array whose value was fetched stays readable.
         (Nothing is written out in the background yet, so there is nothing to wait for first.)
         """
-        if self._closed:
+        if self._dispatch.closed:
             return
-        self._closed = True
+        self._dispatch.close()
         self._session.close(reason)
 
 
@@ -302,6 +305,7 @@ def _executor_stats(s) -> dict:
     return {"store_bytes": s.store_bytes, "store_buffers": s.store_buffers,
             "hop_bytes": hop_bytes, "num_computations": s.num_computations,
             "num_function_loads": s.num_function_loads, "programs_held": s.programs_held,
+            "functions_held": s.functions_held,
             "fusion": list(s.fusion),
             "num_compiles": s.num_compiles, "backend": s.backend,
             "backend_counters": dict(s.backend_counters),
@@ -310,6 +314,10 @@ def _executor_stats(s) -> dict:
             "refused_connections": hop_bytes.pop("refused_connections", 0),
             # data messages from a role their kind does not admit (executor/data_roles.py)
             "refused_data_messages": hop_bytes.pop("refused_data_messages", 0),
+            # saves refused for their path: a service client's outside its folder of the checkpoint root
+            "refused_checkpoint_paths": hop_bytes.pop("refused_checkpoint_paths", 0),
+            # run outputs larger than the bytes the controller counts for them, stored as failures instead
+            "outputs_over_budget": hop_bytes.pop("outputs_over_budget", 0),
             "queue_high_water": s.queue_high_water,
             # the peak since the previous ctx.stats() (each report starts a period)
             "store_bytes_high_water": s.store_bytes_high_water,

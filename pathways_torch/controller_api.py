@@ -109,8 +109,9 @@ class ControllerClient(Protocol):
     def describe_program(self, program_id: int) -> str:
         """A registered program's lowered form, as text."""
 
-    def forget_programs(self, program_ids: Sequence[int]) -> None:
-        """The client will not run these registered programs again: the controller and executors let them go."""
+    def forget(self, function_ids: Sequence[int], program_ids: Sequence[int]) -> None:
+        """The client will not call these registered functions, nor run these programs, again: the controller and
+        executors let them go once their calls in flight end."""
 
     def call(self, spec) -> list[ArrayState]:
         """Dispatch one call (a ``CallSpec``); its outputs' states at once (may wait at the run-ahead bound). An
@@ -146,6 +147,10 @@ class ControllerClient(Protocol):
 
     def executors(self) -> tuple[ExecutorView, ...]:
         """Every executor, in `Context.executor_ids` order."""
+
+    def checkpoint_root(self) -> str | None:
+        """A service client's own folder of the checkpoint root, ``DIR/<name>`` (its checkpoints live there alone:
+        `pathways_torch.wire.checkpoint_paths`); None for the embedded client (its paths are its own)."""
 
     def executor(self, executor_id: str) -> ExecutorView | None:
         """One executor, or None if unknown."""

@@ -26,6 +26,7 @@ from .errors import AuthenticationError, ProtocolError, RemoteError
 from .wire import SocketLoop, decode, encode, pb
 from .wire.framing import FramingError
 from .wire.loop import RECONNECT_BACKOFF_MAX_MS
+from .wire.put_tokens import shard_put_token
 from .wire.security import HANDSHAKE_FAILURES, ConnectionWatch, Credentials, make_client
 from .wire.tensors import frame_to_tensor, tensor_to_frame
 
@@ -110,8 +111,8 @@ class DataClient:
         for index, (ref, tensor, *token) in enumerate(shards):
             item = msg if index == 0 else msg.more.add()
             item.shard.CopyFrom(ref)
-            if token and token[0]:
-                item.token = token[0]
+            if token and token[0]:   # the array's tokens, one per shard: this shard's is good for this put alone
+                item.token = shard_put_token(token[0], ref.shard)
             frames.append(tensor_to_frame(tensor, item.tensor, index + 1))
         self._send(executor_id, request_id, encode(pb.Envelope(put=msg), frames))
 

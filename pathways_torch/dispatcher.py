@@ -14,59 +14,82 @@ import time
 import weakref
 
 from .array import Array
-from .client import CallSpec, ProgramSpec
-from .errors import PlacementError
+from .errors import PathwaysError, PlacementError, RemoteError
 from .islands import check_collectives_in_islands
 from .placement import Sharding, local_shape, normalize_placements, split_blocks
 from .programs import ProgramGraph
 from .wire import pb
+from .wire.seam import CallSpec, ProgramSpec
 
-__all__ = ["Dispatcher", "IDLE_FLUSH_BYTES"]
+__all__ = ["Dispatcher", "IDLE_FLUSH_BYTES", "explained"]
 
 # Dropped arrays holding at least this much are freed when the client waits over 50 ms (`frees_worth_flushing`).
 IDLE_FLUSH_BYTES = 1 << 20
 
 
 class Dispatcher:
-    """The call path of one `Context` (``context._dispatch``)."""
+    """The call path of one `Context`: its functions, programs and arrays dispatch through it (each `Array` holds
+    its dispatcher, never the context). ``debug``: the context's ``debug`` option (calls digest replicated
+    outputs)."""
 
-    def __init__(self, context, client, data):
-        self._context, self._client, self._data = context, client, data
+    def __init__(self, client, data, *, debug: bool = False):
+        self._client, self._data, self._debug = client, data, debug
+        self._closed = False                 # set by `close` (the context's): nothing more is dispatched
         self._batched = threading.local()    # see batched_release
         self._dropped_bytes = 0              # of arrays dropped since the last flush of frees
-        self._function_ids: dict[int, tuple] = {}      # id(version) → (function id, version)
+        self._function_ids: dict[int, tuple] = {}      # id(version) → (function id, weak reference to the version)
         self._lowered_programs: dict[int, tuple] = {}  # id(graph) → (program id, weak reference to the graph)
-        # Programs whose traced graphs are gone (the finalizer's thread may be any, even one inside the controller):
-        # forgotten on the controller and executors at this client's next call (`_forget_dead_programs`).
+        # Functions whose captured versions and programs whose traced graphs are gone (the finalizer's thread may
+        # be any, even one inside the controller): forgotten on the controller and executors at this client's
+        # next call (`_forget_dead`).
+        self._dead_functions: collections.deque = collections.deque()
         self._dead_programs: collections.deque = collections.deque()
+
+    # ------------------------------------------------------------ open, closed, errors
+
+    @property
+    def closed(self) -> bool:
+        """Whether its context closed (arrays not fetched before cannot be)."""
+        return self._closed
+
+    def close(self) -> None:
+        self._closed = True
+
+    def check_open(self) -> None:
+        if self._closed:
+            raise PathwaysError("this context is closed; create a new pw.Context")
+
+    def explained(self, error: BaseException) -> BaseException:
+        """``error`` as a future raises it (`explained`), with the user's line of the op it names."""
+        return explained(error, self.user_line)
 
     # ------------------------------------------------------------ calls and programs
 
     def call(self, version, mesh, inputs, layouts: list, call_site: str, donated: tuple[int, ...] = ()) -> list[Array]:
         """Dispatch one call of a captured function on ``mesh``; its output arrays at once. ``donated``: the
         positions of ``inputs`` the call frees (the caller gave them up)."""
-        self._context._check_open()
-        self._forget_dead_programs()
+        self.check_open()
+        self._forget_dead()
         check_collectives_in_islands(version, mesh.allocation, self._client)
         replicated = tuple(sharding.is_replicated for _, _, sharding, _ in layouts)
         spec = CallSpec(function_id=self._function_id(version), name=version.name, mesh=mesh.allocation,
                         inputs=tuple(a.array_id for a in inputs), num_outputs=len(layouts),
-                        replicated_outputs=replicated, debug=self._context.config.debug, call_site=call_site,
+                        replicated_outputs=replicated, debug=self._debug, call_site=call_site,
                         collective_axes=version.collective_axes, report_shapes=version.data_dependent,
                         output_shard_bytes=_output_bytes(layouts), donated=donated)
         states = self._client.call(spec)
         for position in donated:
             inputs[position]._donated_to = version.name
-        return [Array(self._context, state, shape, dtype, sharding, block)
+        return [Array(self, state, shape, dtype, sharding, block)
                 for state, (shape, dtype, sharding, block) in zip(states, layouts)]
 
     def run_program(self, graph, inputs) -> list[Array]:
         """Run a traced program (registered on first use) on ``inputs``; its output arrays at once."""
-        self._context._check_open()
-        self._forget_dead_programs()
+        self.check_open()
+        self._forget_dead()
         states = self._client.run_program(self._program_id(graph), [a.array_id for a in inputs],
                                           num_outputs=len(graph.output_values))
-        return [Array(self._context, state, *graph.layouts[value])
+        return [Array(self, state, *graph.layouts[value])
                 for state, value in zip(states, graph.output_values)]
 
     def lowered(self, program, *arrays) -> str:
@@ -84,8 +107,8 @@ class Dispatcher:
     def _fusion(self, program_id: int) -> str:
         """What each executor fused of the program (planned there at its first run: executor/fusion.py)."""
         lines = []
-        for executor_id, stats in sorted(self._context.stats()["executors"].items()):
-            for text in stats.get("fusion", ()):
+        for executor_id, reply in sorted(self._client.gather("stats").items()):
+            for text in reply.stats.fusion:
                 # "program <name> (<id>) segment ...": the id is matched at its place before "segment", so a
                 # name with parentheses of its own cannot match another program's.
                 header, _, body = text.partition("\n")
@@ -105,7 +128,7 @@ class Dispatcher:
                                   mesh=node.mesh.allocation, inputs=node.inputs, outputs=node.outputs,
                                   collective_axes=node.version.collective_axes,
                                   replicated_outputs=tuple(layout[2].is_replicated for layout in node.layouts),
-                                  debug=self._context.config.debug,
+                                  debug=self._debug,
                                   output_shard_bytes=_output_bytes(node.layouts)))
         spec = ProgramSpec(name=graph.name, input_values=graph.input_values,
                            input_meshes=tuple(graph.layouts[v][2].mesh.allocation for v in graph.input_values),
@@ -123,33 +146,34 @@ class Dispatcher:
 
     def _program_died(self, key: int, program_id: int) -> None:
         """A traced graph was collected: its program is never run again (any thread; only noted here)."""
-        entry = self._lowered_programs.get(key)
-        if entry is not None and entry[0] == program_id:
-            del self._lowered_programs[key]
-        self._dead_programs.append(program_id)
+        _died(self._lowered_programs, key, program_id, self._dead_programs)
 
-    def _forget_dead_programs(self) -> None:
-        """Let the programs of collected graphs go, on the controller and every executor that holds them (a
-        thousand executors each hold a plan of every program registered; docs/scale.md)."""
-        if not self._dead_programs or self._context.closed:
+    def _function_died(self, key: int, function_id: int) -> None:
+        """A captured version was collected (its `pw.function` was): it is never called again (any thread)."""
+        _died(self._function_ids, key, function_id, self._dead_functions)
+
+    def _forget_dead(self) -> None:
+        """Let the functions of collected versions and the programs of collected graphs go, on the controller and
+        every executor that holds them (a thousand executors each hold a plan of every program registered;
+        docs/scale.md). Their calls in flight end first (the controller waits for them)."""
+        if not (self._dead_functions or self._dead_programs) or self._closed:
             return
-        dead = []
-        while self._dead_programs:
-            dead.append(self._dead_programs.popleft())
-        self._client.forget_programs(dead)
+        self._client.forget(_drain(self._dead_functions), _drain(self._dead_programs))
 
     def _function_id(self, version) -> int:
         entry = self._function_ids.get(id(version))
-        if entry is None or entry[1] is not version:
+        if entry is None or entry[1]() is not version:   # ids of dead versions can be reused
             function_id = self._client.register_function(version.name, version.graph, version.constants,
                                                          sim_seconds=version.sim_seconds)
-            entry = self._function_ids[id(version)] = (function_id, version)
+            entry = self._function_ids[id(version)] = (function_id, weakref.ref(version))
+            weakref.finalize(version, self._function_died, id(version), function_id)
         return entry[0]
 
     def user_line(self, function_id: int, node_index: int) -> str:
         """The user's source line of node ``node_index`` of a registered function ("" if unknown)."""
-        for known_id, version in list(self._function_ids.values()):
-            if known_id == function_id:
+        for known_id, version_ref in list(self._function_ids.values()):
+            version = version_ref()
+            if known_id == function_id and version is not None:
                 return version.user_line(node_index)
         return ""
 
@@ -171,7 +195,7 @@ class Dispatcher:
             for position, block in enumerate(blocks):
                 shards_by_position[position].append((pb.ShardRef(array_id=state.array_id, shard=position), block,
                                                      state.put_token))
-            arrays.append(Array(self._context, state, tuple(tensor.shape), tensor.dtype, Sharding(mesh, placements),
+            arrays.append(Array(self, state, tuple(tensor.shape), tensor.dtype, Sharding(mesh, placements),
                                 block_shape))
         client = self._client
         for executor_id, shards in zip(mesh.executor_ids, shards_by_position):
@@ -207,7 +231,7 @@ class Dispatcher:
 
     def release(self, array_id: int, nbytes: int = 0) -> None:
         """An array (of ``nbytes``) was dropped: free its shards (with this thread's batch, if one is open)."""
-        if self._context.closed:
+        if self._closed:
             return
         self._dropped_bytes += nbytes   # from any thread (a finalizer): a lost update only delays an idle flush
         batch = getattr(self._batched, "ids", None)
@@ -219,8 +243,8 @@ class Dispatcher:
     def flush_frees(self) -> None:
         """Send the frees still waiting for a message to ride on (the client is about to idle)."""
         self._dropped_bytes = 0
-        if not self._context.closed:
-            self._forget_dead_programs()
+        if not self._closed:
+            self._forget_dead()
             self._client.flush_frees()
 
     def frees_worth_flushing(self) -> bool:
@@ -241,12 +265,23 @@ class Dispatcher:
             yield
         finally:
             ids, self._batched.ids = self._batched.ids, None
-            if ids and not self._context.closed:
+            if ids and not self._closed:
                 self._client.release_many(ids)
 
     def note_runahead_wait(self, start_ns: int, in_flight: int, what: str) -> None:
         """Keep a wait at the run-ahead bound for the trace (the controller keeps its own the same way)."""
         self._client.note_runahead_wait(start_ns, time.time_ns(), in_flight, what)
+
+
+def explained(error: BaseException, user_line=None) -> BaseException:
+    """``error``, with the user's line of the op a backend could not compile when it names one (``user_line``:
+    function id, node index -> that line), and no traceback: the same object is raised by every future it failed,
+    and the controller keeps it, so each raise would add its frames (and their locals: arrays, losses) to one
+    traceback that lives as long as the run."""
+    if user_line is not None and isinstance(error, RemoteError) and error.node_index and not error.user_line:
+        error.locate(user_line)
+    error.__traceback__ = None
+    return error
 
 
 # A put's shards travel in messages of about this many bytes at most (one shard bigger than it: alone). An executor
@@ -284,3 +319,19 @@ def _output_bytes(layouts) -> tuple[int, ...]:
             count *= size
         sizes.append(count * getattr(dtype, "itemsize", 0))
     return tuple(sizes)
+
+
+def _died(registered: dict, key: int, registered_id: int, dead: collections.deque) -> None:
+    """``registered[key]`` (an id and a weak reference) names a collected object: drop it (unless the key was
+    reused meanwhile) and note ``registered_id`` in ``dead``, to be forgotten at the next call."""
+    entry = registered.get(key)
+    if entry is not None and entry[0] == registered_id:
+        del registered[key]
+    dead.append(registered_id)
+
+
+def _drain(dead: collections.deque) -> list:
+    taken = []
+    while dead:
+        taken.append(dead.popleft())
+    return taken

@@ -11,7 +11,7 @@ from __future__ import annotations
 __all__ = [
     "PathwaysError", "RemoteError", "CaptureError", "PlacementError", "DonatedArrayError",
     "ReplicationError", "ExecutorLostError", "ControllerLostError", "AuthenticationError", "ProtocolError", "ContextClosedError",
-    "OutOfMemoryError", "TRANSFER_LOST", "COLLECTIVE_ABANDONED",
+    "OutOfMemoryError", "TRANSFER_LOST", "COLLECTIVE_ABANDONED", "OUTPUT_OVER_BUDGET",
 ]
 
 # `RemoteError.remote_type` of the failures the runtime itself makes (not the user's code): a transfer its link lost
@@ -19,6 +19,9 @@ __all__ = [
 # executor's `CollectiveAbandoned`). Training recovers from both (`training.recovery`).
 TRANSFER_LOST = "TransferLost"
 COLLECTIVE_ABANDONED = "CollectiveAbandoned"
+# An output larger than the bytes its call declared, which the controller counts under --executor-memory-bytes: its
+# executor stored this failure instead (executor/output_budget.py).
+OUTPUT_OVER_BUDGET = "OutputOverBudget"
 
 
 class PathwaysError(Exception):

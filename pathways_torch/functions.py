@@ -18,6 +18,7 @@ from .collectives import tracing_mesh
 from .errors import CaptureError, PlacementError
 from .placement import Replicate, Shard, Sharding, data_dependent_global_shape, normalize_placements
 from .tracing import SymbolicArray, call_site, current_tracer, replayed_call
+from .wire.limits import COST_SECONDS, bounded
 
 __all__ = ["function", "Function"]
 
@@ -35,13 +36,22 @@ def function(fn: Callable | None = None, *, out=None, name: str | None = None, s
     return Function(fn, out=out, name=name, sim_time_s=sim_time_s, donate_argnums=donate_argnums)
 
 
+def _checked_sim_time(name: str, sim_time_s) -> float:
+    """0 (not simulated) or seconds within `COST_SECONDS`: the controller charges a call this estimate too, and
+    refuses anything else (a NaN or an infinity there would stop every client's calls)."""
+    if not isinstance(sim_time_s, bool) and isinstance(sim_time_s, (int, float)) and sim_time_s == 0:
+        return 0.0
+    return bounded(sim_time_s, f"{name}: sim_time_s", COST_SECONDS,
+                   "give the seconds one run takes on a simulated executor, or 0 for none")
+
+
 class Function:
     """A captured per-shard function; ``num_traces`` counts the versions traced so far."""
 
     def __init__(self, fn: Callable, *, out=None, name: str | None = None, mesh=None, sim_time_s: float = 0.0,
                  donate_argnums: tuple[int, ...] = (), graph_pass: Callable | None = None):
-        if sim_time_s < 0:
-            raise ValueError(f"sim_time_s: expected >= 0, got {sim_time_s}")
+        self.name = name or getattr(fn, "__name__", "function")
+        self.sim_time_s = _checked_sim_time(self.name, sim_time_s)
         donate_argnums = (donate_argnums,) if isinstance(donate_argnums, int) else tuple(donate_argnums)
         if any(not isinstance(i, int) or i < 0 for i in donate_argnums):
             raise ValueError(f"donate_argnums: expected argument positions (ints >= 0), got {donate_argnums}")
@@ -49,8 +59,6 @@ class Function:
         self.fn = fn
         self.graph_pass = graph_pass     # rewrites each trace before it is sent (a sharded step's unit schedule)
         self.out = out
-        self.sim_time_s = sim_time_s
-        self.name = name or getattr(fn, "__name__", "function")
         self._mesh = mesh
         self._versions: dict[tuple, CapturedVersion] = {}
         # (signature, mesh) → (version, output layouts): what a call site repeats needs no recomputing.
@@ -86,14 +94,14 @@ class Function:
             if isinstance(value, Array) and value in kwargs.values():
                 raise PlacementError(f"{self.name}: pass arrays positionally, not as keywords")
         mesh = self._mesh or arrays[0].mesh
-        context = arrays[0]._context
+        dispatcher = arrays[0].dispatcher
         for a in arrays:
             # Sequential dispatch: an input whose size the data decides is traced against only
             # once its producer has run and reported it.
             a._learn_shape()
         for a in arrays:
             a._check_not_donated(self.name)
-            if a._context is not context:
+            if a.dispatcher is not dispatcher:
                 raise PlacementError(f"{self.name}: arrays from different contexts cannot meet in one call")
             if not a.mesh.same_shape(mesh):
                 raise PlacementError(
@@ -109,7 +117,7 @@ class Function:
                 self._calls.clear()
             known = self._calls[(signature, mesh)] = (version, layouts)
         version, layouts = known
-        outputs = context._dispatch.call(version, mesh, arrays, layouts, call_site(), _donated(version, arrays))
+        outputs = dispatcher.call(version, mesh, arrays, layouts, call_site(), _donated(version, arrays))
         return outputs[0] if version.single_output else tuple(outputs)
 
     def _record(self, tracer, args, kwargs, symbolic_type):

@@ -128,14 +128,14 @@ class Program:
         graph = self.graph(*arrays)
         if isinstance(graph, SequentialProgram):
             return self._run_sequential(graph, arrays)
-        outputs = arrays[0]._context._dispatch.run_program(graph, arrays)
+        outputs = arrays[0].dispatcher.run_program(graph, arrays)
         return outputs[0] if graph.single_output else tuple(outputs)
 
     def _run_sequential(self, plan: SequentialProgram, arrays):
         """Run the static prefix as one program, then the body call by call, replaying the prefix's calls."""
         replay = None
         if plan.prefix is not None:
-            outputs = arrays[0]._context._dispatch.run_program(plan.prefix, arrays)
+            outputs = arrays[0].dispatcher.run_program(plan.prefix, arrays)
             by_value = dict(zip(plan.prefix.output_values, outputs))
             replay = Replay(self.name, [(n, [by_value[v] for v in n.outputs]) for n in plan.prefix.nodes])
         with replaying(replay):

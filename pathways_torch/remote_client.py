@@ -128,6 +128,8 @@ class RemoteClient:
                 self._window.notify_all()
         elif kind == "stopping":
             self._controller_lost(f"the controller at {self.address} stopped ({message.get('why', '')})")
+        elif kind == "refused":   # a request not waited for that the controller would not read (its size)
+            log.warning("the controller at %s refused a request of this client: %s", self.address, message.get("why"))
         elif kind == "disconnected":
             self._controller_lost(f"the controller at {self.address} disconnected this client "
                                   f"({message.get('why', '')}); what it held there is freed")
@@ -221,8 +223,8 @@ class RemoteClient:
     def describe_program(self, program_id: int) -> str:
         return self._request("describe_program", program_id)
 
-    def forget_programs(self, program_ids: Sequence[int]) -> None:
-        self._post("forget_programs", list(program_ids))
+    def forget(self, function_ids: Sequence[int], program_ids: Sequence[int]) -> None:
+        self._post("forget", list(function_ids), list(program_ids))
 
     def call(self, spec: CallSpec) -> list[ArrayState]:
         """Sent without waiting for the controller: its outputs are named with ids granted before, and an error
@@ -292,6 +294,9 @@ class RemoteClient:
 
     def island_of(self, executor_id: str) -> str:
         return self._request("island_of", executor_id)
+
+    def checkpoint_root(self) -> str:
+        return self._request("checkpoint_root")
 
     def executors(self) -> tuple[ExecutorView, ...]:
         views = self._request("executors")

@@ -15,7 +15,6 @@ import time
 
 import zmq
 
-from .client import ControllerConfig, InProcessClient
 from .controller_api import ExecutorView
 from .data_client import DataClient
 from .errors import ExecutorLostError, PathwaysError, PlacementError
@@ -23,6 +22,7 @@ from .launch.environment import executor_ids as launched_ids
 from .launch.environment import node_of
 from .local.cluster import LocalCluster
 from .remote_client import RemoteClient
+from .wire.crash_stacks import enable_in_client
 from .wire.security import CLIENT, CONTROLLER, Gatekeeper, KeyDirectory, SecurityError, client_name
 
 __all__ = ["Session", "attach_to_launch"]
@@ -55,6 +55,7 @@ class Session:
     starting executors); `close` stops it. A failed start closes what it had started and raises."""
 
     def __init__(self, config, launch=None):
+        enable_in_client()   # a native crash of the client (or of the controller in it) leaves every thread's stack
         self.config, self.launch = config, launch
         self.keys = self.gatekeeper = self.client = self.cluster = self.data = self.link = None
         self.status_server = None
@@ -75,6 +76,9 @@ class Session:
             else:   # the run's keys, made by `pathways-run --make-keys` (node 0's folder): the user's, kept
                 self.keys = KeyDirectory(launch.keys_dir)
             self.gatekeeper = Gatekeeper(self.zmq, self.keys.public_keys())
+            # Imported here: only an embedded controller needs the controller package (a remote context never loads it)
+            from .client import ControllerConfig, InProcessClient
+
             self.client = InProcessClient(ControllerConfig(
                 **config.liveness_fields(), inject_latency_s=config.inject_latency_s,
                 max_inflight_calls=config.max_inflight, transfer_timeout_s=config.transfer_timeout_s,

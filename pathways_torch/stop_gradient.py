@@ -5,10 +5,10 @@ later (a pipeline's chunks, `pipeline.autograd`), the alias passes the gradient 
 forward's stop-gradient is lost; the model then trains on a gradient eager PyTorch never computes.
 ``pathways_graph::stop_gradient`` is an op of its own whose registered gradient is none, so the
 re-traced backward stops where the forward said. `kept_detach` turns every ``detach`` of the forward
-into it while such a graph is traced, and every floating value the forward computes under
-``torch.no_grad()``. The executors never see the op: `capture` runs its forward (an
-alias) in its place (`capture.DECOMPOSITIONS`). `differentiable` gives any such op its gradient in
-both kinds of graph (the tensor-parallel moves use it too).
+into it while such a graph is traced, and every floating value the forward computes where gradients
+are off (``torch.no_grad()``, ``torch.inference_mode()``, ``torch.set_grad_enabled(False)``). The
+executors never see the op: `capture` runs its forward (an alias) in its place (`capture.DECOMPOSITIONS`).
+`differentiable` gives any such op its gradient in both kinds of graph (the tensor-parallel moves use it too).
 """
 
 from __future__ import annotations
@@ -65,35 +65,46 @@ def stop_gradient(x):
 
 class kept_detach(torch.overrides.TorchFunctionMode):
     """Within (for a forward traced now and differentiated later): ``detach`` is `stop_gradient`, and so is every
-    floating tensor computed inside a ``torch.no_grad()`` the model's code entered (its own, torch's or a model
-    library's, as eager runs them; not pathways_torch's, whose autograd Functions compute their forwards under
-    ``no_grad`` by design). Entering turns gradients on, so that only those regions count."""
+    floating tensor computed where the model's code turned gradients off (``torch.no_grad()``,
+    ``torch.inference_mode()``, ``torch.set_grad_enabled(False)``: its own, torch's or a model library's, as eager
+    runs them), and every output of an autograd Function applied there. Gradients off inside an autograd Function's
+    forward do not count: autograd turns them off there (and pathways_torch's Functions compute under ``no_grad``).
+    ``user_functions(cls, apply, args, kwargs)``, where given, applies each user's autograd Function in place of
+    ``apply`` (`pipeline.user_functions`). Entering turns gradients on, so that only the model's regions count."""
 
     _DETACH = {torch.Tensor.detach, torch.detach}
+
+    def __init__(self, user_functions=None):
+        super().__init__()
+        self._user_functions = user_functions
 
     def __enter__(self):
         self._grad = torch.enable_grad()
         self._grad.__enter__()
-        self._regions = _ModelNoGrad()
-        self._regions.__enter__()
+        self._functions = _FunctionApplications(self._user_functions)
+        self._functions.__enter__()
         return super().__enter__()
 
     def __exit__(self, *exc):
         try:
             return super().__exit__(*exc)
         finally:
-            self._regions.__exit__(*exc)
+            self._functions.__exit__(*exc)
             self._grad.__exit__(*exc)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         if func in self._DETACH and args and isinstance(args[0], torch.Tensor):
             return stop_gradient(args[0])
         out = func(*args, **(kwargs or {}))
-        if not self._regions.depth or torch.is_grad_enabled():
+        if self._functions.depth or torch.is_grad_enabled():
             return out
-        if isinstance(out, (tuple, list)) and any(_floating(o) for o in out):
-            return type(out)([_stopped(o) for o in out])     # tuple, list, torch.return_types
-        return _stopped(out)
+        return _all_stopped(out)
+
+
+def _all_stopped(out):
+    if isinstance(out, (tuple, list)) and any(_floating(o) for o in out):
+        return type(out)([_stopped(o) for o in out])     # tuple, list, torch.return_types
+    return _stopped(out)
 
 
 def _floating(value) -> bool:
@@ -104,37 +115,51 @@ def _stopped(value):
     return stop_gradient(value) if _floating(value) else value
 
 
-class _ModelNoGrad:
-    """Within: ``depth`` counts the ``torch.no_grad()`` regions this thread's model code is inside (entered from a
-    file outside pathways_torch). ``no_grad``'s enter and exit are wrapped meanwhile; the caller holds
-    `graph_cut.CAPTURE_LOCK`, so one trace at a time wraps them."""
+def _is_users(cls) -> bool:
+    """Whether an autograd Function is the user's (a model's or its library's), not torch's nor pathways_torch's."""
+    module = getattr(cls, "__module__", "") or ""
+    return not (module == "torch" or module.startswith(("torch.", "pathways_torch.")))
+
+
+class _FunctionApplications:
+    """Within: ``depth`` counts the autograd Function forwards this thread is inside (``Function.apply`` is wrapped
+    meanwhile; the caller holds `graph_cut.CAPTURE_LOCK`, so one trace at a time wraps it). An application where
+    the model turned gradients off has its outputs stopped, as eager gives them no gradient; a user's Function goes
+    to ``user_functions`` where given."""
+
+    def __init__(self, user_functions):
+        self._user_functions = user_functions
 
     def __enter__(self):
-        import os
-        import sys
+        import inspect
         import threading
 
-        from torch.autograd.grad_mode import no_grad
-
-        ours = os.path.dirname(os.path.abspath(__file__))
+        function = torch.autograd.Function
         thread, self.depth = threading.get_ident(), 0
-        self._enter, self._exit = no_grad.__enter__, no_grad.__exit__
-        regions, enter, leave = self, self._enter, self._exit
+        self._own = "apply" in vars(function)    # else inherited: removing the wrapper gives it back
+        self._apply = original = inspect.getattr_static(function, "apply")
+        regions, user_functions = self, self._user_functions
 
-        def counted_enter(grad_mode):
-            caller = os.path.abspath(sys._getframe(1).f_code.co_filename)
-            grad_mode._pathways_counted = threading.get_ident() == thread and not caller.startswith(ours)
-            regions.depth += grad_mode._pathways_counted
-            return enter(grad_mode)
-
-        def counted_exit(grad_mode, *exc):
-            regions.depth -= getattr(grad_mode, "_pathways_counted", False)
-            return leave(grad_mode, *exc)
-        no_grad.__enter__, no_grad.__exit__ = counted_enter, counted_exit
+        def applied(cls, *args, **kwargs):
+            apply = original.__get__(None, cls)
+            if threading.get_ident() != thread:
+                return apply(*args, **kwargs)
+            in_region = regions.depth == 0 and not torch.is_grad_enabled()
+            regions.depth += 1
+            try:
+                if user_functions is not None and _is_users(cls):
+                    out = user_functions(cls, apply, args, kwargs)
+                else:
+                    out = apply(*args, **kwargs)
+                return _all_stopped(out) if in_region else out   # its own stop_gradient: no region again
+            finally:
+                regions.depth -= 1
+        function.apply = classmethod(applied)
         return self
 
     def __exit__(self, *exc):
-        from torch.autograd.grad_mode import no_grad
-
-        no_grad.__enter__, no_grad.__exit__ = self._enter, self._exit
+        if self._own:
+            torch.autograd.Function.apply = self._apply
+        else:
+            del torch.autograd.Function.apply
         return False

@@ -10,25 +10,43 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
 
 from tests.conftest import REPO_ROOT
 
-__all__ = ["ControllerProcess", "open_context", "client_fixture", "CLIENT_KINDS"]
+__all__ = ["ControllerProcess", "open_context", "client_fixture", "free_port", "CLIENT_KINDS"]
 
 CLIENT_KINDS = ("embedded", "remote")
 _READY = "pathways-controller: serving clients at "
+
+
+def free_port() -> int:
+    """A TCP port free on loopback now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 class ControllerProcess:
     """``pathways-controller`` serving ``num_executors`` local executors, its keys in ``keys_dir``."""
 
     def __init__(self, keys_dir: str, *, clients=("alice", "bob", "carol"), num_executors: int = 4,
-                 backend: str = "eager", args=(), timeout_s: float = 120.0, executor_keys: int | None = None):
-        """``num_executors=0``: none started here; they join (keys for ``executor_keys`` of them)."""
+                 backend: str = "eager", args=(), timeout_s: float = 120.0, executor_keys: int | None = None,
+                 status_port: bool = False):
+        """``num_executors=0``: none started here; they join (keys for ``executor_keys`` of them). Clients'
+        checkpoints go under ``checkpoint_root`` (``--checkpoint-root`` in ``args``; default: beside the keys, never
+        the repository). ``status_port``: serve the status on a free loopback port, its address in ``status``."""
         self.keys_dir = keys_dir
+        if status_port:
+            port = free_port()
+            self.status = f"127.0.0.1:{port}"
+            args = ("--status-port", str(port), *args)
+        if "--checkpoint-root" not in args:
+            args = ("--checkpoint-root", os.path.abspath(keys_dir) + "-checkpoints", *args)
+        self.checkpoint_root = os.path.abspath(args[list(args).index("--checkpoint-root") + 1])
         self._run(["--make-keys", keys_dir, "--clients", ",".join(clients), "--executors",
                    str(executor_keys or num_executors)])
         command = [sys.executable, "-m", "pathways_torch.launch.controller_main", "--keys-dir", keys_dir,

@@ -4,8 +4,9 @@ On the ``xla:torchax`` route a collective used to cut a function into two
 executables with a host stage between them (`graph_stages`). With this module's
 compiled extension (``native/xla_collectives.cpp``) a collective is a custom call
 inside the executable instead: the call runs the executor's own gloo group (torch's
-c10d ``Backend``) on the executable's buffers, with no Python, no conversion and no
-second executable. Measured in docs/backends.md ("Collectives inside the executable").
+c10d ``Backend``) on copies of the executable's buffers (an op given up on may outlive
+them), with no Python, no conversion and no second executable. Measured in docs/backends.md
+("Collectives inside the executable").
 
 - **Built, not shipped**: the extension compiles from the project's own C++ against the
   installed torch and jaxlib headers (``torch.utils.cpp_extension``, the machine's g++),
@@ -84,9 +85,10 @@ def ensure_built(verbose: bool = False):
     return module
 
 
-def load():
+def load(path: str | None = None):
     """The built extension, imported (None where it is not built, disabled, or fails to import: see
-    `unavailable_reason`). Never builds."""
+    `unavailable_reason`). Never builds. ``path``: another build of it to import instead, before any other call
+    (the sanitizer test's)."""
     global _loaded, _why_not
     with _lock:
         if _loaded is not None or _why_not:
@@ -95,7 +97,7 @@ def load():
             _why_not = f"{ENABLE_ENV}=0"
             return None
         try:
-            path = _library_path()
+            path = path or _library_path()
         except Exception as exc:    # no jaxlib / torch headers: the XLA route is not installed
             _why_not = f"{type(exc).__name__}: {exc}"
             return None

@@ -10,6 +10,9 @@
   bytes — and its queue. The controller serves it (`controller.status`) for a launched script's
   context on **loopback only** (``--status-port``); here is its reader, ``pathways-status
   127.0.0.1:PORT`` (on node 0, or through ``kubectl exec``).
+- **The operator's requests** to a standalone controller (``--set-weight``, ``--disconnect``, ``--drain``) need
+  its admin token: ``pathways-status HOST:PORT --keys-dir DIR --drain executor-3`` reads it from
+  ``DIR/controller/admin.token`` (`service_keys.admin_token`) and sends it as gRPC metadata.
 
 No generated gRPC stubs: the status method is a generic handler over the protobuf messages.
 """
@@ -19,7 +22,9 @@ from __future__ import annotations
 import time
 from concurrent import futures
 
-from ..wire.status_service import ADMIN_METHOD, STATUS_METHOD   # served by controller/status.py
+from ..wire.security import SecurityError
+from ..wire.status_service import ADMIN_METHOD, ADMIN_TOKEN_METADATA, STATUS_METHOD   # served by controller/status.py
+from .service_keys import admin_token
 
 __all__ = ["HealthServer", "get_status", "status_table", "clients_table", "admin", "STATUS_METHOD"]
 
@@ -84,9 +89,13 @@ def clients_table(reply) -> str:
     rows = [[c.name, f"{c.weight:g} ({100 * c.weight / whole:.0f}%)", f"{100 * c.share_last_minute:.1f}%",
              f"{c.device_seconds_last_minute:.3f}", str(c.calls_in_flight), str(c.calls_waiting), str(c.arrays),
              str(c.requests_served), f"{c.seconds_since_heard:.1f}"] for c in reply.clients]
+    refused = (f"; {reply.refused_admin_requests} operator request(s) without the admin token refused"
+               if reply.refused_admin_requests else "")
+    refused += (f"; {reply.refused_client_requests} client request(s) refused, {reply.dropped_client_messages} "
+                f"client message(s) dropped" if reply.refused_client_requests or reply.dropped_client_messages else "")
     return "\n".join(_table(header, rows) + [
         f"{len(reply.clients)} client(s) connected; {reply.refused_clients} message(s) from keys that are no "
-        f"client's refused"])
+        f"client's refused" + refused])
 
 
 def _table(header: list[str], rows: list[list[str]]) -> list[str]:
@@ -95,16 +104,18 @@ def _table(header: list[str], rows: list[list[str]]) -> list[str]:
     return lines + [" | ".join(c.ljust(w) for c, w in zip(r, widths)) for r in rows]
 
 
-def admin(address: str, request, timeout_s: float = 10.0):
-    """Send the operator's ``request`` (a ``pb.AdminRequest``) to a standalone controller; its ``pb.AdminReply``."""
+def admin(address: str, request, timeout_s: float = 10.0, token: str | None = None):
+    """Send the operator's ``request`` (a ``pb.AdminRequest``) to a standalone controller, with its admin ``token``
+    (`service_keys.admin_token`; without it the controller refuses); its ``pb.AdminReply``."""
     import grpc
 
     from ..wire import pb
 
+    metadata = ((ADMIN_TOKEN_METADATA, token),) if token else None
     with grpc.insecure_channel(address) as channel:
         call = channel.unary_unary(ADMIN_METHOD, request_serializer=pb.AdminRequest.SerializeToString,
                                    response_deserializer=pb.AdminReply.FromString)
-        return call(request, timeout=timeout_s)
+        return call(request, timeout=timeout_s, metadata=metadata)
 
 
 def main(argv=None) -> int:
@@ -123,10 +134,18 @@ def main(argv=None) -> int:
                         help="a standalone controller: disconnect a client, freeing what it holds")
     parser.add_argument("--drain", metavar="EXECUTOR", default=None,
                         help="a standalone controller: no new work for an executor; removed once idle")
+    parser.add_argument("--keys-dir", metavar="DIR", default=None,
+                        help="the folder pathways-controller --make-keys wrote: its admin token "
+                             "(DIR/controller/admin.token) is sent with --set-weight, --disconnect and --drain")
     args = parser.parse_args(argv)
     request = _admin_request(args)
     if request is not None:
-        return _run_admin(args.address, request, args.timeout_s)
+        try:
+            token = admin_token(args.keys_dir) if args.keys_dir else None
+        except SecurityError as exc:
+            print(f"pathways-status: {exc}")
+            return 2
+        return _run_admin(args.address, request, args.timeout_s, token)
     began = time.monotonic()
     try:
         reply = get_status(args.address, not args.no_stats, args.timeout_s)
@@ -158,9 +177,9 @@ def _admin_request(args):
     return None
 
 
-def _run_admin(address: str, request, timeout_s: float) -> int:
+def _run_admin(address: str, request, timeout_s: float, token: str | None) -> int:
     try:
-        reply = admin(address, request, timeout_s)
+        reply = admin(address, request, timeout_s, token)
     except Exception as exc:   # noqa: BLE001 - say what failed, as a tool should
         print(f"pathways-status: no answer from {address} within {timeout_s:g} s ({type(exc).__name__}); is a "
               f"pathways-controller serving --status-port there?")

@@ -38,6 +38,7 @@ import tempfile
 import threading
 import time
 
+from ..wire.crash_stacks import enable_crash_stacks
 from .run_config import LaunchConfig, LaunchError, node_keys, parse_args, resolve_nproc, route_address
 
 __all__ = ["LaunchConfig", "LaunchError", "parse_args", "main", "route_address", "resolve_nproc", "run"]
@@ -280,6 +281,7 @@ def run(config: LaunchConfig) -> int:
 
 
 def main(argv=None) -> int:
+    enable_crash_stacks()   # a native crash (or `kill -USR1`) writes every thread's stack to stderr
     try:
         parsed = parse_args(argv)
         if isinstance(parsed, tuple):

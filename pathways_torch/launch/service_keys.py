@@ -12,7 +12,10 @@ does not hold it cannot leak). The controller and the executors admit every clie
 
     DIR/              0700
       controller/     0700  a key directory: public/ every role's .key (controller, every executor,
-                            every client: the allow-list); secret/ controller.key_secret
+                            every client: the allow-list); secret/ controller.key_secret;
+                            admin.token (0600): the operator's token, 32 random bytes as hex, that
+                            ``pathways-status --keys-dir DIR`` sends with --set-weight, --disconnect
+                            and --drain (the controller refuses them without it)
       executors/      0700  public/ the same allow-list (executors admit every client on their data
                             sockets); secret/ executor-0 .. executor-(N-1)
       clients/        0700
@@ -29,19 +32,23 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
+import secrets
 import shutil
+import stat
 import types
 from typing import Iterable, Mapping
 
 from ..wire.security import CLIENT_NAME, CLIENT_PREFIX, CONTROLLER, KeyDirectory, SecurityError, client_name
 from .environment import executor_ids
 
-__all__ = ["CLIENT_PREFIX", "ServiceKeyFolders", "check_client_names", "client_name", "client_role",
-           "make_service_keys", "service_folders"]
+__all__ = ["ADMIN_TOKEN", "CLIENT_PREFIX", "ServiceKeyFolders", "admin_token", "check_client_names", "client_name",
+           "client_role", "make_service_keys", "service_folders"]
 
 _NAME = CLIENT_NAME
 _EXPECTED = "1-32 characters of a-z, 0-9 and '_', starting with a letter"
 _FIX = "run pathways-controller --make-keys DIR --clients NAME,... (into a new folder)"
+ADMIN_TOKEN = "admin.token"   # in DIR/controller/: the operator's token (`admin_token`)
+_TOKEN_BYTES = 32
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,6 +118,7 @@ def make_service_keys(keys_dir: str, clients: Iterable[str] | str, executors: in
         _write(every, folders.executors, publics=None, secrets=servers[1:])
         for name, role in roles.items():
             _write(every, folders.clients[name], publics=[*servers, role], secrets=[role])
+        _write_admin_token(os.path.join(folders.controller, ADMIN_TOKEN))
     finally:
         every.remove()
     return folders
@@ -168,3 +176,39 @@ def _write(every: KeyDirectory, folder: str, publics: list[str] | None, secrets:
         shutil.copyfile(os.path.join(every.path, sub, name), target)
         os.chmod(target, 0o600)
     KeyDirectory(folder)        # checks the modes it will be read with
+
+
+def admin_token(keys_dir: str, create: bool = False) -> str:
+    """The operator's admin token in ``keys_dir`` (the ``--make-keys DIR``, or its ``controller/`` folder):
+    ``DIR/controller/admin.token``, private to its owner (0600). ``create``: write one if there is none (the
+    controller at start, for keys made before there were tokens). SecurityError naming the file and the fix."""
+    folder = os.path.abspath(keys_dir)
+    if os.path.isdir(os.path.join(folder, "controller")):
+        folder = os.path.join(folder, "controller")
+    path = os.path.join(folder, ADMIN_TOKEN)
+    if create and not os.path.lexists(path):
+        _write_admin_token(path)
+    try:
+        info = os.lstat(path)
+    except FileNotFoundError:
+        raise SecurityError(f"the admin token: expected the file {path}, found none; pass --keys-dir DIR, the folder "
+                            f"pathways-controller --make-keys wrote (the controller writes the token at start if "
+                            f"its keys have none)") from None
+    if not stat.S_ISREG(info.st_mode) or info.st_mode & 0o077 or info.st_uid != os.getuid():
+        raise SecurityError(f"the admin token {path}: expected a plain file of mode 0600 owned by uid {os.getuid()}, "
+                            f"got mode {stat.S_IMODE(info.st_mode):04o} owned by {info.st_uid}: fix with "
+                            f"chmod 600 {path} (and make new keys if others could read it)")
+    with open(path, encoding="ascii", errors="replace") as file:
+        token = file.read(4 * _TOKEN_BYTES).strip()
+    if not re.fullmatch(f"[0-9a-f]{{{2 * _TOKEN_BYTES}}}", token):
+        raise SecurityError(f"the admin token {path}: expected {2 * _TOKEN_BYTES} hex digits, got {len(token)} "
+                            f"characters that are not; remove the file and start the controller (it writes a new one)")
+    return token
+
+
+def _write_admin_token(path: str) -> None:
+    """A new token at ``path``: created 0600 and never through a link, so no one else reads it, even for a moment."""
+    descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o600)
+    with os.fdopen(descriptor, "w", encoding="ascii") as file:
+        file.write(secrets.token_hex(_TOKEN_BYTES) + "\n")
+    os.chmod(path, 0o600)   # whatever the umask

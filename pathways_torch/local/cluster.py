@@ -25,6 +25,7 @@ class LocalCluster:
     and its own session so a Ctrl-C in the terminal reaches only the client, which
     then stops the executors by message. ``keys_dir`` is the launcher's key
     directory (`pathways_torch.wire.security.KeyDirectory`) with a key pair per id.
+    ``checkpoint_root``: where they write service clients' checkpoints (`pathways-controller --checkpoint-root`).
     With ``sims_per_process`` (simulated executors only) one process runs up to that many of them
     (`executor.sim_host`): ``processes[i]`` is then the process executor i shares with others.
     """
@@ -34,7 +35,8 @@ class LocalCluster:
                  heartbeat_timeout_s: float = 10.0,
                  log_dir: str | None = None, cpus: list[tuple[int, ...]] | None = None,
                  islands: list[str] | None = None, bind_host: str = "127.0.0.1", join_timeout_s: float = 60.0,
-                 mmap_threshold_mb: float | None = None, sims_per_process: int | None = None):
+                 mmap_threshold_mb: float | None = None, sims_per_process: int | None = None,
+                 checkpoint_root: str | None = None):
         # A log directory made here is removed when every executor ended cleanly (see `stop`): a test run
         # or a notebook starts many contexts, and each left one behind in /tmp.
         self._own_log_dir = log_dir is None
@@ -42,6 +44,7 @@ class LocalCluster:
         self.executor_ids = list(executor_ids)
         self.processes: list[subprocess.Popen] = []
         self.replaced: list[subprocess.Popen] = []   # earlier incarnations (a stopped one may still run): killed at stop
+        self._replaced_ids: list[str] = []           # the executor id of each of `replaced`
         self._reported: set[str] = set()
         devices = devices or ["cpu"] * len(self.executor_ids)
         cpus = cpus or [()] * len(self.executor_ids)
@@ -60,7 +63,8 @@ class LocalCluster:
                 "--host-addr", bind_host, "--join-timeout-s", str(join_timeout_s),
                 *(["--island", island] if island else []),
                 *(["--sim-count", str(len(ids))] if sims_per_process else []),
-                *(["--mmap-threshold-mb", str(mmap_threshold_mb)] if mmap_threshold_mb is not None else [])]
+                *(["--mmap-threshold-mb", str(mmap_threshold_mb)] if mmap_threshold_mb is not None else []),
+                *(["--checkpoint-root", checkpoint_root] if checkpoint_root is not None else [])]
             process = self._start(executor_id, keys_dir)
             for other in ids:
                 self._log_name[other] = executor_id
@@ -94,9 +98,14 @@ class LocalCluster:
         with open(os.path.join(self.log_dir, f"{executor_id}.log"), "ab") as log_file:
             log_file.write(f"\n---- replacement of pid {self.processes[index].pid} ----\n".encode())
         self.replaced.append(self.processes[index])
+        self._replaced_ids.append(executor_id)
         self.processes[index] = self._start(executor_id, keys_dir, "ab", extra_args)
         self._reported.discard(executor_id)
         return self.processes[index]
+
+    def replaced_incarnations(self) -> list[tuple[str, subprocess.Popen]]:
+        """(executor id, process) of each earlier incarnation `respawn` replaced, oldest first."""
+        return list(zip(self._replaced_ids, self.replaced))
 
     def process_of(self, executor_id: str) -> subprocess.Popen:
         return self.processes[self.executor_ids.index(executor_id)]

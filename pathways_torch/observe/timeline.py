@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from .span_math import complete_events, link_flows, occupancy, transfer_overlap
+
 __all__ = ["Span", "Flow", "describe", "pipeline_spans", "pipeline_chrome_step", "bubble_fraction", "draw_pipeline",
            "island_picture", "island_chrome_step", "hidden_share", "draw_islands"]
 
@@ -99,8 +101,8 @@ def _cut_to(trace: dict, events: list[dict]) -> dict:
 def _last_run(trace: dict, num_nodes: int, rows: dict[str, str]) -> tuple[list, dict]:
     """The compute events of the last run of the step's program, and each trace pid's executor id."""
     names = {pid: name.split(" ")[0] for pid, name in _process_names(trace).items()}
-    events = [e for e in trace["traceEvents"] if e.get("ph") == "X" and e.get("cat") == "compute"
-              and str(e.get("name", "")).startswith(_PIPELINE_PREFIX) and names.get(e["pid"]) in rows]
+    events = [e for e in complete_events(trace["traceEvents"])
+              if str(e.get("name", "")).startswith(_PIPELINE_PREFIX) and names.get(e["pid"]) in rows]
     if not events:
         return [], names
     base = max(e["args"]["call_id"] for e in events) - (num_nodes - 1)
@@ -139,13 +141,8 @@ def pipeline_chrome_step(trace: dict, num_nodes: int, rows: dict[str, str]) -> d
 
 def bubble_fraction(spans: list[Span]) -> float:
     """Idle time of the forward/backward rows over the step (from the first start to the last end)."""
-    compute = [s for s in spans if s.kind in ("F", "B")]
-    if not compute:
-        return 0.0
-    rows = {s.row for s in compute}
-    begin, end = min(s.start_s for s in compute), max(s.end_s for s in compute)
-    busy = sum(s.end_s - s.start_s for s in compute)
-    return 1.0 - busy / (len(rows) * (end - begin))
+    compute = [(s.row, s.start_s, s.end_s) for s in spans if s.kind in ("F", "B")]
+    return occupancy(compute).bubble if compute else 0.0
 
 
 # ---------------------------------------------------------------- a step across islands
@@ -153,7 +150,7 @@ def bubble_fraction(spans: list[Span]) -> float:
 
 def _last_step(trace: dict, segments_per_step: int) -> list[tuple[int, dict]]:
     """(pid, compute event) of the last step: each executor's last update and the segments just before it."""
-    compute = [e for e in trace["traceEvents"] if e.get("ph") == "X" and e.get("cat") == "compute"]
+    compute = complete_events(trace["traceEvents"])
     chosen = []
     for pid in sorted({e["pid"] for e in compute}):
         mine = sorted((e for e in compute if e["pid"] == pid), key=lambda e: e["ts"])
@@ -184,25 +181,18 @@ def island_picture(trace: dict, segments_per_step: int) -> tuple[list[Span], lis
         start = (e["ts"] - origin) / 1e6
         kind, index = ("U", -1) if e["name"] == _UPDATE else ("G", int(e["name"][len(_SEGMENT):-1]))
         spans.append(Span(rows.get(pid, str(pid)), kind, index, -1, start, start + e["dur"] / 1e6))
-    starts, ends = {}, {}
-    for e in trace["traceEvents"]:
-        if e.get("cat") == "link" and e.get("ph") in ("s", "f"):
-            (starts if e["ph"] == "s" else ends)[e["id"]] = e
-    flows = [Flow(rows.get(s["pid"], str(s["pid"])), rows.get(ends[i]["pid"], str(ends[i]["pid"])),
-                  (s["ts"] - origin) / 1e6, (ends[i]["ts"] - origin) / 1e6)
-             for i, s in starts.items() if i in ends and origin <= s["ts"] <= end]
+    flows = [Flow(rows.get(s["pid"], str(s["pid"])), rows.get(f["pid"], str(f["pid"])),
+                  (s["ts"] - origin) / 1e6, (f["ts"] - origin) / 1e6)
+             for s, f in link_flows(trace["traceEvents"]) if origin <= s["ts"] <= end]
     return (sorted(spans, key=lambda s: (s.row, s.start_s)),
             sorted(flows, key=lambda f: (f.sent_s, f.sender)))
 
 
 def hidden_share(spans: list[Span], flows: list[Flow]) -> float:
     """The share of the link transfers' time during which their receiver was running a gradient segment."""
-    total = sum(f.received_s - f.sent_s for f in flows)
-    if total <= 0:
-        return 0.0
-    hidden = sum(max(0.0, min(s.end_s, f.received_s) - max(s.start_s, f.sent_s))
-                 for f in flows for s in spans if s.row == f.receiver and s.kind == "G")
-    return hidden / total
+    hidden, total = transfer_overlap([(f.receiver, f.sent_s, f.received_s) for f in flows],
+                                     [(s.row, s.start_s, s.end_s) for s in spans if s.kind == "G"])
+    return hidden / total if total > 0 else 0.0
 
 
 # ---------------------------------------------------------------- drawing

@@ -15,16 +15,22 @@ over). The aten graph is then cut at the markers into chunk graphs:
 So embeddings go with the first chunk and the head and loss with the last, as the
 forward computes them; a parameter read by two chunks (a tied embedding and head)
 is an input of both (`Chunk.params`), and the trainer keeps the copies equal.
+
+A user's autograd Function stays one node through the cut and is applied again when a chunk is
+differentiated, so that its own backward runs (`user_functions`); a value computed where the model turned
+gradients off passes none back (`stop_gradient.kept_detach`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 from ..errors import CaptureError, PlacementError
 from ..graph_cut import CAPTURE_LOCK, carve
 from ..training.units import block_list
 from .marker import MARKER, count_markers_into, pipe_split, stop_counting_into
+from .user_functions import UserFunctions
 
 __all__ = ["Chunk", "SplitModel", "split_model", "find_blocks", "balanced_boundaries"]
 
@@ -180,16 +186,19 @@ class _Trace:
         with FakeTensorMode(static_shapes=True):
             fakes = [torch.empty(shape(n), dtype=tensors[n].dtype) for n in self.names]
             fakes += [torch.empty(t.shape, dtype=t.dtype) for t in self.leaves]
+        user_functions = UserFunctions()
         try:
             with CAPTURE_LOCK:   # make_fx patches process-wide state: one trace at a time
-                return make_fx(self._whole, tracing_mode="fake")(*fakes)
+                graph_module = make_fx(functools.partial(self._whole, user_functions), tracing_mode="fake")(*fakes)
+            user_functions.replay_in(graph_module)
+            return graph_module
         except CaptureError:
             raise
         except Exception as exc:
             raise CaptureError(f"pw.Pipeline: tracing {type(self.model).__name__}'s forward and loss failed: "
                                f"{type(exc).__name__}: {exc}") from exc
 
-    def _whole(self, *flat):
+    def _whole(self, user_functions, *flat):
         import contextlib
 
         import torch
@@ -206,7 +215,8 @@ class _Trace:
         rank = leaves.pop() if self.tensor is not None else None
         batch, key = leaves[:-1], leaves[-1]
         lowered = self.tensor.lowered(self.model, rank) if rank is not None else contextlib.nullcontext()
-        with portable_attention(), sample_keyed_rng(self.seed, key[0, 0], key[0, 1]), lowered, kept_detach():
+        keyed = sample_keyed_rng(self.seed, key[0, 0], key[0, 1])
+        with portable_attention(), keyed, lowered, kept_detach(user_functions):
             loss = forward_loss(functional_call, self.model, self.loss_fn, named, self.form, batch)
         if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
             raise CaptureError(f"pw.Pipeline: the loss must be a 0-d tensor, got {type(loss).__name__}"

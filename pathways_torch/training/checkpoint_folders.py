@@ -9,20 +9,26 @@ save and a ``latest`` file naming one of them. Two rules keep it whole and bound
 - After ``latest`` names the new folder, all but the ``keep`` newest complete checkpoints are removed
   (`remove_old`; ``keep=0`` keeps all). Never removed: the folder ``latest`` names, a folder being
   written, and a folder being read (a recovery restoring it, a ``trainer.load``), and the one a trainer's
-  recovery would restore; these are *pinned* in this process (`pin`, `reading`) while they are in use.
+  recovery would restore; these are *pinned* (`pin`, `reading`) while they are in use, in this process and in
+  every other: a pinned folder is held open with a shared ``flock`` on the folder itself, and a removal takes
+  an exclusive one, without waiting, before it renames the folder (a folder another process pins stays).
   Folders a failed or killed save left without an index, older than the new checkpoint, are removed too.
 
 "Newest" is the order in which checkpoints were completed (their index's modification time), not their
 step number: after loading an older step, the folders of the abandoned future are the first to go.
 A folder is removed by renaming it to ``.removing-<name>`` first, so a crash mid-removal never leaves a
-``step-*`` folder with files missing; a later removal finishes the job. Pins are per process: two
-processes writing one directory at once are not supported (``latest`` would be theirs to fight over).
+``step-*`` folder with files missing; a later removal finishes the job. Two processes may read and prune
+one directory at once (a trainer saving, another process loading its ``latest``), but two writing it at once
+fight over ``latest``: that is not supported. A filesystem without ``flock`` (some network mounts) keeps the
+protection within each process.
 """
 
 from __future__ import annotations
 
 import collections
 import contextlib
+import errno
+import fcntl
 import itertools
 import logging
 import numbers
@@ -48,6 +54,10 @@ _OURS = re.compile(r"^step-\d{8}(-\d+)?$")   # the names `claim` makes
 # folder pinned before `remove_old` looks is never removed, and one removed is never handed to a reader.
 _lock = threading.Lock()
 _pins: collections.Counter = collections.Counter()
+# Each pinned folder held open with a shared flock (real path → fd): other processes' removals see it in use.
+_held: dict[str, int] = {}
+_FOLDER = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
+_NO_LOCKS = (errno.ENOLCK, errno.EOPNOTSUPP, errno.EBADF, errno.EINVAL)   # a filesystem without flock
 
 
 def check_keep(value) -> int:
@@ -66,9 +76,9 @@ def _real(path: str) -> str:
 
 
 def pin(path: str) -> None:
-    """Keep ``path`` from being removed until as many `unpin` s."""
+    """Keep ``path`` from being removed until as many `unpin` s (by this process or any other)."""
     with _lock:
-        _pins[_real(path)] += 1
+        _hold(path)
 
 
 def unpin(path: str) -> None:
@@ -77,6 +87,68 @@ def unpin(path: str) -> None:
         _pins[key] -= 1
         if _pins[key] <= 0:
             del _pins[key]
+            fd = _held.pop(key, None)
+            if fd is not None:
+                os.close(fd)      # its shared lock goes with it
+
+
+def _hold(path: str) -> bool:
+    """Pin ``path`` (under ``_lock``); its first pin here takes the shared lock that other processes' removals
+    respect. False if the folder was removed (renamed away) before the lock was had: then it is not pinned."""
+    key = _real(path)
+    if not _pins[key]:
+        fd = _shared_lock(path)
+        if fd == -1:
+            del _pins[key]
+            return False
+        if fd is not None:
+            _held[key] = fd
+    _pins[key] += 1
+    return True
+
+
+def _shared_lock(path: str) -> int | None:
+    """``path`` opened and share-locked: its fd; -1 if another process's removal took it before the lock was had;
+    None where no lock can be had (no such folder yet, or a filesystem without flock): the pin holds here only."""
+    try:
+        fd = os.open(path, _FOLDER)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH)    # waits only while a removal renames it (one rename)
+        here = os.stat(path)
+    except OSError as exc:
+        os.close(fd)
+        return -1 if isinstance(exc, FileNotFoundError) else None
+    opened = os.fstat(fd)
+    if (here.st_dev, here.st_ino) != (opened.st_dev, opened.st_ino):   # renamed away while we waited
+        os.close(fd)
+        return -1
+    return fd
+
+
+@contextlib.contextmanager
+def _unless_pinned_elsewhere(path: str):
+    """True, with an exclusive lock on ``path`` held until the block ends (the rename happens under it), or False
+    if another process pins it (holds a shared lock): not waited for, the folder stays."""
+    try:
+        fd = os.open(path, _FOLDER | os.O_NOFOLLOW)
+    except OSError:       # gone, or a link (never ours): the rename decides, as before
+        yield True
+        return
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            free = True
+        except BlockingIOError:
+            free = False
+        except OSError as exc:
+            if exc.errno not in _NO_LOCKS:
+                raise
+            free = True   # no locks on this filesystem: the protection holds within each process only
+        yield free
+    finally:
+        os.close(fd)
 
 
 def claim(directory: str, step: int) -> str:
@@ -91,7 +163,7 @@ def claim(directory: str, step: int) -> str:
                 os.mkdir(path)        # fails if any save (of any run) used the name: never write into one
             except FileExistsError:
                 continue
-            _pins[_real(path)] += 1
+            _hold(path)
         return path
     raise AssertionError("unreachable")
 
@@ -101,7 +173,11 @@ def resolve(path: str) -> str:
     pointer = os.path.join(path, LATEST)
     if os.path.exists(pointer):
         with open(pointer) as f:
-            return os.path.join(path, f.read().strip())
+            name = f.read().strip()
+        if not name or "/" in name or name in (".", "..") or "\0" in name:   # `save_sharded` writes a folder's name
+            raise ValueError(f"checkpoint {pointer}: expected the name of a step folder beside it (such as "
+                             f"step-00000150), got {name!r}; it names no folder of this directory")
+        return os.path.join(path, name)
     return path
 
 
@@ -112,8 +188,7 @@ def reading(path: str):
     for _ in range(3):
         step_dir = resolve(path)
         with _lock:
-            if os.path.isdir(step_dir):
-                _pins[_real(step_dir)] += 1
+            if os.path.isdir(step_dir) and _hold(step_dir):
                 break
     else:
         yield step_dir          # gone: the read names what is missing
@@ -167,8 +242,8 @@ def remove_old(directory: str, keep: int, newest: str) -> list[str]:
         # Each folder is judged under the lock just before its rename: a reader or a save that pinned it since the
         # scan keeps it, and one that pins after the rename finds it gone. The lock is held for one rename only:
         # a step's dispatch (a save's `claim`) must not wait behind a scan of network storage.
-        with _lock:
-            if _real(path) in _pins or _real(path) in {_real(newest), _real(resolve(directory))}:
+        with _lock, _unless_pinned_elsewhere(path) as free:
+            if not free or _real(path) in _pins or _real(path) in {_real(newest), _real(resolve(directory))}:
                 continue
             try:
                 os.rename(path, target)       # out of `step-*` at once: never a half-removed checkpoint

@@ -14,6 +14,9 @@ dispatch, or the wait for its loss), `recover`:
 4. points each kept step's `StepLoss` at the re-run loss: the futures the user's loop already
    holds resolve to the re-run values, and the loop does not change.
 
+A step is kept until a checkpoint after it is written *and* its loss is on the client (fetched by the save's
+thread): a loss held only on the lost executor could not be fetched, nor its step run again.
+
 At most ``checkpoint_every`` steps are run again (more only if the checkpoint after them was still
 being written when the executor was lost). Other arrays derived from the failed steps (a
 ``trainer.predict`` output, an ``evaluate`` loss) are not re-run: they fail with the loss.
@@ -166,6 +169,22 @@ class RecoveryLog:
             self._pinned.remove(previous)
             unpin(previous)
 
+    def losses_on_client(self, step: int) -> bool:
+        """Fetch the loss of every kept step up to ``step`` (from the save's thread, once checkpoint ``step`` is
+        written): True once all are on the client, False if one was lost with its executor or link (the
+        checkpoint is then not what recovery restores: those steps stay kept, to run again from an older one)."""
+        for kept in list(self.kept):
+            if kept.number > step:
+                break
+            try:
+                kept.loss.array.result(_STATE_WAIT_S)
+            except (ExecutorLostError, RemoteError) as exc:
+                if is_recoverable(exc):
+                    return False
+            except Exception:   # noqa: BLE001 - the step's own failure: kept on its array, its future raises it
+                pass
+        return True
+
     def forget_saved(self) -> None:
         """No checkpoint to restore any more (a load replaced the state)."""
         for step_dir in self._pinned:
@@ -226,6 +245,8 @@ class TrainerRecovery:
         if checkpoint_every and not checkpoint_dir or checkpoint_every < 0:
             raise ValueError(f"checkpoint_every={checkpoint_every!r}: expected a number of steps >= 1 with "
                              f"checkpoint_dir (got checkpoint_dir={checkpoint_dir!r}), or 0 for none")
+        if checkpoint_dir:   # a service client's lands under its folder of the checkpoint root, or is refused here
+            checkpoint_dir = self._context.checkpoint_path(checkpoint_dir)
         self.checkpoint_dir, self.checkpoint_every = checkpoint_dir, int(checkpoint_every)
         self._checkpoint = None    # the save in flight (one at a time): a concurrent.futures.Future
         self.checkpoints_written = 0

@@ -21,6 +21,12 @@ writes a folder no save used before, and only the ``keep`` newest are kept (`che
 ``directory`` must be storage every host sees (a network filesystem, an object store mount): each
 executor writes where it runs. No pickle anywhere.
 
+A client of a `pathways-controller` keeps its checkpoints under its own folder of the service's checkpoint root,
+``DIR/<name>/`` (`Context.checkpoint_path`, `pathways_torch.wire.checkpoint_paths`): the client writes the step
+folder, ``client.safetensors``, the index and ``latest`` there and prunes there; the executors write the shard
+files and refuse any path outside it (`executor.shard_writer`). The client and the executors must see ``DIR`` at
+the same path.
+
 `read_sharded` rebuilds the unsharded named tensors (``model/<name>``, ``optimizer/<param>/<state>``,
 ``rng/torch``) that `checkpoint.read_checkpoint` returns for a client-written checkpoint, so either
 kind loads under any plan and mesh size, and into eager PyTorch (`checkpoint.load_checkpoint`). A

@@ -33,7 +33,10 @@ class TrainerCheckpoints:
         next steps are dispatched meanwhile. Returns a future of the bytes written, done once ``latest`` names
         this step (in a fresh folder: the future's ``step_dir``) and all but the ``checkpoint_keep`` newest
         checkpoints there are removed. One save at a time: a second waits for the first. Under a pipeline,
-        before the first step (the state still on the client), it is written at the next step's dispatch."""
+        before the first step (the state still on the client), it is written at the next step's dispatch. A client
+        of a `pathways-controller`: ``directory`` is under its folder of the checkpoint root
+        (`Context.checkpoint_path`)."""
+        directory = self._context.checkpoint_path(directory)
         deferred = self._runner.defer_save(directory, update_latest)
         if deferred is not None:
             return deferred
@@ -57,7 +60,9 @@ class TrainerCheckpoints:
         # From the save's thread, before older folders go. Recovery restores exactly this folder (not whatever
         # `latest` names: another run's, or a load's).
         self.checkpoints_written += 1
-        if self._recovery is not None:
+        # Its steps are forgotten once it is what recovery restores: their losses must be on the client first
+        # (held on an executor, a loss the loop never read went with it, and nothing could run its step again).
+        if self._recovery is not None and self._recovery.losses_on_client(step):
             self._recovery.note_saved(step, step_dir)
 
     def _checkpoint_arrays(self) -> list:
@@ -109,10 +114,12 @@ class TrainerCheckpoints:
 
         Holds parameters, buffers, optimizer state, the step count, the dropout RNG
         seed, the client's torch RNG state and the data position (``samples_seen``,
-        plus any integers given in ``data_position``).
+        plus any integers given in ``data_position``). A client of a `pathways-controller` writes under its
+        folder of the checkpoint root alone (`Context.checkpoint_path`).
         """
         import torch
 
+        path = self._context.checkpoint_path(path)   # a service client's: under its folder of the checkpoint root
         tensors = self._named_tensors()
         tensors["rng/torch"] = torch.get_rng_state()
         return write_checkpoint(path, tensors, self._checkpoint_meta(data_position))
@@ -124,7 +131,9 @@ class TrainerCheckpoints:
                 "data_position": dict(data_position or {})}
 
     def load(self, path: str) -> dict:
-        """Restore a checkpoint written by `save` (under any plan and mesh size); returns its metadata."""
+        """Restore a checkpoint written by `save` or `save_sharded` (under any plan and mesh size); returns its
+        metadata. A client of a `pathways-controller` reads under its folder of the checkpoint root alone."""
+        path = self._context.checkpoint_path(path)
         tensors, meta = read_checkpoint(path)
         check_matches(path, tensors, self._initial_tensors())
         if meta.get("optimizer") != self._spec.kind:

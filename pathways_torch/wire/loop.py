@@ -27,7 +27,7 @@ from typing import Callable, Sequence
 import zmq
 
 from .threads import leave_signals_to_the_main_thread, name_os_thread
-from .wake import POLLIN, WakePipe, defer_sets_on_this_thread, end_turn, sets_deferred
+from .wake import WakePipe, defer_sets_on_this_thread, end_turn, sets_deferred
 
 __all__ = ["SocketLoop", "frame_nbytes", "RECONNECT_BACKOFF_MAX_MS"]
 
@@ -39,6 +39,7 @@ _RETRY_MS = 2
 # An idle loop wakes this often anyway (a safety net only: every hand-over wakes it). Not more: each turn polls
 # every socket, and the client's data loop holds two per executor (about 1.2 ms a turn at 256 executors, measured).
 _IDLE_POLL_MS = 1000
+_BATCH = 64   # messages read from one socket per turn, unless add_socket says otherwise
 # The longest wait between two tries to reach a peer that went away (ZMQ_RECONNECT_IVL_MAX; ZeroMQ's default retries
 # every 100 ms for good: a lost process of 64 simulated executors was 640 tries a second on each side).
 RECONNECT_BACKOFF_MAX_MS = 5000
@@ -56,6 +57,7 @@ class SocketLoop:
         self._sockets: dict[str, zmq.Socket] = {}
         self._handlers: dict[zmq.Socket, Callable[[list], None]] = {}
         self._socket_names: dict[zmq.Socket, str] = {}
+        self._batches: dict[zmq.Socket, int] = {}    # messages read from a socket per turn, at most (default 64)
         self._monitors: dict[str, zmq.Socket] = {}   # socket key → its monitor's PAIR socket
         self._uncounted: set[zmq.Socket] = set()     # monitor sockets: their frames are not traffic
         self._poller = zmq.Poller()
@@ -80,10 +82,14 @@ class SocketLoop:
 
     # ------------------------------------------------------------ set-up (any thread, before start)
 
-    def add_socket(self, key: str, socket: zmq.Socket, handler: Callable[[list], None] | None) -> zmq.Socket:
-        """Own ``socket`` under ``key``; ``handler(frames)`` runs for each message received."""
+    def add_socket(self, key: str, socket: zmq.Socket, handler: Callable[[list], None] | None,
+                   batch: int = _BATCH) -> zmq.Socket:
+        """Own ``socket`` under ``key``; ``handler(frames)`` runs for each message received. ``batch``: messages read
+        from it per turn at most, before what other threads handed over (sends, callbacks) runs: small for a socket
+        one peer may flood, so the others' answers wait behind a few of its messages, not many."""
         self._sockets[key] = socket
         self._socket_names[socket] = key
+        self._batches[socket] = batch
         if handler is not None:
             self._handlers[socket] = handler
             self._poller.register(socket, zmq.POLLIN)
@@ -222,6 +228,7 @@ class SocketLoop:
                 self._poller.unregister(sock)
                 del self._handlers[sock]
             self._socket_names.pop(sock, None)
+            self._batches.pop(sock, None)
             self._uncounted.discard(sock)
             sock.close(linger=0)
 
@@ -281,11 +288,9 @@ class SocketLoop:
     def _receive(self, socket: zmq.Socket) -> None:
         handler = self._handlers.get(socket)
         key = self._socket_names.get(socket, "?")
-        # Drain what is queued, but yield to other sockets after a batch.
-        for _ in range(64):
-            if not socket.get(zmq.EVENTS) & POLLIN:
-                return
-            try:
+        # Drain what is queued, but yield to other sockets and to what other threads handed over after a batch.
+        for _ in range(self._batches.get(socket, _BATCH)):
+            try:   # until Again: one exception per drained socket costs less than asking EVENTS per message
                 frames = socket.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return

@@ -22,11 +22,41 @@ address, or act on the process. A test checks that no entry admits one.
 
 An op a model needs that is missing here is refused when its function is captured, naming it:
 add its family to the right group below, with a test that captures a function using it.
+
+Stricter for a service's clients (`check_service_graph`, called by the controller of ``pathways-controller`` on
+every graph a remote client registers): its executors are shared by strangers, so an op that can break the device
+or the executor process for everyone is refused, each with its reason in `SERVICE_REFUSED` (docs/security.md):
+
+- ``_assert_async`` and ``_functional_assert_async``: a device-side assert. On CUDA a failing one leaves the
+  device's context unusable: every later kernel of every tenant on that executor fails until it restarts.
+- ``_cummax_helper``, ``_cummin_helper``: internal helpers (capture emits ``cummax``/``cummin``) that write into
+  caller-given outputs unchecked; measured on CPU with mismatched shapes: heap corruption, the executor aborts.
+- ``_embedding_bag_backward`` and ``_ctc_loss_backward``: they trust offsets and lengths to come from their
+  forward op; measured on CPU with made-up ones: a segmentation fault.
+- The max-pool backward ops (`TRUSTED_INDICES`) index with their forward op's saved indices unchecked (measured on
+  CPU with made-up ones: a segmentation fault). They are allowed with indices straight from the matching forward op
+  over the same input, used by nothing else (so no in-place op changes them first): as a traced training step
+  has them. Out-of-range indices cannot come from there.
+- ``embedding_dense_backward`` with ``scale_grad_by_freq=True`` counts per index unchecked (measured on CPU: a
+  segmentation fault); without it, out-of-range indices are skipped.
+
+An embedded context keeps all of them: its single user can only break its own run. Not refused, and why: the
+kernels that check data-dependent bounds with a *device-side* assert on CUDA (out-of-range indices in
+``index``/``gather``/``scatter``/``embedding``, targets in ``nll_loss``): every model needs them; on CPU and XLA
+they raise an ordinary error or clamp. Their inputs are the tenant's data, so no graph check can rule them out: on
+CUDA, strangers who must not be able to stop each other get executors of their own. The list above comes from a
+survey, not a proof: about fifty listed ops that take indices, offsets, lengths or saved tensors were called on CPU
+with made-up ones (torch 2.14); those that crashed are above, the others raised an error, skipped or clamped, or ran
+without a sign either way (``_pdist_backward``, ``_cdist_backward``, ``unfold_backward`` with mismatched shapes).
+aten's kernels are written for callers that are not hostile.
 """
 
 from __future__ import annotations
 
-__all__ = ["ALLOWED_FAMILIES", "ALLOWED_OVERLOADS", "ALLOWED_PREFIXES", "NEVER_ALLOWED", "is_allowed"]
+from types import MappingProxyType
+
+__all__ = ["ALLOWED_FAMILIES", "ALLOWED_OVERLOADS", "ALLOWED_PREFIXES", "NEVER_ALLOWED", "SERVICE_REFUSED",
+           "TRUSTED_INDICES", "ServiceGraphError", "check_service_graph", "is_allowed"]
 
 _POINTWISE = """
     abs abs_ acos acos_ acosh acosh_ add add_ addcdiv addcdiv_ addcmul addcmul_ angle asin asin_ asinh asinh_
@@ -188,3 +218,143 @@ def is_allowed(name: str) -> bool:
     if family in NEVER_ALLOWED:
         return False
     return family in ALLOWED_FAMILIES or name in ALLOWED_OVERLOADS or family.startswith(ALLOWED_PREFIXES)
+
+
+# ---------------------------------------------------------------- a service's clients: stricter
+
+_DEVICE_ASSERT = ("a device-side assert: on CUDA a failing one leaves the device's context unusable, so every later "
+                  "kernel of every tenant on that executor fails")
+_HELPER = ("an internal helper that writes into caller-given outputs without checking their shapes (measured on CPU: "
+           "heap corruption, the executor process aborts); capture emits cummax/cummin instead")
+_TRUSTS_FORWARD = ("it trusts its offsets and lengths to come from its forward op (measured on CPU with made-up ones: "
+                   "a segmentation fault of the executor process)")
+
+#: Families a service client's graph may not name, each with why (the module docstring has the survey).
+SERVICE_REFUSED = MappingProxyType({
+    "aten._assert_async": _DEVICE_ASSERT,
+    "aten._functional_assert_async": _DEVICE_ASSERT,
+    "aten._cummax_helper": _HELPER,
+    "aten._cummin_helper": _HELPER,
+    "aten._embedding_bag_backward": _TRUSTS_FORWARD,
+    "aten._ctc_loss_backward": _TRUSTS_FORWARD,
+})
+
+#: Backward family → (its forward family, the position of its ``indices`` argument). Its ``self`` is argument 1,
+#: the forward's input argument 0; the forward's output 1 is the indices.
+TRUSTED_INDICES = MappingProxyType({
+    "aten.max_pool2d_with_indices_backward": ("aten.max_pool2d_with_indices", 7),
+    "aten.max_pool3d_with_indices_backward": ("aten.max_pool3d_with_indices", 7),
+    "aten.adaptive_max_pool2d_backward": ("aten.adaptive_max_pool2d", 2),
+    "aten.adaptive_max_pool3d_backward": ("aten.adaptive_max_pool3d", 2),
+})
+
+_SCALED_EMBEDDING = "aten.embedding_dense_backward"   # argument 4: scale_grad_by_freq
+_FIX = "leave the op out, or run the function in an embedded pw.Context (a single user), where it is allowed"
+
+
+class ServiceGraphError(ValueError):
+    """A graph from a service client that names an op refused to strangers sharing the executors."""
+
+
+def check_service_graph(graph) -> None:
+    """Refuse (`ServiceGraphError`, naming the node, the op, why and the fix) a function graph (``pb.Graph``) of a
+    service client that names an op in `SERVICE_REFUSED`, a max-pool backward whose indices are not straight from
+    its forward op (`TRUSTED_INDICES`), or ``embedding_dense_backward`` with ``scale_grad_by_freq``."""
+    nodes = list(graph.nodes)
+    users = _users_of(nodes)
+    for node in nodes:
+        if node.op != "call_function":
+            continue
+        family = node.target.rpartition(".")[0]
+        where = f"node {node.name} ({node.target})"
+        if family in SERVICE_REFUSED:
+            raise ServiceGraphError(f"{where}: refused to a service client: {SERVICE_REFUSED[family]}; {_FIX}")
+        if family in TRUSTED_INDICES:
+            _check_indices_from_forward(node, family, nodes, users, where)
+        if family == _SCALED_EMBEDDING and not _is_literal_false(_argument(node, 4, "scale_grad_by_freq")):
+            raise ServiceGraphError(
+                f"{where}: refused to a service client with scale_grad_by_freq=True: it counts per index without "
+                f"checking the index (measured on CPU: a segmentation fault of the executor process); expected "
+                f"scale_grad_by_freq=False (nn.Embedding's default), or {_FIX}")
+
+
+def _check_indices_from_forward(node, family: str, nodes, users, where: str) -> None:
+    forward_family, position = TRUSTED_INDICES[family]
+    indices = _argument(node, position, "indices")
+    source = nodes[indices.node] if _is_node(indices, nodes) else None
+    forward = nodes[source.args[0].node] if source is not None and _is_getitem(source, 1, nodes) else None
+    problem = None
+    if forward is None or forward.target != f"{forward_family}.default":
+        problem = f"expected its indices to be output 1 of {forward_family}.default in the same graph"
+    elif not _same_node(_argument(forward, 0, "self"), _argument(node, 1, "self")):
+        problem = f"expected its self to be the input of {forward.name}, whose indices it takes"
+    elif any(not _is_getitem(nodes[user], 0, nodes) and user != indices.node for user in users.get(
+            source.args[0].node, ())):
+        problem = f"expected {forward.name}'s indices to be taken once ({source.name})"
+    elif any(not _reads_indices(nodes[user], indices.node) for user in users.get(indices.node, ())):
+        problem = f"expected {source.name} to be used by max-pool backward ops alone (nothing may change it first)"
+    if problem is not None:
+        raise ServiceGraphError(
+            f"{where}: refused to a service client: it indexes with its indices unchecked (measured on CPU with "
+            f"made-up ones: a segmentation fault of the executor process); {problem}; compute the backward in the "
+            f"same function as its forward (as a traced training step does), or {_FIX}")
+
+
+def _reads_indices(user, index: int) -> bool:
+    """Whether ``user`` (a node using the indices node ``index``) only reads them: a max-pool backward taking them
+    as its indices, or the graph's output."""
+    if user.op == "output":
+        return True
+    family = user.target.rpartition(".")[0]
+    if family not in TRUSTED_INDICES:
+        return False
+    refs = [i for i, arg in enumerate(user.args) if _refers(arg, index)]
+    refs += [named.name for named in user.kwargs if _refers(named.value, index)]
+    return refs in ([TRUSTED_INDICES[family][1]], ["indices"])
+
+
+def _users_of(nodes) -> dict[int, list[int]]:
+    users: dict[int, list[int]] = {}
+    for position, node in enumerate(nodes):
+        for arg in [*node.args, *(named.value for named in node.kwargs)]:
+            for ref in _refs(arg):
+                users.setdefault(ref, []).append(position)
+    return users
+
+
+def _refs(arg):
+    kind = arg.WhichOneof("kind")
+    if kind == "node":
+        yield arg.node
+    elif kind == "list":
+        for item in arg.list.items:
+            yield from _refs(item)
+
+
+def _refers(arg, index: int) -> bool:
+    return index in set(_refs(arg))
+
+
+def _argument(node, position: int, name: str):
+    if position < len(node.args):
+        return node.args[position]
+    return next((named.value for named in node.kwargs if named.name == name), None)
+
+
+def _is_node(arg, nodes) -> bool:
+    return arg is not None and arg.WhichOneof("kind") == "node" and arg.node < len(nodes)
+
+
+def _same_node(a, b) -> bool:
+    return a is not None and b is not None and a.WhichOneof("kind") == b.WhichOneof("kind") == "node" and \
+        a.node == b.node
+
+
+def _is_getitem(node, item: int, nodes) -> bool:
+    return (node.op == "call_function" and node.target == "operator.getitem" and len(node.args) == 2
+            and _is_node(node.args[0], nodes) and node.args[1].WhichOneof("kind") == "int_value"
+            and node.args[1].int_value == item)
+
+
+def _is_literal_false(arg) -> bool:
+    return arg is not None and arg.WhichOneof("kind") == "bool_value" and not arg.bool_value

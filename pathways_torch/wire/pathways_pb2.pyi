@@ -248,7 +248,7 @@ class RegisterProgram(_message.Message):
     def __init__(self, program_id: _Optional[int] = ..., name: _Optional[str] = ..., actions: _Optional[_Iterable[_Union[ProgramAction, _Mapping]]] = ..., input_values: _Optional[_Iterable[int]] = ..., output_values: _Optional[_Iterable[int]] = ..., local_intermediates: _Optional[_Iterable[_Union[ValueRef, _Mapping]]] = ..., num_nodes: _Optional[int] = ...) -> None: ...
 
 class RunProgram(_message.Message):
-    __slots__ = ("program_id", "base_seq", "base_call_id", "input_array_ids", "output_array_ids", "first_intermediate_id", "prev_collective_seq", "owner")
+    __slots__ = ("program_id", "base_seq", "base_call_id", "input_array_ids", "output_array_ids", "first_intermediate_id", "prev_collective_seq", "owner", "output_budget_bytes")
     PROGRAM_ID_FIELD_NUMBER: _ClassVar[int]
     BASE_SEQ_FIELD_NUMBER: _ClassVar[int]
     BASE_CALL_ID_FIELD_NUMBER: _ClassVar[int]
@@ -257,6 +257,7 @@ class RunProgram(_message.Message):
     FIRST_INTERMEDIATE_ID_FIELD_NUMBER: _ClassVar[int]
     PREV_COLLECTIVE_SEQ_FIELD_NUMBER: _ClassVar[int]
     OWNER_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_BUDGET_BYTES_FIELD_NUMBER: _ClassVar[int]
     program_id: int
     base_seq: int
     base_call_id: int
@@ -265,10 +266,11 @@ class RunProgram(_message.Message):
     first_intermediate_id: int
     prev_collective_seq: int
     owner: str
-    def __init__(self, program_id: _Optional[int] = ..., base_seq: _Optional[int] = ..., base_call_id: _Optional[int] = ..., input_array_ids: _Optional[_Iterable[int]] = ..., output_array_ids: _Optional[_Iterable[int]] = ..., first_intermediate_id: _Optional[int] = ..., prev_collective_seq: _Optional[int] = ..., owner: _Optional[str] = ...) -> None: ...
+    output_budget_bytes: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, program_id: _Optional[int] = ..., base_seq: _Optional[int] = ..., base_call_id: _Optional[int] = ..., input_array_ids: _Optional[_Iterable[int]] = ..., output_array_ids: _Optional[_Iterable[int]] = ..., first_intermediate_id: _Optional[int] = ..., prev_collective_seq: _Optional[int] = ..., owner: _Optional[str] = ..., output_budget_bytes: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class Run(_message.Message):
-    __slots__ = ("seq", "call_id", "function_id", "inputs", "outputs", "digest_outputs", "collective", "prev_collective_seq", "axis_groups", "quiet", "report_shapes", "owner", "donated_inputs")
+    __slots__ = ("seq", "call_id", "function_id", "inputs", "outputs", "digest_outputs", "collective", "prev_collective_seq", "axis_groups", "quiet", "report_shapes", "owner", "donated_inputs", "output_budget_bytes")
     class AxisGroupsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -289,6 +291,7 @@ class Run(_message.Message):
     REPORT_SHAPES_FIELD_NUMBER: _ClassVar[int]
     OWNER_FIELD_NUMBER: _ClassVar[int]
     DONATED_INPUTS_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_BUDGET_BYTES_FIELD_NUMBER: _ClassVar[int]
     seq: int
     call_id: int
     function_id: int
@@ -302,7 +305,8 @@ class Run(_message.Message):
     report_shapes: bool
     owner: str
     donated_inputs: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, seq: _Optional[int] = ..., call_id: _Optional[int] = ..., function_id: _Optional[int] = ..., inputs: _Optional[_Iterable[_Union[ShardRef, _Mapping]]] = ..., outputs: _Optional[_Iterable[_Union[ShardRef, _Mapping]]] = ..., digest_outputs: _Optional[bool] = ..., collective: _Optional[bool] = ..., prev_collective_seq: _Optional[int] = ..., axis_groups: _Optional[_Mapping[str, int]] = ..., quiet: _Optional[bool] = ..., report_shapes: _Optional[bool] = ..., owner: _Optional[str] = ..., donated_inputs: _Optional[_Iterable[int]] = ...) -> None: ...
+    output_budget_bytes: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, seq: _Optional[int] = ..., call_id: _Optional[int] = ..., function_id: _Optional[int] = ..., inputs: _Optional[_Iterable[_Union[ShardRef, _Mapping]]] = ..., outputs: _Optional[_Iterable[_Union[ShardRef, _Mapping]]] = ..., digest_outputs: _Optional[bool] = ..., collective: _Optional[bool] = ..., prev_collective_seq: _Optional[int] = ..., axis_groups: _Optional[_Mapping[str, int]] = ..., quiet: _Optional[bool] = ..., report_shapes: _Optional[bool] = ..., owner: _Optional[str] = ..., donated_inputs: _Optional[_Iterable[int]] = ..., output_budget_bytes: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class FormGroup(_message.Message):
     __slots__ = ("seq", "prev_collective_seq", "group_id", "rank", "size", "store_path", "timeout_s", "members")
@@ -437,10 +441,20 @@ class SendShard(_message.Message):
     def __init__(self, shard: _Optional[_Union[ShardRef, _Mapping]] = ..., to_address: _Optional[str] = ..., as_ref: _Optional[_Union[ShardRef, _Mapping]] = ..., call_id: _Optional[int] = ..., to_public_key: _Optional[bytes] = ..., to_inbox: _Optional[bool] = ...) -> None: ...
 
 class Free(_message.Message):
-    __slots__ = ("shards",)
+    __slots__ = ("shards", "spent_puts")
     SHARDS_FIELD_NUMBER: _ClassVar[int]
+    SPENT_PUTS_FIELD_NUMBER: _ClassVar[int]
     shards: _containers.RepeatedCompositeFieldContainer[ShardRef]
-    def __init__(self, shards: _Optional[_Iterable[_Union[ShardRef, _Mapping]]] = ...) -> None: ...
+    spent_puts: _containers.RepeatedCompositeFieldContainer[SpentPut]
+    def __init__(self, shards: _Optional[_Iterable[_Union[ShardRef, _Mapping]]] = ..., spent_puts: _Optional[_Iterable[_Union[SpentPut, _Mapping]]] = ...) -> None: ...
+
+class SpentPut(_message.Message):
+    __slots__ = ("role", "sequence")
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    role: str
+    sequence: int
+    def __init__(self, role: _Optional[str] = ..., sequence: _Optional[int] = ...) -> None: ...
 
 class Forget(_message.Message):
     __slots__ = ("function_ids", "program_ids")
@@ -495,7 +509,7 @@ class StatsRequest(_message.Message):
     def __init__(self, request_id: _Optional[int] = ...) -> None: ...
 
 class Stats(_message.Message):
-    __slots__ = ("request_id", "executor_id", "store_bytes", "store_buffers", "hop_bytes", "num_computations", "num_function_loads", "num_compiles", "backend", "backend_counters", "queue_high_water", "store_bytes_high_water", "transfers_lost", "programs_held", "fusion")
+    __slots__ = ("request_id", "executor_id", "store_bytes", "store_buffers", "hop_bytes", "num_computations", "num_function_loads", "num_compiles", "backend", "backend_counters", "queue_high_water", "store_bytes_high_water", "transfers_lost", "programs_held", "functions_held", "fusion")
     class HopBytesEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -524,6 +538,7 @@ class Stats(_message.Message):
     STORE_BYTES_HIGH_WATER_FIELD_NUMBER: _ClassVar[int]
     TRANSFERS_LOST_FIELD_NUMBER: _ClassVar[int]
     PROGRAMS_HELD_FIELD_NUMBER: _ClassVar[int]
+    FUNCTIONS_HELD_FIELD_NUMBER: _ClassVar[int]
     FUSION_FIELD_NUMBER: _ClassVar[int]
     request_id: int
     executor_id: str
@@ -539,8 +554,9 @@ class Stats(_message.Message):
     store_bytes_high_water: int
     transfers_lost: int
     programs_held: int
+    functions_held: int
     fusion: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, request_id: _Optional[int] = ..., executor_id: _Optional[str] = ..., store_bytes: _Optional[int] = ..., store_buffers: _Optional[int] = ..., hop_bytes: _Optional[_Mapping[str, int]] = ..., num_computations: _Optional[int] = ..., num_function_loads: _Optional[int] = ..., num_compiles: _Optional[int] = ..., backend: _Optional[str] = ..., backend_counters: _Optional[_Mapping[str, int]] = ..., queue_high_water: _Optional[int] = ..., store_bytes_high_water: _Optional[int] = ..., transfers_lost: _Optional[int] = ..., programs_held: _Optional[int] = ..., fusion: _Optional[_Iterable[str]] = ...) -> None: ...
+    def __init__(self, request_id: _Optional[int] = ..., executor_id: _Optional[str] = ..., store_bytes: _Optional[int] = ..., store_buffers: _Optional[int] = ..., hop_bytes: _Optional[_Mapping[str, int]] = ..., num_computations: _Optional[int] = ..., num_function_loads: _Optional[int] = ..., num_compiles: _Optional[int] = ..., backend: _Optional[str] = ..., backend_counters: _Optional[_Mapping[str, int]] = ..., queue_high_water: _Optional[int] = ..., store_bytes_high_water: _Optional[int] = ..., transfers_lost: _Optional[int] = ..., programs_held: _Optional[int] = ..., functions_held: _Optional[int] = ..., fusion: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class TraceEvent(_message.Message):
     __slots__ = ("name", "kind", "time_ns", "seq", "call_id", "function_id", "detail")
@@ -837,7 +853,7 @@ class ExecutorStatus(_message.Message):
     def __init__(self, executor_id: _Optional[str] = ..., island: _Optional[str] = ..., device: _Optional[str] = ..., backend: _Optional[str] = ..., state: _Optional[str] = ..., epoch: _Optional[int] = ..., seconds_since_heartbeat: _Optional[float] = ..., node: _Optional[str] = ..., store_bytes: _Optional[int] = ..., queue_high_water: _Optional[int] = ...) -> None: ...
 
 class StatusReply(_message.Message):
-    __slots__ = ("run_id", "executors", "calls_in_flight", "arrays", "stats_error", "clients", "refused_clients", "dropped_client_messages")
+    __slots__ = ("run_id", "executors", "calls_in_flight", "arrays", "stats_error", "clients", "refused_clients", "dropped_client_messages", "refused_admin_requests", "refused_client_requests")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     EXECUTORS_FIELD_NUMBER: _ClassVar[int]
     CALLS_IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
@@ -846,6 +862,8 @@ class StatusReply(_message.Message):
     CLIENTS_FIELD_NUMBER: _ClassVar[int]
     REFUSED_CLIENTS_FIELD_NUMBER: _ClassVar[int]
     DROPPED_CLIENT_MESSAGES_FIELD_NUMBER: _ClassVar[int]
+    REFUSED_ADMIN_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    REFUSED_CLIENT_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     executors: _containers.RepeatedCompositeFieldContainer[ExecutorStatus]
     calls_in_flight: int
@@ -854,7 +872,9 @@ class StatusReply(_message.Message):
     clients: _containers.RepeatedCompositeFieldContainer[ClientStatus]
     refused_clients: int
     dropped_client_messages: int
-    def __init__(self, run_id: _Optional[str] = ..., executors: _Optional[_Iterable[_Union[ExecutorStatus, _Mapping]]] = ..., calls_in_flight: _Optional[int] = ..., arrays: _Optional[int] = ..., stats_error: _Optional[str] = ..., clients: _Optional[_Iterable[_Union[ClientStatus, _Mapping]]] = ..., refused_clients: _Optional[int] = ..., dropped_client_messages: _Optional[int] = ...) -> None: ...
+    refused_admin_requests: int
+    refused_client_requests: int
+    def __init__(self, run_id: _Optional[str] = ..., executors: _Optional[_Iterable[_Union[ExecutorStatus, _Mapping]]] = ..., calls_in_flight: _Optional[int] = ..., arrays: _Optional[int] = ..., stats_error: _Optional[str] = ..., clients: _Optional[_Iterable[_Union[ClientStatus, _Mapping]]] = ..., refused_clients: _Optional[int] = ..., dropped_client_messages: _Optional[int] = ..., refused_admin_requests: _Optional[int] = ..., refused_client_requests: _Optional[int] = ...) -> None: ...
 
 class ClientStatus(_message.Message):
     __slots__ = ("name", "weight", "share_last_minute", "device_seconds_last_minute", "calls_in_flight", "calls_waiting", "arrays", "requests_served", "seconds_since_heard")

@@ -28,9 +28,12 @@ import pathways_torch.errors as errors
 from . import pathways_pb2 as pb
 from .seam import ArraySettled, CallSpec, ControllerCounters, ExecutorView, MeshAllocation, ProgramSpec
 
-__all__ = ["encode", "decode", "SeamCodecError", "MAX_DEPTH", "ErrorNames", "Interned"]
+__all__ = ["encode", "decode", "SeamCodecError", "MAX_DEPTH", "MAX_CONTAINERS", "ErrorNames", "Interned"]
 
 MAX_DEPTH = 64   # deeper trees are refused: nothing the seam sends nests this far
+# Lists and objects in one message, at most, counted on the raw bytes before any is built: 8 MiB of "[[],[],..."
+# would otherwise be 4 million lists (300 MB, seconds of a Python walk). A 4,096-node program is about 60,000.
+MAX_CONTAINERS = 262_144
 _DATACLASSES = {cls.__name__: cls for cls in (MeshAllocation, CallSpec, ProgramSpec, ExecutorView,
                                                 ControllerCounters)}
 _TUPLES = {"ArraySettled": ArraySettled}
@@ -96,8 +99,12 @@ def decode(frames: Sequence, interned: Interned | None = None):
     error."""
     if not frames:
         raise SeamCodecError("an empty seam message: expected a JSON frame first")
+    text = _bytes(frames[0])
+    containers = text.count(b"[") + text.count(b"{")   # an over-count (brackets in strings too): safe side
+    if containers > MAX_CONTAINERS:
+        raise SeamCodecError(f"a seam message of {containers} lists and objects: expected at most {MAX_CONTAINERS}")
     try:
-        tree = json.loads(_bytes(frames[0]))
+        tree = json.loads(text)
     except (ValueError, RecursionError) as exc:
         raise SeamCodecError(f"a seam message whose first frame is not JSON: {exc}") from None
     return _from_tree(tree, [_bytes(f) for f in frames[1:]], 0, interned)

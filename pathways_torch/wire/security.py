@@ -40,6 +40,7 @@ import zmq.utils.z85
 from zmq.auth.thread import ThreadAuthenticator
 from zmq.utils.monitor import parse_monitor_message
 
+from .put_tokens import PUT_SECRET_BYTES, put_token
 from .threads import threads_leave_signals
 
 __all__ = [
@@ -87,17 +88,6 @@ def owner_role(owner: str) -> str:
     """The role of the client the controller calls ``owner`` (`controller.arrays.ArrayRecord.owner`): ``""`` (the
     embedded client) → ``"client"``, ``"alice"`` → ``"client-alice"``. Executors know clients by role alone."""
     return CLIENT_PREFIX + owner if owner else CLIENT
-
-
-PUT_SECRET_BYTES = 32   # the controller's put secret (`put_token`), given to every executor in Welcome
-_PUT_TOKEN_BYTES = 16
-
-
-def put_token(secret: bytes, array_id: int, role: str) -> bytes:
-    """The capability to put shards of array ``array_id`` as the client of ``role``: the controller hands it to the
-    array's owner with the array, each executor checks it (`executor.data_roles.OwnerCheck`) with the secret both
-    share. No one without the secret can make one, and one array's token names no other array or client."""
-    return hmac.new(secret, f"{array_id}:{role}".encode(), "sha256").digest()[:_PUT_TOKEN_BYTES]
 
 
 _SPARE_MARK = ".r"

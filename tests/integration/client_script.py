@@ -39,5 +39,8 @@ with pw.Context(num_executors=2, backend="eager", heartbeat_interval_s=0.2, hear
     if how in ("sigint", "sigkill"):
         print("TAKE SIGINT", " ".join(thread_names_taking_sigint()), flush=True)
         print("READY", flush=True)
-        time.sleep(120)
+        # Short sleeps: a SIGINT that lands between the print and one long sleep's start is seen only when that
+        # sleep ends (CPython checks for signals between bytecodes, and a sleep starts without looking)
+        for _ in range(1200):
+            time.sleep(0.1)
 print("EXITED CLEANLY", os.getpid(), flush=True)

@@ -7,6 +7,7 @@ stay, a resumed run saves into a fresh folder, a bad ``checkpoint_keep`` is refu
 from __future__ import annotations
 
 import os
+import pathlib
 
 import pytest
 import torch
@@ -23,6 +24,13 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 def ctx(client_kind, service_if_remote):   # the embedded controller, then a remote one
     with open_context(client_kind, service_if_remote, num_executors=4, backend="eager") as context:
         yield context
+
+
+@pytest.fixture
+def base(ctx, tmp_path) -> pathlib.Path:
+    """Where this test's checkpoints go: ``tmp_path`` embedded; for a client of the service, a folder under its own
+    folder of the checkpoint root (an absolute path there is taken as it is; `Context.checkpoint_path`)."""
+    return tmp_path if ctx.checkpoint_root is None else pathlib.Path(ctx.checkpoint_root) / tmp_path.name
 
 
 def _model(width: int = 16):
@@ -59,51 +67,51 @@ def _expected(batches):
     return train_eagerly(reference, _adamw(reference), batches, nn.MSELoss())
 
 
-def test_data_parallel_at_2_to_sharded_at_4_and_back(ctx, tmp_path):
+def test_data_parallel_at_2_to_sharded_at_4_and_back(ctx, base):
     batches = _batches(8)
     two = ctx.executor_ids[:2]
-    losses = _leg(ctx, {"data": 2}, pw.DataParallel("data"), batches[:3], save_to=str(tmp_path / "a"), executors=two)
-    losses += _leg(ctx, {"data": 4}, pw.ShardedDataParallel("data"), batches[3:6], load_from=str(tmp_path / "a"),
-                   save_to=str(tmp_path / "b"))
-    losses += _leg(ctx, {"data": 2}, pw.DataParallel("data"), batches[6:], load_from=str(tmp_path / "b"),
+    losses = _leg(ctx, {"data": 2}, pw.DataParallel("data"), batches[:3], save_to=str(base / "a"), executors=two)
+    losses += _leg(ctx, {"data": 4}, pw.ShardedDataParallel("data"), batches[3:6], load_from=str(base / "a"),
+                   save_to=str(base / "b"))
+    losses += _leg(ctx, {"data": 2}, pw.DataParallel("data"), batches[6:], load_from=str(base / "b"),
                    executors=two)
     expected = _expected(batches)
     assert max(abs(a - b) for a, b in zip(losses, expected)) < 1e-9, (losses, expected)
 
 
-def test_pipeline_to_data_parallel_and_back(ctx, tmp_path):
+def test_pipeline_to_data_parallel_and_back(ctx, base):
     batches = _batches(6)
     pipeline = pw.Pipeline(microbatches=2, schedule="1f1b")
-    losses = _leg(ctx, {"pipe": 2}, pipeline, batches[:2], save_to=str(tmp_path / "a"), executors=ctx.executor_ids[:2])
-    losses += _leg(ctx, {"data": 4}, pw.DataParallel("data"), batches[2:4], load_from=str(tmp_path / "a"),
-                   save_to=str(tmp_path / "b"))
+    losses = _leg(ctx, {"pipe": 2}, pipeline, batches[:2], save_to=str(base / "a"), executors=ctx.executor_ids[:2])
+    losses += _leg(ctx, {"data": 4}, pw.DataParallel("data"), batches[2:4], load_from=str(base / "a"),
+                   save_to=str(base / "b"))
     losses += _leg(ctx, {"pipe": 2, "data": 2}, pw.Pipeline(microbatches=2, data=pw.DataParallel("data")),
-                   batches[4:], load_from=str(tmp_path / "b"))
+                   batches[4:], load_from=str(base / "b"))
     expected = _expected(batches)
     assert max(abs(a - b) for a, b in zip(losses, expected)) < 1e-9, (losses, expected)
 
 
-def test_a_trainers_checkpoint_goes_on_in_plain_eager_pytorch(ctx, tmp_path):
+def test_a_trainers_checkpoint_goes_on_in_plain_eager_pytorch(ctx, base):
     batches = _batches(6)
-    losses = _leg(ctx, {"data": 4}, pw.ShardedDataParallel("data"), batches[:3], save_to=str(tmp_path / "a"))
+    losses = _leg(ctx, {"data": 4}, pw.ShardedDataParallel("data"), batches[:3], save_to=str(base / "a"))
     model = _model()
     optimizer = _adamw(model)
-    meta = pw.load_checkpoint(str(tmp_path / "a"), model, optimizer)
+    meta = pw.load_checkpoint(str(base / "a"), model, optimizer)
     assert meta["step"] == 3 and meta["plan"] == "ShardedDataParallel"
     losses += train_eagerly(model, optimizer, batches[3:], nn.MSELoss())
     expected = _expected(batches)
     assert max(abs(a - b) for a, b in zip(losses, expected)) < 1e-9, (losses, expected)
 
 
-def test_a_checkpoint_of_another_model_is_refused_listing_the_differences(ctx, tmp_path):
-    _leg(ctx, {"data": 2}, pw.DataParallel("data"), _batches(1), save_to=str(tmp_path / "a"),
+def test_a_checkpoint_of_another_model_is_refused_listing_the_differences(ctx, base):
+    _leg(ctx, {"data": 2}, pw.DataParallel("data"), _batches(1), save_to=str(base / "a"),
          executors=ctx.executor_ids[:2])
     wider = _model(width=32)
     trainer = ctx.wrap(wider, optimizer=_adamw(wider), loss_fn=nn.MSELoss(), mesh=ctx.mesh({"data": 2},
                        executors=ctx.executor_ids[:2]))
     with pytest.raises(ValueError, match=r"does not match this model and optimizer: other shapes \[model/0.bias: "
                                          r"checkpoint \[16\], here \[32\]"):
-        trainer.load(str(tmp_path / "a"))
+        trainer.load(str(base / "a"))
 
 
 # ------------------------------------------------------------ checkpoints written by the executors
@@ -114,7 +122,7 @@ def _big_model():
                          nn.Linear(768, 1)).double()
 
 
-def test_executors_write_the_checkpoint_in_the_background_and_it_moves(ctx, tmp_path):
+def test_executors_write_the_checkpoint_in_the_background_and_it_moves(ctx, tmp_path, base):
     """checkpoint_every=4 under DataParallel at N = 2: each executor writes its own file, the client receives no
     tensor bytes, the next step runs while the shards are written (the trace shows it), and the checkpoint
     loads under ShardedDataParallel at N = 4 with the losses of one uninterrupted eager run."""
@@ -128,7 +136,7 @@ def test_executors_write_the_checkpoint_in_the_background_and_it_moves(ctx, tmp_
     reference = _big_model()
     expected = train_eagerly(reference, _adamw(reference), batches, nn.MSELoss())
     model = _big_model()
-    directory = str(tmp_path / "ckpt")
+    directory = str(base / "ckpt")
     trainer = ctx.wrap(model, optimizer=_adamw(model), loss_fn=nn.MSELoss(),
                        mesh=ctx.mesh({"data": 2}, executors=ctx.executor_ids[:2]), checkpoint_dir=directory,
                        checkpoint_every=4)
@@ -201,12 +209,12 @@ def _executor_steps(directory) -> list[str]:
     return sorted(n for n in os.listdir(directory) if n != "latest")
 
 
-def test_only_the_newest_checkpoints_stay_and_the_latest_loads(ctx, tmp_path):
+def test_only_the_newest_checkpoints_stay_and_the_latest_loads(ctx, base):
     """checkpoint_every=1, checkpoint_keep=2: after 5 steps (6 saves, step 0's too) two step folders remain, and
     the latest loads under ShardedDataParallel at N = 4 (its buckets padded: 369 elements over 4) and goes on
     with the losses of one uninterrupted eager run."""
     batches = _batches(7)
-    directory = str(tmp_path / "ckpt")
+    directory = str(base / "ckpt")
     model = _model()
     trainer = ctx.wrap(model, optimizer=_adamw(model), loss_fn=nn.MSELoss(), checkpoint_dir=directory,
                        mesh=ctx.mesh({"data": 2}, executors=ctx.executor_ids[:2]), checkpoint_every=1,
@@ -227,9 +235,9 @@ def _written(folder: str) -> dict:
             for n in os.listdir(folder) for st in [os.stat(os.path.join(folder, n))]}
 
 
-def test_a_resumed_run_saves_into_a_fresh_folder_and_never_rewrites_the_one_it_loaded(ctx, tmp_path):
+def test_a_resumed_run_saves_into_a_fresh_folder_and_never_rewrites_the_one_it_loaded(ctx, base):
     batches = _batches(4)
-    directory = str(tmp_path / "ckpt")
+    directory = str(base / "ckpt")
     mesh = ctx.mesh({"data": 2}, executors=ctx.executor_ids[:2])
     model = _model()
     first = ctx.wrap(model, optimizer=_adamw(model), loss_fn=nn.MSELoss(), mesh=mesh, checkpoint_dir=directory,
@@ -253,7 +261,7 @@ def test_a_resumed_run_saves_into_a_fresh_folder_and_never_rewrites_the_one_it_l
     assert max(abs(a - b) for a, b in zip(losses, expected)) < 1e-9, (losses, expected)
 
 
-def test_a_bad_checkpoint_keep_is_refused_under_every_plan_before_anything_is_sent(ctx, tmp_path):
+def test_a_bad_checkpoint_keep_is_refused_under_every_plan_before_anything_is_sent(ctx, base):
     def sent_now() -> dict:   # what the controller sent, the stats requests reading it aside
         return {k: n for k, n in ctx.stats()["controller_messages"].items() if k not in ("stats_request", "heartbeat")}
 
@@ -265,7 +273,7 @@ def test_a_bad_checkpoint_keep_is_refused_under_every_plan_before_anything_is_se
             model = _model()
             with pytest.raises(error, match=rf"checkpoint_keep={value!r}: expected"):
                 ctx.wrap(model, optimizer=_adamw(model), loss_fn=nn.MSELoss(), plan=plan,
-                         mesh=ctx.mesh(axes, executors=ctx.executor_ids[:2]), checkpoint_dir=str(tmp_path),
+                         mesh=ctx.mesh(axes, executors=ctx.executor_ids[:2]), checkpoint_dir=str(base),
                          checkpoint_every=1, checkpoint_keep=value)
     assert sent_now() == sent and ctx._data.bytes_sent == put
-    assert os.listdir(tmp_path) == []
+    assert not base.exists() or os.listdir(base) == []

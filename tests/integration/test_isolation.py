@@ -15,6 +15,7 @@ import pathways_torch as pw
 from pathways_torch.client import CallSpec
 from pathways_torch.errors import RemoteError
 from pathways_torch.wire import pb
+from pathways_torch.wire.put_tokens import PUT_TOKEN_BYTES
 from tests.service import client_fixture
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
@@ -94,7 +95,7 @@ def test_bob_cannot_put_into_alices_arrays_even_with_a_token_of_his_own(alice, b
         out = inc(out)
     mine = bob.put(torch.zeros(8), bob_mesh, [pw.Shard(0)])
     token = mine._state.put_token
-    assert len(token) == 16 and x._state.put_token not in (b"", token)
+    assert len(token) == 4 * PUT_TOKEN_BYTES and x._state.put_token not in (b"", token)   # one per shard
     evil = torch.full((2,), 666.0)
     ids = alice.executor_ids
     for array_id in (out.array_id, x.array_id):
@@ -134,7 +135,7 @@ def test_bob_cannot_release_call_on_or_run_a_program_on_alices_arrays(alice, bob
         return own(a)
 
     torch.testing.assert_close(bobs_program(b).result(timeout_s=60), torch.zeros(8))
-    function_id = next(fid for fid, version in bob._dispatch._function_ids.values() if version.name == "bobs")
+    function_id = next(fid for fid, version in bob._dispatch._function_ids.values() if version().name == "bobs")
     program_id = next(entry[0] for entry in bob._dispatch._lowered_programs.values())
 
     client = bob._client

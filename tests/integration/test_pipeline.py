@@ -390,9 +390,25 @@ def test_gradient_clipping_by_the_global_norm_across_stages(ctx, data):
     assert abs(expected[-1] - unclipped[-1]) > 1e-6      # the clipping mattered
 
 
+class _RoundStraightThrough(torch.autograd.Function):
+    """Forward: round; backward: the gradient as it came (a straight-through estimator)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return torch.round(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad
+
+
+_GRADIENTS_OFF = {"no_grad": torch.no_grad, "inference_mode": torch.inference_mode,
+                  "set_grad_enabled": lambda: torch.set_grad_enabled(False)}
+
+
 class _StoppedSquare(nn.Module):
-    """A block whose output adds the square of its value, detached or computed under no_grad: that term must
-    pass no gradient back."""
+    """A block whose output adds the square of its value, detached or computed where gradients are off: that
+    term must pass no gradient back; or ("straight_through") its rounding, whose gradient is the Function's."""
 
     def __init__(self, how: str):
         super().__init__()
@@ -402,12 +418,14 @@ class _StoppedSquare(nn.Module):
         y = self.fc(x)
         if self.how == "detach":
             return y + y.detach() ** 2
-        with torch.no_grad():
+        if self.how == "straight_through":
+            return y + _RoundStraightThrough.apply(3 * y) / 3
+        with _GRADIENTS_OFF[self.how]():
             square = y ** 2
         return y + square
 
 
-@pytest.mark.parametrize("how", ["detach", "no_grad"])
+@pytest.mark.parametrize("how", ["detach", "no_grad", "inference_mode", "set_grad_enabled", "straight_through"])
 def test_a_stopped_gradient_in_the_forward_stops_in_each_chunk_as_in_eager(ctx, how):
     def make():
         torch.manual_seed(0)
@@ -424,3 +442,4 @@ def test_a_stopped_gradient_in_the_forward_stops_in_each_chunk_as_in_eager(ctx, 
     losses = [loss.result(120).item() for loss in [trainer.step(b) for b in batches]]
     # The gradient through the detached square would change the second loss by 3e-2 (measured before the fix).
     assert max(abs(a - b) for a, b in zip(losses, expected)) < 1e-12, (losses, expected)
+    assert _max_difference(trainer.state_dict()["model"], reference) < 1e-12

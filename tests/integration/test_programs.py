@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import pathways_torch as pw
+from tests.conftest import wait_until
 from tests.service import open_context
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
@@ -117,6 +118,33 @@ def test_a_dropped_program_is_forgotten_by_every_executor_once_its_run_in_flight
     inc(x).result(timeout_s=60)
     assert torch.equal(out.result(timeout_s=60), torch.full((8,), 3.0))
     assert _programs_held(ctx) == before
+
+
+def _functions_held(ctx) -> dict:
+    return {executor_id: s["functions_held"] for executor_id, s in ctx.stats()["executors"].items()}
+
+
+def test_a_dropped_function_is_forgotten_by_every_executor_once_its_calls_and_its_programs_runs_end(ctx):
+    mesh = ctx.mesh({"data": 4})
+    x = ctx.put(torch.ones(8), mesh, [pw.Shard(0)])
+    gc.collect()
+    inc(x).result(timeout_s=60)   # functions earlier tests dropped are forgotten with this call
+    before = _functions_held(ctx)
+    double = pw.function(lambda a: a * 2, name="double")
+
+    @pw.program(name="double_twice")
+    def twice(a):
+        return double(double(a))
+
+    direct, program = double(x), twice(x)
+    assert _functions_held(ctx) == {e: n + 1 for e, n in before.items()}   # one version: the program's nodes too
+    del double, twice    # their runs may still be in flight: the executors keep the function until they end
+    gc.collect()
+    inc(x).result(timeout_s=60)
+    assert torch.equal(direct.result(timeout_s=60), torch.full((8,), 2.0))
+    assert torch.equal(program.result(timeout_s=60), torch.full((8,), 4.0))
+    inc(x).result(timeout_s=60)   # the forget rides on the next call once the runs ended
+    assert wait_until(lambda: _functions_held(ctx) == before, 10), (before, _functions_held(ctx))
 
 
 def test_python_control_flow_on_a_value_is_refused_at_the_line(ctx):

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 
@@ -16,7 +15,7 @@ import torch
 
 import pathways_torch as pw
 from tests.conftest import REPO_ROOT, process_gone, wait_until
-from tests.service import ControllerProcess, open_context
+from tests.service import ControllerProcess, free_port, open_context
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 
@@ -24,12 +23,6 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 @pw.function
 def doubled(a):
     return a * 2
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _join(service: ControllerProcess, *flags: str) -> subprocess.Popen:
@@ -43,7 +36,7 @@ def _join(service: ControllerProcess, *flags: str) -> subprocess.Popen:
 
 def _service(tmp_path) -> tuple[ControllerProcess, str]:
     """A controller started without executors (keys for 2), and its status address."""
-    status = f"127.0.0.1:{_free_port()}"
+    status = f"127.0.0.1:{free_port()}"
     return ControllerProcess(str(tmp_path / "keys"), clients=("alice",), num_executors=0, executor_keys=2,
                              args=["--status-port", status.rsplit(":", 1)[1]]), status
 
@@ -76,7 +69,7 @@ def test_a_pathways_run_node_serves_a_standalone_controllers_clients_until_sigte
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
     service, status = _service(tmp_path)
-    health_port = _free_port()
+    health_port = free_port()
     node = _join(service, "--health-port", str(health_port))
     try:
         assert wait_until(lambda: _joined(status), 60, 0.2)

@@ -41,7 +41,8 @@ def test_two_clients_recover_from_one_lost_executor_with_the_losses_of_unbroken_
             unbroken = {"alice": _trainer(alice, 1), "bob": _trainer(bob, 2)}
             expected = {name: [f.result(120).item() for f in [t.step(b) for b in batches]]
                         for name, t in unbroken.items()}
-            trainers = {name: _trainer(ctx, seed, checkpoint_dir=str(tmp_path / name), checkpoint_every=2)
+            # Each under its own folder of the service's checkpoint root (a relative checkpoint_dir lands there).
+            trainers = {name: _trainer(ctx, seed, checkpoint_dir="recovery", checkpoint_every=2)
                         for name, ctx, seed in (("alice", alice, 1), ("bob", bob, 2))}
             losses = {name: [t.step(b) for b in batches[:5]] for name, t in trainers.items()}
             for name, trainer in trainers.items():

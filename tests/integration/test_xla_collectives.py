@@ -3,7 +3,8 @@
 Each rank compiles jax functions whose collectives are the extension's custom calls, runs them on its own
 inputs, and sends the results back; the test compares them with torch's reduction of both ranks' inputs.
 Also: several collectives in one executable (kept in graph order), a group abandoned while a call waits in
-it (the call fails within a wait slice, as `CollectiveAbandoned`), and an executable run with its axis unbound.
+it (the call fails within a wait slice, as `CollectiveAbandoned`), an executable run with its axis unbound, and an
+op abandoned inside an executable that ends after the executable failed (it must not touch the buffers XLA freed).
 """
 
 from __future__ import annotations
@@ -116,6 +117,7 @@ def _rank(rank: int, size: int, store_path: str, results) -> None:
         out["quiet after abandon"] = module.quiet(slot)
     else:
         time.sleep(3.0)
+    out.update(_late_abandon(rank, size, store_path, module))
     results.put((rank, out))
 
 
@@ -141,3 +143,63 @@ def test_collectives_inside_xla_match_torch_on_two_ranks():
         message
     assert 0.4 < waited < 2.0, waited    # the abandon at 0.5 s, seen within a 200 ms slice
     assert outs[0]["quiet after abandon"] is False   # the given-up op is pending: rank 1 never joined it
+    late, joined = outs
+    assert late["late abandoned"].startswith("CollectiveAbandoned: collective abandoned: member executor-1@0"), late
+    assert late["late pending"] is True, "the abandon came before the op started: nothing was given up on"
+    assert late["late quiet"] is True, "the op given up on never ended"
+    # Issue 47: the op given up on ran on the failed executable's buffers, freed by XLA, and wrote into whatever
+    # came there next (measured: one of these fills read 9.0, 7 + rank 1's 2), or into unmapped memory: SIGSEGV.
+    assert late["late fills"] == [(7.0, 7.0)], f"the late op wrote into buffers it did not own: {late['late fills']}"
+    assert joined["late sum"] == (3.0, 3.0), f"rank 0's part of the late op was not its input: {joined['late sum']}"
+
+
+LATE_ELEMENTS = 1 << 24   # 64 MiB of float32: glibc maps a buffer this large on its own and unmaps it when freed
+
+
+def _late_abandon(rank: int, size: int, store_path: str, module) -> dict:
+    """Rank 0's all-reduce is abandoned before rank 1 joins it; rank 1 joins after rank 0's executable has failed
+    and XLA has freed that executable's buffers. The op given up on then runs to its end in gloo's thread, and must
+    run on memory of its own (a SIGSTOPped member, continued, finishing its half did this in the soak)."""
+    import threading
+
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    import torch.distributed as dist
+
+    from executor.backends import xla_collectives as xc
+    from executor.backends.xla_collectives import _collective_error
+    from executor.collectives import make_gloo_group
+
+    group = make_gloo_group(store_path, "xla-collectives-late", rank, size, 30.0)
+    turns = dist.PrefixStore("late-turns", dist.FileStore(store_path, size))
+    if rank == 1:
+        turns.wait(["abandoned"])   # rank 0's executable failed and its buffers are gone
+        values = torch.full((LATE_ELEMENTS,), 2.0)
+        group.allreduce([values]).wait()
+        turns.set("joined", "1")
+        return {"late sum": (values.min().item(), values.max().item())}
+    out = {}
+    slot = module.register_group(group)
+    module.bind([(xc.axis_id("data"), slot, False, "")])
+    ones = jnp.ones(LATE_ELEMENTS, jnp.float32)
+    # Compiled first: the abandon must find the op started in gloo, not the call still compiling.
+    call = jax.jit(lambda a: (xc.reset_order(), xc.all_reduce(a, "data", "sum"))[1]).lower(ones).compile()
+    threading.Timer(0.5, module.abandon, (slot, "member executor-1@0 was lost (test)")).start()
+    try:
+        call(ones)
+        out["late abandoned"] = "no error"
+    except Exception as exc:
+        out["late abandoned"] = f"{type(_collective_error(exc)).__name__}: {_collective_error(exc)}"
+    out["late pending"] = not module.quiet(slot)
+    # Buffers XLA may place where the failed executable's were: the late op must write into none of them.
+    fills = [jnp.full(LATE_ELEMENTS, 7.0, jnp.float32) for _ in range(4)]
+    turns.set("abandoned", "1")
+    turns.wait(["joined"])
+    deadline = time.monotonic() + 30.0
+    while not module.quiet(slot) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    out["late quiet"] = module.quiet(slot)
+    out["late fills"] = sorted({(float(np.min(f)), float(np.max(f))) for f in fills})
+    module.release(slot)
+    return out

@@ -1,14 +1,17 @@
-"""bench/islands.py's pure helpers: the groups and their memory, the link byte theory, exchange waits from spans,
-link transfer times, per-round ratios and the loss comparison."""
+"""bench/islands.py's pure helpers: the groups and their memory (islands_setups), the link byte theory
+(islands_link), exchange waits from spans and link transfer times (islands_trace), per-round ratios and the loss
+comparison (islands_report)."""
 
 from __future__ import annotations
 
 import pytest
 
 import pathways_torch as pw
-from bench.islands import (Setup, choose_method, classify, describe_link, exchange_steps, expected_link_bytes,
-                           link_transfer_times, loss_difference, make_groups, modelled_link_s, open_executors,
-                           parse_shapes, relay_rate, round_ratios, shape_key, spread, transfer_overlap)
+from bench.islands_link import expected_link_bytes, modelled_link_s, relay_rate
+from bench.islands_report import loss_difference, round_ratios, spread
+from bench.islands_setups import (Setup, choose_method, describe_link, make_groups, open_executors, parse_shapes,
+                                  shape_key)
+from bench.islands_trace import classify, exchange_steps, link_transfer_overlap, link_transfer_times
 
 
 @pytest.mark.timeout(30)
@@ -93,7 +96,7 @@ def test_transfer_time_is_hidden_while_its_receiver_computes():
               {"cat": "link", "ph": "f", "id": 1, "pid": 1, "ts": 2.0e6},
               {"cat": "link", "ph": "s", "id": 2, "pid": 0, "ts": 9.0e6},
               {"cat": "link", "ph": "f", "id": 2, "pid": 1, "ts": 9.5e6}]
-    hidden, total = transfer_overlap(events, [(0.0, 5.0)])
+    hidden, total = link_transfer_overlap(events, [(0.0, 5.0)])
     assert total == pytest.approx(1.0) and hidden == pytest.approx(0.5)
 
 

@@ -1,11 +1,13 @@
-"""bench/pipeline.py's pure helpers: bubble from spans, schedule order kept, transfer waits, the replay."""
+"""bench/pipeline.py's pure helpers (bench/pipeline_analysis.py): schedule order kept, transfer waits, the replay, and
+the bubble (`observe.span_math.occupancy`) of a perfect run. The span arithmetic itself: test_span_math.py."""
 
 from __future__ import annotations
 
 import pytest
 
-from bench.pipeline import (activation_peaks, bubble, busy_in_windows, kept_order, producer, relative_error, replay,
-                            rotated, transfer_waits)
+from bench.common import rotated
+from bench.pipeline_analysis import activation_peaks, kept_order, producer, relative_error, replay, transfer_waits
+from pathways_torch.observe.span_math import occupancy
 from pathways_torch.pipeline.schedules import Action, make_schedule, simulate, theoretical_bubble
 
 pytestmark = pytest.mark.timeout(30)
@@ -21,14 +23,6 @@ def test_rotated_starts_each_round_with_the_next_item():
         ["a", "b", "c"], ["b", "c", "a"], ["c", "a", "b"], ["a", "b", "c"]]
 
 
-def test_bubble_counts_idle_time_of_every_rank_over_the_whole_makespan():
-    # rank 0 busy 0-2, rank 1 busy 1-3: makespan 3, busy 4 of 6
-    result = bubble([(0, 0.0, 2.0), (1, 1.0, 3.0)], 2)
-    assert result == {"busy": 4.0, "makespan": 3.0, "bubble": pytest.approx(1 / 3)}
-    with pytest.raises(ValueError, match="no compute spans"):
-        bubble([], 2)
-
-
 @pytest.mark.parametrize("name,stages,microbatches", [("gpipe", 4, 4), ("1f1b", 4, 16), ("interleaved", 2, 8)])
 def test_a_perfect_run_keeps_the_order_has_no_transfer_wait_and_hits_theory(name, stages, microbatches):
     v = 2 if name == "interleaved" else 1
@@ -36,10 +30,10 @@ def test_a_perfect_run_keeps_the_order_has_no_transfer_wait_and_hits_theory(name
     timed = _timed(simulation)
     assert kept_order(timed, simulation.schedule)
     assert all(abs(w) < 1e-12 for w in transfer_waits(timed, simulation.schedule.num_chunks))
-    measured = bubble(list(timed.values()), stages)["bubble"]
+    measured = occupancy(list(timed.values()), stages).bubble
     assert measured == pytest.approx(theoretical_bubble(stages, microbatches, v))
     order = [a for _, a in simulation.order if a.is_compute]
-    assert replay(order, simulation.schedule.num_chunks, stages, 1.0, 2.0, 0.0)["bubble"] == pytest.approx(
+    assert replay(order, simulation.schedule.num_chunks, stages, 1.0, 2.0, 0.0).bubble == pytest.approx(
         simulation.bubble_fraction)
 
 
@@ -67,7 +61,7 @@ def test_replay_with_a_transfer_latency_stretches_the_makespan():
     simulation = simulate(make_schedule("1f1b", 4, 8), 1.0, 2.0)
     order = [a for _, a in simulation.order if a.is_compute]
     free, slow = (replay(order, 4, 4, 1.0, 2.0, latency) for latency in (0.0, 0.1))
-    assert free["busy"] == slow["busy"] and slow["makespan"] > free["makespan"] and slow["bubble"] > free["bubble"]
+    assert free.busy == slow.busy and slow.makespan > free.makespan and slow.bubble > free.bubble
 
 
 def test_activation_peaks_per_stage_and_none_when_not_reported():
@@ -78,10 +72,3 @@ def test_activation_peaks_per_stage_and_none_when_not_reported():
     zero = {e: {"store_bytes_high_water": 0} for e in peak}
     assert activation_peaks(rest, zero, [["e0", "e1"], ["e2"]]) is None
     assert relative_error(0.11, 0.10) == pytest.approx(0.1)
-
-
-def test_busy_in_windows_counts_only_time_inside_the_windows():
-    spans = [(0, 0.0, 1.0), (0, 1.5, 2.5), (1, 2.0, 3.0)]
-    result = busy_in_windows(spans, [(0.5, 2.0), (2.2, 2.4)])   # 1.7 s of windows
-    assert result[0]["busy_fraction"] == pytest.approx((0.5 + 0.5 + 0.2) / 1.7) and result[0]["count"] == 1
-    assert result[1]["busy_fraction"] == pytest.approx(0.2 / 1.7) and result[1]["count"] == 0

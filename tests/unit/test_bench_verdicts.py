@@ -9,7 +9,7 @@ import random
 import pytest
 
 from bench.fuzz_inputs import BODY_KINDS, Hints, RandomChooser, body, message
-from bench.soak import verdict
+from bench.soak import executor_exits, verdict
 from pathways_torch.wire import pb
 
 pytestmark = pytest.mark.timeout(60)
@@ -65,3 +65,38 @@ def test_the_fuzzer_makes_every_body_kind_of_the_schema():
             if kind == "save_shards" and envelope.save_shards.path.startswith("/"):
                 assert envelope.save_shards.path.startswith(("/tmp/x/", "/nonexistent/"))
     assert all(isinstance(frame, bytes) for _ in range(200) for frame in message(chooser, hints))
+
+
+class _Process:
+    """Popen's ``pid`` and ``poll`` (None while running, else the return code: negative for a signal)."""
+
+    def __init__(self, pid: int, code: int | None):
+        self.pid, self._code = pid, code
+
+    def poll(self):
+        return self._code
+
+
+_FAULTS = [{"kind": "SIGKILL", "executor": "executor-1", "pid": 11}, {"kind": "SIGSTOP", "executor": "executor-1",
+                                                                      "pid": 12}, {"kind": "cut link", "pid": None}]
+
+
+def test_the_soak_accounts_for_every_executor_exit_and_fails_on_one_it_did_not_inject():
+    incarnations = [("executor-1", _Process(11, -9)), ("executor-1", _Process(12, 3)),      # the two faults'
+                    ("executor-0", _Process(10, -11)),                                        # a survivor's SIGSEGV
+                    ("executor-0", _Process(13, None)), ("executor-1", _Process(14, None))]   # running
+    exits = executor_exits(incarnations, _FAULTS)
+    assert [(e["pid"], e["injected"], e["ended"], e["explained"]) for e in exits] == [
+        (11, "SIGKILL", "was killed by SIGKILL", True), (12, "SIGSTOP", "exited with code 3", True),
+        (10, "", "was killed by SIGSEGV", False), (13, "", "running", True), (14, "", "running", True)]
+    problems = _verdict(exits=exits)
+    assert problems == ["executor-0 (pid 10) was killed by SIGSEGV, which no fault of the soak injected: see its log"]
+    assert _verdict(exits=[e for e in exits if e["pid"] != 10]) == []
+
+
+def test_a_fault_explains_only_the_ending_it_causes():
+    exits = executor_exits([("executor-1", _Process(11, -11)), ("executor-1", _Process(12, -6)),
+                            ("executor-2", _Process(20, 1))], _FAULTS)
+    assert [e["explained"] for e in exits] == [False, False, False]   # SIGKILLed, yet a SIGSEGV; a stopped one's abort
+    assert _verdict(exits=exits)[0] == ("executor-1 (pid 11) was killed by SIGSEGV, after the soak's SIGKILL: "
+                                        "see its log")

@@ -179,3 +179,31 @@ def test_every_checkpoint_writer_flushes_the_file_and_its_folder(tmp_path, synce
     shard = str(tmp_path / "step" / "executor-0.safetensors")
     assert _write(shard, {"bucket0/param": torch.ones(4)}) == 16
     _assert_durable(synced, shard)
+
+
+def test_a_folder_another_process_reads_is_not_removed_until_it_is_done(tmp_path):
+    """Issue 46 ("Also"): a pin holds across processes (a shared flock on the folder), not only in this one."""
+    import subprocess
+    import sys
+
+    for step in range(1, 4):
+        _checkpoint(tmp_path, f"step-0000000{step}", 1000.0 + step)
+    _point_latest(tmp_path, "step-00000003")
+    reader = subprocess.Popen(
+        [sys.executable, "-c", "import sys\nfrom pathways_torch.training import checkpoint_folders as f\n"
+                               f"f.pin({str(tmp_path / 'step-00000001')!r})\nprint('pinned', flush=True)\n"
+                               "sys.stdin.read()"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert reader.stdout.readline().strip() == "pinned"
+        assert folders.remove_old(str(tmp_path), 1, str(tmp_path / "step-00000003")) == ["step-00000002"]
+        assert _steps(tmp_path) == ["step-00000001", "step-00000003"]
+    finally:
+        reader.communicate("", timeout=30)
+    assert folders.remove_old(str(tmp_path), 1, str(tmp_path / "step-00000003")) == ["step-00000001"]
+
+
+def test_a_latest_that_names_no_folder_beside_it_is_refused(tmp_path):
+    _point_latest(tmp_path, "../elsewhere")
+    with pytest.raises(ValueError, match="expected the name of a step folder beside it"):
+        folders.resolve(str(tmp_path))

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from controller import CallSpec, Controller
+from controller import CallSpec, Controller, ControllerConfig
 from controller.client_ops import ClientOps, NotYoursError
+from controller.shares import ClientGone
 from pathways_torch.errors import ExecutorLostError
 from pathways_torch.wire import pb
 
@@ -103,6 +104,10 @@ def test_a_client_that_goes_frees_its_arrays_and_its_functions_leave_every_execu
     [kept] = _call(bob, g, bob.allocate_mesh({"data": 2}))
     assert alice.release_everything() == 1
     assert alice.forget_everything() == 1
+    assert outbox.of("forget") == []          # her call in flight still runs f on the executors: it ends first
+    [alices_call] = [call.call_id for call in controller._calls.values() if call.owner == "alice"]
+    for executor_id in ("e0", "e1"):
+        controller.on_message(executor_id, pb.Envelope(done=pb.Done(call_id=alices_call, ok=True)), [])
     forgets = {e: list(env.forget.function_ids) for e, env in outbox.of("forget")}
     assert forgets == {"e0": [f], "e1": [f]}
     assert f not in controller._functions and g in controller._functions
@@ -118,3 +123,67 @@ def test_a_refused_call_still_uses_up_its_output_ids(two_clients):
         _call(alice, f, mesh, [10**9], output_ids=[first])    # refused: the client has moved past `first` anyway
     [out] = _call(alice, f, mesh, output_ids=[first + 1])
     assert out.array_id == first + 1
+
+
+# ---------------------------------------------------------------- a client that leaves mid-put or mid-call (#46: H3, M6)
+
+@pytest.fixture
+def budgeted():
+    """Two executors with 1,000 bytes each counted (`MemoryBudget`), and alice's ops over them."""
+    outbox = FakeOutbox()
+    controller = Controller(outbox, ControllerConfig(executor_memory_bytes=1000, memory_wait_s=0.2))
+    for i in range(2):
+        controller.on_message(f"e{i}", pb.Envelope(register=pb.Register(
+            executor_id=f"e{i}", data_address=f"tcp://127.0.0.1:{7000 + i}", backend="eager")), [])
+    return controller, outbox, ClientOps(controller, None, "alice")
+
+
+def _spent(outbox):
+    """(executor, role, sequence) of every put token the controller's Frees spent."""
+    return sorted((e, s.role, s.sequence) for e, env in outbox.of("free") for s in env.free.spent_puts)
+
+
+def test_a_client_that_leaves_mid_put_gives_back_its_budget_and_spends_its_tokens(budgeted):
+    controller, outbox, alice = budgeted
+    landing = alice.new_array(("e0", "e1"), landing=2, shard_bytes=800)     # never lands: the client was killed
+    alice.landed(landing.array_id)                                           # one shard of two came
+    assert controller.memory.snapshot()["e0"]["held"] == 800
+    assert alice.release_everything() == 1
+    assert controller.memory.snapshot() == {} and controller.arrays.get(landing.array_id) is None
+    assert landing.state == "failed" and "left while its puts were landing" in str(landing.error)
+    freed = sorted((e, r.array_id, r.shard) for e, env in outbox.of("free") for r in env.free.shards)
+    assert freed == [("e0", landing.array_id, 0), ("e1", landing.array_id, 1)]
+    # Its tokens are spent on both executors: a shard still on its way is refused there, never kept.
+    assert _spent(outbox) == [("e0", "client-alice", 1), ("e1", "client-alice", 1)]
+    # Another client's 800-byte put fits now (it failed with OutOfMemoryError while the record leaked: H3).
+    bob = ClientOps(controller, None, "bob")
+    assert bob.new_array(("e0", "e1"), landing=2, shard_bytes=800).held_bytes == 800
+
+
+def test_what_a_call_or_put_racing_the_clients_leave_adds_is_freed_at_once_budget_and_all(budgeted, monkeypatch):
+    controller, outbox, alice = budgeted
+    f = alice.register_function("f", pb.Graph(), [])
+    mesh = alice.allocate_mesh({"data": 2})
+    dispatch = controller.call
+
+    def call_racing_the_leave(spec, owner, output_ids=None):   # the client goes while its call is dispatched
+        records = dispatch(spec, owner, output_ids)
+        assert controller.memory.snapshot()["e0"]["held"] == 600
+        alice.release_everything()
+        return records
+
+    monkeypatch.setattr(controller, "call", call_racing_the_leave)
+    spec = CallSpec(function_id=f, name="f", mesh=mesh, inputs=(), num_outputs=1, output_shard_bytes=(600,))
+    with pytest.raises(ClientGone, match="client 'alice' left while a request was making arrays"):
+        alice.call(spec)
+    [run] = [env.run for _, env in outbox.of("run")][:1]
+    [output] = [r.array_id for r in run.outputs]
+    assert controller.memory.snapshot() == {} and controller.arrays.get(output) is None and not alice.arrays
+    assert ("e0", output) in [(e, r.array_id) for e, env in outbox.of("free") for r in env.free.shards]
+    # A put's new array made after the leave (it waited for memory meanwhile): undone too, its tokens spent.
+    with pytest.raises(ClientGone):
+        alice.new_array(("e0", "e1"), landing=2, shard_bytes=300)
+    assert controller.memory.snapshot() == {} and len(controller.arrays) == 0 and len(_spent(outbox)) == 2
+    with pytest.raises(ClientGone):   # and a function registered after it leaves the controller's table again
+        alice.register_function("g", pb.Graph(), [])
+    assert alice.functions == {f} and set(controller._functions) == {f}

@@ -225,6 +225,28 @@ def test_a_forgotten_program_leaves_its_executors_only_when_its_run_in_flight_en
     assert lowered.program_id not in controller._programs
 
 
+def test_a_forgotten_function_leaves_its_executors_only_when_no_call_or_program_run_in_flight_runs_it(setup):
+    from bench.scale import chain_on_controller
+
+    controller, outbox, _, function_id = setup
+    mesh = controller.resources.allocate({"data": 2}, ["e0", "e1"])
+    controller.call(CallSpec(function_id=function_id, name="f", mesh=mesh, inputs=(), num_outputs=1))
+    lowered, x = chain_on_controller(controller, 2, ["e0", "e1"], function_id)
+    controller.run_program(lowered.program_id, [x.array_id])
+    controller.forget([function_id], [lowered.program_id])
+    assert outbox.of("forget") == []                      # a run still to come on an executor would not find it
+    first, *rest = sorted(controller._calls)
+    for executor_id in ("e0", "e1"):
+        _done(controller, executor_id, first)
+    assert outbox.of("forget") == []                      # the program's runs still run it
+    for call_id in rest:
+        for executor_id in ("e0", "e1"):
+            _done(controller, executor_id, call_id)
+    functions_forgotten = sorted((e, f) for e, env in outbox.of("forget") for f in env.forget.function_ids)
+    assert functions_forgotten == [("e0", function_id), ("e1", function_id)]
+    assert function_id not in controller._functions and not controller.call_dispatch.forgetting.functions_after_calls
+
+
 def test_a_done_whose_handling_raises_still_ends_its_call(setup, monkeypatch):
     from pathways_torch.errors import PathwaysError
 

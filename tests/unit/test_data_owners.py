@@ -5,14 +5,18 @@ token, each Run's and RunProgram's owner."""
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 
 from controller import CallSpec, Controller, ControllerConfig
 from controller.program import ProgramSpec, lower
 from controller.resources import MeshAllocation
+from executor.data_roles import PutLedger
 from pathways_torch.wire import pb
-from pathways_torch.wire.security import owner_role, put_token
+from pathways_torch.wire.put_tokens import PUT_TOKEN_BYTES, put_token, shard_put_token
+from pathways_torch.wire.security import owner_role
 from pathways_torch.wire.tensors import frame_to_tensor, tensor_to_frame
 from tests.unit.test_executor_core import fetch_tensor, load, make_core, put, ref
 
@@ -60,8 +64,14 @@ def _fetch_alice(core, array_id, request_id=300):
     return frame_to_tensor(reply.tensor, [bytes(memoryview(p)) for p in core.outbox.clients[-1][2]])
 
 
-def _token(array_id, role):
-    return put_token(SECRET, array_id, role)
+_SEQUENCES = itertools.count(1)
+
+
+def _token(array_id, role, *, shard=0, nbytes=V.numel() * V.element_size(), executor_id="e0", epoch=1, tag=0,
+           sequence=None):
+    """The controller's token for one put of ``array_id``'s shard on this test's executor (e0, incarnation 1)."""
+    return put_token(SECRET, sequence=next(_SEQUENCES) if sequence is None else sequence, array_id=array_id,
+                     shard=shard, nbytes=nbytes, executor_id=executor_id, epoch=epoch, role=role, tag=tag)
 
 
 # ---------------------------------------------------------------- puts
@@ -121,15 +131,16 @@ def test_the_embedded_clients_put_and_fetch_are_unchanged_and_record_no_owner():
 
 def test_a_fetch_or_save_of_another_clients_array_is_answered_as_one_never_held(tmp_path):
     core, outbox = _welcomed_core()
+    core.data.writer.checkpoint_root = str(tmp_path)   # each client's checkpoints under tmp_path/<name>/
     _put(core, ALICE, [(5, V, _token(5, ALICE))])
     refused = {role: _fetch(core, role, ref(5)) for role in (BOB, "client")}
-    saved = _save(core, BOB, ref(5), tmp_path / "w.safetensors")
+    saved = _save(core, BOB, ref(5), "w.safetensors")
     assert core.store.get((5, 0, 0)).pins == 0 and not list(tmp_path.iterdir())   # nothing pinned, nothing written
     assert _fetch_alice(core, 5).tolist() == V.tolist()
     # The same answers as for an array this executor does not hold.
     core.on_control(pb.Envelope(free=pb.Free(shards=[ref(5)])), [])
     unknown = _fetch(core, ALICE, ref(5))
-    unknown_save = _save(core, ALICE, ref(5), tmp_path / "w.safetensors")
+    unknown_save = _save(core, ALICE, ref(5), "w.safetensors")
     for reply in refused.values():
         assert reply.failed and (reply.failure.type, reply.failure.message) == (unknown.failure.type,
                                                                                  unknown.failure.message)
@@ -226,8 +237,11 @@ def test_the_controller_gives_its_secret_in_welcome_a_token_with_each_put_array_
     secrets = {bytes(w.put_secret) for _, w in outbox.bodies("welcome")}
     assert len(secrets) == 1 and len(secret := secrets.pop()) == 32
     assert Controller(_Outbox(), ControllerConfig()).lifetimes.put_secret != secret   # random per controller
-    mine = controller.new_array(("e0", "e1"), landing=2, owner="alice")
-    assert mine.put_token == put_token(secret, mine.array_id, "client-alice") and len(mine.put_token) == 16
+    mine = controller.new_array(("e0", "e1"), landing=2, owner="alice", shard_bytes=8)
+    assert len(mine.put_token) == 2 * PUT_TOKEN_BYTES   # one per (executor, shard), each for 8 bytes, one put
+    assert [shard_put_token(mine.put_token, p) for p in (0, 1)] == [
+        put_token(secret, sequence=1, array_id=mine.array_id, shard=p, nbytes=8, executor_id=e, epoch=1,
+                  role="client-alice") for p, e in enumerate(("e0", "e1"))]
     assert controller.new_array(("e0",), landing=1).put_token == b""    # the embedded client's: none needed
     assert owner_role("") == "client" and owner_role("alice") == "client-alice"
     function_id = controller.register_function("f", pb.Graph(), [])
@@ -240,3 +254,80 @@ def test_the_controller_gives_its_secret_in_welcome_a_token_with_each_put_array_
     program_id = controller.register_program(spec).program_id
     controller.run_program(program_id, [mine.array_id], "alice")
     assert [r.owner for _, r in outbox.bodies("run_program")] == ["client-alice"] * 2
+
+
+# ---------------------------------------------------------------- one token, one put, exactly what it names (#46: H2)
+
+def _refusal(ack):
+    assert ack.failed and ack.failure.type == "PermissionError", ack
+    return ack.failure.message
+
+
+def test_a_put_token_is_good_for_one_put_of_exactly_the_shard_tag_bytes_and_executor_it_names():
+    core, outbox = _welcomed_core()
+    big = torch.zeros(2 << 20)                    # 8 MiB, for a token of 8 bytes
+    token = _token(5, ALICE)
+    refusals = {
+        "byte count 8, not 8388608": _put(core, ALICE, [(5, big, token)]),
+        "for shard 0, not 1": _put_ref(core, ALICE, ref(5, shard=1), V, token),
+        "for tag 0, not 9": _put_ref(core, ALICE, ref(5, tag=9), V, token),
+        "for another executor": _put(core, ALICE, [(5, V, _token(5, ALICE, executor_id="e1"))]),
+        "for executor incarnation 2, not 1": _put(core, ALICE, [(5, V, _token(5, ALICE, epoch=2))]),
+        "used twice in one message": _put(core, ALICE, [(5, V, token), (5, V, token)]),
+    }
+    for expected, ack in refusals.items():
+        assert expected in _refusal(ack)
+    assert len(core.store) == 0 and core.counters["refused_data_messages"] == len(refusals)
+    assert not _put(core, ALICE, [(5, V, token)]).failed                # the put it names: taken, once
+    core.on_control(pb.Envelope(free=pb.Free(shards=[ref(5)])), [])
+    assert "used already" in _refusal(_put(core, ALICE, [(5, V, token)]))   # again, after its array was freed
+    assert (5, 0, 0) not in core.store and core.store.bytes == 0
+
+
+def test_a_token_the_controllers_free_spent_puts_nothing_when_its_shard_comes_late():
+    core, outbox = _welcomed_core()
+    token = _token(6, ALICE, sequence=40)
+    free = pb.Free(shards=[ref(6)], spent_puts=[pb.SpentPut(role=ALICE, sequence=40)])
+    core.on_control(pb.Envelope(free=free), [])       # the client left mid-put: its array is freed first
+    assert "used already" in _refusal(_put(core, ALICE, [(6, V, token)]))
+    assert (6, 0, 0) not in core.store and core.store.bytes == 0
+    assert not _put(core, ALICE, [(7, V, _token(7, ALICE, sequence=41))]).failed   # its later tokens still put
+
+
+def test_a_clients_put_ledger_stays_bounded_and_refuses_what_fell_behind_its_window():
+    ledger = PutLedger(window=8)
+    for sequence in range(1, 101):
+        assert ledger.refusal(sequence) is None
+        ledger.take(sequence)
+    assert len(ledger.taken) <= 16                     # however long the client puts
+    assert "used already" in ledger.refusal(100) and "too old" in ledger.refusal(50)
+    assert ledger.refusal(95) is not None and ledger.refusal(101) is None
+    ledger.take(103)                                   # out of order within the window: 102 may still come
+    assert ledger.refusal(102) is None
+
+
+def _put_ref(core, role, shard_ref, tensor, token):
+    msg = pb.Put(request_id=1, shard=shard_ref, token=token)
+    frame = bytes(memoryview(tensor_to_frame(tensor, msg.tensor, 1)))
+    core.on_data(role.encode(), pb.Envelope(put=msg), [frame], role=role)
+    return core.outbox.clients[-1][1].put_ack
+
+
+def test_a_free_that_spends_puts_names_only_the_put_arrays_shards_never_a_computed_one_in_the_same_batch():
+    # A Free with spent puts fails the runs still waiting for the shards it names (the put never came); a
+    # computed array freed in the same batch, its run not begun yet, must ride in a Free of its own (CI at
+    # 60baa03: `del y, x` failed z = layer(y, w) with PutAbandoned).
+    outbox = _Outbox()
+    controller = Controller(outbox, ControllerConfig())
+    controller.on_message("e0", pb.Envelope(register=pb.Register(
+        executor_id="e0", data_address="tcp://127.0.0.1:7100", device="cpu", backend="eager")), [])
+    put_array = controller.new_array(("e0",), landing=1, owner="alice", shard_bytes=8)
+    controller.landed(put_array.array_id)
+    mesh = controller.resources.allocate({"data": 1}, ["e0"])
+    function_id = controller.register_function("f", pb.Graph(), [])
+    [computed] = controller.call(CallSpec(function_id=function_id, name="f", mesh=mesh, inputs=(put_array.array_id,),
+                                          num_outputs=1), "alice")
+    controller.release_many([computed.array_id, put_array.array_id])
+    frees = [free for _, free in outbox.bodies("free")]
+    assert sorted(([r.array_id for r in f.shards], len(f.spent_puts)) for f in frees) == sorted(
+        [([computed.array_id], 0), ([put_array.array_id], 1)])

@@ -166,6 +166,23 @@ def test_a_transfer_no_run_waits_for_is_refused_and_not_stored():
     assert len(core.store) == buffers and core.dropped_messages == 6
 
 
+def test_a_copy_held_past_a_cut_and_delivered_after_its_loss_was_reported_is_refused():
+    # Issue 47: a copy sent just before a cut could be delivered seconds later (seen once with compute-thread sends
+    # over a relayed link). By then its sender reported it lost and the controller failed it here: the late copy
+    # must neither replace that failure nor start the run with it, nor stay in the store.
+    core, outbox = make_core()
+    load(core, 1, lambda x: x * 2, X)
+    copy = ref(5, tag=10)
+    run(core, seq=1, call_id=10, function_id=1, inputs=[copy], outputs=[ref(6)])
+    assert outbox.dones() == []                            # waits for the copy
+    _transfer(core, copy, failed=True, channel="control")  # the controller's failed copy (the link lost it)
+    [done] = outbox.dones()
+    assert not done.ok
+    buffers = len(core.store)
+    _transfer(core, copy, X)                               # the held copy, late
+    assert core.dropped_messages == 1 and len(core.store) == buffers and len(outbox.dones()) == 1
+
+
 def test_a_transfer_ahead_of_its_run_is_kept_and_a_bogus_one_let_go():
     core, outbox = make_core()
     load(core, 1, lambda x: x * 2, X)
@@ -377,7 +394,7 @@ def test_a_failure_raised_again_keeps_no_frames_of_the_raises_before():
     import gc
     import weakref
 
-    from pathways_torch.context import Context
+    from pathways_torch.dispatcher import explained
 
     class Held:
         pass
@@ -387,10 +404,10 @@ def test_a_failure_raised_again_keeps_no_frames_of_the_raises_before():
     def user_loop():
         held = Held()
         user_loop.held = weakref.ref(held)
-        raise Context._explained(None, error)
+        raise explained(error)
 
     with pytest.raises(RuntimeError):
         user_loop()
-    Context._explained(None, error)      # the next result() raising it
+    explained(error)      # the next result() raising it
     gc.collect()
     assert user_loop.held() is None, "the first raise's frame (and its locals) is still held by the failure"

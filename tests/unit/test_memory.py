@@ -4,7 +4,6 @@ fake outbox (no sockets, no processes). The waits are real but short: each test 
 
 from __future__ import annotations
 
-import threading
 import time
 
 import pytest
@@ -15,37 +14,13 @@ from controller.program import ProgramSpec
 from controller.resources import MeshAllocation
 from pathways_torch.errors import ContextClosedError, OutOfMemoryError
 from pathways_torch.wire import pb
+from tests.threads import InThread, until
 
 pytestmark = pytest.mark.timeout(30)
 
 
 def _until(condition, timeout_s: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, "the condition never came"
-        time.sleep(0.002)
-
-
-class _InThread:
-    """Run ``fn`` on a thread of its own; ``result()`` its value or raises its error."""
-
-    def __init__(self, fn):
-        self.value, self.error = None, None
-        self.thread = threading.Thread(target=self._run, args=(fn,), daemon=True)
-        self.thread.start()
-
-    def _run(self, fn):
-        try:
-            self.value = fn()
-        except BaseException as exc:   # handed to the test thread
-            self.error = exc
-
-    def result(self, timeout_s: float = 10.0):
-        self.thread.join(timeout_s)
-        assert not self.thread.is_alive(), "still waiting"
-        if self.error is not None:
-            raise self.error
-        return self.value
+    until(condition, timeout_s)
 
 
 # ---------------------------------------------------------------- MemoryBudget alone
@@ -61,7 +36,7 @@ def test_a_request_that_fits_takes_its_bytes_at_once():
 def test_a_request_waits_until_another_release_makes_room_then_proceeds():
     budget = MemoryBudget(1000)
     budget.reserve("alice", {"e0": 800}, timeout_s=0.0)
-    waiter = _InThread(lambda: budget.reserve("bob", {"e0": 300, "e1": 300}, timeout_s=10.0))
+    waiter = InThread(lambda: budget.reserve("bob", {"e0": 300, "e1": 300}, timeout_s=10.0))
     _until(lambda: budget.waiting == 1)
     assert budget.held["e0"] == 800 and budget.held.get("e1", 0) == 0   # nothing taken while it waits
     budget.release("alice", {"e0": 500})
@@ -75,7 +50,7 @@ def test_a_request_waits_until_another_release_makes_room_then_proceeds():
 def test_a_release_too_small_keeps_the_waiter_waiting():
     budget = MemoryBudget(1000)
     budget.reserve("alice", {"e0": 900}, timeout_s=0.0)
-    waiter = _InThread(lambda: budget.reserve("bob", {"e0": 400}, timeout_s=10.0))
+    waiter = InThread(lambda: budget.reserve("bob", {"e0": 400}, timeout_s=10.0))
     _until(lambda: budget.waiting == 1)
     budget.release("alice", {"e0": 200})       # 700 + 400 > 1000: still no room
     time.sleep(0.05)
@@ -138,7 +113,7 @@ def test_no_limit_counts_nothing():
 def test_closing_ends_every_wait():
     budget = MemoryBudget(100)
     budget.reserve("alice", {"e0": 100}, timeout_s=0.0)
-    waiter = _InThread(lambda: budget.reserve("bob", {"e0": 1}, timeout_s=10.0))
+    waiter = InThread(lambda: budget.reserve("bob", {"e0": 1}, timeout_s=10.0))
     _until(lambda: budget.waiting == 1)
     budget.close("the context closed")
     with pytest.raises(ContextClosedError, match="the context closed"):
@@ -183,7 +158,7 @@ def test_a_call_past_the_limit_waits_until_an_array_is_released():
         controller.landed(x.array_id)
     [y] = controller.call(_spec(function_id, mesh, 500, inputs=(x.array_id,)), "alice")
     assert controller.memory.held == {"e0": 900, "e1": 900} and y.held_bytes == 500
-    waiter = _InThread(lambda: controller.call(_spec(function_id, mesh, 200, 100), "alice"))
+    waiter = InThread(lambda: controller.call(_spec(function_id, mesh, 200, 100), "alice"))
     _until(lambda: controller.memory.waiting == 1)
     assert len(outbox.runs()) == 2                 # only the first call's runs: the second waits, unsequenced
     controller.release(x.array_id)                 # its 400 per executor are free again
@@ -199,7 +174,7 @@ def test_a_call_past_the_limit_waits_until_an_array_is_released():
 def test_a_call_that_never_gets_room_fails_after_the_wait_while_another_owner_goes_on():
     controller, outbox, mesh, function_id = _controller(1000, wait_s=0.3)
     [big] = controller.call(_spec(function_id, mesh, 900), "alice")
-    waiter = _InThread(lambda: controller.call(_spec(function_id, mesh, 200), "alice"))
+    waiter = InThread(lambda: controller.call(_spec(function_id, mesh, 200), "alice"))
     _until(lambda: controller.memory.waiting == 1)
     [small] = controller.call(_spec(function_id, mesh, 50), "bob")   # fits: goes on while alice waits
     assert [e for e, _ in outbox.runs()] == ["e0", "e1", "e0", "e1"]
@@ -276,3 +251,63 @@ def test_the_error_crosses_the_seam_with_what_it_names():
     mesh = MeshAllocation(1, (("data", 1),), ("e0",))
     spec = seam_codec.decode(seam_codec.encode({"s": _spec(1, mesh, 64, 32)}))["s"]
     assert spec.output_shard_bytes == (64, 32)
+
+
+# ---------------------------------------------------------------- held to where it lands (issue 46, point 4)
+
+def test_under_a_limit_each_run_carries_the_bytes_counted_per_output_shard():
+    controller, outbox, mesh, function_id = _controller(1000, wait_s=0.2)
+    spec = CallSpec(function_id=function_id, name="grow", mesh=mesh, inputs=(), num_outputs=3,
+                    output_shard_bytes=(100, -5))     # a bogus size and a missing one: both count 0, and store 0
+    controller.call(spec, "alice")
+    assert [list(run.output_budget_bytes) for _, run in outbox.runs()] == [[100, 0, 0], [100, 0, 0]]
+    x = controller.new_array(mesh.executor_ids, owner="alice")
+    program = ProgramSpec(name="two", input_values=(0,), input_meshes=(mesh,), output_values=(1, 2), nodes=(
+        CallSpec(name="a", function_id=function_id, mesh=mesh, inputs=(0,), outputs=(1,), output_shard_bytes=(70,)),
+        CallSpec(name="b", function_id=function_id, mesh=mesh, inputs=(1,), outputs=(2,), output_shard_bytes=(60,))))
+    controller.run_program(controller.register_program(program).program_id, [x.array_id], "alice")
+    runs = [env.run_program for _, env in outbox.sent if env.WhichOneof("body") == "run_program"]
+    assert runs and all(list(run.output_budget_bytes) == [70, 60] for run in runs)
+
+
+def test_without_a_limit_runs_carry_no_budgets():
+    controller, outbox, mesh, function_id = _controller(0, wait_s=0.0)
+    controller.call(_spec(function_id, mesh, 100), "alice")
+    assert all(not run.output_budget_bytes for _, run in outbox.runs())
+
+
+def test_a_wait_for_memory_ends_at_once_when_its_client_leaves():
+    from controller.shares import ClientGone
+
+    budget = MemoryBudget(1000)
+    budget.reserve("alice", {"e0": 900}, timeout_s=0.0)
+    waiter = InThread(lambda: budget.reserve("alice", {"e0": 200}, timeout_s=30.0, what="call 'f'"))
+    bob = InThread(lambda: budget.reserve("bob", {"e0": 200}, timeout_s=30.0))
+    _until(lambda: budget.waiting == 2)
+    started = time.monotonic()
+    budget.forget_client("alice")
+    with pytest.raises(ClientGone, match="client 'alice' left while call 'f' waited for executor memory"):
+        waiter.result(timeout_s=5.0)
+    assert time.monotonic() - started < 5.0 and budget.waiting == 1   # bob's wait goes on: he did not leave
+    budget.release("alice", {"e0": 900})
+    assert bob.result().demand == {"e0": 200}
+    assert budget.reserve("alice", {"e0": 200}, timeout_s=0.0) is not None   # alice again (reconnected): as ever
+
+
+def test_a_client_that_leaves_ends_its_call_waiting_for_memory_through_its_ops():
+    from controller.client_ops import ClientOps
+    from controller.shares import ClientGone
+
+    controller, outbox, _, _ = _controller(1000, wait_s=30.0)
+    alice = ClientOps(controller, None, "alice")
+    function_id, mesh = alice.register_function("grow", pb.Graph(), []), alice.allocate_mesh({"data": 2})
+    alice.call(_spec(function_id, mesh, 900))
+    waiter = InThread(lambda: alice.call(_spec(function_id, mesh, 200)))
+    _until(lambda: controller.memory.waiting == 1)
+    started = time.monotonic()
+    alice.stop_waiting()          # as ClientService disconnects it (then its worker stops, then what it held goes)
+    alice.release_everything()
+    with pytest.raises(ClientGone):
+        waiter.result(timeout_s=5.0)
+    assert time.monotonic() - started < 5.0                       # not the 30 s wait
+    assert len(outbox.runs()) == 2 and not controller.memory.held   # never sent; every byte given back

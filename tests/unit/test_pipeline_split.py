@@ -65,10 +65,18 @@ def test_split_prints_which_module_went_where():
 def test_partitioned_forward_and_backward_equal_autograd():
     model = _mlp()
     split, x, y = _split(model, 2)
-    params = dict(model.named_parameters())
     expected = nn.MSELoss()(model(x), y)
     expected.backward()
-    grads, incoming, outputs = {}, [], []
+    loss, grads = _chunked_loss_and_grads(split, model, x, y)
+    assert torch.equal(loss, expected.detach())
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(grads[name], p.grad, rtol=0, atol=1e-12, msg=name)
+
+
+def _chunked_loss_and_grads(split, model, x, y):
+    """The loss and every parameter's gradient, from each chunk's partitioned forward and backward in turn."""
+    params = dict(model.named_parameters())
+    grads, incoming = {}, []
     parts = []
     for chunk in split.chunks:
         inputs = [params[n].detach() for n in chunk.params] + [(x, y)[i] for i in chunk.batch_leaves] + incoming
@@ -77,7 +85,6 @@ def test_partitioned_forward_and_backward_equal_autograd():
         parts.append((chunk, autograd, inputs, out))
         incoming = list(out[:len(chunk.outgoing)])
     loss = parts[-1][3][parts[-1][1].num_outputs - 1]
-    assert torch.equal(loss, expected.detach())
     grad_out = []
     for chunk, autograd, inputs, out in reversed(parts):
         seed = [torch.tensor(1.0, dtype=torch.float64)] if chunk.has_loss else []
@@ -87,8 +94,97 @@ def test_partitioned_forward_and_backward_equal_autograd():
         grads.update({n: by_input[i] for i, n in enumerate(chunk.params)})
         first_incoming = len(inputs) - len(chunk.incoming)
         grad_out = [by_input[i] for i in sorted(by_input) if i >= first_incoming]
-    for name, p in params.items():
+    return loss, grads
+
+
+class _RoundStraightThrough(torch.autograd.Function):
+    """Forward: round; backward: the gradient as it came (a straight-through estimator), old-style."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return torch.round(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad
+
+
+class _ScaledRoundStraightThrough(torch.autograd.Function):
+    """New-style (``setup_context``), with a non-tensor argument, a saved tensor and two outputs."""
+
+    @staticmethod
+    def forward(x, scale):
+        return torch.round(x * scale), x.sum()
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.scale = inputs[1]
+        ctx.save_for_backward(inputs[0])
+
+    @staticmethod
+    def backward(ctx, grad, grad_sum):
+        (x,) = ctx.saved_tensors
+        return grad * ctx.scale + grad_sum * torch.cos(x), None
+
+
+_GRADIENTS_OFF = {"no_grad": torch.no_grad, "inference_mode": torch.inference_mode,
+                  "set_grad_enabled": lambda: torch.set_grad_enabled(False)}
+
+
+class _EagerOnlyGradient(nn.Module):
+    """A block whose gradient eager takes by a rule the forward's ops do not show: a user's autograd Function's
+    backward, or none through a term computed where gradients are off."""
+
+    def __init__(self, how: str):
+        super().__init__()
+        self.fc, self.how = nn.Linear(6, 6), how
+
+    def forward(self, x):
+        y = self.fc(x)
+        if self.how == "straight_through":
+            return y + _RoundStraightThrough.apply(y * 3)
+        if self.how == "straight_through_setup_context":
+            rounded, total = _ScaledRoundStraightThrough.apply(y, 3.0)
+            return y + rounded + total
+        with _GRADIENTS_OFF[self.how]():
+            square = y ** 2
+        return y + square
+
+
+@pytest.mark.parametrize("how", ["straight_through", "straight_through_setup_context", "inference_mode",
+                                 "set_grad_enabled", "no_grad"])
+def test_each_chunk_differentiates_as_eager_does(how):
+    torch.manual_seed(0)
+    model = nn.Sequential(_EagerOnlyGradient(how), _EagerOnlyGradient(how), nn.Linear(6, 3)).double()
+    split, x, y = _split(model, 2)
+    nn.MSELoss()(model(x), y).backward()
+    _, grads = _chunked_loss_and_grads(split, model, x, y)
+    # Before: round's zero gradient instead of the identity, the square's gradient through inference_mode and
+    # set_grad_enabled(False) (up to 7 apart).
+    for name, p in model.named_parameters():
         torch.testing.assert_close(grads[name], p.grad, rtol=0, atol=1e-12, msg=name)
+
+
+class _Noisy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x + torch.rand_like(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad
+
+
+def test_a_function_whose_forward_draws_random_numbers_is_refused_by_name():
+    class Block(nn.Linear):
+        def forward(self, x):
+            return _Noisy.apply(super().forward(x))
+
+    torch.manual_seed(0)
+    model = nn.Sequential(Block(6, 6), Block(6, 3)).double()
+    with pytest.raises(pw.CaptureError, match=r"autograd Function _Noisy draws random numbers .*rand_like.*"
+                                              r"Fix: draw the random tensor outside the Function"):
+        _split(model, 2)
 
 
 @pytest.mark.parametrize("recompute,expected", [(False, [(4, 6)] * 3), (True, [(4, 6)])])

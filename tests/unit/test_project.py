@@ -26,10 +26,10 @@ def test_readme_opens_with_two_commands_and_ci_runs_the_second():
     with open(f"{REPO_ROOT}/.ci/run") as f:
         ci_lines = [line.strip() for line in f if line.strip() and not line.startswith("#")]
     assert commands[1] in ci_lines
-    # The script runs the whole suite, then the compat ends; any failure (pytest's 5, no test, too) is its exit code.
+    # The script runs the whole suite (two workers), then the compat ends; any failure (pytest's 5, no test, too) is its exit code.
     with open(f"{REPO_ROOT}/tests/run_all.sh") as f:
         script = f.read()
-    assert "set -euo pipefail" in script and ".venv/bin/python -m pytest || suite=$?" in script
+    assert "set -euo pipefail" in script and ".venv/bin/python -m pytest -n 2 --dist loadfile || suite=$?" in script
     assert 'exit "$suite"' in script and script.rstrip().endswith("bash tests/compat/run_other_ends.sh test")
 
 

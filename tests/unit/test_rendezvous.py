@@ -100,8 +100,10 @@ def test_a_groups_keys_go_once_every_member_has_formed_it():
     _ask(store, "e1", op="set", key=f"{PREFIX}/addr1", value=b"y")
     assert _ask(store, "e0", op="add", key=f"{PREFIX}/{FORMED_KEY}", amount=1)[0].number == 1
     assert store.sizes() == {"groups": 1, "keys": 3, "waiting": 0}    # e1 may still read e0's address
+    assert store.stored_bytes() == len(PREFIX) + len("addr0x") + len("addr1y") + len(FORMED_KEY) + len("1")
     assert _ask(store, "e1", op="add", key=f"{PREFIX}/{FORMED_KEY}", amount=1)[0].number == 2
     assert store.sizes() == {"groups": 0, "keys": 0, "waiting": 0} and store.groups_forgotten == 1
+    assert store.stored_bytes() == 0
 
 
 def test_a_get_parked_past_the_group_timeout_fails_and_its_group_goes():

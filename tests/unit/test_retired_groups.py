@@ -91,3 +91,87 @@ def test_at_most_a_few_abandoned_groups_are_kept_the_oldest_dropped_off_the_aban
         time.sleep(0.01)
     assert [r() is None for r in refs] == [True] * 3 + [False] * limit      # the oldest three
     assert dropped_on == ["pathways-group-release"] * 3
+
+
+class _CachedStep:
+    """Stands for a program's step or a call site's step, which keeps its resolved groups (`bind`'s cache)."""
+
+    binding = None
+
+
+def test_a_step_that_cached_its_binding_lets_go_of_the_group_once_it_is_abandoned():
+    # Each executor replacement used to leave every survivor the old group (a gloo device thread, two worker
+    # threads, a listening socket, a connection, a pipe and an epoll): a call site's cached step held it for good.
+    pg = _FakeProcessGroup()
+    ref = weakref.ref(pg)
+    runtime = _runtime_with({1: _Group(pg, 2, frozenset({"a@1", "b@1"}), timeout_s=20)})
+    del pg
+    step = _CachedStep()
+    with runtime.bind({"data": 1}, cache=step):
+        assert runtime._handle("all_reduce", "data").size == 2
+    assert step.binding is not None                        # kept: the next run of the step resolves nothing
+    runtime.abandon("b@1", "declared lost")
+    _form_nothing(runtime)
+    assert ref() is None, "the step's cached binding still holds the abandoned group"
+    with runtime.bind({"data": 1}, cache=step):             # the step run again: fails as one of an abandoned group
+        with pytest.raises(collectives.CollectiveAbandoned, match="axis 'data' is unusable: member b@1 was lost"):
+            runtime._handle("all_reduce", "data")
+
+
+def test_a_binding_cached_after_its_group_was_abandoned_keeps_it_no_more():
+    # The heartbeat thread may abandon the group between the step's resolution and its caching.
+    pg = _FakeProcessGroup()
+    ref = weakref.ref(pg)
+    group = _Group(pg, 2, frozenset({"a@1", "b@1"}), timeout_s=20)
+    del pg
+    runtime = _runtime_with({})
+    binding = collectives._Binding(runtime, {"data": group})
+    group.abandon("member b@1 was lost")
+    binding.hold()
+    del group
+    assert ref() is None
+    with binding:
+        with pytest.raises(collectives.CollectiveAbandoned, match="unusable: member b@1 was lost"):
+            runtime._handle("all_reduce", "data")
+
+
+class _FakeNative:
+    """Stands for the extension's side of the groups (`NativeGroups`): slots, and the axes bound before each run."""
+
+    def __init__(self):
+        self.bound, self.released = [], []
+
+    def register(self, group) -> int:
+        return 7
+
+    def axis_id(self, axis: str) -> int:
+        return {"data": 0, "model": 1}[axis]
+
+    def abandon(self, slot, reason):
+        pass
+
+    def quiet(self, slot) -> bool:
+        return True
+
+    def release(self, slot):
+        self.released.append(slot)
+
+    def bind(self, axes):
+        self.bound.append(list(axes))
+
+
+def test_a_cached_binding_of_an_abandoned_group_binds_the_extensions_axis_to_why_not_to_its_released_slot():
+    native = _FakeNative()
+    runtime = CollectiveRuntime(native=native)
+    runtime._groups[1] = _Group(_FakeProcessGroup(), 2, frozenset({"a@1", "b@1"}), timeout_s=20, native=native)
+    step = _CachedStep()
+    with runtime.bind({"data": 1}, cache=step):
+        pass
+    runtime.abandon("b@1", "declared lost")
+    _form_nothing(runtime)
+    assert native.released == [7]                           # the group went, its slot with it
+    with runtime.bind({"data": 1}, cache=step):
+        pass
+    assert native.bound[0] == [(0, 7, False, "")]
+    (axis, slot, abandoned, why), = native.bound[1]
+    assert (axis, slot, abandoned) == (0, -1, True) and "member b@1 was lost" in why

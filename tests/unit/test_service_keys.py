@@ -10,7 +10,7 @@ import stat
 import pytest
 
 from pathways_torch.launch import ServiceKeyFolders, make_service_keys, service_folders
-from pathways_torch.launch.service_keys import check_client_names, client_name, client_role
+from pathways_torch.launch.service_keys import ADMIN_TOKEN, admin_token, check_client_names, client_name, client_role
 from pathways_torch.wire.security import CLIENT, CONTROLLER, KeyDirectory, SecurityError
 
 SERVERS = ["controller.key", "executor-0.key", "executor-1.key", "executor-2.key"]
@@ -133,3 +133,39 @@ def test_client_role_and_client_name_round_trip_and_other_roles_are_no_client(tm
         assert client_name(role) is None, role
     with pytest.raises(ValueError, match="'Bob'.*rename it .e.g. 'bob'"):
         client_role("Bob")
+
+
+@pytest.mark.timeout(30)
+def test_the_admin_token_is_written_private_into_the_controller_folder_alone(tmp_path):
+    """Issue 46 point 8: the operator's levers need a token only the controller's folder holds."""
+    root = str(tmp_path / "keys")
+    folders = make_service_keys(root, ["alice"], executors=1)
+    path = os.path.join(folders.controller, ADMIN_TOKEN)
+    assert stat.S_IMODE(os.stat(path).st_mode) == 0o600 and os.stat(path).st_uid == os.getuid()
+    token = admin_token(root)
+    assert len(token) == 64 and int(token, 16) >= 0                      # 32 random bytes, as hex
+    assert admin_token(folders.controller) == token                      # DIR or DIR/controller
+    assert token not in "".join(open(os.path.join(d, f)).read() for d, _, files in os.walk(root)
+                                for f in files if f != ADMIN_TOKEN and "secret" not in d)
+    for folder in (folders.executors, folders.clients["alice"]):
+        assert ADMIN_TOKEN not in [f for _, _, files in os.walk(folder) for f in files]
+    assert admin_token(make_service_keys(str(tmp_path / "other"), ["alice"], executors=1).root) != token
+
+
+@pytest.mark.timeout(30)
+def test_a_missing_or_readable_admin_token_is_refused_naming_the_fix(tmp_path):
+    root = str(tmp_path / "keys")
+    folders = make_service_keys(root, ["alice"], executors=1)
+    path = os.path.join(folders.controller, ADMIN_TOKEN)
+    os.chmod(path, 0o644)
+    with pytest.raises(SecurityError, match=r"expected a plain file of mode 0600 .* got mode 0644 .* chmod 600"):
+        admin_token(root)
+    os.remove(path)
+    with pytest.raises(SecurityError, match=r"admin.token, found none; pass --keys-dir DIR"):
+        admin_token(root)
+    made = admin_token(root, create=True)                                # keys made before tokens: the controller
+    assert admin_token(root) == made and stat.S_IMODE(os.stat(path).st_mode) == 0o600
+    with open(path, "w") as file:
+        file.write("not hex")
+    with pytest.raises(SecurityError, match="expected 64 hex digits"):
+        admin_token(root)

@@ -177,10 +177,7 @@ def test_a_waiting_client_flushes_frees_only_for_a_megabyte_or_more():
         def flush_frees(self):
             Client.flushes += 1
 
-    class Context:
-        closed = False
-
-    dispatch = Dispatcher(Context(), Client(), None)
+    dispatch = Dispatcher(Client(), None)
     dispatch.release(1, nbytes=_nbytes((1024,), torch.float32))
     assert not dispatch.frees_worth_flushing()          # 4 KB dropped: a wait sends nothing (and waits once)
     dispatch.release(2, nbytes=_nbytes((512, 512), torch.float32))

@@ -209,3 +209,21 @@ def test_waiter_that_releases_the_entry_during_fill():
     store.fill(A, torch.ones(2), owned=False)
     assert sent == [[1.0, 1.0]]
     assert A not in store and store.bytes == 0
+
+
+def test_giving_up_on_a_put_that_never_came_fails_its_waiters_and_spares_computed_and_ready_entries():
+    store = ObjectStore()
+    woken = []
+    store.claim(A, pin=True)                              # a run waits for a put
+    store.when_ready(A, woken.append)
+    failure = pb.RemoteFailure(type="PutAbandoned", message="freed before its put came")
+    store.give_up(A, failure)
+    assert len(woken) == 1 and woken[0].failure.type == "PutAbandoned"
+    computing = B
+    store.claim(computing).computing = True               # a run makes it: it will be filled
+    store.give_up(computing, failure)
+    assert not store.get(computing).ready
+    ready = (3, 0, 0)
+    store.fill(ready, torch.ones(2))
+    store.give_up(ready, failure)
+    assert store.get(ready).failure is None

@@ -1,5 +1,6 @@
 // The pathways:: collectives inside an XLA executable: XLA FFI handlers that call the executor's own gloo (or
-// NCCL) group through torch's c10d Backend, on the executable's buffers, with no Python and no host stage.
+// NCCL) group through torch's c10d Backend, on copies of the executable's buffers (an op given up on outlives
+// them: `view`), with no Python and no host stage.
 //
 // Built from this file by torch.utils.cpp_extension against the installed torch and jaxlib headers
 // (executor/backends/xla_collectives.py). State is per process, as the executor is:
@@ -16,6 +17,10 @@
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 #include <torch/csrc/distributed/c10d/Types.hpp>
 #include <torch/csrc/distributed/c10d/Work.hpp>
+
+#include <execinfo.h>
+#include <signal.h>
+#include <unistd.h>
 
 #include <atomic>
 #include <chrono>
@@ -125,10 +130,15 @@ c10::ScalarType scalar_type(ffi::DataType type) {
   }
 }
 
-// A CPU tensor over an FFI buffer's bytes (no copy), in the buffer's dtype and shape.
+// A CPU tensor over an FFI buffer's bytes (no copy), in the buffer's dtype and shape. Never given to gloo: an op
+// given up on (an abandoned group) still runs after the handler returns, and XLA frees the executable's buffers
+// when the call fails. gloo gets tensors of its own (`owned`), which its Work keeps alive while it runs.
 at::Tensor view(void* data, ffi::DataType type, const std::vector<int64_t>& shape) {
   return at::from_blob(data, shape, at::TensorOptions().dtype(scalar_type(type)).device(at::kCPU));
 }
+
+// A copy of `tensor` in memory torch owns: what a collective reads and writes (see `view`).
+at::Tensor owned(const at::Tensor& tensor) { return tensor.clone(at::MemoryFormat::Contiguous); }
 
 std::vector<int64_t> shape_of(const ffi::AnyBuffer& buffer) {
   auto dims = buffer.dimensions();
@@ -177,12 +187,12 @@ ffi::Error AllReduceImpl(ffi::AnyBuffer x, ffi::AnyBuffer order_in, ffi::Result<
   std::shared_ptr<Group> group;
   if (auto error = prepare("all_reduce", axis, x, order_in, order_out, &group); error.failure()) return error;
   return guarded("all_reduce", [&]() {
-    if (y->untyped_data() != x.untyped_data()) std::memcpy(y->untyped_data(), x.untyped_data(), x.size_bytes());
-    std::vector<at::Tensor> tensors{view(y->untyped_data(), x.element_type(), shape_of(x))};
+    std::vector<at::Tensor> tensors{owned(view(x.untyped_data(), x.element_type(), shape_of(x)))};
     c10d::AllreduceOptions options;
     options.reduceOp = reduce_op(op);
     if (auto error = wait(*group, group->backend->allreduce(tensors, options)); error.failure()) return error;
     if (op == kMean) tensors[0].div_(group->size);
+    view(y->untyped_data(), x.element_type(), shape_of(x)).copy_(tensors[0]);
     return ffi::Error::Success();
   });
 }
@@ -195,11 +205,13 @@ ffi::Error AllGatherImpl(ffi::AnyBuffer x, ffi::AnyBuffer order_in, ffi::Result<
   auto out_shape = shape_of(*y);
   if (auto error = check_members("all_gather", out_shape, *group); error.failure()) return error;
   return guarded("all_gather", [&]() {
-    std::vector<at::Tensor> inputs{view(x.untyped_data(), x.element_type(), shape_of(x))};
-    at::Tensor gathered = view(y->untyped_data(), x.element_type(), out_shape);
+    std::vector<at::Tensor> inputs{owned(view(x.untyped_data(), x.element_type(), shape_of(x)))};
+    at::Tensor gathered = at::empty(out_shape, inputs[0].options());
     std::vector<std::vector<at::Tensor>> outputs(1);
     for (int i = 0; i < group->size; ++i) outputs[0].push_back(gathered[i]);
-    return wait(*group, group->backend->allgather(outputs, inputs));
+    if (auto error = wait(*group, group->backend->allgather(outputs, inputs)); error.failure()) return error;
+    view(y->untyped_data(), x.element_type(), out_shape).copy_(gathered);
+    return ffi::Error::Success();
   });
 }
 
@@ -211,12 +223,12 @@ ffi::Error ReduceScatterImpl(ffi::AnyBuffer x, ffi::AnyBuffer order_in, ffi::Res
   auto in_shape = shape_of(x);
   if (auto error = check_members("reduce_scatter", in_shape, *group); error.failure()) return error;
   return guarded("reduce_scatter", [&]() {
-    at::Tensor chunks = view(x.untyped_data(), x.element_type(), in_shape);
-    at::Tensor out = view(y->untyped_data(), x.element_type(), shape_of(*y));
+    at::Tensor chunks = owned(view(x.untyped_data(), x.element_type(), in_shape));
+    at::Tensor out = at::empty(shape_of(*y), chunks.options());
     auto type = chunks.scalar_type();
     if (op == kMax || !(type == c10::ScalarType::Float || type == c10::ScalarType::Double)) {
       // gloo's reduce_scatter does not take every dtype on CPU (executor.collectives does the same).
-      std::vector<at::Tensor> whole{chunks.clone()};
+      std::vector<at::Tensor> whole{chunks};
       c10d::AllreduceOptions options;
       options.reduceOp = reduce_op(op);
       if (auto error = wait(*group, group->backend->allreduce(whole, options)); error.failure()) return error;
@@ -231,6 +243,7 @@ ffi::Error ReduceScatterImpl(ffi::AnyBuffer x, ffi::AnyBuffer order_in, ffi::Res
         return error;
     }
     if (op == kMean) out.div_(group->size);
+    view(y->untyped_data(), x.element_type(), shape_of(*y)).copy_(out);
     return ffi::Error::Success();
   });
 }
@@ -307,10 +320,50 @@ void bind_axes(const std::vector<std::tuple<int64_t, int64_t, bool, std::string>
 
 py::capsule capsule(void* handler) { return py::capsule(handler); }
 
+// A native crash's C++ frames, in the process's stderr (an executor's log), before the Python stacks that the
+// handler found installed (faulthandler's: pathways_torch/wire/crash_stacks.py) writes. Python 3.11's faulthandler
+// writes no C frame, and a crash inside a custom call or gloo's thread showed no frame of ours (issue 47).
+constexpr int kFatalSignals[] = {SIGSEGV, SIGBUS, SIGFPE, SIGILL, SIGABRT};
+struct sigaction chained[NSIG];   // the handler before ours, per signal
+
+void write_stderr(const char* text) {
+  ssize_t ignored = write(2, text, std::strlen(text));   // async-signal-safe, unlike stdio
+  (void)ignored;
+}
+
+void native_stack(int signum, siginfo_t* info, void* context) {
+  write_stderr("\nFatal signal: native stack (C++ frames; addr2line -fCe LIBRARY +OFFSET names a frame):\n");
+  void* frames[64];
+  backtrace_symbols_fd(frames, backtrace(frames, 64), 2);
+  const struct sigaction previous = chained[signum];
+  sigaction(signum, &previous, nullptr);   // from here the handler before ours has the signal
+  if (previous.sa_flags & SA_SIGINFO) {
+    if (previous.sa_sigaction != nullptr) previous.sa_sigaction(signum, info, context);
+  } else if (previous.sa_handler == SIG_DFL) {
+    raise(signum);   // blocked until this returns; then the default action ends the process
+  } else if (previous.sa_handler != SIG_IGN) {
+    previous.sa_handler(signum);   // faulthandler's: the Python stacks, then the signal again, by default
+  }
+}
+
+void install_native_stacks() {
+  static bool installed = false;
+  if (installed) return;
+  installed = true;
+  void* warm[1];
+  backtrace(warm, 1);   // loads libgcc's unwinder now: a first call inside a signal handler may allocate
+  struct sigaction ours = {};
+  ours.sa_sigaction = native_stack;
+  ours.sa_flags = SA_SIGINFO | SA_ONSTACK;   // faulthandler's alternate stack, for a stack overflow
+  sigemptyset(&ours.sa_mask);
+  for (int signum : kFatalSignals) sigaction(signum, &ours, &chained[signum]);
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "pathways:: collectives as XLA FFI custom calls into the executor's c10d groups";
+  install_native_stacks();
   m.def("register_group", &register_group, "keep a formed group; returns its slot");
   m.def("abandon", &abandon, "mark a group abandoned: collectives on it fail within one wait slice");
   m.def("quiet", &quiet, "no op given up on still runs in the group");

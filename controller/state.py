@@ -1,0 +1,28 @@
+"""`ControllerState`: the controller's lock and the tables its parts share, handed to each part it builds.
+
+A part gets the state it works on from here, not by reaching into the `Controller` that built it: the tables are
+the controller's (every change under ``lock``); the parts are handlers over them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from typing import Callable
+
+__all__ = ["ControllerState"]
+
+
+@dataclasses.dataclass(eq=False)
+class ControllerState:
+    """The shared tables, guarded by ``lock`` (an RLock: a handler may call another part's under it)."""
+
+    # Sends one message to an executor on the calling thread's order (`Controller.send`).
+    send: Callable
+    # Counts and logs a message dropped as malformed or unexpected (`Controller.drop`).
+    drop: Callable[[str], None]
+    lock: threading.RLock = dataclasses.field(default_factory=threading.RLock)
+    calls: dict = dataclasses.field(default_factory=dict)       # unfinished calls (and program runs' nodes) by id
+    functions: dict = dataclasses.field(default_factory=dict)   # registered functions by id
+    programs: dict = dataclasses.field(default_factory=dict)    # lowered programs by id
+    stale_programs: set = dataclasses.field(default_factory=set)   # to lower again (new groups, a replacement)
