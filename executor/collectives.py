@@ -135,6 +135,14 @@ class CollectiveRuntime:
             retired.append(group_id)
         return retired
 
+    def abandon_groups(self, group_ids, reason: str) -> None:
+        """Groups the controller abandoned at a loss (a `Cancel` names them), formed here or not: a formation still
+        queued is skipped (`RunQueue.cancel`), so a run that binds the group must fail as abandoned (recovery runs
+        its step again on new groups), not as a group "never formed" (a bug, which recovery does not undo)."""
+        for group_id in group_ids:
+            if group_id not in self._abandoned_ids:
+                self._abandon_group(group_id, f"the controller abandoned it ({reason})")
+
     def _abandon_group(self, group_id: int, failure: str) -> None:
         handle = self._groups.pop(group_id, None)
         self._failures[group_id] = failure
@@ -245,9 +253,14 @@ class CollectiveRuntime:
         for axis, group_id in axis_groups.items():
             group = self._groups.get(group_id)
             if group is None:
-                why = self._failures.get(group_id, "it was never formed")
+                # Not formed here, made before a fault of the island: abandoned like those formed (`form`).
+                abandoned = group_id in self._abandoned_ids or group_id < self._abandoned_below
+                why = self._failures.get(group_id) or (
+                    "made before a fault of its island and never formed here" if abandoned else
+                    f"it was never formed (groups abandoned below {self._abandoned_below}; faults heard: "
+                    f"{len(self.abandoned)})")
                 reason = f"process group {group_id} for axis {axis!r} is unusable: {why}"
-                resolved[axis] = _AbandonedReason(reason) if group_id in self._abandoned_ids else reason
+                resolved[axis] = _AbandonedReason(reason) if abandoned else reason
             else:
                 resolved[axis] = group
         return resolved

@@ -217,6 +217,7 @@ class ExecutorCore:
         with it (`RunQueue.cancel`)."""
         for lost in msg.lost_executors or [msg.lost_executor]:
             self.data.data_gate.retire(lost)   # its transfers still on their way are refused from now on
+        self.collectives.abandon_groups(msg.group_ids, msg.reason)   # before the queue skips their formations
         self.run_queue.cancel(msg)
         self.tree.cancel(msg)
 
