@@ -153,7 +153,7 @@ def measure_step_compile(backend: str) -> dict:
                 trainer.step(ReverseTask(cfg, seed=0).batch(0, 32)).result(timeout_s=600)
                 first = time.perf_counter() - began
                 trace = ctx.trace(os.path.join(tempfile.gettempdir(), "bench-backends-compile.json"))
-                compile_ms = spans(trace, trainer._function.name, "compile")
+                compile_ms = spans(trace, trainer.runner.function.name, "compile")
                 times.append({"first_step_s": first, "compile_s": (compile_ms[0] / 1000) if compile_ms else 0.0,
                               "route": ctx.backend})
         return {"backend": times[0]["route"], "empty_cache": times[0], "warm_cache": times[1]}

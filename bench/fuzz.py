@@ -158,7 +158,7 @@ def probe(ctx, mesh, add_one, timeout_s: float) -> None:
     if not torch.equal(got, x + 1):
         raise AssertionError(f"a probe after fuzzing returned {got}, expected {x + 1}")
     deadline = time.monotonic() + timeout_s
-    while ctx.controller._calls and time.monotonic() < deadline:
+    while ctx.controller.state.calls and time.monotonic() < deadline:
         time.sleep(0.005)
 
 

@@ -60,7 +60,7 @@ class Hints:
 def hints_of(ctx, save_dir: str) -> Hints:
     """The hints of a running `pw.Context` (read in the client's process)."""
     infos = ctx.controller.resources.ordered()
-    last_call = ctx.controller._last_call_id
+    last_call = ctx.controller.call_dispatch.last_call_id
     return Hints(executor_ids=tuple(i.executor_id for i in infos),
                  addresses=tuple(a for i in infos for a in (i.data_address, i.link_address, i.command_address) if a),
                  public_keys=tuple(i.public_key for i in infos), epochs=tuple(i.epoch for i in infos),

@@ -1,13 +1,13 @@
 """The service fuzzer's inputs (`bench.fuzz_service`): seam_codec requests ``{"r": id, "op": name, "a": [args]}`` a
 hostile client sends on its own key, for every op the client socket serves and some it does not.
 
-Arguments are drawn by the op's signature (`controller.client_service._SIGNATURES`, read at run time, so an op
-added there is fuzzed without a change here) from pools that mix edge values (NaN, inf, 1e308, -0.0, 5e-324, huge
-ints, wrong types) with real ones: the sender's own functions, meshes, arrays and granted ids (so a request gets
-past the ownership checks to the code behind them) and the other client's array ids and small guessed ids. Then a
-share of them is mutated: on the JSON tree (a node replaced by a wrong type, a bad tag, a deep nest, a `$c` with
-bad fields, a `$pb` of garbage, an `$e`) or on the bytes (truncated, flipped, frames added or dropped). A few are
-large: up to the service's message cap and a few over it.
+Arguments are drawn by the op's signature (the ``FIELD_TYPES`` of `pathways_torch.wire.seam.OPS`, read at run time,
+so an op added there is fuzzed without a change here) from pools that mix edge values (NaN, inf, 1e308, -0.0,
+5e-324, huge ints, wrong types) with real ones: the sender's own functions, meshes, arrays and granted ids (so a
+request gets past the ownership checks to the code behind them) and the other client's array ids and small guessed
+ids. Then a share of them is mutated: on the JSON tree (a node replaced by a wrong type, a bad tag, a deep nest, a
+`$c` with bad fields, a `$pb` of garbage, an `$e`) or on the bytes (truncated, flipped, frames added or dropped). A
+few are large: up to the service's message cap and a few over it.
 """
 
 from __future__ import annotations

@@ -41,8 +41,8 @@ from bench.common import free_port, write_results
 from bench.fuzz_inputs import RandomChooser
 from bench.fuzz_seam import Pools
 from bench.fuzz_service_client import Bob
-from controller import client_service
 from pathways_torch.remote_client import RemoteClient
+from pathways_torch.wire import seam
 
 __all__ = ["Service", "served_ops", "Alice", "recorded", "seed_session", "fuzz", "end_checks", "markdown", "run", "main"]
 
@@ -187,9 +187,9 @@ def seed_session(address: str, keys: str, executors: int) -> list[dict]:
 # ------------------------------------------------------------ the run
 
 def served_ops() -> dict:
-    """The ops the client socket serves, and their argument types: the service's own table, so that an op added
-    there is fuzzed at once (and a test can check each was)."""
-    return dict(client_service._SIGNATURES)
+    """The ops the client socket serves, and their argument types: the seam's own table (`seam.OPS`, each
+    operation's ``FIELD_TYPES``), so that an op added there is fuzzed at once (and a test can check each was)."""
+    return {name: op.FIELD_TYPES for name, op in seam.OPS.items()}
 
 
 def _ops() -> tuple[dict, list]:

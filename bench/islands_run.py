@@ -76,8 +76,8 @@ class Run:
 
     def _settle(self) -> None:
         """Wait until every island has applied its update (the loss is island 0's: another may still run)."""
-        state = getattr(self.trainer, "_state", None)
-        arrays = [a for island in state for a in island] if state is not None else list(self.trainer._flats)
+        state = getattr(self.trainer.runner, "island_states", None)
+        arrays = [a for island in state for a in island] if state is not None else list(self.trainer.runner.flats)
         for array in arrays:
             error = array.exception(timeout_s=600)
             if error is not None:
@@ -129,7 +129,7 @@ class Run:
             if self.setup.islands is not None:
                 compute = [(e["pid"], classify(e["name"]), e["ts"] / 1e6, (e["ts"] + e["dur"]) / 1e6)
                            for e in mine if e["cat"] == "compute"]
-                per = len(self.trainer.bucket_cut.segments)
+                per = len(self.trainer.runner.bucket_cut.segments)
                 self.exchange.setdefault(group, []).extend(exchange_steps(compute, self.setup.island_of, per))
                 self.transfers_s.setdefault(group, []).extend(link_transfer_times(events, windows))
                 hidden, total = link_transfer_overlap(events, windows)

@@ -21,7 +21,7 @@ pipeline bubble on simulated devices against theory.
    ``@pw.program`` is built straight from the schedule: in `simulate(schedule).order` a forward
    (``sim_time_s`` = F / V) or backward (2F / V) function is called on the stage mesh of its chunk's
    rank, fed the previous chunk's activation (F) or the next chunk's gradient (B), so the program's
-   transfers between stage meshes follow the schedule (`pipeline.build.build_step`'s wiring, one
+   transfers between stage meshes follow the schedule (`pipeline.build.PipelineBuild`'s wiring, one
    tensor per value). It runs ``--sim-runs`` times (the first registers it); from the executors'
    trace of the last run: bubble = 1 - (compute spans summed over ranks) / (S x makespan), makespan
    from the first start to the last end on any rank, against `schedules.theoretical_bubble` =

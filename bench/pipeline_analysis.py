@@ -1,6 +1,6 @@
 """bench/pipeline.py's arithmetic on timed schedule actions (pure, unit-tested): the schedule's order kept on every
 rank, the waits for transfers between ranks, and the schedule replayed with such a wait. The bubble itself is
-`pathways_torch.observe.span_math.occupancy`, the formula the pipeline picture (``trainer.timeline``) uses."""
+`pathways_torch.observe.span_math.occupancy`, the formula the pipeline picture (``trainer.runner.timeline``) uses."""
 
 from __future__ import annotations
 

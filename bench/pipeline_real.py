@@ -47,7 +47,7 @@ class PlanRun:
 
     def stage_executors(self) -> list[list[str]]:
         """The executors of each pipe rank (a pipeline's stage meshes)."""
-        return [list(m.executor_ids) for m in self.trainer._stage_meshes]
+        return [list(m.executor_ids) for m in self.trainer.runner.stage_meshes]
 
     def step(self) -> float:
         """One step, waited for; returns its loss."""

@@ -121,7 +121,7 @@ def measure(size: int, args) -> dict:
             rounds.append(rates)
             print(f"N={size} round {index + 1}/{args.rounds}: "
                   + ", ".join(f"{k} {v:,.0f}" for k, v in sorted(rates.items())), flush=True)
-        waits = len(setting.ctx.controller.runahead_waits)
+        waits = len(setting.ctx.controller.call_dispatch.run_ahead.waits)
     result = {"executors": size, "rounds": rounds, "runahead_waits": waits, "kinds": {}}
     for kind in kinds:
         ratios = [r[f"{kind} bounded"] / r[f"{kind} unbounded"] for r in rounds]

@@ -73,7 +73,7 @@ class Measurement:
         self.startup_s = time.perf_counter() - began
         self.mesh = self.ctx.mesh({"data": size})
         self.x = self.ctx.put(torch.zeros(size), self.mesh, [pw.Shard(0)])
-        self.server = self.ctx._client._server
+        self.server = self.ctx._client.server
         self.hosts = sorted(set(self.ctx.executor_pids))
 
     def close(self) -> None:
@@ -181,13 +181,13 @@ def chain_on_controller(controller, steps: int, executor_ids=None, function_id: 
     from pathways_torch.wire import pb
 
     if function_id is None:
-        function_id = controller.register_function("step", pb.Graph(), [])
+        function_id = controller.call_dispatch.register_function("step", pb.Graph(), [])
     count = len(executor_ids) if executor_ids is not None else len(controller.resources.executors)
     mesh = controller.resources.allocate({"data": count}, executor_ids)
     nodes = tuple(CallSpec(name="step", function_id=function_id, mesh=mesh, inputs=(i,), outputs=(i + 1,))
                   for i in range(steps))
-    lowered = controller.register_program(ProgramSpec(name="chain", input_values=(0,), input_meshes=(mesh,),
-                                                      output_values=(steps,), nodes=nodes))
+    lowered = controller.call_dispatch.register_program(ProgramSpec(
+        name="chain", input_values=(0,), input_meshes=(mesh,), output_values=(steps,), nodes=nodes))
     x = controller.arrays.new(mesh.executor_ids)
     x.state = READY
     return lowered, x
@@ -206,7 +206,7 @@ def controller_with_executors(outbox, config, size: int):
 
 
 def controller_python_us(size: int, steps: int, runs: int = 20) -> dict:
-    """The controller's own Python per executor per run, without sockets: `Controller.run_program` with an outbox
+    """The controller's own Python per executor per run, without sockets: `CallDispatch.run_program` with an outbox
     that only serializes each message, then a Done from each executor."""
     from controller import ControllerConfig
 
@@ -219,9 +219,9 @@ def controller_python_us(size: int, steps: int, runs: int = 20) -> dict:
     send_s = done_s = 0.0
     for _ in range(runs):
         began = time.perf_counter()
-        controller.run_program(lowered.program_id, [x.array_id])
+        controller.call_dispatch.run_program(lowered.program_id, [x.array_id])
         send_s += time.perf_counter() - began
-        call_id = max(controller._calls)   # the run's reporting node
+        call_id = max(controller.state.calls)   # the run's reporting node
         reports = _reports(controller, size, call_id)
         began = time.perf_counter()
         for executor_id, envelope in reports:

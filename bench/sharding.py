@@ -101,7 +101,7 @@ def measure_pathways(plan_name: str, backend: str, width: int, steps: int, mmap_
             last_loss = loss.result().item()
         elapsed = time.perf_counter() - began
         after = [status_field(pid, "VmHWM") for pid in pids]
-        share = collective_share(ctx, trainer._function.name, steps - 1)
+        share = collective_share(ctx, trainer.runner.function.name, steps - 1)
         stats = ctx.stats()["executors"]
         high_water = [stats[e]["store_bytes_high_water"] for e in ctx.executor_ids]
         held = held_parameter_bytes(trainer)
@@ -122,7 +122,7 @@ def held_parameter_bytes(trainer) -> int:
     from pathways_torch.placement import local_shape
 
     return sum(math.prod(local_shape(a.shape, a.sharding.placements, a.sharding.mesh)) * a.dtype.itemsize
-               for a in trainer._flats)
+               for a in trainer.runner.flats)
 
 
 def collective_share(ctx, step_name: str, last: int) -> float | None:

@@ -95,7 +95,7 @@ class FaultInjector:
     def _note(self, kind: str, victim: str, pid, epoch) -> None:
         self.faults.append({"at_s": time.monotonic(), "kind": kind, "executor": victim, "pid": pid, "epoch": epoch,
                             "recoveries_before": self._trainer.stats()["recoveries"],
-                            "failed_calls_before": self._ctx.controller.calls_failed_by_lost_transfers})
+                            "failed_calls_before": self._ctx.controller.completion.calls_failed_by_lost_transfers})
 
     def per_fault(self, recoveries: int, failed_calls: int) -> list[dict]:
         """Each fault with the recoveries and lost transfers that came after it, before the next fault."""
@@ -191,7 +191,7 @@ def verdict(*, losses: list[float], expected: list[float], start_bytes: dict, en
 
 
 def _store_bytes(ctx) -> dict:
-    ctx._flush_frees()
+    ctx.flush_frees()
     time.sleep(0.5)      # the frees reach the executors
     return {e: s["store_bytes"] for e, s in ctx.stats()["executors"].items()}
 
@@ -264,7 +264,7 @@ def main(argv=None) -> int:
                 faults.stop()
             took = time.monotonic() - began
             stats = trainer.stats()
-            per_fault = faults.per_fault(stats["recoveries"], ctx.controller.calls_failed_by_lost_transfers)
+            per_fault = faults.per_fault(stats["recoveries"], ctx.controller.completion.calls_failed_by_lost_transfers)
             time.sleep(2 * args.heartbeat_timeout_s)   # continued old incarnations exit
             leftover = [pid for pid in faults.stopped if not is_gone(pid)]
             exits = executor_exits(_incarnations(ctx), faults.faults)
@@ -320,7 +320,7 @@ def main(argv=None) -> int:
 
 def _incarnations(ctx) -> list:
     """Every executor process the context's local cluster started, replaced ones first, with its executor id."""
-    cluster = ctx._cluster   # no public view of the processes: a benchmark's look, as _store_bytes' _flush_frees
+    cluster = ctx._cluster   # no public view of the processes: a benchmark's look
     return [*cluster.replaced_incarnations(), *zip(cluster.executor_ids, cluster.processes)]
 
 

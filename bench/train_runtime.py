@@ -80,7 +80,7 @@ class RuntimeRun:
             hwm_end = [status_field(pid, "VmHWM") for pid in pids]
             trace_path = os.path.join(args.trace_dir or tempfile.gettempdir(),
                                       f"bench-train-{self.backend}-{self.plan_name}-n{size}.json")
-            compute = _compute_profile(ctx.trace(trace_path), self.trainer._function.name, size, self.wall_spans)
+            compute = _compute_profile(ctx.trace(trace_path), self.trainer.runner.function.name, size, self.wall_spans)
             if not args.trace_dir:
                 os.remove(trace_path)
         finally:

@@ -124,13 +124,16 @@ def shard_refs(pairs) -> list:
 class Lifetimes:
     """The `Controller`'s array lifetimes: puts landing, handles released, shards freed.
 
-    Its public methods take the controller's lock; `take_pending_frees` expects it held.
+    Its public methods take the controller's lock; `take_pending_frees` expects it held. A put waits for room in
+    ``memory`` (`MemoryBudget`), and a forgotten array gives its bytes back there and tells ``failures``
+    (`CallFailures`), which keeps a failed call's error while an output of it is held.
     """
 
-    def __init__(self, controller):
-        self._controller = controller
-        self._lock, self.arrays, self.resources = controller.state.lock, controller.arrays, controller.resources
-        self._send = controller.state.send
+    def __init__(self, state, *, memory, failures):
+        self._state = state
+        self._lock, self.arrays, self.resources = state.lock, state.arrays, state.resources
+        self._send = state.send
+        self._memory, self._failures = memory, failures
         # executor → (array id, shard) of each shard to free there: tuples, not ShardRefs (a release on 1,024
         # executors would make 1,024 messages' worth; down a launch tree only the array ids travel)
         self._pending_frees: dict[str, list] = collections.defaultdict(list)
@@ -149,11 +152,11 @@ class Lifetimes:
         """An array whose shards the client ``owner`` puts itself (``landing`` shards still on their way).
 
         With a memory limit, first waits (no lock held) until each executor has room for a ``shard_bytes`` shard."""
-        memory = self._controller.memory
+        memory = self._memory
         reservation = None
         if memory.limit_bytes and shard_bytes > 0:
             reservation = memory.reserve(owner, demand_of(executor_ids, shard_bytes),
-                                         self._controller.config.memory_wait_s, what="a put")
+                                         self._state.config.memory_wait_s, what="a put")
         try:
             return self._new_array(executor_ids, landing, owner, shard_bytes, reservation)
         except BaseException:
@@ -162,7 +165,7 @@ class Lifetimes:
 
     def _new_array(self, executor_ids, landing: int, owner: str, shard_bytes: int, reservation) -> ArrayRecord:
         with self._lock:
-            self._controller.members.check_live(executor_ids)
+            self.resources.check_live(executor_ids)
             record = self.arrays.new(executor_ids, landing=landing)
             record.owner = owner
             if reservation is not None:
@@ -222,7 +225,7 @@ class Lifetimes:
             return
         self.arrays.forget(record.array_id)
         if record.held_bytes:
-            self._controller.memory.release(record.owner, demand_of(record.executor_ids, record.held_bytes))
+            self._memory.release(record.owner, demand_of(record.executor_ids, record.held_bytes))
             record.held_bytes = 0
         pending_frees, array_id, flush = self._pending_frees, record.array_id, False
         if record.put_token:
@@ -236,7 +239,7 @@ class Lifetimes:
             flush = True
         if flush and not self._batching_frees:
             self._flush_frees()
-        self._controller.completion.output_forgotten(record.producer_call)
+        self._failures.output_forgotten(record.producer_call)
 
     def release_many(self, array_ids) -> None:
         """`release` several arrays, with one Free message per executor for all of them.

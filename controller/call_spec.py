@@ -1,6 +1,6 @@
 """What a call of a function on a mesh is: its spec, and the controller's record of one in flight.
 
-One `CallSpec` serves both ways a function runs: called alone (`Controller.call`: its inputs and outputs are
+One `CallSpec` serves both ways a function runs: called alone (`CallDispatch.call`: its inputs and outputs are
 arrays) and as a node of a program (`ProgramSpec.nodes`: its inputs and outputs are the program's values).
 """
 

@@ -40,21 +40,23 @@ class CallDispatch:
     """The `Controller`'s dispatch of calls and program runs.
 
     Its public methods take the island sequencers they need, then the controller's lock, as the client's threads
-    call them; `end` and `sequencer_of` expect the lock held.
+    call them; `end` and `sequencer_of` expect the lock held. A call is admitted on its islands (``admission``)
+    after its outputs found room (``memory``); its mesh's collectives run in ``groups``; a program run on a whole
+    island goes down its launch tree (``launch_trees``).
     """
 
-    def __init__(self, controller):
-        self._controller = controller
-        state = controller.state
+    def __init__(self, state, *, admission, memory, groups, launch_trees):
+        self._state = state
         self._lock, self._calls, self._functions = state.lock, state.calls, state.functions
         self._programs, self._stale_programs = state.programs, state.stale_programs
-        self.resources, self.arrays, self.sequencers = controller.resources, controller.arrays, controller.sequencers
+        self.resources, self.arrays, self.sequencers = state.resources, state.arrays, state.sequencers
         self._send = state.send
-        self._admission = controller.admission
-        self._memory = controller.memory     # bytes per executor under --executor-memory-bytes (memory.py)
+        self._admission = admission
+        self._memory = memory     # bytes per executor under --executor-memory-bytes (memory.py)
+        self._groups, self._launch_trees = groups, launch_trees
         self.closing_reason = ""             # set by fail_pending: a waiting call must not dispatch after it
         # Each client's calls in flight, bounded (a client thread past the bound waits for its own to end)
-        self.run_ahead = RunAhead(self._lock, controller.config.max_inflight_calls)
+        self.run_ahead = RunAhead(self._lock, state.config.max_inflight_calls)
         self._next_function_id = itertools.count(1)
         self.last_call_id = 0
         self._mesh_islands: dict[int, tuple[str, ...]] = {}   # mesh id → its islands (cached per mesh)
@@ -63,8 +65,7 @@ class CallDispatch:
         self.forgetting = Forgetting(calls=self._calls, functions=self._functions, programs=self._programs,
                                      stale_programs=self._stale_programs, resources=self.resources, send=self._send)
         self.refused_costs = 0   # functions refused for a simulated time out of bounds (logged, rate-limited)
-        self.installer = ProgramInstaller(controller, lock=self._lock, programs=self._programs, send=self._send,
-                                          stale=self._stale_programs, ensure_loaded=self._ensure_loaded)
+        self.installer = ProgramInstaller(state, groups=groups, ensure_loaded=self._ensure_loaded)
 
     # ------------------------------------------------------------ functions and calls
 
@@ -109,7 +110,7 @@ class CallDispatch:
 
     def _reserve(self, owner: str, demand: dict, what: str):
         """Room on each executor for the bytes of ``demand``: waits (holding no lock) up to ``memory_wait_s``."""
-        reservation = self._memory.reserve(owner, demand, self._controller.config.memory_wait_s, what=what)
+        reservation = self._memory.reserve(owner, demand, self._state.config.memory_wait_s, what=what)
         if owner and self._admission.enabled and owner not in self._admission.weights:
             self._memory.cancel(reservation)   # the client disconnected while it waited: nothing may be made for it
             raise ClientGone(f"client {owner} disconnected while {what} waited for executor memory")
@@ -129,9 +130,9 @@ class CallDispatch:
         with self._lock:   # before the islands' sequencers: a client waiting for room holds up no other client
             self._wait_for_room(1, spec.name, owner)
         with self.sequencers.taking(islands), self._lock:
-            self._controller.members.check_live(mesh.executor_ids)
+            self.resources.check_live(mesh.executor_ids)
             inputs = [self._input_record(array_id) for array_id in spec.inputs]
-            axis_groups = self._controller.groups.axis_groups(mesh, spec.collective_axes)
+            axis_groups = self._groups.axis_groups(mesh, spec.collective_axes)
             call_id = self._take_call_ids(1)
             seqs = {island: self.sequencers.of(island).take(1) for island in islands}
             ids = output_ids if output_ids is not None else [None] * spec.num_outputs
@@ -182,6 +183,11 @@ class CallDispatch:
         if self.closing_reason:
             raise ContextClosedError(f"{self.closing_reason} while {name!r} waited to be dispatched")
 
+    @property
+    def calls_in_flight(self) -> int:
+        """How many calls (and program runs' reporting nodes) are unfinished."""
+        return len(self._calls)
+
     def end(self, call: InFlightCall) -> None:
         """The call is no longer in flight (finished, failed or its executors lost): make room for another."""
         if self._calls.pop(call.call_id, None) is None:
@@ -220,6 +226,11 @@ class CallDispatch:
 
     # ------------------------------------------------------------ programs
 
+    def forget(self, function_ids, program_ids) -> None:
+        """Functions and programs no client uses again leave here and the executors (`forgetting.py`)."""
+        with self._lock:
+            self.forgetting.forget(function_ids, program_ids)
+
     def register_program(self, spec: ProgramSpec) -> LoweredProgram:
         """Lower ``spec`` (holding no lock: `lowering`) and register it on every executor it uses (once)."""
         islands = {island for node in spec.nodes for island in self._islands_of(node.mesh)}
@@ -231,7 +242,7 @@ class CallDispatch:
         with self._lock:
             lowered = self._programs[program_id]
             if (stale := program_id in self._stale_programs):
-                self._controller.members.check_live(list(lowered.plans))
+                self.resources.check_live(list(lowered.plans))
         islands = {self.resources.island_of(e) for e in lowered.plans}
         if stale:   # lowered again for a replaced executor or new groups: holding no lock, as at its registration
             lowered = self.installer.lower_outside_lock(lowered.spec, program_id, islands, again=True)
@@ -261,7 +272,7 @@ class CallDispatch:
         with self.sequencers.taking(islands), self._lock:
             lowered = self._programs[program_id]
             spec = lowered.spec
-            self._controller.members.check_live(list(lowered.plans))
+            self.resources.check_live(list(lowered.plans))
             if program_id in self._stale_programs:   # one of its executors was replaced: new address and groups
                 lowered = self.installer.lower_under_lock(spec, program_id)
             for array_id in input_ids:
@@ -304,7 +315,7 @@ class CallDispatch:
                                 output_array_ids=[r.array_id for r in outputs],
                                 first_intermediate_id=first_intermediate, owner=owner_role(owner),
                                 output_budget_bytes=_program_output_bytes(spec) if self._memory.enabled else ())
-            tree = self._controller.launch_trees.tree_for(lowered.plans) if len(islands) == 1 else None
+            tree = self._launch_trees.tree_for(lowered.plans) if len(islands) == 1 else None
             if tree is None:
                 for executor_id in lowered.plans:
                     sequencer = self.sequencer_of(executor_id)
@@ -324,7 +335,7 @@ class CallDispatch:
                 if last:
                     sequencer.chain(executor_id, island_base + last - 1)
                     gang[executor_id] = (prev_collective[executor_id], island_base + last - 1)
-            self._controller.launch_trees.launch(tree, run, prev_collective, gang)
+            self._launch_trees.launch(tree, run, prev_collective, gang)
             return outputs
 
     # ------------------------------------------------------------ inputs and functions on executors

@@ -19,11 +19,15 @@ from __future__ import annotations
 
 import collections
 import threading
-from typing import Sequence
+from typing import Callable, Sequence
 
 from pathways_torch.wire.limits import Bounds, bounded
 from pathways_torch.wire.op_allowlist import check_service_graph
-from pathways_torch.wire.seam import CallSpec, ControllerCounters, ExecutorView, MeshAllocation, ProgramSpec
+from pathways_torch.wire.seam import (OPS, AllocateMesh, ArraySettled, Bye, Call, CallSpec, CheckpointRoot,
+                                     ControllerCounters, Counters, DescribeProgram, Executor, Executors, ExecutorView,
+                                     FlushFrees, Forget, Gather, GrantIds, IslandOf, Landed, MeshAllocation, NewArray,
+                                     NoteRunaheadWait, RegisterFunction, RegisterProgram, Release, ReleaseMany,
+                                     ReplaceExecutor, RunaheadWaits, RunProgram, SeamOp, WaitForExecutors)
 
 from .arrays import ArrayRecord
 from .config import ServiceConfig
@@ -33,7 +37,17 @@ from .shares import ClientGone
 _WAIT_S = Bounds(0.0, 600.0)   # how long a request may wait for executors to register
 _WHAT_CHARS = 200              # of a run-ahead wait's description a client sends
 
-__all__ = ["ClientOps", "executor_view", "controller_counters", "NotYoursError"]
+__all__ = ["ClientOps", "executor_view", "controller_counters", "settled", "NotYoursError"]
+
+# Operation type → its one handler (a `ClientOps` method, declared with `_handles`).
+_HANDLERS: dict[type, Callable] = {}
+
+
+def _handles(op_type: type[SeamOp]):
+    def register(method):
+        _HANDLERS[op_type] = method
+        return method
+    return register
 
 
 class NotYoursError(ValueError):
@@ -50,29 +64,42 @@ def executor_view(controller, info) -> ExecutorView:
         seconds_since_heartbeat=max(0.0, controller.clock() - info.last_heard))
 
 
+def settled(record: ArrayRecord) -> ArraySettled:
+    """An array record's state now, as the client hears it."""
+    return ArraySettled(record.array_id, record.state, record.error, record.block_shape,
+                        tuple(record.lost_holders), record.put_token)
+
+
 def controller_counters(controller, server) -> ControllerCounters:
-    """The controller's counts (its sockets' too), as copies."""
-    payload = server.payload_bytes
+    """The controller's counts (its sockets' too), as copies: each read off the part that counts it."""
+    payload, dispatch, completion = server.payload_bytes, controller.call_dispatch, controller.completion
     return ControllerCounters(
-        relayed_bytes=payload["sent"] + payload["received"] - controller.program_constant_bytes,
-        program_constant_bytes=controller.program_constant_bytes,
+        relayed_bytes=payload["sent"] + payload["received"] - dispatch.program_constant_bytes,
+        program_constant_bytes=dispatch.program_constant_bytes,
         messages_sent=dict(controller.messages_sent),
         dropped_messages=server.dropped_messages + controller.dropped_messages,
         refused_connections=server.refused_connections,
-        inflight_high_water=controller.inflight_high_water,
+        inflight_high_water=dispatch.run_ahead.high_water,
         send_backlog_high_water=server.loop.backlog_high_water,
-        transfers_lost=controller.transfers_lost,
-        calls_failed_by_lost_transfers=controller.calls_failed_by_lost_transfers,
+        transfers_lost=completion.transfers_lost,
+        calls_failed_by_lost_transfers=completion.calls_failed_by_lost_transfers,
         handled_messages={**{f"control:{k}": n for k, n in controller.handled_messages.items()},
                           **server.handled_messages},
-        calls_in_flight=controller.calls_in_flight, arrays=len(controller.arrays))
+        calls_in_flight=dispatch.calls_in_flight, arrays=len(controller.arrays))
 
 
 class ClientOps:
     """One client's requests over the controller, checked against what it owns (``owner``: its name)."""
 
-    def __init__(self, controller, server, owner: str = "", limits: ServiceConfig | None = None):
+    def __init__(self, controller, server, owner: str = "", limits: ServiceConfig | None = None, *,
+                 checkpoint_root: str | None = None,
+                 replace: Callable[[str, float], ExecutorView] | None = None):
         self.controller, self.server, self.owner = controller, server, owner
+        # A service client's own folder of the root (`CheckpointRoot`); None for the embedded client.
+        self.checkpoint_root = checkpoint_root
+        # Makes or awaits a lost executor's replacement (`ReplaceExecutor`): the service's; the embedded context
+        # replaces its executors itself.
+        self.replace = replace
         # A remote client's programs and graphs are capped (`graph_limits`); the embedded one's are not.
         self.limits = limits or (ServiceConfig() if owner else None)
         self.arrays: set[int] = set()      # array ids handed to this client and not released
@@ -86,64 +113,97 @@ class ClientOps:
         self._held_lock = threading.Lock()
         self.closed = False
 
+    def handle(self, op: SeamOp):
+        """Run one operation of this client's: its one handler, by the operation's type."""
+        handler = _HANDLERS.get(type(op))
+        if handler is None:
+            raise TypeError(f"ClientOps.handle: expected one of the operations of pathways_torch/wire/seam.py "
+                            f"({', '.join(sorted(OPS))}), got {type(op).__name__}")
+        return handler(self, op)
+
+    def follow(self, records: list[ArrayRecord], listener_of: Callable, now: Callable | None = None
+               ) -> list[ArraySettled]:
+        """Each record's state now (also handed to ``now``, still under the lock: before any later change is
+        heard), and ``listener_of(record)(record)`` on each change from then on: attached under the controller's
+        lock, where every change happens, so none is missed between the two."""
+        with self.controller.state.lock:
+            snapshots = []
+            for record in records:
+                record.listener = listener_of(record)
+                snapshots.append(settled(record))
+                if now is not None:
+                    now(snapshots[-1])
+            return snapshots
+
     # ------------------------------------------------------------ functions, programs, calls
 
-    def register_function(self, name: str, graph, constants: list, *, sim_seconds: float = 0.0) -> int:
+    @_handles(RegisterFunction)
+    def register_function(self, op: RegisterFunction) -> int:
+        name, graph, constants = op.name, op.graph, op.constants
         if self.limits is not None:   # a service client: bounded, and no op that hurts every tenant
             check_graph(graph, constants, self.limits, name)
             check_service_graph(graph)
-        function_id = self.controller.register_function(name, graph, constants, sim_seconds=sim_seconds)
+        function_id = self.controller.call_dispatch.register_function(name, graph, constants,
+                                                                      sim_seconds=float(op.sim_seconds))
         with self._held_lock:
             if not self.closed:
                 self.functions.add(function_id)
                 return function_id
-        self.controller.forget([function_id], ())
+        self.controller.call_dispatch.forget([function_id], ())
         raise self._gone(f"function {name!r} was being registered")
 
-    def register_program(self, spec: ProgramSpec) -> int:
+    @_handles(RegisterProgram)
+    def register_program(self, op: RegisterProgram) -> int:
+        spec = op.spec
         if self.limits is not None:
             check_program(spec, self.limits)
         for node in spec.nodes:
             self._check_call(node, inputs=False)
         for mesh in spec.input_meshes:
             self._check_mesh(mesh)
-        lowered = self.controller.register_program(spec)
+        lowered = self.controller.call_dispatch.register_program(spec)
         with self._held_lock:
             if not self.closed:
                 self.programs[lowered.program_id] = lowered
                 return lowered.program_id
-        self.controller.forget((), [lowered.program_id])
+        self.controller.call_dispatch.forget((), [lowered.program_id])
         raise self._gone(f"program {spec.name!r} was being registered")
 
-    def describe_program(self, program_id: int) -> str:
-        return self._program(program_id).describe()
+    @_handles(DescribeProgram)
+    def describe_program(self, op: DescribeProgram) -> str:
+        return self._program(op.program_id).describe()
 
-    def call(self, spec: CallSpec, output_ids: Sequence[int] | None = None) -> list[ArrayRecord]:
-        """``output_ids``: ids of this client's grants (`grant_ids`), in order; None: the controller picks."""
+    @_handles(Call)
+    def call(self, op: Call) -> list[ArrayRecord]:
+        """``output_ids``: ids of this client's grants (`GrantIds`), in order; None: the controller picks."""
+        spec, output_ids = op.spec, op.output_ids
         if output_ids is not None:   # first: the client moved past these ids whether the call goes or fails
             self._claim(output_ids, spec.num_outputs)
         self._check_call(spec, inputs=True)
         if any(not 0 <= i < len(spec.inputs) for i in spec.donated):
             raise ValueError(f"call of {spec.name!r}: donated input positions {list(spec.donated)} for "
                              f"{len(spec.inputs)} inputs")
-        records = self._own(self.controller.call(spec, self.owner, output_ids))
+        records = self._own(self.controller.call_dispatch.call(spec, self.owner, output_ids))
         # Given up with the call: freed now, so that naming them again is refused here rather than waited for on
         # the executors (which freed their shards as the run arrived).
-        self.release_many(sorted({spec.inputs[i] for i in spec.donated}))
+        self._release(sorted({spec.inputs[i] for i in spec.donated}))
         return records
 
-    def run_program(self, program_id: int, input_ids: Sequence[int],
-                    output_ids: Sequence[int] | None = None) -> list[ArrayRecord]:
+    @_handles(RunProgram)
+    def run_program(self, op: RunProgram) -> list[ArrayRecord]:
+        program_id, input_ids, output_ids = op.program_id, op.input_ids, op.output_ids
         lowered = self.programs.get(program_id)
         if output_ids is not None:   # first, as for a call (an unknown program's outputs: as many as named)
             self._claim(output_ids, len(lowered.spec.output_values) if lowered is not None else len(output_ids))
         lowered = self._program(program_id)
         self._check_arrays(input_ids)
-        return self._own(self.controller.run_program(program_id, input_ids, self.owner, output_ids))
+        return self._own(self.controller.call_dispatch.run_program(program_id, input_ids, self.owner, output_ids))
 
-    def grant_ids(self, count: int) -> tuple[int, int]:
+    @_handles(GrantIds)
+    def grant_ids(self, op: GrantIds) -> tuple[int, int]:
         """Reserve ``count`` array ids for this client to name its calls' outputs with (so it need not wait for
         each call's answer); ``(first, count)``. The client uses them in order."""
+        count = op.count
         if not 1 <= count <= 1 << 20:
             raise ValueError(f"grant_ids({count}): expected 1 to {1 << 20} ids")
         with self.controller.state.lock:
@@ -166,36 +226,46 @@ class ClientOps:
 
     # ------------------------------------------------------------ arrays
 
-    def new_array(self, executor_ids: tuple[str, ...], *, landing: int, shard_bytes: int = 0) -> ArrayRecord:
+    @_handles(NewArray)
+    def new_array(self, op: NewArray) -> list[ArrayRecord]:
+        executor_ids = tuple(op.executor_ids)
         unknown = [e for e in executor_ids if e not in self.controller.resources.executors]
         if unknown:
             raise NotYoursError(f"new_array on executors {unknown}: expected known executors "
                                 f"({sorted(self.controller.resources.executors)})")
-        return self._own([self.controller.new_array(tuple(executor_ids), landing=landing, owner=self.owner,
-                                                    shard_bytes=shard_bytes)])[0]
+        return self._own([self.controller.lifetimes.new_array(executor_ids, landing=op.landing, owner=self.owner,
+                                                    shard_bytes=op.shard_bytes)])
 
-    def landed(self, array_id: int, error: BaseException | None = None) -> None:
+    @_handles(Landed)
+    def landed(self, op: Landed) -> None:
+        array_id = op.array_id
         # Also for an array released while its put was landing (its record stays until the put lands).
         record = self.controller.arrays.get(array_id)
         if record is not None and record.owner != self.owner:
             raise NotYoursError(f"array {array_id} is not one this client holds; use the arrays your own puts made")
-        self.controller.landed(array_id, error)
+        self.controller.lifetimes.landed(array_id, op.error)
 
-    def release(self, array_id: int) -> None:
+    @_handles(Release)
+    def release(self, op: Release) -> None:
+        array_id = op.array_id
         with self._held_lock:
             self._never_made.pop(array_id, None)
             if array_id not in self.arrays:   # twice, or never ours: nothing to free (a finalizer must not raise)
                 return
             self.arrays.discard(array_id)
-        self.controller.release(array_id)
+        self.controller.lifetimes.release(array_id)
 
-    def release_many(self, array_ids: Sequence[int]) -> None:
+    @_handles(ReleaseMany)
+    def release_many(self, op: ReleaseMany) -> None:
+        self._release(op.array_ids)
+
+    def _release(self, array_ids: Sequence[int]) -> None:
         with self._held_lock:
             for array_id in array_ids:
                 self._never_made.pop(array_id, None)
             ours = [a for a in array_ids if a in self.arrays]
             self.arrays.difference_update(ours)
-        self.controller.release_many(ours)
+        self.controller.lifetimes.release_many(ours)
 
     def stop_waiting(self) -> None:
         """A request of this client still waiting for executor memory ends now (ClientGone), not in 30 s. Called as
@@ -218,75 +288,105 @@ class ClientOps:
     def _free_for_good(self, array_ids: list[int], error: BaseException) -> None:
         """Free ``array_ids`` now, those still landing included, and send the frees (and spent put tokens) at once."""
         self.controller.lifetimes.abandon_puts(array_ids, error)
-        self.controller.release_many(array_ids)
-        self.controller.flush_frees()
+        self.controller.lifetimes.release_many(array_ids)
+        self.controller.lifetimes.flush_frees()
 
     def _gone(self, what: str) -> ClientGone:
         who = f"client {self.owner!r}" if self.owner else "the client"
         return ClientGone(f"{who} left while {what}: nothing is kept for it (its arrays, budget and functions are "
                           f"freed); connect again to go on")
 
-    def forget(self, function_ids: Sequence[int], program_ids: Sequence[int]) -> None:
+    @_handles(Forget)
+    def forget(self, op: Forget) -> None:
         """The client will not call these functions nor run these programs again (their captured versions and
         traced graphs are gone): they leave the controller and the executors, once their calls in flight end.
         Another client's ids are ignored."""
         with self._held_lock:
-            functions = [function_id for function_id in function_ids if function_id in self.functions]
+            functions = [function_id for function_id in op.function_ids if function_id in self.functions]
             self.functions.difference_update(functions)
-            programs = [program_id for program_id in program_ids if self.programs.pop(program_id, None) is not None]
+            programs = [program_id for program_id in op.program_ids
+                        if self.programs.pop(program_id, None) is not None]
         if functions or programs:
-            self.controller.forget(functions, programs)
+            self.controller.call_dispatch.forget(functions, programs)
 
     def forget_everything(self) -> int:
         """The client is gone: its functions and programs leave the controller's tables and every executor that
         loaded them (one ``Forget`` each); how many."""
-        self.controller.forget(sorted(self.functions), sorted(self.programs))
+        self.controller.call_dispatch.forget(sorted(self.functions), sorted(self.programs))
         forgotten = len(self.functions) + len(self.programs)
         self.functions.clear()
         self.programs.clear()
         return forgotten
 
-    def flush_frees(self) -> None:
-        self.controller.flush_frees()
+    @_handles(FlushFrees)
+    def flush_frees(self, op: FlushFrees) -> None:
+        self.controller.lifetimes.flush_frees()
 
     # ------------------------------------------------------------ executors
 
-    def allocate_mesh(self, axes: dict[str, int], executor_ids: Sequence[str] | None = None) -> MeshAllocation:
-        mesh = self.controller.resources.allocate(dict(axes), None if executor_ids is None else list(executor_ids))
+    @_handles(AllocateMesh)
+    def allocate_mesh(self, op: AllocateMesh) -> MeshAllocation:
+        executor_ids = None if op.executor_ids is None else list(op.executor_ids)
+        mesh = self.controller.resources.allocate(dict(op.axes), executor_ids)
         self.meshes[mesh.mesh_id] = mesh
         return mesh
 
-    def island_of(self, executor_id: str) -> str:
-        return self.controller.resources.island_of(executor_id)
+    @_handles(IslandOf)
+    def island_of(self, op: IslandOf) -> str:
+        return self.controller.resources.island_of(op.executor_id)
 
-    def executors(self) -> tuple[ExecutorView, ...]:
+    @_handles(Executors)
+    def executors(self, op: Executors) -> tuple[ExecutorView, ...]:
         return tuple(executor_view(self.controller, info) for info in self.controller.resources.ordered())
 
-    def executor(self, executor_id: str) -> ExecutorView | None:
-        info = self.controller.resources.executors.get(executor_id)
+    @_handles(Executor)
+    def executor(self, op: Executor) -> ExecutorView | None:
+        info = self.controller.resources.executors.get(op.executor_id)
         return None if info is None else executor_view(self.controller, info)
 
-    def wait_for_executors(self, count: int, timeout_s: float) -> None:
+    @_handles(WaitForExecutors)
+    def wait_for_executors(self, op: WaitForExecutors) -> None:
+        timeout_s = op.timeout_s
         if self.owner:   # a service client's worker parked here is its own, but not for a time the client picks
             timeout_s = bounded(timeout_s, "wait_for_executors: timeout_s", _WAIT_S)
-        self.controller.wait_for_executors(count, timeout_s)
+        self.controller.members.wait_for_executors(op.count, timeout_s)
+
+    @_handles(CheckpointRoot)
+    def checkpoint_root_of_client(self, op: CheckpointRoot) -> str | None:
+        return self.checkpoint_root
+
+    @_handles(ReplaceExecutor)
+    def replace_executor(self, op: ReplaceExecutor) -> ExecutorView:
+        if self.replace is None:
+            raise ValueError(f"replace_executor({op.executor_id!r}): this controller replaces no executor for its "
+                             f"client (an embedded context starts its replacements itself)")
+        return self.replace(op.executor_id, op.timeout_s)
+
+    @_handles(Bye)
+    def bye(self, op: Bye) -> None:
+        """Nothing here: the service ends the client's session once this is answered."""
 
     # ------------------------------------------------------------ observability
 
-    def gather(self, kind: str) -> dict:
-        if kind not in ("stats", "trace"):
-            raise ValueError(f"gather({kind!r}): expected 'stats' or 'trace'")
-        return self.controller.gather(kind)
+    @_handles(Gather)
+    def gather(self, op: Gather) -> dict:
+        if op.kind not in ("stats", "trace"):
+            raise ValueError(f"gather({op.kind!r}): expected 'stats' or 'trace'")
+        return self.controller.requests.gather(op.kind)
 
-    def counters(self) -> ControllerCounters:
+    @_handles(Counters)
+    def counters(self, op: Counters) -> ControllerCounters:
         return controller_counters(self.controller, self.server)
 
-    def runahead_waits(self) -> tuple[tuple[int, int, int, str], ...]:
-        return tuple(self.controller.runahead_waits)
+    @_handles(RunaheadWaits)
+    def runahead_waits(self, op: RunaheadWaits) -> tuple[tuple[int, int, int, str], ...]:
+        return tuple(self.controller.call_dispatch.run_ahead.waits)
 
-    def note_runahead_wait(self, start_ns: int, end_ns: int, in_flight: int, what: str) -> None:
+    @_handles(NoteRunaheadWait)
+    def note_runahead_wait(self, op: NoteRunaheadWait) -> None:
         # 10,000 are kept for every client's trace: each a line, not whatever a client sends (up to 8 MiB)
-        self.controller.runahead_waits.append((int(start_ns), int(end_ns), int(in_flight), str(what)[:_WHAT_CHARS]))
+        waits = self.controller.call_dispatch.run_ahead.waits
+        waits.append((op.start_ns, op.end_ns, op.in_flight, op.what[:_WHAT_CHARS]))
 
     # ------------------------------------------------------------ what the client owns
 

@@ -27,15 +27,15 @@ from typing import Callable
 
 import zmq
 
-from pathways_torch.wire import SocketLoop, pb, seam_codec
+from pathways_torch.wire import SocketLoop, seam_codec
 from pathways_torch.wire.checkpoint_paths import DEFAULT_CHECKPOINT_ROOT, client_root
 from pathways_torch.wire.framing import log_dropped
 from pathways_torch.wire.limits import Bounds, bounded
-from pathways_torch.wire.seam import ArraySettled, CallSpec, ProgramSpec
+from pathways_torch.wire.seam import OPS, ArraySettled, Bye, op_from_wire
 from pathways_torch.wire.security import ConnectionWatch, client_name, make_server, peer_role
 
 from .client_inbox import QueueFull, RefusalPace, RequestQueue, is_ping, message_bytes, peek_request_id
-from .client_ops import ClientOps, executor_view
+from .client_ops import ClientOps, executor_view, settled
 from .config import ServiceConfig
 
 __all__ = ["ClientService", "CLIENT_SOCKET"]
@@ -52,20 +52,6 @@ _FREE_AFTER_S = 1.0
 _READS_PER_TURN = 4
 REPLACE_TIMEOUT_S = Bounds(0.001, 600.0)   # a client's wait for an executor's replacement
 _ACK_EVERY = 32                   # requests served between acknowledgements (and whenever the queue runs dry)
-_OUTPUT_IDS = {"call": 1, "run_program": 2}   # where a call's output ids are among its arguments
-_IDS = (list, tuple)
-# op → the types of its positional arguments (checked before anything runs: a client sends plain data only)
-_SIGNATURES: dict[str, tuple] = {
-    "register_function": (str, pb.Graph, list, (int, float)), "register_program": (ProgramSpec,),
-    "describe_program": (int,), "forget": ((list, tuple), (list, tuple)), "call": (CallSpec, _IDS),
-    "run_program": (int, _IDS, (*_IDS, type(None))),
-    "grant_ids": (int,),
-    "new_array": ((list, tuple), int, int), "landed": (int, (BaseException, type(None))), "release": (int,),
-    "release_many": ((list, tuple),), "flush_frees": (), "allocate_mesh": (dict, (list, tuple, type(None))),
-    "island_of": (str,), "executors": (), "executor": (str,), "wait_for_executors": (int, (int, float)),
-    "gather": (str,), "counters": (), "runahead_waits": (), "note_runahead_wait": (int, int, int, str),
-    "replace_executor": (str, (int, float)), "bye": (), "checkpoint_root": (),
-}
 
 
 @dataclasses.dataclass
@@ -185,8 +171,10 @@ class ClientService:
                 self._disconnect_locked(session, "it connected again from a new process")
                 session = None
             if session is None:
-                session = _Session(name, identity, ClientOps(self.controller, self.server, owner=name,
-                                                             limits=self.config), self.clock(),
+                ops = ClientOps(self.controller, self.server, owner=name, limits=self.config, replace=self._replace,
+                                checkpoint_root=client_root(self.config.checkpoint_root or DEFAULT_CHECKPOINT_ROOT,
+                                                            name))
+                session = _Session(name, identity, ops, self.clock(),
                                    RequestQueue(self.config.max_queued_requests, self.config.max_queued_bytes))
                 self.sessions[name] = session
                 self.admission.add_client(name, self.weights.get(name, 1.0))
@@ -236,54 +224,33 @@ class ClientService:
             answer = {"r": request_id, "err": exc}
             self._refused(session, op, exc)
             session.refusals.pace()
-            if not request_id and op in _OUTPUT_IDS and len(args) > _OUTPUT_IDS[op]:
-                self._fail_outputs(session, args[_OUTPUT_IDS[op]], exc)   # a call not waited for fails its outputs
+            at = getattr(OPS.get(op) if isinstance(op, str) else None, "OUTPUT_IDS_AT", None)
+            if not request_id and at is not None and len(args) > at:
+                self._fail_outputs(session, args[at], exc)   # a call not waited for fails its outputs
         session.requests_served += 1
         if request_id:
             self._send(session, answer)
         if session.requests.empty or session.requests_served % _ACK_EVERY == 0:
             # The client sends calls without waiting for them: it waits only when this many are unread here.
             self._send(session, {"ev": "ack", "n": session.requests_served})
-        if op == "bye" and "ok" in answer:   # a bye refused (bad arguments) ends nothing: its client is told why
+        if op == Bye.NAME and "ok" in answer:   # a bye refused (bad arguments) ends nothing: its client is told why
             self._end(session, "it closed its context", tell=False)
 
-    def _handle(self, session: _Session, op: str, args: list, answered: bool = True):
-        signature = _SIGNATURES.get(op)
-        if signature is None or len(args) != len(signature) or not all(
-                isinstance(a, t) for a, t in zip(args, signature)):
-            raise TypeError(f"request {str(op)[:40]!r} with {len(args)} argument(s): expected " +
-                            (f"arguments of {signature}" if signature else f"one of the {len(_SIGNATURES)} ops of "
-                             f"controller/client_service.py (_SIGNATURES)"))
-        ops = session.ops
-        if op == "bye":
-            return None
-        if op == "checkpoint_root":   # the client's own folder of the root: its checkpoints live there alone
-            return client_root(self.config.checkpoint_root or DEFAULT_CHECKPOINT_ROOT, session.name)
-        if op == "call":
-            return self._followed(session, ops.call(args[0], args[1]), answered)
-        if op == "run_program":
-            return self._followed(session, ops.run_program(args[0], args[1], args[2]), answered)
-        if op == "new_array":
-            return self._followed(session, [ops.new_array(tuple(args[0]), landing=args[1], shard_bytes=args[2])],
-                                  answered)[0]
-        if op == "replace_executor":
-            return self._replace(args[0], args[1])
-        if op == "register_function":
-            return ops.register_function(args[0], args[1], args[2], sim_seconds=float(args[3]))
-        return getattr(ops, op)(*args)
+    def _handle(self, session: _Session, name: str, args: list, answered: bool = True):
+        op = op_from_wire(name, args)   # checked: a client sends plain data only
+        result = session.ops.handle(op)
+        return self._followed(session, result, answered) if op.MAKES_ARRAYS else result
 
     def _followed(self, session: _Session, records, answered: bool) -> tuple:
         """Each record's state now, and its changes from now on as events (attached under the controller's lock,
         where every change happens: none is missed between the two). A call not waited for (``answered``
         False) gets its state now as an event too, if it is no longer pending."""
-        with self.controller.state.lock:
-            snapshots = []
-            for record in records:
-                record.listener = self._settle_listener(session)
-                snapshots.append(_settled(record))
-                if not answered and (record.state != "pending" or record.lost_holders):
-                    self._send(session, {"ev": "settled", "s": snapshots[-1]})
-            return tuple(snapshots)
+        listener = self._settle_listener(session)
+
+        def now(snapshot) -> None:   # under the lock: before any change's event
+            if not answered and (snapshot.state != "pending" or snapshot.lost_holders):
+                self._send(session, {"ev": "settled", "s": snapshot})
+        return tuple(session.ops.follow(records, lambda record: listener, now))
 
     def _fail_outputs(self, session: _Session, output_ids, error: BaseException) -> None:
         if isinstance(output_ids, (list, tuple)):
@@ -295,7 +262,7 @@ class ClientService:
     def _settle_listener(self, session: _Session):
         def changed(record) -> None:
             if session.connected:
-                self._send(session, {"ev": "settled", "s": _settled(record)})
+                self._send(session, {"ev": "settled", "s": settled(record)})
         return changed
 
     def _replace(self, executor_id: str, timeout_s: float):
@@ -330,8 +297,8 @@ class ClientService:
             if self.replacer is not None:
                 pending.set_result(self.replacer(executor_id, timeout_s))
             else:
-                pending.set_result(executor_view(self.controller, self.controller.wait_for_incarnation(
-                    executor_id, epoch + 1, timeout_s)))
+                info = self.controller.members.wait_for_incarnation(executor_id, epoch + 1, timeout_s)
+                pending.set_result(executor_view(self.controller, info))
         except BaseException as exc:   # every asker gets the maker's failure
             pending.set_exception(exc)
         finally:
@@ -429,7 +396,7 @@ class ClientService:
 
     def _refused(self, session: _Session, op: str, error: BaseException) -> None:
         """Count a request that raised; log the first of each kind (op and error type), then every thousandth."""
-        key = (op if op in _SIGNATURES else "?", type(error).__name__)
+        key = (op if op in OPS else "?", type(error).__name__)
         self.refusals[key] += 1
         if self.refusals[key] == 1 or self.refusals[key] % 1000 == 0:
             log.warning("controller: client %s: %s refused (%s of this kind so far): %s: %s", session.name, key[0],
@@ -457,6 +424,3 @@ class _RecentSet:
         return item in self._items
 
 
-def _settled(record) -> ArraySettled:
-    return ArraySettled(record.array_id, record.state, record.error, record.block_shape,
-                        tuple(record.lost_holders), record.put_token)

@@ -2,10 +2,10 @@
 
 A call completes when every executor of its mesh has reported; its outputs settle ready (or fail, when replicas
 disagree or data-dependent shapes differ). A failed call's error is its origin's when the failure came from
-upstream, and a failure that reads like a lost peer waits a moment for the launcher to see an exit, so that it is
-reported as that executor's loss rather than the model's. A transfer no one acknowledged is reported by its
-sender; its receiver says whether a run there lacked it, which fails that run and abandons the groups of both
-ends' islands.
+upstream (kept in `CallFailures` while the origin's outputs are held), and a failure that reads like a lost peer
+waits a moment for the launcher to see an exit, so that it is reported as that executor's loss rather than the
+model's. A transfer no one acknowledged is reported by its sender; its receiver says whether a run there lacked
+it, which fails that run and abandons the groups of both ends' islands.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from __future__ import annotations
 import collections
 import logging
 import traceback
+from typing import Callable
 
 from pathways_torch.errors import PathwaysError, PlacementError, RemoteError, ReplicationError, TRANSFER_LOST
 from pathways_torch.wire import pb
@@ -20,6 +21,7 @@ from pathways_torch.wire.framing import PROGRAM_RUN_REFUSED
 
 from .arrays import FAILED, READY
 from .call_spec import CallSpec, InFlightCall
+from .failures import failed_copy
 from .transfer_reports import report_refusal
 
 __all__ = ["Completion"]
@@ -34,16 +36,24 @@ _PEER_LOSS_MARKERS = ("connection closed by peer", "connection reset", "broken p
 
 
 class Completion:
-    """The `Controller`'s handling of Done and TransferLost reports, and of failed calls (under its lock)."""
+    """The `Controller`'s handling of Done and TransferLost reports, and of failed calls (under its lock).
 
-    def __init__(self, controller):
-        self._controller = controller
-        state = controller.state
+    A Done batch is checked against its launch tree (``launch_trees``); a call that ended leaves ``dispatch``; a
+    failed call's error is kept in ``failures``; an executor that refuses a program run is lost (``members``); a
+    run that lacked a lost transfer abandons the ``groups`` of both ends' islands."""
+
+    def __init__(self, state, *, groups, launch_trees, dispatch, members, failures):
         self._lock, self._calls, self._programs = state.lock, state.calls, state.programs
-        self.resources = controller.resources
+        self.resources = state.resources
         self._send, self._drop = state.send, state.drop
-        self._failures: dict[int, BaseException] = {}   # call id → the error it raised
-        self._failure_holders: dict[int, int] = {}      # call id → its outputs still held
+        self._groups, self._launch_trees, self._dispatch = groups, launch_trees, dispatch
+        self._members, self._failures = members, failures
+        # Asks the launcher whether an executor process has exited (and declares it lost if so), set by its host
+        # (`exit_watch.watch_exits`). Called before a failure is reported: a collective whose peer was killed fails
+        # with a transport error ("connection reset") before any heartbeat could tell, and that failure is the lost
+        # executor's, not the user's code's. Arguments: how long to wait for an exit, and with a wait, what to call
+        # (on the I/O thread) once it ends.
+        self.liveness_probe: Callable[..., None] | None = None
         self.transfers_lost = 0                  # reported by their senders: not acknowledged in time (a cut link)
         self.calls_failed_by_lost_transfers = 0  # of those, the ones a run still waited for (its receiver says: the
                                                  # rest had arrived, their acknowledgement lost, or their run had
@@ -55,7 +65,7 @@ class Completion:
     def on_done_batch(self, sender: str, batch: pb.DoneBatch) -> None:
         """The Dones of one run from ``sender``'s subtree of a launch tree: each handled as if its executor sent
         it. A batch naming an executor outside that subtree is dropped whole."""
-        refused = self._controller.launch_trees.covers(sender, batch)
+        refused = self._launch_trees.covers(sender, batch)
         if refused:
             self._drop(refused)
             return
@@ -80,7 +90,7 @@ class Completion:
         """Successes of one call from many executors: `on_done`'s success path with set operations, not a Done
         handled per executor (a run on 1,024 executors ends with 1,024 of them)."""
         if call is None:
-            if not self._controller.call_dispatch.closing_reason:
+            if not self._dispatch.closing_reason:
                 self._drop(f"Dones for unknown call {group.call_id} from {len(group.executor_ids)} executors")
             return
         named = set(group.executor_ids)
@@ -96,39 +106,38 @@ class Completion:
             self._end_when_all_reported(call)
 
     def on_done(self, executor_id: str, done: pb.Done, probed: bool = False) -> None:
-        controller = self._controller
         if not done.ok and done.failure.type == PROGRAM_RUN_REFUSED:
             # The executor does not hold a program we sent it: none of that run's calls (nor later gang work)
             # can complete there. What depends on it fails now, as for a lost executor.
             info = self.resources.executors.get(executor_id)
             if info is not None and not info.lost:
-                controller.members.lose(executor_id, done.failure.message)
+                self._members.lose(executor_id, done.failure.message)
             return
         call = self._calls.get(done.call_id)
-        if call is None and controller.call_dispatch.closing_reason:
+        if call is None and self._dispatch.closing_reason:
             return   # closing ended every pending call (ContextClosedError): late Dones are expected, not dropped
         if call is None or executor_id not in call.waiting:
             self._drop(f"Done for unknown call {done.call_id} from {executor_id}")
             return
-        if not (done.ok or probed or call.failed) and controller.liveness_probe is not None \
+        if not (done.ok or probed or call.failed) and self.liveness_probe is not None \
                 and _looks_like_peer_loss(done.failure.message):
             # A peer's transport error can arrive while the killed process is still being torn down (its sockets
             # close before it can be reaped): the launcher gets a moment to see the exit, then this Done is handled.
             # Polled later, never slept here: this is the I/O thread, under the lock, and heartbeats would wait.
-            controller.liveness_probe(_PEER_LOSS_PATIENCE_S, lambda: self._on_probed_done(executor_id, done))
+            self.liveness_probe(_PEER_LOSS_PATIENCE_S, lambda: self._on_probed_done(executor_id, done))
             return
         call.waiting.discard(executor_id)
         call.device_s += done.device_ns / 1e9   # what the executor measured: the client's share is charged it
         if not done.ok:
             peer_loss = _looks_like_peer_loss(done.failure.message)
-            if controller.liveness_probe is not None and not call.failed:   # failed already: a loss was declared
-                controller.liveness_probe(0.0)   # may fail the call first, with ExecutorLostError
-            if peer_loss and call.waiting and not call.failed and controller.liveness_probe is None:
+            if self.liveness_probe is not None and not call.failed:   # failed already: a loss was declared
+                self.liveness_probe(0.0)   # may fail the call first, with ExecutorLostError
+            if peer_loss and call.waiting and not call.failed and self.liveness_probe is None:
                 # Executors on other hosts: no process to reap. The peer that went silent is either lost
                 # within the heartbeat bound (ExecutorLostError, naming it) or reports itself.
                 call.held_failure = call.held_failure or done.failure
             else:
-                self.fail_call(call, self._error_for(call, call.held_failure or done.failure))
+                self._failures.fail(call, self._error_for(call, call.held_failure or done.failure))
         else:
             if done.digests:
                 call.digests[executor_id] = list(done.digests)
@@ -139,8 +148,8 @@ class Completion:
 
     def _end_when_all_reported(self, call: InFlightCall) -> None:
         if call.held_failure is not None:
-            self.fail_call(call, self._error_for(call, call.held_failure))
-        self._controller.call_dispatch.end(call)   # the liveness probe may have ended it already
+            self._failures.fail(call, self._error_for(call, call.held_failure))
+        self._dispatch.end(call)   # the liveness probe may have ended it already
         if not call.failed:
             self._complete(call)
 
@@ -158,8 +167,8 @@ class Completion:
         """Handling a Done raised ``exc`` (a bug of ours): its call still ends, failing with the reason."""
         log.exception("controller: handling a Done failed; its call fails")
         if call is not None:
-            self._controller.call_dispatch.end(call)
-            self.fail_call(call, PathwaysError(
+            self._dispatch.end(call)
+            self._failures.fail(call, PathwaysError(
                 f"the controller failed while completing {call.spec.name!r} (a bug of ours: "
                 f"{type(exc).__name__}: {exc}); called from:\n{call.spec.call_site.rstrip()}\n"
                 f"{''.join(traceback.format_exception(exc))}"))
@@ -191,7 +200,7 @@ class Completion:
             shapes = [call.shapes.get(e, [None] * (index + 1))[index] for e in executors]
             if len(set(shapes)) > 1 or shapes[0] is None:
                 described = ", ".join(f"{e}: {list(s) if s is not None else 'none'}" for e, s in zip(executors, shapes))
-                self.fail_call(call, PlacementError(
+                self._failures.fail(call, PlacementError(
                     f"output {index} of {call.spec.name!r} has a size that depends on the data, and its shards came "
                     f"out with different shapes ({described}); a sharded array needs equal blocks. Fix: make the "
                     f"size agree across shards (e.g. pad to a fixed size, or decide it from an all_reduce), or "
@@ -202,27 +211,6 @@ class Completion:
 
     # ------------------------------------------------------------ failure
 
-    def fail_call(self, call: InFlightCall, error: BaseException) -> None:
-        """Fail the call's outputs with ``error`` (its first failure wins); the error is kept while they are held,
-        for the calls downstream that fail because of it."""
-        if call.failed:
-            return
-        call.failed = True
-        self._failures.setdefault(call.call_id, error)
-        holders = sum(1 for r in call.outputs if not r.released)
-        if holders:
-            self._failure_holders[call.call_id] = holders
-        for record in call.outputs:
-            record.settle(FAILED, error)
-
-    def output_forgotten(self, producer_call: int) -> None:
-        """An output of ``producer_call`` was forgotten: once none of a failed call's is left, forget its error."""
-        if producer_call in self._failure_holders:
-            self._failure_holders[producer_call] -= 1
-            if self._failure_holders[producer_call] == 0:
-                del self._failure_holders[producer_call]
-                self._failures.pop(producer_call, None)
-
     def _error_for(self, call: InFlightCall, failure: pb.RemoteFailure) -> BaseException:
         """The error for a failed call: the origin call's own error when the failure came from upstream.
 
@@ -232,12 +220,13 @@ class Completion:
         """
         origin = failure.origin_call_id
         if origin and origin != call.call_id:
-            if origin in self._failures:
-                return self._failures[origin]
+            kept = self._failures.error_of(origin)
+            if kept is not None:
+                return kept
             origin_call = self._calls.get(origin)
             if origin_call is not None:
                 error = _remote_error(origin_call.spec, failure)
-                self.fail_call(origin_call, error)
+                self._failures.fail(origin_call, error)
                 return error
         return _remote_error(call.spec, failure)
 
@@ -267,7 +256,7 @@ class Completion:
                      f"{sender} to {destination.executor_id} at {msg.to_address} was not acknowledged within "
                      f"{msg.waited_s:.0f} s: the link between them failed (both executors are alive); the calls "
                      f"that need it fail, later ones are unaffected"))
-        self.fail_copy(destination.executor_id, msg.shard, failure)
+        self._send(destination.executor_id, failed_copy(msg.shard, failure))
 
     def _on_copy_missing(self, receiver: str, msg: pb.TransferLost) -> None:
         """The receiver's answer: a run there waited for the lost copy and now fails at that input. Fail its call,
@@ -286,11 +275,11 @@ class Completion:
         self.calls_failed_by_lost_transfers += 1
         call = self._calls.get(call_id)
         if call is not None:        # a reporting node (the others fail with the run on the receiver)
-            self.fail_call(call, _remote_error(call.spec, msg.failure))
+            self._failures.fail(call, _remote_error(call.spec, msg.failure))
         islands = {self.resources.island_of(e) for e in (sender, receiver) if e in self.resources.executors}
         what = f"transfer:{msg.shard.array_id}.{msg.shard.shard}:{sender}->{receiver}"
         for island in sorted(islands):
-            self._controller.groups.abandon_island(island, what)
+            self._groups.abandon_island(island, what)
 
     def _believed(self, reporter: str, sender: str, receiver: str, copy: pb.ShardRef) -> bool:
         """Whether a report on ``copy`` (``sender`` → ``receiver``) comes from one of its ends by the routes of the
@@ -311,10 +300,6 @@ class Completion:
         if call is not None and not call.run_base:
             return [call]
         return [c for c in self._calls.values() if c.run_base and c.run_base <= call_id < c.run_base + c.run_nodes]
-
-    def fail_copy(self, destination: str, copy: pb.ShardRef, failure: pb.RemoteFailure) -> None:
-        """Tell ``destination`` the copy ``copy`` it may wait for will not come (on the control path): it fails."""
-        self._send(destination, pb.Envelope(transfer=pb.Transfer(failed=True, shard=copy, failure=failure)))
 
 
 def _looks_like_peer_loss(message: str) -> bool:

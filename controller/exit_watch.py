@@ -2,7 +2,7 @@
 
 The host of a controller that started its executors as local processes (the embedded client, `pathways-controller
 --num-executors`) asks ``newly_exited()`` (``[(executor id, why)]``) every interval and whenever the controller
-suspects a loss (`Controller.liveness_probe`); the heartbeat timeout catches the hung and the remote.
+suspects a loss (`Completion.liveness_probe`); the heartbeat timeout catches the hung and the remote.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ def watch_exits(controller, loop, newly_exited: Callable[[], list], interval_s: 
         def look() -> None:
             exited = newly_exited()
             if exited:   # together: a process of many simulated executors is one exit, one Cancel per survivor
-                controller.declare_lost_many(exited)
+                controller.members.declare_lost_many(exited)
             if not exited and time.monotonic() < deadline:
                 loop.call_later(0.02, look)
             elif then is not None:
@@ -34,4 +34,4 @@ def watch_exits(controller, loop, newly_exited: Callable[[], list], interval_s: 
         look()
 
     loop.every(interval_s, reap)
-    controller.liveness_probe = reap
+    controller.completion.liveness_probe = reap

@@ -24,12 +24,11 @@ _MAX_LOST_PEERS = 64
 class ProcessGroups:
     """The `Controller`'s process groups; used under its lock (and the sequencers of the islands involved)."""
 
-    def __init__(self, controller):
-        self._controller = controller
-        self.resources, self.sequencers = controller.resources, controller.sequencers
-        self.rendezvous = controller.rendezvous
-        self._programs, self._stale_programs = controller.state.programs, controller.state.stale_programs
-        self._send = controller.state.send
+    def __init__(self, state):
+        self._state = state
+        self.resources, self.sequencers, self.rendezvous = state.resources, state.sequencers, state.rendezvous
+        self._programs, self._stale_programs = state.programs, state.stale_programs
+        self._send = state.send
         self.by_members: dict[tuple[str, ...], int] = {}       # members (in rank order) → group id (live ones)
         # island → its faults, each "what<first group id after it": a lost "id@epoch" or a lost "transfer:..."
         self.lost_peers: dict[str, list[str]] = collections.defaultdict(list)   # the last _MAX_LOST_PEERS
@@ -72,7 +71,7 @@ class ProcessGroups:
         for rank, executor_id in enumerate(members):
             form = pb.FormGroup(seq=seq, prev_collective_seq=sequencer.chain(executor_id, seq), group_id=group_id,
                                 rank=rank, size=len(members), store_path=store_path,
-                                timeout_s=self._controller.config.group_timeout_s, members=incarnations)
+                                timeout_s=self._state.config.group_timeout_s, members=incarnations)
             self._send(executor_id, pb.Envelope(form_group=form))
         return group_id
 

@@ -101,11 +101,14 @@ class LaunchTrees:
     """The controller's launch trees, one per island, and the numbering of what it sends to their executors.
 
     Used under the controller's lock. A program run takes a tree only when it runs on every live executor of one
-    island and there are at least ``launch_tree_min_executors`` of them (`tree_for`)."""
+    island and there are at least ``launch_tree_min_executors`` of them (`tree_for`). A launch goes to ``outbox``
+    as it is (counted in ``messages_sent``), not through `Controller.send`, with the frees pending for the tree's
+    members (``lifetimes``)."""
 
-    def __init__(self, controller):
-        self._controller = controller
-        self.resources = controller.resources
+    def __init__(self, state, *, lifetimes, outbox, messages_sent):
+        self._state = state
+        self.resources, self._calls, self._send = state.resources, state.calls, state.send
+        self._lifetimes, self._outbox, self._messages_sent = lifetimes, outbox, messages_sent
         self._trees: dict[str, IslandTree] = {}
         self._ended: collections.OrderedDict[int, IslandTree] = collections.OrderedDict()
         self._generations = 0
@@ -142,7 +145,7 @@ class LaunchTrees:
     def tree_for(self, executor_ids) -> IslandTree | None:
         """The tree a run on ``executor_ids`` goes down, made (and told to its members) if the island has none; None
         when the run is sent to each executor."""
-        config = self._controller.config
+        config = self._state.config
         if config.launch_fanout < 2 or len(executor_ids) < max(2, config.launch_tree_min_executors):
             return None
         executors = self.resources.executors
@@ -161,7 +164,7 @@ class LaunchTrees:
         self._trees[island] = tree
         self._numbered.update(live)
         for position, executor_id in enumerate(tree.members):
-            self._controller.send(executor_id, pb.Envelope(launch_tree=self._place(tree, position)))
+            self._send(executor_id, pb.Envelope(launch_tree=self._place(tree, position)))
         return tree
 
     def _place(self, tree: IslandTree, position: int) -> pb.LaunchTree:
@@ -183,14 +186,13 @@ class LaunchTrees:
         member (as array ids: each member frees its shards of them). ``gang``: the gang places its collectives take
         per executor, kept while it may be in flight (a loss must let the survivors skip those of a launch that
         never reached them)."""
-        controller = self._controller
         if gang:
-            oldest = min(controller.state.calls, default=run.base_call_id)
+            oldest = min(self._calls, default=run.base_call_id)
             for base in [b for b in self._gang_runs if b < oldest]:
                 del self._gang_runs[base]
             self._gang_runs[run.base_call_id] = (tree.generation, gang)
         # Each member frees its own shards of these arrays: one list of ids for all, not a ShardRef per shard.
-        members, take, pending = tree.members, controller.lifetimes.take_pending_frees, []
+        members, take, pending = tree.members, self._lifetimes.take_pending_frees, []
         for frees in [take(executor_id) for executor_id in members]:
             if frees:
                 pending.extend(frees)
@@ -204,8 +206,8 @@ class LaunchTrees:
             msg = pb.TreeLaunch(generation=tree.generation, position=root, prev_collective_seqs=prev[root:end],
                                 commands_before=commands[root:end], free_array_ids=ids)
             msg.run.CopyFrom(run)
-            controller.messages_sent["tree_launch"] += 1
-            controller.outbox.to_executor(tree.members[root], pb.Envelope(tree_launch=msg))
+            self._messages_sent["tree_launch"] += 1
+            self._outbox.to_executor(tree.members[root], pb.Envelope(tree_launch=msg))
 
     def covers(self, sender: str, batch: pb.DoneBatch) -> str | None:
         """Why ``sender`` may not report ``batch``'s Dones (each must be of its subtree in the batch's tree); None
@@ -255,7 +257,7 @@ class LaunchTrees:
             if info is None or info.lost:
                 self._tree_ended.pop(executor_id, None)
             else:
-                self._controller.send(executor_id, pb.Envelope(cancel=pb.Cancel(reason=reason)))
+                self._send(executor_id, pb.Envelope(cancel=pb.Cancel(reason=reason)))
 
     def _retire(self, tree: IslandTree) -> None:
         self._ended[tree.generation] = tree

@@ -25,15 +25,15 @@ __all__ = ["ProgramInstaller"]
 
 
 class ProgramInstaller:
-    """Lowers the `Controller`'s programs and sends each executor its plan, with the controller's ``lock``, its
-    ``programs`` (id → lowered) and ``stale`` ones (ids to lower again), ``send(executor_id, envelope)``, and
-    ``ensure_loaded(function_id, executor_id)``: sends an executor a function it does not hold yet (under the lock)."""
+    """Lowers the `Controller`'s programs and sends each executor its plan, with the controller's ``state`` (its
+    lock, its ``programs`` (id → lowered) and stale ones (ids to lower again), its ``send``), the process
+    ``groups`` its collective nodes run in, and ``ensure_loaded(function_id, executor_id)``: sends an executor a
+    function it does not hold yet (under the lock)."""
 
-    def __init__(self, controller, *, lock, programs: dict, stale: set, send: Callable,
-                 ensure_loaded: Callable[[int, str], None]):
-        self._controller, self.sequencers, self.resources = controller, controller.sequencers, controller.resources
-        self._lock, self._programs, self._stale_programs = lock, programs, stale
-        self._send, self._ensure_loaded = send, ensure_loaded
+    def __init__(self, state, *, groups, ensure_loaded: Callable[[int, str], None]):
+        self.sequencers, self.resources, self._groups = state.sequencers, state.resources, groups
+        self._lock, self._programs, self._stale_programs = state.lock, state.programs, state.stale_programs
+        self._send, self._ensure_loaded = state.send, ensure_loaded
         self.lowered_again_under_lock = 0   # what a lowering read changed before it was installed
 
     def lower_outside_lock(self, spec: ProgramSpec, program_id: int, islands, *, again: bool = False
@@ -65,7 +65,7 @@ class ProgramInstaller:
     def _basis(self, spec: ProgramSpec) -> tuple[dict, dict]:
         """What lowering ``spec`` reads: the records of the executors it names, and each collective node's groups
         (formed now if new)."""
-        groups = self._controller.groups
+        groups = self._groups
         axis_groups = {index: groups.axis_groups(node.mesh, node.collective_axes)
                        for index, node in enumerate(spec.nodes) if node.collective_axes}
         meshes = [*spec.value_meshes().values(), *(node.mesh for node in spec.nodes)]
@@ -75,7 +75,7 @@ class ProgramInstaller:
     def _install(self, lowered: LoweredProgram) -> LoweredProgram:
         """Send each executor its plan (and the functions it runs first), and keep the program."""
         for executor_id, plan in lowered.plans.items():
-            self._controller.members.check_live([executor_id])
+            self.resources.check_live([executor_id])
             for function_id in lowered.function_ids.get(executor_id, ()):
                 self._ensure_loaded(function_id, executor_id)
             self._send(executor_id, pb.Envelope(register_program=plan))

@@ -18,6 +18,7 @@ from pathways_torch.wire import pb
 
 from .arrays import PENDING
 from .call_spec import InFlightCall
+from .failures import failed_copy
 from .resources import DEFAULT_ISLAND, ExecutorInfo
 
 __all__ = ["Membership"]
@@ -40,24 +41,31 @@ log = logging.getLogger(__name__)
 class Membership:
     """The `Controller`'s executors, their incarnations and their losses.
 
-    Its public methods take the controller's lock; the ones its other parts call (`on_register`, `lose`,
-    `check_live`) expect it held.
+    Its public methods take the controller's lock; the ones its other parts call (`on_register`, `lose`) expect it
+    held. A loss reaches every other part, each named here: the ``groups`` of the islands involved are abandoned,
+    the calls on the lost executor fail (``failures``) and end (``dispatch``), its pending frees are dropped
+    (``lifetimes``) and its island's tree ends (``launch_trees``). Then each of ``loss_listeners`` hears of it, as
+    each of ``incarnation_listeners`` hears of a new incarnation; ``labels`` name executors in its errors.
     """
 
-    def __init__(self, controller):
-        self._controller = controller
-        state = controller.state
+    def __init__(self, state, *, groups, failures, dispatch, lifetimes, launch_trees, labels: dict,
+                 loss_listeners: list, incarnation_listeners: list):
+        self._state = state
         self._lock, self._calls, self._functions = state.lock, state.calls, state.functions
         self._programs, self._stale_programs = state.programs, state.stale_programs
-        self.resources, self.arrays, self.rendezvous = controller.resources, controller.arrays, controller.rendezvous
+        self.resources, self.arrays, self.rendezvous = state.resources, state.arrays, state.rendezvous
+        self.sequencers = state.sequencers
         self._send, self._drop = state.send, state.drop
+        self._groups, self._failures, self._dispatch = groups, failures, dispatch
+        self._lifetimes, self._launch_trees = lifetimes, launch_trees
+        self._labels, self._loss_listeners, self._incarnation_listeners = labels, loss_listeners, incarnation_listeners
         self._registered = threading.Condition(self._lock)   # notified at each registration
         self.shut_down = False
+        self.stale_messages = 0   # refused: sent by an incarnation that was replaced (here and `Controller`)
 
     # ------------------------------------------------------------ registration and incarnations
 
     def on_register(self, executor_id: str, msg: pb.Register) -> None:
-        controller = self._controller
         if msg.executor_id and msg.executor_id != executor_id:
             self._drop(f"executor {executor_id!r} tried to register as {msg.executor_id!r}")
             return
@@ -66,20 +74,20 @@ class Membership:
             # Registered again before its loss was declared (restarted within the heartbeat timeout): the old
             # incarnation's work fails now, as for any loss.
             self.lose(executor_id, f"it registered again from {msg.data_address} (a new incarnation)")
-        self._controller.launch_trees.forget(executor_id)   # a new process: its commands are numbered afresh
+        self._launch_trees.forget(executor_id)   # a new process: its commands are numbered afresh
         info = self.resources.register(executor_id, data_address=msg.data_address, device=msg.device,
-                                       backend=msg.backend, pid=msg.pid, last_heard=controller.clock(),
+                                       backend=msg.backend, pid=msg.pid, last_heard=self._state.clock(),
                                        public_key=msg.public_key, command_address=msg.command_address,
                                        island=msg.island or DEFAULT_ISLAND, transfer_address=msg.transfer_address)
         if previous is not None:
             self._take_place(executor_id, info)
-            for listener in controller.incarnation_listeners:
+            for listener in self._incarnation_listeners:
                 listener(info)
-        config = controller.config
+        config = self._state.config
         self._send(executor_id, pb.Envelope(welcome=pb.Welcome(
-            index=info.index, heartbeat_interval_s=config.asked_heartbeat_interval_s(len(self.resources.executors)),
+            index=info.index, heartbeat_interval_s=self.asked_heartbeat_interval_s(),
             heartbeat_timeout_s=config.heartbeat_timeout_s, epoch=info.epoch,
-            transfer_timeout_s=config.resolved_transfer_timeout_s, put_secret=controller.lifetimes.put_secret)))
+            transfer_timeout_s=config.resolved_transfer_timeout_s, put_secret=self._lifetimes.put_secret)))
         self._registered.notify_all()
 
     def _take_place(self, executor_id: str, info) -> None:
@@ -87,7 +95,7 @@ class Membership:
         process does), joins new groups (formed at first use: its loss forgot every group of its island, and
         none with it forms while it is lost), and programs that ran on the old one are lowered again for its
         address, key and groups at their next run."""
-        self._controller.call_dispatch.sequencer_of(executor_id).last_collective[executor_id] = 0
+        self.sequencers.of(self.resources.island_of(executor_id)).last_collective[executor_id] = 0
         self._stale_programs.update(pid for pid, lowered in self._programs.items() if executor_id in lowered.plans)
         log.warning("controller: %s registered again as incarnation %d (pid %d, %s)", executor_id, info.epoch,
                     info.pid, info.data_address)
@@ -122,7 +130,7 @@ class Membership:
             info = self.resources.executors.get(executor_id)
             if info is None or info.lost or info.data_address == msg.data_address:
                 return None
-            if self._controller.clock() - info.last_heard > self._controller.config.heartbeat_timeout_s:
+            if self._state.clock() - info.last_heard > self._state.config.heartbeat_timeout_s:
                 return None     # the old one is gone, just not declared yet: a restart may take its place
             return (f"{executor_id} registered from {msg.data_address} while {executor_id} at {info.data_address} "
                     f"is alive: two nodes claim it (the same --node-rank on two nodes, or one node's key folder "
@@ -148,11 +156,11 @@ class Membership:
         Executors ping on a connection of their own (see `ControllerServer`), from a
         thread of their own, so a long compile or computation never looks like death.
         """
-        now = self._controller.clock()
+        now = self._state.clock()
         with self._lock:
             if self.shut_down:
                 return
-            config = self._controller.config
+            config = self._state.config
             # An incarnation not heard from on its heartbeat connection yet may still be connecting: a start-up of a
             # thousand executors took 13 s here between a Register and that executor's first ping. It gets the loss
             # bound (twice the timeout), as the executor gives the controller its join timeout.
@@ -179,24 +187,25 @@ class Membership:
                 # Not welcomed yet (its Register may still be on its way, or was refused): it keeps no one alive.
                 return "unknown", [], 0
             if epoch and epoch != info.epoch:
-                self._controller.stale_messages += 1
+                self.stale_messages += 1
                 return "stale", [], 0
             if info.lost:
                 return "lost", [], 0
-            info.last_heard = self._controller.clock()
+            info.last_heard = self._state.clock()
             info.pinged = True
-            return ("live", *self._controller.groups.faults_since(info.island, told))
+            return ("live", *self._groups.faults_since(info.island, told))
 
-    def check_live(self, executor_ids) -> None:
-        """Refuse work for a mesh with a lost executor."""
-        for executor_id in executor_ids:
+    def island_faults(self, executor_id: str, told: int) -> tuple[list[str], int] | None:
+        """The faults of a live executor's island after the first ``told``, and how many in all (None: not live)."""
+        with self._lock:
             info = self.resources.executors.get(executor_id)
-            if info is not None and info.lost:
-                raise ExecutorLostError(f"executor {executor_id} was lost; a mesh that includes it cannot run",
-                                        executor_id=executor_id)
-            if info is not None and info.draining:
-                raise ExecutorLostError(f"executor {executor_id} is being drained by the operator: it takes no new "
-                                        f"work; use a mesh without it", executor_id=executor_id)
+            if info is None or info.lost:
+                return None
+            return self._groups.faults_since(info.island, told)
+
+    def asked_heartbeat_interval_s(self) -> float:
+        """How often each executor is asked to ping, for as many as have registered (`ControllerConfig`)."""
+        return self._state.config.asked_heartbeat_interval_s(len(self.resources.executors))
 
     # ------------------------------------------------------------ loss
 
@@ -223,18 +232,17 @@ class Membership:
         """`lose` each of ``lost`` (``(executor id, why)``), then tell the survivors of the islands involved once."""
         losses = [self._lose_one(executor_id, why) for executor_id, why in lost]
         self._cancel_on_survivors(losses)
-        self._controller.launch_trees.tell_ended(str(losses[0].error))   # those no Cancel told
+        self._launch_trees.tell_ended(str(losses[0].error))   # those no Cancel told
         for executor_id, error in ((loss.executor_id, loss.error) for loss in losses):
-            for listener in self._controller.loss_listeners:
+            for listener in self._loss_listeners:
                 listener(executor_id, error)
 
     def _lose_one(self, executor_id: str, why: str) -> "_Loss":
-        controller = self._controller
         info = self.resources.executors[executor_id]
         info.lost = True
-        controller.lifetimes.take_pending_frees(executor_id)   # never sent: its store is gone
-        controller.launch_trees.end_island(info.island)   # launches on their way through it will never arrive
-        label = controller.executor_labels.get(executor_id)
+        self._lifetimes.take_pending_frees(executor_id)   # never sent: its store is gone
+        self._launch_trees.end_island(info.island)   # launches on their way through it will never arrive
+        label = self._labels.get(executor_id)
         error = ExecutorLostError(f"executor {executor_id}{f' ({label})' if label else ''} lost: {why}",
                                   executor_id=executor_id)
         log.warning("controller: %s", error)
@@ -247,7 +255,7 @@ class Membership:
         # steps there wait for copies the lost executor will never send, on some executors of an island, not all).
         islands = sorted({info.island} | {self.resources.island_of(e) for call in failing
                                           for e in (*call.spec.mesh.executor_ids, *call.depends_on)})
-        group_ids = [g for island in islands for g in controller.groups.abandon_island(island, incarnation)]
+        group_ids = [g for island in islands for g in self._groups.abandon_island(island, incarnation)]
         # Program runs by their first call id too: a survivor drops every segment of such a run, reporting or not.
         failed_calls = sorted({c.call_id for c in failing} | {c.run_base for c in failing if c.run_base})
         # Ready arrays first: a thread woken by a failing future must not see one of them still ready.
@@ -256,11 +264,11 @@ class Membership:
             record.lose(executor_id, error)
         for call in failing:
             pushes_from_it = [route for route in call.routes if route[0] == executor_id]
-            controller.completion.fail_call(call, error)
+            self._failures.fail(call, error)
             self._unblock(call, pushes_from_it, error)
             call.waiting.discard(executor_id)
             if not call.waiting:
-                controller.call_dispatch.end(call)
+                self._dispatch.end(call)
         for function in self._functions.values():
             function.loaded_on.discard(executor_id)  # a restarted executor loads afresh
         return _Loss(executor_id, incarnation, islands, failed_calls, group_ids, error)
@@ -289,9 +297,9 @@ class Membership:
         for _, destination, copy in pushes:
             if self.resources.executors[destination].lost:
                 continue
-            self._controller.completion.fail_copy(destination, copy, pb.RemoteFailure(
+            self._send(destination, failed_copy(copy, pb.RemoteFailure(
                 type="ExecutorLostError", message=str(error), executor_id=error.executor_id,
-                origin_call_id=call.call_id))
+                origin_call_id=call.call_id)))
 
     def shutdown_executors(self, reason: str) -> None:
         """Tell every live executor to stop; from now on no executor is declared lost."""

@@ -15,9 +15,9 @@ class ExecutorRequests:
     """The `Controller`'s requests to its executors: `gather` waits on a client thread, `on_reply` (under the
     controller's lock, on the I/O thread) collects."""
 
-    def __init__(self, controller):
-        self._controller = controller
-        self._lock, self.resources, self._send = controller.state.lock, controller.resources, controller.state.send
+    def __init__(self, state):
+        self._state = state
+        self._lock, self.resources, self._send = state.lock, state.resources, state.send
         self._next_request_id = itertools.count(1)
         self._replies: dict[int, dict[str, pb.Envelope]] = {}
         self._reply_events: dict[int, threading.Event] = {}
@@ -25,7 +25,7 @@ class ExecutorRequests:
 
     def gather(self, kind: str, timeout_s: float | None = None) -> dict[str, pb.Envelope]:
         """Send a stats or trace request to every live executor; wait for every reply."""
-        timeout_s = timeout_s or self._controller.config.request_timeout_s
+        timeout_s = timeout_s or self._state.config.request_timeout_s
         with self._lock:
             request_id = next(self._next_request_id)
             targets = [e.executor_id for e in self.resources.ordered() if not e.lost]

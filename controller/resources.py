@@ -7,7 +7,7 @@ import itertools
 import math
 import time
 
-from pathways_torch.errors import PlacementError
+from pathways_torch.errors import ExecutorLostError, PlacementError
 from pathways_torch.wire.seam import MeshAllocation
 
 __all__ = ["ExecutorInfo", "MeshAllocation", "ResourceManager", "DEFAULT_ISLAND", "ISLAND_AXIS"]
@@ -65,6 +65,17 @@ class ResourceManager:
 
     def island_of(self, executor_id: str) -> str:
         return self.executors[executor_id].island
+
+    def check_live(self, executor_ids) -> None:
+        """Refuse work for a mesh with a lost executor, or one the operator drains."""
+        for executor_id in executor_ids:
+            info = self.executors.get(executor_id)
+            if info is not None and info.lost:
+                raise ExecutorLostError(f"executor {executor_id} was lost; a mesh that includes it cannot run",
+                                        executor_id=executor_id)
+            if info is not None and info.draining:
+                raise ExecutorLostError(f"executor {executor_id} is being drained by the operator: it takes no new "
+                                        f"work; use a mesh without it", executor_id=executor_id)
 
     def route(self, source: str, destination: str) -> tuple[str, bool]:
         """Where ``source`` sends a transfer to ``destination``, and whether that is its transfer inbox: through the

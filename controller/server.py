@@ -69,7 +69,7 @@ class ControllerServer:
         self.connections = ConnectionWatch("controller")
         self.loop.monitor(_ROUTER, self.connections.on_frames)
         self.controller = Controller(self, self.config)
-        self.loop.every(self.config.heartbeat_interval_s, self.controller.heartbeat)
+        self.loop.every(self.config.heartbeat_interval_s, self.controller.members.heartbeat)
         # Gets parked past the group timeout fail, and their groups' keys go (their executors gave up waiting).
         self.loop.every(1.0, self.controller.rendezvous.expire)
         self.dropped_messages = 0   # refused here; the Controller counts what it refuses itself
@@ -122,7 +122,7 @@ class ControllerServer:
         # Whatever that message asked for will never happen: what depends on the executor fails, on the loop
         # thread in a later turn (call_later, not call_soon, which runs at once on the loop thread): the
         # caller may be inside a controller operation, holding its lock.
-        self.loop.call_later(0.0, lambda: self.controller.declare_lost(
+        self.loop.call_later(0.0, lambda: self.controller.members.declare_lost(
             executor_id, "the controller has no command connection to it (a message to it could not be sent)"))
 
     def _connect_commands(self, executor_id: str, register: pb.Register) -> bool:
@@ -185,7 +185,7 @@ class ControllerServer:
                 self._drop(f"{executor_id} registered a data-socket key that is not its own")
                 return
             # A spare key is held by the executor's own node alone: its launcher restarted it (no rival claim).
-            claim = None if spare_of(role) else self.controller.rival_claim(executor_id, envelope.register)
+            claim = None if spare_of(role) else self.controller.members.rival_claim(executor_id, envelope.register)
             if claim is not None:
                 log.error("controller: %s", claim)
                 self._drop(claim)
@@ -209,7 +209,7 @@ class ControllerServer:
                     old_role)
         if old_key is not None and self.on_key_revoked is not None:
             self.on_key_revoked(old_key)
-        self.controller.admit_key(executor_id, new_key)
+        self.controller.members.admit_key(executor_id, new_key)
 
     def _on_store(self, identity_frame, executor_id: str, envelope: pb.Envelope) -> None:
         """A rendezvous store request: answered on this thread, now or when the key it waits for is set."""
@@ -245,8 +245,8 @@ class ControllerServer:
         if not epoch:   # the identity is parsed only before a Welcome, not on every ping
             nonce = identity_nonce(identity_frame.bytes.decode())
             awaiting_welcome = nonce != "" and self._registered_process.get(executor_id) == nonce
-        state, lost_peers, faults = self.controller.heard_from(executor_id, epoch, awaiting_welcome=awaiting_welcome,
-                                                               told=envelope.heartbeat.lost_peers_told)
+        state, lost_peers, faults = self.controller.members.heard_from(
+            executor_id, epoch, awaiting_welcome=awaiting_welcome, told=envelope.heartbeat.lost_peers_told)
         if state == "unknown":
             return  # its Register is still on the way; an executor never registered times out by itself
         if state == "lost":
@@ -264,7 +264,7 @@ class ControllerServer:
         """What a heartbeat answer tells: the island's faults not yet told, their count, and the interval to ping at."""
         heartbeat.lost_peers[:] = lost_peers
         heartbeat.lost_peers_told = faults
-        heartbeat.interval_s = self.controller.asked_heartbeat_interval_s()
+        heartbeat.interval_s = self.controller.members.asked_heartbeat_interval_s()
 
     def _on_loss(self, executor_id: str, error) -> None:
         """An executor was lost (any thread, under the controller's lock): its island's survivors hear of it on their
@@ -279,7 +279,7 @@ class ControllerServer:
         """Send each live executor the faults of its island it has not said it knows, as a heartbeat answer."""
         self._telling_faults = False
         for executor_id, (identity, told) in list(self._pingers.items()):
-            faults = self.controller.island_faults(executor_id, told)
+            faults = self.controller.members.island_faults(executor_id, told)
             if faults is None or not faults[0]:
                 continue
             answer = pb.Heartbeat()

@@ -65,8 +65,8 @@ class ControllerService:
         every executor to exit, and close the sockets."""
         try:
             self.clients.close(why)
-            self.controller.fail_pending(why)
-            self.controller.shutdown_executors(why)
+            self.controller.call_dispatch.fail_pending(why)
+            self.controller.members.shutdown_executors(why)
             time.sleep(0.2)   # the I/O threads send the news before their sockets close
         finally:
             self.clients.stop()

@@ -106,11 +106,13 @@ class StatusCache:
 def status_of(controller, with_stats: bool, run_id: str = "") -> pb.StatusReply:
     """The controller's view of its executors and queue (``with_stats``: and each executor's store, asked now)."""
     now = controller.clock()
-    reply = pb.StatusReply(run_id=run_id, calls_in_flight=controller.calls_in_flight, arrays=len(controller.arrays))
+    reply = pb.StatusReply(run_id=run_id, calls_in_flight=controller.call_dispatch.calls_in_flight,
+                           arrays=len(controller.arrays))
     stats = {}
     if with_stats:
         try:
-            stats = {executor_id: envelope.stats for executor_id, envelope in controller.gather("stats").items()}
+            replies = controller.requests.gather("stats")
+            stats = {executor_id: envelope.stats for executor_id, envelope in replies.items()}
         except Exception as exc:   # noqa: BLE001 - a status reader must not fail on a slow executor
             reply.stats_error = f"{type(exc).__name__}: {exc}"
     for info in controller.resources.ordered():

@@ -143,10 +143,10 @@ def main(argv=None) -> int:
             print(f"resumed from {args.checkpoint} at step {meta['step']}")
         losses = train(args, trainer, task, cfg)
         if args.plan == "pipeline":
-            print(trainer.stages)
-            print(trainer.schedule)
+            print(trainer.runner.stages)
+            print(trainer.runner.schedule)
         if args.timeline and (args.plan == "pipeline" or islands):
-            print(f"timeline of the last step: {trainer.timeline(args.timeline)}")
+            print(f"timeline of the last step: {trainer.runner.timeline(args.timeline)}")
         state = trainer.state_dict()
         path = trainer.save(args.checkpoint)
         outside = {name: count for name, count in ctx.backend_counters("fallback_ops").items() if count}

@@ -189,7 +189,7 @@ class CollectiveRuntime:
         binding = getattr(cache, "binding", None)
         if binding is None:
             resolved = self._resolve(axis_groups)
-            binding = _Binding(self, resolved)
+            binding = _Binding(self._local, self.native, resolved)
             if cache is not None and not any(isinstance(v, str) for v in resolved.values()):
                 cache.binding = binding
                 binding.hold()
@@ -387,18 +387,19 @@ class _Binding:
     """Mesh axes bound to groups (or to why they have none) while a computation runs: for host stages on this
     thread, and for collectives inside XLA executables in the extension (which XLA may call from its threads)."""
 
-    def __init__(self, runtime: CollectiveRuntime, axis_groups: dict):
-        self._runtime, self._axis_groups = runtime, axis_groups
-        self._native = runtime.native
+    def __init__(self, bound_here: threading.local, native, axis_groups: dict):
+        # ``bound_here``: the runtime's per-thread slot the ops read (`CollectiveRuntime._handle`).
+        self._bound_here, self._axis_groups = bound_here, axis_groups
+        self._native = native
         self._native_axes = _native_axes(self._native, axis_groups) if self._native is not None else None
 
     def __enter__(self):
-        self._runtime._local.binding = self._axis_groups
+        self._bound_here.binding = self._axis_groups
         if self._native is not None:
             self._native.bind(self._native_axes)
 
     def __exit__(self, *exc):
-        self._runtime._local.binding = None
+        self._bound_here.binding = None
 
     def hold(self) -> None:
         """This binding is cached (by a step run again and again): its groups let go of it when abandoned."""

@@ -16,7 +16,7 @@ Between two jobs the thread reads every control message already waiting, so runs
 and push requests the controller sent ahead are queued before the next job starts.
 While a job runs, control messages wait in the socket. That is safe for
 collectives because the controller sends the push requests a call's inputs need
-before any of the call's runs (`Controller.call`): a collective never waits for a
+before any of the call's runs (`CallDispatch.call`): a collective never waits for a
 push whose request is still unread behind it.
 
 This module imports no torch (simulated executors use it).

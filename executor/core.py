@@ -74,15 +74,15 @@ class ExecutorCore:
         self.admit_key: Callable[[str, bytes], None] | None = None
 
         self.data = DataPlane(executor_id=executor_id, backend=backend, store=self.store, outbox=outbox,
-                              trace=self.trace, counters=self.counters, drop=self._drop)
+                              trace=self.trace, counters=self.counters, drop=self.drop)
         programs: dict = {}
         # Its place in a launch tree, and the merge of the orders its commands come in (executor/launch_tree.py).
         self.tree = TreeIntake(executor_id=executor_id, outbox=outbox, handle=self._handle_control, programs=programs,
-                               free_array=self.store.free_array, drop=self._drop,
+                               free_array=self.store.free_array, drop=self.drop,
                                skip_gang=lambda prev, last: self.run_queue.skip_gang(prev, last))
         self.run_queue = RunQueue(executor_id=executor_id, store=self.store, functions=self.functions,
                                   outbox=self.tree.outbox, programs=programs, trace=self.trace, data=self.data,
-                                  submit=submit, drop=self._drop,
+                                  submit=submit, drop=self.drop,
                                   gang_order=gang_order, program_order=program_order)
         self.interpreter = StepInterpreter(executor_id=executor_id, backend=backend,
                                            collectives=self.collectives, trace=self.trace,
@@ -169,7 +169,7 @@ class ExecutorCore:
             return
         handler = self._handlers.get(kind)
         if handler is None:
-            self._drop(f"control message of type {kind!r} not expected from the controller")
+            self.drop(f"control message of type {kind!r} not expected from the controller")
             return
         self.counters[f"handled:command:{kind}"] += 1   # reached its handler (Stats reports it; bench/fuzz.py)
         try:
@@ -208,7 +208,7 @@ class ExecutorCore:
     def _on_admit_key(self, msg: pb.AdmitKey, payload) -> None:
         self.trace.record("receive", "admit key", detail=msg.role)
         if self.admit_key is None:
-            self._drop(f"admit_key for {msg.role}: no gatekeeper here")
+            self.drop(f"admit_key for {msg.role}: no gatekeeper here")
             return
         self.admit_key(msg.role, bytes(msg.public_key))
 
@@ -308,7 +308,8 @@ class ExecutorCore:
         self.trace.fill(reply)
         self.outbox.to_controller(pb.Envelope(trace_reply=reply))
 
-    def _drop(self, why: str) -> None:
+    def drop(self, why: str) -> None:
+        """Count and log a message that is not handled (malformed, unexpected, from a stranger)."""
         self.dropped_messages += 1
         log_dropped(log, self.dropped_messages, self.executor_id, why)
 

@@ -40,12 +40,12 @@ class CoreEndpoint:
         """A message on the command socket: only the controller's are read."""
         role = peer_role(frames[-1])
         if len(frames) < 2 or role != CONTROLLER:
-            self.core._drop(f"a message on the command socket from {role!r}, not the controller")
+            self.core.drop(f"a message on the command socket from {role!r}, not the controller")
             return
         try:
             envelope, payload = decode(frames[1:])
         except FramingError as exc:
-            self.core._drop(str(exc))
+            self.core.drop(str(exc))
             return
         if envelope.HasField("stats_request"):
             for key, value in self._socket_counters().items():   # set, not added: counters is a Counter
@@ -60,7 +60,7 @@ class CoreEndpoint:
         try:
             envelope, _ = decode(frames)
         except FramingError as exc:
-            self.core._drop(str(exc))
+            self.core.drop(str(exc))
             return
         self.core.on_peer_reply(address, envelope)
 
@@ -68,17 +68,17 @@ class CoreEndpoint:
         """A message on the data socket: the role of the key that sent it decides what it may do here
         (executor/data_roles.py). ``reply``: the transfer inbox's, for a message that came there (only copies may)."""
         if len(frames) < 2:
-            self.core._drop("data message without identity and envelope")
+            self.core.drop("data message without identity and envelope")
             return
         try:
             envelope, payload = decode(frames[1:])
             if reply is not None and body_name(envelope) != "transfer":
-                self.core._drop(f"a {body_name(envelope)!r} on the transfer inbox (only copies from peers go there)")
+                self.core.drop(f"a {body_name(envelope)!r} on the transfer inbox (only copies from peers go there)")
                 return
             self.core.on_data(frames[0].bytes, envelope, payload, role=peer_role(frames[-1]), key=peer_key(frames[-1]),
                               reply=reply)
         except (FramingError, ValueError) as exc:
-            self.core._drop(str(exc))
+            self.core.drop(str(exc))
 
     def _heartbeat_answer(self, frames) -> str | None:
         """The controller's answer to a ping: the reason it gives for this executor to stop, or None. The lost

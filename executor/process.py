@@ -275,7 +275,7 @@ class ExecutorProcess(CoreEndpoint):
         interval, timeout = self.config.heartbeat_interval_s, self.config.heartbeat_timeout_s
         last_answer = next_ping = time.monotonic()
         answered = False
-        while not self.loop._stopping:
+        while not self.loop.stopping:
             now = time.monotonic()
             if now >= next_ping:
                 interval, timeout = self.core.heartbeat_timing(interval, timeout)

@@ -49,6 +49,4 @@ def nccl_group_on(store, rank: int, size: int, timeout_s: float, device: str):
     import torch.distributed as dist
 
     torch.cuda.set_device(torch.device(device))
-    options = dist.ProcessGroupNCCL.Options()
-    options._timeout = datetime.timedelta(seconds=timeout_s)
-    return dist.ProcessGroupNCCL(store, rank, size, options)
+    return dist.ProcessGroupNCCL(store, rank, size, datetime.timedelta(seconds=timeout_s))   # default options

@@ -70,6 +70,21 @@ class Array:
         """The executors that held a shard of this array and were lost (its shards there are gone)."""
         return self._state.lost_holders
 
+    def hold(self) -> None:
+        """Keep the array's shards from being given up to a call that donates it (``donate_argnums``) until
+        `release_hold`: a reader that needs them meanwhile holds it (a checkpoint being written holds its step's
+        state, which the next step would otherwise free as it runs). Holds count: each needs its release."""
+        self._holds += 1
+
+    def release_hold(self) -> None:
+        """Undo one `hold`."""
+        self._holds -= 1
+
+    @property
+    def held(self) -> bool:
+        """Whether a reader holds the array (`hold`): a call then keeps it, though it donates it."""
+        return self._holds > 0
+
     def exception(self, timeout_s: float | None = None, *, timeout: float | None = None) -> BaseException | None:
         """Wait for the array; return the error it failed with, or None. ``timeout`` is the
         ``concurrent.futures`` spelling of ``timeout_s``."""
@@ -86,7 +101,7 @@ class Array:
         timeout_s = _timeout(timeout_s, timeout)
         if self._value is not None:
             return self._value.clone()
-        self._check_not_donated("result()")
+        self.check_not_donated("result()")
         self._wait(timeout_s)
         if self._state.error is not None:
             raise self.dispatcher.explained(self._state.error)
@@ -95,7 +110,7 @@ class Array:
 
             raise ContextClosedError(f"array {self.array_id} was never fetched and its context is closed: its "
                                      f"shards are gone; fetch it (.result()) inside the `with pw.Context` block")
-        self._learn_shape()
+        self.learn_shape()
         positions = positions_needed(self.block_shape, self.sharding.placements, self.mesh)
         blocks = self.dispatcher.fetch_blocks(self, positions, self._state.lost_holders, timeout_s)
         # Kept as assembled (a lone block is a read-only view of the received message: no copy to keep it);
@@ -103,7 +118,13 @@ class Array:
         self._value = assemble_blocks(blocks, self.block_shape, self.sharding.placements, self.mesh)
         return self._value.clone()
 
-    def _check_not_donated(self, use: str) -> None:
+    def mark_donated(self, call: str) -> None:
+        """The array was given up to a call of ``call`` (``donate_argnums``), which frees its shards: any later use
+        raises `DonatedArrayError` (`check_not_donated`)."""
+        self._donated_to = call
+
+    def check_not_donated(self, use: str) -> None:
+        """Raise `DonatedArrayError` naming ``use`` if the array was donated to a call (its shards are gone)."""
         if self._donated_to:
             from .errors import DonatedArrayError
 
@@ -116,7 +137,7 @@ class Array:
         """False while a size of this array waits for the data (a function with data-dependent output sizes)."""
         return None not in self.block_shape
 
-    def _learn_shape(self, timeout_s: float | None = None) -> None:
+    def learn_shape(self, timeout_s: float | None = None) -> None:
         """Wait for the producer to report the sizes the data decided; raise its error if it failed."""
         if self.shape_known:
             return

@@ -20,6 +20,7 @@ from .launch.environment import LaunchEnvironment
 from .observe.chrome_trace import chrome_trace
 from .placement import Mesh
 from .session import Session, attach_to_launch
+from .wire import seam
 
 if TYPE_CHECKING:
     from .array import Array
@@ -65,16 +66,16 @@ class Context:
     @property
     def executor_ids(self) -> list[str]:
         """Every executor's id, in mesh order (executor-0 first)."""
-        return [info.executor_id for info in self._client.executors()]
+        return [info.executor_id for info in self._client.request(seam.Executors())]
 
     @property
     def executor_pids(self) -> list[int]:
         """Process ids, in the order of `executor_ids` (as each executor registered itself)."""
-        return [info.pid for info in self._client.executors()]
+        return [info.pid for info in self._client.request(seam.Executors())]
 
     def is_lost(self, executor_id: str) -> bool:
         """Whether the controller counts ``executor_id`` lost (and not yet replaced)."""
-        info = self._client.executor(executor_id)
+        info = self._client.request(seam.Executor(executor_id))
         if info is None:
             raise KeyError(executor_id)
         return info.lost
@@ -88,7 +89,7 @@ class Context:
     def checkpoint_root(self) -> str | None:
         """A client of a `pathways-controller`: its own folder of the service's checkpoint root, ``DIR/<name>``
         (``--checkpoint-root DIR``), where its checkpoints live and nowhere else. None for the embedded context."""
-        return self._client.checkpoint_root()
+        return self._client.request(seam.CheckpointRoot())
 
     def checkpoint_path(self, path):
         """Where checkpoint ``path`` (``checkpoint_dir=``, ``trainer.save``/``load``) is. The embedded context:
@@ -103,7 +104,7 @@ class Context:
 
     def islands(self) -> "IslandTable":
         """Each island's executors and devices, and how islands are linked (prints as a table)."""
-        return IslandTable.of(self._client.executors(), self.link)
+        return IslandTable.of(self._client.request(seam.Executors()), self.link)
 
     def replace_executor(self, executor_id: str, timeout_s: float = 120.0):
         """Start a new incarnation of the lost executor ``executor_id`` in its place; return its `ExecutorView`.
@@ -127,7 +128,7 @@ class Context:
         if executors is not None:
             known = self.executor_ids
             ids = [known[e] if isinstance(e, int) else e for e in executors]
-        return Mesh(self, self._client.allocate_mesh(dict(axes), ids))
+        return Mesh(self, self._client.request(seam.AllocateMesh(dict(axes), ids)))
 
     def put(self, tensor, mesh: Mesh, placements) -> "Array":
         """Place ``tensor`` on ``mesh``: each executor gets its block straight from this client."""
@@ -164,19 +165,24 @@ class Context:
         """The lowered form of ``program`` for these inputs, as text (registers it if new)."""
         return self._dispatch.lowered(program, *arrays)
 
-    # ------------------------------------------------------------ used by arrays and trainers
+    # ------------------------------------------------------------ for loops that run ahead (trainers)
 
-    def _flush_frees(self) -> None:
-        """Send the frees still waiting for a message to ride on (the client is about to idle)."""
+    def flush_frees(self) -> None:
+        """Send the frees still waiting for a message to ride on. Dropped arrays' frees ride on the next call's
+        messages; call this before the client idles or measures the executors' memory (``ctx.stats()``, a
+        trace), so that what was dropped is gone there too."""
         self._dispatch.flush_frees()
 
-    def _batched_release(self):
-        """Arrays this thread drops inside are freed together: one Free per executor (a training step
-        drops half a dozen at once)."""
+    def batched_release(self):
+        """A context manager: arrays this thread drops inside are freed together, one Free per executor. Wrap
+        a loop body that drops many arrays at once (a training step drops half a dozen) to send one message
+        instead of one per array."""
         return self._dispatch.batched_release()
 
-    def _note_runahead_wait(self, start_ns: int, in_flight: int, what: str) -> None:
-        """Keep a wait at the run-ahead bound for the trace (the controller keeps its own the same way)."""
+    def note_runahead_wait(self, start_ns: int, in_flight: int, what: str) -> None:
+        """Record in the trace that the client waited from ``start_ns`` until now at its own run-ahead bound
+        (``in_flight`` steps; ``what``: what was held back), as the controller records its own: a loop that bounds
+        how far it runs ahead of the executors calls it, so the wait shows in ``ctx.trace``."""
         self._dispatch.note_runahead_wait(start_ns, in_flight, what)
 
     # ------------------------------------------------------------ what tests and benchmarks look at
@@ -212,7 +218,7 @@ class Context:
     @property
     def backend(self) -> str:
         """The backend the executors run, with its route (``"xla:torchax"``, ``"eager"`` ...), as they registered."""
-        return ",".join(sorted({info.backend for info in self._client.executors()}))
+        return ",".join(sorted({info.backend for info in self._client.request(seam.Executors())}))
 
     def backend_counters(self, kind: str) -> dict[str, int]:
         """One kind of the backends' per-function counts, ``{function name: count}`` (the most any executor saw).
@@ -234,7 +240,7 @@ class Context:
         calls; ``send_backlog_high_water``: messages that waited for one slow peer; ``store_bytes_high_water``:
         the most bytes an executor's store held at once since the previous ``stats()``; ``transfers_lost``: its
         transfers a link lost, not acknowledged in time)."""
-        replies = self._client.gather("stats")
+        replies = self._client.request(seam.Gather("stats"))
         data = self._session.data
         executors = {}
         hops = {"client->executor": data.bytes_sent, "executor->client": data.bytes_received,
@@ -242,7 +248,7 @@ class Context:
         for executor_id, envelope in replies.items():
             executors[executor_id] = _executor_stats(envelope.stats)
             hops["executor->executor"] += envelope.stats.hop_bytes.get("executor->executor", 0)
-        counters = self._client.counters()
+        counters = self._client.request(seam.Counters())
         hops["controller relayed"] = counters.relayed_bytes
         return {"executors": executors, "hops": hops,
                 "program_constant_bytes": counters.program_constant_bytes,
@@ -253,7 +259,8 @@ class Context:
                                "send_backlog_high_water": counters.send_backlog_high_water,
                                "transfers_lost": counters.transfers_lost,
                                "calls_failed_by_lost_transfers": counters.calls_failed_by_lost_transfers,
-                               "lost_executors": sorted(e.executor_id for e in self._client.executors() if e.lost),
+                               "lost_executors": sorted(e.executor_id for e in self._client.request(seam.Executors())
+                                                        if e.lost),
                                # from executors, reached their handler: "control:done" ..., "heartbeat", "store"
                                "handled_messages": counters.handled_messages}}
 
@@ -262,8 +269,8 @@ class Context:
 
         A ``client`` row shows where the client waited at the run-ahead bound (``max_inflight``,
         ``max_inflight_steps``): spans named ``run-ahead wait (...)``."""
-        replies = self._client.gather("trace")
-        executors = self._client.executors()
+        replies = self._client.request(seam.Gather("trace"))
+        executors = self._client.request(seam.Executors())
         # Rows island by island, then in registration order.
         ranked = sorted(executors, key=lambda info: (island_key(info.island), info.index))
         order = {info.executor_id: i for i, info in enumerate(ranked)}
@@ -271,7 +278,7 @@ class Context:
         owners.update({info.link_address: info.executor_id for info in executors if info.link_address})
         trace = chrome_trace({executor_id: envelope.trace_reply.events for executor_id, envelope in replies.items()},
                              order, {info.executor_id: info.backend for info in executors},
-                             client_waits=list(self._client.runahead_waits()),
+                             client_waits=list(self._client.request(seam.RunaheadWaits())),
                              islands={info.executor_id: info.island for info in executors}, address_owner=owners)
         with open(path, "w") as f:
             json.dump(trace, f)

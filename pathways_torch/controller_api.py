@@ -13,7 +13,7 @@ update it, and `Array` waits on it alone.
 from __future__ import annotations
 
 import threading
-from typing import Protocol, Sequence
+from typing import Protocol
 
 from .wire.seam import ArraySettled, ControllerCounters, ExecutorView
 from .wire.wake import set_at_turn_end, this_threads_waker
@@ -91,127 +91,29 @@ class ClientEvents(Protocol):
 
 
 class ControllerClient(Protocol):
-    """Everything the client asks of the controller (`InProcessClient`: the embedded one)."""
-
-    # ------------------------------------------------------------ calls the client makes
+    """How the client speaks to the controller: `InProcessClient` (embedded) or `RemoteClient` (a standalone
+    ``pathways-controller``). Every operation is one of `pathways_torch.wire.seam`'s (`SeamOp`), handled once by the
+    controller's `ClientOps`; what only an embedded controller does is ``InProcessClient.local``, off the protocol."""
 
     address: str   # where executors reach the controller
+
+    def request(self, op) -> object:
+        """Run one `SeamOp`; its answer (the arrays it makes as `ArrayState` s, kept up to date from then on). An
+        operation that needs no answer may return before it runs (remote); a call's error may raise here
+        (embedded) or fail its outputs (remote: a call is not waited for); either way it reaches whoever reads
+        them."""
 
     def subscribe(self, events: ClientEvents) -> None:
         """Send the controller's events (losses, incarnations, revoked keys) to ``events``."""
 
-    def register_function(self, name: str, graph, constants: list, *, sim_seconds: float = 0.0) -> int:
-        """Register a captured function (a ``pb.Graph`` and its constants); return its id."""
-
-    def register_program(self, spec) -> int:
-        """Lower and register a program (a ``ProgramSpec``); return its id."""
-
-    def describe_program(self, program_id: int) -> str:
-        """A registered program's lowered form, as text."""
-
-    def forget(self, function_ids: Sequence[int], program_ids: Sequence[int]) -> None:
-        """The client will not call these registered functions, nor run these programs, again: the controller and
-        executors let them go once their calls in flight end."""
-
-    def call(self, spec) -> list[ArrayState]:
-        """Dispatch one call (a ``CallSpec``); its outputs' states at once (may wait at the run-ahead bound). An
-        error the controller meets may raise here (embedded) or fail the outputs (remote: the call is not waited
-        for); either way it reaches whoever reads them."""
-
-    def run_program(self, program_id: int, input_ids: Sequence[int], num_outputs: int | None = None
-                    ) -> list[ArrayState]:
-        """Run a registered program on these arrays; its outputs' states at once (``num_outputs``: how many it
-        makes, when the client knows: a remote client then need not wait for the controller)."""
-
-    def new_array(self, executor_ids: tuple[str, ...], *, landing: int, shard_bytes: int = 0) -> ArrayState:
-        """An array whose ``landing`` shards the client puts itself, straight to the executors (``shard_bytes``
-        each, for the controller's memory budget: the call may wait for room, or raise `OutOfMemoryError`)."""
-
-    def landed(self, array_id: int, error: BaseException | None = None) -> None:
-        """One put shard arrived (or never will: ``error``)."""
-
-    def release(self, array_id: int) -> None:
-        """The client dropped the array: free its shards (the Free rides on the next message)."""
-
-    def release_many(self, array_ids: Sequence[int]) -> None:
-        """`release` several, with one Free per executor."""
-
-    def flush_frees(self) -> None:
-        """Send the frees still waiting for a message to ride on."""
-
-    def allocate_mesh(self, axes: dict[str, int], executor_ids: Sequence[str] | None = None):
-        """A ``MeshAllocation`` (a frozen dataclass) with these named axes."""
-
-    def island_of(self, executor_id: str) -> str:
-        """The island of a known executor."""
-
-    def executors(self) -> tuple[ExecutorView, ...]:
-        """Every executor, in `Context.executor_ids` order."""
-
-    def checkpoint_root(self) -> str | None:
-        """A service client's own folder of the checkpoint root, ``DIR/<name>`` (its checkpoints live there alone:
-        `pathways_torch.wire.checkpoint_paths`); None for the embedded client (its paths are its own)."""
-
-    def executor(self, executor_id: str) -> ExecutorView | None:
-        """One executor, or None if unknown."""
-
-    def wait_for_executors(self, count: int, timeout_s: float) -> None:
-        """Wait until ``count`` executors registered; raise `PathwaysError` after ``timeout_s``."""
-
-    def order_executors(self, order: dict[str, int]) -> None:
-        """Give each executor its place in `executors` (ids not named keep theirs, after)."""
-
-    def label_executor(self, executor_id: str, label: str) -> None:
-        """What errors about ``executor_id`` call it (its node)."""
-
-    def route_through(self, executor_id: str, link_address: str) -> None:
-        """Other islands send ``executor_id`` their transfers at ``link_address``."""
-
-    def allowed_keys(self) -> dict[str, bytes]:
-        """Every role's admitted public key (a replacement's key folder holds the others')."""
-
-    def admit_key(self, role: str, public_key: bytes) -> None:
-        """Admit a replacement's new key; the survivors revoke the old one first."""
-
-    def wait_for_incarnation(self, executor_id: str, epoch: int, timeout_s: float) -> ExecutorView:
-        """Wait until ``executor_id`` registers with ``epoch``; raise `ExecutorLostError` after ``timeout_s``."""
-
-    def declare_lost(self, executor_id: str, why: str) -> None:
-        """Declare an executor lost (its process exited)."""
-
-    def watch_exits(self, cluster, interval_s: float) -> None:
-        """Ask the local ``cluster.newly_exited()`` (``[(executor id, why)]``) every ``interval_s`` and whenever a
-        loss is suspected; declare each answer lost. Local by nature: a remote controller watches its own."""
-
-    def gather(self, kind: str) -> dict:
-        """Ask every live executor for ``"stats"`` or ``"trace"``; their reply envelopes, by executor id."""
-
-    def counters(self) -> ControllerCounters:
-        """The controller's own counts."""
-
-    def runahead_waits(self) -> tuple[tuple[int, int, int, str], ...]:
-        """Waits at the run-ahead bound: ``(start ns, end ns, in flight, what)``, the client's and its own."""
-
-    def note_runahead_wait(self, start_ns: int, end_ns: int, in_flight: int, what: str) -> None:
-        """Keep a wait of the client's at the run-ahead bound, for the trace."""
-
-    def serve_status(self, port: int, run_id: str = ""):
-        """Serve the controller's status (``pathways-status``) on 127.0.0.1:``port``; a server to stop()."""
-
     def fail_pending(self, reason: str) -> int:
-        """Fail every pending array with `ContextClosedError`; how many."""
+        """Fail this client's pending arrays with `ContextClosedError`; how many."""
 
     def shutdown_executors(self, reason: str) -> None:
-        """Tell every executor to exit."""
+        """The client closes: an embedded controller stops its executors; a remote one frees what this client
+        held, and serves its other clients on."""
 
-    @property
-    def io_running(self) -> bool:
-        """Whether the client's I/O thread to the controller still runs (its sockets hold the ZeroMQ context)."""
+    io_running: bool   # whether the client's I/O thread still runs
 
     def close(self) -> None:
-        """Stop the controller (its sockets and thread)."""
-
-    # ------------------------------------------------------------ what the client reads back
-
-    # `ArraySettled` → each `ArrayState` handed out by call / run_program / new_array;
-    # `ClientEvents.executor_lost`, `.new_incarnation`, `.key_revoked` → the subscriber.
+        """Stop the client's sockets and threads."""

@@ -19,6 +19,7 @@ from .islands import check_collectives_in_islands
 from .placement import Sharding, local_shape, normalize_placements, split_blocks
 from .programs import ProgramGraph
 from .wire import pb
+from .wire import seam
 from .wire.seam import CallSpec, ProgramSpec
 
 __all__ = ["Dispatcher", "IDLE_FLUSH_BYTES", "explained"]
@@ -70,25 +71,27 @@ class Dispatcher:
         positions of ``inputs`` the call frees (the caller gave them up)."""
         self.check_open()
         self._forget_dead()
-        check_collectives_in_islands(version, mesh.allocation, self._client)
+        check_collectives_in_islands(version, mesh.allocation, self._island_of)
         replicated = tuple(sharding.is_replicated for _, _, sharding, _ in layouts)
         spec = CallSpec(function_id=self._function_id(version), name=version.name, mesh=mesh.allocation,
                         inputs=tuple(a.array_id for a in inputs), num_outputs=len(layouts),
                         replicated_outputs=replicated, debug=self._debug, call_site=call_site,
                         collective_axes=version.collective_axes, report_shapes=version.data_dependent,
                         output_shard_bytes=_output_bytes(layouts), donated=donated)
-        states = self._client.call(spec)
+        states = self._client.request(seam.Call(spec))
         for position in donated:
-            inputs[position]._donated_to = version.name
+            inputs[position].mark_donated(version.name)
         return [Array(self, state, shape, dtype, sharding, block)
                 for state, (shape, dtype, sharding, block) in zip(states, layouts)]
+
+    def _island_of(self, executor_id: str) -> str:
+        return self._client.request(seam.IslandOf(executor_id))
 
     def run_program(self, graph, inputs) -> list[Array]:
         """Run a traced program (registered on first use) on ``inputs``; its output arrays at once."""
         self.check_open()
         self._forget_dead()
-        states = self._client.run_program(self._program_id(graph), [a.array_id for a in inputs],
-                                          num_outputs=len(graph.output_values))
+        states = self._client.request(seam.RunProgram(self._program_id(graph), [a.array_id for a in inputs]))
         return [Array(self, state, *graph.layouts[value])
                 for state, value in zip(states, graph.output_values)]
 
@@ -102,12 +105,12 @@ class Dispatcher:
 
     def _describe(self, graph) -> str:
         program_id = self._program_id(graph)
-        return self._client.describe_program(program_id) + "\n" + self._fusion(program_id)
+        return self._client.request(seam.DescribeProgram(program_id)) + "\n" + self._fusion(program_id)
 
     def _fusion(self, program_id: int) -> str:
         """What each executor fused of the program (planned there at its first run: executor/fusion.py)."""
         lines = []
-        for executor_id, reply in sorted(self._client.gather("stats").items()):
+        for executor_id, reply in sorted(self._client.request(seam.Gather("stats")).items()):
             for text in reply.stats.fusion:
                 # "program <name> (<id>) segment ...": the id is matched at its place before "segment", so a
                 # name with parentheses of its own cannot match another program's.
@@ -123,7 +126,7 @@ class Dispatcher:
     def _register_program(self, graph) -> int:
         nodes = []
         for node in graph.nodes:
-            check_collectives_in_islands(node.version, node.mesh.allocation, self._client)
+            check_collectives_in_islands(node.version, node.mesh.allocation, self._island_of)
             nodes.append(CallSpec(name=node.version.name, function_id=self._function_id(node.version),
                                   mesh=node.mesh.allocation, inputs=node.inputs, outputs=node.outputs,
                                   collective_axes=node.version.collective_axes,
@@ -133,7 +136,7 @@ class Dispatcher:
         spec = ProgramSpec(name=graph.name, input_values=graph.input_values,
                            input_meshes=tuple(graph.layouts[v][2].mesh.allocation for v in graph.input_values),
                            nodes=tuple(nodes), output_values=graph.output_values)
-        return self._client.register_program(spec)
+        return self._client.request(seam.RegisterProgram(spec))
 
     def _program_id(self, graph) -> int:
         """The id of a traced graph's lowered, registered form (registered on first use)."""
@@ -158,13 +161,13 @@ class Dispatcher:
         docs/scale.md). Their calls in flight end first (the controller waits for them)."""
         if not (self._dead_functions or self._dead_programs) or self._closed:
             return
-        self._client.forget(_drain(self._dead_functions), _drain(self._dead_programs))
+        self._client.request(seam.Forget(_drain(self._dead_functions), _drain(self._dead_programs)))
 
     def _function_id(self, version) -> int:
         entry = self._function_ids.get(id(version))
         if entry is None or entry[1]() is not version:   # ids of dead versions can be reused
-            function_id = self._client.register_function(version.name, version.graph, version.constants,
-                                                         sim_seconds=version.sim_seconds)
+            function_id = self._client.request(seam.RegisterFunction(version.name, version.graph,
+                                                                     list(version.constants), version.sim_seconds))
             entry = self._function_ids[id(version)] = (function_id, weakref.ref(version))
             weakref.finalize(version, self._function_died, id(version), function_id)
         return entry[0]
@@ -201,7 +204,8 @@ class Dispatcher:
         for executor_id, shards in zip(mesh.executor_ids, shards_by_position):
             for message in _messages(shards):
                 ids = [ref.array_id for ref, _, _ in message]
-                self._data.put(executor_id, message, lambda error, ids=ids: [client.landed(i, error) for i in ids])
+                self._data.put(executor_id, message,
+                               lambda error, ids=ids: [client.request(seam.Landed(i, error)) for i in ids])
         return arrays
 
     def _new_array(self, mesh, made: list[Array], shard_bytes: int):
@@ -209,11 +213,12 @@ class Dispatcher:
         arrays ``made`` before it in the same put are never put: their shards are marked as never landing, so
         dropping them frees them."""
         try:
-            return self._client.new_array(mesh.executor_ids, landing=mesh.size, shard_bytes=shard_bytes)
+            [state] = self._client.request(seam.NewArray(mesh.executor_ids, mesh.size, shard_bytes))
+            return state
         except BaseException as exc:
             for array in made:
                 for _ in range(mesh.size):
-                    self._client.landed(array.array_id, exc)
+                    self._client.request(seam.Landed(array.array_id, exc))
             raise
 
     def fetch_blocks(self, array: Array, positions: list[int], lost: tuple[str, ...],
@@ -227,6 +232,11 @@ class Dispatcher:
         futures = {p: self._data.fetch(ids[p], pb.ShardRef(array_id=array.array_id, shard=p)) for p in positions}
         return {p: f.result(timeout_s) for p, f in futures.items()}
 
+    def save_shards(self, executor_id: str, refs: list, names: list[str], path: str):
+        """Have ``executor_id`` write its shards ``refs`` (as ``names``) to the file ``path`` once they are ready;
+        a future of the bytes written (no tensor bytes come to the client)."""
+        return self._data.save(executor_id, refs, names, path)
+
     # ------------------------------------------------------------ frees
 
     def release(self, array_id: int, nbytes: int = 0) -> None:
@@ -238,14 +248,14 @@ class Dispatcher:
         if batch is not None:
             batch.append(array_id)
         else:
-            self._client.release(array_id)
+            self._client.request(seam.Release(array_id))
 
     def flush_frees(self) -> None:
         """Send the frees still waiting for a message to ride on (the client is about to idle)."""
         self._dropped_bytes = 0
         if not self._closed:
             self._forget_dead()
-            self._client.flush_frees()
+            self._client.request(seam.FlushFrees())
 
     def frees_worth_flushing(self) -> bool:
         """Whether a client that waits a while should send the frees now: the arrays dropped since the last flush
@@ -266,11 +276,11 @@ class Dispatcher:
         finally:
             ids, self._batched.ids = self._batched.ids, None
             if ids and not self._closed:
-                self._client.release_many(ids)
+                self._client.request(seam.ReleaseMany(ids))
 
     def note_runahead_wait(self, start_ns: int, in_flight: int, what: str) -> None:
         """Keep a wait at the run-ahead bound for the trace (the controller keeps its own the same way)."""
-        self._client.note_runahead_wait(start_ns, time.time_ns(), in_flight, what)
+        self._client.request(seam.NoteRunaheadWait(start_ns, time.time_ns(), in_flight, what))
 
 
 def explained(error: BaseException, user_line=None) -> BaseException:

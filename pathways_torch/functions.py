@@ -49,7 +49,9 @@ class Function:
     """A captured per-shard function; ``num_traces`` counts the versions traced so far."""
 
     def __init__(self, fn: Callable, *, out=None, name: str | None = None, mesh=None, sim_time_s: float = 0.0,
-                 donate_argnums: tuple[int, ...] = (), graph_pass: Callable | None = None):
+                 donate_argnums: tuple[int, ...] = (), graph_pass: Callable | None = None,
+                 traces: dict | None = None):
+        """``traces``: another Function's `traces` to share (`on` makes such a copy: the same function)."""
         self.name = name or getattr(fn, "__name__", "function")
         self.sim_time_s = _checked_sim_time(self.name, sim_time_s)
         donate_argnums = (donate_argnums,) if isinstance(donate_argnums, int) else tuple(donate_argnums)
@@ -60,7 +62,7 @@ class Function:
         self.graph_pass = graph_pass     # rewrites each trace before it is sent (a sharded step's unit schedule)
         self.out = out
         self._mesh = mesh
-        self._versions: dict[tuple, CapturedVersion] = {}
+        self._versions: dict[tuple, CapturedVersion] = {} if traces is None else traces
         # (signature, mesh) → (version, output layouts): what a call site repeats needs no recomputing.
         self._calls: dict[tuple, tuple] = {}
         functools.update_wrapper(self, fn)
@@ -69,12 +71,17 @@ class Function:
     def num_traces(self) -> int:
         return len(self._versions)
 
+    @property
+    def traces(self) -> dict:
+        """Its captured versions, by signature and mesh shape: shared by its `.on(mesh)` copies, which makes them
+        one function (a program's replay checks it)."""
+        return self._versions
+
     def on(self, mesh) -> "Function":
         """The same function, run on ``mesh`` (inputs elsewhere are moved executor→executor)."""
-        bound = Function(self.fn, out=self.out, name=self.name, mesh=mesh, sim_time_s=self.sim_time_s,
-                         donate_argnums=tuple(self.donate_argnums), graph_pass=self.graph_pass)
-        bound._versions = self._versions  # one trace cache for every mesh it runs on
-        return bound
+        # One trace cache for every mesh it runs on.
+        return Function(self.fn, out=self.out, name=self.name, mesh=mesh, sim_time_s=self.sim_time_s,
+                        donate_argnums=tuple(self.donate_argnums), graph_pass=self.graph_pass, traces=self._versions)
 
     def __call__(self, *args, **kwargs):
         tracer = current_tracer()
@@ -98,9 +105,9 @@ class Function:
         for a in arrays:
             # Sequential dispatch: an input whose size the data decides is traced against only
             # once its producer has run and reported it.
-            a._learn_shape()
+            a.learn_shape()
         for a in arrays:
-            a._check_not_donated(self.name)
+            a.check_not_donated(self.name)
             if a.dispatcher is not dispatcher:
                 raise PlacementError(f"{self.name}: arrays from different contexts cannot meet in one call")
             if not a.mesh.same_shape(mesh):
@@ -211,8 +218,8 @@ class Function:
 
 def _donated(version: CapturedVersion, arrays: list) -> tuple[int, ...]:
     """Positions among a call's arrays that it may free: the donated arguments (``version.graph.donated_inputs``)
-    no one holds (a checkpoint being written holds its step's state: `Array._holds`)."""
-    return tuple(i for i in version.graph.donated_inputs if not arrays[i]._holds)
+    no one holds (a checkpoint being written holds its step's state: `Array.hold`)."""
+    return tuple(i for i in version.graph.donated_inputs if not arrays[i].held)
 
 
 def _is_tensor(value) -> bool:

@@ -74,5 +74,5 @@ def views_as_reshapes(graph) -> None:
 
     aten = torch.ops.aten
     for node in graph.nodes:
-        if node.op == "call_function" and node.target in (aten.view.default, aten._unsafe_view.default):
+        if node.op == "call_function" and str(node.target) in ("aten.view.default", "aten._unsafe_view.default"):
             node.target = aten.reshape.default

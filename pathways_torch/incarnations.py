@@ -13,6 +13,7 @@ import threading
 import time
 
 from .errors import ExecutorLostError, PathwaysError
+from .wire import seam
 from .wire.security import KeyDirectory
 
 __all__ = ["Incarnations"]
@@ -34,15 +35,15 @@ class Incarnations:
             return self._replace(executor_id, timeout_s)
 
     def _replace(self, executor_id: str, timeout_s: float):
-        info = self._client.executor(executor_id)
+        info = self._client.request(seam.Executor(executor_id))
         if info is None:
-            known = [view.executor_id for view in self._client.executors()]
+            known = [view.executor_id for view in self._client.request(seam.Executors())]
             raise ValueError(f"replace_executor: expected one of {known}, got {executor_id!r}")
         if not info.lost:
             raise PathwaysError(f"replace_executor: {executor_id} is alive (incarnation {info.epoch}); only an "
                                 f"executor declared lost is replaced")
         if self._session.config.controller is not None:   # a remote controller's: its host replaces it
-            return self._client.replace_executor(executor_id, timeout_s)
+            return self._client.request(seam.ReplaceExecutor(executor_id, timeout_s))
         cluster = self._session.cluster
         if cluster is None:   # under pathways-run: the executor's node restarts it, with a spare key
             return self._await_launched(executor_id, info, timeout_s)
@@ -50,7 +51,7 @@ class Incarnations:
         try:
             public = keys.keypair(executor_id).public
             self._session.gatekeeper.admit(executor_id, public)
-            self._client.admit_key(executor_id, public)   # the survivors revoke the old key first
+            self._client.local.admit_key(executor_id, public)   # the survivors revoke the old key first
             process = cluster.respawn(executor_id, keys.path)
             new = self._wait_for(executor_id, info.epoch + 1, process, timeout_s)
         finally:
@@ -61,7 +62,7 @@ class Incarnations:
     def _await_launched(self, executor_id: str, info, timeout_s: float):
         """The replacement a node's pathways-run starts (``--max-executor-restarts``), once it registered."""
         try:
-            new = self._client.wait_for_incarnation(executor_id, info.epoch + 1, timeout_s)
+            new = self._client.local.wait_for_incarnation(executor_id, info.epoch + 1, timeout_s)
         except ExecutorLostError:
             raise ExecutorLostError(
                 f"no replacement for {executor_id} ({info.label or 'its node'}) registered within {timeout_s:g} s "
@@ -74,7 +75,7 @@ class Incarnations:
     def _keys_for(self, executor_id: str) -> KeyDirectory:
         """A key folder for a replacement: a fresh pair of its own, every other role's public key."""
         keys = KeyDirectory.create([executor_id])
-        for role, public in self._client.allowed_keys().items():
+        for role, public in self._client.local.allowed_keys().items():
             if role != executor_id:
                 keys.add_public(role, public)
         return keys
@@ -84,7 +85,7 @@ class Incarnations:
         deadline = time.monotonic() + timeout_s
         while True:
             try:
-                return self._client.wait_for_incarnation(executor_id, epoch, min(0.2, timeout_s))
+                return self._client.local.wait_for_incarnation(executor_id, epoch, min(0.2, timeout_s))
             except ExecutorLostError:
                 if process.poll() is not None:
                     raise ExecutorLostError(

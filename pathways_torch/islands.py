@@ -75,16 +75,16 @@ def island_key(name: str) -> tuple:
     return (not name.isdigit(), int(name) if name.isdigit() else 0, name)
 
 
-def check_collectives_in_islands(version, allocation, resources) -> None:
+def check_collectives_in_islands(version, allocation, island_of) -> None:
     """Refuse a function whose collective axis would join executors of two islands (before it is sent).
-    ``resources``: anything with ``island_of(executor_id)`` (the `ControllerClient`)."""
+    ``island_of(executor_id)``: the executor's island (the controller's answer)."""
     for axis in getattr(version, "collective_axes", ()):
         names = [name for name, _ in allocation.axes]
         if axis not in names:
             continue
         for position in range(allocation.size):
             members = allocation.axis_members(axis, position)
-            islands = sorted({resources.island_of(e) for e in members})
+            islands = sorted({island_of(e) for e in members})
             if len(islands) > 1:
                 raise PlacementError(
                     f"{version.name}: its collective over axis {axis!r} would join executors of islands "

@@ -115,7 +115,7 @@ class Program:
         """The traced graph for these inputs (traced now if new), or why it runs call by call."""
         self._check_inputs(arrays)
         for a in arrays:
-            a._learn_shape()
+            a.learn_shape()
         # The mesh objects themselves (identity): a traced graph names its meshes, which belong
         # to one context; another context (or mesh) traces anew.
         key = tuple((a.shape, a.dtype, a.sharding.placements, a.mesh) for a in arrays)
@@ -168,7 +168,7 @@ class Program:
         single = not isinstance(out, (tuple, list))
         outs = [out] if single else list(out)
         for o in outs:
-            if not isinstance(o, SymbolicArray) or o._tracer is not tracer:
+            if not isinstance(o, SymbolicArray) or o.tracer is not tracer:
                 raise CaptureError(f"program {self.name!r} must return arrays computed inside it, got {o!r}")
         if not tracer.nodes:
             raise CaptureError(f"program {self.name!r} calls no @pw.function; it has nothing to run")

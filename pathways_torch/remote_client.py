@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import dataclasses
 import itertools
 import logging
 import threading
@@ -25,10 +26,11 @@ from typing import Sequence
 
 import zmq
 
-from .controller_api import FAILED, PENDING, ArraySettled, ArrayState, ClientEvents, ControllerCounters, ExecutorView
+from .controller_api import FAILED, PENDING, ArrayState, ClientEvents, ExecutorView
 from .errors import AuthenticationError, ContextClosedError, ControllerLostError, PathwaysError
 from .wire import SocketLoop, seam_codec
-from .wire.seam import CallSpec, MeshAllocation, ProgramSpec
+from .wire.seam import (ArraySettled, Bye, Call, Executors, GrantIds, NoteRunaheadWait, RegisterProgram, Release,
+                        ReleaseMany, RunProgram, SeamOp)
 from .wire.security import HANDSHAKE_FAILURES, ConnectionWatch, Credentials, make_client
 
 __all__ = ["RemoteClient"]
@@ -71,25 +73,26 @@ class RemoteClient:
         self._free_ids: collections.deque = collections.deque()   # array ids granted to this client, unused
         self._window = threading.Condition()   # requests sent and read by the controller (its acks)
         self._sent = self._acked = 0
+        self._program_outputs: dict[int, int] = {}   # program id → its outputs, for runs sent without waiting
         self.loop.every(heartbeat_interval_s, self._ping)
         self.loop.start()
 
     # ------------------------------------------------------------ requests
 
-    def _request(self, op: str, *args):
+    def _request(self, op: SeamOp):
         future = concurrent.futures.Future()
         with self._lock:
             if self._lost is not None:
                 raise self._lost
             request_id = next(self._ids)
             self._answers[request_id] = future
-        self._send({"r": request_id, "op": op, "a": list(args)})
+        self._send({"r": request_id, "op": op.NAME, "a": op.wire_args()})
         return future.result()   # never hangs: a lost controller fails every answer still awaited
 
-    def _post(self, op: str, *args) -> None:
+    def _post(self, op: SeamOp) -> None:
         """A request that needs no answer (it keeps its place among the others)."""
         if self._lost is None:
-            self._send({"r": 0, "op": op, "a": list(args)})
+            self._send({"r": 0, "op": op.NAME, "a": op.wire_args()})
 
     def _send(self, message: dict) -> None:
         frames = seam_codec.encode(message)
@@ -160,7 +163,7 @@ class RemoteClient:
                                   f"heartbeat timeout is {self._timeout_s:g} s){heard}")
             return
         if self._lost is None:
-            self.loop.send_now(_SOCKET, seam_codec.encode({"r": 0, "op": "ping", "a": []}))
+            self.loop.send_now(_SOCKET, seam_codec.encode({"r": 0, "op": "ping", "a": []}))   # the inbox answers it
 
     def _controller_lost(self, why: str, *, closing: bool = False) -> None:
         """Fail everything pending with `ControllerLostError`, and every request from now on."""
@@ -212,35 +215,39 @@ class RemoteClient:
                 states.append(state)
         return states
 
-    # ------------------------------------------------------------ functions, programs, calls, arrays
+    # ------------------------------------------------------------ the protocol: operations
 
-    def register_function(self, name: str, graph, constants: list, *, sim_seconds: float = 0.0) -> int:
-        return self._request("register_function", name, graph, list(constants), float(sim_seconds))
+    def request(self, op: SeamOp):
+        """Send ``op``. A call (and a run of a program registered here) is sent without waiting: its outputs are
+        named with ids granted before, and an error it meets there fails them (as a remote error does); an
+        operation that needs no answer (`SeamOp.ANSWERED`) is sent and not waited for; any other waits for its
+        answer."""
+        kind = type(op)
+        if kind is Call and op.output_ids is None:
+            return self._call_ahead(op, op.spec.num_outputs)
+        if kind is RunProgram and op.output_ids is None and op.program_id in self._program_outputs:
+            return self._call_ahead(op, self._program_outputs[op.program_id])
+        if kind is Release or kind is ReleaseMany:
+            with self._lock:
+                for array_id in (op.array_id,) if kind is Release else op.array_ids:
+                    self._states.pop(array_id, None)
+        if not op.ANSWERED:
+            self._post(op)
+            return None
+        answer = self._request(op)
+        if kind is RegisterProgram:   # its runs can then be sent without waiting
+            self._program_outputs[answer] = len(op.spec.output_values)
+        elif kind is Executors:
+            self._known_executors = answer
+        return self._track(answer) if op.MAKES_ARRAYS else answer
 
-    def register_program(self, spec: ProgramSpec) -> int:
-        return self._request("register_program", spec)
+    _known_executors: tuple[ExecutorView, ...] = ()
 
-    def describe_program(self, program_id: int) -> str:
-        return self._request("describe_program", program_id)
-
-    def forget(self, function_ids: Sequence[int], program_ids: Sequence[int]) -> None:
-        self._post("forget", list(function_ids), list(program_ids))
-
-    def call(self, spec: CallSpec) -> list[ArrayState]:
-        """Sent without waiting for the controller: its outputs are named with ids granted before, and an error
-        it meets there fails them (as a remote error does)."""
-        ids = self._take_ids(spec.num_outputs)
-        states = self._pending_states(ids)
-        self._post_call("call", spec, ids)
-        return states
-
-    def run_program(self, program_id: int, input_ids: Sequence[int], num_outputs: int | None = None
-                    ) -> list[ArrayState]:
-        if num_outputs is None:   # not known here: ask, and wait for the answer
-            return self._track(self._request("run_program", program_id, list(input_ids), None))
+    def _call_ahead(self, op, num_outputs: int) -> list[ArrayState]:
         ids = self._take_ids(num_outputs)
-        states = self._pending_states(ids)
-        self._post_call("run_program", program_id, list(input_ids), ids)
+        states = self._track([ArraySettled(array_id, PENDING) for array_id in ids])
+        self._wait_for_window(op.NAME)
+        self._post(dataclasses.replace(op, output_ids=ids))
         return states
 
     def _take_ids(self, count: int) -> list[int]:
@@ -248,118 +255,20 @@ class RemoteClient:
         out: one answer per `_ID_BLOCK` ids)."""
         with self._id_lock:
             while len(self._free_ids) < count:
-                first, granted = self._request("grant_ids", max(_ID_BLOCK, count))
+                first, granted = self._request(GrantIds(max(_ID_BLOCK, count)))
                 self._free_ids.extend(range(first, first + granted))
             return [self._free_ids.popleft() for _ in range(count)]
 
-    def _pending_states(self, ids: list[int]) -> list[ArrayState]:
-        return self._track([ArraySettled(array_id, PENDING) for array_id in ids])
-
-    def _post_call(self, op: str, *args) -> None:
-        """Send a call once fewer than `_WINDOW` requests are unread by the controller (its answers say how many it
+    def _wait_for_window(self, what: str) -> None:
+        """Go on once fewer than `_WINDOW` requests are unread by the controller (its answers say how many it
         read): the client runs ahead of the controller, never unboundedly."""
         with self._window:
             if self._sent - self._acked >= _WINDOW:
                 start = time.time_ns()
                 self._window.wait_for(lambda: self._sent - self._acked < _WINDOW // 2 or self._lost is not None)
-                self.note_runahead_wait(start, time.time_ns(), self._sent - self._acked, f"{op} (controller)")
+                self._post(NoteRunaheadWait(start, time.time_ns(), self._sent - self._acked, f"{what} (controller)"))
             if self._lost is not None:
                 raise self._lost
-        self._post(op, *args)
-
-    def new_array(self, executor_ids: tuple[str, ...], *, landing: int, shard_bytes: int = 0) -> ArrayState:
-        return self._track([self._request("new_array", list(executor_ids), landing, int(shard_bytes))])[0]
-
-    def landed(self, array_id: int, error: BaseException | None = None) -> None:
-        self._post("landed", array_id, error)
-
-    def release(self, array_id: int) -> None:
-        with self._lock:
-            self._states.pop(array_id, None)
-        self._post("release", array_id)
-
-    def release_many(self, array_ids: Sequence[int]) -> None:
-        with self._lock:
-            for array_id in array_ids:
-                self._states.pop(array_id, None)
-        self._post("release_many", list(array_ids))
-
-    def flush_frees(self) -> None:
-        self._post("flush_frees")
-
-    # ------------------------------------------------------------ executors
-
-    def allocate_mesh(self, axes: dict[str, int], executor_ids: Sequence[str] | None = None) -> MeshAllocation:
-        return self._request("allocate_mesh", dict(axes), None if executor_ids is None else list(executor_ids))
-
-    def island_of(self, executor_id: str) -> str:
-        return self._request("island_of", executor_id)
-
-    def checkpoint_root(self) -> str:
-        return self._request("checkpoint_root")
-
-    def executors(self) -> tuple[ExecutorView, ...]:
-        views = self._request("executors")
-        self._known_executors = views
-        return views
-
-    _known_executors: tuple[ExecutorView, ...] = ()
-
-    def executor(self, executor_id: str) -> ExecutorView | None:
-        return self._request("executor", executor_id)
-
-    def wait_for_executors(self, count: int, timeout_s: float) -> None:
-        self._request("wait_for_executors", count, float(timeout_s))
-
-    def order_executors(self, order: dict[str, int]) -> None:
-        """The controller orders its own executors (the clients share them): nothing to do."""
-
-    def _local_only(self, what: str):
-        raise PathwaysError(f"{what} is not available through a remote controller ({self.address}): the "
-                            f"controller's operator starts, replaces and routes its executors "
-                            f"(pathways-controller; docs/service.md)")
-
-    def label_executor(self, executor_id: str, label: str) -> None:
-        self._local_only("label_executor")
-
-    def route_through(self, executor_id: str, link_address: str) -> None:
-        self._local_only("a shaped link (link=)")
-
-    def replace_executor(self, executor_id: str, timeout_s: float) -> ExecutorView:
-        """Have the controller replace a lost executor (it started it; else await the one its operator starts)."""
-        return self._request("replace_executor", executor_id, float(timeout_s))
-
-    def allowed_keys(self) -> dict[str, bytes]:
-        self._local_only("replace_executor")
-
-    def admit_key(self, role: str, public_key: bytes) -> None:
-        self._local_only("replace_executor")
-
-    def wait_for_incarnation(self, executor_id: str, epoch: int, timeout_s: float) -> ExecutorView:
-        self._local_only("replace_executor")
-
-    def declare_lost(self, executor_id: str, why: str) -> None:
-        self._local_only("declare_lost")
-
-    def watch_exits(self, cluster, interval_s: float) -> None:
-        self._local_only("watching local executor processes")
-
-    def serve_status(self, port: int, run_id: str = ""):
-        self._local_only("serve_status (the controller serves its own: --status-port)")
-
-    # ------------------------------------------------------------ observability
-
-    def gather(self, kind: str) -> dict:
-        return self._request("gather", kind)
-
-    def counters(self) -> ControllerCounters:
-        return self._request("counters")
-
-    def runahead_waits(self) -> tuple[tuple[int, int, int, str], ...]:
-        return tuple(tuple(w) for w in self._request("runahead_waits"))
-
-    def note_runahead_wait(self, start_ns: int, end_ns: int, in_flight: int, what: str) -> None:
-        self._post("note_runahead_wait", int(start_ns), int(end_ns), int(in_flight), str(what))
 
     # ------------------------------------------------------------ lifecycle
 
@@ -376,7 +285,7 @@ class RemoteClient:
         """Say goodbye: the controller frees what this client holds. Its executors serve the others on."""
         if self._lost is None:
             try:
-                self._request("bye")
+                self._request(Bye())
             except PathwaysError:
                 pass
 

@@ -22,6 +22,7 @@ from .launch.environment import executor_ids as launched_ids
 from .launch.environment import node_of
 from .local.cluster import LocalCluster
 from .remote_client import RemoteClient
+from .wire import seam
 from .wire.crash_stacks import enable_in_client
 from .wire.security import CLIENT, CONTROLLER, Gatekeeper, KeyDirectory, SecurityError, client_name
 
@@ -79,7 +80,7 @@ class Session:
             # Imported here: only an embedded controller needs the controller package (a remote context never loads it)
             from .client import ControllerConfig, InProcessClient
 
-            self.client = InProcessClient(ControllerConfig(
+            self.client = InProcessClient.start(ControllerConfig(
                 **config.liveness_fields(), inject_latency_s=config.inject_latency_s,
                 max_inflight_calls=config.max_inflight, transfer_timeout_s=config.transfer_timeout_s,
                 launch_fanout=config.launch_fanout, launch_tree_min_executors=config.launch_tree_min_executors,
@@ -95,23 +96,23 @@ class Session:
                     **config.liveness_fields(), log_dir=config.log_dir, cpus=config.executor_cpus(),
                     islands=config.executor_islands(), sims_per_process=config.sims_per_process)
             self._wait_for_executors()
-            self.client.order_executors({e: i for i, e in enumerate(executor_ids)})
+            self.client.local.order_executors({e: i for i, e in enumerate(executor_ids)})
             if launch is not None:
                 self._label_nodes()
                 if launch.status_port:
-                    self.status_server = self.client.serve_status(launch.status_port, launch.run_id)
+                    self.status_server = self.client.local.serve_status(launch.status_port, launch.run_id)
             self.link = self._shape_link()
             credentials = self.keys.credentials(CLIENT)
             if launch is None:
                 # Every process holds its keys in memory now: none stay on disk, not even if this client is killed.
                 self.keys.remove()
             self.data = DataClient(self.zmq, credentials)
-            for info in self.client.executors():
+            for info in self.client.request(seam.Executors()):
                 self.data.connect(info.executor_id, info.data_address, info.public_key)
             self._started = True
             if self.cluster is not None:
                 # A dead child is lost at once; the heartbeat timeout catches the hung and the remote.
-                self.client.watch_exits(self.cluster, config.heartbeat_interval_s)
+                self.client.local.watch_exits(self.cluster, config.heartbeat_interval_s)
         except BaseException:
             self.close()
             raise
@@ -129,14 +130,14 @@ class Session:
         self.client = RemoteClient(config.controller, credentials, self.zmq, **config.liveness_fields())
         self.client.subscribe(self)
         try:
-            self.client.wait_for_executors(config.num_executors, config.start_timeout_s)
+            self.client.request(seam.WaitForExecutors(config.num_executors, config.start_timeout_s))
         except ExecutorLostError:
-            have = [info.executor_id for info in self.client.executors()]
+            have = [info.executor_id for info in self.client.request(seam.Executors())]
             raise PlacementError(f"pw.Context(num_executors={config.num_executors}): the controller at "
                                  f"{config.controller} has {len(have)} executors ({', '.join(have) or 'none'}) after "
                                  f"{config.start_timeout_s:g} s; ask for at most {len(have)}, or have its operator "
                                  f"add executors") from None
-        views = self.client.executors()
+        views = self.client.request(seam.Executors())
         backends = sorted({info.backend for info in views})
         if config.backend is not None and not all(b.split(":")[0] == config.backend.split(":")[0] or b == config.backend
                                                   for b in backends):
@@ -154,7 +155,7 @@ class Session:
             if self.cluster is not None:
                 self.cluster.check_alive()
             try:
-                self.client.wait_for_executors(self.config.num_executors, 0.2)
+                self.client.request(seam.WaitForExecutors(self.config.num_executors, 0.2))
                 return
             except PathwaysError:
                 if time.monotonic() > deadline:
@@ -164,17 +165,17 @@ class Session:
 
     def _label_nodes(self) -> None:
         """Name each launched executor's node and host in the errors about it."""
-        for info in self.client.executors():
+        for info in self.client.request(seam.Executors()):
             host = info.data_address.removeprefix("tcp://").rsplit(":", 1)[0]
-            self.client.label_executor(
+            self.client.local.label_executor(
                 info.executor_id, f"node {node_of(info.executor_id, self.launch.nproc_per_node)} at {host}")
 
     def _missing_nodes(self) -> PathwaysError:
         """The launched executors that never registered, by node, with the address they were told to reach."""
-        registered = {info.executor_id for info in self.client.executors()}
+        registered = {info.executor_id for info in self.client.request(seam.Executors())}
         missing = [e for e in self.launch.executor_ids if e not in registered]
         nodes = sorted({node_of(e, self.launch.nproc_per_node) for e in missing})
-        refused = self.client.counters().refused_connections
+        refused = self.client.request(seam.Counters()).refused_connections
         keys = (f"; {refused} connection(s) failed the CURVE handshake meanwhile: a node with the keys of another "
                 f"run, or none (give node K the folder node-K of this run's pathways-run --make-keys)"
                 if refused else "")
@@ -192,8 +193,8 @@ class Session:
         from .local.link import LinkRelay
 
         relay = LinkRelay(self.config.link)
-        for info in self.client.executors():
-            self.client.route_through(info.executor_id, relay.add(info.data_address, owner=info.executor_id))
+        for info in self.client.request(seam.Executors()):
+            self.client.local.route_through(info.executor_id, relay.add(info.data_address, owner=info.executor_id))
         return relay
 
     # ------------------------------------------------------------ the controller's events (ClientEvents)
@@ -209,7 +210,7 @@ class Session:
             return
         self.data.reconnect(info.executor_id, info.data_address, info.public_key)
         if self.link is not None:   # the old incarnation's port goes: its address is dead, its peers stop retrying it
-            self.client.route_through(info.executor_id, self.link.add(info.data_address, owner=info.executor_id))
+            self.client.local.route_through(info.executor_id, self.link.add(info.data_address, owner=info.executor_id))
 
     def key_revoked(self, public_key: bytes) -> None:
         self.gatekeeper.revoke(public_key)

@@ -44,7 +44,7 @@ def differentiable(op, backward):
             with torch.no_grad():
                 return backward(ctx, grad)
 
-    Differentiable.__name__ = f"Differentiable[{op._name}]"
+    Differentiable.__name__ = f"Differentiable[{op}]"
     return Differentiable
 
 

@@ -41,7 +41,7 @@ class SymbolicArray:
     """A value inside a program trace: layout known, value not."""
 
     def __init__(self, tracer: "Tracer", value: int, shape, dtype, sharding: Sharding, block_shape):
-        self._tracer, self.value = tracer, value
+        self.tracer, self.value = tracer, value
         self.shape, self.dtype, self.sharding, self.block_shape = tuple(shape), dtype, sharding, tuple(block_shape)
 
     @property
@@ -50,7 +50,7 @@ class SymbolicArray:
 
     def _no_value(self, what: str):
         raise CaptureError(
-            f"{what} needs the value of %{self.value} inside @pw.program {self._tracer.name!r}, which is not known "
+            f"{what} needs the value of %{self.value} inside @pw.program {self.tracer.name!r}, which is not known "
             f"while the program is traced; decide outside the program (run it, then look at the result), or "
             f"express the choice with tensor ops (torch.where)\nat:\n{call_site()}")
 
@@ -100,7 +100,7 @@ class Replay:
             return None
         node, outputs = self._calls[self._next]
         # `.on(mesh)` copies share the trace cache: that is the function's identity.
-        if node.function._versions is not function._versions:
+        if node.function.traces is not function.traces:
             raise CaptureError(f"program {self._name!r} called {function.name!r} where its trace called "
                                f"{node.function.name!r}; a program body must call the same functions in the same "
                                f"order every time it runs")

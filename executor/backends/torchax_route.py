@@ -353,8 +353,11 @@ class _StagedProgram:
         self._plan = stages
         self.num_jitted = 0
         self.constants = [None] * stages.num_constants   # as jax arrays (a fused executable's arguments too)
-        self._ndarray = backend._np.ndarray
-        self._from_numpy, self._to_torch = backend._torch.from_numpy, backend.to_torch
+        import numpy
+        import torch
+
+        self._ndarray = numpy.ndarray
+        self._from_numpy, self._to_torch = torch.from_numpy, backend.to_torch
         self._free_slots = [None] * stages.num_intermediates
         self._steps = []
         self._frees, donated = _last_uses(stages), set()
@@ -420,7 +423,7 @@ class _StagedProgram:
 
     def _stored(self, value):
         """What the store keeps: jax arrays (a host stage's numpy output becomes one here)."""
-        return self._backend.from_torch(self._backend._torch.from_numpy(value), counted=False) \
+        return self._backend.from_torch(self._from_numpy(value), counted=False) \
             if isinstance(value, self._ndarray) else value
 
 

@@ -146,7 +146,7 @@ def _executor_bind(args) -> str:
 def _replacer(service, cluster, gatekeeper):
     """Lost local executors are replaced as an embedded context replaces its own (`Incarnations`): a fresh key
     admitted everywhere, the old one revoked, a new process in the lost one's place."""
-    session = types.SimpleNamespace(client=InProcessClient.over(service.server), cluster=cluster,
+    session = types.SimpleNamespace(client=InProcessClient(service.server), cluster=cluster,
                                     gatekeeper=gatekeeper, config=types.SimpleNamespace(controller=None))
     return Incarnations(session).replace
 
@@ -204,7 +204,7 @@ def serve(args, stop: threading.Event) -> int:
                                    backend=start.resolved_backend, devices=start.executor_devices(),
                                    islands=start.executor_islands(), checkpoint_root=args.checkpoint_root,
                                    **start.liveness_fields())
-            service.controller.wait_for_executors(len(ids), start.start_timeout_s)
+            service.controller.members.wait_for_executors(len(ids), start.start_timeout_s)
             service.order_executors(ids)
             service.watch_exits(cluster.newly_exited, args.heartbeat_interval_s)
             service.clients.replacer = _replacer(service, cluster, gatekeeper)

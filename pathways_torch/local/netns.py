@@ -102,7 +102,7 @@ class TbfVeth:
             _check("ip", "netns", "add", namespace)
             veth = cls(namespace, root_device, root_address, ns_address, rate_bytes_per_s, burst_bytes)
             try:                                   # from here on close() (or the exit) deletes the namespace
-                veth._configure()
+                veth.configure()
             except BaseException:
                 veth.close()
                 raise
@@ -140,7 +140,8 @@ class TbfVeth:
         return (f"TbfVeth({self.root_device} {self.root_address} <-> {self.ns_device} {self.ns_address} in "
                 f"{self.namespace}, tbf {self.rate_bytes_per_s / 1e6:g} MB/s both ways)")
 
-    def _configure(self) -> None:
+    def configure(self) -> None:
+        """Make the veth pair, address both ends and shape both ways (the namespace exists)."""
         ns = ("-n", self.namespace)
         _check("ip", "link", "add", self.root_device, "mtu", str(_MTU), "type", "veth",
                "peer", "name", self.ns_device, "mtu", str(_MTU), "netns", self.namespace)

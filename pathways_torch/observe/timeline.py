@@ -247,7 +247,7 @@ def _plot(spans: list[Span], path: str, title: str, paint, legend, *, row_height
     try:
         import matplotlib
     except ImportError as exc:
-        raise ImportError("trainer.timeline needs matplotlib: pip install 'pathways-torch[plot]'") from exc
+        raise ImportError("trainer.runner.timeline needs matplotlib: pip install 'pathways-torch[plot]'") from exc
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 

@@ -12,7 +12,7 @@
   checkpoints (each stage writes its own chunks) and recovery.
 
 The fx carver the splitter shares with the bucket cut is `pathways_torch.graph_cut`; the step's
-picture (``trainer.timeline``) is `pathways_torch.observe.timeline`.
+picture (``trainer.runner.timeline``) is `pathways_torch.observe.timeline`.
 """
 
 import importlib

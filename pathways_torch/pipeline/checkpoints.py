@@ -13,14 +13,13 @@ Two things differ from a data-parallel trainer:
 
 - The model is split when the first batch shows its shapes, so the state reaches the executors only
   at the first step. A save asked before that (the step-0 checkpoint made with the trainer, or the one
-  after `trainer.load`) is written at the next step's dispatch, of the state that step starts from.
+  after `trainer.load`) is written at the next step's dispatch, of the state that step starts from: the
+  trainer defers it while ``state_on_executors`` is False and writes it when `_place_state` calls ``placed``.
 - A name no chunk holds (a buffer, or a parameter, the forward never reads) is put on the first stage
   as a replicated array of its own, so the checkpoint still holds every name of the model.
 """
 
 from __future__ import annotations
-
-import concurrent.futures
 
 from ..placement import Replicate
 from ..training.sharded_checkpoint import CheckpointPart
@@ -29,37 +28,16 @@ __all__ = ["PipelineCheckpoints"]
 
 
 class PipelineCheckpoints:
-    """`PipelineRunner`'s half that deals with executor-written checkpoints and the state they hold."""
+    """`PipelineRunner`'s part that deals with executor-written checkpoints and the state they hold."""
 
-    _deferred_save: tuple | None = None   # (directory, update_latest, future) of a save asked before the first put
     _loose: tuple | list = ()             # (checkpoint name, replicated array) of names no chunk holds
 
-    def defer_save(self, directory: str, update_latest: bool) -> concurrent.futures.Future | None:
-        """Before the first step (the state is still on the client, the model not yet split) a sharded save is
-        written at the next step's dispatch: its future, which resolves then (its ``step_dir`` is set then
-        too). None once the state is on the executors (the trainer saves now)."""
-        if self._state_on_executors():
-            return None
-        future = self._deferred_save[2] if self._deferred_save is not None else concurrent.futures.Future()
-        self._deferred_save = (directory, update_latest, future)   # a later ask replaces an earlier one: one state
-        return future
-
-    def _place_state(self) -> None:
+    def _place_state(self, placed) -> None:
         """Put the state on the chunks' meshes if it is still on the client (the split is known: a step is being
-        dispatched), then write a save that was asked before."""
-        if self._chunk_state is None:
+        dispatched), then call ``placed()`` (the trainer writes a save it deferred until now)."""
+        if self.chunk_state is None:
             self.put_state(self._host_state)
-        if self._deferred_save is None:
-            return
-        directory, update_latest, future = self._deferred_save
-        self._deferred_save = None
-        try:
-            started = self.trainer._start_sharded_save(directory, update_latest=update_latest)
-        except BaseException as exc:
-            future.set_exception(exc)
-            raise
-        future.step_dir = started.step_dir     # the folder it writes, as on every save's future
-        started.add_done_callback(lambda done: _settle(future, done))
+        placed()
 
     def _put_loose(self, tensors: dict, plans: list) -> None:
         """Put the named state no chunk holds on the first stage (replicated), for checkpoints to hold every name."""
@@ -70,7 +48,7 @@ class PipelineCheckpoints:
                     held.add(f"model/{slot.name}")
                     held.update(f"optimizer/{slot.name}/{state}" for state in self.layout.state_names)
         names = [n for n in tensors if n not in held and n.startswith(("model/", "optimizer/"))]
-        arrays = self.trainer._context.put_many([(tensors[n], Replicate()) for n in names], self._stage_meshes[0])
+        arrays = self.basis.context.put_many([(tensors[n], Replicate()) for n in names], self.stage_meshes[0])
         self._loose = list(zip(names, arrays))
 
     def checkpoint_parts(self) -> list:
@@ -81,10 +59,10 @@ class PipelineCheckpoints:
         parts = [CheckpointPart(buckets=plan.buckets, state_names=self.layout.state_names, flats=flats, states=states,
                                 wholes=[(f"model/{n}", a) for n, a in zip(plan.chunk.constants, constants)],
                                 holders=tuple(self._mesh_of(plan.chunk.index).executor_ids), sharded=sharded)
-                 for plan, (flats, states, constants) in zip(self._train_plans(), self._chunk_state)]
+                 for plan, (flats, states, constants) in zip(self.train_plans(), self.chunk_state)]
         if self._loose:
             parts.append(CheckpointPart(buckets=(), state_names=self.layout.state_names, flats=[], states=[],
-                                        wholes=list(self._loose), holders=tuple(self._stage_meshes[0].executor_ids),
+                                        wholes=list(self._loose), holders=tuple(self.stage_meshes[0].executor_ids),
                                         sharded=False))
         return parts
 
@@ -93,29 +71,21 @@ class PipelineCheckpoints:
         from ..tensor_parallel.checkpoint_parts import model_shard_parts
 
         parts = []
-        for plan, (flats, states, constants) in zip(self._train_plans(), self._chunk_state):
+        for plan, (flats, states, constants) in zip(self.train_plans(), self.chunk_state):
             wholes = [(f"model/{n}", a) for n, a in zip(plan.chunk.constants, constants)]
             parts += model_shard_parts(plan.buckets, plan.tensor.kinds, self.layout.state_names, flats, states,
                                        wholes, self._mesh_of(plan.chunk.index), self.tensor.plan, sharded)
         if self._loose:
             parts.append(CheckpointPart(buckets=(), state_names=self.layout.state_names, flats=[], states=[],
-                                        wholes=list(self._loose), holders=tuple(self._stage_meshes[0].executor_ids),
+                                        wholes=list(self._loose), holders=tuple(self.stage_meshes[0].executor_ids),
                                         sharded=False))
         return parts
 
     def checkpoint_arrays(self) -> list:
-        if self._chunk_state is None:
+        if self.chunk_state is None:
             return []
-        return [*(a for flats, states, constants in self._chunk_state for a in (*flats, *states, *constants)),
+        return [*(a for flats, states, constants in self.chunk_state for a in (*flats, *states, *constants)),
                 *(array for _, array in self._loose)]
 
     def placed_arrays(self) -> list:
         return self.checkpoint_arrays()     # no shard ranks: the dropout keys ride in with each batch
-
-
-def _settle(future: concurrent.futures.Future, done: concurrent.futures.Future) -> None:
-    error = done.exception()
-    if error is not None:
-        future.set_exception(error)
-    else:
-        future.set_result(done.result())

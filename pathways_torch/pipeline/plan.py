@@ -60,11 +60,12 @@ class Pipeline:
             raise PlacementError(f"pw.Pipeline: schedule {self.schedule!r} runs one chunk per rank; with "
                                  f"virtual_stages={self.virtual_stages} use schedule='interleaved'")
 
-    def make_runner(self, trainer):
-        """The `runner.StepRunner` of this plan: `PipelineRunner` (``ctx.wrap`` calls it through `Trainer`)."""
+    def make_runner(self, basis):
+        """The `runner.StepRunner` of this plan, built from ``basis`` (a `runner.RunnerBasis`): `PipelineRunner`
+        (``ctx.wrap`` calls it through `Trainer`)."""
         from .runner import PipelineRunner   # here: the plan stays importable without torch (tools, simulations)
 
-        return PipelineRunner(trainer, self)
+        return PipelineRunner(basis, self)
 
     def check(self, mesh) -> tuple[int, int]:
         """(pipe ranks, data shards) on ``mesh``; refuses a mesh that does not fit the plan.

@@ -24,27 +24,26 @@ __all__ = ["TensorIslandRunner"]
 
 
 class TensorIslandRunner(CrossIslandRunner):
-    """The `StepRunner` of ``TensorParallel(plan, axis, data=DataParallel(("island", data axis)))``."""
+    """The `StepRunner` of ``TensorParallel(plan, axis, data=DataParallel(("island", data axis)))``; ``placements``
+    prints where each parameter lives."""
 
-    exposed = CrossIslandRunner.exposed + ("placements",)
-
-    def __init__(self, trainer, plan):
-        super().__init__(trainer, plan.data, model_axis=plan.axis)
+    def __init__(self, basis, plan):
+        super().__init__(basis, plan.data, model_axis=plan.axis)
         self.tensor = plan
-        self.model_size = trainer.mesh.axes[plan.axis]
-        self.tensor_plan = assign(trainer.model, plan.styles(), plan.axis, self.model_size)
-        refuse_frozen_splits(trainer.model, self.tensor_plan)
+        self.model_size = basis.mesh.axes[plan.axis]
+        self.tensor_plan = assign(basis.model, plan.styles(), plan.axis, self.model_size)
+        refuse_frozen_splits(basis.model, self.tensor_plan)
 
-    def build(self):
-        t, mb = self.trainer, self.plan.bucket_mb
+    def build(self, spec):
+        b, mb = self.basis, self.plan.bucket_mb
 
         def regroup(buckets):
             cut = [piece for bucket in buckets for piece in by_kind(bucket, self.tensor_plan)]
             return split_for_exchange(cut, int(mb * 2**20), int(min(1.0, mb) * 2**20))
-        self.layout = make_layout(t.model, t.optimizer, t._spec, regroup)
-        self.kinds = tuple(self.tensor_plan.kind_of(b.slots[0].name) for b in self.layout.buckets)
+        self.layout = make_layout(b.model, b.optimizer, spec, regroup)
+        self.kinds = tuple(self.tensor_plan.kind_of(bucket.slots[0].name) for bucket in self.layout.buckets)
         self._islands = self._island_meshes()
-        self.recapture()
+        self.recapture(spec, b.seed)
         return self.layout
 
     def _island_axes(self) -> dict:
@@ -65,7 +64,7 @@ class TensorIslandRunner(CrossIslandRunner):
         import torch
 
         super()._put_rank()
-        ctx = self.trainer._context
+        ctx = self.basis.context
         self._model_ranks = [ctx.put(torch.arange(self.model_size, dtype=torch.int64), mesh,
                                      {self.tensor.axis: Shard(0)}) for mesh in self._islands]
 
@@ -75,7 +74,7 @@ class TensorIslandRunner(CrossIslandRunner):
     # ------------------------------------------------------------ state, split on the model axis
 
     def put_state(self, tensors: dict) -> None:
-        layout, ctx, placements = self.layout, self.trainer._context, self._bucket_placements()
+        layout, ctx, placements = self.layout, self.basis.context, self._bucket_placements()
 
         def place_on(mesh):
             def place(index, bucket, named):
@@ -83,7 +82,8 @@ class TensorIslandRunner(CrossIslandRunner):
                 return host_flat(bucket, self.kinds[index], named, self.tensor_plan, numel, placements[index],
                                  mesh), placements[index]
             return place
-        self._state = [ctx.put_many(layout.state_items(tensors, place_on(mesh)), mesh) for mesh in self._islands]
+        self.island_states = [ctx.put_many(layout.state_items(tensors, place_on(mesh)), mesh)
+                              for mesh in self._islands]
 
     def named_tensors(self) -> dict:
         placements, mesh = self._bucket_placements(), self._islands[0]

@@ -5,7 +5,7 @@ does (the path and the pattern split at dots, each part matched with ``fnmatch``
 (`styles.read_style`) and derives each parameter's `ParamSplit`. It checks all of it before anything is
 placed: a pattern that matches nothing (naming the nearest paths), a style on a module it cannot split,
 a size the axis does not divide, two styles that split one (tied) parameter two ways. The result,
-`TensorPlan`, prints as the placements table ``trainer.placements`` shows.
+`TensorPlan`, prints as the placements table ``trainer.runner.placements`` shows.
 """
 
 from __future__ import annotations
@@ -166,7 +166,7 @@ def _attention_splits(path: str, module, style: Style, axis: str, size: int) -> 
     if not isinstance(module, nn.MultiheadAttention):
         raise PlacementError(f"{path}: {style.source} splits an nn.MultiheadAttention; this module is a "
                              f"{type(module).__name__}")
-    for option, value in (("kdim/vdim", not module._qkv_same_embed_dim), ("add_bias_kv", module.bias_k is not None),
+    for option, value in (("kdim/vdim", not same_qkv_dims(module)), ("add_bias_kv", module.bias_k is not None),
                           ("add_zero_attn", module.add_zero_attn)):
         if value:
             raise PlacementError(f"{path}: {style.source} with {option} set is refused: the heads are split from "
@@ -244,3 +244,9 @@ def refuse_frozen_splits(model, plan: TensorPlan) -> None:
     if frozen:
         raise PlacementError(f"pw.TensorParallel: frozen parameters {frozen} would be split; splitting a frozen "
                              f"parameter is not supported: leave its module out of the plan")
+
+
+def same_qkv_dims(module) -> bool:
+    """Whether an ``nn.MultiheadAttention``'s keys and values have its embedding's width (no ``kdim``/``vdim``):
+    then one fused in-projection holds q, k and v, which a split by heads needs (torch's own test)."""
+    return module.kdim == module.embed_dim and module.vdim == module.embed_dim

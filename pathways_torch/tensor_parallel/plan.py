@@ -40,15 +40,17 @@ class TensorParallel:
             raise PlacementError(f"pw.TensorParallel: the data axis and the model axis are both {self.axis!r}; "
                                  f"name two axes of a 2-D mesh, e.g. ctx.mesh({{'data': 2, 'model': 2}})")
 
-    def make_runner(self, trainer):
+    def make_runner(self, basis):
+        """The `runner.StepRunner` of this plan, built from ``basis`` (a `runner.RunnerBasis`): inside one mesh, or
+        across islands when the data axis is ``("island", <data axis>)``."""
         # Imported here: the plan stays importable without torch.
         if self.across_islands:
             from .across_islands import TensorIslandRunner
 
-            return TensorIslandRunner(trainer, self)
+            return TensorIslandRunner(basis, self)
         from .runner import TensorParallelRunner
 
-        return TensorParallelRunner(trainer, self)
+        return TensorParallelRunner(basis, self)
 
     @property
     def across_islands(self) -> bool:

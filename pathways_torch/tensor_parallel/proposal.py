@@ -104,12 +104,12 @@ def _attention(path: str, pattern: str, module, size, add, notes: list) -> None:
     import torch.nn as nn
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
-    from .assign import module_kind
+    from .assign import module_kind, same_qkv_dims
     from .styles import FusedColwiseParallel, MultiheadAttentionParallel, ShardedAttributes
 
     children = dict(module.named_children())
     if isinstance(module, nn.MultiheadAttention):
-        if module._qkv_same_embed_dim and module.bias_k is None and _divides(size, module.num_heads):
+        if same_qkv_dims(module) and module.bias_k is None and _divides(size, module.num_heads):
             add(path, MultiheadAttentionParallel(), "nn.MultiheadAttention: its heads split")
         else:
             notes.append(f"{pattern}: nn.MultiheadAttention with kdim/vdim, bias_k or heads the axis "

@@ -47,33 +47,32 @@ class TensorStep:
 
 
 class TensorParallelRunner(DataParallelRunner):
-    """``TensorParallel(axis, plan, data)`` on a mesh of a model axis (and a data axis)."""
+    """``TensorParallel(axis, plan, data)`` on a mesh of a model axis (and a data axis); ``placements`` prints
+    where each parameter lives."""
 
-    exposed = DataParallelRunner.exposed + ("placements", "_model_rank")
-
-    def __init__(self, trainer, plan):
-        self.trainer, self.tensor = trainer, plan
-        self.model_size, self.num_shards = plan.check(trainer.mesh)
+    def __init__(self, basis, plan):
+        self.basis, self.tensor = basis, plan
+        self.model_size, self.num_shards = plan.check(basis.mesh)
         # The data-parallel side of the step: a plan of one shard when there is no data axis (no collective).
         self.plan = plan.data if plan.data is not None else DataParallel(plan.axis)
-        self.tensor_plan = assign(trainer.model, plan.styles(), plan.axis, self.model_size)
-        refuse_frozen_splits(trainer.model, self.tensor_plan)
+        self.tensor_plan = assign(basis.model, plan.styles(), plan.axis, self.model_size)
+        refuse_frozen_splits(basis.model, self.tensor_plan)
 
     def _per_unit(self) -> bool:
         return False        # the sharded data plan gathers every bucket at the step's start here
 
-    def build(self):
-        t = self.trainer
+    def build(self, spec):
+        b = self.basis
         self.units = None
-        cap = self.plan.local_bucket_bytes(t._context.backend)
+        cap = self.plan.local_bucket_bytes(b.context.backend)
 
         def regroup(buckets):
             cut = [piece for bucket in buckets for piece in by_kind(bucket, self.tensor_plan)]
             return cut if cap is None else split_for_exchange(cut, cap, cap)
-        self.layout = make_layout(t.model, t.optimizer, t._spec, regroup)
-        self.kinds = tuple(self.tensor_plan.kind_of(b.slots[0].name) for b in self.layout.buckets)
-        self._forwards, self._output_specs = {}, {}
-        self.recapture()
+        self.layout = make_layout(b.model, b.optimizer, spec, regroup)
+        self.kinds = tuple(self.tensor_plan.kind_of(bucket.slots[0].name) for bucket in self.layout.buckets)
+        self.forwards, self._output_specs = {}, {}
+        self.recapture(spec, b.seed)
         return self.layout
 
     def _tensor_step(self) -> TensorStep:
@@ -112,21 +111,21 @@ class TensorParallelRunner(DataParallelRunner):
     def _put_rank(self) -> None:
         import torch
 
-        t = self.trainer
+        b = self.basis
         if self.tensor.data is not None:
             super()._put_rank()
         else:       # one data shard: rank 0 everywhere
-            self._rank = t._context.put(torch.zeros(1, dtype=torch.int64), t.mesh, Replicate())
-        self._model_rank = t._context.put(torch.arange(self.model_size, dtype=torch.int64), t.mesh,
-                                          {self.tensor.axis: Shard(0)})
+            self._rank = b.context.put(torch.zeros(1, dtype=torch.int64), b.mesh, Replicate())
+        self._model_rank = b.context.put(torch.arange(self.model_size, dtype=torch.int64), b.mesh,
+                                         {self.tensor.axis: Shard(0)})
 
     def _padded(self, bucket: Bucket) -> int:
         return bucket.padded_numel(self.num_shards) if self.plan.sharded_state else bucket.numel
 
     def put_state(self, tensors: dict) -> None:
-        layout, t = self.layout, self.trainer
+        layout, b = self.layout, self.basis
         items = layout.state_items(tensors, self._placed)
-        self._flats, self._states, self._buffers, self._frozen = layout.split_state(t._context.put_many(items, t.mesh))
+        self.flats, self.states, self.buffers, self.frozen = layout.split_state(b.context.put_many(items, b.mesh))
 
     def _placed(self, index: int, bucket: Bucket, named: dict) -> tuple:
         """(host array, placement) of one flat of bucket ``index`` (`StepLayout.state_items`): a split bucket's
@@ -134,7 +133,7 @@ class TensorParallelRunner(DataParallelRunner):
         kind = self.kinds[index]
         placement = self._bucket_placement(kind)
         return host_flat(bucket, kind, named, self.tensor_plan, self._padded(bucket), placement,
-                         self.trainer.mesh), placement
+                         self.basis.mesh), placement
 
     def named_tensors(self) -> dict:
         return self.layout.named_tensors(self.checkpoint_arrays(), self._joined)
@@ -143,26 +142,25 @@ class TensorParallelRunner(DataParallelRunner):
         """The named tensors of bucket ``index``, whole, from its array (joined from the model shards' slices)."""
         kind = self.kinds[index]
         return whole_tensors(bucket, kind, array.result(), self.tensor_plan, self._bucket_placement(kind),
-                             self.trainer.mesh)
+                             self.basis.mesh)
 
     def checkpoint_parts(self) -> list:
         from .checkpoint_parts import tensor_parallel_parts
 
-        return tensor_parallel_parts(self, self.trainer.mesh)
+        return tensor_parallel_parts(self, self.basis.mesh)
 
     def placed_arrays(self) -> list:
         return [*super().placed_arrays(), self._model_rank]
 
-    def describe(self) -> str:
-        t = self.trainer
+    def describe(self, step_count: int) -> str:
         data = f" x {type(self.plan).__name__}({self.plan.axis!r})" if self.tensor.data is not None else ""
-        return (f"<Trainer {type(t.model).__name__} TensorParallel({self.tensor.axis!r}){data} on "
+        return (f"<Trainer {type(self.basis.model).__name__} TensorParallel({self.tensor.axis!r}){data} on "
                 f"{self.model_size} x {self.num_shards} shards, {len(self.layout.buckets)} buckets, "
-                f"step {t.step_count}>")
+                f"step {step_count}>")
 
 
 class _Text(str):
-    """A string that prints as itself in the REPL too (``trainer.placements``)."""
+    """A string that prints as itself in the REPL too (``trainer.runner.placements``)."""
 
     def __repr__(self) -> str:
         return str(self)

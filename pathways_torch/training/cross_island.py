@@ -27,6 +27,7 @@ gradient bytes / D across the link, and every island holds the same parameters a
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 from ..errors import PlacementError
@@ -36,8 +37,8 @@ from ..placement import Replicate, Shard
 from ..programs import Program, as_tuple
 from .buckets import flatten
 from .optimizers import DYNAMIC, apply_update
+from .locate import located
 from .step import _from_first_shard, gathered_params, loss_and_grads, make_layout
-from .runner import HoldsTrainer
 
 __all__ = ["CrossIslandRunner", "make_island_joint", "make_segment_function",
            "make_island_update"]
@@ -143,17 +144,19 @@ def make_island_update(spec, layout, inner, num_islands: int, num_shards: int,
     return update
 
 
-class CrossIslandRunner(HoldsTrainer):
-    """The `StepRunner` of ``DataParallel(("island", axis))`` on a mesh ``{"island": I, axis: D}`` (module doc)."""
+class CrossIslandRunner:
+    """The `StepRunner` of ``DataParallel(("island", axis))`` on a mesh ``{"island": I, axis: D}`` (module doc).
 
-    # The plan's own views, and what tests and benches read through the trainer.
-    exposed = ("bucket_cut", "timeline", "inner", "num_islands", "_state", "_ranks", "_islands", "_programs",
-               "_update")
+    Beside the protocol, the plan's own views: ``bucket_cut`` (the step's segments, after a first step) and
+    ``timeline(path)``; ``island_states`` (each island's state arrays) for tests and benches to look at."""
 
-    def __init__(self, trainer, plan, model_axis: str | None = None):
+    state_on_executors = True     # from the start
+    bucket_cut = None             # the step cut per gradient bucket (`bucket_cut.BucketCut`), once a step is built
+
+    def __init__(self, basis, plan, model_axis: str | None = None):
         import torch
 
-        model, mesh = trainer.model, trainer.mesh
+        model, mesh = basis.model, basis.mesh
         axes = tuple(plan.axis)
         expected = [*axes, *([model_axis] if model_axis else [])]
         if len(axes) != 2 or axes[0] != ISLAND_AXIS or list(mesh.axes) != expected:
@@ -167,19 +170,19 @@ class CrossIslandRunner(HoldsTrainer):
                                  f"span the whole batch; across islands they would span one island only (a "
                                  f"collective cannot cross islands): use nn.BatchNorm (DDP's per-shard statistics) "
                                  f"or train inside one island")
-        self.trainer, self.plan = trainer, plan
+        self.basis, self.plan = basis, plan
         # The same kind of plan on the data axis alone (the plan's own class: plans.py imports this module).
         self.inner = type(plan)(axes[1])
         self.num_islands, self.num_shards = mesh.axes[ISLAND_AXIS], mesh.axes[axes[1]]
 
-    def build(self):
+    def build(self, spec):
         from .buckets import split_for_exchange
 
-        t, mb = self.trainer, self.plan.bucket_mb
-        self.layout = make_layout(t.model, t.optimizer, t._spec, lambda buckets: split_for_exchange(
+        b, mb = self.basis, self.plan.bucket_mb
+        self.layout = make_layout(b.model, b.optimizer, spec, lambda buckets: split_for_exchange(
             buckets, int(mb * 2**20), int(min(1.0, mb) * 2**20)))
         self._islands = self._island_meshes()
-        self.recapture()
+        self.recapture(spec, b.seed)
         return self.layout
 
     def _island_axes(self) -> dict:
@@ -187,8 +190,8 @@ class CrossIslandRunner(HoldsTrainer):
         return {self.inner.axis: self.num_shards}
 
     def _island_meshes(self) -> list:
-        axes, ctx = self._island_axes(), self.trainer._context
-        per, ids = math.prod(axes.values()), self.trainer.mesh.executor_ids
+        axes, ctx = self._island_axes(), self.basis.context
+        per, ids = math.prod(axes.values()), self.basis.mesh.executor_ids
         return [ctx.mesh(axes, executors=list(ids[i * per:(i + 1) * per])) for i in range(self.num_islands)]
 
     def _tensor_step(self):
@@ -201,13 +204,14 @@ class CrossIslandRunner(HoldsTrainer):
         """The rank inputs of island ``island``'s joint: the shard's rank (and, under TP, the model rank)."""
         return [self._ranks[island]]
 
-    def recapture(self) -> None:
+    def recapture(self, spec, seed: int) -> None:
         """The update (captured on first use, once per island mesh); the gradient segments are made per kind of
         batch (`_program_for`)."""
-        t, layout, state = self.trainer, self.layout, self._bucket_placements()
-        self._update_key = t._spec.static_key()      # the optimizer's structure the update was made for
+        self.basis = dataclasses.replace(self.basis, seed=seed)
+        layout, state = self.layout, self._bucket_placements()
+        self._update_key = spec.static_key()      # the optimizer's structure the update was made for
         self._update = Function(
-            make_island_update(t._spec, layout, self.inner, self.num_islands, self.num_shards, t.max_grad_norm,
+            make_island_update(spec, layout, self.inner, self.num_islands, self.num_shards, self.basis.max_grad_norm,
                                self._tensor_step()),
             out=(Replicate(), *state, *[p for p in state for _ in layout.state_names],
                  *[Replicate()] * len(layout.buffer_names)), mesh=self._islands[0])
@@ -230,23 +234,23 @@ class CrossIslandRunner(HoldsTrainer):
         """Each shard's rank over all islands (island i's shard d is i * D + d: its dropout key)."""
         import torch
 
-        ctx = self.trainer._context
+        ctx = self.basis.context
         self._ranks = [ctx.put(torch.arange(self.num_shards, dtype=torch.int64) + i * self.num_shards, m,
                                {self.inner.axis: Shard(0)}) for i, m in enumerate(self._islands)]
 
     def put_state(self, tensors: dict) -> None:
         """The same state on every island (each island's own copy, under the inner plan's placement)."""
-        layout, ctx = self.layout, self.trainer._context
+        layout, ctx = self.layout, self.basis.context
         padded = [b.padded_numel(self.num_shards) if self.inner.sharded_state else b.numel for b in layout.buckets]
         items = layout.state_items(tensors, layout.placer(padded, self._state_placement()))
         # Assigned whole at the end: a put that fails (a loss) leaves the previous state.
-        self._state = [ctx.put_many(items, mesh) for mesh in self._islands]
+        self.island_states = [ctx.put_many(items, mesh) for mesh in self._islands]
 
     def named_tensors(self) -> dict:
         return self.layout.named_tensors(self.checkpoint_arrays())
 
     def checkpoint_arrays(self) -> list:
-        return list(self._state[0])       # every island holds the same state: island 0's executors write it
+        return list(self.island_states[0])       # every island holds the same state: island 0's executors write it
 
     def checkpoint_parts(self) -> list:
         from .sharded_checkpoint import CheckpointPart
@@ -255,16 +259,13 @@ class CrossIslandRunner(HoldsTrainer):
                                          self.plan.sharded_state)]
 
     def placed_arrays(self) -> list:
-        return [*(array for island in self._state for array in island), *self._ranks]
-
-    def defer_save(self, directory: str, update_latest: bool):
-        return None       # the state is on the executors from the start
+        return [*(array for island in self.island_states for array in island), *self._ranks]
 
     def _state_examples(self) -> list:
         """Meta tensors shaped as one shard's flats, buffers and frozen parameters (what the joint reads)."""
         import torch
 
-        layout, num_shards, model = self.layout, self.num_shards, self.trainer.model
+        layout, num_shards, model = self.layout, self.num_shards, self.basis.model
         numels = [b.padded_numel(num_shards) // num_shards if self.inner.sharded_state else b.numel
                   for b in layout.buckets]
         named = {**dict(model.named_parameters()), **dict(model.named_buffers())}
@@ -278,9 +279,9 @@ class CrossIslandRunner(HoldsTrainer):
         """The step's forward and backward cut per bucket (`bucket_cut`), each segment a function."""
         from .bucket_cut import cut_per_bucket
 
-        t, layout, nb = self.trainer, self.layout, len(self.layout.buckets)
+        b, layout, nb = self.basis, self.layout, len(self.layout.buckets)
         tensor = self._tensor_step()
-        joint = make_island_joint(t.model, t.loss_fn, layout, self.inner, self.num_shards, t.seed, form, tensor)
+        joint = make_island_joint(b.model, b.loss_fn, layout, self.inner, self.num_shards, b.seed, form, tensor)
         cut = cut_per_bucket(joint, example_inputs, nb, self._island_axes(), functionalize_after=tensor is not None)
         self.bucket_cut = cut
         sliced = {self.inner.axis: Shard(0)}
@@ -335,33 +336,33 @@ class CrossIslandRunner(HoldsTrainer):
             return tuple(outputs)
 
         program = self._programs[key] = Program(cross_island_step,
-                                                name=f"cross_island_step[{type(self.trainer.model).__name__}]")
+                                                name=f"cross_island_step[{type(self.basis.model).__name__}]")
         return program
 
     # ------------------------------------------------------------ stepping
 
-    def dispatch(self, form, tensors: list, scalars, modes: tuple):
+    def dispatch(self, form, tensors: list, scalars, modes: tuple, *, spec, step: int, placed):
         import torch
 
         from ..errors import CaptureError
 
-        t = self.trainer
-        if t._spec.static_key() != self._update_key:   # the update's structure changed: capture it anew
-            self.recapture()
+        b = self.basis
+        if spec.static_key() != self._update_key:   # the update's structure changed: capture it anew
+            self.recapture(spec, b.seed)
         rows, axis = tensors[0].shape[0] // self.num_islands, self.inner.axis
         arrays = []
         for i, mesh in enumerate(self._islands):
-            fresh = t._context.put_many([(scalars, Replicate()),
-                                         *[(x[i * rows:(i + 1) * rows], {axis: Shard(0)}) for x in tensors]], mesh)
-            arrays += [*self._state[i], fresh[0], *self._rank_arrays(i), *fresh[1:]]
+            fresh = b.context.put_many([(scalars, Replicate()),
+                                        *[(x[i * rows:(i + 1) * rows], {axis: Shard(0)}) for x in tensors]], mesh)
+            arrays += [*self.island_states[i], fresh[0], *self._rank_arrays(i), *fresh[1:]]
         shard_rows = rows // self.num_shards
         ranks = [torch.zeros(1, dtype=torch.int64) for _ in self._rank_arrays(0)]
         examples = [*self._state_examples(), scalars, *ranks, *[x[:shard_rows] for x in tensors]]
-        program = self._program_for(form, (t._spec.static_key(), modes, form.key), examples)
+        program = self._program_for(form, (spec.static_key(), modes, form.key), examples)
         try:
             outputs = program(*arrays)
         except CaptureError as exc:
-            raise t._located(exc) from exc.__cause__
+            raise located(exc, b.model) from exc.__cause__
         self._take_outputs(outputs)
         return outputs[0]
 
@@ -371,8 +372,8 @@ class CrossIslandRunner(HoldsTrainer):
         width = 1 + nb * (1 + ns) + nbuf
         for i in range(self.num_islands):
             result = outputs[i * width:(i + 1) * width]
-            frozen = self._state[i][nb * (1 + ns) + nbuf:]
-            self._state[i] = [*result[1:], *frozen]
+            frozen = self.island_states[i][nb * (1 + ns) + nbuf:]
+            self.island_states[i] = [*result[1:], *frozen]
 
     def timeline(self, path: str = "step.png", *, trace_path: str | None = None) -> str:
         """Draw the last step from the executors' timestamps (matplotlib): rows grouped by island, the
@@ -385,9 +386,9 @@ class CrossIslandRunner(HoldsTrainer):
         from ..observe.timeline import (draw_islands as draw, hidden_share, island_chrome_step as chrome_step,
                                         island_picture as step_picture)
 
-        if self.trainer.step_count == 0 or not getattr(self, "bucket_cut", None):
-            raise PlacementError("trainer.timeline: no step has run yet; call trainer.step(batch) first")
-        for island in self._state:          # every island's update has run: its transfers are in the trace
+        if self.bucket_cut is None:
+            raise PlacementError("trainer.runner.timeline: no step has run yet; call trainer.step(batch) first")
+        for island in self.island_states:          # every island's update has run: its transfers are in the trace
             for array in island:
                 error = array.exception(timeout_s=600)
                 if error is not None:
@@ -395,7 +396,7 @@ class CrossIslandRunner(HoldsTrainer):
         handle, scratch = tempfile.mkstemp(suffix=".json")
         os.close(handle)
         try:
-            full = self.trainer._context.trace(scratch)
+            full = self.basis.context.trace(scratch)
         finally:
             os.unlink(scratch)
         spans, flows = step_picture(full, len(self.bucket_cut.segments))
@@ -408,14 +409,17 @@ class CrossIslandRunner(HoldsTrainer):
                 json.dump(chrome_step(full, len(self.bucket_cut.segments)), f)
         return path
 
-    def evaluate(self, batch):
-        raise PlacementError("trainer.evaluate is not supported across islands yet; evaluate on the client from "
-                             "trainer.state_dict(), or load a checkpoint into a trainer inside one island")
+    def evaluate(self, form, tensors: list, *, placed):
+        raise _not_across_islands("evaluate")
 
-    predict = evaluate
+    def predict(self, form, tensors: list):
+        raise _not_across_islands("predict")
 
-    def describe(self) -> str:
-        t = self.trainer
-        return (f"<CrossIslandTrainer {type(t.model).__name__} {type(self.plan).__name__}({self.plan.axis!r}) on "
-                f"{self.num_islands} islands x {self.num_shards} shards, step {t.step_count}>")
+    def describe(self, step_count: int) -> str:
+        return (f"<CrossIslandTrainer {type(self.basis.model).__name__} {type(self.plan).__name__}("
+                f"{self.plan.axis!r}) on {self.num_islands} islands x {self.num_shards} shards, step {step_count}>")
 
+
+def _not_across_islands(what: str) -> PlacementError:
+    return PlacementError(f"trainer.{what} is not supported across islands yet; {what} on the client from "
+                          f"trainer.state_dict(), or load a checkpoint into a trainer inside one island")

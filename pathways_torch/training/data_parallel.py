@@ -8,58 +8,64 @@ forward (`evaluation.make_forward`) on the parameters where they live.
 
 from __future__ import annotations
 
+import dataclasses
+
 from ..errors import CaptureError
 from ..functions import Function
 from ..placement import Replicate, Shard
 from .buckets import split_for_exchange
 from .units import plan_units
 from .evaluation import make_forward
+from .locate import located
 from .step import make_layout, make_step
-from .runner import HoldsTrainer
 
 __all__ = ["DataParallelRunner"]
 
 
-class DataParallelRunner(HoldsTrainer):
-    """The `StepRunner` of ``DataParallel(axis)`` / ``ShardedDataParallel(axis)`` on one mesh."""
+class DataParallelRunner:
+    """The `StepRunner` of ``DataParallel(axis)`` / ``ShardedDataParallel(axis)`` on one mesh.
 
-    # Read through the trainer by tests and benches (the step's Function, the forwards, the state arrays).
-    exposed = ("_function", "_forwards", "_flats", "_states", "_buffers", "_frozen", "_rank", "units")
+    Beside the protocol: ``function`` (the step's `Function`), ``forwards`` (evaluate's and predict's), the
+    state's arrays (``flats``, ``states``, ``buffers``, ``frozen``) and ``units`` (a per-unit sharded step's
+    gather groups), for tests and benches to look at."""
 
-    def __init__(self, trainer, plan):
-        self.trainer, self.plan = trainer, plan
-        self.num_shards = plan.check(trainer.mesh)
+    state_on_executors = True     # from the start
 
-    def build(self):
-        t = self.trainer
+    def __init__(self, basis, plan):
+        self.basis, self.plan = basis, plan
+        self.num_shards = plan.check(basis.mesh)
+
+    def build(self, spec):
+        b = self.basis
         self.units = None            # the gather groups of a per-unit sharded step (`units.Units`)
         if self._per_unit():
             def regroup(buckets):
                 # With no blocks: one unit per bucket of local_bucket_mb (eager's cap, 4 MB by default).
-                self.units = plan_units(t.model, buckets, self.plan.units, self.plan.local_bucket_bytes("eager"),
+                self.units = plan_units(b.model, buckets, self.plan.units, self.plan.local_bucket_bytes("eager"),
                                         int(self.plan.min_unit_mb * 2**20))
                 return list(self.units.buckets)
         else:
-            cap = self.plan.local_bucket_bytes(t._context.backend)
+            cap = self.plan.local_bucket_bytes(b.context.backend)
             # Cut as DDP cuts its buckets, last parameters first: the backward makes their gradients first.
             regroup = None if cap is None else lambda buckets: split_for_exchange(buckets, cap, cap)
-        self.layout = make_layout(t.model, t.optimizer, t._spec, regroup)
-        self._forwards: dict = {}        # "loss" / "predict" → its Function (evaluate, predict)
+        self.layout = make_layout(b.model, b.optimizer, spec, regroup)
+        self.forwards: dict = {}         # "loss" / "predict" → its Function (evaluate, predict)
         self._output_specs: dict = {}    # form key → how predict rebuilds the model's output
-        self.recapture()
+        self.recapture(spec, b.seed)
         return self.layout
 
-    def recapture(self) -> None:
-        t, layout = self.trainer, self.layout
+    def recapture(self, spec, seed: int) -> None:
+        self.basis = b = dataclasses.replace(self.basis, seed=seed)
+        layout = self.layout
         outs = [Replicate()] + self._state_placements() + [Replicate()] * len(layout.buffer_names)
         per_unit = self._per_unit()
-        step = make_step(t.model, t.loss_fn, t._spec, layout, self.plan, self.num_shards, t.seed, t.max_grad_norm,
-                         batch_forms=t._batch_forms, mark_forward_end=per_unit, tensor=self._tensor_step())
+        step = make_step(b.model, b.loss_fn, spec, layout, self.plan, self.num_shards, b.seed, b.max_grad_norm,
+                         batch_forms=b.batch_forms, mark_forward_end=per_unit, tensor=self._tensor_step())
         # The old state is given up to the step that replaces it: executors free it inside the step, so they
         # never hold two copies of it (frozen parameters are not replaced: kept).
-        self._function = Function(step, out=tuple(outs), name=step.__name__, mesh=t.mesh,
-                                  donate_argnums=tuple(range(layout.num_state_inputs)),
-                                  graph_pass=self._schedule() if per_unit else None)
+        self.function = Function(step, out=tuple(outs), name=step.__name__, mesh=b.mesh,
+                                 donate_argnums=tuple(range(layout.num_state_inputs)),
+                                 graph_pass=self._schedule() if per_unit else None)
 
     def _state_placements(self) -> list:
         """The placement of each flat, then of each optimizer state flat (bucket-major)."""
@@ -99,102 +105,90 @@ class DataParallelRunner(HoldsTrainer):
         """Each shard's rank on the mesh (the step reads it: the first shard's buffers, dropout keys)."""
         import torch
 
-        t = self.trainer
-        self._rank = t._context.put(torch.arange(self.num_shards, dtype=torch.int64), t.mesh,
-                                    {self.plan.axis: Shard(0)})
+        b = self.basis
+        self._rank = b.context.put(torch.arange(self.num_shards, dtype=torch.int64), b.mesh,
+                                   {self.plan.axis: Shard(0)})
 
     def put_state(self, tensors: dict) -> None:
         """The named state as flat buckets under the plan's placement (padded to split evenly when sharded)."""
-        layout, t = self.layout, self.trainer
-        padded = [b.padded_numel(self.num_shards) if self.plan.sharded_state else b.numel for b in layout.buckets]
+        layout, b = self.layout, self.basis
+        padded = [bucket.padded_numel(self.num_shards) if self.plan.sharded_state else bucket.numel
+                  for bucket in layout.buckets]
         items = layout.state_items(tensors, layout.placer(padded, self.plan.state_placement()))
-        self._flats, self._states, self._buffers, self._frozen = layout.split_state(
-            t._context.put_many(items, t.mesh))
+        self.flats, self.states, self.buffers, self.frozen = layout.split_state(b.context.put_many(items, b.mesh))
 
     def named_tensors(self) -> dict:
         return self.layout.named_tensors(self.checkpoint_arrays())
 
     def checkpoint_arrays(self) -> list:
-        return [*self._flats, *self._states, *self._buffers, *self._frozen]
+        return [*self.flats, *self.states, *self.buffers, *self.frozen]
 
     def checkpoint_parts(self) -> list:
         from .sharded_checkpoint import CheckpointPart
 
-        return [CheckpointPart.of_layout(self.layout, self.checkpoint_arrays(), self.trainer.mesh,
+        return [CheckpointPart.of_layout(self.layout, self.checkpoint_arrays(), self.basis.mesh,
                                          self.plan.sharded_state)]
 
     def placed_arrays(self) -> list:
         return [*self.checkpoint_arrays(), self._rank]
 
-    def defer_save(self, directory: str, update_latest: bool):
-        return None       # the state is on the executors from the start
-
     # ------------------------------------------------------------ stepping
 
-    def dispatch(self, form, tensors: list, scalars, modes: tuple):
-        t = self.trainer
-        ctx, mesh = t._context, t.mesh
+    def dispatch(self, form, tensors: list, scalars, modes: tuple, *, spec, step: int, placed):
+        b = self.basis
         # The step's fresh inputs travel in one message per executor.
-        fresh = ctx.put_many([(scalars, Replicate()), *[(x, self._batch_placement()) for x in tensors]], mesh)
-        arrays = [*self._flats, *self._states, *self._buffers, *self._frozen, fresh[0], *self._rank_arrays(),
+        fresh = b.context.put_many([(scalars, Replicate()), *[(x, self._batch_placement()) for x in tensors]],
+                                   b.mesh)
+        arrays = [*self.flats, *self.states, *self.buffers, *self.frozen, fresh[0], *self._rank_arrays(),
                   *fresh[1:]]
         try:
             # Train/eval modes are read while tracing (dropout, batch statistics): a change re-captures.
-            outputs = self._function(*arrays, static_key=(t._spec.static_key(), modes, form.key))
+            outputs = self.function(*arrays, static_key=(spec.static_key(), modes, form.key))
         except CaptureError as exc:
-            raise t._located(exc) from exc.__cause__
+            raise located(exc, b.model) from exc.__cause__
         self._take_outputs(outputs)
         return outputs[0]
 
     def _take_outputs(self, outputs) -> None:
         num_buckets, num_states = len(self.layout.buckets), len(self.layout.state_names)
-        self._flats = list(outputs[1:1 + num_buckets])
-        self._states = list(outputs[1 + num_buckets:1 + num_buckets * (1 + num_states)])
-        self._buffers = list(outputs[1 + num_buckets * (1 + num_states):])
+        self.flats = list(outputs[1:1 + num_buckets])
+        self.states = list(outputs[1 + num_buckets:1 + num_buckets * (1 + num_states)])
+        self.buffers = list(outputs[1 + num_buckets * (1 + num_states):])
 
     # ------------------------------------------------------------ evaluation
 
-    def evaluate(self, batch):
-        form, tensors = self.trainer._batch_tensors(batch)
+    def evaluate(self, form, tensors: list, *, placed):
         (loss,) = self._forward("loss", form, tensors)
         return loss
 
-    def predict(self, batch):
+    def predict(self, form, tensors: list):
         from torch.utils._pytree import tree_unflatten
 
-        form, tensors = self.trainer._batch_tensors(batch)
         arrays = iter(self._forward("predict", form, tensors))
         spec, statics, is_tensor = self._output_specs[form.key]
         return tree_unflatten([next(arrays) if tensor else static for static, tensor in zip(statics, is_tensor)],
                               spec)
 
     def _forward(self, kind: str, form, tensors: list) -> list:
-        t = self.trainer
-        function = self._forwards.get(kind)
+        b = self.basis
+        function = self.forwards.get(kind)
         if function is None:
             out = Replicate() if kind == "loss" else self._batch_placement()
-            forward = make_forward(t.model, t.loss_fn, self.layout, self.plan, self.num_shards, kind,
-                                   t._batch_forms, self._output_specs, tensor=self._tensor_step())
+            forward = make_forward(b.model, b.loss_fn, self.layout, self.plan, self.num_shards, kind,
+                                   b.batch_forms, self._output_specs, tensor=self._tensor_step())
             # Per unit, a forward gathers each unit's parameters just before it reads them.
-            function = self._forwards[kind] = Function(forward, out=out, name=forward.__name__, mesh=t.mesh,
-                                                       graph_pass=self._schedule() if self._per_unit() else None)
-        # A lost shard of the state: recover (if on), then run it on the restored state.
-        return t._after_recovery(lambda: self._run_forward(function, form, tensors, kind))
-
-    def _run_forward(self, function, form, tensors: list, kind: str) -> list:
-        t = self.trainer
-        ctx = t._context
-        with ctx._batched_release():
-            fresh = ctx.put_many([(x, self._batch_placement()) for x in tensors], t.mesh)
-            arrays = [*self._flats, *self._buffers, *self._frozen, *self._rank_arrays(), *fresh]
+            function = self.forwards[kind] = Function(forward, out=out, name=forward.__name__, mesh=b.mesh,
+                                                      graph_pass=self._schedule() if self._per_unit() else None)
+        with b.context.batched_release():
+            fresh = b.context.put_many([(x, self._batch_placement()) for x in tensors], b.mesh)
+            arrays = [*self.flats, *self.buffers, *self.frozen, *self._rank_arrays(), *fresh]
             try:
                 outputs = function(*arrays, static_key=form.key)
             except CaptureError as exc:
-                raise t._located(exc, "evaluate" if kind == "loss" else "predict") from exc.__cause__
+                raise located(exc, b.model, "evaluate" if kind == "loss" else "predict") from exc.__cause__
             del arrays, fresh     # inside the batched release: the inputs are freed together
         return list(outputs) if isinstance(outputs, tuple) else [outputs]
 
-    def describe(self) -> str:
-        t = self.trainer
-        return (f"<Trainer {type(t.model).__name__} {type(self.plan).__name__}({self.plan.axis!r}) on "
-                f"{self.num_shards} shards, {len(self.layout.buckets)} buckets, step {t.step_count}>")
+    def describe(self, step_count: int) -> str:
+        return (f"<Trainer {type(self.basis.model).__name__} {type(self.plan).__name__}({self.plan.axis!r}) on "
+                f"{self.num_shards} shards, {len(self.layout.buckets)} buckets, step {step_count}>")

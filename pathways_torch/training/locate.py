@@ -6,10 +6,19 @@ import linecache
 import os
 import traceback
 
+from ..errors import CaptureError
 from ..user_code import library_dirs
 
-__all__ = ["user_frame_summary"]
+__all__ = ["user_frame_summary", "located"]
 
+
+def located(exc: CaptureError, model, what: str = "the training step") -> CaptureError:
+    """``exc`` (a capture of ``what`` that failed) as an error naming ``model``'s module and line where tracing
+    stopped; ``exc`` itself when no frame of the user's code is on its traceback."""
+    where = user_frame_summary(exc, model)
+    if where is None:
+        return exc
+    return CaptureError(f"{type(model).__name__}: {what} cannot be captured at {where}\n{exc}")
 
 
 def user_frame_summary(exc: BaseException, model) -> str | None:

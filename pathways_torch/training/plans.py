@@ -60,17 +60,17 @@ class DataParallel:
             return int(self.local_bucket_mb * 2**20)
         return None if backend.startswith("xla") else int(LOCAL_BUCKET_MB * 2**20)
 
-    def make_runner(self, trainer):
-        """The `runner.StepRunner` that runs ``trainer``'s steps under this plan: one mesh, or across islands
-        when the axis is ``("island", <data axis>)``."""
+    def make_runner(self, basis):
+        """The `runner.StepRunner` that runs a trainer's steps under this plan, built from ``basis`` (a
+        `runner.RunnerBasis`): one mesh, or across islands when the axis is ``("island", <data axis>)``."""
         # Imported here: the runners import the plans (no circle at import time), and a plan stays light.
         if isinstance(self.axis, (tuple, list)):
             from .cross_island import CrossIslandRunner
 
-            return CrossIslandRunner(trainer, self)
+            return CrossIslandRunner(basis, self)
         from .data_parallel import DataParallelRunner
 
-        return DataParallelRunner(trainer, self)
+        return DataParallelRunner(basis, self)
 
     def check(self, mesh) -> int:
         """The number of data shards; refuses a mesh without the axis."""

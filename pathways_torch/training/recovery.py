@@ -33,7 +33,6 @@ import weakref
 
 from ..errors import COLLECTIVE_ABANDONED, TRANSFER_LOST, ExecutorLostError, PathwaysError, RemoteError
 from .checkpoint_folders import DEFAULT_KEEP, check_keep, pin, unpin
-from .optimizers import read_optimizer
 
 __all__ = ["StepLoss", "KeptStep", "RecoveryLog", "RecoveryFailed", "MAX_ATTEMPTS", "is_recoverable",
            "TRANSFER_LOST", "COLLECTIVE_ABANDONED", "describe_cause", "TrainerRecovery"]
@@ -262,27 +261,12 @@ class TrainerRecovery:
             latest = os.path.join(self.checkpoint_dir, "latest")
             self.save_sharded(self.checkpoint_dir, update_latest=not os.path.exists(latest))
 
-    def _recoverable_step(self, form, tensors: list) -> StepLoss:
-        """A step whose loss follows it through recoveries: kept until a checkpoint after it is written."""
+    def _recover_from_failed_step(self) -> None:
+        """Before a new step: recover from a kept step that already failed with a recoverable error (its loss not
+        waited for yet), so the new step starts from a whole state."""
         error = self._recovery.failed()
         if error is not None:
             self.recover_from(error)
-        self._wait_for_room()
-        spec, modes = read_optimizer(self.optimizer), self._modes()
-        loss = StepLoss(self, None, self.step_count + 1)
-        kept = KeptStep(number=loss.number, form=form, tensors=tuple(tensors), spec=spec, modes=modes, loss=loss)
-        for attempt in range(MAX_ATTEMPTS + 1):
-            try:
-                with self._context._batched_release():
-                    loss.array = self._dispatch_step(form, tensors, spec=spec, modes=modes)
-                break
-            except (ExecutorLostError, RemoteError) as exc:   # the state was lost: recover, then dispatch it
-                if attempt == MAX_ATTEMPTS or not is_recoverable(exc) or not self.recover_from(exc):
-                    raise
-        self._recovery.keep(kept)
-        self._unfinished_steps.append(loss.array.completion)
-        self._maybe_save()
-        return loss
 
     def _after_recovery(self, run):
         """``run()``; if the state lost a shard meanwhile, recover (if on) and run it again on the restored
@@ -332,13 +316,13 @@ class TrainerRecovery:
                                 f"written when the trainer is made, in the background; it failed or is not done)")
         tensors, meta = read_sharded(self._recovery.saved_path)
         restored = int(meta["step"])
-        self._runner.restore(tensors)
+        self.runner.restore(tensors)
         self.step_count, self.samples_seen = restored, int(meta["samples_seen"])
         rerun = self._recovery.since(restored)
         recomputed = sum(1 for kept in rerun if kept.loss.array is not None and kept.loss.array.done()
                          and kept.loss.array.failure is None)
         for kept in rerun:
-            with self._context._batched_release():
+            with self._context.batched_release():
                 kept.loss.array = self._dispatch_step(kept.form, list(kept.tensors), spec=kept.spec,
                                                       modes=kept.modes)
             self._unfinished_steps.append(kept.loss.array.completion)
@@ -358,7 +342,7 @@ class TrainerRecovery:
     def _state_broken(self, error: BaseException) -> bool:
         """Whether the state on the mesh is lost (a shard's holder was lost) or failed (a lost transfer made a step
         fail on one island: every later state there fails too, so the newest shows it once its steps end)."""
-        placed = self._runner.placed_arrays()
+        placed = self.runner.placed_arrays()
         if any(a.lost_holders for a in placed):
             return True
         if not isinstance(error, RemoteError):

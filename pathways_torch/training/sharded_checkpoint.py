@@ -58,10 +58,11 @@ def is_sharded(path: str) -> bool:
                                     os.path.exists(os.path.join(path, INDEX)))
 
 
-def save_sharded(context, trainer, directory: str, meta: dict, timeout_s: float = 3600.0, *,
+def save_sharded(context, runner, directory: str, meta: dict, timeout_s: float = 3600.0, *,
                  update_latest: bool = True, keep: int = 0, on_written=None) -> concurrent.futures.Future:
-    """Start writing ``trainer``'s current state under ``directory``; the future resolves to the bytes the
-    executors wrote once ``latest`` names this step (``update_latest=False``: ``latest`` is left as it is).
+    """Start writing the current state of ``runner`` (a trainer's `runner.StepRunner`: its ``checkpoint_arrays``
+    and ``checkpoint_parts``) under ``directory``, as of step ``meta["step"]``; the future resolves to the bytes
+    the executors wrote once ``latest`` names this step (``update_latest=False``: ``latest`` is left as it is).
 
     The step folder is a fresh one (`checkpoint_folders.claim`; the future's ``step_dir``); once it is
     complete, ``on_written(step_dir)`` runs, then all but the ``keep`` newest checkpoints are removed
@@ -71,17 +72,18 @@ def save_sharded(context, trainer, directory: str, meta: dict, timeout_s: float 
     from .checkpoint_folders import claim, remove_old, unpin
 
     directory = os.path.abspath(directory)
-    step_dir = claim(directory, trainer.step_count)      # pinned until no executor writes into it
+    step_dir = claim(directory, meta["step"])      # pinned until no executor writes into it
     try:
-        requests, index = _plan(trainer, step_dir)
+        requests, index = _plan(runner.checkpoint_parts(), step_dir)
     except BaseException:
         unpin(step_dir)           # empty: the next save's clean-up removes it
         raise
     index["meta"] = meta
     rng = torch.get_rng_state()
-    snapshot = list(trainer._checkpoint_arrays())   # held until the shards are written: the step's own state
+    snapshot = list(runner.checkpoint_arrays())   # held until the shards are written: the step's own state
+    dispatcher = snapshot[0].dispatcher if snapshot else None   # no state: no shard to write
     for array in snapshot:
-        array._holds += 1     # the next step must not free them (donate_argnums) while they are written
+        array.hold()     # the next step must not free them (donate_argnums) while they are written
     result: concurrent.futures.Future = concurrent.futures.Future()
     result.step_dir = step_dir
     futures: list = []
@@ -95,8 +97,8 @@ def save_sharded(context, trainer, directory: str, meta: dict, timeout_s: float 
                 error = array.exception(timeout_s=timeout_s)
                 if error is not None:
                     raise error
-            futures.extend(context._data.save(executor_id, [ref for ref, _ in items], [name for _, name in items],
-                                              os.path.join(step_dir, f"{executor_id}.safetensors"))
+            futures.extend(dispatcher.save_shards(executor_id, [ref for ref, _ in items], [name for _, name in items],
+                                                  os.path.join(step_dir, f"{executor_id}.safetensors"))
                            for executor_id, items in requests.items())
             written = sum(f.result(timeout_s) for f in futures)
             _write_client_file(os.path.join(step_dir, CLIENT_FILE), rng)
@@ -113,7 +115,7 @@ def save_sharded(context, trainer, directory: str, meta: dict, timeout_s: float 
             result.set_exception(exc)
         finally:
             for array in snapshot:
-                array._holds -= 1
+                array.release_hold()
             snapshot.clear()
             # Unpinned once no executor writes into the folder: a failed save's others may still be writing. Waited
             # for here, on this background thread, not in the futures' callbacks on the data client's I/O thread.
@@ -126,7 +128,7 @@ def save_sharded(context, trainer, directory: str, meta: dict, timeout_s: float 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class CheckpointPart:
-    """A piece of a trainer's state with one layout and one set of holders (`Trainer._checkpoint_parts`): the whole
+    """A piece of a trainer's state with one layout and one set of holders (`StepRunner.checkpoint_parts`): the whole
     state under a data-parallel plan, one chunk's under a pipeline (each stage's executors write their chunks)."""
 
     buckets: tuple            # `buckets.Bucket` s: how each flat rebuilds its named parameters
@@ -152,11 +154,12 @@ class CheckpointPart:
                    holders=tuple(mesh.executor_ids), sharded=sharded)
 
 
-def _plan(trainer, step_dir: str) -> tuple[dict, dict]:
-    """Which executor writes which shard under which name, and the index that rebuilds the named tensors.
+def _plan(parts: list, step_dir: str) -> tuple[dict, dict]:
+    """Which executor writes which shard of the state's ``parts`` (`CheckpointPart` s) under which name, and the
+    index that rebuilds the named tensors.
 
     A replicated array is written once, by one of its holders, taken in turn (the executors write in
-    parallel); a sharded one by every holder, its own slice. Buckets are numbered across the trainer's parts
+    parallel); a sharded one by every holder, its own slice. Buckets are numbered across the parts
     (one executor may hold several pipeline chunks); a name two parts hold (a tied parameter, a buffer two
     chunks read) is rebuilt from the first part that holds it, as `Trainer.state_dict` does."""
     from ..wire import pb
@@ -177,7 +180,7 @@ def _plan(trainer, step_dir: str) -> tuple[dict, dict]:
         return pieces
 
     buckets, whole, named = [], {}, set()
-    for part in trainer._checkpoint_parts():
+    for part in parts:
         states = iter(part.states)
         for bucket, flat in zip(part.buckets, part.flats):
             bucket_states = [next(states) for _ in part.state_names]

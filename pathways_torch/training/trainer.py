@@ -15,13 +15,13 @@ import collections
 import time
 from typing import Callable
 
-from ..errors import CaptureError, PlacementError
+from ..errors import CaptureError, ExecutorLostError, PlacementError, RemoteError
 from .batches import split_batch
 from .checkpoint_folders import DEFAULT_KEEP, check_keep
-from .locate import user_frame_summary
 from .optimizers import read_optimizer
 from .plans import DataParallel
-from .recovery import TrainerRecovery
+from .recovery import MAX_ATTEMPTS, KeptStep, StepLoss, TrainerRecovery, is_recoverable
+from .runner import RunnerBasis
 from .trainer_checkpoints import TrainerCheckpoints
 
 __all__ = ["Trainer"]
@@ -30,12 +30,11 @@ __all__ = ["Trainer"]
 class Trainer(TrainerRecovery, TrainerCheckpoints):
     """Train ``model`` with ``optimizer`` under ``plan`` on ``mesh``; see `Context.wrap`.
 
-    Beside the methods below, a plan's own views read as the trainer's: under ``pw.Pipeline``
-    ``trainer.schedule``, ``trainer.stages`` and ``trainer.timeline(path)``; across islands
-    ``trainer.bucket_cut`` and ``trainer.timeline(path)`` (the runner's ``exposed`` names).
+    A plan's own views are its runner's (``trainer.runner``, a `runner.StepRunner`): under ``pw.Pipeline``
+    ``trainer.runner.schedule``, ``trainer.runner.stages`` and ``trainer.runner.timeline(path)``; across islands
+    ``trainer.runner.bucket_cut`` and ``trainer.runner.timeline(path)``; under ``pw.TensorParallel``
+    ``trainer.runner.placements``.
     """
-
-    _runner = None
 
     def __init__(self, context, model, *, optimizer, loss_fn: Callable | None, mesh, plan=None,
                  max_grad_norm: float | None = None, seed: int = 0, checkpoint_dir: str | None = None,
@@ -55,25 +54,21 @@ class Trainer(TrainerRecovery, TrainerCheckpoints):
         self._context, self.model, self.optimizer, self.loss_fn = context, model, optimizer, loss_fn
         self.mesh, self.plan = mesh, plan
         self.max_grad_norm, self.seed = max_grad_norm, int(seed)
-        self._runner = plan.make_runner(self)      # checks the plan against the mesh
-        self.num_shards = self._runner.num_shards
-        self._spec = read_optimizer(optimizer)
         self._batch_forms: dict = {}     # form key → BatchForm: how the step rebuilds each kind of batch
+        self._unfinished_steps: collections.deque = collections.deque()   # the losses' completions, oldest first
+        # The plan's runner (checks the plan against the mesh): how a step runs and where the state lives.
+        self.runner = plan.make_runner(RunnerBasis(
+            context=context, model=model, optimizer=optimizer, loss_fn=loss_fn, mesh=mesh, seed=self.seed,
+            max_grad_norm=max_grad_norm, batch_forms=self._batch_forms, unfinished_steps=self._unfinished_steps))
+        self.num_shards = self.runner.num_shards
+        self._spec = read_optimizer(optimizer)
         self.samples_seen = 0            # batch rows dispatched: the data position a checkpoint records
         # Steps dispatched (the step number of the last one); an optimizer that already stepped counts.
         self.step_count = self._optimizer_step_count()
-        self._unfinished_steps: collections.deque = collections.deque()   # the losses' completions, oldest first
-        self.layout = self._runner.build()
-        self._runner.restore(self._initial_tensors())
+        self.layout = self.runner.build(self._spec)
+        self.runner.restore(self._initial_tensors())
         self._set_up_recovery(checkpoint_dir, checkpoint_every, recover, replacement_timeout_s,
                               checkpoint_keep=checkpoint_keep)
-
-    def __getattr__(self, name: str):
-        # Only names the normal lookup missed: a plan's own views (`exposed` by its runner).
-        runner = self.__dict__.get("_runner")
-        if runner is not None and name in runner.exposed:
-            return getattr(runner, name)
-        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     def _optimizer_step_count(self) -> int:
         """The step count of an optimizer that has already stepped (0 for a fresh one)."""
@@ -93,16 +88,32 @@ class Trainer(TrainerRecovery, TrainerCheckpoints):
         (``model(**batch)``, then ``loss_fn(output, batch)`` or the model's own ``.loss``); see
         `pathways_torch.training.batches`. Every tensor is split on dim 0 over the plan's axis;
         other values are static (a new value captures a new step).
+
+        With recovery on (``checkpoint_every``), the loss is a `recovery.StepLoss` that follows the step when a
+        lost executor makes it run again, and the step is kept until a checkpoint after it is written.
         """
         form, tensors = self._batch_tensors(batch)
-        if not self.recover:
-            self._wait_for_room()
-            with self._context._batched_release():
-                loss = self._dispatch_step(form, tensors)
-            self._unfinished_steps.append(loss.completion)
-            self._maybe_save()
-            return loss
-        return self._recoverable_step(form, tensors)
+        if self.recover:
+            self._recover_from_failed_step()
+        self._wait_for_room()
+        spec, modes = read_optimizer(self.optimizer), self._modes()
+        number = self.step_count + 1
+        for attempt in range(MAX_ATTEMPTS + 1):
+            try:
+                with self._context.batched_release():
+                    array = self._dispatch_step(form, tensors, spec=spec, modes=modes)
+                break
+            except (ExecutorLostError, RemoteError) as exc:   # the state was lost: recover (if on), dispatch it again
+                if attempt == MAX_ATTEMPTS or not is_recoverable(exc) or not self.recover_from(exc):
+                    raise
+        loss = array
+        if self.recover:
+            loss = StepLoss(self, array, number)
+            self._recovery.keep(KeptStep(number=number, form=form, tensors=tuple(tensors), spec=spec, modes=modes,
+                                         loss=loss))
+        self._unfinished_steps.append(array.completion)
+        self._maybe_save()
+        return loss
 
     def _maybe_save(self) -> None:
         if self.checkpoint_every and self.step_count % self.checkpoint_every == 0:
@@ -121,22 +132,21 @@ class Trainer(TrainerRecovery, TrainerCheckpoints):
         # pending frees here: they ride on the next step's messages, sent right after.
         while len(steps) > limit - max(1, limit // 2):
             steps.popleft().wait()       # settles on success, failure, a lost executor or a closed context
-        self._context._note_runahead_wait(start, limit, f"training step {self.step_count + 1}")
+        self._context.note_runahead_wait(start, limit, f"training step {self.step_count + 1}")
 
     def _modes(self) -> tuple:
         """Every module's ``.training``: read while tracing (dropout, batch statistics), so a change re-captures."""
         return tuple(m.training for m in self.model.modules())
 
-    def _dispatch_step(self, form, tensors: list, *, spec=None, modes=None):
+    def _dispatch_step(self, form, tensors: list, *, spec, modes):
         import torch
 
         # Hyper-parameters may change between steps (a step run again after a recovery passes its own).
-        spec = spec if spec is not None else read_optimizer(self.optimizer)
-        modes = modes if modes is not None else self._modes()
         # What schedulers change (lr, momentum, betas, weight decay) rides in as values: no recompile.
         scalars = torch.tensor([self.step_count + 1, *spec.dynamic_values()], dtype=torch.float64)
         self._spec = spec
-        loss = self._runner.dispatch(form, tensors, scalars, modes)
+        loss = self.runner.dispatch(form, tensors, scalars, modes, spec=spec, step=self.step_count + 1,
+                                    placed=self._write_deferred_save)
         # The optimizer did step (on the executors): say so where lr_scheduler looks, or each scheduler warns
         # that it was stepped before its optimizer (and torch code reads this flag, not a method).
         self.optimizer._opt_called = True
@@ -148,7 +158,7 @@ class Trainer(TrainerRecovery, TrainerCheckpoints):
         """The batch's form (kept for the step to rebuild it) and its tensor leaves, each checked to split."""
         form, tensors = split_batch(batch)
         self._batch_forms.setdefault(form.key, form)
-        pieces, what = self._runner.batch_pieces()
+        pieces, what = self.runner.batch_pieces()
         for index, t in enumerate(tensors):
             if t.dim() == 0 or t.shape[0] % pieces:
                 size = t.shape[0] if t.dim() else "a 0-d tensor"
@@ -161,19 +171,16 @@ class Trainer(TrainerRecovery, TrainerCheckpoints):
 
     def evaluate(self, batch):
         """The loss on ``batch`` (a replicated 0-d `pw.Array`, at once): forward and loss only, in eval mode,
-        on the parameters where they live. Captured once per batch shape and form."""
-        return self._runner.evaluate(batch)
+        on the parameters where they live. Captured once per batch shape and form. After a loss of the state,
+        on the restored state (recovery on)."""
+        form, tensors = self._batch_tensors(batch)
+        return self._after_recovery(lambda: self.runner.evaluate(form, tensors, placed=self._write_deferred_save))
 
     def predict(self, batch):
         """The model's output on ``batch`` (in eval mode, no gradient), its tensors as `pw.Array` s sharded on
         dim 0 over the data axis, in the output's own structure (a tensor, a tuple, a ``transformers`` output)."""
-        return self._runner.predict(batch)
-
-    def _located(self, exc: CaptureError, what: str = "the training step") -> CaptureError:
-        where = user_frame_summary(exc, self.model)
-        if where is None:
-            return exc
-        return CaptureError(f"{type(self.model).__name__}: {what} cannot be captured at {where}\n{exc}")
+        form, tensors = self._batch_tensors(batch)
+        return self._after_recovery(lambda: self.runner.predict(form, tensors))
 
     def __repr__(self) -> str:
-        return self._runner.describe()
+        return self.runner.describe(self.step_count)

@@ -4,6 +4,10 @@
 ``checkpoint_every``) has the executors write their shards (`sharded_checkpoint`); ``trainer.load`` reads
 either, under any plan and mesh size. A mixin of `Trainer`: where the state lives and how it is laid out is
 the plan's runner's (``runner.named_tensors``, ``checkpoint_arrays``, ``checkpoint_parts``, ``put_state``).
+
+A sharded save asked while the state is not on the executors (under a pipeline the model is split when the
+first batch shows its shapes: the step-0 checkpoint made with the trainer, or the one after `load`) is written
+once it is there: at the next step's dispatch (or evaluation), of the state that step starts from.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ class TrainerCheckpoints:
     checkpoint_keep = DEFAULT_KEEP
     checkpoints_written = 0
     _checkpoint = None
+    _deferred_save: tuple | None = None   # (directory, update_latest, future): a save asked before the state was placed
 
     def save_sharded(self, directory: str, *, update_latest: bool = True) -> "concurrent.futures.Future":
         """Write a checkpoint **from the executors**, in the background (`sharded_checkpoint`): each writes the
@@ -37,10 +42,31 @@ class TrainerCheckpoints:
         of a `pathways-controller`: ``directory`` is under its folder of the checkpoint root
         (`Context.checkpoint_path`)."""
         directory = self._context.checkpoint_path(directory)
-        deferred = self._runner.defer_save(directory, update_latest)
-        if deferred is not None:
-            return deferred
+        if not self.runner.state_on_executors:
+            return self._defer_save(directory, update_latest)
         return self._start_sharded_save(directory, update_latest=update_latest)
+
+    def _defer_save(self, directory: str, update_latest: bool) -> "concurrent.futures.Future":
+        """The future of a save written once the state is on the executors (`_write_deferred_save`); it resolves
+        then, and its ``step_dir`` is set then too. A later ask replaces an earlier one: there is one state."""
+        future = self._deferred_save[2] if self._deferred_save is not None else concurrent.futures.Future()
+        self._deferred_save = (directory, update_latest, future)
+        return future
+
+    def _write_deferred_save(self) -> None:
+        """Start a save asked before the state was on the executors (the runner calls this once it is there,
+        before the step that starts from it runs)."""
+        if self._deferred_save is None:
+            return
+        directory, update_latest, future = self._deferred_save
+        self._deferred_save = None
+        try:
+            started = self._start_sharded_save(directory, update_latest=update_latest)
+        except BaseException as exc:
+            future.set_exception(exc)
+            raise
+        future.step_dir = started.step_dir     # the folder it writes, as on every save's future
+        started.add_done_callback(lambda done: _settle(future, done))
 
     def _start_sharded_save(self, directory: str, *, update_latest: bool) -> "concurrent.futures.Future":
         """`save_sharded` of the state on the executors now."""
@@ -51,7 +77,7 @@ class TrainerCheckpoints:
             if error is not None and not (self.recover and is_recoverable(error)):
                 raise error                          # ... but one lost with an executor or a link is recovery's
         step = self.step_count
-        self._checkpoint = save_sharded(self._context, self, directory, self._checkpoint_meta(),
+        self._checkpoint = save_sharded(self._context, self.runner, directory, self._checkpoint_meta(),
                                         update_latest=update_latest, keep=self.checkpoint_keep,
                                         on_written=lambda step_dir: self._count_checkpoint(step, step_dir))
         return self._checkpoint
@@ -64,15 +90,6 @@ class TrainerCheckpoints:
         # (held on an executor, a loss the loop never read went with it, and nothing could run its step again).
         if self._recovery is not None and self._recovery.losses_on_client(step):
             self._recovery.note_saved(step, step_dir)
-
-    def _checkpoint_arrays(self) -> list:
-        """Every array of the training state (what a sharded save holds until it is written)."""
-        return self._runner.checkpoint_arrays()
-
-    def _checkpoint_parts(self) -> list:
-        """The state as `sharded_checkpoint.CheckpointPart` s, each one layout on one set of holders (what the
-        executors write)."""
-        return self._runner.checkpoint_parts()
 
     # ------------------------------------------------------------ state
 
@@ -92,7 +109,7 @@ class TrainerCheckpoints:
         return {"model": model, "optimizer": optimizer, "step": self.step_count}
 
     def _named_tensors(self) -> dict:
-        return self._runner.named_tensors()
+        return self.runner.named_tensors()
 
     def _initial_tensors(self) -> dict:
         """Named host tensors of the whole training state, from the user's model and optimizer."""
@@ -142,10 +159,10 @@ class TrainerCheckpoints:
         if self._checkpoint is not None:   # a save of the state being replaced: let it end first
             self._checkpoint.exception()
             self._checkpoint = None
-        self._runner.put_state(tensors)
+        self.runner.put_state(tensors)
         self.step_count, self.samples_seen = int(meta["step"]), int(meta["samples_seen"])
         self.seed = int(meta["seed"])
-        self._runner.recapture()     # the dropout seed may differ
+        self.runner.recapture(self._spec, self.seed)     # the dropout seed may differ
         if "rng/torch" in tensors:
             import torch
 
@@ -155,3 +172,11 @@ class TrainerCheckpoints:
             self._recovery.forget_saved()
             self.save_sharded(self.checkpoint_dir)     # a fresh folder: never the one just read
         return meta
+
+
+def _settle(future: concurrent.futures.Future, done: concurrent.futures.Future) -> None:
+    error = done.exception()
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(done.result())

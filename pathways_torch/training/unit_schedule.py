@@ -50,21 +50,26 @@ def forward_end() -> None:
     torch.ops.pathways.forward_end()
 
 
-_aten = torch.ops.aten
+# Ops by the names printed graphs and the wire give them (`_op_name`: "aten.view.default").
 # Ops that only re-present a gathered buffer (views, casts, splits): recomputed with it rather than kept.
-_DERIVED = {
-    _aten.slice.Tensor, _aten.view.default, _aten._unsafe_view.default, _aten.t.default, _aten.transpose.int,
-    _aten.permute.default, _aten.expand.default, _aten.alias.default, _aten.detach.default, _aten.select.int,
-    _aten.unsqueeze.default, _aten.squeeze.dim, _aten.squeeze.default, _aten.reshape.default,
-    _aten.as_strided.default, _aten._to_copy.default, _aten.clone.default, _aten.split.Tensor,
-    _aten.split_with_sizes.default, _aten.unbind.int, _aten.narrow.default, operator.getitem,
-}
+_DERIVED = frozenset({
+    "aten.slice.Tensor", "aten.view.default", "aten._unsafe_view.default", "aten.t.default", "aten.transpose.int",
+    "aten.permute.default", "aten.expand.default", "aten.alias.default", "aten.detach.default", "aten.select.int",
+    "aten.unsqueeze.default", "aten.squeeze.dim", "aten.squeeze.default", "aten.reshape.default",
+    "aten.as_strided.default", "aten._to_copy.default", "aten.clone.default", "aten.split.Tensor",
+    "aten.split_with_sizes.default", "aten.unbind.int", "aten.narrow.default", "operator.getitem",
+})
 # Ops that only lay a gradient out for its collective (flatten, pad, concatenate): moved with it.
-_LAYOUT = {
-    _aten.view.default, _aten._unsafe_view.default, _aten.t.default, _aten.transpose.int, _aten.permute.default,
-    _aten.reshape.default, _aten.cat.default, _aten.new_zeros.default, _aten.constant_pad_nd.default,
-    _aten._to_copy.default, _aten.clone.default, _aten.alias.default, _aten.detach.default,
-}
+_LAYOUT = frozenset({
+    "aten.view.default", "aten._unsafe_view.default", "aten.t.default", "aten.transpose.int", "aten.permute.default",
+    "aten.reshape.default", "aten.cat.default", "aten.new_zeros.default", "aten.constant_pad_nd.default",
+    "aten._to_copy.default", "aten.clone.default", "aten.alias.default", "aten.detach.default",
+})
+
+
+def _op_name(target) -> str:
+    """A node's target as `_DERIVED` and `_LAYOUT` name it."""
+    return "operator.getitem" if target is operator.getitem else str(target)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,7 +118,7 @@ def _derived_from(gather) -> list:
     while frontier:
         node = frontier.pop()
         for user in node.users:
-            if user in chain or user.target not in _DERIVED:
+            if user in chain or _op_name(user.target) not in _DERIVED:
                 continue
             if all(i in chain for i in user.all_input_nodes):
                 chain.add(user)
@@ -187,7 +192,7 @@ def _prefetch(graph, gathers: list) -> None:
 
 def _first_reader(gather, order: dict):
     """The first op that reads ``gather``'s values other than through views."""
-    readers = [u for node in _derived_from(gather) for u in node.users if u.target not in _DERIVED]
+    readers = [u for node in _derived_from(gather) for u in node.users if _op_name(u.target) not in _DERIVED]
     return min(readers, key=order.__getitem__) if readers else None
 
 
@@ -199,7 +204,7 @@ def _reduce_early(graph, scatters: list) -> None:
     while changed:
         changed = False
         for node in graph.nodes:
-            if node in moving or node.target not in _LAYOUT or not node.users:
+            if node in moving or _op_name(node.target) not in _LAYOUT or not node.users:
                 continue
             if all(user in moving for user in node.users):
                 moving.add(node)
@@ -244,7 +249,7 @@ def describe(graph_module) -> str:
             continue
         name = names.get(node.target)
         if name is None:
-            if node.target not in _DERIVED:
+            if _op_name(node.target) not in _DERIVED:
                 ops += 1
             continue
         if ops:

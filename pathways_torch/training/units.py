@@ -9,7 +9,7 @@ once and kept through the step (FSDP's root). Each unit's parameters are flat bu
 smaller than ``min_unit_mb`` join the next ones: each gather costs a round trip whatever its size.
 
 A model with no repeated blocks and no ``units=`` falls back to one unit per bucket of at most `LOCAL_BUCKET_MB`,
-with a warning that says so. ``print(trainer.units)`` shows the units.
+with a warning that says so. ``print(trainer.runner.units)`` shows the units.
 """
 
 from __future__ import annotations

@@ -108,7 +108,7 @@ def _target_name(target, node) -> str:
         namespace = target.namespace
         if namespace not in ALLOWED_NAMESPACES:
             raise GraphSchemaError(f"node {node.name}: op namespace {namespace!r} is not one of {ALLOWED_NAMESPACES}")
-        name = f"{namespace}.{target._schema.name.split('::')[1]}.{target._overloadname}"
+        name = str(target)   # "namespace.op.overload" ("aten.add.Tensor", "aten.view.default")
         if not is_allowed(name):
             raise GraphSchemaError(_not_allowed(name, f"node {node.name}"))
         return name

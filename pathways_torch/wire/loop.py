@@ -160,6 +160,11 @@ class SocketLoop:
         """Send a multipart message on the socket named ``key`` (from any thread)."""
         self.call_soon(lambda: self.send_now(key, frames))
 
+    @property
+    def stopping(self) -> bool:
+        """Whether `stop` was asked: threads beside the loop that serve it end too."""
+        return self._stopping
+
     def stop(self, timeout_s: float = 5.0) -> None:
         self._stopping = True
         self.call_soon(lambda: None)

@@ -9,11 +9,17 @@ because both ends build them: the controller (embedded, or `pathways-controller`
 from __future__ import annotations
 
 import dataclasses
-from typing import NamedTuple
+from typing import ClassVar, Sequence
 
 from pathways_torch.errors import PlacementError
 
-__all__ = ["MeshAllocation", "CallSpec", "ProgramSpec", "ExecutorView", "ArraySettled", "ControllerCounters"]
+from . import pathways_pb2 as pb
+
+__all__ = ["MeshAllocation", "CallSpec", "ProgramSpec", "ExecutorView", "ArraySettled", "ControllerCounters",
+           "SeamOp", "OPS", "op_from_wire", "RegisterFunction", "RegisterProgram", "DescribeProgram", "Forget", "Call",
+           "RunProgram", "GrantIds", "NewArray", "Landed", "Release", "ReleaseMany", "FlushFrees", "AllocateMesh",
+           "IslandOf", "Executors", "Executor", "WaitForExecutors", "CheckpointRoot", "ReplaceExecutor", "Gather",
+           "Counters", "RunaheadWaits", "NoteRunaheadWait", "Bye"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,7 +133,8 @@ class ExecutorView:
     seconds_since_heartbeat: float = 0.0
 
 
-class ArraySettled(NamedTuple):
+@dataclasses.dataclass(frozen=True, slots=True)
+class ArraySettled:
     """Event: an array's state changed (computed, failed, or a holder of one of its shards was lost)."""
 
     array_id: int
@@ -154,3 +161,226 @@ class ControllerCounters:
     handled_messages: dict            # "control:done" ..., "heartbeat", "store": reached their handler
     calls_in_flight: int
     arrays: int                       # arrays the controller keeps a record of
+
+
+# ------------------------------------------------------------ the operations a client asks of the controller
+
+_IDS = (list, tuple)
+_NUMBER = (int, float)
+
+
+class SeamOp:
+    """One operation a client asks of the controller: a frozen dataclass, handled once (`ClientOps.handle`, by its
+    type), the same in-process and on the wire. On the wire it travels as ``{"r": id, "op": NAME, "a": [its fields
+    in order]}`` (`seam_codec`); `op_from_wire` builds it back, and its fields' types are checked as it is built
+    (``FIELD_TYPES``: what `isinstance` accepts for each field, in order), since a remote client sends plain data
+    only."""
+
+    NAME: ClassVar[str] = ""
+    FIELD_TYPES: ClassVar[tuple] = ()
+    ANSWERED: ClassVar[bool] = True      # the client waits for its answer (False: sent and not waited for)
+    MAKES_ARRAYS: ClassVar[bool] = False  # its answer is a list of array records the client follows from then on
+    OUTPUT_IDS_AT: ClassVar[int | None] = None   # the field naming its outputs' ids, if the client picks them
+
+    def __post_init__(self):
+        for field, accepted in zip(dataclasses.fields(self), self.FIELD_TYPES):
+            value = getattr(self, field.name)
+            if not isinstance(value, accepted):
+                raise TypeError(f"request {self.NAME!r}: argument {field.name!r} must be "
+                                f"{_type_names(accepted)}, got {type(value).__name__}")
+
+    def wire_args(self) -> list:
+        """Its fields in order: the ``"a"`` of its wire message."""
+        return [getattr(self, field.name) for field in dataclasses.fields(self)]
+
+
+def _type_names(accepted) -> str:
+    kinds = accepted if isinstance(accepted, tuple) else (accepted,)
+    return " or ".join("None" if kind is type(None) else kind.__name__ for kind in kinds)
+
+
+def _op(name: str, *types, answered: bool = True, makes_arrays: bool = False, output_ids_at: int | None = None):
+    """Declare a `SeamOp`: its wire name and its fields' types (the class body names the fields)."""
+    def declare(cls):
+        cls.NAME, cls.FIELD_TYPES, cls.ANSWERED, cls.MAKES_ARRAYS = name, types, answered, makes_arrays
+        cls.OUTPUT_IDS_AT = output_ids_at
+        return dataclasses.dataclass(frozen=True)(cls)
+    return declare
+
+
+@_op("register_function", str, pb.Graph, list, _NUMBER)
+class RegisterFunction(SeamOp):
+    """Register a captured function (a ``pb.Graph`` and its constants); answers its id."""
+    name: str
+    graph: object
+    constants: list
+    sim_seconds: float = 0.0
+
+
+@_op("register_program", ProgramSpec)
+class RegisterProgram(SeamOp):
+    """Lower and register a program; answers its id."""
+    spec: ProgramSpec
+
+
+@_op("describe_program", int)
+class DescribeProgram(SeamOp):
+    """A registered program's lowered form, as text."""
+    program_id: int
+
+
+@_op("forget", _IDS, _IDS, answered=False)
+class Forget(SeamOp):
+    """The client will not call these functions, nor run these programs, again: the controller and executors let
+    them go once their calls in flight end."""
+    function_ids: Sequence[int]
+    program_ids: Sequence[int]
+
+
+@_op("call", CallSpec, (*_IDS, type(None)), makes_arrays=True, output_ids_at=1)
+class Call(SeamOp):
+    """Dispatch one call; its outputs' records (``output_ids``: ids this client was granted, in order; None: the
+    controller picks). It may wait at the run-ahead bound."""
+    spec: CallSpec
+    output_ids: Sequence[int] | None = None
+
+
+@_op("run_program", int, _IDS, (*_IDS, type(None)), makes_arrays=True, output_ids_at=2)
+class RunProgram(SeamOp):
+    """Run a registered program on these arrays; its outputs' records (``output_ids`` as for `Call`)."""
+    program_id: int
+    input_ids: Sequence[int]
+    output_ids: Sequence[int] | None = None
+
+
+@_op("grant_ids", int)
+class GrantIds(SeamOp):
+    """Reserve ``count`` array ids for the client to name its calls' outputs with; answers ``(first, count)``."""
+    count: int
+
+
+@_op("new_array", _IDS, int, int, makes_arrays=True)
+class NewArray(SeamOp):
+    """An array whose ``landing`` shards the client puts itself, straight to the executors (``shard_bytes`` each,
+    for the controller's memory budget: it may wait for room, or raise `OutOfMemoryError`)."""
+    executor_ids: Sequence[str]
+    landing: int
+    shard_bytes: int = 0
+
+
+@_op("landed", int, (BaseException, type(None)), answered=False)
+class Landed(SeamOp):
+    """One put shard arrived (or never will: ``error``)."""
+    array_id: int
+    error: BaseException | None = None
+
+
+@_op("release", int, answered=False)
+class Release(SeamOp):
+    """The client dropped the array: free its shards (the Free rides on the next message)."""
+    array_id: int
+
+
+@_op("release_many", _IDS, answered=False)
+class ReleaseMany(SeamOp):
+    """`Release` several, with one Free per executor."""
+    array_ids: Sequence[int]
+
+
+@_op("flush_frees", answered=False)
+class FlushFrees(SeamOp):
+    """Send the frees still waiting for a message to ride on."""
+
+
+@_op("allocate_mesh", dict, (*_IDS, type(None)))
+class AllocateMesh(SeamOp):
+    """A `MeshAllocation` with these named axes (on these executors, or the first free ones)."""
+    axes: dict
+    executor_ids: Sequence[str] | None = None
+
+
+@_op("island_of", str)
+class IslandOf(SeamOp):
+    """The island of a known executor."""
+    executor_id: str
+
+
+@_op("executors")
+class Executors(SeamOp):
+    """Every executor (`ExecutorView` s), in `Context.executor_ids` order."""
+
+
+@_op("executor", str)
+class Executor(SeamOp):
+    """One executor's `ExecutorView`, or None if unknown."""
+    executor_id: str
+
+
+@_op("wait_for_executors", int, _NUMBER)
+class WaitForExecutors(SeamOp):
+    """Wait until ``count`` executors registered; raise `PathwaysError` after ``timeout_s``."""
+    count: int
+    timeout_s: float
+
+
+@_op("checkpoint_root")
+class CheckpointRoot(SeamOp):
+    """A service client's own folder of the checkpoint root, ``DIR/<name>`` (its checkpoints live there alone:
+    `pathways_torch.wire.checkpoint_paths`); None for the embedded client (its paths are its own)."""
+
+
+@_op("replace_executor", str, _NUMBER)
+class ReplaceExecutor(SeamOp):
+    """Have the controller replace a lost executor (it started it; else await the one its operator starts)."""
+    executor_id: str
+    timeout_s: float
+
+
+@_op("gather", str)
+class Gather(SeamOp):
+    """Ask every live executor for ``"stats"`` or ``"trace"``; their reply envelopes, by executor id."""
+    kind: str
+
+
+@_op("counters")
+class Counters(SeamOp):
+    """The controller's own counts (`ControllerCounters`)."""
+
+
+@_op("runahead_waits")
+class RunaheadWaits(SeamOp):
+    """Waits at the run-ahead bound: ``(start ns, end ns, in flight, what)``, the client's and the controller's."""
+
+
+@_op("note_runahead_wait", int, int, int, str, answered=False)
+class NoteRunaheadWait(SeamOp):
+    """Keep a wait of the client's at the run-ahead bound, for the trace."""
+    start_ns: int
+    end_ns: int
+    in_flight: int
+    what: str
+
+
+@_op("bye")
+class Bye(SeamOp):
+    """The client closes its context: the controller frees what it holds (its executors serve the others on)."""
+
+
+OPS: dict[str, type[SeamOp]] = {cls.NAME: cls for cls in (
+    RegisterFunction, RegisterProgram, DescribeProgram, Forget, Call, RunProgram, GrantIds, NewArray, Landed, Release,
+    ReleaseMany, FlushFrees, AllocateMesh, IslandOf, Executors, Executor, WaitForExecutors, CheckpointRoot,
+    ReplaceExecutor, Gather, Counters, RunaheadWaits, NoteRunaheadWait, Bye)}
+
+
+def op_from_wire(name, args: list) -> SeamOp:
+    """The operation a wire message names, built from its arguments (checked: `SeamOp`); TypeError if it names none
+    of `OPS` or its arguments do not fit."""
+    cls = OPS.get(name) if isinstance(name, str) else None
+    if cls is None:
+        raise TypeError(f"request {str(name)[:40]!r}: expected one of the {len(OPS)} operations of "
+                        f"pathways_torch/wire/seam.py (OPS)")
+    fields = dataclasses.fields(cls)
+    if len(args) != len(fields):
+        raise TypeError(f"request {name!r} with {len(args)} argument(s): expected {len(fields)} "
+                        f"({', '.join(field.name for field in fields) or 'none'})")
+    return cls(*args)

@@ -35,8 +35,7 @@ MAX_DEPTH = 64   # deeper trees are refused: nothing the seam sends nests this f
 # would otherwise be 4 million lists (300 MB, seconds of a Python walk). A 4,096-node program is about 60,000.
 MAX_CONTAINERS = 262_144
 _DATACLASSES = {cls.__name__: cls for cls in (MeshAllocation, CallSpec, ProgramSpec, ExecutorView,
-                                                ControllerCounters)}
-_TUPLES = {"ArraySettled": ArraySettled}
+                                                ControllerCounters, ArraySettled)}
 _BUILTIN_ERRORS = {cls.__name__: cls for cls in (ValueError, KeyError, TypeError, TimeoutError, RuntimeError,
                                                  IndexError)}
 _ERRORS = {**_BUILTIN_ERRORS, **{name: getattr(errors, name) for name in errors.__all__
@@ -129,8 +128,6 @@ def _to_tree(value, frames: list, depth: int, names=None):
     if isinstance(value, BaseException):
         return _error_tree(value, frames, depth, names)
     name = type(value).__name__
-    if _TUPLES.get(name) is type(value):
-        return {"$c": name, "f": {k: _to_tree(v, frames, depth + 1, names) for k, v in value._asdict().items()}}
     if isinstance(value, tuple):
         return {"$t": [_to_tree(v, frames, depth + 1, names) for v in value]}
     if isinstance(value, list):
@@ -204,10 +201,10 @@ def _from_tree(tree, frames: list, depth: int, interned=None):
 
 def _build(tree: dict, frames: list, depth: int, interned=None):
     name = str(tree["$c"])
-    cls = _DATACLASSES.get(name) or _TUPLES.get(name)
+    cls = _DATACLASSES.get(name)
     if cls is None:
         raise SeamCodecError(f"a seam message names type {name!r}: expected one of "
-                             f"{sorted(_DATACLASSES) + sorted(_TUPLES)}")
+                             f"{sorted(_DATACLASSES)}")
     fields = tree.get("f")
     if not isinstance(fields, dict):
         raise SeamCodecError(f"a {name} without its fields")

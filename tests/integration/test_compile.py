@@ -110,7 +110,7 @@ def test_xla_writes_into_a_donated_input_and_copies_one_that_is_still_held():
         assert all(s["handed_over"] >= 3 for s in ctx.stats()["executors"].values())
         # Made by XLA (a put's buffer is torch's, which XLA never takes): a buffer XLA would write over.
         held = pw.function(lambda a: a * 1, name="copy")(ctx.put(state_host, mesh, [pw.Shard(0)]))
-        held._holds += 1                              # as a checkpoint being written holds its step's state
+        held.hold()                                   # as a checkpoint being written holds its step's state
         plain = pw.function(lambda s, g: s - 0.5 * g, name="plain", donate_argnums=(0,))   # one stage: XLA
         out = plain(held, grad)                       # would write over `held`; not given up: it gets a copy
         torch.testing.assert_close(out.result(timeout_s=120), state_host - 0.5 * grad_host)

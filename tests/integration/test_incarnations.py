@@ -196,14 +196,14 @@ def test_training_across_islands_recovers_from_a_cut_link_and_a_lost_executor_wi
         losses = [trainer.step(b) for b in batches[:9]]
         losses[-1].result(120)
         taken = 9
-        while ctx.controller.calls_failed_by_lost_transfers == 0 and taken < 21:
+        while ctx.controller.completion.calls_failed_by_lost_transfers == 0 and taken < 21:
             # A cut loses only what is inside the link then (ZeroMQ resends what it had not written yet): cut
             # with steps in flight until one loses a transfer a step needs.
             losses += [trainer.step(b) for b in batches[taken:taken + 2]]
             taken += 2
             time.sleep(0.05)
             ctx.link.cut()
-            wait_until(lambda: ctx.controller.calls_failed_by_lost_transfers > 0, 4.0)
+            wait_until(lambda: ctx.controller.completion.calls_failed_by_lost_transfers > 0, 4.0)
         losses += [trainer.step(b) for b in batches[taken:22]]
         losses[-1].result(120)
         os.kill(ctx.executor_pids[3], signal.SIGKILL)

@@ -124,7 +124,7 @@ def test_a_pipeline_across_islands_equals_eager(ctx):
     state = trainer.state_dict()["model"]
     assert max((state[n] - p.detach()).abs().max().item() for n, p in reference.state_dict().items()) < 1e-9
     resources = ctx.controller.resources
-    assert [resources.island_of(m.executor_ids[0]) for m in trainer._stage_meshes] == ["0", "0", "1", "1"]
+    assert [resources.island_of(m.executor_ids[0]) for m in trainer.runner.stage_meshes] == ["0", "0", "1", "1"]
 
 
 @pytest.fixture(scope="module")
@@ -220,7 +220,7 @@ def test_data_parallel_across_islands_equals_eager(ctx, plan, clip):
     trainer = ctx.wrap(model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-2), loss_fn=nn.MSELoss(),
                        mesh=ctx.mesh({"island": 2, "data": 2}), plan=plan, max_grad_norm=clip)
     losses = [loss.result(120).item() for loss in [trainer.step(b) for b in batches]]
-    assert len(trainer.bucket_cut.segments) == len(trainer.layout.buckets) == (4 if plan.bucket_mb < 1 else 1)
+    assert len(trainer.runner.bucket_cut.segments) == len(trainer.layout.buckets) == (4 if plan.bucket_mb < 1 else 1)
     assert max(abs(a - b) for a, b in zip(losses, expected)) < 1e-9, (losses, expected)
     state = trainer.state_dict()["model"]
     assert max((state[n] - p.detach()).abs().max().item() for n, p in reference.state_dict().items()) < 1e-9
@@ -255,7 +255,7 @@ def test_gradients_cross_the_link_between_islands(shaped):
 
 def _wait_for_every_island(trainer):
     """Every island's update has run: it read what the other islands sent it."""
-    for island_state in trainer._state:
+    for island_state in trainer.runner.island_states:
         for array in island_state:
             array.result(60)
 
@@ -304,12 +304,12 @@ def test_buckets_leave_while_the_backward_of_the_rest_runs(shaped, tmp_path):
     losses = [loss.result(120).item() for loss in [trainer.step(b) for b in batches]]
     _wait_for_every_island(trainer)
     assert max(abs(a - b) for a, b in zip(losses, expected)) < 1e-9
-    assert len(trainer.layout.buckets) >= 5 and len(trainer.bucket_cut.segments) == len(trainer.layout.buckets)
-    assert str(trainer.bucket_cut).startswith("segment 0 (bucket 0): ")
+    assert len(trainer.layout.buckets) >= 5 and len(trainer.runner.bucket_cut.segments) == len(trainer.layout.buckets)
+    assert str(trainer.runner.bucket_cut).startswith("segment 0 (bucket 0): ")
     trace = shaped.trace(str(tmp_path / "trace.json"))["traceEvents"]
     segments = [e for e in trace if e.get("ph") == "X" and e.get("name", "").startswith("island_grads[")]
     sends = [e for e in trace if e.get("cat") == "link" and e.get("ph") == "s"]
-    per_step = len(trainer.bucket_cut.segments)
+    per_step = len(trainer.runner.bucket_cut.segments)
     overlapped = 0
     for pid in {e["pid"] for e in segments}:
         # this trainer's steps: the last ones in the trace of this module's shared context
@@ -333,17 +333,17 @@ def test_timeline_draws_the_step_across_islands(shaped, tmp_path):
                           mesh=shaped.mesh({"island": 2, "data": 1}),
                           plan=pw.DataParallel(("island", "data"), bucket_mb=0.02))
     with pytest.raises(pw.PlacementError, match="no step has run yet"):
-        trainer.timeline(str(tmp_path / "none.png"))
+        trainer.runner.timeline(str(tmp_path / "none.png"))
     trainer.step((torch.randn(16, 64, dtype=torch.float64), torch.randn(16, 3, dtype=torch.float64))).result(60)
-    path = trainer.timeline(str(tmp_path / "step.png"), trace_path=str(tmp_path / "step.json"))
+    path = trainer.runner.timeline(str(tmp_path / "step.png"), trace_path=str(tmp_path / "step.json"))
     with open(path, "rb") as f:
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
     import json
 
     with open(tmp_path / "step.json") as f:
-        spans, flows = step_picture(json.load(f), len(trainer.bucket_cut.segments))
+        spans, flows = step_picture(json.load(f), len(trainer.runner.bucket_cut.segments))
     text = describe(spans, flows).splitlines()
-    segments = " ".join(f"G{k}" for k in range(len(trainer.bucket_cut.segments)))
+    segments = " ".join(f"G{k}" for k in range(len(trainer.runner.bucket_cut.segments)))
     assert [line.split(": ")[1] for line in text[:2]] == [f"{segments} U"] * 2
     assert text[0].startswith("island 0 · ") and text[1].startswith("island 1 · ")
     assert len(flows) >= 2 * len(trainer.layout.buckets)     # every bucket's slice, both ways (and the losses)
@@ -372,7 +372,7 @@ def test_across_islands_with_dropout_equals_one_island_and_leaves_nothing_behind
         losses, stored = [], []
         for batch in batches:
             losses.append(trainer.step(batch).result(120).item())
-            if hasattr(trainer, "_state"):
+            if hasattr(trainer.runner, "island_states"):
                 _wait_for_every_island(trainer)
             stored.append(sum(e["store_bytes"] for e in shaped.stats()["executors"].values()))
         return losses, stored, trainer
@@ -381,7 +381,7 @@ def test_across_islands_with_dropout_equals_one_island_and_leaves_nothing_behind
     one, _, _ = train(shaped.mesh({"data": 2}, executors=[e.executor_id for e in island_0]), pw.DataParallel("data"))
     two, stored, trainer = train(shaped.mesh({"island": 2, "data": 1}),
                                  pw.DataParallel(("island", "data"), bucket_mb=0.02))
-    assert len(trainer.bucket_cut.segments) >= 4
+    assert len(trainer.runner.bucket_cut.segments) >= 4
     assert max(abs(a - b) for a, b in zip(one, two)) < 1e-12, (one, two)
     assert stored[-1] <= stored[1], stored     # steady: nothing carried piles up
 
@@ -399,7 +399,7 @@ def test_tensor_parallelism_inside_islands_and_data_parallelism_across_equals_ea
     losses, state, trainer = check_islands_trainer(ctx, make_model, case, pw.ShardedDataParallel, 0.05)
     assert _relative(losses, expected_losses) < 1e-9, (losses, expected_losses)
     assert max(_relative(state[n], v) for n, v in expected.items()) < 1e-9
-    assert "in each of 2 islands" in str(trainer.placements)
+    assert "in each of 2 islands" in str(trainer.runner.placements)
     resources = ctx.controller.resources
     for members in ctx.controller.groups.by_members:       # the model axis's collectives stayed inside each island
         assert len({resources.island_of(e) for e in members}) == 1

@@ -6,7 +6,6 @@ for its array and its client, each fetch is checked against the owner the contro
 from __future__ import annotations
 
 import concurrent.futures
-import inspect
 
 import pytest
 import torch
@@ -17,6 +16,7 @@ from pathways_torch.errors import RemoteError
 from pathways_torch.wire import pb
 from pathways_torch.wire.put_tokens import PUT_TOKEN_BYTES
 from tests.service import client_fixture
+from pathways_torch.wire.seam import Call, FlushFrees, Release, ReleaseMany, RunProgram
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
 
@@ -55,10 +55,8 @@ def _refusal(request) -> str:
 
 
 def _run_program(client, program_id: int, input_ids: list):
-    """A run of a one-output program, as the dispatcher asks for it (saying how many outputs, where it may)."""
-    if "num_outputs" in inspect.signature(client.run_program).parameters:
-        return client.run_program(program_id, input_ids, num_outputs=1)
-    return client.run_program(program_id, input_ids)
+    """A run of a program, as the dispatcher asks for it (not waited for where the client registered it)."""
+    return client.request(RunProgram(program_id, input_ids))
 
 
 @pytest.mark.timeout(120)
@@ -140,16 +138,16 @@ def test_bob_cannot_release_call_on_or_run_a_program_on_alices_arrays(alice, bob
 
     client = bob._client
     for array_id in (x.array_id, y.array_id):
-        client.release(array_id)                           # not his: nothing freed (a finalizer never raises)
-        client.release_many([array_id])
+        client.request(Release(array_id))                           # not his: nothing freed (a finalizer never raises)
+        client.request(ReleaseMany([array_id]))
         spec = CallSpec(function_id=function_id, name="bobs", mesh=bob_mesh.allocation, inputs=(array_id,),
                         num_outputs=1)
-        assert "not one this client holds" in _refusal(lambda: client.call(spec))
+        assert "not one this client holds" in _refusal(lambda: client.request(Call(spec)))
         assert "not one this client holds" in _refusal(lambda: _run_program(client, program_id, [array_id]))
     for alices in alice_programs:
         if alices != program_id:
             assert "not one this client registered" in _refusal(lambda: _run_program(client, alices, [b.array_id]))
-    client.flush_frees()
+    client.request(FlushFrees())
     # Alice's arrays are all still there, and still read right.
     torch.testing.assert_close(x.result(timeout_s=30), host)
     ids = alice.executor_ids
@@ -171,7 +169,7 @@ def test_ids_bob_reads_in_his_own_trace_name_nothing_of_alices(alice, bob, tmp_p
     for function_id, call_id in seen:
         spec = CallSpec(function_id=function_id, name="alices_secret", mesh=bob_mesh.allocation, inputs=(b.array_id,),
                         num_outputs=1)
-        assert "not one this client registered" in _refusal(lambda: bob._client.call(spec))
+        assert "not one this client registered" in _refusal(lambda: bob._client.request(Call(spec)))
         # a call id is no array id of his either: reading it as one is refused like any stranger's
         for position, executor_id in enumerate(bob_mesh.executor_ids if call_id not in bob._client._states else ()):
             with pytest.raises(RemoteError):

@@ -103,11 +103,11 @@ def test_schedule_and_stages_print(ctx):
     model = _blocks(depth=4)
     plan = pw.Pipeline(microbatches=2, schedule="gpipe")
     trainer, _ = _train(ctx, model, plan, _batches(1, rows=2), {"pipe": 2})
-    assert trainer.schedule.splitlines() == [
+    assert trainer.runner.schedule.splitlines() == [
         "schedule gpipe: 2 ranks, 2 chunks, 2 microbatches",
         "rank 0: 0F0 0SEND_F0 0F1 0SEND_F1 0RECV_B0 0B0 0RECV_B1 0B1",
         "rank 1: 1RECV_F0 1F0 1RECV_F1 1F1 1B0 1SEND_B0 1B1 1SEND_B1"]
-    stages = trainer.stages.splitlines()
+    stages = trainer.runner.stages.splitlines()
     assert stages[0] == "2 chunks, cut at the blocks of the nn.Sequential"
     assert stages[1].startswith("chunk 0 (rank 0): 84 parameters; 0, 1; sends 1 value(s)"), stages
     assert stages[2].startswith("chunk 1 (rank 1): 105 parameters; 2, 3, 4 + loss"), stages
@@ -121,7 +121,7 @@ def test_user_schedule_text_is_used_and_a_broken_one_refused(ctx):
     expected = train_eagerly(reference, _adam(reference), batches, nn.MSELoss())
     trainer, losses = _train(ctx, model, pw.Pipeline(microbatches=2, schedule=text), batches, {"pipe": 2})
     assert max(abs(a - b) for a, b in zip(losses, expected)) < 1e-9
-    assert "rank 0: 0F0 0SEND_F0 0F1 0SEND_F1 0RECV_B0 0B0 0RECV_B1 0B1" in trainer.schedule
+    assert "rank 0: 0F0 0SEND_F0 0F1 0SEND_F1 0RECV_B0 0B0 0RECV_B1 0B1" in trainer.runner.schedule
     broken = "rank 0: 0F0 0B0 0F1 0B1\nrank 1: 1B0 1F0 1F1 1B1\n"
     with pytest.raises(pw.PlacementError, match=r"rank 1: >>1B0<< 1F0 1F1 1B1"):
         ctx.wrap(_blocks(depth=4), optimizer=_adam(model), loss_fn=nn.MSELoss(), mesh=ctx.mesh({"pipe": 2}),
@@ -141,7 +141,7 @@ def _activation_peaks(ctx, schedule, microbatches, stages, rows=256, width=32):
     """The first stage's peak stored bytes during one step less its bytes at rest: the activations its
     forwards keep for their backwards (and what passes through), in activations of one block boundary."""
     gc.collect()              # what earlier tests left is freed before this one measures
-    ctx._flush_frees()
+    ctx.flush_frees()
     model = _narrow_input_blocks(stages * 2, width)
     g = torch.Generator().manual_seed(1)
     batches = [(torch.randn(rows * microbatches, 2, generator=g), torch.randn(rows * microbatches, 3, generator=g))
@@ -152,7 +152,7 @@ def _activation_peaks(ctx, schedule, microbatches, stages, rows=256, width=32):
     trainer.step(batches[0]).result(120)        # captured; the state is in place
     trainer.state_dict()                         # every stage's update has run (the loss is ready earlier)
     gc.collect()
-    ctx._flush_frees()                           # the state before that step is gone too
+    ctx.flush_frees()                           # the state before that step is gone too
     first = mesh.executor_ids[0]
     resting = ctx.stats()["executors"][first]["store_bytes"]
     trainer.step(batches[1]).result(120)
@@ -229,8 +229,8 @@ def test_pipe_split_markers_cut_where_written(ctx):
     expected = train_eagerly(reference, _adam(reference), batches, nn.MSELoss())
     trainer, losses = _train(ctx, model, pw.Pipeline(microbatches=2), batches, {"pipe": 2})
     assert max(abs(a - b) for a, b in zip(losses, expected)) < 1e-9
-    assert trainer.stages.splitlines()[0] == "2 chunks, cut at pipe_split markers"
-    assert "chunk 0 (rank 0): 42 parameters; a;" in trainer.stages
+    assert trainer.runner.stages.splitlines()[0] == "2 chunks, cut at pipe_split markers"
+    assert "chunk 0 (rank 0): 42 parameters; a;" in trainer.runner.stages
 
 
 BAD = {
@@ -324,7 +324,7 @@ def test_sharded_stages_and_recompute_equal_eager(ctx, variant):
     trainer, losses = _train(ctx, model, plan, batches, {"pipe": 2, "data": 2})
     assert max(abs(a - b) for a, b in zip(losses, expected)) < 1e-9, (losses, expected)
     assert _max_difference(trainer.state_dict()["model"], reference) < 1e-9
-    saved = [p.autograd.saved_layouts for p in trainer._train_plans()]
+    saved = [p.autograd.saved_layouts for p in trainer.runner.train_plans()]
     if variant == "recompute":   # only each chunk's data inputs are kept: x; the activation and the target
         assert [len(s) for s in saved] == [1, 2], saved
     else:                        # each block's tanh output too; the head's output and the target
@@ -340,10 +340,10 @@ def test_timeline_draws_the_last_step_from_executor_timestamps(ctx, tmp_path):
     model = _blocks(depth=4)
     plan = pw.Pipeline(microbatches=4, schedule="1f1b", data=pw.DataParallel("data"))
     trainer, _ = _train(ctx, model, plan, _batches(2, rows=16), {"pipe": 2, "data": 2})
-    path = trainer.timeline(str(tmp_path / "step.png"), trace_path=str(tmp_path / "step.json"))
+    path = trainer.runner.timeline(str(tmp_path / "step.png"), trace_path=str(tmp_path / "step.json"))
     with open(path, "rb") as f:
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
-    spans, *_ = trainer._last_step_spans()
+    spans, *_ = trainer.runner.last_step_spans()
     rows = describe(spans).splitlines()
     assert len(rows) == 4
     # Each row is its schedule's order, then the update.

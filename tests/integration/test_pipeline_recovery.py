@@ -128,7 +128,7 @@ def _recovers_exactly(ctx, tmp_path):
     expected = [loss.result(240).item() for loss in [unbroken.step(b) for b in batches]]
     trainer = _trainer(ctx, checkpoint_dir=str(tmp_path / "ckpt"), checkpoint_every=3)
     victim = ctx.executor_ids[3]      # mesh {"stage": 2, "data": 2} row-major: executors 2 and 3 are stage 1
-    assert victim in trainer._stage_meshes[1].executor_ids
+    assert victim in trainer.runner.stage_meshes[1].executor_ids
     losses = [trainer.step(b) for b in batches[:7]]
     losses[-1].result(240)
     trainer._checkpoint.result(120)    # step 6's background save is on disk: the restored step is known

@@ -30,6 +30,7 @@ from pathways_torch.errors import RemoteError
 from pathways_torch.launch.health import get_status
 from pathways_torch.wire import pb
 from pathways_torch.wire.put_tokens import PUT_TOKEN_BYTES
+from pathways_torch.wire.seam import Call
 from tests.conftest import REPO_ROOT, wait_until
 from tests.service import ControllerProcess, client_fixture
 
@@ -161,12 +162,14 @@ def test_an_output_larger_than_its_call_declared_is_not_stored(service, alice, b
     x = bob.put(torch.arange(2.0), mesh, [pw.Replicate()])
     assert x.wait(60)
     client = bob._dispatch._client            # bob's remote client: what goes on the wire from his key
-    honest = client.call
+    honest = client.request
 
-    def lying_call(spec):                     # what a hostile client sends: 8 bytes declared per output shard
-        return honest(dataclasses.replace(spec, output_shard_bytes=(8,)))
+    def lying(op):                            # what a hostile client sends: 8 bytes declared per output shard
+        if isinstance(op, Call):
+            op = dataclasses.replace(op, spec=dataclasses.replace(op.spec, output_shard_bytes=(8,)))
+        return honest(op)
 
-    monkeypatch.setattr(client, "call", lying_call)
+    monkeypatch.setattr(client, "request", lying)
     baseline = _stored(bob)
     refused_before = bob.stats()["executors"][e0]["outputs_over_budget"]
     y = grow(x)

@@ -101,11 +101,11 @@ def check_trains_like_eager_in_float64(ctx, name: str, mesh: str) -> None:
     assert _relative(losses, expected_losses) < tolerance, (losses, expected_losses)
     for param, value in expected.items():
         assert _relative(state[param], value) < tolerance, param
-    assert "Shard(" in str(trainer.placements)
+    assert "Shard(" in str(trainer.runner.placements)
     if "pipe" in MESHES[mesh]:
-        assert trainer.stages.startswith("2 chunks") and not any(ctx.backend_counters("fallback_ops").values())
+        assert trainer.runner.stages.startswith("2 chunks") and not any(ctx.backend_counters("fallback_ops").values())
         return
-    assert not ctx.backend_counters("fallback_ops").get(trainer._function.name, 0)   # 0 ops outside XLA
+    assert not ctx.backend_counters("fallback_ops").get(trainer.runner.function.name, 0)   # 0 ops outside XLA
     if name == "hf-llama":
         # Megatron's count, explicit in the program: per block 2 all-reduces forward (after o_proj and
         # down_proj) and 2 backward (one for q, k, v's shared input, one for gate and up's); the vocabulary
@@ -122,7 +122,7 @@ def test_nanogpt_trains_like_eager_in_float64_on_pipe_data_model_2x1x2(ctx):
 
 def collectives(trainer, axis: str) -> dict:
     """How many of each collective the trainer's captured step runs over ``axis``."""
-    (version,) = trainer._function._versions.values()
+    (version,) = trainer.runner.function.traces.values()
     counts: dict = {}
     for node in version.graph_module.graph.nodes:
         name = str(node.target).removeprefix("pathways.").split(".")[0]
@@ -155,7 +155,8 @@ def test_sequence_parallel_plan_under_sharded_data_parallel_with_clipping_matche
     assert _relative(losses, expected_losses) < HF_FLOAT64
     state = trainer.state_dict()["model"]
     assert max(_relative(state[n], v) for n, v in expected.items()) < HF_FLOAT64
-    assert "model.norm.weight" in str(trainer.placements) and "gradient summed over the axis" in str(trainer.placements)
+    placements = str(trainer.runner.placements)
+    assert "model.norm.weight" in placements and "gradient summed over the axis" in placements
 
 
 def test_bad_plans_are_refused_before_anything_is_sent(ctx):

@@ -85,7 +85,7 @@ def test_a_checkpoint_saved_by_a_pipeline_of_tensor_parallel_stages_loads_under_
     saver = ctx.wrap(model, optimizer=_adamw(model), mesh=ctx.mesh(mesh), plan=_tensor_parallel(model, mesh))
     first = [loss.result(240).item() for loss in [saver.step(b) for b in batches[:3]]]
     saver.save_sharded(str(tmp_path)).result(120)
-    assert "Shard(0)" in str(saver.placements)
+    assert "Shard(0)" in str(saver.runner.placements)
     del saver
     model = make_model()
     trainer = ctx.wrap(model, optimizer=_adamw(model), mesh=ctx.mesh({"data": 4}), plan=pw.DataParallel("data"))
@@ -152,4 +152,4 @@ def test_a_sequence_parallel_plan_in_pipeline_stages_with_clipping_and_sharded_d
     assert _relative(losses, expected_losses) < HF_FLOAT64
     state = trainer.state_dict()["model"]
     assert max(_relative(state[n], v) for n, v in expected.items()) < 1e-9     # clipping bounds the float32 loss
-    assert "gradient summed over the axis" in str(trainer.placements)
+    assert "gradient summed over the axis" in str(trainer.runner.placements)

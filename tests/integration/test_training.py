@@ -210,7 +210,7 @@ def test_every_sharded_schedule_matches_eager_with_clipping(ctx, schedule, tmp_p
     for name, value in ref_params.items():
         assert _relative_error(params[name], value) < 1e-9, name
     expected = {"units": "2 units (units= given)", "gather-all": "None"}.get(schedule, "3 units (the model's rep")
-    assert str(trainer.units).startswith(expected)
+    assert str(trainer.runner.units).startswith(expected)
     if schedule == "prefetch":      # the executors issued gathers ahead (gloo's async work), waited for later
         names = [e.get("name", "") for e in ctx.trace(str(tmp_path / "trace.json"))["traceEvents"]]
         assert any(name.startswith("all_gather") and name.endswith("(ahead)") for name in names)
@@ -244,7 +244,7 @@ def test_step_returns_before_it_runs_and_the_next_is_enqueued_meanwhile(ctx, tmp
     finally:
         ctx.config = defaults
     events = [e for e in ctx.trace(str(tmp_path / "trace.json"))["traceEvents"] if e.get("ts", 0) >= since_us]
-    name = trainer._function.name
+    name = trainer.runner.function.name
     runs = [e for e in events if e.get("ph") == "X" and e["name"] == name and e["pid"] == 0]
     # Past max_inflight_steps (2) unfinished steps the client waited (each wait is in the trace; a step the
     # executor already made room for is dispatched without one), and every step ran. Whether each wait ends before
@@ -373,11 +373,11 @@ def test_learning_rate_changes_every_step_without_a_new_capture(ctx):
         ref_optimizer.zero_grad()
         loss_fn(reference(x), y).backward()
         ref_optimizer.step()
-    assert trainer._function.num_traces == 1
+    assert trainer.runner.function.num_traces == 1
     params = trainer.state_dict()["model"]
     model.eval()                                  # modes are read while tracing: a change re-captures
     trainer.step(_batches(1)[0]).result(60)
-    assert trainer._function.num_traces == 2
+    assert trainer.runner.function.num_traces == 2
     for name, value in reference.state_dict().items():
         assert _relative_error(params[name], value) < 1e-9, name
 

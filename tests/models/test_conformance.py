@@ -69,4 +69,4 @@ def _trains_like_the_oracle(ctx, case, plan):
     state = trainer.state_dict()["model"]
     for name, value in expected_params.items():
         assert _relative(state[name], value) < case.tolerance, (ctx.backend, name)
-    assert ctx.backend_counters("fallback_ops").get(trainer._function.name, 0) == 0 or ctx.backend == "eager"
+    assert ctx.backend_counters("fallback_ops").get(trainer.runner.function.name, 0) == 0 or ctx.backend == "eager"

@@ -54,7 +54,7 @@ def test_evaluate_and_predict_match_eager_eval_after_training(ctx):
     assert ctx.stats()["hops"]["client->executor"] - sent == batch_bytes
     for _ in range(2):
         trainer.evaluate((images, labels))
-    assert trainer._forwards["loss"].num_traces == 1 and trainer._forwards["predict"].num_traces == 1
+    assert trainer.runner.forwards["loss"].num_traces == 1 and trainer.runner.forwards["predict"].num_traces == 1
     # Evaluation changed nothing: the next step still matches a model trained without it.
     assert torch.equal(trainer.state_dict()["model"]["bn1.running_mean"], trained.bn1.running_mean)
 

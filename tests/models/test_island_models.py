@@ -36,7 +36,7 @@ def test_trains_like_the_oracle_across_two_islands(ctx, case):
     trainer = ctx.wrap(model, optimizer=_adamw(model), loss_fn=case.loss_fn, mesh=ctx.mesh({"island": 2, "data": 1}),
                        plan=pw.DataParallel(("island", "data"), bucket_mb=quarter_mb))
     losses = [loss.result(240).item() for loss in [trainer.step(b) for b in case.batches()]]
-    assert len(trainer.bucket_cut.segments) == len(trainer.layout.buckets) >= 2, str(trainer.bucket_cut)
+    assert len(trainer.runner.bucket_cut.segments) == len(trainer.layout.buckets) >= 2, str(trainer.runner.bucket_cut)
     assert _relative(losses, expected_losses) < case.tolerance, (ctx.backend, losses, expected_losses)
     state = trainer.state_dict()["model"]
     for name, value in expected_params.items():

@@ -88,4 +88,4 @@ def test_trains_like_eager_in_the_same_precision(ctx, name):
         assert state[param_name].dtype == param_dtype
         difference = (state[param_name].float() - value.detach().float()).norm()
         assert difference <= BF16_TOLERANCE * value.detach().float().norm(), param_name
-    assert ctx.backend_counters("fallback_ops").get(trainer._function.name, 0) == 0
+    assert ctx.backend_counters("fallback_ops").get(trainer.runner.function.name, 0) == 0

@@ -51,10 +51,10 @@ def test_tied_head_stays_equal_to_the_embedding(ctx):
                        plan=pw.Pipeline(microbatches=2))
     for batch in case.batches():
         trainer.step(batch)
-    assert "shared with another chunk: transformer.wte.weight" in trainer.stages
-    chunks = trainer._chunk_state
+    assert "shared with another chunk: transformer.wte.weight" in trainer.runner.stages
+    chunks = trainer.runner.chunk_state
     first, last = chunks[0][0], chunks[-1][0]   # the flat buckets of the first and the last chunk
-    plans = trainer._train_plans()
+    plans = trainer.runner.train_plans()
     copies = []
     for plan, flats in ((plans[0], first), (plans[-1], last)):
         from pathways_torch.training.buckets import unflatten

@@ -85,7 +85,7 @@ def test_a_scheduler_stepped_by_the_user_never_recompiles(ctx, optimizer_name, s
             losses[0].result(240)
             compiles_after_first = {e: s["num_compiles"] for e, s in ctx.stats()["executors"].items()}
     losses = [loss.result(240).item() for loss in losses]
-    assert trainer._function.num_traces == 1
+    assert trainer.runner.function.num_traces == 1
     assert {e: s["num_compiles"] for e, s in ctx.stats()["executors"].items()} == compiles_after_first
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected_losses), rtol=1e-9, atol=0)
     state = trainer.state_dict()["model"]

@@ -38,7 +38,7 @@ def setup():
         register = pb.Register(executor_id=f"e{i}", data_address=f"tcp://127.0.0.1:{7000 + i}", device="cpu",
                                backend="eager", pid=1000 + i)
         controller.on_message(f"e{i}", pb.Envelope(register=register), [])
-    function_id = controller.register_function("f", pb.Graph(), [])
+    function_id = controller.call_dispatch.register_function("f", pb.Graph(), [])
     return controller, outbox, clock, function_id
 
 
@@ -58,8 +58,9 @@ def test_registration_welcomes_each_executor_with_its_index(setup):
 def test_a_call_reaches_every_executor_of_its_mesh_with_one_sequence_number(setup):
     controller, outbox, _, function_id = setup
     mesh = controller.resources.allocate({"data": 2}, ["e1", "e2"])
-    x = controller.new_array(mesh.executor_ids)
-    [y] = controller.call(CallSpec(function_id=function_id, name="f", mesh=mesh, inputs=(x.array_id,), num_outputs=1))
+    x = controller.lifetimes.new_array(mesh.executor_ids)
+    [y] = controller.call_dispatch.call(CallSpec(function_id=function_id, name="f", mesh=mesh, inputs=(x.array_id,),
+                                                 num_outputs=1))
     runs = outbox.of("run")
     assert [e for e, _ in runs] == ["e1", "e2"]
     assert len({env.run.seq for _, env in runs}) == 1
@@ -69,7 +70,8 @@ def test_a_call_reaches_every_executor_of_its_mesh_with_one_sequence_number(setu
     for executor_id in ("e1", "e2"):
         _done(controller, executor_id, runs[0][1].run.call_id)
     assert y.state == "ready"
-    [z] = controller.call(CallSpec(function_id=function_id, name="f", mesh=mesh, inputs=(y.array_id,), num_outputs=1))
+    [z] = controller.call_dispatch.call(CallSpec(function_id=function_id, name="f", mesh=mesh, inputs=(y.array_id,),
+                                                 num_outputs=1))
     assert len(outbox.of("load_function")) == 2           # loaded once per executor
     assert outbox.of("run")[-1][1].run.seq > runs[0][1].run.seq
 
@@ -78,8 +80,9 @@ def test_input_on_another_mesh_is_pushed_executor_to_executor(setup):
     controller, outbox, _, function_id = setup
     mesh_a = controller.resources.allocate({"data": 2}, ["e0", "e1"])
     mesh_b = controller.resources.allocate({"data": 2}, ["e2", "e3"])
-    y = controller.new_array(mesh_a.executor_ids)
-    controller.call(CallSpec(function_id=function_id, name="f", mesh=mesh_b, inputs=(y.array_id,), num_outputs=1))
+    y = controller.lifetimes.new_array(mesh_a.executor_ids)
+    controller.call_dispatch.call(CallSpec(function_id=function_id, name="f", mesh=mesh_b, inputs=(y.array_id,),
+                                           num_outputs=1))
     sends = outbox.of("send_shard")
     assert [(e, env.send_shard.to_address) for e, env in sends] == [
         ("e0", "tcp://127.0.0.1:7002"), ("e1", "tcp://127.0.0.1:7003")]
@@ -91,10 +94,10 @@ def test_input_on_another_mesh_is_pushed_executor_to_executor(setup):
 def test_failure_reaches_dependents_as_the_same_error_object(setup):
     controller, outbox, _, function_id = setup
     mesh = controller.resources.allocate({"data": 2}, ["e0", "e1"])
-    x = controller.new_array(mesh.executor_ids)
+    x = controller.lifetimes.new_array(mesh.executor_ids)
     spec = dict(function_id=function_id, name="f", mesh=mesh, num_outputs=1, call_site="  File 'user.py', line 3\n")
-    [y] = controller.call(CallSpec(inputs=(x.array_id,), **spec))
-    [z] = controller.call(CallSpec(inputs=(y.array_id,), **spec))
+    [y] = controller.call_dispatch.call(CallSpec(inputs=(x.array_id,), **spec))
+    [z] = controller.call_dispatch.call(CallSpec(inputs=(y.array_id,), **spec))
     first, second = [env.run.call_id for _, env in outbox.of("run")][::2]
     failure = pb.RemoteFailure(type="IndexError", message="index 99 is out of bounds", traceback="Traceback...",
                                executor_id="e1", origin_call_id=first)
@@ -107,14 +110,14 @@ def test_failure_reaches_dependents_as_the_same_error_object(setup):
 def test_release_frees_shards_only_after_put_landed(setup):
     controller, outbox, _, _ = setup
     mesh = controller.resources.allocate({"data": 2}, ["e0", "e1"])
-    x = controller.new_array(mesh.executor_ids, landing=2)
-    controller.release(x.array_id)
+    x = controller.lifetimes.new_array(mesh.executor_ids, landing=2)
+    controller.lifetimes.release(x.array_id)
     assert outbox.of("free") == []
-    controller.landed(x.array_id)
-    controller.landed(x.array_id)
+    controller.lifetimes.landed(x.array_id)
+    controller.lifetimes.landed(x.array_id)
     assert len(controller.arrays) == 0
     assert outbox.of("free") == []                # waiting for a message to ride on
-    controller.flush_frees()                      # the client idles
+    controller.lifetimes.flush_frees()            # the client idles
     frees = outbox.of("free")
     assert [(e, env.free.shards[0].shard) for e, env in frees] == [("e0", 0), ("e1", 1)]
 
@@ -122,41 +125,46 @@ def test_release_frees_shards_only_after_put_landed(setup):
 def test_frees_ride_on_the_next_message_to_their_executor(setup):
     controller, outbox, _, function_id = setup
     mesh = controller.resources.allocate({"data": 2}, ["e0", "e1"])
-    x, y = controller.new_array(mesh.executor_ids), controller.new_array(mesh.executor_ids)
-    controller.release(x.array_id)
-    controller.call(CallSpec(function_id=function_id, name="f", mesh=mesh, inputs=(y.array_id,), num_outputs=1))
+    x, y = controller.lifetimes.new_array(mesh.executor_ids), controller.lifetimes.new_array(mesh.executor_ids)
+    controller.lifetimes.release(x.array_id)
+    controller.call_dispatch.call(CallSpec(function_id=function_id, name="f", mesh=mesh, inputs=(y.array_id,),
+                                           num_outputs=1))
     assert outbox.of("free") == []
     carried = [(e, k, [(s.array_id, s.shard) for s in env.frees]) for e, k, env in outbox.sent if env.frees]
     # the first message to each executor after the release: its LoadFunction, then its Run
     assert carried == [("e0", "load_function", [(x.array_id, 0)]), ("e1", "load_function", [(x.array_id, 1)])]
-    controller.flush_frees()
+    controller.lifetimes.flush_frees()
     assert outbox.of("free") == []                # nothing left to send
 
 
 def test_silent_executor_is_lost_and_its_futures_fail(setup):
     controller, outbox, clock, function_id = setup
     mesh = controller.resources.allocate({"data": 2}, ["e0", "e1"])
-    x = controller.new_array(mesh.executor_ids)
-    [y] = controller.call(CallSpec(function_id=function_id, name="f", mesh=mesh, inputs=(x.array_id,), num_outputs=1))
+    x = controller.lifetimes.new_array(mesh.executor_ids)
+    [y] = controller.call_dispatch.call(CallSpec(function_id=function_id, name="f", mesh=mesh, inputs=(x.array_id,),
+                                                 num_outputs=1))
     for executor_id in ("e0", "e1", "e2", "e3"):   # each pinged once: from now on the timeout holds
-        controller.heard_from(executor_id, 1)
+        controller.members.heard_from(executor_id, 1)
     clock.now += 3
     for executor_id in ("e0", "e2", "e3"):
         controller.on_message(executor_id, pb.Envelope(heartbeat=pb.Heartbeat()), [])
     clock.now += 3      # e1 silent for 6 s > 5 s timeout
-    controller.heartbeat()
+    controller.members.heartbeat()
     assert isinstance(y.error, ExecutorLostError) and y.error.executor_id == "e1"
     with pytest.raises(ExecutorLostError, match="e1"):
-        controller.call(CallSpec(function_id=function_id, name="f", mesh=mesh, inputs=(x.array_id,), num_outputs=1))
+        controller.call_dispatch.call(CallSpec(function_id=function_id, name="f", mesh=mesh, inputs=(x.array_id,),
+                                               num_outputs=1))
 
 
 def test_dependent_failure_arriving_first_still_carries_the_origin_error(setup):
     controller, outbox, _, function_id = setup
     mesh = controller.resources.allocate({"data": 2}, ["e0", "e1"])
-    x = controller.new_array(mesh.executor_ids)
+    x = controller.lifetimes.new_array(mesh.executor_ids)
     spec = dict(function_id=function_id, mesh=mesh, num_outputs=1)
-    [y] = controller.call(CallSpec(name="origin", inputs=(x.array_id,), call_site="  origin line\n", **spec))
-    [z] = controller.call(CallSpec(name="dependent", inputs=(y.array_id,), call_site="  dependent line\n", **spec))
+    [y] = controller.call_dispatch.call(CallSpec(name="origin", inputs=(x.array_id,), call_site="  origin line\n",
+                                                 **spec))
+    [z] = controller.call_dispatch.call(CallSpec(name="dependent", inputs=(y.array_id,),
+                                                 call_site="  dependent line\n", **spec))
     first, second = [env.run.call_id for _, env in outbox.of("run")][::2]
     failure = pb.RemoteFailure(type="IndexError", message="boom", executor_id="e0", origin_call_id=first)
     _done(controller, "e0", second, ok=False, failure=failure)   # the dependent reports first
@@ -169,16 +177,16 @@ def test_dependent_failure_arriving_first_still_carries_the_origin_error(setup):
 def test_release_many_sends_one_free_per_executor_after_the_run_that_reads_them(setup):
     controller, outbox, _, function_id = setup
     mesh = controller.resources.allocate({"data": 2}, ["e0", "e1"])
-    inputs = [controller.new_array(mesh.executor_ids) for _ in range(3)]
-    controller.call(CallSpec(function_id=function_id, name="f", mesh=mesh,
-                             inputs=tuple(a.array_id for a in inputs), num_outputs=1))
-    controller.release_many([a.array_id for a in inputs])
+    inputs = [controller.lifetimes.new_array(mesh.executor_ids) for _ in range(3)]
+    controller.call_dispatch.call(CallSpec(function_id=function_id, name="f", mesh=mesh,
+                                           inputs=tuple(a.array_id for a in inputs), num_outputs=1))
+    controller.lifetimes.release_many([a.array_id for a in inputs])
     kinds = [(e, k) for e, k, _ in outbox.sent if k in ("run", "free")]
     assert kinds == [("e0", "run"), ("e1", "run"), ("e0", "free"), ("e1", "free")]
     for executor_id, envelope in outbox.of("free"):
         position = mesh.executor_ids.index(executor_id)
         assert [(s.array_id, s.shard) for s in envelope.free.shards] == [(a.array_id, position) for a in inputs]
-    controller.release(inputs[0].array_id)                 # a second release of the same array: nothing more
+    controller.lifetimes.release(inputs[0].array_id)       # a second release of the same array: nothing more
     assert len(outbox.of("free")) == 2
 
 
@@ -186,10 +194,10 @@ def test_a_calls_push_requests_reach_every_executor_before_any_of_its_runs(setup
     """An executor may start a run the moment it reads it (a collective then blocks on its compute
     thread): the pushes a call's inputs need must be asked for before any of the call's runs."""
     controller, outbox, _, function_id = setup
-    y = controller.new_array(("e0", "e1"))
+    y = controller.lifetimes.new_array(("e0", "e1"))
     swapped = controller.resources.allocate({"data": 2}, ["e1", "e0"])   # each shard is needed by the other
-    controller.call(CallSpec(function_id=function_id, name="f", mesh=swapped, inputs=(y.array_id,), num_outputs=1,
-                             collective_axes=("data",)))
+    controller.call_dispatch.call(CallSpec(function_id=function_id, name="f", mesh=swapped, inputs=(y.array_id,),
+                                           num_outputs=1, collective_axes=("data",)))
     order = "\n".join(f"{e} {kind}" for e, kind, _ in outbox.sent if kind in ("send_shard", "run"))
     assert order == "e0 send_shard\ne1 send_shard\ne1 run\ne0 run"
 
@@ -200,8 +208,10 @@ def test_an_executor_that_does_not_hold_a_program_is_lost_and_its_calls_fail(set
     controller, outbox, _, function_id = setup
     both = controller.resources.allocate({"data": 2}, ["e0", "e1"])
     other = controller.resources.allocate({"data": 1}, ["e2"])
-    [pending] = controller.call(CallSpec(function_id=function_id, name="f", mesh=both, inputs=(), num_outputs=1))
-    [elsewhere] = controller.call(CallSpec(function_id=function_id, name="f", mesh=other, inputs=(), num_outputs=1))
+    [pending] = controller.call_dispatch.call(CallSpec(function_id=function_id, name="f", mesh=both, inputs=(),
+                                                       num_outputs=1))
+    [elsewhere] = controller.call_dispatch.call(CallSpec(function_id=function_id, name="f", mesh=other, inputs=(),
+                                                         num_outputs=1))
     failure = pb.RemoteFailure(type="ProgramRunRefused", executor_id="e1", message="does not hold program 3")
     _done(controller, "e1", 999, ok=False, failure=failure)
     assert controller.resources.executors["e1"].lost
@@ -214,15 +224,15 @@ def test_a_forgotten_program_leaves_its_executors_only_when_its_run_in_flight_en
 
     controller, outbox, _, function_id = setup
     lowered, x = chain_on_controller(controller, 2, ["e0", "e1"], function_id)
-    controller.run_program(lowered.program_id, [x.array_id])
-    controller.forget((), [lowered.program_id])
+    controller.call_dispatch.run_program(lowered.program_id, [x.array_id])
+    controller.call_dispatch.forget((), [lowered.program_id])
     assert outbox.of("forget") == []                      # its run is in flight: a report may still name its plan
-    for call_id in sorted(controller._calls):
+    for call_id in sorted(controller.state.calls):
         for executor_id in ("e0", "e1"):
             _done(controller, executor_id, call_id)
     assert [(e, list(env.forget.program_ids)) for e, env in outbox.of("forget")] == [("e0", [lowered.program_id]),
                                                                                    ("e1", [lowered.program_id])]
-    assert lowered.program_id not in controller._programs
+    assert lowered.program_id not in controller.state.programs
 
 
 def test_a_forgotten_function_leaves_its_executors_only_when_no_call_or_program_run_in_flight_runs_it(setup):
@@ -230,12 +240,12 @@ def test_a_forgotten_function_leaves_its_executors_only_when_no_call_or_program_
 
     controller, outbox, _, function_id = setup
     mesh = controller.resources.allocate({"data": 2}, ["e0", "e1"])
-    controller.call(CallSpec(function_id=function_id, name="f", mesh=mesh, inputs=(), num_outputs=1))
+    controller.call_dispatch.call(CallSpec(function_id=function_id, name="f", mesh=mesh, inputs=(), num_outputs=1))
     lowered, x = chain_on_controller(controller, 2, ["e0", "e1"], function_id)
-    controller.run_program(lowered.program_id, [x.array_id])
-    controller.forget([function_id], [lowered.program_id])
+    controller.call_dispatch.run_program(lowered.program_id, [x.array_id])
+    controller.call_dispatch.forget([function_id], [lowered.program_id])
     assert outbox.of("forget") == []                      # a run still to come on an executor would not find it
-    first, *rest = sorted(controller._calls)
+    first, *rest = sorted(controller.state.calls)
     for executor_id in ("e0", "e1"):
         _done(controller, executor_id, first)
     assert outbox.of("forget") == []                      # the program's runs still run it
@@ -244,7 +254,8 @@ def test_a_forgotten_function_leaves_its_executors_only_when_no_call_or_program_
             _done(controller, executor_id, call_id)
     functions_forgotten = sorted((e, f) for e, env in outbox.of("forget") for f in env.forget.function_ids)
     assert functions_forgotten == [("e0", function_id), ("e1", function_id)]
-    assert function_id not in controller._functions and not controller.call_dispatch.forgetting.functions_after_calls
+    assert function_id not in controller.state.functions
+    assert not controller.call_dispatch.forgetting.functions_after_calls
 
 
 def test_a_done_whose_handling_raises_still_ends_its_call(setup, monkeypatch):
@@ -252,9 +263,9 @@ def test_a_done_whose_handling_raises_still_ends_its_call(setup, monkeypatch):
 
     controller, _, _, function_id = setup
     mesh = controller.resources.allocate({"data": 1}, ["e0"])
-    [out] = controller.call(CallSpec(function_id=function_id, name="f", mesh=mesh, inputs=(), num_outputs=1,
-                                     call_site="  File 'train.py', line 3\n"))
-    call_id = max(controller._calls)
+    [out] = controller.call_dispatch.call(CallSpec(function_id=function_id, name="f", mesh=mesh, inputs=(),
+                                                   num_outputs=1, call_site="  File 'train.py', line 3\n"))
+    call_id = max(controller.state.calls)
 
     def broken(call):
         raise ZeroDivisionError("a bug while completing")
@@ -263,7 +274,7 @@ def test_a_done_whose_handling_raises_still_ends_its_call(setup, monkeypatch):
     _done(controller, "e0", call_id)
     assert out.state == "failed" and isinstance(out.error, PathwaysError)
     assert "a bug while completing" in str(out.error) and "train.py" in str(out.error)
-    assert call_id not in controller._calls
+    assert call_id not in controller.state.calls
 
 
 @pytest.mark.parametrize("executors, budget, asked", [(16, 512.0, 0.5), (1024, 512.0, 2.0), (100_000, 512.0, 2.5),

@@ -237,22 +237,23 @@ def test_the_controller_gives_its_secret_in_welcome_a_token_with_each_put_array_
     secrets = {bytes(w.put_secret) for _, w in outbox.bodies("welcome")}
     assert len(secrets) == 1 and len(secret := secrets.pop()) == 32
     assert Controller(_Outbox(), ControllerConfig()).lifetimes.put_secret != secret   # random per controller
-    mine = controller.new_array(("e0", "e1"), landing=2, owner="alice", shard_bytes=8)
+    mine = controller.lifetimes.new_array(("e0", "e1"), landing=2, owner="alice", shard_bytes=8)
     assert len(mine.put_token) == 2 * PUT_TOKEN_BYTES   # one per (executor, shard), each for 8 bytes, one put
     assert [shard_put_token(mine.put_token, p) for p in (0, 1)] == [
         put_token(secret, sequence=1, array_id=mine.array_id, shard=p, nbytes=8, executor_id=e, epoch=1,
                   role="client-alice") for p, e in enumerate(("e0", "e1"))]
-    assert controller.new_array(("e0",), landing=1).put_token == b""    # the embedded client's: none needed
+    assert controller.lifetimes.new_array(("e0",), landing=1).put_token == b""    # the embedded client's: none needed
     assert owner_role("") == "client" and owner_role("alice") == "client-alice"
-    function_id = controller.register_function("f", pb.Graph(), [])
+    function_id = controller.call_dispatch.register_function("f", pb.Graph(), [])
     mesh = controller.resources.allocate({"data": 2}, ["e0", "e1"])
-    controller.call(CallSpec(function_id=function_id, name="f", mesh=mesh, inputs=(), num_outputs=1), "alice")
-    controller.call(CallSpec(function_id=function_id, name="f", mesh=mesh, inputs=(), num_outputs=1))
+    controller.call_dispatch.call(CallSpec(function_id=function_id, name="f", mesh=mesh, inputs=(), num_outputs=1),
+                                  "alice")
+    controller.call_dispatch.call(CallSpec(function_id=function_id, name="f", mesh=mesh, inputs=(), num_outputs=1))
     assert [r.owner for _, r in outbox.bodies("run")] == ["client-alice"] * 2 + ["client"] * 2
     spec = ProgramSpec(name="p", input_values=(0,), input_meshes=(mesh,), output_values=(1,), nodes=(
         CallSpec(name="f", function_id=function_id, mesh=mesh, inputs=(0,), outputs=(1,)),))
-    program_id = controller.register_program(spec).program_id
-    controller.run_program(program_id, [mine.array_id], "alice")
+    program_id = controller.call_dispatch.register_program(spec).program_id
+    controller.call_dispatch.run_program(program_id, [mine.array_id], "alice")
     assert [r.owner for _, r in outbox.bodies("run_program")] == ["client-alice"] * 2
 
 
@@ -321,13 +322,13 @@ def test_a_free_that_spends_puts_names_only_the_put_arrays_shards_never_a_comput
     controller = Controller(outbox, ControllerConfig())
     controller.on_message("e0", pb.Envelope(register=pb.Register(
         executor_id="e0", data_address="tcp://127.0.0.1:7100", device="cpu", backend="eager")), [])
-    put_array = controller.new_array(("e0",), landing=1, owner="alice", shard_bytes=8)
-    controller.landed(put_array.array_id)
+    put_array = controller.lifetimes.new_array(("e0",), landing=1, owner="alice", shard_bytes=8)
+    controller.lifetimes.landed(put_array.array_id)
     mesh = controller.resources.allocate({"data": 1}, ["e0"])
-    function_id = controller.register_function("f", pb.Graph(), [])
-    [computed] = controller.call(CallSpec(function_id=function_id, name="f", mesh=mesh, inputs=(put_array.array_id,),
-                                          num_outputs=1), "alice")
-    controller.release_many([computed.array_id, put_array.array_id])
+    function_id = controller.call_dispatch.register_function("f", pb.Graph(), [])
+    [computed] = controller.call_dispatch.call(CallSpec(function_id=function_id, name="f", mesh=mesh,
+                                                        inputs=(put_array.array_id,), num_outputs=1), "alice")
+    controller.lifetimes.release_many([computed.array_id, put_array.array_id])
     frees = [free for _, free in outbox.bodies("free")]
     assert sorted(([r.array_id for r in f.shards], len(f.spent_puts)) for f in frees) == sorted(
         [([computed.array_id], 0), ([put_array.array_id], 1)])

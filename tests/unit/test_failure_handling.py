@@ -24,12 +24,12 @@ def setup():
         register = pb.Register(executor_id=executor_id, data_address=f"tcp://127.0.0.1:{7000 + int(executor_id[1])}",
                                device="cpu", backend="eager", pid=1, public_key=key)
         controller.on_message(executor_id, pb.Envelope(register=register), [])
-    return controller, outbox, clock, controller.register_function("f", pb.Graph(), [])
+    return controller, outbox, clock, controller.call_dispatch.register_function("f", pb.Graph(), [])
 
 
 def _call(controller, function_id, mesh, *inputs):
-    [out] = controller.call(CallSpec(function_id=function_id, name="f", mesh=mesh,
-                                     inputs=tuple(r.array_id for r in inputs), num_outputs=1))
+    [out] = controller.call_dispatch.call(CallSpec(function_id=function_id, name="f", mesh=mesh,
+                                                   inputs=tuple(r.array_id for r in inputs), num_outputs=1))
     return out
 
 
@@ -40,7 +40,7 @@ def test_a_push_carries_the_receiver_key_and_registration_must_name_itself(setup
     controller, outbox, _, function_id = setup
     a = controller.resources.allocate({"data": 1}, ["e0"])
     b = controller.resources.allocate({"data": 1}, ["e1"])
-    _call(controller, function_id, b, controller.new_array(a.executor_ids))
+    _call(controller, function_id, b, controller.lifetimes.new_array(a.executor_ids))
     (_, send), = outbox.of("send_shard")
     assert send.send_shard.to_public_key == KEYS["e1"]
     dropped = controller.dropped_messages
@@ -53,9 +53,9 @@ def test_an_array_passed_twice_is_pushed_once(setup):
     controller, outbox, _, function_id = setup
     a = controller.resources.allocate({"data": 1}, ["e0"])
     b = controller.resources.allocate({"data": 1}, ["e1"])
-    y = controller.new_array(a.executor_ids)
-    controller.call(CallSpec(function_id=function_id, name="f", mesh=b, inputs=(y.array_id, y.array_id),
-                             num_outputs=1))
+    y = controller.lifetimes.new_array(a.executor_ids)
+    controller.call_dispatch.call(CallSpec(function_id=function_id, name="f", mesh=b, inputs=(y.array_id, y.array_id),
+                                           num_outputs=1))
     assert len(outbox.of("send_shard")) == 1
     (_, run), = outbox.of("run")
     assert run.run.inputs[0] == run.run.inputs[1]   # both read the one copy
@@ -65,15 +65,15 @@ def test_loss_fails_dependents_frees_waiting_consumers_and_spares_the_rest(setup
     controller, outbox, _, function_id = setup
     on_e2, on_e0 = [controller.resources.allocate({"data": 1}, [e]) for e in ("e2", "e0")]
     pair = controller.resources.allocate({"data": 2}, ["e0", "e1"])
-    ready_elsewhere = controller.new_array(pair.executor_ids)
-    ready_on_victim = controller.new_array(on_e2.executor_ids)
+    ready_elsewhere = controller.lifetimes.new_array(pair.executor_ids)
+    ready_on_victim = controller.lifetimes.new_array(on_e2.executor_ids)
     pending_on_victim = _call(controller, function_id, on_e2, ready_on_victim)
     consumer = _call(controller, function_id, on_e0, pending_on_victim)    # waits for a push from e2
     unrelated = _call(controller, function_id, pair, ready_elsewhere)
     lost = []
     controller.loss_listeners.append(lambda executor_id, error: lost.append((executor_id, error)))
 
-    controller.declare_lost("e2", "its process was killed by SIGKILL")
+    controller.members.declare_lost("e2", "its process was killed by SIGKILL")
 
     for record in (pending_on_victim, consumer, ready_on_victim):
         assert isinstance(record.error, ExecutorLostError) and record.error.executor_id == "e2"
@@ -87,45 +87,46 @@ def test_loss_fails_dependents_frees_waiting_consumers_and_spares_the_rest(setup
     assert envelope.transfer.shard.tag == outbox.of("run")[1][1].run.call_id
     # New work that needs e2 fails at once; work that does not, runs.
     with pytest.raises(ExecutorLostError, match="e2"):
-        _call(controller, function_id, on_e2, controller.new_array(on_e0.executor_ids))
+        _call(controller, function_id, on_e2, controller.lifetimes.new_array(on_e0.executor_ids))
     with pytest.raises(ExecutorLostError, match="array .* has a shard on executor e2"):
         _call(controller, function_id, on_e0, ready_on_victim)
     with pytest.raises(ExecutorLostError, match="e2"):
-        controller.new_array(on_e2.executor_ids, landing=1)
-    assert _call(controller, function_id, on_e0, controller.new_array(on_e0.executor_ids)).state == "pending"
+        controller.lifetimes.new_array(on_e2.executor_ids, landing=1)
+    assert _call(controller, function_id, on_e0, controller.lifetimes.new_array(on_e0.executor_ids)).state == "pending"
 
 
 def test_heartbeats_decide_liveness_and_loss_is_declared_once(setup):
     controller, outbox, clock, _ = setup
-    assert controller.heard_from("e1", 1) == ("live", [], 0) and controller.heard_from("nobody")[0] == "unknown"
+    assert controller.members.heard_from("e1", 1) == ("live", [], 0)
+    assert controller.members.heard_from("nobody")[0] == "unknown"
     clock.now += 4
     for executor_id in ("e0", "e2", "e3"):
-        assert controller.heard_from(executor_id, 1)[0] == "live"
+        assert controller.members.heard_from(executor_id, 1)[0] == "live"
     clock.now += 2
-    controller.heartbeat()
-    assert controller.resources.executors["e1"].lost and controller.heard_from("e1", epoch=1)[0] == "lost"
-    assert controller.heard_from("e1")[0] == "unknown"   # no epoch: not welcomed (a replacement on its way)
+    controller.members.heartbeat()
+    assert controller.resources.executors["e1"].lost and controller.members.heard_from("e1", epoch=1)[0] == "lost"
+    assert controller.members.heard_from("e1")[0] == "unknown"   # no epoch: not welcomed (a replacement on its way)
     # The survivors' answers name the lost incarnation: they abandon its process groups at once.
-    assert controller.heard_from("e0", 1) == ("live", ["e1@1<1"], 1)   # no group made yet
+    assert controller.members.heard_from("e0", 1) == ("live", ["e1@1<1"], 1)   # no group made yet
     assert not any(controller.resources.executors[e].lost for e in ("e0", "e2", "e3"))
     assert outbox.of("heartbeat") == []     # executors ping; the controller only answers
     losses = []
     controller.loss_listeners.append(lambda *args: losses.append(args))
-    controller.declare_lost("e1", "again")   # already lost: nothing happens twice
-    controller.shutdown_executors("bye")
-    controller.declare_lost("e0", "exited at shutdown")   # expected exits are no loss
+    controller.members.declare_lost("e1", "again")   # already lost: nothing happens twice
+    controller.members.shutdown_executors("bye")
+    controller.members.declare_lost("e0", "exited at shutdown")   # expected exits are no loss
     assert losses == [] and not controller.resources.executors["e0"].lost
 
 
 def test_a_put_that_never_lands_fails_its_array(setup):
     controller, outbox, _, _ = setup
     mesh = controller.resources.allocate({"data": 2}, ["e0", "e1"])
-    x = controller.new_array(mesh.executor_ids, landing=2)
-    controller.landed(x.array_id)
-    controller.landed(x.array_id, ExecutorLostError("e1 is gone", executor_id="e1"))
+    x = controller.lifetimes.new_array(mesh.executor_ids, landing=2)
+    controller.lifetimes.landed(x.array_id)
+    controller.lifetimes.landed(x.array_id, ExecutorLostError("e1 is gone", executor_id="e1"))
     assert x.state == "failed" and x.error.executor_id == "e1"
-    controller.release(x.array_id)
-    controller.flush_frees()
+    controller.lifetimes.release(x.array_id)
+    controller.lifetimes.flush_frees()
     assert len(controller.arrays) == 0 and len(outbox.of("free")) == 2
 
 
@@ -224,14 +225,14 @@ def test_a_failure_reported_while_a_peer_is_dead_is_the_lost_executors_error():
     def probe_of(controller):
         def probe(patience_s, then=None):
             patience.append(patience_s)
-            controller.declare_lost("e1", "process exited (SIGKILL)")
+            controller.members.declare_lost("e1", "process exited (SIGKILL)")
             if then is not None:
                 then()
         return probe
 
     controller, out = _two_member_collective(probe_of)
     assert isinstance(out.error, ExecutorLostError) and out.error.executor_id == "e1"
-    assert not controller._calls
+    assert not controller.state.calls
     # A peer's transport error gives the launcher a moment to see the exit (the killed process's sockets
     # close before it can be reaped); any other failure is reported at once.
     assert patience == [1.0]
@@ -249,14 +250,14 @@ def _two_member_collective(probe_of=None, deliver=lambda handle: handle()):
     for i in range(2):
         controller.on_message(f"e{i}", pb.Envelope(register=pb.Register(
             executor_id=f"e{i}", data_address=f"tcp://127.0.0.{i + 1}:7100", device="cpu", backend="eager")), [])
-    function_id = controller.register_function("step", pb.Graph(), [])
+    function_id = controller.call_dispatch.register_function("step", pb.Graph(), [])
     mesh = controller.resources.allocate({"data": 2}, ["e0", "e1"])
-    [out] = controller.call(CallSpec(function_id=function_id, name="step", mesh=mesh, inputs=(), num_outputs=1,
-                                     collective_axes=("data",)))
+    [out] = controller.call_dispatch.call(CallSpec(function_id=function_id, name="step", mesh=mesh, inputs=(),
+                                                   num_outputs=1, collective_axes=("data",)))
     if probe_of is not None:
-        controller.liveness_probe = probe_of(controller)
+        controller.completion.liveness_probe = probe_of(controller)
     failure = pb.RemoteFailure(type="RuntimeError", message="gloo: Connection closed by peer", executor_id="e0")
-    done = pb.Envelope(done=pb.Done(call_id=max(controller._calls), ok=False, failure=failure))
+    done = pb.Envelope(done=pb.Done(call_id=max(controller.state.calls), ok=False, failure=failure))
     deliver(lambda: controller.on_message("e0", done, []))
     return controller, out
 
@@ -284,12 +285,12 @@ def test_heartbeats_are_answered_while_the_launcher_is_asked_about_a_lost_peer(e
     def probe_of(controller):
         controllers.append(controller)
         watch_exits(controller, loop, Launcher().newly_exited, interval_s=3600.0)
-        return controller.liveness_probe
+        return controller.completion.liveness_probe
 
     def heartbeat(sent):   # what the controller's server does with e0's heartbeat, on its I/O thread
         controller = controllers[0]
-        pending = any(not call.failed for call in controller._calls.values())
-        state, *_ = controller.heard_from("e0", controller.resources.executors["e0"].epoch)
+        pending = any(not call.failed for call in controller.state.calls.values())
+        state, *_ = controller.members.heard_from("e0", controller.resources.executors["e0"].epoch)
         answers.append((time.monotonic() - sent, pending, state))
 
     def deliver(handle):   # the Done, then a heartbeat of e0 sent just after it, both on the I/O thread
@@ -311,10 +312,10 @@ def test_heartbeats_are_answered_while_the_launcher_is_asked_about_a_lost_peer(e
     assert answer == "live" and pending_then and waited_s < 0.5, answers
     if exits:   # the probe saw the exit: the failure is the lost executor's, named, and the call is over
         assert isinstance(out.error, ExecutorLostError) and out.error.executor_id == "e1"
-        assert not controller._calls
+        assert not controller.state.calls
     else:       # nothing exited within the patience: the survivor's own report (the call waits for e1's Done)
         assert isinstance(out.error, RemoteError) and "Connection closed by peer" in str(out.error)
-        assert controller._calls[max(controller._calls)].waiting == {"e1"}
+        assert controller.state.calls[max(controller.state.calls)].waiting == {"e1"}
 
 
 def test_without_a_local_launcher_a_peer_loss_waits_for_the_peer_to_be_lost_or_to_report():
@@ -325,12 +326,12 @@ def test_without_a_local_launcher_a_peer_loss_waits_for_the_peer_to_be_lost_or_t
     controller, out = _two_member_collective()
     assert out.state == "pending" and out.error is None
     controller.executor_labels["e1"] = "node 1 at 127.0.0.2"
-    controller.declare_lost("e1", "silent for 10.2 s")
+    controller.members.declare_lost("e1", "silent for 10.2 s")
     assert isinstance(out.error, ExecutorLostError) and "executor e1 (node 1 at 127.0.0.2) lost" in str(out.error)
 
     controller, out = _two_member_collective()          # the peer is alive and reports: the held failure is it
     failure = pb.RemoteFailure(type="RuntimeError", message="gloo: timed out", executor_id="e1")
-    controller.on_message("e1", pb.Envelope(done=pb.Done(call_id=max(controller._calls), ok=False,
+    controller.on_message("e1", pb.Envelope(done=pb.Done(call_id=max(controller.state.calls), ok=False,
                                                          failure=failure)), [])
     assert isinstance(out.error, RemoteError) and "Connection closed by peer" in str(out.error)
 
@@ -347,13 +348,14 @@ def test_an_ordinary_failure_asks_the_launcher_without_waiting():
     controller = Controller(Outbox(), ControllerConfig())
     controller.on_message("e0", pb.Envelope(register=pb.Register(
         executor_id="e0", data_address="tcp://127.0.0.1:7100", device="cpu", backend="eager")), [])
-    function_id = controller.register_function("step", pb.Graph(), [])
+    function_id = controller.call_dispatch.register_function("step", pb.Graph(), [])
     mesh = controller.resources.allocate({"data": 1}, ["e0"])
-    [out] = controller.call(CallSpec(function_id=function_id, name="step", mesh=mesh, inputs=(), num_outputs=1))
+    [out] = controller.call_dispatch.call(CallSpec(function_id=function_id, name="step", mesh=mesh, inputs=(),
+                                                   num_outputs=1))
     patience = []
-    controller.liveness_probe = patience.append
+    controller.completion.liveness_probe = patience.append
     failure = pb.RemoteFailure(type="ValueError", message="shapes (2, 3) and (4, 5) do not match", executor_id="e0")
-    controller.on_message("e0", pb.Envelope(done=pb.Done(call_id=max(controller._calls), ok=False,
+    controller.on_message("e0", pb.Envelope(done=pb.Done(call_id=max(controller.state.calls), ok=False,
                                                          failure=failure)), [])
     assert isinstance(out.error, RemoteError) and patience == [0.0]
 
@@ -378,13 +380,14 @@ def test_a_collective_with_no_group_bound_is_an_error_unless_a_dry_run_is_asked_
 def test_a_second_executor_under_a_live_ones_id_is_refused_naming_both_addresses():
     controller, _ = _two_member_collective()
     rival = pb.Register(executor_id="e1", data_address="tcp://127.0.0.9:7100")
-    claim = controller.rival_claim("e1", rival)
+    claim = controller.members.rival_claim("e1", rival)
     assert claim is not None and "tcp://127.0.0.9:7100 while e1 at tcp://127.0.0.2:7100 is alive" in claim
     assert "--node-rank" in claim
-    assert controller.rival_claim("e1", pb.Register(executor_id="e1", data_address="tcp://127.0.0.2:7100")) is None
-    assert controller.rival_claim("e7", rival) is None
-    controller.declare_lost("e1", "silent")
-    assert controller.rival_claim("e1", rival) is None          # a replacement may take a lost one's place
+    assert controller.members.rival_claim("e1", pb.Register(executor_id="e1",
+                                                            data_address="tcp://127.0.0.2:7100")) is None
+    assert controller.members.rival_claim("e7", rival) is None
+    controller.members.declare_lost("e1", "silent")
+    assert controller.members.rival_claim("e1", rival) is None  # a replacement may take a lost one's place
 
 
 @pytest.mark.timeout(10)

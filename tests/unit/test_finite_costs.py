@@ -57,7 +57,7 @@ def test_an_absurd_simulated_time_is_refused_by_the_api_and_by_the_controller(si
     assert "evil: sim_time_s" in str(refused.value) and BOUNDS in str(refused.value)
     controller = Controller(_Outbox())
     with pytest.raises(ValueError) as refused:   # the seam's register_function ends here (a client skipping pw)
-        controller.register_function("evil", pb.Graph(), [], sim_seconds=sim_time_s)
+        controller.call_dispatch.register_function("evil", pb.Graph(), [], sim_seconds=sim_time_s)
     assert "function 'evil': sim_time_s" in str(refused.value) and BOUNDS in str(refused.value)
     assert "or 0 for none" in str(refused.value)
     assert controller.call_dispatch.refused_costs == 1
@@ -67,7 +67,7 @@ def test_a_simulated_time_of_0_means_none_and_the_bounds_are_taken():
     controller = Controller(_Outbox())
     for seconds in (0, 0.0, 1e-6, 1e6):
         assert pw.function(lambda x: x, sim_time_s=seconds).sim_time_s == seconds
-        assert controller.register_function("f", pb.Graph(), [], sim_seconds=seconds) > 0
+        assert controller.call_dispatch.register_function("f", pb.Graph(), [], sim_seconds=seconds) > 0
 
 
 # ---------------------------------------------------------------- the scheduler stays live
@@ -143,9 +143,9 @@ def test_admission_times_out_naming_the_island_and_who_is_ahead():
 
 def test_a_call_past_the_admission_timeout_fails_and_gives_back_what_it_took():
     controller, outbox, mesh, function_id = _controller(window=1, memory=1000, admission_timeout_s=0.3)
-    [first] = controller.call(_spec(function_id, mesh, 100), "alice")
+    [first] = controller.call_dispatch.call(_spec(function_id, mesh, 100), "alice")
     with pytest.raises(TimeoutError, match=r"client 'bob' .* island '0' .*\{'alice': 1\}"):
-        controller.call(_spec(function_id, mesh, 100), "bob")
+        controller.call_dispatch.call(_spec(function_id, mesh, 100), "bob")
     assert controller.memory.snapshot()["e0"]["clients"] == {"alice": 100}   # bob's reservation handed back
     assert len(outbox.runs()) == 2 and first.state == "pending"
 
@@ -156,16 +156,16 @@ def test_a_call_waiting_for_memory_holds_no_admission_slot():
     """Window 2: alice's first call holds a slot; her second waits for memory. Bob's call is admitted meanwhile
     (with the old order, alice's waiting call held the second slot and bob waited for his turn until it timed out)."""
     controller, outbox, mesh, function_id = _controller(window=2, memory=1000, admission_timeout_s=3)
-    [big] = controller.call(_spec(function_id, mesh, 900), "alice")
-    alice = InThread(lambda: controller.call(_spec(function_id, mesh, 200), "alice"))
+    [big] = controller.call_dispatch.call(_spec(function_id, mesh, 900), "alice")
+    alice = InThread(lambda: controller.call_dispatch.call(_spec(function_id, mesh, 200), "alice"))
     _until(lambda: controller.memory.waiting == 1)
     island = controller.admission.island("0")
     assert island.in_flight == 1 and island.waiting == {"alice": 0, "bob": 0}
-    [small] = InThread(lambda: controller.call(_spec(function_id, mesh, 50), "bob")).result(timeout_s=2)
+    [small] = InThread(lambda: controller.call_dispatch.call(_spec(function_id, mesh, 50), "bob")).result(timeout_s=2)
     assert island.in_flight == 2 and small.state == "pending"
     for executor_id, run in outbox.runs()[:2]:            # alice's first call ends: its slot comes free
         controller.on_message(executor_id, pb.Envelope(done=pb.Done(call_id=run.call_id, seq=run.seq, ok=True)), [])
-    controller.release(big.array_id)                      # and its memory
+    controller.lifetimes.release(big.array_id)            # and its memory
     [later] = alice.result()
     assert later.state == "pending" and island.in_flight == 2
     assert controller.memory.snapshot()["e0"]["clients"] == {"alice": 200, "bob": 50}
@@ -197,7 +197,7 @@ def _controller(*, window: int, memory: int, admission_timeout_s: float):
     for client in ("alice", "bob"):
         controller.admission.add_client(client, 1)
     mesh = controller.resources.allocate({"data": 2}, ["e0", "e1"])
-    return controller, outbox, mesh, controller.register_function("grow", pb.Graph(), [])
+    return controller, outbox, mesh, controller.call_dispatch.register_function("grow", pb.Graph(), [])
 
 
 def _spec(function_id, mesh, *shard_bytes):

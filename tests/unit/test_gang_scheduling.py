@@ -27,6 +27,7 @@ from pathways_torch.capture import InputSpec, capture
 from pathways_torch.collectives import all_reduce, tracing_mesh
 from pathways_torch.wire import collective_ops, pb
 from pathways_torch.wire.tensors import tensor_to_frame
+from pathways_torch.wire.seam import AllocateMesh, Call, NewArray, RegisterFunction
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -209,14 +210,13 @@ def _run(gang_order: bool, seed: int = 0, order: str = "shuffled", service_clien
         for name, weight in (("alice", 1.0), ("bob", 2.0)):
             controller.admission.add_client(name, weight)
         owners = [ClientOps(controller, None, owner=name) for name in ("alice", "bob")]
-    else:
-        owners = [controller, controller]
-    function_ids = [owner.register_function("step", version.graph, version.constants) for owner in owners]
+    else:   # the embedded client's operations, both calling threads
+        owners = [ClientOps(controller, None)] * 2
+    function_ids = [owner.handle(RegisterFunction("step", version.graph, version.constants)) for owner in owners]
     meshes = [controller.resources.allocate({"data": 2}, ["a", "b"]),
               controller.resources.allocate({"data": 2}, ["b", "a"])]   # another group: ranks reversed
-    if service_clients:
-        meshes = [owner.allocate_mesh({"data": 2}, mesh.executor_ids) for owner, mesh in zip(owners, meshes)]
-    starts = [owner.new_array(mesh.executor_ids, landing=0) for owner, mesh in zip(owners, meshes)]
+    meshes = [owner.handle(AllocateMesh({"data": 2}, mesh.executor_ids)) for owner, mesh in zip(owners, meshes)]
+    starts = [owner.handle(NewArray(mesh.executor_ids, landing=0))[0] for owner, mesh in zip(owners, meshes)]
     results: dict[int, list] = {0: [], 1: []}
     barrier = threading.Barrier(2)
 
@@ -224,9 +224,9 @@ def _run(gang_order: bool, seed: int = 0, order: str = "shuffled", service_clien
         barrier.wait()                          # both clients submit at the same time
         array = starts[index]
         for _ in range(CALLS_PER_CLIENT):
-            [array] = owners[index].call(CallSpec(function_id=function_ids[index], name="step", mesh=meshes[index],
-                                                  inputs=(array.array_id,), num_outputs=1,
-                                                  collective_axes=version.collective_axes))
+            [array] = owners[index].handle(Call(CallSpec(
+                function_id=function_ids[index], name="step", mesh=meshes[index], inputs=(array.array_id,),
+                num_outputs=1, collective_axes=version.collective_axes)))
             results[index].append(array)
             time.sleep(0.002)                   # let the other client in between calls
 

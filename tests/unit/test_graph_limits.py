@@ -13,6 +13,7 @@ from controller.graph_limits import check_graph, check_program, graph_bytes
 from controller.resources import MeshAllocation
 from pathways_torch.wire import pb
 from pathways_torch.wire.seam import ProgramSpec
+from pathways_torch.wire.seam import RegisterFunction, RegisterProgram
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -127,9 +128,9 @@ def test_a_remote_clients_ops_apply_the_caps_and_the_embedded_ones_do_not():
     config = ServiceConfig(max_graph_bytes=1000, max_program_nodes=2)
     bob, embedded = ClientOps(controller, None, "bob", limits=config), ClientOps(controller, None)
     with pytest.raises(ValueError, match="function 'big': its graph constants take 2000 bytes; .* at most 1000"):
-        bob.register_function("big", _graph(), [b"\0" * 2000])
+        bob.handle(RegisterFunction("big", _graph(), [b"\0" * 2000]))
     with pytest.raises(ValueError, match="program 'long': 3 nodes; a program may have at most 2"):
-        bob.register_program(_program(3))
+        bob.handle(RegisterProgram(_program(3)))
     assert not bob.functions and not bob.programs
-    assert embedded.register_function("big", _graph(), [b"\0" * 2000]) in embedded.functions
+    assert embedded.handle(RegisterFunction("big", _graph(), [b"\0" * 2000])) in embedded.functions
     assert ClientOps(controller, None, "carol").limits == ServiceConfig()   # a remote client: the defaults at least

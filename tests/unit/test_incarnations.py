@@ -35,12 +35,13 @@ def setup():
     controller = Controller(outbox, ControllerConfig(heartbeat_interval_s=0.5, heartbeat_timeout_s=5.0), clock=clock)
     for index, executor_id in enumerate(KEYS):
         _register(controller, executor_id, index)
-    return controller, outbox, controller.register_function("f", pb.Graph(), [])
+    return controller, outbox, controller.call_dispatch.register_function("f", pb.Graph(), [])
 
 
 def _collective_call(controller, function_id, mesh):
-    [out] = controller.call(CallSpec(function_id=function_id, name="f", mesh=mesh, inputs=(), num_outputs=1,
-                                     collective_axes=("data",), replicated_outputs=(True,)))
+    [out] = controller.call_dispatch.call(CallSpec(function_id=function_id, name="f", mesh=mesh, inputs=(),
+                                                   num_outputs=1, collective_axes=("data",),
+                                                   replicated_outputs=(True,)))
     return out
 
 
@@ -54,7 +55,7 @@ def test_a_replacement_registers_with_the_next_epoch_and_starts_its_gang_order_a
     (_, form_before), *_ = outbox.of("form_group")
     assert list(form_before.form_group.members) == ["e0@1", "e1@1", "e2@1"]
     assert form_before.form_group.timeout_s == 20.0     # the loss bound (2 x 5 s), at least 20 s
-    controller.declare_lost("e1", "killed")
+    controller.members.declare_lost("e1", "killed")
     assert isinstance(first.error, ExecutorLostError)
     # The survivors are told which calls failed and which groups are gone; the lost one is told nothing.
     cancels = outbox.of("cancel")
@@ -62,11 +63,11 @@ def test_a_replacement_registers_with_the_next_epoch_and_starts_its_gang_order_a
     assert list(cancels[0][1].cancel.call_ids) == [first.producer_call]
     assert list(cancels[0][1].cancel.group_ids) == [form_before.form_group.group_id]
     assert cancels[0][1].cancel.lost_executor == "e1@1"
-    assert controller.heard_from("e0", 1) == ("live", ["e1@1<2"], 1)   # groups made before the loss: 1
+    assert controller.members.heard_from("e0", 1) == ("live", ["e1@1<2"], 1)   # groups made before the loss: 1
     # An executor that says it was told of that fault is not told again (every answer to every survivor would
     # carry every fault); one that says more than there are (another controller's count) is told them all.
-    assert controller.heard_from("e0", 1, told=1) == ("live", [], 1)
-    assert controller.heard_from("e0", 1, told=5) == ("live", ["e1@1<2"], 1)
+    assert controller.members.heard_from("e0", 1, told=1) == ("live", [], 1)
+    assert controller.members.heard_from("e0", 1, told=5) == ("live", ["e1@1<2"], 1)
 
     _register(controller, "e1", 7, key=b"z" * 40)
     info = controller.resources.executors["e1"]
@@ -84,15 +85,16 @@ def test_a_replacement_registers_with_the_next_epoch_and_starts_its_gang_order_a
 
 def test_messages_of_a_replaced_incarnation_are_refused_by_their_epoch(setup):
     controller, outbox, function_id = setup
-    controller.declare_lost("e2", "stopped")
+    controller.members.declare_lost("e2", "stopped")
     _register(controller, "e2", 9)
-    assert controller.heard_from("e2", epoch=1) == ("stale", [], 0)
-    assert controller.heard_from("e2", epoch=2)[0] == "live"
+    assert controller.members.heard_from("e2", epoch=1) == ("stale", [], 0)
+    assert controller.members.heard_from("e2", epoch=2)[0] == "live"
     mesh = controller.resources.allocate({"data": 1}, ["e2"])
-    [out] = controller.call(CallSpec(function_id=function_id, name="f", mesh=mesh, inputs=(), num_outputs=1))
+    [out] = controller.call_dispatch.call(CallSpec(function_id=function_id, name="f", mesh=mesh, inputs=(),
+                                                   num_outputs=1))
     done = pb.Envelope(done=pb.Done(call_id=out.producer_call, ok=True), epoch=1)
     controller.on_message("e2", done, [])
-    assert out.state == "pending" and controller.stale_messages == 2
+    assert out.state == "pending" and controller.members.stale_messages == 2
     done.epoch = 2
     controller.on_message("e2", done, [])
     assert out.state == "ready"
@@ -104,14 +106,14 @@ def test_a_replicated_result_stays_readable_from_a_replica_left_and_lost_shards_
     replicated = _collective_call(controller, function_id, mesh)
     for executor_id in ("e0", "e1"):
         controller.on_message(executor_id, pb.Envelope(done=pb.Done(call_id=replicated.producer_call, ok=True)), [])
-    sharded = controller.new_array(mesh.executor_ids)
-    controller.declare_lost("e1", "killed")
+    sharded = controller.lifetimes.new_array(mesh.executor_ids)
+    controller.members.declare_lost("e1", "killed")
     assert replicated.state == "ready" and replicated.lost_holders == {"e1"}
     assert sharded.state == "failed"
     _register(controller, "e1", 8)
     with pytest.raises(ExecutorLostError, match="has a shard on executor e1"):
-        controller.call(CallSpec(function_id=function_id, name="f", mesh=mesh, inputs=(replicated.array_id,),
-                                 num_outputs=1))
+        controller.call_dispatch.call(CallSpec(function_id=function_id, name="f", mesh=mesh,
+                                               inputs=(replicated.array_id,), num_outputs=1))
 
 
 def test_the_rendezvous_fails_the_gets_waiting_for_a_lost_member():
@@ -331,10 +333,11 @@ def test_a_lost_transfer_fails_the_waiting_run_on_the_receiver_and_its_call_alon
     controller, outbox, function_id = setup
     a = controller.resources.allocate({"data": 1}, ["e0"])
     b = controller.resources.allocate({"data": 1}, ["e1"])
-    x = controller.new_array(a.executor_ids)
-    [needs_copy] = controller.call(CallSpec(function_id=function_id, name="f", mesh=b, inputs=(x.array_id,),
-                                            num_outputs=1))
-    [other] = controller.call(CallSpec(function_id=function_id, name="f", mesh=b, inputs=(), num_outputs=1))
+    x = controller.lifetimes.new_array(a.executor_ids)
+    [needs_copy] = controller.call_dispatch.call(CallSpec(function_id=function_id, name="f", mesh=b,
+                                                          inputs=(x.array_id,), num_outputs=1))
+    [other] = controller.call_dispatch.call(CallSpec(function_id=function_id, name="f", mesh=b, inputs=(),
+                                                     num_outputs=1))
     (_, send), = outbox.of("send_shard")
     lost = pb.TransferLost(to_address=send.send_shard.to_address, waited_s=21, nbytes=24)
     lost.shard.CopyFrom(send.send_shard.as_ref)
@@ -381,14 +384,15 @@ def test_a_program_that_ran_on_a_replaced_executor_is_lowered_again_for_its_new_
                  collective_axes=("data",)),
         CallSpec(name="there", function_id=function_id, mesh=on_e0, inputs=(1,), outputs=(2,)),
         CallSpec(name="back", function_id=function_id, mesh=on_e1, inputs=(2,), outputs=(3,))))
-    lowered = controller.register_program(spec)
-    controller.run_program(lowered.program_id, [controller.new_array(pair.executor_ids).array_id])
+    lowered = controller.call_dispatch.register_program(spec)
+    controller.call_dispatch.run_program(lowered.program_id,
+                                         [controller.lifetimes.new_array(pair.executor_ids).array_id])
     first = {e: env.register_program for e, env in outbox.of("register_program")}
-    controller.declare_lost("e1", "killed")
+    controller.members.declare_lost("e1", "killed")
     _register(controller, "e1", 11)          # a new process at a new address
     outbox.sent.clear()
-    y = controller.new_array(pair.executor_ids)
-    controller.run_program(lowered.program_id, [y.array_id])
+    y = controller.lifetimes.new_array(pair.executor_ids)
+    controller.call_dispatch.run_program(lowered.program_id, [y.array_id])
     again = {e: env.register_program for e, env in outbox.of("register_program")}
     assert set(again) == set(first) == {"e0", "e1", "e2"}      # every executor of the program, survivors too
 
@@ -444,15 +448,16 @@ def _two_island_program():
         controller.on_message(executor_id, pb.Envelope(register=pb.Register(
             executor_id=executor_id, data_address=f"tcp://127.0.0.1:{7000 + index}", device="cpu",
             backend="eager", pid=1 + index, public_key=bytes([97 + index]) * 40, island=island)), [])
-    function_id = controller.register_function("f", pb.Graph(), [])
+    function_id = controller.call_dispatch.register_function("f", pb.Graph(), [])
     here, there = (controller.resources.allocate({"data": 2}, ids) for ids in (["e0", "e1"], ["e2", "e3"]))
     spec = ProgramSpec(name="p", input_values=(0,), input_meshes=(here,), output_values=(2,), nodes=(
         CallSpec(name="reduce", function_id=function_id, mesh=here, inputs=(0,), outputs=(1,),
                  collective_axes=("data",)),
         CallSpec(name="across", function_id=function_id, mesh=there, inputs=(1,), outputs=(2,),
                  collective_axes=("data",))))
-    lowered = controller.register_program(spec)
-    [out] = controller.run_program(lowered.program_id, [controller.new_array(here.executor_ids).array_id])
+    lowered = controller.call_dispatch.register_program(spec)
+    [out] = controller.call_dispatch.run_program(lowered.program_id,
+                                                 [controller.lifetimes.new_array(here.executor_ids).array_id])
     return controller, outbox, lowered, out
 
 
@@ -460,11 +465,11 @@ def test_a_loss_cancels_and_abandons_on_every_island_its_program_run_spans():
     # e3 (island b) is lost: island a's steps of the run would wait for nothing (or one executor of a would enter
     # a collective its peer skipped), so island a is told too.
     controller, outbox, lowered, out = _two_island_program()
-    controller.declare_lost("e3", "killed")
+    controller.members.declare_lost("e3", "killed")
     assert isinstance(out.error, ExecutorLostError)
     assert sorted(e for e, _ in outbox.of("cancel")) == ["e0", "e1", "e2"]
-    assert controller.heard_from("e0", 1)[1] == controller.heard_from("e2", 1)[1] == ["e3@1<3"]
-    assert controller.groups.by_members == {} and lowered.program_id in controller._stale_programs
+    assert controller.members.heard_from("e0", 1)[1] == controller.members.heard_from("e2", 1)[1] == ["e3@1<3"]
+    assert controller.groups.by_members == {} and lowered.program_id in controller.state.stale_programs
 
 
 def test_a_loss_lowers_again_only_the_programs_whose_collectives_name_the_islands_groups():
@@ -472,14 +477,13 @@ def test_a_loss_lowers_again_only_the_programs_whose_collectives_name_the_island
 
     controller, _, with_collectives, _ = _two_island_program()
     here = controller.resources.allocate({"data": 1}, ["e2"])   # island b, where e3 is lost
-    function_id = controller.register_function("g", pb.Graph(), [])
-    plain = controller.register_program(ProgramSpec(name="plain", input_values=(0,), input_meshes=(here,),
-                                                    output_values=(1,), nodes=(CallSpec(
-                                                        name="g", function_id=function_id, mesh=here, inputs=(0,),
-                                                        outputs=(1,)),)))
-    controller.declare_lost("e3", "killed")
-    assert with_collectives.program_id in controller._stale_programs
-    assert plain.program_id not in controller._stale_programs   # it names no group: its plans still hold
+    function_id = controller.call_dispatch.register_function("g", pb.Graph(), [])
+    plain = controller.call_dispatch.register_program(ProgramSpec(
+        name="plain", input_values=(0,), input_meshes=(here,), output_values=(1,),
+        nodes=(CallSpec(name="g", function_id=function_id, mesh=here, inputs=(0,), outputs=(1,)),)))
+    controller.members.declare_lost("e3", "killed")
+    assert with_collectives.program_id in controller.state.stale_programs
+    assert plain.program_id not in controller.state.stale_programs   # it names no group: its plans still hold
 
 
 def test_a_lost_transfer_abandons_both_islands_groups_and_lowers_their_programs_again_but_a_late_report_does_not():
@@ -489,14 +493,15 @@ def test_a_lost_transfer_abandons_both_islands_groups_and_lowers_their_programs_
     lost = pb.TransferLost(to_address=action.to_address, waited_s=4, nbytes=16)
     lost.shard.CopyFrom(pb.ShardRef(array_id=99, shard=0, tag=out.producer_call))
     controller.on_message("e0", pb.Envelope(transfer_lost=lost), [])
-    assert out.state == "pending" and controller.heard_from("e1", 1)[1] == []   # not before the receiver answers
+    assert out.state == "pending" and controller.members.heard_from("e1", 1)[1] == []  # not before the receiver answers
     ((to, failed),) = outbox.of("transfer")
     controller.on_message(to, pb.Envelope(transfer_lost=_missing(failed.transfer)), [])
     assert out.state == "failed" and out.error.remote_type == "TransferLost"
     # Both islands' executors abandon the groups made so far; the program is lowered again with new ones.
-    assert controller.heard_from("e1", 1)[1] == controller.heard_from("e3", 1)[1] == ["transfer:99.0:e0->e2<3"]
-    assert controller.groups.by_members == {} and lowered.program_id in controller._stale_programs
-    assert (controller.transfers_lost, controller.calls_failed_by_lost_transfers) == (1, 1)
+    abandoned = ["transfer:99.0:e0->e2<3"]
+    assert controller.members.heard_from("e1", 1)[1] == controller.members.heard_from("e3", 1)[1] == abandoned
+    assert controller.groups.by_members == {} and lowered.program_id in controller.state.stale_programs
+    assert (controller.completion.transfers_lost, controller.completion.calls_failed_by_lost_transfers) == (1, 1)
     # Another copy of the same cut (e1's to e3), answered late, for the run that failed already: the groups formed
     # since stay.
     plans = {e: env.register_program for e, env in outbox.of("register_program")}
@@ -507,8 +512,8 @@ def test_a_lost_transfer_abandons_both_islands_groups_and_lowers_their_programs_
     ((to, failed),) = outbox.of("transfer")[1:]
     assert to == "e3"
     controller.on_message(to, pb.Envelope(transfer_lost=_missing(failed.transfer)), [])
-    assert controller.heard_from("e1", 1)[1] == ["transfer:99.0:e0->e2<3"]
-    assert (controller.transfers_lost, controller.calls_failed_by_lost_transfers) == (2, 1)
+    assert controller.members.heard_from("e1", 1)[1] == ["transfer:99.0:e0->e2<3"]
+    assert (controller.completion.transfers_lost, controller.completion.calls_failed_by_lost_transfers) == (2, 1)
 
 
 def test_a_group_queued_before_a_fault_and_formed_after_it_is_abandoned_as_it_forms(monkeypatch):
@@ -562,23 +567,23 @@ def test_pings_before_the_welcome_keep_alive_only_the_process_that_registered(se
     controller, _, _ = setup
     info = controller.resources.executors["e0"]
     info.last_heard -= 100.0
-    assert controller.heard_from("e0", 0) == ("unknown", [], 0)               # who sent it is not known
-    assert controller.heard_from("e0", 0, awaiting_welcome=True)[0] == "live"
+    assert controller.members.heard_from("e0", 0) == ("unknown", [], 0)       # who sent it is not known
+    assert controller.members.heard_from("e0", 0, awaiting_welcome=True)[0] == "live"
     assert controller.clock() - info.last_heard < 5.0
-    controller.declare_lost("e0", "killed")
-    assert controller.heard_from("e0", 0, awaiting_welcome=True)[0] == "lost"
+    controller.members.declare_lost("e0", "killed")
+    assert controller.members.heard_from("e0", 0, awaiting_welcome=True)[0] == "lost"
 
 
 def test_an_incarnation_never_pinged_gets_the_loss_bound_one_that_pinged_the_timeout(setup):
     """Its heartbeat connection may still be connecting (a thousand executors starting at once): lost after twice
     the timeout, not once; after its first ping, the timeout."""
     controller, _, _ = setup
-    assert controller.heard_from("e1", 1)[0] == "live"
+    assert controller.members.heard_from("e1", 1)[0] == "live"
     controller.clock.now += 6.0                       # past the timeout (5 s), within the loss bound (10 s)
-    controller.heartbeat()
+    controller.members.heartbeat()
     lost = {e for e, info in controller.resources.executors.items() if info.lost}
     assert lost == {"e1"}
     controller.clock.now += 4.5
-    controller.heartbeat()
+    controller.members.heartbeat()
     lost = {e for e, info in controller.resources.executors.items() if info.lost}
     assert lost == {"e0", "e1", "e2"}

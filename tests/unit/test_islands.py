@@ -59,10 +59,11 @@ def test_meshes_that_do_not_fit_the_islands_are_refused(axes, executors, message
 def test_a_collective_across_islands_is_refused_and_one_inside_is_not():
     resources = _resources(2, 2)
     mesh = resources.allocate({"island": 2, "data": 2})
-    check_collectives_in_islands(types.SimpleNamespace(name="f", collective_axes=("data",)), mesh, resources)
+    check_collectives_in_islands(types.SimpleNamespace(name="f", collective_axes=("data",)), mesh, resources.island_of)
     with pytest.raises(pw.PlacementError, match=r"f: its collective over axis 'island' would join executors of "
                                                 r"islands \['0', '1'\] \(e0, e2\)"):
-        check_collectives_in_islands(types.SimpleNamespace(name="f", collective_axes=("island",)), mesh, resources)
+        check_collectives_in_islands(types.SimpleNamespace(name="f", collective_axes=("island",)), mesh,
+                                     resources.island_of)
 
 
 def test_the_island_table_prints_each_island():

@@ -203,9 +203,9 @@ def _controller_running_a_tree(size=8):
     controller = controller_with_executors(_Sent(), ControllerConfig(launch_fanout=2, launch_tree_min_executors=4),
                                            size)
     lowered, x = chain_on_controller(controller, 2)
-    (out,) = controller.run_program(lowered.program_id, [x.array_id])
+    (out,) = controller.call_dispatch.run_program(lowered.program_id, [x.array_id])
     tree = next(iter(controller.launch_trees._trees.values()))
-    return controller, tree, max(controller._calls), out
+    return controller, tree, max(controller.state.calls), out
 
 
 def _group_batch(tree, call_id, executor_ids):
@@ -218,9 +218,9 @@ def test_a_run_down_a_tree_ends_when_each_root_has_reported_its_subtree_as_one_g
     controller, tree, call_id, out = _controller_running_a_tree()
     assert tree.roots == (0, 4)
     controller.on_message(tree.members[0], _group_batch(tree, call_id, tree.members[0:4]), [])
-    assert call_id in controller._calls and out.state != "ready"
+    assert call_id in controller.state.calls and out.state != "ready"
     controller.on_message(tree.members[4], _group_batch(tree, call_id, tree.members[4:8]), [])
-    assert call_id not in controller._calls and controller.arrays.get(out.array_id).state == "ready"
+    assert call_id not in controller.state.calls and controller.arrays.get(out.array_id).state == "ready"
     assert controller.dropped_messages == 0
 
 
@@ -228,4 +228,4 @@ def test_a_group_naming_an_executor_outside_the_senders_subtree_is_dropped_whole
     controller, tree, call_id, _ = _controller_running_a_tree()
     controller.on_message(tree.members[0], _group_batch(tree, call_id, [*tree.members[0:4], tree.members[5]]), [])
     assert controller.dropped_messages == 1
-    assert controller._calls[call_id].waiting == set(tree.members)   # not one of them counted
+    assert controller.state.calls[call_id].waiting == set(tree.members)   # not one of them counted

@@ -53,7 +53,7 @@ def _setup():
     controller = Controller(outbox)
     for i in range(2):
         _register(controller, f"e{i}", 7000 + i)
-    function_id = controller.register_function("f", pb.Graph(), [])
+    function_id = controller.call_dispatch.register_function("f", pb.Graph(), [])
     on_e0, on_e1 = (controller.resources.allocate({"data": 1}, [e]) for e in ("e0", "e1"))
     spec = ProgramSpec(name="p", input_values=(0,), input_meshes=(on_e0,), output_values=(2,), nodes=(
         CallSpec(name="here", function_id=function_id, mesh=on_e0, inputs=(0,), outputs=(1,)),
@@ -71,11 +71,11 @@ def _in_thread(fn) -> tuple[threading.Thread, list]:
 def test_another_call_is_dispatched_while_a_program_is_lowered(held_lowering):
     started, release = held_lowering
     controller, outbox, function_id, spec = _setup()
-    registering, lowered = _in_thread(lambda: controller.register_program(spec))
+    registering, lowered = _in_thread(lambda: controller.call_dispatch.register_program(spec))
     assert started.wait(10)
     mesh = controller.resources.allocate({"data": 2}, ["e0", "e1"])
-    calling, records = _in_thread(lambda: controller.call(CallSpec(function_id=function_id, name="g", mesh=mesh,
-                                                                   inputs=(), num_outputs=1), "bob"))
+    g = CallSpec(function_id=function_id, name="g", mesh=mesh, inputs=(), num_outputs=1)
+    calling, records = _in_thread(lambda: controller.call_dispatch.call(g, "bob"))
     calling.join(5)
     assert not calling.is_alive() and records[0][0].state == "pending", "the call waited for the lowering's lock"
     assert len(outbox.of("run")) == 2 and not outbox.of("register_program")
@@ -88,9 +88,9 @@ def test_another_call_is_dispatched_while_a_program_is_lowered(held_lowering):
 def test_an_executor_replaced_while_the_program_is_lowered_gets_a_plan_for_its_new_address(held_lowering):
     started, release = held_lowering
     controller, outbox, _, spec = _setup()
-    registering, lowered = _in_thread(lambda: controller.register_program(spec))
+    registering, lowered = _in_thread(lambda: controller.call_dispatch.register_program(spec))
     assert started.wait(10)
-    controller.declare_lost("e1", "killed")
+    controller.members.declare_lost("e1", "killed")
     _register(controller, "e1", 7011)                     # a new incarnation at a new address
     release.set()
     registering.join(10)
@@ -103,5 +103,5 @@ def test_an_executor_replaced_while_the_program_is_lowered_gets_a_plan_for_its_n
 
 def _run(controller, outbox, lowered) -> None:
     """The installed program runs: one RunProgram to each of its executors."""
-    controller.run_program(lowered.program_id, [controller.new_array(("e0",)).array_id])
+    controller.call_dispatch.run_program(lowered.program_id, [controller.lifetimes.new_array(("e0",)).array_id])
     assert sorted(e for e, _ in outbox.of("run_program")) == ["e0", "e1"]

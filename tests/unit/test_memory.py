@@ -15,6 +15,7 @@ from controller.resources import MeshAllocation
 from pathways_torch.errors import ContextClosedError, OutOfMemoryError
 from pathways_torch.wire import pb
 from tests.threads import InThread, until
+from pathways_torch.wire.seam import AllocateMesh, Call, RegisterFunction
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -142,7 +143,7 @@ def _controller(limit: int, wait_s: float):
                                backend="eager", pid=1000 + i)
         controller.on_message(f"e{i}", pb.Envelope(register=register), [])
     mesh = controller.resources.allocate({"data": 2}, ["e0", "e1"])
-    function_id = controller.register_function("grow", pb.Graph(), [])
+    function_id = controller.call_dispatch.register_function("grow", pb.Graph(), [])
     return controller, outbox, mesh, function_id
 
 
@@ -153,30 +154,30 @@ def _spec(function_id, mesh, *shard_bytes, inputs=()):
 
 def test_a_call_past_the_limit_waits_until_an_array_is_released():
     controller, outbox, mesh, function_id = _controller(1000, wait_s=10.0)
-    x = controller.new_array(mesh.executor_ids, landing=2, owner="alice", shard_bytes=400)
+    x = controller.lifetimes.new_array(mesh.executor_ids, landing=2, owner="alice", shard_bytes=400)
     for _ in range(2):
-        controller.landed(x.array_id)
-    [y] = controller.call(_spec(function_id, mesh, 500, inputs=(x.array_id,)), "alice")
+        controller.lifetimes.landed(x.array_id)
+    [y] = controller.call_dispatch.call(_spec(function_id, mesh, 500, inputs=(x.array_id,)), "alice")
     assert controller.memory.held == {"e0": 900, "e1": 900} and y.held_bytes == 500
-    waiter = InThread(lambda: controller.call(_spec(function_id, mesh, 200, 100), "alice"))
+    waiter = InThread(lambda: controller.call_dispatch.call(_spec(function_id, mesh, 200, 100), "alice"))
     _until(lambda: controller.memory.waiting == 1)
     assert len(outbox.runs()) == 2                 # only the first call's runs: the second waits, unsequenced
-    controller.release(x.array_id)                 # its 400 per executor are free again
+    controller.lifetimes.release(x.array_id)       # its 400 per executor are free again
     z, w = waiter.result()
     assert len(outbox.runs()) == 4
     assert controller.memory.held == {"e0": 800, "e1": 800}
     assert (z.held_bytes, w.held_bytes) == (200, 100)
     for record in (y, z, w):
-        controller.release(record.array_id)
+        controller.lifetimes.release(record.array_id)
     assert not controller.memory.held              # every byte given back, exactly once
 
 
 def test_a_call_that_never_gets_room_fails_after_the_wait_while_another_owner_goes_on():
     controller, outbox, mesh, function_id = _controller(1000, wait_s=0.3)
-    [big] = controller.call(_spec(function_id, mesh, 900), "alice")
-    waiter = InThread(lambda: controller.call(_spec(function_id, mesh, 200), "alice"))
+    [big] = controller.call_dispatch.call(_spec(function_id, mesh, 900), "alice")
+    waiter = InThread(lambda: controller.call_dispatch.call(_spec(function_id, mesh, 200), "alice"))
     _until(lambda: controller.memory.waiting == 1)
-    [small] = controller.call(_spec(function_id, mesh, 50), "bob")   # fits: goes on while alice waits
+    [small] = controller.call_dispatch.call(_spec(function_id, mesh, 50), "bob")   # fits: goes on while alice waits
     assert [e for e, _ in outbox.runs()] == ["e0", "e1", "e0", "e1"]
     with pytest.raises(OutOfMemoryError) as caught:
         waiter.result()
@@ -185,55 +186,55 @@ def test_a_call_that_never_gets_room_fails_after_the_wait_while_another_owner_go
         ("alice", "e0", 200, 950, 1000)
     assert "'grow'" in str(error)
     assert len(outbox.runs()) == 4                 # the failed call was never sent
-    assert controller.calls_in_flight == 2
+    assert controller.call_dispatch.calls_in_flight == 2
     assert controller.memory.snapshot()["e0"]["clients"] == {"alice": 900, "bob": 50}
-    controller.release(big.array_id)
-    [later] = controller.call(_spec(function_id, mesh, 200), "alice")   # room now: at once
+    controller.lifetimes.release(big.array_id)
+    [later] = controller.call_dispatch.call(_spec(function_id, mesh, 200), "alice")   # room now: at once
     assert later.state == "pending" and controller.memory.held["e0"] == 250
 
 
 def test_a_put_past_the_limit_fails_at_once_and_a_failed_put_leaves_nothing_held():
     controller, _, mesh, _ = _controller(1000, wait_s=0.1)
     with pytest.raises(OutOfMemoryError) as caught:
-        controller.new_array(mesh.executor_ids, landing=2, owner="carol", shard_bytes=1500)
+        controller.lifetimes.new_array(mesh.executor_ids, landing=2, owner="carol", shard_bytes=1500)
     assert (caught.value.client, caught.value.requested_bytes, caught.value.limit_bytes) == ("carol", 1500, 1000)
     assert not controller.memory.held and len(controller.arrays) == 0
-    controller.declare_lost("e1", "killed")
+    controller.members.declare_lost("e1", "killed")
     with pytest.raises(Exception, match="e1"):
-        controller.new_array(mesh.executor_ids, landing=2, owner="carol", shard_bytes=100)
+        controller.lifetimes.new_array(mesh.executor_ids, landing=2, owner="carol", shard_bytes=100)
     assert not controller.memory.held                # reserved, then the put failed: handed back
 
 
 def test_a_put_released_while_landing_is_given_back_once_it_lands():
     controller, _, mesh, _ = _controller(1000, wait_s=0.1)
-    x = controller.new_array(mesh.executor_ids, landing=2, owner="carol", shard_bytes=300)
-    controller.release(x.array_id)
+    x = controller.lifetimes.new_array(mesh.executor_ids, landing=2, owner="carol", shard_bytes=300)
+    controller.lifetimes.release(x.array_id)
     assert controller.memory.held == {"e0": 300, "e1": 300}   # its shards are still on their way
-    controller.landed(x.array_id)
-    controller.landed(x.array_id)
+    controller.lifetimes.landed(x.array_id)
+    controller.lifetimes.landed(x.array_id)
     assert not controller.memory.held
 
 
 def test_a_program_run_counts_its_outputs_not_its_intermediates():
     controller, outbox, mesh, function_id = _controller(1000, wait_s=0.2)
-    x = controller.new_array(mesh.executor_ids, owner="alice")
+    x = controller.lifetimes.new_array(mesh.executor_ids, owner="alice")
     spec = ProgramSpec(name="two", input_values=(0,), input_meshes=(mesh,), output_values=(2,), nodes=(
         CallSpec(name="a", function_id=function_id, mesh=mesh, inputs=(0,), outputs=(1,), output_shard_bytes=(700,)),
         CallSpec(name="b", function_id=function_id, mesh=mesh, inputs=(1,), outputs=(2,), output_shard_bytes=(600,))))
-    lowered = controller.register_program(spec)
-    [out] = controller.run_program(lowered.program_id, [x.array_id], "alice")
+    lowered = controller.call_dispatch.register_program(spec)
+    [out] = controller.call_dispatch.run_program(lowered.program_id, [x.array_id], "alice")
     assert controller.memory.held == {"e0": 600, "e1": 600} and out.held_bytes == 600
     with pytest.raises(OutOfMemoryError) as caught:
-        controller.run_program(lowered.program_id, [x.array_id], "alice")
+        controller.call_dispatch.run_program(lowered.program_id, [x.array_id], "alice")
     assert "program 'two'" in str(caught.value) and caught.value.requested_bytes == 600
-    controller.release(out.array_id)
+    controller.lifetimes.release(out.array_id)
     assert not controller.memory.held
 
 
 def test_without_a_limit_nothing_is_counted_or_waited_for():
     controller, outbox, mesh, function_id = _controller(0, wait_s=0.0)
-    x = controller.new_array(mesh.executor_ids, owner="alice", shard_bytes=1 << 40)
-    [y] = controller.call(_spec(function_id, mesh, 1 << 40, inputs=(x.array_id,)), "alice")
+    x = controller.lifetimes.new_array(mesh.executor_ids, owner="alice", shard_bytes=1 << 40)
+    [y] = controller.call_dispatch.call(_spec(function_id, mesh, 1 << 40, inputs=(x.array_id,)), "alice")
     assert (x.held_bytes, y.held_bytes) == (0, 0) and not controller.memory.held
 
 
@@ -259,20 +260,21 @@ def test_under_a_limit_each_run_carries_the_bytes_counted_per_output_shard():
     controller, outbox, mesh, function_id = _controller(1000, wait_s=0.2)
     spec = CallSpec(function_id=function_id, name="grow", mesh=mesh, inputs=(), num_outputs=3,
                     output_shard_bytes=(100, -5))     # a bogus size and a missing one: both count 0, and store 0
-    controller.call(spec, "alice")
+    controller.call_dispatch.call(spec, "alice")
     assert [list(run.output_budget_bytes) for _, run in outbox.runs()] == [[100, 0, 0], [100, 0, 0]]
-    x = controller.new_array(mesh.executor_ids, owner="alice")
+    x = controller.lifetimes.new_array(mesh.executor_ids, owner="alice")
     program = ProgramSpec(name="two", input_values=(0,), input_meshes=(mesh,), output_values=(1, 2), nodes=(
         CallSpec(name="a", function_id=function_id, mesh=mesh, inputs=(0,), outputs=(1,), output_shard_bytes=(70,)),
         CallSpec(name="b", function_id=function_id, mesh=mesh, inputs=(1,), outputs=(2,), output_shard_bytes=(60,))))
-    controller.run_program(controller.register_program(program).program_id, [x.array_id], "alice")
+    lowered = controller.call_dispatch.register_program(program)
+    controller.call_dispatch.run_program(lowered.program_id, [x.array_id], "alice")
     runs = [env.run_program for _, env in outbox.sent if env.WhichOneof("body") == "run_program"]
     assert runs and all(list(run.output_budget_bytes) == [70, 60] for run in runs)
 
 
 def test_without_a_limit_runs_carry_no_budgets():
     controller, outbox, mesh, function_id = _controller(0, wait_s=0.0)
-    controller.call(_spec(function_id, mesh, 100), "alice")
+    controller.call_dispatch.call(_spec(function_id, mesh, 100), "alice")
     assert all(not run.output_budget_bytes for _, run in outbox.runs())
 
 
@@ -300,9 +302,9 @@ def test_a_client_that_leaves_ends_its_call_waiting_for_memory_through_its_ops()
 
     controller, outbox, _, _ = _controller(1000, wait_s=30.0)
     alice = ClientOps(controller, None, "alice")
-    function_id, mesh = alice.register_function("grow", pb.Graph(), []), alice.allocate_mesh({"data": 2})
-    alice.call(_spec(function_id, mesh, 900))
-    waiter = InThread(lambda: alice.call(_spec(function_id, mesh, 200)))
+    function_id, mesh = alice.handle(RegisterFunction("grow", pb.Graph(), [])), alice.handle(AllocateMesh({"data": 2}))
+    alice.handle(Call(_spec(function_id, mesh, 900)))
+    waiter = InThread(lambda: alice.handle(Call(_spec(function_id, mesh, 200))))
     _until(lambda: controller.memory.waiting == 1)
     started = time.monotonic()
     alice.stop_waiting()          # as ClientService disconnects it (then its worker stops, then what it held goes)

@@ -38,7 +38,7 @@ class _Clients:
 
 
 class _Controller:
-    """What `Admin` and `status_of` read of a controller; ``gather`` counts the fan-outs to the executors."""
+    """What `Admin` and `status_of` read of a controller; ``requests.gather`` counts the fan-outs to the executors."""
 
     def __init__(self, executors=("executor-0", "executor-1")):
         self.fan_outs = 0
@@ -48,7 +48,9 @@ class _Controller:
             executors={e: types.SimpleNamespace(executor_id=e, lost=False, draining=False, island="0", device="cpu",
                                                 backend="eager", epoch=0, last_heard=0.0) for e in executors})
         self.resources.ordered = lambda: list(self.resources.executors.values())
-        self.calls_in_flight, self.arrays, self.executor_labels = 0, {}, {}
+        self.arrays, self.executor_labels = {}, {}
+        self.call_dispatch = types.SimpleNamespace(calls_in_flight=0)
+        self.requests = types.SimpleNamespace(gather=self.gather)
         self.clock = lambda: 0.0
 
     def gather(self, kind):

@@ -30,6 +30,7 @@ from pathways_torch.wire import collective_ops, pb
 from pathways_torch.wire.tensors import tensor_to_frame
 from tests.unit.test_executor_core import FakeOutbox, fetch_tensor, load, make_core, put, ref, run
 from tests.unit.test_gang_scheduling import FakeGroups
+from pathways_torch.wire.seam import AllocateMesh, NewArray, RegisterFunction, RegisterProgram, RunProgram
 
 V = torch.tensor([1.0, 2.0])
 
@@ -375,7 +376,7 @@ def _pipeline(seed: int, late: bool, program_order: bool = True, clients: int = 
         controller.on_message(executor_id, pb.Envelope(register=pb.Register(
             executor_id=executor_id, data_address=f"inproc://{executor_id}")), [])
     if clients == 1:
-        owners = [controller]
+        owners = [ClientOps(controller, None)]   # the embedded client's operations
     else:   # clients of a standalone controller: each its own functions, meshes and program; runs interleaved
         controller.admission.enabled = True
         names = [f"client{i}" for i in range(clients)]
@@ -386,25 +387,25 @@ def _pipeline(seed: int, late: bool, program_order: bool = True, clients: int = 
     inputs = {"w0": [V + 1, V - 3], "x0": [V * 2, -V], "x1": [V / 2, V + 5], "w1": [V * 0.5, V - 1]}
     programs, all_records = [], []
     for owner in owners:
-        allocate = controller.resources.allocate if owner is controller else owner.allocate_mesh
-        meshes = [allocate({"data": 2}, list(STAGE0)), allocate({"data": 2}, list(STAGE1))]
+        meshes = [owner.handle(AllocateMesh({"data": 2}, list(STAGE0))),
+                  owner.handle(AllocateMesh({"data": 2}, list(STAGE1)))]
         function_ids, axes = {}, {}
         with tracing_mesh({"data": 2}):
             for name, (fn, num_inputs) in FUNCTIONS.items():
                 version = capture(fn, name, [InputSpec((2,), torch.float32)] * num_inputs, lambda t: (t, {}))
-                function_ids[name] = owner.register_function(name, version.graph, version.constants)
+                function_ids[name] = owner.handle(RegisterFunction(name, version.graph, version.constants))
                 axes[name] = version.collective_axes
         spec = ProgramSpec(
             name="pipeline", input_values=(0, 1, 2, 3), input_meshes=tuple(meshes[value_mesh[v]] for v in range(4)),
             output_values=OUTPUTS, nodes=tuple(
                 CallSpec(name=name, function_id=function_ids[name], mesh=meshes[stage], inputs=ins, outputs=outs,
                          collective_axes=axes[name]) for name, stage, ins, outs in NODES))
-        registered = owner.register_program(spec)
-        program_id = registered if isinstance(registered, int) else registered.program_id
+        program_id = owner.handle(RegisterProgram(spec))
         programs.append(program_id)
-        all_records.append([owner.new_array(meshes[value_mesh[v]].executor_ids, landing=0) for v in range(4)])
-    lowered = controller._programs[programs[0]]
-    runs = [owner.run_program(program_id, [r.array_id for r in records])
+        all_records.append([owner.handle(NewArray(meshes[value_mesh[v]].executor_ids, landing=0))[0]
+                            for v in range(4)])
+    lowered = controller.state.programs[programs[0]]
+    runs = [owner.handle(RunProgram(program_id, [r.array_id for r in records]))
             for _ in range(NUM_RUNS) for owner, program_id, records in zip(owners, programs, all_records)]
     records = [r for records in all_records for r in records]
     inputs_of = [inputs[name] for _ in owners for name in inputs]

@@ -125,7 +125,7 @@ def test_a_binding_cached_after_its_group_was_abandoned_keeps_it_no_more():
     group = _Group(pg, 2, frozenset({"a@1", "b@1"}), timeout_s=20)
     del pg
     runtime = _runtime_with({})
-    binding = collectives._Binding(runtime, {"data": group})
+    binding = collectives._Binding(runtime._local, runtime.native, {"data": group})
     group.abandon("member b@1 was lost")
     binding.hold()
     del group

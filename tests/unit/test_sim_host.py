@@ -168,14 +168,13 @@ def test_a_waiting_client_flushes_frees_only_for_a_megabyte_or_more():
     from pathways_torch.array import _nbytes
     from pathways_torch.dispatcher import IDLE_FLUSH_BYTES, Dispatcher
 
+    from pathways_torch.wire.seam import FlushFrees
+
     class Client:
         flushes = 0
 
-        def release(self, array_id):
-            pass
-
-        def flush_frees(self):
-            Client.flushes += 1
+        def request(self, op):
+            Client.flushes += isinstance(op, FlushFrees)
 
     dispatch = Dispatcher(Client(), None)
     dispatch.release(1, nbytes=_nbytes((1024,), torch.float32))

@@ -15,9 +15,9 @@ pytestmark = pytest.mark.timeout(60)
 def _plain_call_with_a_copy(controller, outbox, function_id):
     """A call on e1 reading an array on e0: e0 pushes it a copy."""
     a, b = (controller.resources.allocate({"data": 1}, [e]) for e in ("e0", "e1"))
-    x = controller.new_array(a.executor_ids)
-    [out] = controller.call(CallSpec(function_id=function_id, name="f", mesh=b, inputs=(x.array_id,),
-                                     num_outputs=1))
+    x = controller.lifetimes.new_array(a.executor_ids)
+    [out] = controller.call_dispatch.call(CallSpec(function_id=function_id, name="f", mesh=b, inputs=(x.array_id,),
+                                                   num_outputs=1))
     ((_, send),) = outbox.of("send_shard")
     return out, send.send_shard
 
@@ -38,16 +38,16 @@ def test_a_report_on_a_plain_calls_copy_from_an_executor_on_no_route_of_it_chang
     controller.on_message("e1", pb.Envelope(transfer_lost=_missing(_failed_copy(send.as_ref, "e2"))), [])
     controller.on_message("e0", pb.Envelope(transfer_lost=_missing(_failed_copy(send.as_ref, "e0"))), [])
     assert outbox.of("transfer") == [] and out.state == "pending"
-    assert all(controller.heard_from(e, 1)[1] == [] for e in ("e0", "e1", "e2"))   # no group abandoned
-    assert (controller.transfers_lost, controller.calls_failed_by_lost_transfers) == (0, 0)
-    assert controller.refused_reports == controller.dropped_messages == 4
+    assert all(controller.members.heard_from(e, 1)[1] == [] for e in ("e0", "e1", "e2"))   # no group abandoned
+    assert (controller.completion.transfers_lost, controller.completion.calls_failed_by_lost_transfers) == (0, 0)
+    assert controller.completion.refused_reports == controller.dropped_messages == 4
     # The ends themselves are believed.
     controller.on_message("e0", pb.Envelope(transfer_lost=lost), [])
     ((to, failed),) = outbox.of("transfer")
     assert to == "e1"
     controller.on_message("e1", pb.Envelope(transfer_lost=_missing(failed.transfer)), [])
     assert out.state == "failed" and out.error.remote_type == "TransferLost"
-    assert (controller.transfers_lost, controller.calls_failed_by_lost_transfers) == (1, 1)
+    assert (controller.completion.transfers_lost, controller.completion.calls_failed_by_lost_transfers) == (1, 1)
 
 
 def test_a_report_on_a_program_runs_copy_is_believed_only_from_the_ends_its_plan_names():
@@ -56,7 +56,8 @@ def test_a_report_on_a_program_runs_copy_is_believed_only_from_the_ends_its_plan
     copy = pb.ShardRef(array_id=99, shard=0, tag=out.producer_call)
     for reporter, sender in (("e3", "e0"), ("e2", "e1"), ("e0", "e0")):
         controller.on_message(reporter, pb.Envelope(transfer_lost=_missing(_failed_copy(copy, sender))), [])
-    assert out.state == "pending" and controller.heard_from("e0", 1)[1] == controller.heard_from("e2", 1)[1] == []
-    assert controller.groups.by_members and controller.refused_reports == 3
+    assert out.state == "pending"
+    assert controller.members.heard_from("e0", 1)[1] == controller.members.heard_from("e2", 1)[1] == []
+    assert controller.groups.by_members and controller.completion.refused_reports == 3
     controller.on_message("e2", pb.Envelope(transfer_lost=_missing(_failed_copy(copy, "e0"))), [])
-    assert out.state == "failed" and controller.heard_from("e0", 1)[1] == ["transfer:99.0:e0->e2<3"]
+    assert out.state == "failed" and controller.members.heard_from("e0", 1)[1] == ["transfer:99.0:e0->e2<3"]

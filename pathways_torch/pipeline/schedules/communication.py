@@ -45,7 +45,7 @@ def with_communication(schedule: Schedule) -> Schedule:
         for action in actions:
             out += [a for a in (_comm_before(schedule, action), action, _comm_after(schedule, action)) if a]
         return out
-    return schedule.compute_only()._replace_actions(edit)
+    return schedule.compute_only().replace_actions(edit)
 
 
 def _partner(schedule: Schedule, a: Action) -> Action | None:

@@ -145,13 +145,14 @@ class Schedule:
 
     def compute_only(self) -> "Schedule":
         """This schedule without its sends and receives."""
-        return self._replace_actions(lambda r, actions: [a for a in actions if a.is_compute])
+        return self.replace_actions(lambda r, actions: [a for a in actions if a.is_compute])
 
     def has_communication(self) -> bool:
         """Whether any rank has a send or a receive."""
         return any(not a.is_compute for actions in self.ranks for a in actions)
 
-    def _replace_actions(self, edit: Callable[[int, tuple[Action, ...]], Iterable[Action]]) -> "Schedule":
+    def replace_actions(self, edit: Callable[[int, tuple[Action, ...]], Iterable[Action]]) -> "Schedule":
+        """The same schedule with each rank's actions replaced by ``edit(rank, actions)``."""
         ranks = tuple(tuple(edit(r, actions)) for r, actions in enumerate(self.ranks))
         return dataclasses.replace(self, ranks=ranks)
 
