@@ -32,6 +32,7 @@ import pathways_torch as pw
 from bench.common import print_table, process_cpu_s, timed_calls, write_results
 from bench.dispatch import chained, step
 from bench.gloo_loop import CHAIN
+from tests.handles import cluster_of
 
 def _thread_labels(pid: int):
     """(tid, label) of each thread of ``pid``, in creation order (see the module docstring for the labels)."""
@@ -105,7 +106,7 @@ def measure(executors: int, calls: int, mode: str, backend: str = "eager") -> di
             x = step(x) if mode != "Hops" else _inc(x)
         program(x).exception(timeout_s=60)
         pids = {"client": os.getpid(), **{f"executor {i}": process.pid
-                                          for i, process in enumerate(ctx._cluster.processes)}}
+                                          for i, process in enumerate(cluster_of(ctx).processes)}}
         per_call = {"OpByOp": 1, "Chained": CHAIN, "Hops": CHAIN - 1}[mode]
         run, count = (step, calls) if mode == "OpByOp" else (program, max(1, calls // per_call))
         before = _usage(pids)

@@ -41,6 +41,7 @@ from bench.common import print_table, write_results
 from bench.fuzz_inputs import BODY_KINDS, Hints, RandomChooser, hints_of, message
 from pathways_torch.wire.security import (CLIENT, HEARTBEAT_SUFFIX, INCARNATION_MARK, STORE_SUFFIX, KeyDirectory,
                                           KeyPair)
+from tests.handles import client_credentials_of, cluster_of, controller_of, server_of
 
 __all__ = ["RandomChooser", "Target", "targets", "message", "send", "probe", "status_kb", "keys_kept", "Window",
            "alive", "trains_like_eager", "BODY_KINDS", "Hints", "hints_of"]
@@ -106,11 +107,11 @@ def targets(ctx, zctx: zmq.Context, keys: dict[str, KeyPair]) -> list[Target]:
     """Every (port, sender) pair: executor keys to the controller's three connections and to the other
     executors' data and command ports; the client's key to every port; no key and an unknown key to every
     port. ``keys``: the cluster's key pairs by role (`keys_kept`)."""
-    client_keys = ctx._data._credentials.keys
+    client_keys = client_credentials_of(ctx).keys
     public, secret = zmq.curve_keypair()
     stranger = KeyPair(public=public, secret=secret)
-    infos = ctx.controller.resources.ordered()
-    controller = (ctx._server.address, ctx._server.credentials.keys.public)
+    infos = controller_of(ctx).resources.ordered()
+    controller = (server_of(ctx).address, server_of(ctx).credentials.keys.public)
     made = []
     for connection, suffix in CONTROLLER_CONNECTIONS.items():
         port = f"controller {connection}"
@@ -158,13 +159,13 @@ def probe(ctx, mesh, add_one, timeout_s: float) -> None:
     if not torch.equal(got, x + 1):
         raise AssertionError(f"a probe after fuzzing returned {got}, expected {x + 1}")
     deadline = time.monotonic() + timeout_s
-    while ctx.controller.state.calls and time.monotonic() < deadline:
+    while controller_of(ctx).state.calls and time.monotonic() < deadline:
         time.sleep(0.005)
 
 
 def alive(ctx) -> list[str]:
     """Executors whose process exited, or that the controller declared lost: crashes."""
-    gone = [e for e, p in zip(ctx.executor_ids, ctx._cluster.processes) if p.poll() is not None]
+    gone = [e for e, p in zip(ctx.executor_ids, cluster_of(ctx).processes) if p.poll() is not None]
     return sorted(set(gone) | set(ctx.stats()["controller"]["lost_executors"]))
 
 
@@ -210,7 +211,7 @@ class Window:
         self.ctx, self.reached = ctx, collections.Counter()
         self._before = None
         self._sent_to: collections.Counter = collections.Counter()
-        server, send = ctx._server, ctx._server.to_executor
+        server, send = server_of(ctx), server_of(ctx).to_executor
 
         def counted(executor_id, envelope, payload=()):
             self._sent_to[executor_id] += 1

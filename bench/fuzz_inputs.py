@@ -18,6 +18,7 @@ import torch
 from google.protobuf.descriptor import FieldDescriptor as F
 
 from pathways_torch.wire import pb
+from tests.handles import controller_of
 
 __all__ = ["RandomChooser", "Hints", "BODY_KINDS", "body", "message", "hints_of"]
 
@@ -59,14 +60,14 @@ class Hints:
 
 def hints_of(ctx, save_dir: str) -> Hints:
     """The hints of a running `pw.Context` (read in the client's process)."""
-    infos = ctx.controller.resources.ordered()
-    last_call = ctx.controller.call_dispatch.last_call_id
+    infos = controller_of(ctx).resources.ordered()
+    last_call = controller_of(ctx).call_dispatch.last_call_id
     return Hints(executor_ids=tuple(i.executor_id for i in infos),
                  addresses=tuple(a for i in infos for a in (i.data_address, i.link_address, i.command_address) if a),
                  public_keys=tuple(i.public_key for i in infos), epochs=tuple(i.epoch for i in infos),
-                 array_ids=tuple(sorted(r.array_id for r in ctx.controller.arrays.records())[-8:]),
+                 array_ids=tuple(sorted(r.array_id for r in controller_of(ctx).arrays.records())[-8:]),
                  call_ids=tuple(range(max(1, last_call - 3), last_call + 3)),
-                 store_prefixes=tuple(ctx.controller.rendezvous._members)[-4:], save_dir=save_dir)
+                 store_prefixes=tuple(controller_of(ctx).rendezvous._members)[-4:], save_dir=save_dir)
 
 
 _UINT_EDGES = (0, 1, 2, 7, 2**31 - 1, 2**32 - 1, 2**32, 2**63 - 1, 2**64 - 1)

@@ -33,6 +33,7 @@ import pathways_torch as pw
 from bench.common import add_run_arguments, print_table, write_results
 from bench.dispatch import MODES, PathwaysLoops
 from bench.train_setup import loss_fn, make_batches, make_config, make_model, tokens_per_s
+from tests.handles import controller_of
 
 UNBOUNDED = {"max_inflight": 10**9, "max_inflight_steps": 10**9}
 
@@ -63,7 +64,7 @@ class Setting:
         ``ctx.config.max_inflight_steps`` at each step, the controller its ``max_inflight_calls`` at each call."""
         config = dataclasses.replace(self.defaults, **options)
         self.ctx.config = config
-        self.ctx.controller.config = dataclasses.replace(self.ctx.controller.config,
+        controller_of(self.ctx).config = dataclasses.replace(controller_of(self.ctx).config,
                                                          max_inflight_calls=config.max_inflight)
 
     def train_window(self) -> float:
@@ -121,7 +122,7 @@ def measure(size: int, args) -> dict:
             rounds.append(rates)
             print(f"N={size} round {index + 1}/{args.rounds}: "
                   + ", ".join(f"{k} {v:,.0f}" for k, v in sorted(rates.items())), flush=True)
-        waits = len(setting.ctx.controller.call_dispatch.run_ahead.waits)
+        waits = len(controller_of(setting.ctx).call_dispatch.run_ahead.waits)
     result = {"executors": size, "rounds": rounds, "runahead_waits": waits, "kinds": {}}
     for kind in kinds:
         ratios = [r[f"{kind} bounded"] / r[f"{kind} unbounded"] for r in rounds]

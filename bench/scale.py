@@ -34,6 +34,7 @@ import pathways_torch as pw
 from bench.common import print_table, process_cpu_s, timed_calls, write_results
 from bench.cpu_per_call import thread_cpu_s
 from bench.overhead import chain_program, parity_point
+from tests.handles import client_of, data_client_of, server_of, swap_client
 
 _TARGETS_MS = {16: 0.3, 128: 2.3, 1024: 17.0}   # the issue's parity targets (this 2-core machine)
 
@@ -73,7 +74,7 @@ class Measurement:
         self.startup_s = time.perf_counter() - began
         self.mesh = self.ctx.mesh({"data": size})
         self.x = self.ctx.put(torch.zeros(size), self.mesh, [pw.Shard(0)])
-        self.server = self.ctx._client.server
+        self.server = server_of(self.ctx)
         self.hosts = sorted(set(self.ctx.executor_pids))
 
     def close(self) -> None:
@@ -128,14 +129,14 @@ class Measurement:
         """CPU by thread, messages and bytes per awaited run (`without_idle` takes the idle load off)."""
         chain = chain_program(self.steps, step_s)
         chain(self.x).exception(timeout_s=600)    # registration and lowering
-        counting = _CountingClient(self.ctx._client)
-        self.ctx._client = self.ctx._dispatch._client = counting
+        counting = _CountingClient(client_of(self.ctx))
+        real = swap_client(self.ctx, counting)
         before = self._counters()
         cpu = thread_cpu_s(os.getpid())
         wall = timed_calls(chain, self.x, runs, awaited=True)
         after_cpu = thread_cpu_s(os.getpid())
         after = self._counters()
-        self.ctx._client = self.ctx._dispatch._client = counting._client
+        swap_client(self.ctx, real)
         threads = {name: (after_cpu[name] - cpu.get(name, 0.0)) * 1e3 / runs for name in after_cpu}
         total = sum(threads.values())
         delta = {k: (after[k] - before[k]) / runs for k in after if k != "kinds"}
@@ -153,7 +154,7 @@ class Measurement:
     def _counters(self) -> dict:
         controller = self.server.controller
         loop = self.server.loop
-        data = self.ctx._session.data.loop
+        data = data_client_of(self.ctx).loop
         return {"sent": sum(controller.messages_sent.values()), "kinds": dict(controller.messages_sent),
                 "received": sum(controller.handled_messages.values()),   # control connections: Dones, replies
                 "heartbeats": self.server.handled_messages["heartbeat"],

@@ -40,6 +40,7 @@ from bench.train_setup import ReverseTask, loss_fn, make_config, make_model
 from pathways_torch.islands import ISLAND_AXIS
 from pathways_torch.local.cluster import describe_exit
 from pathways_torch.wire.process_state import is_gone
+from tests.handles import cluster_of, controller_of
 
 __all__ = ["main", "verdict", "kept_loss_bytes", "executor_exits"]
 
@@ -81,7 +82,7 @@ class FaultInjector:
                 print("fault: the link between the islands is cut", flush=True)
                 continue
             victim = next(self._victims)
-            resources = self._ctx.controller.resources
+            resources = controller_of(self._ctx).resources
             info = resources.executors[victim]
             if info.lost:            # still being replaced: wait for the next turn
                 continue
@@ -95,7 +96,7 @@ class FaultInjector:
     def _note(self, kind: str, victim: str, pid, epoch) -> None:
         self.faults.append({"at_s": time.monotonic(), "kind": kind, "executor": victim, "pid": pid, "epoch": epoch,
                             "recoveries_before": self._trainer.stats()["recoveries"],
-                            "failed_calls_before": self._ctx.controller.completion.calls_failed_by_lost_transfers})
+                            "failed_calls_before": controller_of(self._ctx).completion.calls_failed_by_lost_transfers})
 
     def per_fault(self, recoveries: int, failed_calls: int) -> list[dict]:
         """Each fault with the recoveries and lost transfers that came after it, before the next fault."""
@@ -107,7 +108,7 @@ class FaultInjector:
     def _continue_after_replacement(self, victim: str, epoch: int, pid: int) -> None:
         deadline = time.monotonic() + self._hold_s
         while time.monotonic() < deadline and not self._stop.is_set():
-            if self._ctx.controller.resources.executors[victim].epoch > epoch:
+            if controller_of(self._ctx).resources.executors[victim].epoch > epoch:
                 break
             time.sleep(0.2)
         _signal(pid, signal.SIGCONT)
@@ -264,7 +265,8 @@ def main(argv=None) -> int:
                 faults.stop()
             took = time.monotonic() - began
             stats = trainer.stats()
-            per_fault = faults.per_fault(stats["recoveries"], ctx.controller.completion.calls_failed_by_lost_transfers)
+            per_fault = faults.per_fault(stats["recoveries"],
+                                         controller_of(ctx).completion.calls_failed_by_lost_transfers)
             time.sleep(2 * args.heartbeat_timeout_s)   # continued old incarnations exit
             leftover = [pid for pid in faults.stopped if not is_gone(pid)]
             exits = executor_exits(_incarnations(ctx), faults.faults)
@@ -274,7 +276,7 @@ def main(argv=None) -> int:
             unbroken = _trainer(ctx, cfg, args)
             expected = _train(unbroken, task, steps=len(losses), until=None, batch=args.batch)
             backend = ctx.backend
-            epochs = {info.executor_id: info.epoch for info in ctx.controller.resources.ordered()}
+            epochs = {info.executor_id: info.epoch for info in controller_of(ctx).resources.ordered()}
     finally:
         shutil.rmtree(directory, ignore_errors=True)
     equal = sum(a == b for a, b in zip(losses, expected))
@@ -320,7 +322,7 @@ def main(argv=None) -> int:
 
 def _incarnations(ctx) -> list:
     """Every executor process the context's local cluster started, replaced ones first, with its executor id."""
-    cluster = ctx._cluster   # no public view of the processes: a benchmark's look
+    cluster = cluster_of(ctx)   # no public view of the processes: a benchmark's look
     return [*cluster.replaced_incarnations(), *zip(cluster.executor_ids, cluster.processes)]
 
 

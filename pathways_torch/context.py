@@ -185,29 +185,6 @@ class Context:
         how far it runs ahead of the executors calls it, so the wait shows in ``ctx.trace``."""
         self._dispatch.note_runahead_wait(start_ns, in_flight, what)
 
-    # ------------------------------------------------------------ what tests and benchmarks look at
-
-    @property
-    def controller(self):
-        """The embedded controller (its counters and tables; the client itself goes through `_client`)."""
-        return self._client.controller
-
-    @property
-    def _server(self):
-        return self._client.server
-
-    @property
-    def _data(self):
-        return self._session.data
-
-    @property
-    def _keys(self):
-        return self._session.keys
-
-    @property
-    def _cluster(self):
-        return self._session.cluster
-
     # ------------------------------------------------------------ observability
 
     @property

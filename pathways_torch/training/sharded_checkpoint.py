@@ -58,7 +58,7 @@ def is_sharded(path: str) -> bool:
                                     os.path.exists(os.path.join(path, INDEX)))
 
 
-def save_sharded(context, runner, directory: str, meta: dict, timeout_s: float = 3600.0, *,
+def save_sharded(runner, directory: str, meta: dict, timeout_s: float = 3600.0, *,
                  update_latest: bool = True, keep: int = 0, on_written=None) -> concurrent.futures.Future:
     """Start writing the current state of ``runner`` (a trainer's `runner.StepRunner`: its ``checkpoint_arrays``
     and ``checkpoint_parts``) under ``directory``, as of step ``meta["step"]``; the future resolves to the bytes

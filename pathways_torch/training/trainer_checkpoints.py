@@ -77,7 +77,7 @@ class TrainerCheckpoints:
             if error is not None and not (self.recover and is_recoverable(error)):
                 raise error                          # ... but one lost with an executor or a link is recovery's
         step = self.step_count
-        self._checkpoint = save_sharded(self._context, self.runner, directory, self._checkpoint_meta(),
+        self._checkpoint = save_sharded(self.runner, directory, self._checkpoint_meta(),
                                         update_latest=update_latest, keep=self.checkpoint_keep,
                                         on_written=lambda step_dir: self._count_checkpoint(step, step_dir))
         return self._checkpoint

@@ -5,6 +5,9 @@ launched executors, unbroken and with a checkpoint every 2 steps, killing (or st
 import json, os, signal, sys, torch, torch.nn as nn
 import pathways_torch as pw
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # tests.handles
+from tests.handles import controller_of  # noqa: E402
+
 steps, directory = int(sys.argv[1]), sys.argv[2]
 fault = getattr(signal, sys.argv[3] if len(sys.argv) > 3 else "SIGKILL")
 g = torch.Generator().manual_seed(1)
@@ -23,7 +26,7 @@ with pw.Context() as ctx:
     unbroken = trainer(ctx)
     expected = [loss.result(120).item() for loss in [unbroken.step(b) for b in batches]]
     recovering = trainer(ctx, checkpoint_dir=directory, checkpoint_every=2, replacement_timeout_s=120)
-    victim = ctx.controller.resources.executors["executor-1"].pid
+    victim = controller_of(ctx).resources.executors["executor-1"].pid
     losses = []
     for index, batch in enumerate(batches):
         losses.append(recovering.step(batch))
@@ -32,5 +35,5 @@ with pw.Context() as ctx:
             os.kill(victim, fault)
     print(json.dumps({"expected": expected, "losses": [loss.result(120).item() for loss in losses],
                       "stats": recovering.stats(), "victim": victim,
-                      "epochs": {i.executor_id: i.epoch for i in ctx.controller.resources.ordered()},
-                      "pids": {i.executor_id: i.pid for i in ctx.controller.resources.ordered()}}), flush=True)
+                      "epochs": {i.executor_id: i.epoch for i in controller_of(ctx).resources.ordered()},
+                      "pids": {i.executor_id: i.pid for i in controller_of(ctx).resources.ordered()}}), flush=True)

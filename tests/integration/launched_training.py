@@ -5,6 +5,9 @@ prints one JSON record per line: the executors, each step, the losses, or the Ex
 import json, os, sys, time, torch, torch.nn as nn
 import pathways_torch as pw
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # tests.handles
+from tests.handles import controller_of  # noqa: E402
+
 steps, pause = int(sys.argv[1]), float(sys.argv[2])
 across_islands = len(sys.argv) > 3 and sys.argv[3] == "islands"
 torch.manual_seed(0)
@@ -32,6 +35,6 @@ with pw.Context() as ctx:
     except pw.ExecutorLostError as exc:
         print(json.dumps({"lost": str(exc)}), flush=True)
         sys.exit(7)
-    print(json.dumps({"losses": losses, "islands": sorted({i.island for i in ctx.controller.resources.ordered()}),
-                      "groups": len(ctx.controller.groups.by_members),
-                      "store_requests": ctx.controller.rendezvous.requests_served}), flush=True)
+    print(json.dumps({"losses": losses, "islands": sorted({i.island for i in controller_of(ctx).resources.ordered()}),
+                      "groups": len(controller_of(ctx).groups.by_members),
+                      "store_requests": controller_of(ctx).rendezvous.requests_served}), flush=True)

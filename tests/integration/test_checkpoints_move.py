@@ -16,6 +16,7 @@ import torch.nn as nn
 import pathways_torch as pw
 from tests.service import open_context
 from tests.conftest import train_eagerly
+from tests.handles import data_client_of
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
@@ -265,7 +266,7 @@ def test_a_bad_checkpoint_keep_is_refused_under_every_plan_before_anything_is_se
     def sent_now() -> dict:   # what the controller sent, the stats requests reading it aside
         return {k: n for k, n in ctx.stats()["controller_messages"].items() if k not in ("stats_request", "heartbeat")}
 
-    sent, put = sent_now(), ctx._data.bytes_sent
+    sent, put = sent_now(), data_client_of(ctx).bytes_sent
     plans = [(pw.DataParallel("data"), {"data": 2}), (pw.ShardedDataParallel("data"), {"data": 2}),
              (pw.Pipeline(microbatches=2), {"pipe": 2})]
     for plan, axes in plans:
@@ -275,5 +276,5 @@ def test_a_bad_checkpoint_keep_is_refused_under_every_plan_before_anything_is_se
                 ctx.wrap(model, optimizer=_adamw(model), loss_fn=nn.MSELoss(), plan=plan,
                          mesh=ctx.mesh(axes, executors=ctx.executor_ids[:2]), checkpoint_dir=str(base),
                          checkpoint_every=1, checkpoint_keep=value)
-    assert sent_now() == sent and ctx._data.bytes_sent == put
+    assert sent_now() == sent and data_client_of(ctx).bytes_sent == put
     assert not base.exists() or os.listdir(base) == []

@@ -7,6 +7,7 @@ import torch
 
 import pathways_torch as pw
 import pathways_torch.data_client as data_client
+from tests.handles import server_of
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 
@@ -34,7 +35,7 @@ def test_a_message_with_no_command_connection_fails_what_needs_the_executor():
         x = ctx.put(torch.ones(4), mesh, [pw.Shard(0)])
         double = pw.function(lambda a: a * 2, name="double")
         double(x).result(timeout_s=60)                    # loaded and warm on both
-        server = ctx._server
+        server = server_of(ctx)
         with server._commands_lock:                       # the connection to executor-1 is gone
             server._commands.pop("executor-1").close(linger=0)
         with pytest.raises(pw.ExecutorLostError, match="executor-1.*no command connection") as caught:

@@ -46,7 +46,7 @@ def _mesh(ctx, *executor_ids):
 
 
 def _pid(ctx, executor_id: str) -> int:
-    return ctx.controller.resources.executors[executor_id].pid   # as the executor registered it
+    return ctx.executor_pids[ctx.executor_ids.index(executor_id)]   # as the executor registered it
 
 
 @pytest.fixture(scope="module")
@@ -151,7 +151,7 @@ def test_a_hung_executor_is_lost_by_its_heartbeat_within_twice_the_timeout(ctx):
         assert "silent for" in str(error)      # the heartbeat found it: the process is still there
         assert detected_s <= 2 * TIMEOUT_S
         assert isinstance(x.exception(), pw.ExecutorLostError)   # its data is gone with it
-        assert ctx.controller.resources.executors[victim].lost
+        assert ctx.is_lost(victim)
     finally:
         os.kill(pid, signal.SIGKILL)
     assert wait_until(lambda: not _running(pid), 10)

@@ -25,6 +25,7 @@ import torch
 import pathways_torch as pw
 from tests.conftest import REPO_ROOT, wait_until
 from tests.integration.test_held_futures_recovery import PLANS
+from tests.handles import controller_of
 
 sys.path.insert(0, os.path.join(REPO_ROOT, "examples"))
 from transformer import DecoderOnlyTransformer, ReverseTask, TransformerConfig, loss_fn  # noqa: E402
@@ -55,7 +56,7 @@ def _measure(ctx, survivors, checkpoints) -> dict:
     """What the run holds now, once it is quiet (two readings alike, a moment apart: a save or a reconnect may be
     under way)."""
     def reading():
-        sizes = ctx.controller.rendezvous.sizes()
+        sizes = controller_of(ctx).rendezvous.sizes()
         executors = ctx.stats()["executors"]
         peers = sum(executors[e]["hop_bytes"].get("peer_connections", 0) for e in ctx.executor_ids[:3])
         return {**_survivor_resources(survivors, checkpoints), "peer_sockets": peers, "listeners": ctx.link.listeners,
@@ -85,13 +86,13 @@ def test_three_replacements_of_one_executor_across_islands_leave_nothing_behind(
             victim_pid = ctx.executor_pids[3]
             os.kill(victim_pid, signal.SIGKILL)
             assert wait_until(lambda: ctx.executor_pids[3] != victim_pid or
-                              ctx.controller.resources.executors[victim].lost, 30)
+                              ctx.is_lost(victim), 30)
             round_ = batches[fault * STEPS_PER_ROUND:(fault + 1) * STEPS_PER_ROUND]
             for loss in [trainer.step(b) for b in round_]:
                 loss.result(120)
             assert trainer.stats()["recoveries"] == fault, trainer.stats()
             rows.append({"after": f"fault {fault}", **_measure(ctx, survivors, checkpoints)})
-        epochs = [info.epoch for info in ctx.controller.resources.ordered()]
+        epochs = [info.epoch for info in controller_of(ctx).resources.ordered()]
     assert epochs == [1, 1, 1, 1 + FAULTS]
     columns = ["after", "fds", "threads", "peer_sockets", "listeners", "keys", "groups_open", "folders"]
     table = "\n".join(["  ".join(f"{c:>9}" for c in columns)] +
@@ -133,7 +134,7 @@ def _one_island_reading(ctx, survivor: int, checkpoints) -> dict:
         if not target.startswith(str(checkpoints)):
             kinds["eventfds" if target == "anon_inode:[eventfd]" else target.split(":")[0]] += 1
     threads = _threads_by_name(survivor)
-    store = ctx.controller.rendezvous
+    store = controller_of(ctx).rendezvous
     executor = ctx.stats()["executors"][ctx.executor_ids[0]]
     return {"fds": sum(kinds.values()), "sockets": kinds["socket"], "eventfds": kinds["eventfds"],
             "pipes": kinds["pipe"], "threads": sum(threads.values()), "gloo_groups": threads["gloo_tcp_loop"],
@@ -186,7 +187,7 @@ def test_three_replacements_of_one_executor_on_one_island_leave_the_survivor_not
             victim_pid = ctx.executor_pids[1]
             os.kill(victim_pid, signal.SIGKILL)
             assert wait_until(lambda: ctx.executor_pids[1] != victim_pid or
-                              ctx.controller.resources.executors[victim].lost, 30)
+                              ctx.is_lost(victim), 30)
             for loss in [trainer.step(b) for b in batches[fault * STEPS_PER_ROUND:(fault + 1) * STEPS_PER_ROUND]]:
                 loss.result(300)
             assert trainer.stats()["recoveries"] == fault, trainer.stats()

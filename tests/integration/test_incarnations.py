@@ -19,6 +19,7 @@ import torch
 
 import pathways_torch as pw
 from tests.conftest import REPO_ROOT, process_gone, wait_until
+from tests.handles import controller_of
 
 sys.path.insert(0, os.path.join(REPO_ROOT, "examples"))
 from transformer import DecoderOnlyTransformer, ReverseTask, TransformerConfig, loss_fn  # noqa: E402
@@ -59,7 +60,7 @@ def test_sigkill_mid_run_is_recovered_onto_a_replacement_with_the_losses_of_an_u
         got = [loss.result(120).item() for loss in losses]
         stats = trainer.stats()
         pids = ctx.executor_pids
-        epochs = [info.epoch for info in ctx.controller.resources.ordered()]
+        epochs = [info.epoch for info in controller_of(ctx).resources.ordered()]
     assert got == expected
     assert pids[0] == survivor_pid and pids[1] != victim_pid      # only the lost one was replaced
     assert epochs == [1, 2]
@@ -196,14 +197,14 @@ def test_training_across_islands_recovers_from_a_cut_link_and_a_lost_executor_wi
         losses = [trainer.step(b) for b in batches[:9]]
         losses[-1].result(120)
         taken = 9
-        while ctx.controller.completion.calls_failed_by_lost_transfers == 0 and taken < 21:
+        while controller_of(ctx).completion.calls_failed_by_lost_transfers == 0 and taken < 21:
             # A cut loses only what is inside the link then (ZeroMQ resends what it had not written yet): cut
             # with steps in flight until one loses a transfer a step needs.
             losses += [trainer.step(b) for b in batches[taken:taken + 2]]
             taken += 2
             time.sleep(0.05)
             ctx.link.cut()
-            wait_until(lambda: ctx.controller.completion.calls_failed_by_lost_transfers > 0, 4.0)
+            wait_until(lambda: controller_of(ctx).completion.calls_failed_by_lost_transfers > 0, 4.0)
         losses += [trainer.step(b) for b in batches[taken:22]]
         losses[-1].result(120)
         os.kill(ctx.executor_pids[3], signal.SIGKILL)

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import pathways_torch as pw
+from tests.handles import controller_of
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
@@ -25,7 +26,7 @@ def test_executors_register_with_their_island(ctx):
     assert [island.name for island in table] == ["0", "1"]
     assert [len(island.executors) for island in table] == [2, 2]
     assert str(table).splitlines()[0] == "2 islands; link between islands: ZeroMQ over loopback (one host)"
-    resources = ctx.controller.resources
+    resources = controller_of(ctx).resources
     assert {e: resources.island_of(e) for e in ctx.executor_ids} == {
         "executor-0": "0", "executor-1": "0", "executor-2": "1", "executor-3": "1"}
     # in the order of their ids, whichever registered first: meshes are the same run after run
@@ -43,19 +44,19 @@ def test_a_collective_inside_each_island_and_none_across(ctx):
     # Each island sums its own two shards: [0+1] in island 0, [2+3] in island 1 (replicated on "data").
     blocks = total(x)
     assert blocks.shape == (2,) and torch.equal(blocks.result(), torch.tensor([1.0, 5.0]))
-    resources = ctx.controller.resources
-    for members in ctx.controller.groups.by_members:
+    resources = controller_of(ctx).resources
+    for members in controller_of(ctx).groups.by_members:
         assert len({resources.island_of(e) for e in members}) == 1, members
 
     @pw.function(out=pw.Replicate())
     def across(x):
         return pw.all_reduce(x, "island", "sum")
 
-    sent = dict(ctx.controller.messages_sent)
+    sent = dict(controller_of(ctx).messages_sent)
     with pytest.raises(pw.PlacementError, match=r"collective over axis 'island' would join executors of islands "
                                                 r"\['0', '1'\]"):
         across(x)
-    assert dict(ctx.controller.messages_sent) == sent        # refused before anything was sent
+    assert dict(controller_of(ctx).messages_sent) == sent        # refused before anything was sent
 
 
 def test_a_mesh_that_does_not_fit_the_islands_is_refused(ctx):
@@ -83,7 +84,7 @@ def test_each_island_has_its_own_sequencer(ctx):
     x0 = ctx.put(torch.ones(2), island0, {"data": pw.Shard(0)})
     x1 = ctx.put(torch.ones(2), island1, {"data": pw.Shard(0)})
     results = {}
-    with ctx.controller.sequencers.of("0").held():
+    with controller_of(ctx).sequencers.of("0").held():
         worker = threading.Thread(target=lambda: results.setdefault("0", total(x0).result(60)))
         worker.start()
         worker.join(1.0)
@@ -92,8 +93,8 @@ def test_each_island_has_its_own_sequencer(ctx):
         assert "0" not in results
     worker.join(60)
     assert results["0"].item() == 2.0
-    seq0 = ctx.controller.sequencers.of("0")
-    seq1 = ctx.controller.sequencers.of("1")
+    seq0 = controller_of(ctx).sequencers.of("0")
+    seq1 = controller_of(ctx).sequencers.of("1")
     assert set(seq0.last_collective) <= {"executor-0", "executor-1"}
     assert set(seq1.last_collective) <= {"executor-2", "executor-3"}
 
@@ -123,7 +124,7 @@ def test_a_pipeline_across_islands_equals_eager(ctx):
     assert max(abs(a - b) for a, b in zip(losses, expected)) < 1e-9, (losses, expected)
     state = trainer.state_dict()["model"]
     assert max((state[n] - p.detach()).abs().max().item() for n, p in reference.state_dict().items()) < 1e-9
-    resources = ctx.controller.resources
+    resources = controller_of(ctx).resources
     assert [resources.island_of(m.executor_ids[0]) for m in trainer.runner.stage_meshes] == ["0", "0", "1", "1"]
 
 
@@ -224,8 +225,8 @@ def test_data_parallel_across_islands_equals_eager(ctx, plan, clip):
     assert max(abs(a - b) for a, b in zip(losses, expected)) < 1e-9, (losses, expected)
     state = trainer.state_dict()["model"]
     assert max((state[n] - p.detach()).abs().max().item() for n, p in reference.state_dict().items()) < 1e-9
-    resources = ctx.controller.resources
-    for members in ctx.controller.groups.by_members:       # the reductions stayed inside each island
+    resources = controller_of(ctx).resources
+    for members in controller_of(ctx).groups.by_members:       # the reductions stayed inside each island
         assert len({resources.island_of(e) for e in members}) == 1
 
 
@@ -377,7 +378,7 @@ def test_across_islands_with_dropout_equals_one_island_and_leaves_nothing_behind
             stored.append(sum(e["store_bytes"] for e in shaped.stats()["executors"].values()))
         return losses, stored, trainer
 
-    island_0 = [e for e in shaped.controller.resources.ordered() if e.island == "0"]
+    island_0 = [e for e in controller_of(shaped).resources.ordered() if e.island == "0"]
     one, _, _ = train(shaped.mesh({"data": 2}, executors=[e.executor_id for e in island_0]), pw.DataParallel("data"))
     two, stored, trainer = train(shaped.mesh({"island": 2, "data": 1}),
                                  pw.DataParallel(("island", "data"), bucket_mb=0.02))
@@ -400,8 +401,8 @@ def test_tensor_parallelism_inside_islands_and_data_parallelism_across_equals_ea
     assert _relative(losses, expected_losses) < 1e-9, (losses, expected_losses)
     assert max(_relative(state[n], v) for n, v in expected.items()) < 1e-9
     assert "in each of 2 islands" in str(trainer.runner.placements)
-    resources = ctx.controller.resources
-    for members in ctx.controller.groups.by_members:       # the model axis's collectives stayed inside each island
+    resources = controller_of(ctx).resources
+    for members in controller_of(ctx).groups.by_members:       # the model axis's collectives stayed inside each island
         assert len({resources.island_of(e) for e in members}) == 1
 
 

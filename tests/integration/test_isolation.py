@@ -17,6 +17,7 @@ from pathways_torch.wire import pb
 from pathways_torch.wire.put_tokens import PUT_TOKEN_BYTES
 from tests.service import client_fixture
 from pathways_torch.wire.seam import Call, FlushFrees, Release, ReleaseMany, RunProgram
+from tests.handles import client_of, data_client_of, dispatcher_of
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
 
@@ -28,13 +29,14 @@ bob = client_fixture("bob", "shared_service", num_executors=4, backend="eager")
 
 
 def _fetch(ctx, executor_id: str, array_id: int, shard: int = 0):
-    return ctx._data.fetch(executor_id, pb.ShardRef(array_id=array_id, shard=shard))
+    return data_client_of(ctx).fetch(executor_id, pb.ShardRef(array_id=array_id, shard=shard))
 
 
 def _put(ctx, executor_id: str, array_id: int, tensor, token: bytes, shard: int = 0) -> BaseException | None:
     """A put straight to ``executor_id``; the error it ended with (None: it was kept)."""
     landed: concurrent.futures.Future = concurrent.futures.Future()
-    ctx._data.put(executor_id, [(pb.ShardRef(array_id=array_id, shard=shard), tensor, token)], landed.set_result)
+    data_client_of(ctx).put(executor_id, [(pb.ShardRef(array_id=array_id, shard=shard), tensor, token)],
+                            landed.set_result)
     return landed.result(timeout=30)
 
 
@@ -68,7 +70,7 @@ def test_bob_cannot_fetch_alices_arrays_from_the_executors(alice, bob):
     torch.testing.assert_close(y.result(timeout_s=60), host + 1)
     ids = alice.executor_ids
     # By the ids alice holds, and by guesses around them: every one is answered as an array never held there.
-    bobs = set(getattr(bob._client, "_states", {}))   # his own arrays, if an earlier test made any, are his to read
+    bobs = set(getattr(client_of(bob), "_states", {}))   # his own arrays, if an earlier test made any, are his to read
     guesses = [a for a in range(max(1, y.array_id - 3), y.array_id + 4) if a not in bobs]
     for array_id in (x.array_id, y.array_id, *guesses):
         for position, executor_id in enumerate(ids):
@@ -122,7 +124,7 @@ def test_bob_cannot_release_call_on_or_run_a_program_on_alices_arrays(alice, bob
         return inc(inc(a))
 
     torch.testing.assert_close(twice(x).result(timeout_s=60), host + 2)   # alice's program: registered, run
-    alice_programs = [entry[0] for entry in alice._dispatch._lowered_programs.values()]
+    alice_programs = [entry[0] for entry in dispatcher_of(alice)._lowered_programs.values()]
     # Bob's own function and program, called the ordinary way first (registered, on his own mesh).
     b = bob.put(torch.zeros(8), bob_mesh, [pw.Shard(0)])
     own = pw.function(lambda a: a * 2, name="bobs")
@@ -133,10 +135,10 @@ def test_bob_cannot_release_call_on_or_run_a_program_on_alices_arrays(alice, bob
         return own(a)
 
     torch.testing.assert_close(bobs_program(b).result(timeout_s=60), torch.zeros(8))
-    function_id = next(fid for fid, version in bob._dispatch._function_ids.values() if version().name == "bobs")
-    program_id = next(entry[0] for entry in bob._dispatch._lowered_programs.values())
+    function_id = next(fid for fid, version in dispatcher_of(bob)._function_ids.values() if version().name == "bobs")
+    program_id = next(entry[0] for entry in dispatcher_of(bob)._lowered_programs.values())
 
-    client = bob._client
+    client = client_of(bob)
     for array_id in (x.array_id, y.array_id):
         client.request(Release(array_id))                           # not his: nothing freed (a finalizer never raises)
         client.request(ReleaseMany([array_id]))
@@ -169,9 +171,9 @@ def test_ids_bob_reads_in_his_own_trace_name_nothing_of_alices(alice, bob, tmp_p
     for function_id, call_id in seen:
         spec = CallSpec(function_id=function_id, name="alices_secret", mesh=bob_mesh.allocation, inputs=(b.array_id,),
                         num_outputs=1)
-        assert "not one this client registered" in _refusal(lambda: bob._client.request(Call(spec)))
+        assert "not one this client registered" in _refusal(lambda: client_of(bob).request(Call(spec)))
         # a call id is no array id of his either: reading it as one is refused like any stranger's
-        for position, executor_id in enumerate(bob_mesh.executor_ids if call_id not in bob._client._states else ()):
+        for position, executor_id in enumerate(bob_mesh.executor_ids if call_id not in client_of(bob)._states else ()):
             with pytest.raises(RemoteError):
                 _fetch(bob, executor_id, call_id, position).result(timeout=30)
     torch.testing.assert_close(y.result(timeout_s=30), host - 1)

@@ -17,6 +17,7 @@ import torch.nn as nn
 
 import pathways_torch as pw
 from tests.conftest import train_eagerly
+from tests.handles import controller_of
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 
@@ -81,13 +82,13 @@ def test_one_message_per_executor_per_step_and_no_activation_through_the_client(
     plan = pw.Pipeline(microbatches=8, schedule="1f1b", data=pw.DataParallel("data"))
     trainer, _ = _train(ctx, model, plan, batches[:1], {"pipe": 2, "data": 2})   # captured and registered
     before = ctx.stats()
-    sent_before = dict(ctx.controller.messages_sent)
+    sent_before = dict(controller_of(ctx).messages_sent)
     for b in batches[1:]:
         trainer.step(b).result(120)
     after = ctx.stats()
-    runs = ctx.controller.messages_sent.get("run_program", 0) - sent_before.get("run_program", 0)
+    runs = controller_of(ctx).messages_sent.get("run_program", 0) - sent_before.get("run_program", 0)
     assert runs == 3 * 4, runs                  # one RunProgram per executor per step, nothing else
-    assert ctx.controller.messages_sent.get("run", 0) == sent_before.get("run", 0)
+    assert controller_of(ctx).messages_sent.get("run", 0) == sent_before.get("run", 0)
     moved = after["hops"]["executor->executor"] - before["hops"]["executor->executor"]
     # Per step: 8 microbatches x 2 data shards send an activation (16 rows/16 x WIDTH floats) forward and
     # its gradient back.

@@ -18,6 +18,7 @@ import torch
 
 import pathways_torch as pw
 from tests.conftest import REPO_ROOT
+from tests.handles import controller_of
 
 sys.path.insert(0, os.path.join(REPO_ROOT, "examples"))
 from transformer import DecoderOnlyTransformer, ReverseTask, TransformerConfig, loss_fn  # noqa: E402
@@ -142,7 +143,7 @@ def test_sigkill_of_one_stage_executor_under_1f1b_with_a_data_axis_recovers_exac
         tmp_path):
     with pw.Context(num_executors=4, heartbeat_timeout_s=HEARTBEAT_TIMEOUT_S) as ctx:
         got, expected, stats = _recovers_exactly(ctx, tmp_path)
-        epochs = [info.epoch for info in ctx.controller.resources.ordered()]
+        epochs = [info.epoch for info in controller_of(ctx).resources.ordered()]
     assert got == expected
     assert epochs == [1, 1, 1, 2]          # only the lost one was replaced
     assert stats["recoveries"] == 1 and 1 <= stats["steps_recomputed"] <= 3, stats

@@ -25,6 +25,7 @@ from pathways_torch.data_client import DataClient
 from pathways_torch.wire import pb
 from pathways_torch.wire.security import CLIENT, CONTROLLER, Credentials, KeyDirectory, KeyPair
 from tests.conftest import REPO_ROOT, listening_tcp, on_loopback, wait_until
+from tests.handles import client_credentials_of, controller_of, keys_of, server_of
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 
@@ -63,8 +64,8 @@ def _still_serves(ctx, mesh, add_one) -> None:
 def _target(ctx, target: str) -> tuple[str, bytes]:
     """The endpoint and CURVE server key of the controller's ROUTER or executor-0's data ROUTER."""
     if target == "controller":
-        return ctx._server.address, ctx._server.credentials.keys.public
-    info = ctx.controller.resources.executors["executor-0"]
+        return server_of(ctx).address, server_of(ctx).credentials.keys.public
+    info = controller_of(ctx).resources.executors["executor-0"]
     return info.data_address, info.public_key
 
 
@@ -139,12 +140,12 @@ def test_every_socket_listens_on_loopback_and_no_key_stays_on_disk(ctx, mesh):
     first). A launched run's health and status servers: tests/integration/test_launch.py, with the same check."""
     total = pw.function(lambda a: pw.all_reduce(a.sum(), axis="data"), name="total")
     assert total(ctx.put(torch.arange(8.0), mesh, [pw.Shard(0)])).result(timeout_s=60).tolist() == [28.0, 28.0]
-    assert ctx._server.address.startswith("tcp://127.0.0.1:")
+    assert server_of(ctx).address.startswith("tcp://127.0.0.1:")
     client = listening_tcp(os.getpid())
-    assert ("127.0.0.1", _port_of(ctx._server.address)) in client, client
-    for info in ctx.controller.resources.ordered():
+    assert ("127.0.0.1", _port_of(server_of(ctx).address)) in client, client
+    for info in controller_of(ctx).resources.ordered():
         assert info.data_address.startswith("tcp://127.0.0.1:"), info
-        assert len(info.public_key) == 40 and info.public_key == ctx._server.credentials.allowed[info.executor_id]
+        assert len(info.public_key) == 40 and info.public_key == server_of(ctx).credentials.allowed[info.executor_id]
         listening = listening_tcp(info.pid)
         ours = {_port_of(info.data_address), _port_of(info.command_address)}
         assert ours <= {port for _, port in listening}, (info, listening)
@@ -152,7 +153,7 @@ def test_every_socket_listens_on_loopback_and_no_key_stays_on_disk(ctx, mesh):
         client += listening
     outside = [(address, port) for address, port in client if not on_loopback(address)]
     assert not outside, f"expected every listening socket on 127.0.0.0/8, got {outside}"
-    assert not os.path.exists(ctx._keys.path)   # every process read its keys at start-up
+    assert not os.path.exists(keys_of(ctx).path)   # every process read its keys at start-up
 
 
 def _port_of(address: str) -> int:
@@ -219,9 +220,9 @@ def test_the_client_refuses_an_impostor_executor(ctx, zctx):
     public, secret = zmq.curve_keypair()
     impostor.curve_server, impostor.curve_publickey, impostor.curve_secretkey = True, public, secret
     port = impostor.bind_to_random_port("tcp://127.0.0.1")
-    client = DataClient(zctx, ctx._data._credentials)
+    client = DataClient(zctx, client_credentials_of(ctx))
     try:
-        client.connect("executor-0", f"tcp://127.0.0.1:{port}", ctx._server.credentials.allowed["executor-0"])
+        client.connect("executor-0", f"tcp://127.0.0.1:{port}", server_of(ctx).credentials.allowed["executor-0"])
         started = time.monotonic()
         with pytest.raises(pw.AuthenticationError, match="executor-0") as info:
             client.fetch("executor-0", pb.ShardRef(array_id=1, shard=0)).result(BOUND_S)
@@ -239,7 +240,7 @@ def test_a_client_with_a_foreign_key_gets_an_error_not_a_hang(ctx, mesh, add_one
     stranger = Credentials(role=CLIENT, keys=KeyPair(public=public, secret=secret), allowed={})
     client = DataClient(zctx, stranger)
     try:
-        info = ctx.controller.resources.executors["executor-0"]
+        info = controller_of(ctx).resources.executors["executor-0"]
         client.connect("executor-0", info.data_address, info.public_key)
         with pytest.raises(pw.AuthenticationError):
             client.fetch("executor-0", pb.ShardRef(array_id=x.array_id, shard=0)).result(BOUND_S)
@@ -265,7 +266,7 @@ def test_an_executor_key_can_neither_fetch_nor_put_nor_save_on_another_executor(
             shutil.rmtree(kept[0], ignore_errors=True)
         x = ctx.put(torch.arange(4.0), ctx.mesh({"data": 2}), [pw.Shard(0)])   # shard 0 lives on executor-0
         x.result(timeout_s=30)
-        info = ctx.controller.resources.executors["executor-0"]
+        info = controller_of(ctx).resources.executors["executor-0"]
         before = ctx.stats()["executors"]["executor-0"]
         client = DataClient(zctx, thief)
         try:
@@ -296,19 +297,19 @@ def test_an_executor_whose_key_is_not_allowed_exits_at_once(ctx, tmp_path):
     keys = KeyDirectory.create(["executor-9"], parent=str(tmp_path))
     # It knows the real controller's key, but its own is not on the controller's allow-list.
     with open(os.path.join(keys.path, "public", f"{CONTROLLER}.key"), "w") as f:
-        f.write(f'curve\n    public-key = "{ctx._server.credentials.keys.public.decode()}"\n')
+        f.write(f'curve\n    public-key = "{server_of(ctx).credentials.keys.public.decode()}"\n')
     refused_before = ctx.stats()["controller"]["refused_connections"]
     started = time.monotonic()
     # The simulated backend imports no torch: the executor is up in a second or two even on a loaded machine, so
     # the bound below tells exiting on the refusal from the 60 s join timeout, whatever the load.
-    out = subprocess.run([sys.executable, "-m", "executor", "--controller", ctx._server.address, "--id", "executor-9",
-                          "--keys", keys.path, "--backend", "sim", "--heartbeat-timeout-s", "60"],
+    out = subprocess.run([sys.executable, "-m", "executor", "--controller", server_of(ctx).address,
+                          "--id", "executor-9", "--keys", keys.path, "--backend", "sim", "--heartbeat-timeout-s", "60"],
                          capture_output=True, text=True, timeout=90, cwd=REPO_ROOT,
                          env=dict(os.environ, PYTHONPATH=REPO_ROOT))
     assert out.returncode == 5, out.stderr    # EXIT_REFUSED: a node does not start it again with a spare key
     assert "could not authenticate with the controller" in out.stderr and "HANDSHAKE_FAILED_AUTH" in out.stderr
     assert time.monotonic() - started < 30, out.stderr   # never the 60 s join timeout
-    assert "executor-9" not in ctx.controller.resources.executors
+    assert "executor-9" not in controller_of(ctx).resources.executors
     assert ctx.stats()["controller"]["refused_connections"] > refused_before
 
 
@@ -391,7 +392,7 @@ def test_hostile_frames_to_an_executor_are_dropped_and_it_keeps_serving(ctx, mes
     x.result(timeout_s=30)
     before = _executor_state(ctx)
     address, server_key = _target(ctx, "executor")
-    dealer, _ = _dealer(zctx, address, server_key, ctx._data._credentials.keys, monitor=False)
+    dealer, _ = _dealer(zctx, address, server_key, client_credentials_of(ctx).keys, monitor=False)
     for _ in range(ROUNDS):
         for frames in EXECUTOR_HOSTILE.values():
             dealer.send_multipart(frames)
@@ -431,8 +432,8 @@ def test_control_messages_from_anyone_but_the_controller_are_dropped(ctx, mesh, 
     """The command socket admits allow-listed keys (CURVE), but reads only what the controller's key sent."""
     gc.collect()
     before = _executor_state(ctx)
-    info = ctx.controller.resources.executors["executor-0"]
-    dealer, _ = _dealer(zctx, info.command_address, info.public_key, ctx._data._credentials.keys, monitor=False)
+    info = controller_of(ctx).resources.executors["executor-0"]
+    dealer, _ = _dealer(zctx, info.command_address, info.public_key, client_credentials_of(ctx).keys, monitor=False)
     hostile = [pb.Envelope(shutdown=pb.Shutdown(reason="forged")).SerializeToString(),
                pb.Envelope(run=pb.Run(call_id=10**6, function_id=1)).SerializeToString(),
                pb.Envelope(free=pb.Free(shards=[pb.ShardRef(array_id=1, shard=0)])).SerializeToString()]
@@ -448,12 +449,12 @@ def test_control_messages_from_anyone_but_the_controller_are_dropped(ctx, mesh, 
 def test_hostile_frames_to_the_controller_are_dropped_and_it_keeps_serving(ctx, mesh, add_one, zctx):
     gc.collect()   # earlier tests' arrays are released now, not in the middle
     before = ctx.stats()["controller"]["dropped_messages"]
-    arrays, executors = len(ctx.controller.arrays), sorted(ctx.controller.resources.executors)
+    arrays, executors = len(controller_of(ctx).arrays), sorted(controller_of(ctx).resources.executors)
     address, server_key = _target(ctx, "controller")
-    disconnects = lambda: ctx._server.connections.events["DISCONNECTED"]  # noqa: E731
+    disconnects = lambda: server_of(ctx).connections.events["DISCONNECTED"]  # noqa: E731
     for identity, frames in CONTROLLER_HOSTILE.values():
         gone = disconnects()
-        dealer, monitor = _dealer(zctx, address, server_key, ctx._data._credentials.keys, identity)
+        dealer, monitor = _dealer(zctx, address, server_key, client_credentials_of(ctx).keys, identity)
         # Send only once the handshake is done, and let close() flush: on a loaded machine a
         # handshake can outlast the poll below, and close() with linger 0 would discard the frames.
         event, seen = _wait_for_event(monitor, {"HANDSHAKE_SUCCEEDED"}, BOUND_S)
@@ -471,8 +472,8 @@ def test_hostile_frames_to_the_controller_are_dropped_and_it_keeps_serving(ctx, 
     expected = before + ROUNDS * len(CONTROLLER_HOSTILE)
     assert wait_until(lambda: ctx.stats()["controller"]["dropped_messages"] >= expected, 10)
     assert ctx.stats()["controller"]["dropped_messages"] == expected
-    assert sorted(ctx.controller.resources.executors) == executors   # no one registered
-    assert len(ctx.controller.arrays) == arrays
+    assert sorted(controller_of(ctx).resources.executors) == executors   # no one registered
+    assert len(controller_of(ctx).arrays) == arrays
     assert ctx.stats()["controller"]["lost_executors"] == []
     _still_serves(ctx, mesh, add_one)
 
@@ -480,7 +481,7 @@ def test_hostile_frames_to_the_controller_are_dropped_and_it_keeps_serving(ctx, 
 def test_an_oversized_frame_to_the_controller_is_cut_off(ctx, mesh, add_one, zctx):
     """Executors send the controller envelopes only: a frame over 64 MiB closes that connection unread."""
     address, server_key = _target(ctx, "controller")
-    dealer, monitor = _dealer(zctx, address, server_key, ctx._data._credentials.keys, b"client")
+    dealer, monitor = _dealer(zctx, address, server_key, client_credentials_of(ctx).keys, b"client")
     event, seen = _wait_for_event(monitor, {"HANDSHAKE_SUCCEEDED"}, BOUND_S)
     assert event == "HANDSHAKE_SUCCEEDED", seen
     dropped_before = ctx.stats()["controller"]["dropped_messages"]

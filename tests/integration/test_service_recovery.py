@@ -17,6 +17,7 @@ from tests.service import ControllerProcess, open_context
 sys.path.insert(0, os.path.join(REPO_ROOT, "examples"))
 from transformer import DecoderOnlyTransformer, ReverseTask, TransformerConfig, loss_fn  # noqa: E402
 from pathways_torch.wire.seam import Executors
+from tests.handles import client_of
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
@@ -56,7 +57,7 @@ def test_two_clients_recover_from_one_lost_executor_with_the_losses_of_unbroken_
                 losses[name] += [trainer.step(b) for b in batches[5:]]
             got = {name: [f.result(120).item() for f in fs] for name, fs in losses.items()}
             stats = {name: t.stats() for name, t in trainers.items()}
-            views = {info.executor_id: info for info in bob._client.request(Executors())}
+            views = {info.executor_id: info for info in client_of(bob).request(Executors())}
         assert got == expected
         for name in ("alice", "bob"):
             assert stats[name]["recoveries"] == 1, stats[name]

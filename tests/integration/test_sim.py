@@ -14,6 +14,7 @@ import torch
 
 import pathways_torch as pw
 from pathways_torch.wire.seam import Executors
+from tests.handles import client_of, server_of
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
 
@@ -65,7 +66,7 @@ def test_executors_ping_less_often_when_together_they_would_pass_the_controllers
     """16 executors at 0.5 s would ping 32 times a second; with a budget of 8 a second the answers ask each for one
     every 2 s (16 / 8), and the controller hears about 8 a second, with work still running."""
     with pw.Context(num_executors=16, backend="sim", sims_per_process=16, max_heartbeats_per_s=8) as ctx:
-        server = ctx._client.server
+        server = server_of(ctx)
         time.sleep(2.5)   # the first answers ask for the longer interval; the pings already sent still come
         before = server.handled_messages["heartbeat"]
         time.sleep(6.0)
@@ -109,7 +110,7 @@ def test_a_killed_simulating_process_loses_its_executors_and_the_others_go_on(tm
         assert isinstance(error, pw.ExecutorLostError), error
         assert any(e in str(error) for e in lost), error
         while time.monotonic() - killed < ctx.config.heartbeat_timeout_s:   # the loss bound
-            lost_now = {info.executor_id for info in ctx._client.request(Executors()) if info.lost}
+            lost_now = {info.executor_id for info in client_of(ctx).request(Executors()) if info.lost}
             if lost_now == set(lost):
                 break
             time.sleep(0.01)

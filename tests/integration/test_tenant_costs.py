@@ -13,6 +13,7 @@ import pathways_torch as pw
 from pathways_torch.wire import pb
 from pathways_torch.wire.seam import RegisterFunction
 from tests.service import client_fixture
+from tests.handles import client_of
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
 
@@ -26,7 +27,7 @@ bob = client_fixture("bob", "shared_service", num_executors=4, backend="eager")
 def test_bob_cannot_register_a_cost_that_would_freeze_the_islands_and_alices_calls_complete(alice, bob):
     for cost in (1e308, float("inf"), float("nan"), -1.0, 5e-324):
         with pytest.raises(ValueError) as refused:   # the raw request: what pw.function would have refused first
-            bob._client.request(RegisterFunction("evil", pb.Graph(), [], cost))
+            client_of(bob).request(RegisterFunction("evil", pb.Graph(), [], cost))
         text = str(refused.value)
         assert "function 'evil': sim_time_s: expected a finite number in [1e-06, 1e+06]" in text, text
         assert "or 0 for none" in text
@@ -52,11 +53,11 @@ def test_bob_cannot_register_an_op_that_hurts_every_tenant_or_a_graph_past_the_c
 
     graph, constants = encode_graph(make_fx(asserts, tracing_mode="fake")(torch.ones(4)))
     with pytest.raises(ValueError, match=r"aten._assert_async.msg.*refused to a service client"):
-        bob._client.request(RegisterFunction("asserts", graph, list(constants), 0.0))
+        client_of(bob).request(RegisterFunction("asserts", graph, list(constants), 0.0))
     huge, constants = encode_graph(make_fx(lambda x: x + torch.zeros(1 << 20, 1 << 10), tracing_mode="fake")(
         torch.ones(1)))
     with pytest.raises(ValueError, match="max-graph-bytes"):
-        bob._client.request(RegisterFunction("huge", huge, list(constants), 0.0))
+        client_of(bob).request(RegisterFunction("huge", huge, list(constants), 0.0))
     host = torch.arange(8.0)
     torch.testing.assert_close(inc(alice.put(host, alice.mesh({"data": 4}), [pw.Shard(0)])).result(timeout_s=60),
                                host + 1)

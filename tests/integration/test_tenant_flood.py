@@ -21,6 +21,7 @@ from pathways_torch.wire.security import KeyDirectory, make_client
 from tests.conftest import wait_until
 from tests.service import ControllerProcess, open_context
 from pathways_torch.wire.seam import Call, NewArray, RegisterFunction
+from tests.handles import client_of
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
 
@@ -172,11 +173,11 @@ def test_calls_that_never_end_hold_neither_the_island_nor_anothers_run_ahead(ser
     with open_context("remote", service, client="bob", backend="eager", heartbeat_interval_s=0.2,
                       heartbeat_timeout_s=2.0) as bob:
         mesh = bob.mesh({"data": 2})
-        never = bob._client.request(NewArray(list(mesh.executor_ids), landing=2, shard_bytes=8))[0]   # never put
+        never = client_of(bob).request(NewArray(list(mesh.executor_ids), landing=2, shard_bytes=8))[0]   # never put
         graph, constants = encode_graph(make_fx(lambda x: x + 1)(torch.zeros(2)))
-        function_id = bob._client.request(RegisterFunction("stuck", graph, list(constants)))
+        function_id = client_of(bob).request(RegisterFunction("stuck", graph, list(constants)))
         for _ in range(40):
-            bob._client.request(Call(CallSpec(function_id=function_id, name="stuck", mesh=mesh.allocation,
+            client_of(bob).request(Call(CallSpec(function_id=function_id, name="stuck", mesh=mesh.allocation,
                                       inputs=(never.array_id,), num_outputs=1, output_shard_bytes=(8,))))
         start = time.monotonic()
         assert _doubles(alice, alice.mesh({"data": 2}))

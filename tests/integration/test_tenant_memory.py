@@ -33,6 +33,7 @@ from pathways_torch.wire.put_tokens import PUT_TOKEN_BYTES
 from pathways_torch.wire.seam import Call
 from tests.conftest import REPO_ROOT, wait_until
 from tests.service import ControllerProcess, client_fixture
+from tests.handles import client_of, data_client_of
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
 
@@ -47,13 +48,14 @@ _KILLED_MID_PUT = """
 import sys, time
 import torch
 import pathways_torch as pw
+from tests.handles import data_client_of
 
 with pw.Context(controller=sys.argv[1], keys=sys.argv[2], backend="eager", heartbeat_interval_s=0.2,
                 heartbeat_timeout_s=2.0) as ctx:
     mesh = ctx.mesh({"data": 1}, executors=[0])
     landed = ctx.put(torch.ones(256, 1024), mesh, [pw.Replicate()])      # 1 MiB, stored on executor 0
     landed.result(timeout_s=60)
-    ctx._data.put = lambda executor_id, shards, on_done: None           # from now on, puts never leave
+    data_client_of(ctx).put = lambda executor_id, shards, on_done: None   # from now on, puts never leave
     pending = ctx.put(torch.zeros(2 * 1024 * 1024), mesh, [pw.Replicate()])   # 8 MiB asked for, never sent
     print("READY", flush=True)
     time.sleep(300)
@@ -97,7 +99,7 @@ def _put(ctx, executor_id: str, ref: pb.ShardRef, tensor, tokens: bytes) -> Base
     """A put straight to ``executor_id`` with ``tokens`` (the data client sends the one at ``ref.shard``); the error it
     ended with (None: it was kept)."""
     landed: concurrent.futures.Future = concurrent.futures.Future()
-    ctx._data.put(executor_id, [(ref, tensor, tokens)], landed.set_result)
+    data_client_of(ctx).put(executor_id, [(ref, tensor, tokens)], landed.set_result)
     return landed.result(timeout=30)
 
 
@@ -161,7 +163,7 @@ def test_an_output_larger_than_its_call_declared_is_not_stored(service, alice, b
     assert wait_until(lambda: _stored(bob)[e0] < MIB, 10)
     x = bob.put(torch.arange(2.0), mesh, [pw.Replicate()])
     assert x.wait(60)
-    client = bob._dispatch._client            # bob's remote client: what goes on the wire from his key
+    client = client_of(bob)            # bob's remote client: what goes on the wire from his key
     honest = client.request
 
     def lying(op):                            # what a hostile client sends: 8 bytes declared per output shard

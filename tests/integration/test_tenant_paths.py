@@ -18,6 +18,7 @@ from pathways_torch.errors import RemoteError
 from pathways_torch.wire import pb
 from pathways_torch.wire.checkpoint_paths import CheckpointPathError
 from tests.service import ControllerProcess, client_fixture
+from tests.handles import data_client_of
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
 
@@ -57,7 +58,7 @@ def _save_straight(ctx, path: str) -> BaseException:
     """Bob asks an executor, on its data socket, to write one of his own arrays to ``path``: what it answered."""
     x = ctx.put(torch.full((4,), 6.66), ctx.mesh({"data": 1}, executors=[ctx.executor_ids[0]]), [pw.Replicate()])
     x.result(timeout_s=30)
-    saving = ctx._data.save(ctx.executor_ids[0], [pb.ShardRef(array_id=x.array_id, shard=0)], ["w"], path)
+    saving = data_client_of(ctx).save(ctx.executor_ids[0], [pb.ShardRef(array_id=x.array_id, shard=0)], ["w"], path)
     try:
         saving.result(timeout=30)
     except RemoteError as exc:
@@ -108,7 +109,7 @@ def test_bob_cannot_make_an_executor_write_over_alices_shard(tenant_service, bob
     os.symlink(victim, os.path.join(root, "bob", "mine.safetensors"))
     x = bob.put(torch.ones(2), bob.mesh({"data": 1}, executors=[bob.executor_ids[0]]), [pw.Replicate()])
     x.result(timeout_s=30)
-    bob._data.save(bob.executor_ids[0], [pb.ShardRef(array_id=x.array_id, shard=0)], ["w"],
+    data_client_of(bob).save(bob.executor_ids[0], [pb.ShardRef(array_id=x.array_id, shard=0)], ["w"],
                    "mine.safetensors").result(timeout=30)
     assert not os.path.islink(os.path.join(root, "bob", "mine.safetensors"))
     assert _digests(step_dir) == before, "alice's checkpoint changed"

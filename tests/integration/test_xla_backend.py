@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import pathways_torch as pw
+from tests.handles import controller_of
 
 pytestmark = [pytest.mark.integration, pytest.mark.compat, pytest.mark.timeout(180)]
 
@@ -25,7 +26,7 @@ def _compiles(ctx) -> dict:
 
 
 def test_executors_run_on_an_xla_device(ctx):
-    devices = {info.device for info in ctx.controller.resources.ordered()}
+    devices = {info.device for info in controller_of(ctx).resources.ordered()}
     # torch_xla's device, or the JAX CPU client's: no silent fallback to torch's CPU.
     assert devices == ({"xla:0"} if ctx.backend == "xla:torch_xla" else {"cpu:0"}), devices
     assert {s["backend"] for s in ctx.stats()["executors"].values()} == {ctx.backend}

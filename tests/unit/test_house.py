@@ -219,3 +219,39 @@ def test_the_rules_catch_what_they_forbid():
                                                      "shared imports frontend", "frontend imports controller"]
     assert import_circles([Edge("a.b", "a.c", 1), Edge("a.c", "a.b", 2), Edge("a", "a.b", 3),
                            Edge("a.b", "a", 4)]) == [["a.b", "a.c"]]
+
+
+TEST_ONLY_HANDLES = ("controller", "_server", "_data", "_keys", "_cluster")
+
+
+def context_test_handles(source: str) -> list[str]:
+    """What class ``Context`` of ``source`` defines or sets on ``self`` of `TEST_ONLY_HANDLES`."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if not (isinstance(node, ast.ClassDef) and node.name == "Context"):
+            continue
+        for inner in ast.walk(node):
+            if isinstance(inner, (ast.FunctionDef, ast.AsyncFunctionDef)) and inner.name in TEST_ONLY_HANDLES:
+                found.append(f"def {inner.name} (line {inner.lineno})")
+            elif isinstance(inner, ast.Name) and isinstance(inner.ctx, ast.Store) and inner.id in TEST_ONLY_HANDLES:
+                found.append(f"{inner.id} = (line {inner.lineno})")
+            elif isinstance(inner, ast.Attribute) and isinstance(inner.ctx, ast.Store) \
+                    and isinstance(inner.value, ast.Name) and inner.value.id == "self" \
+                    and inner.attr in TEST_ONLY_HANDLES:
+                found.append(f"self.{inner.attr} = (line {inner.lineno})")
+    return found
+
+
+def test_the_context_has_no_test_only_surface():
+    """Issue 48: `pw.Context` is what users hold; tests and benchmarks reach the parts behind it (the embedded
+    controller, its server, the data client, the keys, the local executors) through tests/handles.py."""
+    import pathways_torch as pw
+
+    assert [name for name in TEST_ONLY_HANDLES if hasattr(pw.Context, name)] == []
+    with open(os.path.join(REPO_ROOT, "pathways_torch", "context.py")) as f:
+        assert context_test_handles(f.read()) == []
+    made_up = ("class Context:\n    controller = property(lambda self: 1)\n"
+               "    def __init__(self):\n        self._keys = 1\n        self.config = 2\n"
+               "    @property\n    def _cluster(self):\n        return 3\n")
+    assert sorted(context_test_handles(made_up)) == ["controller = (line 2)", "def _cluster (line 7)",
+                                                     "self._keys = (line 4)"]
