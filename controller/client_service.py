@@ -31,7 +31,7 @@ from pathways_torch.wire import SocketLoop, seam_codec
 from pathways_torch.wire.checkpoint_paths import DEFAULT_CHECKPOINT_ROOT, client_root
 from pathways_torch.wire.framing import log_dropped
 from pathways_torch.wire.limits import Bounds, bounded
-from pathways_torch.wire.seam import OPS, ArraySettled, Bye, op_from_wire
+from pathways_torch.wire.seam import OPS, ArraySettled, Bye, Call, op_from_wire
 from pathways_torch.wire.security import ConnectionWatch, client_name, make_server, peer_role
 
 from .client_inbox import QueueFull, RefusalPace, RequestQueue, is_ping, message_bytes, peek_request_id
@@ -238,6 +238,9 @@ class ClientService:
 
     def _handle(self, session: _Session, name: str, args: list, answered: bool = True):
         op = op_from_wire(name, args)   # checked: a client sends plain data only
+        if type(op) is Call and op.output_ids is None:   # the embedded client's form: a remote one names its outputs
+            raise TypeError("request 'call': argument 'output_ids' must be list or tuple (the next ids this client "
+                            "was granted: grant_ids), got None")
         result = session.ops.handle(op)
         return self._followed(session, result, answered) if op.MAKES_ARRAYS else result
 

@@ -1,10 +1,11 @@
-"""The seam between the client and the controller: the `ControllerClient` protocol and the messages it carries.
+"""The seam between the client and the controller: the `ControllerClient` protocol and what the client hears back.
 
-Like Monarch's ``controller_api.py``: one section for what the client asks of the controller, one for what
-it hears back. Every message is plain data (frozen dataclasses, ints, strings, tuples, protobuf envelopes and
-the errors the controller reports), so an implementation could carry each over the wire; no lock, event or
-mutable controller object crosses it. `pathways_torch.client.InProcessClient` implements it over the
-controller embedded in this process.
+What the client asks is one operation at a time, ``request(op)``, each a frozen dataclass of
+`pathways_torch.wire.seam` (`SeamOp`) handled once by the controller's `ClientOps`; what it hears back are the
+events of `ClientEvents` and each array's `ArraySettled`. Everything is plain data (frozen dataclasses, ints,
+strings, tuples, protobuf envelopes and the errors the controller reports), so `RemoteClient` carries each over
+the wire; no lock, event or mutable controller object crosses it. `pathways_torch.client.InProcessClient`
+implements it over the controller embedded in this process.
 
 The client keeps its own state of every array it was handed (`ArrayState`): the controller's settle events
 update it, and `Array` waits on it alone.

@@ -29,8 +29,8 @@ import zmq
 from .controller_api import FAILED, PENDING, ArrayState, ClientEvents, ExecutorView
 from .errors import AuthenticationError, ContextClosedError, ControllerLostError, PathwaysError
 from .wire import SocketLoop, seam_codec
-from .wire.seam import (ArraySettled, Bye, Call, Executors, GrantIds, NoteRunaheadWait, RegisterProgram, Release,
-                        ReleaseMany, RunProgram, SeamOp)
+from .wire.seam import (ArraySettled, Bye, Call, Executors, Forget, GrantIds, NoteRunaheadWait, RegisterProgram,
+                        Release, ReleaseMany, RunProgram, SeamOp)
 from .wire.security import HANDSHAKE_FAILURES, ConnectionWatch, Credentials, make_client
 
 __all__ = ["RemoteClient"]
@@ -227,6 +227,9 @@ class RemoteClient:
             return self._call_ahead(op, op.spec.num_outputs)
         if kind is RunProgram and op.output_ids is None and op.program_id in self._program_outputs:
             return self._call_ahead(op, self._program_outputs[op.program_id])
+        if kind is Forget:
+            for program_id in op.program_ids:
+                self._program_outputs.pop(program_id, None)
         if kind is Release or kind is ReleaseMany:
             with self._lock:
                 for array_id in (op.array_id,) if kind is Release else op.array_ids:

@@ -44,7 +44,8 @@ def differentiable(op, backward):
             with torch.no_grad():
                 return backward(ctx, grad)
 
-    Differentiable.__name__ = f"Differentiable[{op}]"
+    # The op's qualified name, from its repr ("<CustomOpDef(pathways_graph::stop_gradient)>"): what errors show.
+    Differentiable.__name__ = f"Differentiable[{str(op).partition('(')[2].removesuffix(')>') or op}]"
     return Differentiable
 
 

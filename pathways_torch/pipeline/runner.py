@@ -225,9 +225,13 @@ class PipelineRunner(PipelineBuild, PipelineEvaluation, PipelineCheckpoints):
 
     # ------------------------------------------------------------ prediction and the timeline
 
+    def refusal(self, kind: str) -> Exception | None:
+        return PlacementError("trainer.predict is not supported under pw.Pipeline yet; use trainer.evaluate for the "
+                              "loss, or run the model on the client from trainer.state_dict()['model']") \
+            if kind == "predict" else None
+
     def predict(self, form, tensors: list):
-        raise PlacementError("trainer.predict is not supported under pw.Pipeline yet; use trainer.evaluate for the "
-                             "loss, or run the model on the client from trainer.state_dict()['model']")
+        raise self.refusal("predict")
 
     def timeline(self, path: str = "step.png", *, trace_path: str | None = None) -> str:
         """Draw the last step from the executors' timestamps (matplotlib): one row per executor, forward and

@@ -409,6 +409,9 @@ class CrossIslandRunner:
                 json.dump(chrome_step(full, len(self.bucket_cut.segments)), f)
         return path
 
+    def refusal(self, kind: str) -> Exception | None:
+        return _not_across_islands(kind)
+
     def evaluate(self, form, tensors: list, *, placed):
         raise _not_across_islands("evaluate")
 

@@ -161,6 +161,9 @@ class DataParallelRunner:
         (loss,) = self._forward("loss", form, tensors)
         return loss
 
+    def refusal(self, kind: str) -> Exception | None:
+        return None   # both supported
+
     def predict(self, form, tensors: list):
         from torch.utils._pytree import tree_unflatten
 

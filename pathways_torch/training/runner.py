@@ -76,6 +76,10 @@ class StepRunner(Protocol):
         """The loss on the batch's host ``tensors``, forward only (a replicated 0-d `pw.Array`); ``placed`` as
         ``dispatch`` takes it."""
 
+    def refusal(self, kind: str) -> Exception | None:
+        """Why ``kind`` (``"evaluate"`` or ``"predict"``) is not supported under this plan, or None: the trainer
+        raises it before it looks at the batch."""
+
     def predict(self, form, tensors: list):
         """The model's output on the batch's host ``tensors``."""
 

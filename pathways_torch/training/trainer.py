@@ -53,7 +53,7 @@ class Trainer(TrainerRecovery, TrainerCheckpoints):
             raise TypeError(f"ctx.wrap: expected an nn.Module, got {type(model).__name__}")
         self._context, self.model, self.optimizer, self.loss_fn = context, model, optimizer, loss_fn
         self.mesh, self.plan = mesh, plan
-        self.max_grad_norm, self.seed = max_grad_norm, int(seed)
+        self.seed = int(seed)
         self._batch_forms: dict = {}     # form key → BatchForm: how the step rebuilds each kind of batch
         self._unfinished_steps: collections.deque = collections.deque()   # the losses' completions, oldest first
         # The plan's runner (checks the plan against the mesh): how a step runs and where the state lives.
@@ -69,6 +69,12 @@ class Trainer(TrainerRecovery, TrainerCheckpoints):
         self.runner.restore(self._initial_tensors())
         self._set_up_recovery(checkpoint_dir, checkpoint_every, recover, replacement_timeout_s,
                               checkpoint_keep=checkpoint_keep)
+
+    @property
+    def max_grad_norm(self) -> float | None:
+        """The gradient norm the step clips to (None: no clipping): fixed when the trainer is made, since every
+        captured step holds it."""
+        return self.runner.basis.max_grad_norm
 
     def _optimizer_step_count(self) -> int:
         """The step count of an optimizer that has already stepped (0 for a fresh one)."""
@@ -173,14 +179,22 @@ class Trainer(TrainerRecovery, TrainerCheckpoints):
         """The loss on ``batch`` (a replicated 0-d `pw.Array`, at once): forward and loss only, in eval mode,
         on the parameters where they live. Captured once per batch shape and form. After a loss of the state,
         on the restored state (recovery on)."""
-        form, tensors = self._batch_tensors(batch)
+        form, tensors = self._checked_batch("evaluate", batch)
         return self._after_recovery(lambda: self.runner.evaluate(form, tensors, placed=self._write_deferred_save))
 
     def predict(self, batch):
         """The model's output on ``batch`` (in eval mode, no gradient), its tensors as `pw.Array` s sharded on
         dim 0 over the data axis, in the output's own structure (a tensor, a tuple, a ``transformers`` output)."""
-        form, tensors = self._batch_tensors(batch)
+        form, tensors = self._checked_batch("predict", batch)
         return self._after_recovery(lambda: self.runner.predict(form, tensors))
+
+    def _checked_batch(self, kind: str, batch) -> tuple:
+        """The batch of an evaluation or prediction, once the plan supports ``kind`` (refused before the batch is
+        looked at)."""
+        refused = self.runner.refusal(kind)
+        if refused is not None:
+            raise refused
+        return self._batch_tensors(batch)
 
     def __repr__(self) -> str:
         return self.runner.describe(self.step_count)

@@ -178,7 +178,9 @@ class SeamOp:
 
     NAME: ClassVar[str] = ""
     FIELD_TYPES: ClassVar[tuple] = ()
-    ANSWERED: ClassVar[bool] = True      # the client waits for its answer (False: sent and not waited for)
+    # The client waits for its answer (False: sent and not waited for). A remote client sends a `Call`, and a run of
+    # a program it registered, without waiting too: it names their outputs with ids granted before (`GrantIds`).
+    ANSWERED: ClassVar[bool] = True
     MAKES_ARRAYS: ClassVar[bool] = False  # its answer is a list of array records the client follows from then on
     OUTPUT_IDS_AT: ClassVar[int | None] = None   # the field naming its outputs' ids, if the client picks them
 

@@ -139,6 +139,12 @@ def test_bob_cannot_release_call_on_or_run_a_program_on_alices_arrays(alice, bob
     program_id = next(entry[0] for entry in dispatcher_of(bob)._lowered_programs.values())
 
     client = client_of(bob)
+    # A call on the wire names its outputs with ids granted to its client; one that leaves them to the controller
+    # (the embedded client's form) is refused: bob would hold arrays he cannot name.
+    own_spec = CallSpec(function_id=function_id, name="bobs", mesh=bob_mesh.allocation, inputs=(b.array_id,),
+                        num_outputs=1)
+    with pytest.raises(TypeError, match="'output_ids' must be list or tuple"):
+        client._request(Call(own_spec))
     for array_id in (x.array_id, y.array_id):
         client.request(Release(array_id))                           # not his: nothing freed (a finalizer never raises)
         client.request(ReleaseMany([array_id]))
