@@ -14,16 +14,17 @@ from pathways_torch.local.cluster import with_huge_pages
 pytestmark = pytest.mark.timeout(60)
 
 
-def _resident_after_a_churn(threshold_mb: float) -> float:
+def _resident_after_a_churn(threshold_mb: float, churn: bool = True) -> float:
     """MiB resident after buffers of 1-8 MiB were allocated and freed between small long-lived ones (the pattern
-    of a step's buffers), in a fresh process with the executor's allocator settings."""
+    of a step's buffers), in a fresh process with the executor's allocator settings (``churn=False``: the small
+    ones alone, the same process otherwise)."""
     code = textwrap.dedent(f"""
         from executor.allocator import tune_allocator
         tune_allocator({threshold_mb})
         import torch
         kept = []
         for i in range(200):
-            big = torch.ones((1 + i % 8) * 2**18)        # 1-8 MiB
+            big = torch.ones((1 + i % 8) * 2**18) if {churn} else None   # 1-8 MiB
             kept.append(torch.ones(4096))                # 16 KiB that stays
             del big
         with open("/proc/self/status") as f:
@@ -34,11 +35,13 @@ def _resident_after_a_churn(threshold_mb: float) -> float:
 
 
 def test_a_fixed_threshold_gives_freed_large_buffers_back():
-    fixed = _resident_after_a_churn(2)
-    # With glibc's dynamic threshold the heap keeps them (737 MiB against 530 here), but once in the whole suite
-    # it did not (530: where the kernel puts the heap can make glibc extend it with mmap): the larger of two.
-    dynamic = max(_resident_after_a_churn(0), _resident_after_a_churn(0))
-    assert fixed < dynamic - 4, (fixed, dynamic)
+    # 900 MiB of 1-8 MiB buffers go through the process: with the executor's 2 MiB threshold, what stays resident
+    # afterwards is within tens of MiB of the same process without them (measured: +1 to +22 MiB, the 1 MiB buffers
+    # the heap reuses). glibc's dynamic threshold usually keeps about 200 MiB more (735 MiB against 517), but
+    # not always (where the kernel puts the heap can make glibc extend it with mmap, and then it gives them back
+    # too): so the check is against the process without the churn, not against the dynamic threshold.
+    fixed, baseline = _resident_after_a_churn(2), _resident_after_a_churn(2, churn=False)
+    assert fixed - baseline < 64, (fixed, baseline)
 
 
 def test_the_launcher_asks_for_huge_pages_unless_told_otherwise():
