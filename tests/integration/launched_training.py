@@ -15,7 +15,10 @@ model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1)).double()
 g = torch.Generator().manual_seed(1)
 batches = [(torch.randn(8, 4, generator=g, dtype=torch.float64), torch.randn(8, 1, generator=g, dtype=torch.float64))
            for _ in range(steps)]
-with pw.Context() as ctx:
+# A test that stops a node sets a short heartbeat bound (the loss is declared within twice it; 10 s by default).
+heartbeat = {"heartbeat_timeout_s": float(os.environ["LAUNCHED_HEARTBEAT_TIMEOUT_S"])} \
+    if "LAUNCHED_HEARTBEAT_TIMEOUT_S" in os.environ else {}
+with pw.Context(**heartbeat) as ctx:
     print(json.dumps({"executors": ctx.executor_ids, "backend": ctx.backend,
                       "torchrun_variables": [v for v in ("RANK", "WORLD_SIZE", "LOCAL_RANK") if v in os.environ]}),
           flush=True)

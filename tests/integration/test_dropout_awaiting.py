@@ -113,9 +113,9 @@ def _losses(ctx, name: str, way: str) -> list[float]:
     return losses
 
 
-def _check_same_every_way(ctx, name: str) -> list[float]:
-    by_way = {way: _losses(ctx, name, way) for way in WAYS}
-    assert by_way["ahead"] == by_way["awaited"] and by_way["pairs"] == by_way["awaited"], (name, by_way)
+def _check_same_every_way(ctx, name: str, ways=WAYS) -> list[float]:
+    by_way = {way: _losses(ctx, name, way) for way in ways}
+    assert all(by_way[way] == by_way["awaited"] for way in ways), (name, by_way)
     assert len(set(by_way["awaited"])) == STEPS, by_way        # the steps did train (each loss its own)
     return by_way["awaited"]
 
@@ -172,4 +172,6 @@ def default_ctx():
 
 @pytest.mark.parametrize("name", ["data-parallel", "pipeline-1f1b-data"])
 def test_dropout_losses_do_not_depend_on_awaiting_on_the_default_backend(default_ctx, name):
-    _check_same_every_way(default_ctx, name)
+    # Awaited against all ahead: pairs, a mix of the two, is checked on every plan above (eager); each way here
+    # costs a trainer's XLA trace and compile.
+    _check_same_every_way(default_ctx, name, ways=("awaited", "ahead"))

@@ -84,8 +84,8 @@ def two_hosts(tmp_path):
                    capture_output=True, timeout=60)
     script = SCRIPT
 
-    def launch(node: int, *script_args, port: int, extra=(), script=script):
-        environ = dict(os.environ, RANK=str(node), WORLD_SIZE="2", LOCAL_RANK="0")
+    def launch(node: int, *script_args, port: int, extra=(), script=script, environ=()):
+        environ = dict(os.environ, RANK=str(node), WORLD_SIZE="2", LOCAL_RANK="0", **dict(environ))
         return subprocess.Popen(
             [*RUN, "--nnodes", "2", "--nproc-per-node", "1", "--node-rank", str(node), "--master-addr", "127.0.0.1",
              "--master-port", str(port), "--host-addr", f"127.0.0.{node + 1}", "--keys-dir",
@@ -126,7 +126,7 @@ def test_a_node_stopped_by_its_scheduler_fails_the_script_naming_it(two_hosts):
     launch, keys = two_hosts
     port = _port()
     other = launch(1, "200", "0.2", port=port)
-    first = launch(0, "200", "0.2", port=port)
+    first = launch(0, "200", "0.2", port=port, environ={"LAUNCHED_HEARTBEAT_TIMEOUT_S": "3"})
     for line in first.stdout:                      # the job trains: stop node 1 as a scheduler would
         if line.startswith('{"step": 2}'):
             other.send_signal(signal.SIGTERM)
