@@ -45,6 +45,9 @@ class Dispatcher:
         # next call (`_forget_dead`).
         self._dead_functions: collections.deque = collections.deque()
         self._dead_programs: collections.deque = collections.deque()
+        # Each executor's island, asked once: a call's collective check reads it for every member (two requests
+        # of each OpByOp call before), and an executor id keeps its island (a replacement joins its predecessor's).
+        self._islands: dict[str, str] = {}
 
     # ------------------------------------------------------------ open, closed, errors
 
@@ -85,7 +88,10 @@ class Dispatcher:
                 for state, (shape, dtype, sharding, block) in zip(states, layouts)]
 
     def _island_of(self, executor_id: str) -> str:
-        return self._client.request(seam.IslandOf(executor_id))
+        island = self._islands.get(executor_id)
+        if island is None:
+            island = self._islands[executor_id] = self._client.request(seam.IslandOf(executor_id))
+        return island
 
     def run_program(self, graph, inputs) -> list[Array]:
         """Run a traced program (registered on first use) on ``inputs``; its output arrays at once."""
