@@ -14,10 +14,14 @@ Prints a table of µs per computation and wake-ups per call, writes
 bench/results/cpu_per_call.json.
 
 Mode ``Hops`` counts a pipeline hop instead: a program of 128 nodes alternating between two single-executor
-meshes (``x + 1`` each), so every node but the first waits for a copy from the other executor. Its rows are per
-hop: the CPU of every thread and the wake-ups a copy costs on its way (sender, ZeroMQ, receiver).
+meshes (``x + 1`` on ``--hop-bytes`` of float32, 64 KB by default), so every node but the first waits for a copy
+from the other executor. Its rows are per hop: the CPU of every thread and the wake-ups a copy costs on its way.
+It runs ``--rounds`` interleaved rounds of three: the hop through the executors' shared-memory rings (the default),
+the same hop over ZeroMQ (``PATHWAYS_SHM_RINGS=0``), and a Python pipe ping-pong of the same bytes one way
+(`bench.pipe_pingpong`, the floor); it prints µs per hop and each hop's ratio to the pipe, per round.
 
     .venv/bin/python -m bench.cpu_per_call [--executors 4] [--calls 1500] [--mode OpByOp|Chained|Hops]
+    .venv/bin/python -m bench.cpu_per_call --mode Hops [--hop-bytes 65536] [--rounds 3]
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from __future__ import annotations
 import argparse
 import collections
 import os
+import statistics
 
 import torch
 
@@ -93,7 +98,7 @@ def _hops_program(ctx):
     return hops, meshes[0]
 
 
-def measure(executors: int, calls: int, mode: str, backend: str = "eager") -> dict:
+def measure(executors: int, calls: int, mode: str, backend: str = "eager", hop_bytes: int = 4) -> dict:
     if mode == "Hops":
         executors = 2
     with pw.Context(num_executors=executors, backend=backend) as ctx:
@@ -101,10 +106,11 @@ def measure(executors: int, calls: int, mode: str, backend: str = "eager") -> di
             program, mesh = _hops_program(ctx)
         else:
             program, mesh = chained, ctx.mesh({"data": executors})
-        x = ctx.put(torch.zeros(()), mesh, [pw.Replicate()])
+        x = ctx.put(torch.zeros(hop_bytes // 4) if mode == "Hops" else torch.zeros(()), mesh, [pw.Replicate()])
         for _ in range(3):
             x = step(x) if mode != "Hops" else _inc(x)
-        program(x).exception(timeout_s=60)
+        for _ in range(2 if mode == "Hops" else 1):   # Hops: the first run's copies offer the rings
+            program(x).exception(timeout_s=60)
         pids = {"client": os.getpid(), **{f"executor {i}": process.pid
                                           for i, process in enumerate(cluster_of(ctx).processes)}}
         per_call = {"OpByOp": 1, "Chained": CHAIN, "Hops": CHAIN - 1}[mode]
@@ -123,7 +129,46 @@ def measure(executors: int, calls: int, mode: str, backend: str = "eager") -> di
                 rows.append({"process": who, "thread": name, "us_per_computation": used / computations * 1e6,
                              "wakeups_per_call": woken / count, "wakeups_per_computation": woken / computations})
     return {"executors": executors, "mode": mode, "backend": backend, "computations": computations, "calls": count,
-            "per_second": computations / wall_s, "threads": rows}
+            "per_second": computations / wall_s, "threads": rows, "hop_bytes": hop_bytes if mode == "Hops" else None}
+
+
+def measure_hops(calls: int, hop_bytes: int, rounds: int) -> dict:
+    """Interleaved rounds of the hop through rings, over ZeroMQ, and the pipe floor (module docstring)."""
+    from executor.host_rings import RINGS_ENV
+
+    from bench.pipe_pingpong import pipe_one_way_us
+
+    def hop(rings: str) -> dict:
+        os.environ[RINGS_ENV] = rings   # read by the executors this context starts
+        try:
+            return measure(2, calls, "Hops", hop_bytes=hop_bytes)
+        finally:
+            os.environ.pop(RINGS_ENV, None)
+
+    kinds = {"rings": lambda: hop("1"), "zeromq": lambda: hop("0"), "pipe": lambda: pipe_one_way_us(hop_bytes)}
+    per_round = []
+    for index in range(rounds):
+        order = list(kinds)[index % 3:] + list(kinds)[:index % 3]
+        per_round.append({kind: kinds[kind]() for kind in order})
+    return {"hop_bytes": hop_bytes, "rounds": per_round}
+
+
+def _print_hops(result: dict) -> None:
+    rows = []
+    for index, r in enumerate(result["rounds"], start=1):
+        pipe = r["pipe"]
+        for kind in ("rings", "zeromq"):
+            us = 1e6 / r[kind]["per_second"]
+            cpu = sum(t["us_per_computation"] for t in r[kind]["threads"] if t["process"] != "client")
+            wakes = sum(t["wakeups_per_computation"] for t in r[kind]["threads"])
+            rows.append([str(index), kind, f"{us:.0f}", f"{pipe:.0f}", f"{us / pipe:.1f}", f"{cpu:.0f}",
+                         f"{wakes:.2f}"])
+    print(f"one hop of {result['hop_bytes']:,} bytes between two executors (a 128-node program), per round:")
+    print_table(["round", "copies", "µs per hop", "pipe one way µs", "hop / pipe", "executors' CPU µs per hop",
+                 "wake-ups per hop"], rows)
+    for kind in ("rings", "zeromq"):
+        ratios = sorted((1e6 / r[kind]["per_second"]) / r["pipe"] for r in result["rounds"])
+        print(f"{kind}: hop / pipe median {statistics.median(ratios):.1f} ({ratios[0]:.1f}-{ratios[-1]:.1f})")
 
 
 def main() -> None:
@@ -133,7 +178,14 @@ def main() -> None:
     parser.add_argument("--mode", choices=("OpByOp", "Chained", "Hops"), default="OpByOp",
                         help="Hops: a copy between two executors per computation (--executors is 2)")
     parser.add_argument("--backend", default="eager", help="the executors' backend (eager: like the baselines)")
+    parser.add_argument("--hop-bytes", type=int, default=65536, help="Hops: the bytes each copy carries")
+    parser.add_argument("--rounds", type=int, default=3, help="Hops: interleaved rounds of rings, ZeroMQ, pipe")
     args = parser.parse_args()
+    if args.mode == "Hops":
+        result = measure_hops(args.calls, args.hop_bytes, args.rounds)
+        _print_hops(result)
+        print("written to", write_results("cpu_per_call_hops", result))
+        return
     result = measure(args.executors, args.calls, args.mode, args.backend)
     print(f"{args.mode} on {args.backend}, N={result['executors']}: {result['computations']} computations, "
           f"{result['per_second']:,.0f}/s")

@@ -1,6 +1,10 @@
-"""``pathways-build-extensions``: compile the project's C++ extensions for the installed torch and jaxlib.
+"""``pathways-build-extensions``: compile the project's C++ extensions.
 
-The one extension today runs ``pathways::`` collectives inside XLA executables
+First the executor's native library (``executor/native``: the shared-memory rings between the executors of a
+host; `executor.native_lib`): it needs only a C++ compiler, and has no Python twin, so where it cannot be built
+this fails (exit 1) and says what to install.
+
+Then the extension that runs ``pathways::`` collectives inside XLA executables
 (`executor.backends.xla_collectives`). It is built from this project's own C++ source
 with the machine's compiler, against the headers of the torch and jaxlib installed
 beside it (their C++ ABI must match, so it cannot be built ahead of them, in pip's
@@ -24,6 +28,16 @@ def main(argv=None) -> int:
     parser.add_argument("--strict", action="store_true", help="exit 1 where the extension cannot be built")
     parser.add_argument("--verbose", action="store_true", help="show the compiler's commands and output")
     args = parser.parse_args(argv)
+    from executor import native_lib
+
+    try:
+        began = time.perf_counter()
+        path = native_lib.build()
+        print(f"pathways-build-extensions: the executor's native library built in {time.perf_counter() - began:.1f} s "
+              f"({path})")
+    except native_lib.NativeUnavailable as exc:
+        print(f"pathways-build-extensions: the executor's native library did not build: {exc}", file=sys.stderr)
+        return 1
     try:
         from executor.backends import xla_collectives
 

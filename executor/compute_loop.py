@@ -60,6 +60,10 @@ class ComputeLoop:
         self._poller.register(self._commands, zmq.POLLIN)
         self._poller.register(self._waker.socket, zmq.POLLIN)
         self._held_while_idle: list = []   # locks of sockets shared with the I/O thread, held while this one polls
+        # Asked before each sleep: False keeps the thread awake (a shared-memory ring has a message; its writer wakes
+        # a sleeping reader only if asked to: executor/host_rings.py); ``after_sleep`` runs when it wakes.
+        self.before_sleep: Callable[[], bool] | None = None
+        self.after_sleep: Callable[[], None] | None = None
 
     # ------------------------------------------------------------ any thread
 
@@ -91,12 +95,13 @@ class ComputeLoop:
         """Hold ``lock`` while polling (the sockets it guards are this thread's then); set up before `run`."""
         self._held_while_idle.append(lock)
 
-    def watch(self, socket: zmq.Socket) -> None:
+    def watch(self, socket) -> None:
         """Wake for ``socket`` too while idle (compute thread): ZeroMQ carries out a socket's pending work (a
-        reconnection's hand-over, say) only when its owner touches it, so a socket that only sends must be polled."""
+        reconnection's hand-over, say) only when its owner touches it, so a socket that only sends must be polled.
+        Also a file descriptor (an eventfd) or an object with ``fileno()``."""
         self._poller.register(socket, zmq.POLLIN)
 
-    def unwatch(self, socket: zmq.Socket) -> None:
+    def unwatch(self, socket) -> None:
         """Stop polling ``socket`` (compute thread, before it is closed)."""
         self._poller.unregister(socket)
 
@@ -135,7 +140,13 @@ class ComputeLoop:
                 self._inbox.flush()
                 if self._inbox.socket.get(zmq.EVENTS) & POLLIN:
                     return []   # read between jobs, next turn
-            return self._poller.poll(100)
+            if self.before_sleep is not None and not self.before_sleep():
+                return []
+            try:
+                return self._poller.poll(100)
+            finally:
+                if self.after_sleep is not None:
+                    self.after_sleep()
         finally:
             for lock in reversed(self._held_while_idle):
                 lock.release()

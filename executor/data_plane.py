@@ -66,6 +66,8 @@ class DataPlane:
         self.data_gate = DataGate()      # who may send what on the data socket
         self.owners = OwnerCheck()       # whose arrays a client may put, fetch and save (its secret: from Welcome)
         self._early_puts: list = []      # (identity, Put, payload, role) that came before the Welcome
+        # (invite, role, key) -> None: a peer offers a shared-memory ring with a copy (executor/host_rings.py)
+        self.on_ring_invite: Callable | None = None
 
     def welcomed(self) -> None:
         """The controller's Welcome (and its put secret) came: the puts that arrived before it are taken now."""
@@ -82,7 +84,7 @@ class DataPlane:
             return
         kind = body_name(envelope)
         handlers = {"put": lambda: self._on_put(identity, envelope.put, payload, role),
-                    "transfer": lambda: self.on_transfer(envelope.transfer, payload, identity, reply),
+                    "transfer": lambda: self._on_peer_copy(envelope.transfer, payload, identity, reply, role, key),
                     "fetch": lambda: self._on_fetch(identity, envelope.fetch, role),
                     "save_shards": lambda: self._on_save(identity, envelope.save_shards, role)}
         if kind not in handlers:
@@ -161,6 +163,14 @@ class DataPlane:
     def spend_puts(self, spent_puts) -> None:
         """A Free's spent put tokens (`pb.SpentPut`): their arrays are gone, so none of them may store anything."""
         self.owners.spend(spent_puts)
+
+    def _on_peer_copy(self, msg: pb.Transfer, payload, identity: bytes, reply, role: str | None,
+                      key: bytes | None) -> None:
+        """A peer's copy; one carrying a ring invite is answered too (`on_ring_invite`), with the role and key it
+        came with: what comes through that ring is admitted as that peer's."""
+        if msg.HasField("ring_invite") and self.on_ring_invite is not None:
+            self.on_ring_invite(msg.ring_invite, role, key)
+        self.on_transfer(msg, payload, identity, reply)
 
     def on_transfer(self, msg: pb.Transfer, payload, identity: bytes | None = None, reply=None) -> None:
         """A copy from a peer (``identity`` its connection; ``reply(identity, envelope)`` acknowledges it where it
@@ -295,15 +305,16 @@ class DataPlane:
         self.trace.record("send", "transfer", call_id=msg.call_id, detail=f"array {msg.shard.array_id} -> {msg.to_address}")
         nbytes = 0 if entry.failure is not None else entry.nbytes
         now = time.monotonic()
-        # A link may take a while for big shards: the deadline grows with the bytes (at 1 MB/s at worst).
-        self.unacked[(msg.to_address, shard_key(msg.as_ref))] = (now + self.transfer_timeout_s + nbytes / _SLOWEST_LINK,
-                                                                 msg.as_ref, nbytes, now)
         # The epoch names this incarnation: once it is replaced, the receiver refuses what it still sends.
-        # To a transfer inbox (a copy inside the island) it may leave from the compute thread; over a link it goes
-        # through the I/O thread (a relayed link's copies sent from the compute thread were seen held back past a
-        # cut and delivered seconds later, where through the I/O thread they were lost: not understood yet).
-        self.outbox.to_peer(msg.to_address, pb.Envelope(transfer=transfer, epoch=self.epoch), payload,
-                            msg.to_public_key, direct=msg.to_inbox)
+        # To a transfer inbox (a copy inside the island) it may leave from the compute thread, through a shared-memory
+        # ring to a peer of this host; over a link it goes through the I/O thread (a relayed link's copies sent from
+        # the compute thread were seen held back past a cut and delivered seconds later, where through the I/O
+        # thread they were lost: not understood yet).
+        by_ring = self.outbox.to_peer(msg.to_address, pb.Envelope(transfer=transfer, epoch=self.epoch), payload,
+                                      msg.to_public_key, direct=msg.to_inbox)
+        if not by_ring:   # acknowledged when it lands; a link may take a while for big shards (1 MB/s at worst)
+            self.unacked[(msg.to_address, shard_key(msg.as_ref))] = (
+                now + self.transfer_timeout_s + nbytes / _SLOWEST_LINK, msg.as_ref, nbytes, now)
         self.store.unpin(key)
 
     def on_peer_reply(self, address: str, envelope: pb.Envelope) -> None:

@@ -26,7 +26,8 @@ import time
 import zmq
 
 from pathways_torch.wire.process_state import is_alive
-from pathways_torch.wire import SocketLoop, encode, pb
+from pathways_torch.wire import SocketLoop, body_name, decode, encode, pb
+from pathways_torch.wire.framing import FramingError
 from pathways_torch.wire.security import (CONTROLLER, HANDSHAKE_FAILURES, HEARTBEAT_SUFFIX, INCARNATION_MARK,
                                           STORE_SUFFIX, ConnectionWatch, Gatekeeper, KeyDirectory, make_client,
                                           make_server, without_replaced_keys)
@@ -42,6 +43,8 @@ from .data_roles import DataGate
 from .endpoint import CoreEndpoint
 from .jobs import ComputeJob
 from .direct_peers import DirectPeers, sends_from_compute
+from . import native_lib
+from .host_rings import HostRings, rings_enabled
 from .socket_outbox import SocketOutbox
 from .transfer_inbox import IO_READ_INTERVAL_S, TransferInbox, receives_on_compute
 from .trace import TraceRecorder
@@ -111,6 +114,13 @@ class ExecutorProcess(CoreEndpoint):
         self.inbox = self._bind_inbox() if receives_on_compute() else None
         self.compute.between_jobs = self._between_jobs
         self.loop.every(_TRANSFER_CHECK_S, self._locked(self._check_transfers))
+        # Shared-memory rings to the peers of this host (made on the compute thread once the Welcome names this
+        # incarnation: `_start_rings`); copies made on the compute thread use them (executor/host_rings.py).
+        self.rings: HostRings | None = None
+        self._rings_wanted = rings_enabled() and self.outbox.direct is not None and self.inbox is not None
+        if self._rings_wanted:
+            native_lib.library()   # built by the install; a machine without it fails here, saying how to build it
+            self.core.data.on_ring_invite = self._on_ring_invite
 
     # ------------------------------------------------------------ sockets
 
@@ -147,6 +157,36 @@ class ExecutorProcess(CoreEndpoint):
             self.outbox.direct.read_replies()
         if self.inbox is not None:
             self.inbox.read()
+        if self.rings is not None:
+            self.rings.service()
+
+    def _start_rings(self) -> None:
+        """The compute thread's rings, for the incarnation the Welcome named."""
+        self.rings = HostRings(self.core.data.epoch, self._on_ring_message, watch=self.compute.watch,
+                               unwatch=self.compute.unwatch)
+        self.outbox.rings = self.rings
+        self.compute.before_sleep, self.compute.after_sleep = self.rings.before_sleep, self.rings.awake
+
+    def _on_ring_invite(self, invite: pb.RingInvite, role: str | None, key: bytes | None) -> None:
+        """A copy carried an invite (on the compute thread, or the I/O thread while a job runs): answered there."""
+        def answer():
+            if self.rings is not None:
+                self.rings.on_invite(invite, role, key)
+
+        answer() if self.compute.on_loop_thread() else self.compute.call_soon(answer)
+
+    def _on_ring_message(self, envelope: bytes, frames: list, role: str | None, key: bytes | None) -> None:
+        """A copy read from a ring: handled as the same peer's copy over ZeroMQ would be (no acknowledgement)."""
+        with self._core_lock:
+            try:
+                decoded, _ = decode([envelope])
+            except FramingError as exc:
+                self.core.drop(f"a ring message: {exc}")
+                return
+            if body_name(decoded) != "transfer":
+                self.core.drop(f"a {body_name(decoded)!r} in a shared-memory ring (only copies go there)")
+                return
+            self.core.on_data(b"", decoded, frames, role=role, key=key, reply=_no_reply)
 
     def _on_inbox(self, frames) -> None:
         with self._core_lock:
@@ -210,6 +250,8 @@ class ExecutorProcess(CoreEndpoint):
     def _on_control(self, frames) -> None:
         with self._core_lock:
             self._control_frames(frames)
+        if self._rings_wanted and self.rings is None and self.core.data.epoch:
+            self._start_rings()
         if self.core.stopped:
             self._stop("the controller asked")
 
@@ -225,7 +267,8 @@ class ExecutorProcess(CoreEndpoint):
         # The I/O thread's and the heartbeat thread's counts (int reads)
         return {"send_backlog_high_water": self.loop.backlog_high_water, "heartbeats_sent": self._heartbeats_sent,
                 "sent_from_compute": self.outbox.direct.sent if self.outbox.direct is not None else 0,
-                "inbox_read_by_io": self.inbox.read_by_io if self.inbox is not None else 0}
+                "inbox_read_by_io": self.inbox.read_by_io if self.inbox is not None else 0,
+                **(self.rings.counters if self.rings is not None else {})}
 
     def _on_peer_frames(self, address: str, frames) -> None:
         with self._core_lock:
@@ -258,7 +301,11 @@ class ExecutorProcess(CoreEndpoint):
             import torch
 
             torch.set_num_threads(self.config.num_threads)
-        self.compute.run()
+        try:
+            self.compute.run()
+        finally:
+            if self.rings is not None:
+                self.rings.close()
 
     # ------------------------------------------------------------ liveness
 
@@ -318,6 +365,8 @@ class ExecutorProcess(CoreEndpoint):
         # Every connection whose key is revoked now, not only the one this process listed for the role: one started
         # after an earlier replacement may have reached that incarnation under a key it lists as a spare's.
         self.outbox.close_peers_not_admitted(self.gatekeeper.admits)
+        if self.rings is not None:
+            self.compute.call_soon(lambda: self.rings.drop_not_admitted(self.gatekeeper.admits))
 
     def _exit(self, reason: str, code: int = EXIT_LOST) -> None:
         log.warning("executor %s exits: %s", self.config.executor_id, reason)
@@ -347,6 +396,10 @@ class ExecutorProcess(CoreEndpoint):
             self.inbox.close()
         self.gatekeeper.stop()
         log.info("executor %s stopped: %s", self.config.executor_id, self._exit_reason)
+
+
+def _no_reply(identity, envelope) -> None:
+    """A ring copy is acknowledged by nothing: committed, it is in the receiver's memory."""
 
 
 _TRANSFER_CHECK_S = 1.0   # how often unacknowledged transfers are checked against their deadlines

@@ -12,7 +12,7 @@ from typing import Callable
 
 import zmq
 
-from pathways_torch.wire import SocketLoop, encode
+from pathways_torch.wire import SocketLoop, body_name, encode
 from pathways_torch.wire.security import Credentials, SecurityError, make_client
 
 __all__ = ["SocketOutbox", "peer_socket"]
@@ -51,6 +51,7 @@ class SocketOutbox:
         self.on_peer_frames = None   # (address, frames) -> None: what a peer sends back (transfer acks)
         self.peer_keys: dict[str, bytes] = {}   # peer address -> the key its socket authenticates (I/O thread)
         self.direct = None   # `DirectPeers`: a message to a peer made on the compute thread leaves from there
+        self.rings = None    # `HostRings`: a copy made on the compute thread to a peer of this host goes there
 
     def to_controller(self, envelope, payload=()):
         envelope.epoch = self.epoch
@@ -59,12 +60,20 @@ class SocketOutbox:
     def to_client(self, identity, envelope, payload=()):
         self._loop.send(self._data_key, [identity, *encode(envelope, payload)])
 
-    def to_peer(self, address, envelope, payload=(), public_key=b"", direct=False):
-        """``direct``: it may leave from the compute thread, if it was made there (`DirectPeers`)."""
+    def to_peer(self, address, envelope, payload=(), public_key=b"", direct=False) -> bool:
+        """``direct``: it may leave from the compute thread, if it was made there: through the peer's shared-memory
+        ring where it has one (returns True: no acknowledgement will come), else on the compute thread's own
+        connection (`DirectPeers`), which offers the peer a ring."""
+        on_compute = direct and self.direct is not None and self.direct.on_own_thread()
+        if on_compute and self.rings is not None and body_name(envelope) == "transfer":
+            if self.rings.send(address, envelope, payload, public_key):
+                return True
+            invite = self.rings.invite_for(address)
+            if invite is not None:
+                envelope.transfer.ring_invite.CopyFrom(invite)
         frames = encode(envelope, payload)
-        if direct and self.direct is not None and self.direct.on_own_thread() and \
-                self.direct.send(address, frames, public_key):
-            return
+        if on_compute and self.direct.send(address, frames, public_key):
+            return False
 
         def send():
             key = f"{self._peer_prefix}{address}"
@@ -79,6 +88,7 @@ class SocketOutbox:
             self._loop.send_now(key, frames)
 
         self._loop.call_soon(send)
+        return False
 
     def close_peers_not_admitted(self, admits) -> None:
         """Close the connections to replaced incarnations (their keys, ``admits(key)`` False, were revoked): their

@@ -635,16 +635,28 @@ class PutAck(_message.Message):
     def __init__(self, request_id: _Optional[int] = ..., shard: _Optional[_Union[ShardRef, _Mapping]] = ..., failed: _Optional[bool] = ..., failure: _Optional[_Union[RemoteFailure, _Mapping]] = ...) -> None: ...
 
 class Transfer(_message.Message):
-    __slots__ = ("shard", "tensor", "failure", "failed")
+    __slots__ = ("shard", "tensor", "failure", "failed", "ring_invite")
     SHARD_FIELD_NUMBER: _ClassVar[int]
     TENSOR_FIELD_NUMBER: _ClassVar[int]
     FAILURE_FIELD_NUMBER: _ClassVar[int]
     FAILED_FIELD_NUMBER: _ClassVar[int]
+    RING_INVITE_FIELD_NUMBER: _ClassVar[int]
     shard: ShardRef
     tensor: TensorMeta
     failure: RemoteFailure
     failed: bool
-    def __init__(self, shard: _Optional[_Union[ShardRef, _Mapping]] = ..., tensor: _Optional[_Union[TensorMeta, _Mapping]] = ..., failure: _Optional[_Union[RemoteFailure, _Mapping]] = ..., failed: _Optional[bool] = ...) -> None: ...
+    ring_invite: RingInvite
+    def __init__(self, shard: _Optional[_Union[ShardRef, _Mapping]] = ..., tensor: _Optional[_Union[TensorMeta, _Mapping]] = ..., failure: _Optional[_Union[RemoteFailure, _Mapping]] = ..., failed: _Optional[bool] = ..., ring_invite: _Optional[_Union[RingInvite, _Mapping]] = ...) -> None: ...
+
+class RingInvite(_message.Message):
+    __slots__ = ("socket", "token", "writer_epoch")
+    SOCKET_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
+    WRITER_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    socket: bytes
+    token: bytes
+    writer_epoch: int
+    def __init__(self, socket: _Optional[bytes] = ..., token: _Optional[bytes] = ..., writer_epoch: _Optional[int] = ...) -> None: ...
 
 class TransferAck(_message.Message):
     __slots__ = ("shard",)

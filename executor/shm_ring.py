@@ -1,0 +1,414 @@
+"""Same-host copies through shared memory: a ring per direction, an eventfd per wake-up, no ZeroMQ and no CURVE
+inside a host (issue 49, point 1; the ring itself is executor/native/shm_ring.cpp).
+
+How two executors of one host pair up, over the authenticated channel they already have:
+
+1. The sender (writer) binds an abstract Unix datagram socket with a random name, once, and offers a ring to a
+   peer by adding a `RingInvite` (that name, a random token for that peer, its incarnation) to the copies it sends
+   it the usual way, over ZeroMQ with CURVE, until a ring is up.
+2. The receiver (reader), reading such a copy, makes the ring (a memfd of the ring's bytes, and two eventfds: data
+   committed, space freed), and sends the three descriptors back on the datagram socket (SCM_RIGHTS), with the
+   token. A sender on another host (or in another network namespace) has no such socket there: the send fails, and
+   that peer stays on ZeroMQ.
+3. The sender takes the descriptors only with a token it gave out, from a process of its own user, and only a
+   ring made for its own incarnation (a stale one is refused); from then on its copies to that peer are written
+   into the ring by the thread that makes them, and the reader's compute thread is woken once (its eventfd is
+   polled with its sockets).
+
+Nothing is left in ``/dev/shm`` or on the file system: a memfd and an abstract socket go with their last process.
+A writer killed mid-write never shows a torn message (the commit word is the ring's ``head``); the reader of a
+replaced writer drops that ring (a replacement offers a fresh one).
+
+A message in the ring is one copy: an 8-byte count of the envelope's bytes, the envelope (padded so the frames that
+follow start 64-byte aligned), then the payload frames, each preceded by its 8-byte size.
+"""
+
+from __future__ import annotations
+
+import array
+import collections
+import ctypes
+import errno
+import logging
+import mmap
+import os
+import secrets
+import socket
+import struct
+
+import numpy
+
+from . import native_lib
+
+__all__ = ["Ring", "RingWriter", "RingReader", "RingInviter", "make_ring_for", "RING_BYTES", "RingRefused"]
+
+log = logging.getLogger(__name__)
+
+RING_BYTES = 8 << 20   # each direction's data bytes (a bigger copy goes in chunks as the reader frees space)
+_ALIGN = 64
+_u64 = ctypes.c_uint64
+_vp = ctypes.c_void_p
+
+
+class RingRefused(RuntimeError):
+    """A ring that does not check: another version, another size, made for other incarnations, or corrupt."""
+
+
+def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
+    lib.pw_ring_bytes.argtypes, lib.pw_ring_bytes.restype = [_u64], _u64
+    lib.pw_ring_init.argtypes, lib.pw_ring_init.restype = [_vp, _u64, _u64, _u64], ctypes.c_int
+    lib.pw_ring_check.argtypes, lib.pw_ring_check.restype = [_vp, _u64, _u64, _u64], ctypes.c_int
+    lib.pw_ring_write.argtypes = [_vp, _u64, ctypes.POINTER(_vp), ctypes.POINTER(_u64), ctypes.c_int,
+                                  ctypes.POINTER(_u64), ctypes.POINTER(ctypes.c_int)]
+    lib.pw_ring_write.restype = ctypes.c_int
+    lib.pw_ring_next.argtypes = [_vp] + [ctypes.POINTER(_u64)] * 5
+    lib.pw_ring_next.restype = ctypes.c_int
+    lib.pw_ring_release.argtypes, lib.pw_ring_release.restype = [_vp, ctypes.POINTER(ctypes.c_int)], ctypes.c_int
+    lib.pw_ring_reader_sleep.argtypes, lib.pw_ring_reader_sleep.restype = [_vp], ctypes.c_int
+    lib.pw_ring_reader_awake.argtypes, lib.pw_ring_reader_awake.restype = [_vp], None
+    lib.pw_ring_pending.argtypes, lib.pw_ring_pending.restype = [_vp], _u64
+    return lib
+
+
+_lib = None
+
+
+def _ring_lib() -> ctypes.CDLL:
+    global _lib
+    if _lib is None:
+        _lib = _bind(native_lib.library())
+    return _lib
+
+
+class Ring:
+    """One direction's mapping and its two eventfds (``data_fd``: the writer wakes the reader; ``space_fd``: the
+    reader wakes the writer). Made by the reader (`create`), handed to the writer as descriptors (`attach`)."""
+
+    def __init__(self, memfd: int, data_fd: int, space_fd: int, size: int):
+        self.lib = _ring_lib()
+        self.memfd, self.data_fd, self.space_fd, self.size = memfd, data_fd, space_fd, size
+        self.mapping = mmap.mmap(memfd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        self._anchor = (ctypes.c_char * size).from_buffer(self.mapping)   # the mapping's address, for the library
+        self.base = ctypes.addressof(self._anchor)
+        self.view = memoryview(self.mapping)
+        self.closed = False
+
+    @classmethod
+    def create(cls, writer_epoch: int, reader_epoch: int, capacity: int = RING_BYTES) -> "Ring":
+        lib = _ring_lib()
+        size = lib.pw_ring_bytes(capacity)
+        if not size:
+            raise ValueError(f"ring capacity: expected a power of two from 4 KiB to 16 GiB, got {capacity}")
+        memfd = os.memfd_create("pathways-ring", os.MFD_CLOEXEC)
+        os.ftruncate(memfd, size)
+        ring = cls(memfd, os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC),
+                   os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC), size)
+        lib.pw_ring_init(ring.base, capacity, writer_epoch, reader_epoch)
+        return ring
+
+    @classmethod
+    def attach(cls, fds: list[int], writer_epoch: int, reader_epoch: int) -> "Ring":
+        """The writer's side of a ring it was sent; `RingRefused` (the descriptors closed) unless it checks."""
+        memfd, data_fd, space_fd = fds
+        try:
+            ring = cls(memfd, data_fd, space_fd, os.fstat(memfd).st_size)
+        except (OSError, ValueError) as exc:
+            for fd in fds:
+                os.close(fd)
+            raise RingRefused(f"a ring that cannot be mapped: {exc}") from exc
+        checked = ring.lib.pw_ring_check(ring.base, ring.size, writer_epoch, reader_epoch)
+        if checked:
+            ring.close()
+            why = {errno.ESTALE: "it was made for another incarnation", errno.EPROTO: "not a ring of this version "
+                   "and size"}.get(-checked, os.strerror(-checked))
+            raise RingRefused(f"a ring refused: {why} (expected writer incarnation {writer_epoch}, reader "
+                              f"{reader_epoch})")
+        return ring
+
+    def wake(self, fd: int) -> None:
+        try:
+            os.eventfd_write(fd, 1)
+        except BlockingIOError:   # the counter is full: the other side is awake anyway
+            pass
+
+    @staticmethod
+    def drain(fd: int) -> None:
+        try:
+            os.eventfd_read(fd)
+        except BlockingIOError:
+            pass
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        self.view.release()
+        del self._anchor
+        self.mapping.close()
+        for fd in (self.memfd, self.data_fd, self.space_fd):
+            os.close(fd)
+
+
+def _frames_of(envelope: bytes, payload: list) -> list:
+    """A copy as the buffers the ring gathers: the envelope's size and bytes, then each frame's size and bytes,
+    each size word starting 64-byte aligned and followed by pad to 64, so every frame starts aligned."""
+    head = struct.pack("<Q", len(envelope)) + envelope
+    parts, at = [head], len(head)
+    for frame in payload:
+        view = memoryview(frame.buffer if hasattr(frame, "buffer") else frame).cast("B")
+        size = b"\0" * (-at % _ALIGN) + struct.pack("<Q", view.nbytes) + b"\0" * (_ALIGN - 8)
+        parts += [size, view]
+        at += len(size) + view.nbytes
+    return parts
+
+
+def _split(message: memoryview) -> tuple[bytes, list]:
+    """A message back into its envelope's bytes and its frames (views of ``message``)."""
+    if message.nbytes < 8:
+        raise RingRefused(f"a ring message of {message.nbytes} bytes: expected at least 8")
+    (size,) = struct.unpack_from("<Q", message, 0)
+    at = 8 + size
+    if at > message.nbytes:
+        raise RingRefused(f"a ring message names a {size}-byte envelope in {message.nbytes} bytes")
+    envelope = bytes(message[8:at])
+    frames = []
+    while at < message.nbytes:
+        at += -at % _ALIGN
+        if at + _ALIGN > message.nbytes:
+            raise RingRefused("a ring message ends inside a frame's size")
+        (length,) = struct.unpack_from("<Q", message, at)
+        at += _ALIGN
+        if at + length > message.nbytes:
+            raise RingRefused(f"a ring frame of {length} bytes runs past its message")
+        frames.append(message[at:at + length])
+        at += length
+    return envelope, frames
+
+
+class RingWriter:
+    """The sending side (one thread: the sender's compute thread). `send` writes at once what fits; the rest waits
+    in order and goes with `flush` when the reader frees space (``ring.space_fd`` readable)."""
+
+    def __init__(self, ring: Ring):
+        self.ring = ring
+        self._pending: collections.deque = collections.deque()   # [seq, parts, offset]
+        self._seq = 0
+        self.sent = 0
+        self.sent_bytes = 0
+        self.broken = ""
+
+    def send(self, envelope: bytes, payload: list) -> None:
+        parts = _frames_of(envelope, payload)
+        self._pending.append([self._seq, parts, 0])
+        self._seq += 1
+        self.flush()
+
+    @property
+    def waiting(self) -> int:
+        """Messages not fully in the ring yet."""
+        return len(self._pending)
+
+    def flush(self) -> None:
+        """Write what waits, while the ring has room."""
+        self.ring.drain(self.ring.space_fd)
+        lib, wake = self.ring.lib, ctypes.c_int(0)
+        while self._pending and not self.broken:
+            seq, parts, offset = self._pending[0]
+            arrays = [numpy.frombuffer(p, dtype=numpy.uint8) for p in parts]   # addresses, no copy
+            pointers = (_vp * len(arrays))(*[a.ctypes.data if a.size else 0 for a in arrays])
+            lengths = (_u64 * len(arrays))(*[a.size for a in arrays])
+            at = _u64(offset)
+            written = lib.pw_ring_write(self.ring.base, seq, pointers, lengths, len(arrays), ctypes.byref(at),
+                                        ctypes.byref(wake))
+            self._pending[0][2] = at.value
+            if wake.value:
+                self.ring.wake(self.ring.data_fd)
+            if written < 0:
+                self.broken = f"the ring is broken ({os.strerror(-written)})"
+                return
+            if written == 0:
+                return   # full: the reader wakes us (space_fd)
+            self._pending.popleft()
+            self.sent += 1
+            self.sent_bytes += sum(lengths)
+
+
+class RingReader:
+    """The receiving side (the receiver's compute thread): `read` hands each whole message to ``on_message(envelope
+    bytes, frames)``; the frames are views of a buffer of the message's own (copied out of the ring once, 64-byte
+    aligned), so the ring's space is free again at once."""
+
+    def __init__(self, ring: Ring, on_message):
+        self.ring = ring
+        self._on_message = on_message
+        self._assembly = None   # (seq, buffer, bytes so far)
+        self.received = 0
+        self.refused = 0
+        self.broken = ""
+
+    def read(self, most: int = 64) -> int:
+        """Handle up to ``most`` whole messages committed now; how many were handled."""
+        lib, ring = self.ring.lib, self.ring
+        seq, total, offset, length, data_at = (_u64() for _ in range(5))
+        wake, handled = ctypes.c_int(0), 0
+        while handled < most and not self.broken:
+            got = lib.pw_ring_next(ring.base, *(ctypes.byref(v) for v in (seq, total, offset, length, data_at)))
+            if got < 0:
+                self._break(f"the ring is broken ({os.strerror(-got)})")
+                return handled
+            if got == 0:
+                return handled
+            message = self._place(seq.value, total.value, offset.value, length.value, data_at.value)
+            lib.pw_ring_release(ring.base, ctypes.byref(wake))
+            if wake.value:
+                ring.wake(ring.space_fd)
+            if message is not None:
+                handled += 1
+                self._deliver(message)
+        return handled
+
+    def _place(self, seq: int, total: int, offset: int, length: int, data_at: int):
+        """Copy a chunk into its message's buffer; the message once whole."""
+        if offset == 0:
+            self._assembly = (seq, _aligned_buffer(total), 0)
+        if self._assembly is None or self._assembly[0] != seq or self._assembly[2] != offset:
+            self._break(f"a chunk of message {seq} at byte {offset} out of order")
+            return None
+        _, buffer, _ = self._assembly
+        buffer[offset:offset + length] = self.ring.view[data_at:data_at + length]
+        self._assembly = (seq, buffer, offset + length)
+        if offset + length < total:
+            return None
+        self._assembly = None
+        return buffer
+
+    def _deliver(self, message: memoryview) -> None:
+        try:
+            envelope, frames = _split(message)
+        except RingRefused as exc:
+            self.refused += 1
+            log.warning("a ring message refused: %s", exc)
+            return
+        self.received += 1
+        self._on_message(envelope, frames)
+
+    def _break(self, why: str) -> None:
+        self.broken = why
+        self.refused += 1
+        log.warning("a shared-memory ring was dropped: %s", why)
+
+    def sleep(self) -> bool:
+        """Ask to be woken by the writer's next commit; False if something came meanwhile (read it, do not sleep)."""
+        self.ring.drain(self.ring.data_fd)
+        return self.ring.lib.pw_ring_reader_sleep(self.ring.base) == 0
+
+    def awake(self) -> None:
+        self.ring.lib.pw_ring_reader_awake(self.ring.base)
+
+
+def _aligned_buffer(nbytes: int) -> memoryview:
+    """A writable buffer whose first byte is 64-byte aligned (frames at aligned offsets in it are then aligned for
+    torch: `Backend.from_frame` makes no copy)."""
+    raw = numpy.empty(nbytes + _ALIGN, dtype=numpy.uint8)
+    skip = -raw.ctypes.data % _ALIGN
+    return memoryview(raw[skip:skip + nbytes])
+
+
+# ---------------------------------------------------------------- pairing up over the authenticated channel
+
+_INVITE_PREFIX = b"\0pathways-ring-"
+_TOKEN_BYTES = 16
+
+
+class RingInviter:
+    """The sender's offers: one abstract datagram socket (``socket``, polled by its compute thread), a token per
+    peer invited, and the rings that came back (`take`)."""
+
+    def __init__(self, epoch: int):
+        self.epoch = epoch
+        self.socket = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC | socket.SOCK_NONBLOCK)
+        self.name = _INVITE_PREFIX + secrets.token_hex(16).encode()
+        self.socket.bind(self.name)
+        self.socket.setsockopt(socket.SOL_SOCKET, socket.SO_PASSCRED, 1)
+        self._tokens: dict[bytes, str] = {}    # token -> the peer address it was given to
+        self._by_address: dict[str, bytes] = {}
+        self.refused = 0
+
+    def invite(self, address: str) -> tuple[bytes, bytes]:
+        """(socket name, token) to offer the peer at ``address`` (the same until it answers)."""
+        token = self._by_address.get(address)
+        if token is None:
+            token = secrets.token_bytes(_TOKEN_BYTES)
+            self._by_address[address] = token
+            self._tokens[token] = address
+        return self.name, token
+
+    def take(self) -> list[tuple[str, Ring]]:
+        """The rings peers sent since the last call, as (address, ring); what does not check is refused."""
+        rings = []
+        while True:
+            try:
+                data, ancillary, _, _ = self.socket.recvmsg(256, socket.CMSG_SPACE(3 * 4) +
+                                                            socket.CMSG_SPACE(struct.calcsize("3i")))
+            except BlockingIOError:
+                return rings
+            fds, uid = _fds_and_uid(ancillary)
+            address = self._tokens.get(data[:_TOKEN_BYTES]) if len(data) >= _TOKEN_BYTES + 8 else None
+            if address is None or uid != os.getuid() or len(fds) != 3:
+                for fd in fds:
+                    os.close(fd)
+                self.refused += 1
+                log.warning("a ring offer refused: %s", "an unknown token" if address is None else
+                            f"from uid {uid}" if uid != os.getuid() else f"{len(fds)} descriptors, expected 3")
+                continue
+            (reader_epoch,) = struct.unpack_from("<Q", data, _TOKEN_BYTES)
+            try:
+                ring = Ring.attach(fds, self.epoch, reader_epoch)
+            except RingRefused as exc:
+                self.refused += 1
+                log.warning("a ring from %s refused: %s", address, exc)
+                continue
+            del self._tokens[data[:_TOKEN_BYTES]]
+            del self._by_address[address]
+            rings.append((address, ring))
+
+    def forget(self, address: str) -> None:
+        """Stop offering to ``address`` (it is gone, or refused)."""
+        token = self._by_address.pop(address, None)
+        self._tokens.pop(token, None)
+
+    def close(self) -> None:
+        self.socket.close()
+
+
+def _fds_and_uid(ancillary) -> tuple[list[int], int]:
+    fds, uid = [], -1
+    for level, kind, data in ancillary:
+        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+            received = array.array("i")
+            received.frombytes(data[:len(data) - len(data) % received.itemsize])
+            fds.extend(received)
+        elif level == socket.SOL_SOCKET and kind == socket.SCM_CREDENTIALS:
+            _, uid, _ = struct.unpack("3i", data[:12])
+    return fds, uid
+
+
+def make_ring_for(name: bytes, token: bytes, writer_epoch: int, reader_epoch: int,
+                  capacity: int = RING_BYTES) -> Ring | None:
+    """The receiver's answer to an invite: a ring made and sent to the inviter's socket ``name``; None where that
+    socket is not reachable from here (another host or network namespace: the peer stays on ZeroMQ)."""
+    if not name.startswith(_INVITE_PREFIX) or len(token) != _TOKEN_BYTES:
+        return None
+    ring = Ring.create(writer_epoch, reader_epoch, capacity)
+    sender = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC | socket.SOCK_NONBLOCK)
+    try:
+        sender.sendmsg([token + struct.pack("<Q", reader_epoch)],
+                       [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [ring.memfd, ring.data_fd,
+                                                                                 ring.space_fd]))], 0, name)
+    except OSError as exc:   # ECONNREFUSED / ENOENT: no such socket here
+        ring.close()
+        log.debug("no ring to the inviter %r: %s", name, exc)
+        return None
+    finally:
+        sender.close()
+    return ring
