@@ -81,18 +81,19 @@ def _usage(pids: dict) -> dict:
 
 
 @pw.function(out=pw.Replicate())
-def _inc(x):
+def increment(x):
     return x + 1
 
 
-def _hops_program(ctx):
-    """A program whose ``CHAIN`` nodes alternate between executors 0 and 1: ``CHAIN - 1`` copies a run."""
+def hops_program(ctx, nodes: int = CHAIN):
+    """A program whose ``nodes`` nodes alternate between executors 0 and 1: ``nodes - 1`` copies a run; and the
+    first node's mesh (tests/integration/test_shm_rings.py runs it too)."""
     meshes = [ctx.mesh({"data": 1}, executors=[0]), ctx.mesh({"data": 1}, executors=[1])]
 
     @pw.program
     def hops(x):
-        for k in range(CHAIN):
-            x = _inc.on(meshes[k % 2])(x)
+        for k in range(nodes):
+            x = increment.on(meshes[k % 2])(x)
         return x
 
     return hops, meshes[0]
@@ -103,12 +104,12 @@ def measure(executors: int, calls: int, mode: str, backend: str = "eager", hop_b
         executors = 2
     with pw.Context(num_executors=executors, backend=backend) as ctx:
         if mode == "Hops":
-            program, mesh = _hops_program(ctx)
+            program, mesh = hops_program(ctx)
         else:
             program, mesh = chained, ctx.mesh({"data": executors})
         x = ctx.put(torch.zeros(hop_bytes // 4) if mode == "Hops" else torch.zeros(()), mesh, [pw.Replicate()])
         for _ in range(3):
-            x = step(x) if mode != "Hops" else _inc(x)
+            x = step(x) if mode != "Hops" else increment(x)
         for _ in range(2 if mode == "Hops" else 1):   # Hops: the first run's copies offer the rings
             program(x).exception(timeout_s=60)
         pids = {"client": os.getpid(), **{f"executor {i}": process.pid

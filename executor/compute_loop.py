@@ -140,16 +140,24 @@ class ComputeLoop:
                 self._inbox.flush()
                 if self._inbox.socket.get(zmq.EVENTS) & POLLIN:
                     return []   # read between jobs, next turn
-            if self.before_sleep is not None and not self.before_sleep():
+            if self.before_sleep is not None and not self._asked(self.before_sleep, True):
                 return []
             try:
                 return self._poller.poll(100)
             finally:
                 if self.after_sleep is not None:
-                    self.after_sleep()
+                    self._asked(self.after_sleep, None)
         finally:
             for lock in reversed(self._held_while_idle):
                 lock.release()
+
+    def _asked(self, hook: Callable, fallback):
+        """``hook()``, or ``fallback`` if it raised (logged: a bug of ours must not end the compute thread)."""
+        try:
+            return hook()
+        except Exception:
+            log.exception("%s: a sleep hook on the compute thread failed", self.name)
+            return fallback
 
     def _read_control(self) -> None:
         # Asking EVENTS is far cheaper than the zmq.Again a non-blocking recv raises when empty.

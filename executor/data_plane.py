@@ -311,11 +311,21 @@ class DataPlane:
         # the compute thread were seen held back past a cut and delivered seconds later, where through the I/O
         # thread they were lost: not understood yet).
         by_ring = self.outbox.to_peer(msg.to_address, pb.Envelope(transfer=transfer, epoch=self.epoch), payload,
-                                      msg.to_public_key, direct=msg.to_inbox)
+                                      msg.to_public_key, direct=msg.to_inbox, tag=(msg.as_ref, nbytes, now))
         if not by_ring:   # acknowledged when it lands; a link may take a while for big shards (1 MB/s at worst)
             self.unacked[(msg.to_address, shard_key(msg.as_ref))] = (
                 now + self.transfer_timeout_s + nbytes / _SLOWEST_LINK, msg.as_ref, nbytes, now)
         self.store.unpin(key)
+
+    def report_ring_lost(self, address: str, tags: list) -> None:
+        """Copies a broken shared-memory ring did not deliver (``tags``: (ref, bytes, sent at) each): reported to the
+        controller as a copy not acknowledged in time is, so the runs waiting for them fail."""
+        now = time.monotonic()
+        for ref, nbytes, sent_at in tags:
+            self.transfers_lost += 1
+            lost = pb.TransferLost(to_address=address, waited_s=now - sent_at, nbytes=nbytes)
+            lost.shard.CopyFrom(ref)
+            self.outbox.to_controller(pb.Envelope(transfer_lost=lost))
 
     def on_peer_reply(self, address: str, envelope: pb.Envelope) -> None:
         """A message back on the connection to a peer: the acknowledgement of a transfer we sent it."""

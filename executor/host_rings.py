@@ -41,53 +41,77 @@ def rings_enabled() -> bool:
 class HostRings:
     """The compute thread's rings (all methods on it), for the executor incarnation ``epoch``."""
 
-    def __init__(self, epoch: int, on_message, *, watch, unwatch):
+    def __init__(self, epoch: int, on_message, *, on_lost, watch, unwatch):
         self._epoch = epoch
         self._on_message = on_message
+        self._on_lost = on_lost   # (address, tags) -> None: copies a broken ring did not deliver (reported lost)
         self._watch, self._unwatch = watch, unwatch
         self._inviter = RingInviter(epoch)
         watch(self._inviter.socket)
         self._writers: dict[str, RingWriter] = {}
         self._readers: list[RingReader] = []
-        self._invites_sent: dict[str, int] = {}
+        self._invites_sent: dict[tuple[str, bytes], int] = {}   # (address, key) -> invites sent
         self._answered: set[bytes] = set()     # tokens of invites this executor made a ring for
-        self._keys: dict[str, bytes] = {}       # peer address -> the key its copies were sent for
+        self._keys: dict[str, bytes] = {}       # peer address -> the key its copies are sent for now
         self._reader_keys: dict[int, bytes | None] = {}   # id(reader) -> the key of the connection its invite came on
         self._gone_received = self._gone_refused = 0   # what closed readers had counted
         self.counters = {"ring_copies_sent": 0, "ring_copies_received": 0, "rings_out": 0, "rings_in": 0,
-                         "ring_messages_refused": 0}
+                         "ring_messages_refused": 0, "ring_copies_lost": 0}
 
     # ------------------------------------------------------------ out
 
-    def send(self, address: str, envelope: pb.Envelope, payload: list, public_key: bytes) -> bool:
-        """Write a copy to ``address`` into its ring; False if there is none (send it over ZeroMQ), or if the peer
-        there now has another key than the ring's (a replacement at the same address: a fresh ring is offered)."""
-        writer = self._writers.get(address)
-        if writer is not None and (writer.broken or self._keys.get(address) != public_key):
+    def send(self, address: str, envelope: pb.Envelope, payload: list, public_key: bytes, tag=None) -> bool:
+        """Write a copy to ``address`` into its ring; False if there is none (send it over ZeroMQ). A peer there
+        with another key than the ring's (a replacement at the same address) gets no more through that ring (its
+        copies were the replaced incarnation's) and is offered a fresh one. ``tag``: what `on_lost` reports if a
+        broken ring does not deliver it."""
+        if self._keys.get(address) != public_key:
             self.forget(address)
-            writer = None
-        if writer is None:
             self._keys[address] = public_key
+        writer = self._writers.get(address)
+        if writer is None:
             return False
-        writer.send(envelope.SerializeToString(), payload)
+        if writer.broken:
+            self._give_up(address)
+            return False
+        writer.send(envelope.SerializeToString(), payload, tag)
         self.counters["ring_copies_sent"] += 1
         return True
 
-    def invite_for(self, address: str) -> pb.RingInvite | None:
+    def invite_for(self, address: str, public_key: bytes) -> pb.RingInvite | None:
         """The invite a ZeroMQ copy to ``address`` carries, while one may still be answered."""
-        if address in self._writers or self._invites_sent.get(address, 0) >= MAX_INVITES:
+        peer = (address, public_key)
+        if address in self._writers or self._invites_sent.get(peer, 0) >= MAX_INVITES:
             return None
-        self._invites_sent[address] = self._invites_sent.get(address, 0) + 1
-        name, token = self._inviter.invite(address)
+        self._invites_sent[peer] = self._invites_sent.get(peer, 0) + 1
+        name, token = self._inviter.invite(address, public_key)
         return pb.RingInvite(socket=name, token=token, writer_epoch=self._epoch)
 
     def forget(self, address: str) -> None:
-        """The peer at ``address`` is gone (replaced or lost): its ring is closed."""
+        """The peer at ``address`` was replaced or is gone: its ring is closed, its offers withdrawn (what was in
+        the ring was the replaced incarnation's, whose loss already failed what waited on it)."""
         writer = self._writers.pop(address, None)
         if writer is not None:
-            self._unwatch(writer.ring.space_fd)
-            writer.ring.close()
-        self._inviter.forget(address)
+            self._close_writer(writer)
+        key = self._keys.pop(address, None)
+        if key is not None:
+            self._inviter.forget(address, key)
+            self._invites_sent.pop((address, key), None)
+
+    def _give_up(self, address: str) -> None:
+        """A broken ring to a live peer: what it had not delivered is reported lost (the runs waiting for it fail
+        instead of waiting forever); later copies go over ZeroMQ."""
+        writer = self._writers.pop(address)
+        lost = writer.unread()
+        self._close_writer(writer)
+        log.warning("the ring to %s broke (%s): %d copies reported lost", address, writer.broken, len(lost))
+        self.counters["ring_copies_lost"] += len(lost)
+        if lost:
+            self._on_lost(address, lost)
+
+    def _close_writer(self, writer: RingWriter) -> None:
+        self._unwatch(writer.ring.space_fd)
+        writer.ring.close()
 
     # ------------------------------------------------------------ in
 
@@ -110,13 +134,18 @@ class HostRings:
 
     def service(self) -> None:
         """Take rings that came back, flush waiting copies, read committed ones."""
-        for address, ring in self._inviter.take():
+        for address, key, ring in self._inviter.take():
+            if self._keys.get(address) != key or address in self._writers:   # for an incarnation gone since
+                ring.close()
+                continue
             self._writers[address] = RingWriter(ring)
             self._watch(ring.space_fd)
             self.counters["rings_out"] += 1
-        for writer in self._writers.values():
+        for address, writer in list(self._writers.items()):
             if writer.waiting:
                 writer.flush()
+            if not writer.check():
+                self._give_up(address)
         for reader in list(self._readers):
             reader.read()
             if reader.broken:
@@ -146,7 +175,6 @@ class HostRings:
         """Close the rings of replaced incarnations (their keys, ``admits(key)`` False, were revoked)."""
         for address in [a for a, key in self._keys.items() if key and not admits(key)]:
             self.forget(address)
-            self._keys.pop(address, None)
         for reader in [r for r in self._readers if self._reader_keys.get(id(r)) and
                        not admits(self._reader_keys[id(r)])]:
             self._drop_reader(reader)
@@ -160,7 +188,7 @@ class HostRings:
         reader.ring.close()
 
     def close(self) -> None:
-        for address in list(self._writers):
+        for address in list(self._keys):
             self.forget(address)
         for reader in list(self._readers):
             self._drop_reader(reader)

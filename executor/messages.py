@@ -20,7 +20,7 @@ class Outbox(Protocol):
 
     def to_controller(self, envelope: pb.Envelope, payload: Sequence = ()) -> None: ...
     def to_peer(self, address: str, envelope: pb.Envelope, payload: Sequence = (), public_key: bytes = b"",
-                direct: bool = False) -> bool | None: ...   # True: through a shared-memory ring (no acknowledgement)
+                direct: bool = False, tag=None) -> bool | None: ...   # True: through a shared-memory ring (no ack)
     def to_client(self, identity: bytes, envelope: pb.Envelope, payload: Sequence = ()) -> None: ...
 
 

@@ -162,10 +162,14 @@ class ExecutorProcess(CoreEndpoint):
 
     def _start_rings(self) -> None:
         """The compute thread's rings, for the incarnation the Welcome named."""
-        self.rings = HostRings(self.core.data.epoch, self._on_ring_message, watch=self.compute.watch,
-                               unwatch=self.compute.unwatch)
+        self.rings = HostRings(self.core.data.epoch, self._on_ring_message, on_lost=self._on_ring_lost,
+                               watch=self.compute.watch, unwatch=self.compute.unwatch)
         self.outbox.rings = self.rings
         self.compute.before_sleep, self.compute.after_sleep = self.rings.before_sleep, self.rings.awake
+
+    def _on_ring_lost(self, address: str, tags: list) -> None:
+        with self._core_lock:
+            self.core.data.report_ring_lost(address, tags)
 
     def _on_ring_invite(self, invite: pb.RingInvite, role: str | None, key: bytes | None) -> None:
         """A copy carried an invite (on the compute thread, or the I/O thread while a job runs): answered there."""

@@ -29,6 +29,7 @@ import array
 import collections
 import ctypes
 import errno
+import fcntl
 import logging
 import mmap
 import os
@@ -45,6 +46,7 @@ __all__ = ["Ring", "RingWriter", "RingReader", "RingInviter", "make_ring_for", "
 log = logging.getLogger(__name__)
 
 RING_BYTES = 8 << 20   # each direction's data bytes (a bigger copy goes in chunks as the reader frees space)
+MAX_MESSAGE_BYTES = 1 << 34   # a copy bigger than this through a ring is refused (and the ring broken)
 _ALIGN = 64
 _u64 = ctypes.c_uint64
 _vp = ctypes.c_void_p
@@ -54,19 +56,30 @@ class RingRefused(RuntimeError):
     """A ring that does not check: another version, another size, made for other incarnations, or corrupt."""
 
 
+class _Side(ctypes.Structure):
+    """One side's private view of a ring (`pw_ring_view`): never in the shared mapping, so a peer that rewrites the
+    header cannot move what this side indexes by."""
+
+    _fields_ = [("base", _vp), ("capacity", _u64), ("position", _u64)]
+
+
+_SideP = ctypes.POINTER(_Side)
+
+
 def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.pw_ring_bytes.argtypes, lib.pw_ring_bytes.restype = [_u64], _u64
     lib.pw_ring_init.argtypes, lib.pw_ring_init.restype = [_vp, _u64, _u64, _u64], ctypes.c_int
-    lib.pw_ring_check.argtypes, lib.pw_ring_check.restype = [_vp, _u64, _u64, _u64], ctypes.c_int
-    lib.pw_ring_write.argtypes = [_vp, _u64, ctypes.POINTER(_vp), ctypes.POINTER(_u64), ctypes.c_int,
+    lib.pw_ring_attach.argtypes, lib.pw_ring_attach.restype = [_vp, _u64, _u64, _u64, _SideP], ctypes.c_int
+    lib.pw_ring_write.argtypes = [_SideP, _u64, ctypes.POINTER(_vp), ctypes.POINTER(_u64), ctypes.c_int,
                                   ctypes.POINTER(_u64), ctypes.POINTER(ctypes.c_int)]
     lib.pw_ring_write.restype = ctypes.c_int
-    lib.pw_ring_next.argtypes = [_vp] + [ctypes.POINTER(_u64)] * 5
+    lib.pw_ring_next.argtypes = [_SideP] + [ctypes.POINTER(_u64)] * 5
     lib.pw_ring_next.restype = ctypes.c_int
-    lib.pw_ring_release.argtypes, lib.pw_ring_release.restype = [_vp, ctypes.POINTER(ctypes.c_int)], ctypes.c_int
-    lib.pw_ring_reader_sleep.argtypes, lib.pw_ring_reader_sleep.restype = [_vp], ctypes.c_int
-    lib.pw_ring_reader_awake.argtypes, lib.pw_ring_reader_awake.restype = [_vp], None
-    lib.pw_ring_pending.argtypes, lib.pw_ring_pending.restype = [_vp], _u64
+    lib.pw_ring_release.argtypes, lib.pw_ring_release.restype = [_SideP, ctypes.POINTER(ctypes.c_int)], ctypes.c_int
+    lib.pw_ring_reader_sleep.argtypes, lib.pw_ring_reader_sleep.restype = [_SideP], ctypes.c_int
+    lib.pw_ring_reader_awake.argtypes, lib.pw_ring_reader_awake.restype = [_SideP], None
+    lib.pw_ring_released.argtypes, lib.pw_ring_released.restype = [_SideP, ctypes.POINTER(_u64)], ctypes.c_int
+    lib.pw_ring_broken.argtypes, lib.pw_ring_broken.restype = [_SideP], ctypes.c_int
     return lib
 
 
@@ -80,17 +93,24 @@ def _ring_lib() -> ctypes.CDLL:
     return _lib
 
 
+# A ring's memfd is sealed at its size before it is passed: neither side can shrink it under the other (a SIGBUS).
+_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
+
+
 class Ring:
-    """One direction's mapping and its two eventfds (``data_fd``: the writer wakes the reader; ``space_fd``: the
-    reader wakes the writer). Made by the reader (`create`), handed to the writer as descriptors (`attach`)."""
+    """One direction's mapping, this side's private view of it (`side`) and its two eventfds (``data_fd``: the writer
+    wakes the reader; ``space_fd``: the reader wakes the writer). Made by the reader (`create`), handed to the
+    writer as descriptors (`attach`)."""
 
     def __init__(self, memfd: int, data_fd: int, space_fd: int, size: int):
         self.lib = _ring_lib()
         self.memfd, self.data_fd, self.space_fd, self.size = memfd, data_fd, space_fd, size
+        self.closed = True   # until mapped
         self.mapping = mmap.mmap(memfd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         self._anchor = (ctypes.c_char * size).from_buffer(self.mapping)   # the mapping's address, for the library
         self.base = ctypes.addressof(self._anchor)
         self.view = memoryview(self.mapping)
+        self.side = _Side()
         self.closed = False
 
     @classmethod
@@ -99,28 +119,40 @@ class Ring:
         size = lib.pw_ring_bytes(capacity)
         if not size:
             raise ValueError(f"ring capacity: expected a power of two from 4 KiB to 16 GiB, got {capacity}")
-        memfd = os.memfd_create("pathways-ring", os.MFD_CLOEXEC)
-        os.ftruncate(memfd, size)
-        ring = cls(memfd, os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC),
-                   os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC), size)
-        lib.pw_ring_init(ring.base, capacity, writer_epoch, reader_epoch)
+        fds = [os.memfd_create("pathways-ring", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)]
+        try:
+            os.ftruncate(fds[0], size)
+            fcntl.fcntl(fds[0], fcntl.F_ADD_SEALS, _SEALS)
+            fds += [os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC) for _ in range(2)]
+            ring = cls(*fds, size)
+        except BaseException:
+            for fd in fds:
+                os.close(fd)
+            raise
+        made = lib.pw_ring_init(ring.base, capacity, writer_epoch, reader_epoch)
+        if made or lib.pw_ring_attach(ring.base, size, writer_epoch, reader_epoch, ring.side):
+            ring.close()
+            raise RingRefused(f"a ring of {capacity} bytes could not be made ({os.strerror(-made) if made else ''})")
         return ring
 
     @classmethod
     def attach(cls, fds: list[int], writer_epoch: int, reader_epoch: int) -> "Ring":
-        """The writer's side of a ring it was sent; `RingRefused` (the descriptors closed) unless it checks."""
+        """The writer's side of a ring it was sent; `RingRefused` (the descriptors closed) unless it checks: a
+        memfd sealed at its size, a fresh ring of this version made for these incarnations."""
         memfd, data_fd, space_fd = fds
         try:
+            if fcntl.fcntl(memfd, fcntl.F_GET_SEALS) & _SEALS != _SEALS:
+                raise ValueError("its memory is not sealed at its size")
             ring = cls(memfd, data_fd, space_fd, os.fstat(memfd).st_size)
         except (OSError, ValueError) as exc:
             for fd in fds:
                 os.close(fd)
             raise RingRefused(f"a ring that cannot be mapped: {exc}") from exc
-        checked = ring.lib.pw_ring_check(ring.base, ring.size, writer_epoch, reader_epoch)
+        checked = ring.lib.pw_ring_attach(ring.base, ring.size, writer_epoch, reader_epoch, ring.side)
         if checked:
             ring.close()
-            why = {errno.ESTALE: "it was made for another incarnation", errno.EPROTO: "not a ring of this version "
-                   "and size"}.get(-checked, os.strerror(-checked))
+            why = {errno.ESTALE: "it was made for another incarnation", errno.EPROTO: "not a fresh ring of this "
+                   "version and size"}.get(-checked, os.strerror(-checked))
             raise RingRefused(f"a ring refused: {why} (expected writer incarnation {writer_epoch}, reader "
                               f"{reader_epoch})")
         return ring
@@ -142,11 +174,13 @@ class Ring:
         if self.closed:
             return
         self.closed = True
-        self.view.release()
-        del self._anchor
-        self.mapping.close()
-        for fd in (self.memfd, self.data_fd, self.space_fd):
-            os.close(fd)
+        try:
+            self.view.release()
+            del self._anchor
+            self.mapping.close()
+        finally:
+            for fd in (self.memfd, self.data_fd, self.space_fd):
+                os.close(fd)
 
 
 def _frames_of(envelope: bytes, payload: list) -> list:
@@ -187,19 +221,22 @@ def _split(message: memoryview) -> tuple[bytes, list]:
 
 class RingWriter:
     """The sending side (one thread: the sender's compute thread). `send` writes at once what fits; the rest waits
-    in order and goes with `flush` when the reader frees space (``ring.space_fd`` readable)."""
+    in order and goes with `flush` when the reader frees space (``ring.space_fd`` readable). Each message carries a
+    ``tag`` (what the caller reports if it is lost); `unread` gives the tags of those the reader has not read yet
+    (waiting, or in the ring), for a writer that must give the ring up."""
 
     def __init__(self, ring: Ring):
         self.ring = ring
-        self._pending: collections.deque = collections.deque()   # [seq, parts, offset]
+        self._pending: collections.deque = collections.deque()   # [seq, parts, offset, tag]
+        self._in_ring: collections.deque = collections.deque()   # (ring position past its last chunk, tag)
         self._seq = 0
         self.sent = 0
         self.sent_bytes = 0
         self.broken = ""
 
-    def send(self, envelope: bytes, payload: list) -> None:
+    def send(self, envelope: bytes, payload: list, tag=None) -> None:
         parts = _frames_of(envelope, payload)
-        self._pending.append([self._seq, parts, 0])
+        self._pending.append([self._seq, parts, 0, tag])
         self._seq += 1
         self.flush()
 
@@ -211,14 +248,14 @@ class RingWriter:
     def flush(self) -> None:
         """Write what waits, while the ring has room."""
         self.ring.drain(self.ring.space_fd)
-        lib, wake = self.ring.lib, ctypes.c_int(0)
+        lib, wake, side = self.ring.lib, ctypes.c_int(0), ctypes.byref(self.ring.side)
         while self._pending and not self.broken:
-            seq, parts, offset = self._pending[0]
+            seq, parts, offset, tag = self._pending[0]
             arrays = [numpy.frombuffer(p, dtype=numpy.uint8) for p in parts]   # addresses, no copy
             pointers = (_vp * len(arrays))(*[a.ctypes.data if a.size else 0 for a in arrays])
             lengths = (_u64 * len(arrays))(*[a.size for a in arrays])
             at = _u64(offset)
-            written = lib.pw_ring_write(self.ring.base, seq, pointers, lengths, len(arrays), ctypes.byref(at),
+            written = lib.pw_ring_write(side, seq, pointers, lengths, len(arrays), ctypes.byref(at),
                                         ctypes.byref(wake))
             self._pending[0][2] = at.value
             if wake.value:
@@ -229,37 +266,58 @@ class RingWriter:
             if written == 0:
                 return   # full: the reader wakes us (space_fd)
             self._pending.popleft()
+            self._in_ring.append((self.ring.side.position, tag))
             self.sent += 1
             self.sent_bytes += sum(lengths)
+
+    def check(self) -> bool:
+        """Forget the messages the reader has read; False if the ring is broken (`unread` says what was lost)."""
+        released = _u64(0)
+        if self.broken or self.ring.lib.pw_ring_released(ctypes.byref(self.ring.side), ctypes.byref(released)):
+            self.broken = self.broken or "the reader broke the ring"
+            return False
+        while self._in_ring and self._in_ring[0][0] <= released.value:
+            self._in_ring.popleft()
+        return True
+
+    def unread(self) -> list:
+        """The tags of messages the reader has not read: in the ring, then waiting to go in."""
+        return [tag for _, tag in self._in_ring] + [entry[3] for entry in self._pending]
 
 
 class RingReader:
     """The receiving side (the receiver's compute thread): `read` hands each whole message to ``on_message(envelope
     bytes, frames)``; the frames are views of a buffer of the message's own (copied out of the ring once, 64-byte
-    aligned), so the ring's space is free again at once."""
+    aligned), so the ring's space is free again at once. A message bigger than ``max_message`` bytes, or whose
+    chunks do not agree, breaks the ring (the writer then reports what it had in it as lost)."""
 
-    def __init__(self, ring: Ring, on_message):
+    def __init__(self, ring: Ring, on_message, max_message: int = MAX_MESSAGE_BYTES):
         self.ring = ring
         self._on_message = on_message
-        self._assembly = None   # (seq, buffer, bytes so far)
+        self._max_message = max_message
+        self._assembly = None   # (seq, total, buffer, bytes so far)
         self.received = 0
         self.refused = 0
         self.broken = ""
 
     def read(self, most: int = 64) -> int:
         """Handle up to ``most`` whole messages committed now; how many were handled."""
-        lib, ring = self.ring.lib, self.ring
+        lib, ring, side = self.ring.lib, self.ring, ctypes.byref(self.ring.side)
         seq, total, offset, length, data_at = (_u64() for _ in range(5))
         wake, handled = ctypes.c_int(0), 0
         while handled < most and not self.broken:
-            got = lib.pw_ring_next(ring.base, *(ctypes.byref(v) for v in (seq, total, offset, length, data_at)))
+            got = lib.pw_ring_next(side, *(ctypes.byref(v) for v in (seq, total, offset, length, data_at)))
             if got < 0:
                 self._break(f"the ring is broken ({os.strerror(-got)})")
                 return handled
             if got == 0:
                 return handled
-            message = self._place(seq.value, total.value, offset.value, length.value, data_at.value)
-            lib.pw_ring_release(ring.base, ctypes.byref(wake))
+            try:
+                message = self._place(seq.value, total.value, offset.value, length.value, data_at.value)
+            except (MemoryError, ValueError) as exc:   # never leave a chunk unreleased: it would be read forever
+                self._break(f"a chunk of message {seq.value} could not be placed ({type(exc).__name__}: {exc})")
+                return handled
+            lib.pw_ring_release(side, ctypes.byref(wake))
             if wake.value:
                 ring.wake(ring.space_fd)
             if message is not None:
@@ -270,13 +328,15 @@ class RingReader:
     def _place(self, seq: int, total: int, offset: int, length: int, data_at: int):
         """Copy a chunk into its message's buffer; the message once whole."""
         if offset == 0:
-            self._assembly = (seq, _aligned_buffer(total), 0)
-        if self._assembly is None or self._assembly[0] != seq or self._assembly[2] != offset:
-            self._break(f"a chunk of message {seq} at byte {offset} out of order")
-            return None
-        _, buffer, _ = self._assembly
+            if total > self._max_message:
+                raise ValueError(f"a {total}-byte message: at most {self._max_message} are taken")
+            self._assembly = (seq, total, _aligned_buffer(total), 0)
+        if self._assembly is None or self._assembly[0] != seq or self._assembly[1] != total or \
+                self._assembly[3] != offset:
+            raise ValueError(f"a chunk of message {seq} (of {total} bytes) at byte {offset}: out of order")
+        _, _, buffer, _ = self._assembly
         buffer[offset:offset + length] = self.ring.view[data_at:data_at + length]
-        self._assembly = (seq, buffer, offset + length)
+        self._assembly = (seq, total, buffer, offset + length)
         if offset + length < total:
             return None
         self._assembly = None
@@ -300,10 +360,10 @@ class RingReader:
     def sleep(self) -> bool:
         """Ask to be woken by the writer's next commit; False if something came meanwhile (read it, do not sleep)."""
         self.ring.drain(self.ring.data_fd)
-        return self.ring.lib.pw_ring_reader_sleep(self.ring.base) == 0
+        return self.ring.lib.pw_ring_reader_sleep(ctypes.byref(self.ring.side)) == 0
 
     def awake(self) -> None:
-        self.ring.lib.pw_ring_reader_awake(self.ring.base)
+        self.ring.lib.pw_ring_reader_awake(ctypes.byref(self.ring.side))
 
 
 def _aligned_buffer(nbytes: int) -> memoryview:
@@ -321,8 +381,8 @@ _TOKEN_BYTES = 16
 
 
 class RingInviter:
-    """The sender's offers: one abstract datagram socket (``socket``, polled by its compute thread), a token per
-    peer invited, and the rings that came back (`take`)."""
+    """The sender's offers: one abstract datagram socket (``socket``, polled by its compute thread), a token per peer
+    incarnation invited (its address and key), and the rings that came back (`take`)."""
 
     def __init__(self, epoch: int):
         self.epoch = epoch
@@ -330,51 +390,56 @@ class RingInviter:
         self.name = _INVITE_PREFIX + secrets.token_hex(16).encode()
         self.socket.bind(self.name)
         self.socket.setsockopt(socket.SOL_SOCKET, socket.SO_PASSCRED, 1)
-        self._tokens: dict[bytes, str] = {}    # token -> the peer address it was given to
-        self._by_address: dict[str, bytes] = {}
+        self._tokens: dict[bytes, tuple[str, bytes]] = {}    # token -> (peer address, its key)
+        self._by_peer: dict[tuple[str, bytes], bytes] = {}
         self.refused = 0
 
-    def invite(self, address: str) -> tuple[bytes, bytes]:
-        """(socket name, token) to offer the peer at ``address`` (the same until it answers)."""
-        token = self._by_address.get(address)
+    def invite(self, address: str, key: bytes) -> tuple[bytes, bytes]:
+        """(socket name, token) to offer the peer at ``address`` holding ``key`` (the same until it answers)."""
+        token = self._by_peer.get((address, key))
         if token is None:
             token = secrets.token_bytes(_TOKEN_BYTES)
-            self._by_address[address] = token
-            self._tokens[token] = address
+            self._by_peer[(address, key)] = token
+            self._tokens[token] = (address, key)
         return self.name, token
 
-    def take(self) -> list[tuple[str, Ring]]:
-        """The rings peers sent since the last call, as (address, ring); what does not check is refused."""
+    def take(self, most: int = 16) -> list[tuple[str, bytes, Ring]]:
+        """The rings peers sent since the last call (at most ``most``), as (address, key, ring); what does not check
+        is refused (the first ten refusals logged)."""
         rings = []
-        while True:
+        while len(rings) < most:
             try:
                 data, ancillary, _, _ = self.socket.recvmsg(256, socket.CMSG_SPACE(3 * 4) +
-                                                            socket.CMSG_SPACE(struct.calcsize("3i")))
+                                                            socket.CMSG_SPACE(struct.calcsize("3i")),
+                                                            socket.MSG_CMSG_CLOEXEC)
             except BlockingIOError:
                 return rings
             fds, uid = _fds_and_uid(ancillary)
-            address = self._tokens.get(data[:_TOKEN_BYTES]) if len(data) >= _TOKEN_BYTES + 8 else None
-            if address is None or uid != os.getuid() or len(fds) != 3:
+            peer = self._tokens.get(data[:_TOKEN_BYTES]) if len(data) >= _TOKEN_BYTES + 8 else None
+            if peer is None or uid != os.getuid() or len(fds) != 3:
                 for fd in fds:
                     os.close(fd)
-                self.refused += 1
-                log.warning("a ring offer refused: %s", "an unknown token" if address is None else
-                            f"from uid {uid}" if uid != os.getuid() else f"{len(fds)} descriptors, expected 3")
+                self._refuse("an unknown token" if peer is None else f"from uid {uid}" if uid != os.getuid() else
+                             f"{len(fds)} descriptors, expected 3")
                 continue
             (reader_epoch,) = struct.unpack_from("<Q", data, _TOKEN_BYTES)
             try:
                 ring = Ring.attach(fds, self.epoch, reader_epoch)
             except RingRefused as exc:
-                self.refused += 1
-                log.warning("a ring from %s refused: %s", address, exc)
+                self._refuse(f"from {peer[0]}: {exc}")
                 continue
-            del self._tokens[data[:_TOKEN_BYTES]]
-            del self._by_address[address]
-            rings.append((address, ring))
+            self.forget(*peer)
+            rings.append((*peer, ring))
+        return rings
 
-    def forget(self, address: str) -> None:
-        """Stop offering to ``address`` (it is gone, or refused)."""
-        token = self._by_address.pop(address, None)
+    def _refuse(self, why: str) -> None:
+        self.refused += 1
+        if self.refused <= 10:
+            log.warning("a ring offer refused: %s", why)
+
+    def forget(self, address: str, key: bytes) -> None:
+        """Stop offering to that peer (it answered, is gone, or was replaced)."""
+        token = self._by_peer.pop((address, key), None)
         self._tokens.pop(token, None)
 
     def close(self) -> None:

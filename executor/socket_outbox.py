@@ -60,15 +60,16 @@ class SocketOutbox:
     def to_client(self, identity, envelope, payload=()):
         self._loop.send(self._data_key, [identity, *encode(envelope, payload)])
 
-    def to_peer(self, address, envelope, payload=(), public_key=b"", direct=False) -> bool:
+    def to_peer(self, address, envelope, payload=(), public_key=b"", direct=False, tag=None) -> bool:
         """``direct``: it may leave from the compute thread, if it was made there: through the peer's shared-memory
-        ring where it has one (returns True: no acknowledgement will come), else on the compute thread's own
-        connection (`DirectPeers`), which offers the peer a ring."""
+        ring where it has one (returns True: no acknowledgement will come; ``tag`` is reported if the ring breaks
+        before the peer reads it), else on the compute thread's own connection (`DirectPeers`), which offers the
+        peer a ring."""
         on_compute = direct and self.direct is not None and self.direct.on_own_thread()
         if on_compute and self.rings is not None and body_name(envelope) == "transfer":
-            if self.rings.send(address, envelope, payload, public_key):
+            if self.rings.send(address, envelope, payload, public_key, tag):
                 return True
-            invite = self.rings.invite_for(address)
+            invite = self.rings.invite_for(address, public_key)
             if invite is not None:
                 envelope.transfer.ring_invite.CopyFrom(invite)
         frames = encode(envelope, payload)

@@ -12,9 +12,12 @@
 // Wake-ups are the caller's (an eventfd per direction, polled with the executor's sockets): `reader_sleeping` and
 // `writer_waiting` say whether the other side must be woken, so a busy pair makes no system call at all.
 //
-// Everything read from the mapping is checked before use: the peer shares it and may be buggy or dead. A chunk
-// whose header does not match (magic, its own check word, a length past what was committed or past the ring) is
-// refused with -EBADMSG and the ring is unusable from then on (the caller drops it and counts it).
+// Everything read from the mapping is checked before use: the peer shares it and may be buggy or dead. So each side
+// keeps what it relies on in a `pw_ring_view` of its own (the mapping's address, the capacity it checked once, its
+// own position): the shared header's capacity is never read again, and the shared head and tail are only what the
+// other side publishes, checked (64-aligned, within one ring of our own position) before use. A chunk whose header
+// does not match (magic, its own check word, a length past what was committed or past the ring) is refused with
+// -EBADMSG and the ring is unusable from then on (the caller drops it and counts it).
 //
 // C ABI (ctypes releases the GIL for each call); no Python, no allocation, no thread of its own.
 
@@ -51,6 +54,19 @@ struct Header {
 };
 static_assert(sizeof(Header) <= kHeaderBytes, "the header fits its page");
 static_assert(std::atomic<uint64_t>::is_always_lock_free, "positions are shared between processes");
+
+}  // namespace
+
+extern "C" {
+// One side's private view of a ring: never in the shared mapping.
+struct pw_ring_view {
+  void* base;
+  uint64_t capacity;   // checked once against the mapping's size (pw_ring_attach)
+  uint64_t position;   // the writer's head, or the reader's tail
+};
+}
+
+namespace {
 
 struct ChunkHeader {
   uint32_t magic;
@@ -118,36 +134,69 @@ int pw_ring_init(void* base, uint64_t capacity, uint64_t writer_epoch, uint64_t 
   return 0;
 }
 
-// Whether `base` (`mapped` bytes) is a ring made for these incarnations: 0; -EPROTO (not a ring, another version, a
-// size that does not match the mapping), or -ESTALE (made for other incarnations: refused).
-int pw_ring_check(void* base, uint64_t mapped, uint64_t writer_epoch, uint64_t reader_epoch) {
-  if (!base || mapped < kHeaderBytes) return -EPROTO;
+// Check that `base` (`mapped` bytes) is a fresh ring made for these incarnations, and fill `view` for one side:
+// 0; -EPROTO (not a ring, another version, a size that does not match the mapping, already used), or -ESTALE
+// (made for other incarnations: refused). From here on nothing but head and tail is read from the header.
+int pw_ring_attach(void* base, uint64_t mapped, uint64_t writer_epoch, uint64_t reader_epoch, pw_ring_view* view) {
+  if (!base || !view || mapped < kHeaderBytes) return -EPROTO;
   const Header* h = header(base);
   if (h->magic != kMagic || h->version != kVersion || h->header_bytes != kHeaderBytes) return -EPROTO;
-  if (pw_ring_bytes(h->capacity) != mapped) return -EPROTO;
+  const uint64_t capacity = h->capacity;
+  if (!pw_ring_bytes(capacity) || pw_ring_bytes(capacity) != mapped) return -EPROTO;
   if (h->writer_epoch != writer_epoch || h->reader_epoch != reader_epoch) return -ESTALE;
+  if (h->head.load(std::memory_order_acquire) || h->tail.load(std::memory_order_acquire)) return -EPROTO;
+  view->base = base;
+  view->capacity = capacity;
+  view->position = 0;
   return 0;
 }
+
+namespace {
+
+// The reader's published tail, as the writer may trust it (64-aligned, at most a ring behind our head); else the
+// ring is broken and ~0.
+uint64_t trusted_tail(pw_ring_view* v) {
+  Header* h = header(v->base);
+  const uint64_t tail = h->tail.load(std::memory_order_seq_cst);
+  if (tail > v->position || v->position - tail > v->capacity || tail % kAlign) {
+    h->broken.store(1);
+    return ~0ULL;
+  }
+  return tail;
+}
+
+// The writer's published head, as the reader may trust it; else the ring is broken and ~0.
+uint64_t trusted_head(pw_ring_view* v) {
+  Header* h = header(v->base);
+  const uint64_t head = h->head.load(std::memory_order_acquire);
+  if (head < v->position || head - v->position > v->capacity || head % kAlign) {
+    h->broken.store(1);
+    return ~0ULL;
+  }
+  return head;
+}
+
+}  // namespace
 
 // Write message `seq`, the concatenation of `n_parts` buffers, from byte `*offset` on, in chunks while the ring has
 // room (`*offset` moves past what was written). Returns 1 when the whole message is in, 0 when the ring is full
 // (call again with the same arguments once the reader frees space: `writer_waiting` stays set, so the reader wakes
 // us), -EPIPE (broken ring) or -EINVAL. `*wake` is set to 1 when the reader sleeps and must be woken.
-int pw_ring_write(void* base, uint64_t seq, const void* const* parts, const uint64_t* lengths, int n_parts,
+int pw_ring_write(pw_ring_view* v, uint64_t seq, const void* const* parts, const uint64_t* lengths, int n_parts,
                   uint64_t* offset, int* wake) {
-  Header* h = header(base);
-  if (!h || !wake || !offset || n_parts < 0 || (n_parts && (!parts || !lengths))) return -EINVAL;
+  if (!v || !v->base || !wake || !offset || n_parts < 0 || (n_parts && (!parts || !lengths))) return -EINVAL;
+  Header* h = header(v->base);
   *wake = 0;
   if (h->broken.load(std::memory_order_acquire)) return -EPIPE;
   uint64_t total = 0;
   for (int i = 0; i < n_parts; ++i) total += lengths[i];
   if (*offset > total || (total && *offset == total)) return -EINVAL;
-  const uint64_t capacity = h->capacity;
+  const uint64_t capacity = v->capacity;
   const uint64_t most = max_chunk(capacity);
-  uint64_t head = h->head.load(std::memory_order_relaxed);   // ours alone
   for (;;) {   // at least one chunk: an empty message is one empty chunk
-    const uint64_t tail = h->tail.load(std::memory_order_acquire);
-    if (head - tail > capacity) { h->broken.store(1); return -EPIPE; }   // a reader moved tail past us
+    const uint64_t tail = trusted_tail(v);
+    if (tail == ~0ULL) return -EPIPE;
+    const uint64_t head = v->position;
     const uint64_t length = total - *offset < most ? total - *offset : most;
     const uint64_t need = round_up(kChunkOverhead + length);
     const uint64_t at = head % capacity;
@@ -159,13 +208,13 @@ int pw_ring_write(void* base, uint64_t seq, const void* const* parts, const uint
       h->writer_waiting.store(0, std::memory_order_relaxed);
       continue;
     }
+    unsigned char* ring = data(v->base);
     if (pad) {
       ChunkHeader p{kChunkMagic, kPad, seq, 0, 0, pad};
       p.check = check_word(p);
-      std::memcpy(data(base) + at, &p, sizeof p);
-      head += pad;
+      std::memcpy(ring + at, &p, sizeof p);
     }
-    unsigned char* out = data(base) + head % capacity;
+    unsigned char* out = ring + (head + pad) % capacity;
     ChunkHeader c{kChunkMagic, kData, seq, static_cast<uint32_t>(length), 0, *offset};
     c.check = check_word(c);
     ChunkTotal t{total, {0, 0, 0}};
@@ -182,46 +231,44 @@ int pw_ring_write(void* base, uint64_t seq, const void* const* parts, const uint
       left -= take;
       skip = 0;
     }
-    head += need;
+    v->position = head + pad + need;
     *offset += length;
-    h->head.store(head, std::memory_order_seq_cst);   // the commit: the chunk is whole before it is visible
+    h->head.store(v->position, std::memory_order_seq_cst);   // the commit: the chunk is whole before it is visible
     if (h->reader_sleeping.load(std::memory_order_seq_cst) && h->reader_sleeping.exchange(0)) *wake = 1;
     if (*offset >= total) return 1;
   }
 }
 
 // The next chunk for the reader: 1 and its fields (data at base + *data_at), 0 if none is committed, -EBADMSG for
-// a chunk that does not check (the ring is then broken), -EPIPE if broken before. Pads are skipped here.
-int pw_ring_next(void* base, uint64_t* seq, uint64_t* total, uint64_t* offset, uint64_t* length,
+// a chunk or a head that does not check (the ring is then broken), -EPIPE if broken before. Pads are skipped.
+int pw_ring_next(pw_ring_view* v, uint64_t* seq, uint64_t* total, uint64_t* offset, uint64_t* length,
                  uint64_t* data_at) {
-  Header* h = header(base);
-  if (!h || !seq || !total || !offset || !length || !data_at) return -EINVAL;
+  if (!v || !v->base || !seq || !total || !offset || !length || !data_at) return -EINVAL;
+  Header* h = header(v->base);
   if (h->broken.load(std::memory_order_acquire)) return -EPIPE;
-  const uint64_t capacity = h->capacity;
+  const uint64_t capacity = v->capacity;
   for (;;) {
-    const uint64_t tail = h->tail.load(std::memory_order_relaxed);   // ours alone
-    const uint64_t head = h->head.load(std::memory_order_acquire);
+    const uint64_t tail = v->position;
+    const uint64_t head = trusted_head(v);
+    if (head == ~0ULL) return -EBADMSG;
     if (head == tail) return 0;
-    const uint64_t at = tail % capacity;
-    if (head - tail > capacity || head - tail < sizeof(ChunkHeader) || capacity - at < sizeof(ChunkHeader) ||
-        at % kAlign) {
-      h->broken.store(1);
-      return -EBADMSG;
-    }
+    const uint64_t at = tail % capacity;   // 64-aligned: our own position
+    if (head - tail < kChunkOverhead) { h->broken.store(1); return -EBADMSG; }
     ChunkHeader c;
-    std::memcpy(&c, data(base) + at, sizeof c);
+    std::memcpy(&c, data(v->base) + at, sizeof c);
     if (c.magic != kChunkMagic || c.check != check_word(c) || (c.kind != kData && c.kind != kPad)) {
       h->broken.store(1);
       return -EBADMSG;
     }
     if (c.kind == kPad) {
       if (c.offset != capacity - at || c.offset > head - tail) { h->broken.store(1); return -EBADMSG; }
-      h->tail.store(tail + c.offset, std::memory_order_seq_cst);
+      v->position = tail + c.offset;
+      h->tail.store(v->position, std::memory_order_seq_cst);
       continue;
     }
     const uint64_t need = round_up(kChunkOverhead + c.length);
     ChunkTotal t;
-    std::memcpy(&t, data(base) + at + sizeof c, sizeof t);
+    std::memcpy(&t, data(v->base) + at + sizeof c, sizeof t);
     if (need > head - tail || need > capacity - at || c.offset > t.total || c.length > t.total - c.offset) {
       h->broken.store(1);
       return -EBADMSG;
@@ -236,39 +283,47 @@ int pw_ring_next(void* base, uint64_t* seq, uint64_t* total, uint64_t* offset, u
 }
 
 // Let go of the chunk pw_ring_next gave (its bytes may be overwritten from now on). `*wake` is set to 1 when the
-// writer waits for space and must be woken. 0, or -EBADMSG / -EPIPE.
-int pw_ring_release(void* base, int* wake) {
-  Header* h = header(base);
-  if (!h || !wake) return -EINVAL;
+// writer waits for space and must be woken. 0, or -EBADMSG / -EPIPE / -EINVAL (no chunk to let go of).
+int pw_ring_release(pw_ring_view* v, int* wake) {
+  if (!v || !v->base || !wake) return -EINVAL;
   *wake = 0;
   uint64_t seq, total, offset, length, data_at;
-  const int got = pw_ring_next(base, &seq, &total, &offset, &length, &data_at);
+  const int got = pw_ring_next(v, &seq, &total, &offset, &length, &data_at);
   if (got <= 0) return got == 0 ? -EINVAL : got;
-  const uint64_t tail = h->tail.load(std::memory_order_relaxed);
-  h->tail.store(tail + round_up(kChunkOverhead + length), std::memory_order_seq_cst);
+  Header* h = header(v->base);
+  v->position += round_up(kChunkOverhead + length);
+  h->tail.store(v->position, std::memory_order_seq_cst);
   if (h->writer_waiting.load(std::memory_order_seq_cst) && h->writer_waiting.exchange(0)) *wake = 1;
   return 0;
 }
 
 // The reader is about to sleep on its eventfd: 0 (sleep; the writer will wake it), or 1 if a chunk came meanwhile
-// (do not sleep). Call pw_ring_awake after waking.
-int pw_ring_reader_sleep(void* base) {
-  Header* h = header(base);
+// (do not sleep; a broken ring too: the next read says so). Call pw_ring_reader_awake after waking.
+int pw_ring_reader_sleep(pw_ring_view* v) {
+  Header* h = header(v->base);
   h->reader_sleeping.store(1, std::memory_order_seq_cst);
-  if (h->head.load(std::memory_order_seq_cst) != h->tail.load(std::memory_order_relaxed)) {
+  if (h->head.load(std::memory_order_seq_cst) != v->position) {
     h->reader_sleeping.store(0, std::memory_order_relaxed);
     return 1;
   }
   return 0;
 }
 
-void pw_ring_reader_awake(void* base) { header(base)->reader_sleeping.store(0, std::memory_order_relaxed); }
+void pw_ring_reader_awake(pw_ring_view* v) { header(v->base)->reader_sleeping.store(0, std::memory_order_relaxed); }
 
-// Committed bytes not yet released (what the reader has to read).
-uint64_t pw_ring_pending(void* base) {
-  const Header* h = header(base);
-  return h->head.load(std::memory_order_acquire) - h->tail.load(std::memory_order_acquire);
+// The writer: 0 and the reader's released position (every byte before it was read), or -EPIPE (broken, or a
+// position that does not check).
+int pw_ring_released(pw_ring_view* v, uint64_t* released) {
+  if (!v || !v->base || !released) return -EINVAL;
+  if (header(v->base)->broken.load(std::memory_order_acquire)) return -EPIPE;
+  const uint64_t tail = trusted_tail(v);
+  if (tail == ~0ULL) return -EPIPE;
+  *released = tail;
+  return 0;
 }
+
+// Either side: whether the ring is broken (a side found it corrupt).
+int pw_ring_broken(pw_ring_view* v) { return header(v->base)->broken.load(std::memory_order_acquire) ? 1 : 0; }
 
 // The largest chunk a ring of `capacity` carries (bigger messages go in several).
 uint64_t pw_ring_max_chunk(uint64_t capacity) { return pw_ring_bytes(capacity) ? max_chunk(capacity) : 0; }

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import pathways_torch as pw
+from bench.cpu_per_call import increment, hops_program
 from tests.handles import cluster_of
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
@@ -19,21 +20,8 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
 SIZES = (1, 16 * 1024, 3 * (8 << 20) // 4 + 5)   # a byte; a 64 KB hop; 24 MiB (float32): chunked through an 8 MiB ring
 
 
-@pw.function(out=pw.Replicate())
-def _inc(x):
-    return x + 1
-
-
 def _hops(ctx, nodes: int = 6):
-    meshes = [ctx.mesh({"data": 1}, executors=[0]), ctx.mesh({"data": 1}, executors=[1])]
-
-    @pw.program
-    def hops(x):
-        for k in range(nodes):
-            x = _inc.on(meshes[k % 2])(x)
-        return x
-
-    return hops, meshes[0]
+    return hops_program(ctx, nodes)
 
 
 def _ring_counts(ctx) -> tuple[int, int]:
@@ -88,5 +76,5 @@ def test_a_writer_killed_mid_stream_fails_the_waiting_call_naming_it_and_the_rea
             for future in pending:
                 future.result(timeout_s=60)
         alone = ctx.mesh({"data": 1}, executors=[0])
-        torch.testing.assert_close(_inc.on(alone)(ctx.put(torch.zeros(4), alone, [pw.Replicate()]))
+        torch.testing.assert_close(increment.on(alone)(ctx.put(torch.zeros(4), alone, [pw.Replicate()]))
                                    .result(timeout_s=60), torch.ones(4))

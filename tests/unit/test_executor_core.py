@@ -24,7 +24,7 @@ class FakeOutbox:
     def to_controller(self, envelope, payload=()):
         self.controller.append((envelope, list(payload)))
 
-    def to_peer(self, address, envelope, payload=(), public_key=b"", direct=False):
+    def to_peer(self, address, envelope, payload=(), public_key=b"", direct=False, tag=None):
         self.peers.append((address, envelope, list(payload)))
 
     def to_client(self, identity, envelope, payload=()):

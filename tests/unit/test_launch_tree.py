@@ -48,7 +48,7 @@ class _Outbox:
     def to_controller(self, envelope, payload=()):
         self.up.append(envelope)
 
-    def to_peer(self, address, envelope, payload=(), public_key=b"", direct=False):
+    def to_peer(self, address, envelope, payload=(), public_key=b"", direct=False, tag=None):
         self.to_parent.append((address, envelope))
 
 

@@ -73,12 +73,12 @@ def _pattern(seq: int, size: int) -> bytes:
 
 def _writer_process(name: bytes, token_out, sizes, epoch: int):
     inviter = RingInviter(epoch)
-    token_out.send(inviter.invite("peer")[1])
+    token_out.send(inviter.invite("peer", b"key")[1])
     token_out.send(inviter.name)
     rings = []
     while not rings:
         rings = inviter.take()
-    address, ring = rings[0]
+    address, _, ring = rings[0]
     writer = RingWriter(ring)
     for seq, size in enumerate(sizes):
         writer.send(struct.pack("<Q", seq), [_pattern(seq, size)])
@@ -136,7 +136,7 @@ def test_a_ring_for_another_incarnation_is_refused():
 
 def test_the_inviter_refuses_a_ring_with_a_token_it_never_gave():
     inviter = RingInviter(epoch=1)
-    inviter.invite("peer")
+    inviter.invite("peer", b"key")
     assert make_ring_for(inviter.name, b"x" * 16, writer_epoch=1, reader_epoch=1, capacity=1 << 12) is not None
     assert inviter.take() == [] and inviter.refused == 1
     inviter.close()
@@ -144,13 +144,13 @@ def test_the_inviter_refuses_a_ring_with_a_token_it_never_gave():
 
 def test_the_inviter_refuses_a_stale_ring_and_takes_a_fresh_one():
     inviter = RingInviter(epoch=2)
-    name, token = inviter.invite("peer")
+    name, token = inviter.invite("peer", b"key")
     stale = make_ring_for(name, token, writer_epoch=1, reader_epoch=1, capacity=1 << 12)
     assert inviter.take() == [] and inviter.refused == 1
     fresh = make_ring_for(name, token, writer_epoch=2, reader_epoch=1, capacity=1 << 12)
     taken = inviter.take()
-    assert [address for address, _ in taken] == ["peer"]
-    for _, ring in taken:
+    assert [(address, key) for address, key, _ in taken] == [("peer", b"key")]
+    for _, _, ring in taken:
         ring.close()
     stale.close(), fresh.close(), inviter.close()
 
@@ -165,7 +165,8 @@ def _raw_write(ring: Ring, seq: int, data: bytes) -> None:
     pointers = (ctypes.c_void_p * 1)(array.ctypes.data)
     lengths = (ctypes.c_uint64 * 1)(array.size)
     offset, wake = ctypes.c_uint64(0), ctypes.c_int(0)
-    assert ring.lib.pw_ring_write(ring.base, seq, pointers, lengths, 1, ctypes.byref(offset), ctypes.byref(wake)) == 1
+    assert ring.lib.pw_ring_write(ctypes.byref(ring.side), seq, pointers, lengths, 1, ctypes.byref(offset),
+                                  ctypes.byref(wake)) == 1
 
 
 def test_a_message_whose_sizes_do_not_add_up_is_refused_and_counted():
@@ -190,3 +191,33 @@ def test_frames_round_trip_with_the_frames_aligned():
     assert envelope == b"envelope" and [bytes(f) for f in frames] == [b"a" * 10, b"b" * 100]
     offsets = [bytes(message).index(b"a" * 10), bytes(message).index(b"b" * 100)]
     assert all(offset % 64 == 0 for offset in offsets), offsets
+
+
+def test_a_ring_whose_memory_is_not_sealed_is_refused():
+    """A peer could shrink an unsealed memfd under the other side (a SIGBUS on its next access)."""
+    made = Ring.create(1, 1, capacity=1 << 12)
+    unsealed = os.memfd_create("not-sealed")
+    os.ftruncate(unsealed, made.size)
+    with pytest.raises(RingRefused, match="not sealed"):
+        Ring.attach([unsealed, os.dup(made.data_fd), os.dup(made.space_fd)], 1, 1)
+    with pytest.raises(OSError):
+        os.ftruncate(made.memfd, 4096)   # the real one cannot be shrunk
+    made.close()
+
+
+def test_a_writer_whose_reader_broke_the_ring_gives_back_what_was_not_read():
+    ring = Ring.create(1, 1, capacity=1 << 12)
+    got = []
+    reader = RingReader(ring, lambda envelope, frames: got.append(envelope))
+    writer = RingWriter(Ring.attach([os.dup(ring.memfd), os.dup(ring.data_fd), os.dup(ring.space_fd)], 1, 1))
+    writer.send(b"read", [], tag="a")
+    assert reader.read() == 1 and writer.check() and writer.unread() == []
+    writer.send(b"x" * 3000, [], tag="b")      # in the ring, not read
+    writer.send(b"y" * 3000, [], tag="c")      # does not fit behind it: waits
+    assert writer.waiting == 1
+    at = 4096 + ring.side.position % (1 << 12)   # the reader's next chunk: its length no longer checks
+    ring.view[at + 16] ^= 0xFF
+    assert reader.read() == 0 and reader.broken and got == [b"read"]
+    assert not writer.check() and writer.unread() == ["b", "c"]
+    writer.ring.close()
+    ring.close()

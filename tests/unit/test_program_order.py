@@ -286,7 +286,7 @@ class _Executor:
     def to_controller(self, envelope, payload=()):
         self.controller.on_message(self.core.executor_id, envelope, [])
 
-    def to_peer(self, address, envelope, payload=(), public_key=b"", direct=False):
+    def to_peer(self, address, envelope, payload=(), public_key=b"", direct=False, tag=None):
         self.network.send(address, envelope, payload)
 
     def to_client(self, *args):
