@@ -21,7 +21,8 @@ import os
 
 from pathways_torch.wire import pathways_pb2 as pb
 
-from .shm_ring import RingInviter, RingReader, RingWriter, make_ring_for
+from .ring_offers import RingInviter, make_ring_for
+from .shm_ring import RingReader, RingWriter
 
 __all__ = ["HostRings", "MAX_INVITES", "RINGS_ENV", "rings_enabled"]
 

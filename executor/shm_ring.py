@@ -3,15 +3,17 @@ inside a host (issue 49, point 1; the ring itself is executor/native/shm_ring.cp
 
 How two executors of one host pair up, over the authenticated channel they already have:
 
-1. The sender (writer) binds an abstract Unix datagram socket with a random name, once, and offers a ring to a
-   peer by adding a `RingInvite` (that name, a random token for that peer, its incarnation) to the copies it sends
-   it the usual way, over ZeroMQ with CURVE, until a ring is up.
-2. The receiver (reader), reading such a copy, makes the ring (a memfd of the ring's bytes, and two eventfds: data
-   committed, space freed), and sends the three descriptors back on the datagram socket (SCM_RIGHTS), with the
-   token. A sender on another host (or in another network namespace) has no such socket there: the send fails, and
-   that peer stays on ZeroMQ.
-3. The sender takes the descriptors only with a token it gave out, from a process of its own user, and only a
-   ring made for its own incarnation (a stale one is refused); from then on its copies to that peer are written
+1. The sender (writer) listens on an abstract Unix SOCK_SEQPACKET socket with a random name, once, and offers a
+   ring to a peer by adding a `RingInvite` (that name, a random token for that peer's address and key, its
+   incarnation) to the copies it sends it the usual way, over ZeroMQ with CURVE, until a ring is up.
+2. The receiver (reader), reading such a copy, connects to that name and checks who listens there (SO_PEERCRED: a
+   process of its own user, else it sends nothing: a name freed by a dead inviter and taken by another user gets no
+   ring), then makes the ring (a memfd of the ring's bytes, sealed at its size, and two eventfds: data committed,
+   space freed) and sends the three descriptors (SCM_RIGHTS) with the token. A sender on another host (or in another
+   network namespace) has no such socket there: the connection fails, and that peer stays on ZeroMQ.
+3. The sender takes the descriptors only with a token it gave out, from a process of its own user (SO_PEERCRED of
+   the connection), and only a ring made for its own incarnation (a stale one is refused); from then on its copies
+   to that peer are written
    into the ring by the thread that makes them, and the reader's compute thread is woken once (its eventfd is
    polled with its sockets).
 
@@ -25,7 +27,6 @@ follow start 64-byte aligned), then the payload frames, each preceded by its 8-b
 
 from __future__ import annotations
 
-import array
 import collections
 import ctypes
 import errno
@@ -33,15 +34,13 @@ import fcntl
 import logging
 import mmap
 import os
-import secrets
-import socket
 import struct
 
 import numpy
 
 from . import native_lib
 
-__all__ = ["Ring", "RingWriter", "RingReader", "RingInviter", "make_ring_for", "RING_BYTES", "RingRefused"]
+__all__ = ["Ring", "RingWriter", "RingReader", "RING_BYTES", "MAX_MESSAGE_BYTES", "RingRefused"]
 
 log = logging.getLogger(__name__)
 
@@ -372,108 +371,3 @@ def _aligned_buffer(nbytes: int) -> memoryview:
     raw = numpy.empty(nbytes + _ALIGN, dtype=numpy.uint8)
     skip = -raw.ctypes.data % _ALIGN
     return memoryview(raw[skip:skip + nbytes])
-
-
-# ---------------------------------------------------------------- pairing up over the authenticated channel
-
-_INVITE_PREFIX = b"\0pathways-ring-"
-_TOKEN_BYTES = 16
-
-
-class RingInviter:
-    """The sender's offers: one abstract datagram socket (``socket``, polled by its compute thread), a token per peer
-    incarnation invited (its address and key), and the rings that came back (`take`)."""
-
-    def __init__(self, epoch: int):
-        self.epoch = epoch
-        self.socket = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC | socket.SOCK_NONBLOCK)
-        self.name = _INVITE_PREFIX + secrets.token_hex(16).encode()
-        self.socket.bind(self.name)
-        self.socket.setsockopt(socket.SOL_SOCKET, socket.SO_PASSCRED, 1)
-        self._tokens: dict[bytes, tuple[str, bytes]] = {}    # token -> (peer address, its key)
-        self._by_peer: dict[tuple[str, bytes], bytes] = {}
-        self.refused = 0
-
-    def invite(self, address: str, key: bytes) -> tuple[bytes, bytes]:
-        """(socket name, token) to offer the peer at ``address`` holding ``key`` (the same until it answers)."""
-        token = self._by_peer.get((address, key))
-        if token is None:
-            token = secrets.token_bytes(_TOKEN_BYTES)
-            self._by_peer[(address, key)] = token
-            self._tokens[token] = (address, key)
-        return self.name, token
-
-    def take(self, most: int = 16) -> list[tuple[str, bytes, Ring]]:
-        """The rings peers sent since the last call (at most ``most``), as (address, key, ring); what does not check
-        is refused (the first ten refusals logged)."""
-        rings = []
-        while len(rings) < most:
-            try:
-                data, ancillary, _, _ = self.socket.recvmsg(256, socket.CMSG_SPACE(3 * 4) +
-                                                            socket.CMSG_SPACE(struct.calcsize("3i")),
-                                                            socket.MSG_CMSG_CLOEXEC)
-            except BlockingIOError:
-                return rings
-            fds, uid = _fds_and_uid(ancillary)
-            peer = self._tokens.get(data[:_TOKEN_BYTES]) if len(data) >= _TOKEN_BYTES + 8 else None
-            if peer is None or uid != os.getuid() or len(fds) != 3:
-                for fd in fds:
-                    os.close(fd)
-                self._refuse("an unknown token" if peer is None else f"from uid {uid}" if uid != os.getuid() else
-                             f"{len(fds)} descriptors, expected 3")
-                continue
-            (reader_epoch,) = struct.unpack_from("<Q", data, _TOKEN_BYTES)
-            try:
-                ring = Ring.attach(fds, self.epoch, reader_epoch)
-            except RingRefused as exc:
-                self._refuse(f"from {peer[0]}: {exc}")
-                continue
-            self.forget(*peer)
-            rings.append((*peer, ring))
-        return rings
-
-    def _refuse(self, why: str) -> None:
-        self.refused += 1
-        if self.refused <= 10:
-            log.warning("a ring offer refused: %s", why)
-
-    def forget(self, address: str, key: bytes) -> None:
-        """Stop offering to that peer (it answered, is gone, or was replaced)."""
-        token = self._by_peer.pop((address, key), None)
-        self._tokens.pop(token, None)
-
-    def close(self) -> None:
-        self.socket.close()
-
-
-def _fds_and_uid(ancillary) -> tuple[list[int], int]:
-    fds, uid = [], -1
-    for level, kind, data in ancillary:
-        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
-            received = array.array("i")
-            received.frombytes(data[:len(data) - len(data) % received.itemsize])
-            fds.extend(received)
-        elif level == socket.SOL_SOCKET and kind == socket.SCM_CREDENTIALS:
-            _, uid, _ = struct.unpack("3i", data[:12])
-    return fds, uid
-
-
-def make_ring_for(name: bytes, token: bytes, writer_epoch: int, reader_epoch: int,
-                  capacity: int = RING_BYTES) -> Ring | None:
-    """The receiver's answer to an invite: a ring made and sent to the inviter's socket ``name``; None where that
-    socket is not reachable from here (another host or network namespace: the peer stays on ZeroMQ)."""
-    if not name.startswith(_INVITE_PREFIX) or len(token) != _TOKEN_BYTES:
-        return None
-    ring = Ring.create(writer_epoch, reader_epoch, capacity)
-    sender = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC | socket.SOCK_NONBLOCK)
-    try:
-        sender.sendmsg([token + struct.pack("<Q", reader_epoch)],
-                       [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [ring.memfd, ring.data_fd,
-                                                                                 ring.space_fd]))], 0, name)
-    except OSError as exc:   # ECONNREFUSED / ENOENT: no such socket here
-        ring.close()
-        log.debug("no ring to the inviter %r: %s", name, exc)
-        return None
-    finally:
-        sender.close()
-    return ring

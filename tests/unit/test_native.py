@@ -15,8 +15,8 @@ import subprocess
 import pytest
 
 from executor import native_lib
-from executor.shm_ring import (Ring, RingInviter, RingReader, RingRefused, RingWriter, _frames_of, _split,
-                               make_ring_for)
+from executor.ring_offers import RingInviter, make_ring_for
+from executor.shm_ring import Ring, RingReader, RingRefused, RingWriter, _frames_of, _split
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -221,3 +221,31 @@ def test_a_writer_whose_reader_broke_the_ring_gives_back_what_was_not_read():
     assert not writer.check() and writer.unread() == ["b", "c"]
     writer.ring.close()
     ring.close()
+
+
+def _listen_as_nobody(name: bytes, ready, stop):
+    os.setgid(65534)
+    os.setuid(65534)
+    import socket as sockets
+
+    listener = sockets.socket(sockets.AF_UNIX, sockets.SOCK_SEQPACKET)
+    listener.bind(name)
+    listener.listen(4)
+    ready.send(True)
+    stop.recv()
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="needs root to start a process of another user")
+def test_a_ring_is_never_sent_to_a_socket_another_user_listens_on():
+    """An inviter that died frees its socket's name; a process of another user that takes the name gets no ring."""
+    name = b"\0pathways-ring-" + b"f" * 32
+    ready, ready_child = multiprocessing.Pipe()
+    stop, stop_child = multiprocessing.Pipe()
+    child = multiprocessing.get_context("fork").Process(target=_listen_as_nobody, args=(name, ready_child, stop_child))
+    child.start()
+    try:
+        assert ready.recv()
+        assert make_ring_for(name, b"t" * 16, 1, 1, capacity=1 << 12) is None
+    finally:
+        stop.send(True)
+        child.join(10)
