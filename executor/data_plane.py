@@ -322,10 +322,7 @@ class DataPlane:
         controller as a copy not acknowledged in time is, so the runs waiting for them fail."""
         now = time.monotonic()
         for ref, nbytes, sent_at in tags:
-            self.transfers_lost += 1
-            lost = pb.TransferLost(to_address=address, waited_s=now - sent_at, nbytes=nbytes)
-            lost.shard.CopyFrom(ref)
-            self.outbox.to_controller(pb.Envelope(transfer_lost=lost))
+            self._report_lost(address, ref, nbytes, sent_at, now)
 
     def on_peer_reply(self, address: str, envelope: pb.Envelope) -> None:
         """A message back on the connection to a peer: the acknowledgement of a transfer we sent it."""
@@ -340,12 +337,16 @@ class DataPlane:
         expired = [k for k, (deadline, *_rest) in self.unacked.items() if deadline <= now]
         for address, key in expired:
             _, ref, nbytes, sent_at = self.unacked.pop((address, key))
-            self.transfers_lost += 1
-            lost = pb.TransferLost(to_address=address, waited_s=now - sent_at, nbytes=nbytes)
-            lost.shard.CopyFrom(ref)
             log.warning("%s: the transfer of array %d shard %d to %s was not acknowledged within %.0f s",
                         self.executor_id, ref.array_id, ref.shard, address, now - sent_at)
-            self.outbox.to_controller(pb.Envelope(transfer_lost=lost))
+            self._report_lost(address, ref, nbytes, sent_at, now)
+
+    def _report_lost(self, address: str, ref: pb.ShardRef, nbytes: int, sent_at: float, now: float) -> None:
+        """Tell the controller a copy to ``address`` was lost (it fails the run that waits for it)."""
+        self.transfers_lost += 1
+        lost = pb.TransferLost(to_address=address, waited_s=now - sent_at, nbytes=nbytes)
+        lost.shard.CopyFrom(ref)
+        self.outbox.to_controller(pb.Envelope(transfer_lost=lost))
 
     # ------------------------------------------------------------ copies and their Runs
 

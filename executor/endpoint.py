@@ -70,13 +70,19 @@ class CoreEndpoint:
         if len(frames) < 2:
             self.core.drop("data message without identity and envelope")
             return
+        self._data_message(frames[0].bytes, frames[1:], peer_role(frames[-1]), peer_key(frames[-1]), reply,
+                           copies_only="the transfer inbox" if reply is not None else "")
+
+    def _data_message(self, identity: bytes, frames, role: str | None, key: bytes | None, reply,
+                      copies_only: str = "") -> None:
+        """A data message (its envelope and payload ``frames``) from a key of ``role``; ``copies_only``: where it
+        came, if only copies from peers may come there (anything else is dropped and counted)."""
         try:
-            envelope, payload = decode(frames[1:])
-            if reply is not None and body_name(envelope) != "transfer":
-                self.core.drop(f"a {body_name(envelope)!r} on the transfer inbox (only copies from peers go there)")
+            envelope, payload = decode(frames)
+            if copies_only and body_name(envelope) != "transfer":
+                self.core.drop(f"a {body_name(envelope)!r} on {copies_only} (only copies from peers go there)")
                 return
-            self.core.on_data(frames[0].bytes, envelope, payload, role=peer_role(frames[-1]), key=peer_key(frames[-1]),
-                              reply=reply)
+            self.core.on_data(identity, envelope, payload, role=role, key=key, reply=reply)
         except (FramingError, ValueError) as exc:
             self.core.drop(str(exc))
 

@@ -50,14 +50,12 @@ class HostRings:
         self._inviter = RingInviter(epoch)
         watch(self._inviter.socket)
         self._writers: dict[str, RingWriter] = {}
-        self._readers: list[RingReader] = []
+        self._readers: dict[RingReader, bytes | None] = {}   # each with the key of the connection its invite came on
         self._invites_sent: dict[tuple[str, bytes], int] = {}   # (address, key) -> invites sent
         self._answered: set[bytes] = set()     # tokens of invites this executor made a ring for
         self._keys: dict[str, bytes] = {}       # peer address -> the key its copies are sent for now
-        self._reader_keys: dict[int, bytes | None] = {}   # id(reader) -> the key of the connection its invite came on
         self._gone_received = self._gone_refused = 0   # what closed readers had counted
-        self.counters = {"ring_copies_sent": 0, "ring_copies_received": 0, "rings_out": 0, "rings_in": 0,
-                         "ring_messages_refused": 0, "ring_copies_lost": 0}
+        self.counters = {"ring_copies_sent": 0, "rings_out": 0, "rings_in": 0, "ring_copies_lost": 0}
 
     # ------------------------------------------------------------ out
 
@@ -126,8 +124,7 @@ class HostRings:
         if ring is None:
             return
         reader = RingReader(ring, lambda envelope, frames: self._on_message(envelope, frames, role, key))
-        self._readers.append(reader)
-        self._reader_keys[id(reader)] = key
+        self._readers[reader] = key
         self._watch(ring.data_fd)
         self.counters["rings_in"] += 1
 
@@ -151,11 +148,13 @@ class HostRings:
             reader.read()
             if reader.broken:
                 self._drop_reader(reader)
-        self._count_readers()
 
-    def _count_readers(self) -> None:
-        self.counters["ring_copies_received"] = self._gone_received + sum(r.received for r in self._readers)
-        self.counters["ring_messages_refused"] = self._gone_refused + sum(r.refused for r in self._readers)
+    def counts(self) -> dict[str, int]:
+        """The counters, with what the readers received and refused (read for Stats, on another thread: a snapshot
+        of the readers, taken at once under the GIL)."""
+        readers = list(self._readers)
+        return {**self.counters, "ring_copies_received": self._gone_received + sum(r.received for r in readers),
+                "ring_messages_refused": self._gone_refused + sum(r.refused for r in readers)}
 
     def before_sleep(self) -> bool:
         """Whether the compute thread may sleep: every reader is asked to be woken (False if one has a message).
@@ -176,13 +175,11 @@ class HostRings:
         """Close the rings of replaced incarnations (their keys, ``admits(key)`` False, were revoked)."""
         for address in [a for a, key in self._keys.items() if key and not admits(key)]:
             self.forget(address)
-        for reader in [r for r in self._readers if self._reader_keys.get(id(r)) and
-                       not admits(self._reader_keys[id(r)])]:
+        for reader in [r for r, key in self._readers.items() if key and not admits(key)]:
             self._drop_reader(reader)
 
     def _drop_reader(self, reader: RingReader) -> None:
-        self._readers.remove(reader)
-        self._reader_keys.pop(id(reader), None)
+        del self._readers[reader]
         self._gone_received += reader.received
         self._gone_refused += reader.refused
         self._unwatch(reader.ring.data_fd)

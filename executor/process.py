@@ -26,8 +26,7 @@ import time
 import zmq
 
 from pathways_torch.wire.process_state import is_alive
-from pathways_torch.wire import SocketLoop, body_name, decode, encode, pb
-from pathways_torch.wire.framing import FramingError
+from pathways_torch.wire import SocketLoop, encode, pb
 from pathways_torch.wire.security import (CONTROLLER, HANDSHAKE_FAILURES, HEARTBEAT_SUFFIX, INCARNATION_MARK,
                                           STORE_SUFFIX, ConnectionWatch, Gatekeeper, KeyDirectory, make_client,
                                           make_server, without_replaced_keys)
@@ -182,15 +181,7 @@ class ExecutorProcess(CoreEndpoint):
     def _on_ring_message(self, envelope: bytes, frames: list, role: str | None, key: bytes | None) -> None:
         """A copy read from a ring: handled as the same peer's copy over ZeroMQ would be (no acknowledgement)."""
         with self._core_lock:
-            try:
-                decoded, _ = decode([envelope])
-            except FramingError as exc:
-                self.core.drop(f"a ring message: {exc}")
-                return
-            if body_name(decoded) != "transfer":
-                self.core.drop(f"a {body_name(decoded)!r} in a shared-memory ring (only copies go there)")
-                return
-            self.core.on_data(b"", decoded, frames, role=role, key=key, reply=_no_reply)
+            self._data_message(b"", [envelope, *frames], role, key, _no_reply, copies_only="a shared-memory ring")
 
     def _on_inbox(self, frames) -> None:
         with self._core_lock:
@@ -272,7 +263,7 @@ class ExecutorProcess(CoreEndpoint):
         return {"send_backlog_high_water": self.loop.backlog_high_water, "heartbeats_sent": self._heartbeats_sent,
                 "sent_from_compute": self.outbox.direct.sent if self.outbox.direct is not None else 0,
                 "inbox_read_by_io": self.inbox.read_by_io if self.inbox is not None else 0,
-                **(self.rings.counters if self.rings is not None else {})}
+                **(self.rings.counts() if self.rings is not None else {})}
 
     def _on_peer_frames(self, address: str, frames) -> None:
         with self._core_lock:

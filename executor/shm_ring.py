@@ -229,8 +229,7 @@ class RingWriter:
         self._pending: collections.deque = collections.deque()   # [seq, parts, offset, tag]
         self._in_ring: collections.deque = collections.deque()   # (ring position past its last chunk, tag)
         self._seq = 0
-        self.sent = 0
-        self.sent_bytes = 0
+        self.sent = 0      # messages wholly in the ring
         self.broken = ""
 
     def send(self, envelope: bytes, payload: list, tag=None) -> None:
@@ -267,7 +266,6 @@ class RingWriter:
             self._pending.popleft()
             self._in_ring.append((self.ring.side.position, tag))
             self.sent += 1
-            self.sent_bytes += sum(lengths)
 
     def check(self) -> bool:
         """Forget the messages the reader has read; False if the ring is broken (`unread` says what was lost)."""
