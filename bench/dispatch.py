@@ -26,6 +26,11 @@ ratios are medians of the per-round ratios. The last column compares our OpByOp
 with the faster of the Ray and Monarch OpByOp of the same round. Metric:
 computations per second. Prints a table, writes bench/results/dispatch.json.
 
+Collectives: our executors of one host reduce through one shared mapping (executor/shm_group.py, issue 49);
+``--gloo-modes`` (default OpByOp,Chained) also runs those modes on a third context whose executors use gloo within
+the host (``PATHWAYS_SHM_COLLECTIVES=0``, what they did before), its windows in the same rounds, and reports each
+against the same mode on the shared mapping. The baselines keep gloo, as they would run.
+
 Backends: our modes run on eager executors (like with like: the baselines compute with
 eager torch). ``--xla-modes`` (default Chained) also runs those modes on a second
 context with the default backend (XLA), its windows in the same rounds, and reports
@@ -96,11 +101,36 @@ class PathwaysLoops:
 
 
 def _xla_modes(args) -> list[str]:
-    modes = [m.strip() for m in args.xla_modes.split(",") if m.strip()]
+    return _modes(args.xla_modes, "--xla-modes")
+
+
+def _gloo_modes(args) -> list[str]:
+    return _modes(args.gloo_modes, "--gloo-modes")
+
+
+def _modes(text: str, flag: str) -> list[str]:
+    modes = [m.strip() for m in text.split(",") if m.strip()]
     unknown = [m for m in modes if m not in MODES]
     if unknown:
-        raise SystemExit(f"--xla-modes: expected names from {MODES}, got {unknown}")
+        raise SystemExit(f"{flag}: expected names from {MODES}, got {unknown}")
     return modes
+
+
+@contextlib.contextmanager
+def _gloo_within_host():
+    """Executors started inside use gloo even among themselves (the executor reads the switch at group formation;
+    local executors take the client's environment when they start)."""
+    from executor.shm_group import ENABLE_ENV
+
+    before = os.environ.get(ENABLE_ENV)
+    os.environ[ENABLE_ENV] = "0"
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(ENABLE_ENV)
+        else:
+            os.environ[ENABLE_ENV] = before
 
 
 def _baseline_processes(size: int, stack: contextlib.ExitStack) -> dict:
@@ -116,7 +146,7 @@ def _baseline_processes(size: int, stack: contextlib.ExitStack) -> dict:
 
 
 def _one_round(ours: PathwaysLoops, loops: MultiController, baselines: dict, args, index: int,
-               xla: PathwaysLoops | None = None) -> dict:
+               xla: PathwaysLoops | None = None, gloo: PathwaysLoops | None = None) -> dict:
     """Every window once. The order rotates from round to round: the window after a switch
     runs measurably slower (5-10 % after 200 OpByOp calls, measured), so no system may
     always sit in the same place."""
@@ -125,6 +155,9 @@ def _one_round(ours: PathwaysLoops, loops: MultiController, baselines: dict, arg
     if xla is not None:
         windows += [(f"{mode} (xla)", lambda m=mode: xla.window(m, args.steps if m == "OpByOp" else args.repeats))
                     for mode in _xla_modes(args)]
+    if gloo is not None:
+        windows += [(f"{mode} (gloo)", lambda m=mode: gloo.window(m, args.steps if m == "OpByOp" else args.repeats))
+                    for mode in _gloo_modes(args)]
     windows.append(("multi-controller", lambda: loops.window(CHAIN * args.repeats)))
     for name, process in baselines.items():
         windows.append((f"{name} OpByOp", lambda p=process: p.window("OpByOp", args.steps)))
@@ -144,12 +177,18 @@ def measure(size: int, args) -> dict:
             xla_ctx = stack.enter_context(pw.Context(num_executors=size, backend="xla"))
             print(f"N={size}: our modes {_xla_modes(args)} on {xla_ctx.backend} too", flush=True)
             xla = PathwaysLoops(xla_ctx, size)
+        gloo = None
+        if _gloo_modes(args) and size > 1:
+            with _gloo_within_host():
+                gloo_ctx = stack.enter_context(pw.Context(num_executors=size, backend="eager"))
+            gloo = PathwaysLoops(gloo_ctx, size)
+            print(f"N={size}: our modes {_gloo_modes(args)} with gloo within the host too", flush=True)
         loops = MultiController(size)
         stack.callback(loops.close)
         baselines = _baseline_processes(size, stack)
         rounds = []
         for index in range(args.rounds):
-            rounds.append(_one_round(ours, loops, baselines, args, index, xla))
+            rounds.append(_one_round(ours, loops, baselines, args, index, xla, gloo))
             print(f"N={size} round {index + 1}/{args.rounds}: "
                   + ", ".join(f"{k} {v:,.0f}" for k, v in rounds[-1].items()), flush=True)
     return summarize(size, rounds)
@@ -162,6 +201,9 @@ def summarize(size: int, rounds: list[dict]) -> dict:
         if key.endswith(" (xla)"):
             ratios[f"{key} / eager"] = [r[key] / r[key.removesuffix(" (xla)")] for r in rounds]
             ratios[f"{key} / multi-controller"] = [r[key] / r["multi-controller"] for r in rounds]
+        if key.endswith(" (gloo)"):
+            ratios[f"{key.removesuffix(' (gloo)')} shared mapping / gloo"] = [
+                r[key.removesuffix(" (gloo)")] / r[key] for r in rounds]
     if any(f"{name} OpByOp" in rounds[0] for name in BASELINES):
         ratios["OpByOp / best baseline OpByOp"] = [
             r["OpByOp"] / max(r[f"{name} OpByOp"] for name in BASELINES if f"{name} OpByOp" in r) for r in rounds]
@@ -196,6 +238,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds per executor count")
     parser.add_argument("--xla-modes", default="Chained",
                         help="our modes to run on the default (XLA) backend too, comma-separated ('' for none)")
+    parser.add_argument("--gloo-modes", default="OpByOp,Chained",
+                        help="our modes to run with gloo within the host too (before issue 49's host groups), "
+                             "comma-separated ('' for none)")
     args = parser.parse_args()
     results = [measure(int(size), args) for size in args.sizes.split(",")]
     print_table(["N", "multi-controller /s", "OpByOp /s (vs MC)", "Chained /s (vs MC)", "Fused /s (vs MC)",
@@ -216,6 +261,13 @@ def main() -> None:
             if chained:
                 print(f"target N={r['executors']} Chained xla within 10 % of eager: "
                       f"{'met' if chained['median'] >= 0.9 else 'NOT met'} ({chained['median']:.2f})")
+    gloo_rows = [[str(r["executors"]), key.removesuffix(" shared mapping / gloo"),
+                  f"{r['rates'][key.removesuffix(' shared mapping / gloo')]:,.0f}",
+                  f"{r['rates'][key.removesuffix(' shared mapping / gloo') + ' (gloo)']:,.0f}", _ratio_text(v)]
+                 for r in results for key, v in r["ratios"].items() if key.endswith(" shared mapping / gloo")]
+    if gloo_rows:
+        print("\nCollectives within the host: one shared mapping against gloo, eager executors, same rounds:")
+        print_table(["N", "mode", "shared mapping /s", "gloo /s", "shared mapping / gloo"], gloo_rows)
     print("written to", write_results("dispatch", {"results": results, "chain": CHAIN, "steps": args.steps,
                                                     "repeats": args.repeats}))
 

@@ -26,9 +26,11 @@ import time
 import weakref
 
 # The factories live in process_groups; here too, where the benchmarks and tests have always imported them.
+from .axis_binding import AbandonedReason, AxisBinding, CollectiveAbandoned
 from .process_groups import gloo_group_on, make_gloo_group, make_nccl_group, nccl_group_on
+from .shm_group import ShmGroup, form_host_group
 
-__all__ = ["CollectiveRuntime", "make_gloo_group", "make_nccl_group", "gloo_group_on", "nccl_group_on", "dry_runs"]
+__all__ = ["CollectiveRuntime", "CollectiveAbandoned", "make_gloo_group", "make_nccl_group", "gloo_group_on", "nccl_group_on", "dry_runs"]
 
 log = logging.getLogger(__name__)
 
@@ -45,17 +47,6 @@ def dry_runs():
         yield
     finally:
         _dry.on = previous
-
-
-class CollectiveAbandoned(RuntimeError):
-    """A collective in a group abandoned after a fault in its island (a lost executor, a transfer lost on a link):
-    the run fails at once instead of waiting for a peer that will not come. Its remote type, ``CollectiveAbandoned``,
-    tells the trainer that recovery can run the step again (on new groups)."""
-
-
-class _AbandonedReason(str):
-    """Why an abandoned group is unusable (a ``str``, as every unusable group's reason, but raised as
-    `CollectiveAbandoned`)."""
 
 
 class CollectiveRuntime:
@@ -96,8 +87,9 @@ class CollectiveRuntime:
             store = self._rendezvous(store_path, size, timeout_s)
             if self.device.startswith("cuda"):
                 group = nccl_group_on(store, rank, size, timeout_s, self.device)
-            else:
-                group = gloo_group_on(store, rank, size, timeout_s, self.bind_host)
+            else:   # members of one host share a mapping (`executor.shm_group`); gloo where they span hosts
+                group = form_host_group(store, rank, size, timeout_s, store_path, members) or \
+                    gloo_group_on(store, rank, size, timeout_s, self.bind_host)
                 _mark_formed(store, group_id)
             # NCCL's wait only orders the stream (the host does not block in it): nothing to slice.
             self._groups[group_id] = _Group(group, size, frozenset(members), sliced=not self.device.startswith("cuda"),
@@ -109,6 +101,14 @@ class CollectiveRuntime:
             self.abandon(sorted(self.abandoned.intersection(members))[0], "lost while the group formed")
         elif group_id < self._abandoned_below:      # queued before a fault of the island, formed after it
             self._abandon_group(group_id, "made before a fault of its island; abandoned when it formed")
+
+    def transport(self, group_id: int) -> str:
+        """How group ``group_id`` communicates here: ``host`` (one host's shared mapping), ``gloo`` or ``nccl``; ``""``
+        if it is not formed."""
+        group = self._groups.get(group_id)
+        if group is None:
+            return ""
+        return "host" if group.on_host else "nccl" if self.device.startswith("cuda") else "gloo"
 
     def abandon(self, member: str, reason: str, before_group: int | None = None) -> list[int]:
         """Incarnation ``member`` (``id@epoch``) of this island was lost: retire every group here. A collective
@@ -189,7 +189,7 @@ class CollectiveRuntime:
         binding = getattr(cache, "binding", None)
         if binding is None:
             resolved = self._resolve(axis_groups)
-            binding = _Binding(self._local, self.native, resolved)
+            binding = AxisBinding(self._local, self.native, resolved)
             if cache is not None and not any(isinstance(v, str) for v in resolved.values()):
                 cache.binding = binding
                 binding.hold()
@@ -210,7 +210,7 @@ class CollectiveRuntime:
             raise RuntimeError(f"{name}: axis {axis!r} has no process group on this executor "
                                f"(bound axes: {sorted(binding)})")
         if isinstance(bound, str):
-            raise (CollectiveAbandoned if isinstance(bound, _AbandonedReason) else RuntimeError)(f"{name}: {bound}")
+            raise (CollectiveAbandoned if isinstance(bound, AbandonedReason) else RuntimeError)(f"{name}: {bound}")
         if bound.abandoned:
             raise CollectiveAbandoned(f"{name} on axis {axis!r}: {bound.abandoned}")
         return bound
@@ -222,10 +222,13 @@ class CollectiveRuntime:
         if name != "all_gather":
             raise ValueError(f"only all_gather is issued ahead, not {name}")
         handle = self._handle(name, axis)
-        if handle is None:
+        if handle is None or handle.on_host:   # a host group's gather runs now, on this thread (memory copies)
             from pathways_torch.wire.collective_ops import Ready
 
-            return Ready(_dry_run(name, x, size=size, dim=dim))
+            if handle is None:
+                return Ready(_dry_run(name, x, size=size, dim=dim))
+            return Ready(self._traced(f"all_gather {axis} {x.nbytes} B (ahead)", _host_op, handle.group, name,
+                                      x.contiguous(), dim=dim))
         import torch
 
         parts = [torch.empty_like(x) for _ in range(handle.size)]
@@ -237,12 +240,18 @@ class CollectiveRuntime:
         if handle is None:
             return _dry_run(name, x, **kwargs)
         kwargs.pop("size", None)  # the traced axis size; the group's own size is authoritative
+        label = f"{name} {axis} {x.nbytes} B"
+        if handle.on_host:
+            return self._traced(label, _host_op, handle.group, name, x.contiguous(), **kwargs)
+        return self._traced(label, self._ops[name], handle, handle.size, x.contiguous(), **kwargs)
+
+    def _traced(self, label: str, run_op, *args, **kwargs):
+        """``run_op(*args, **kwargs)``, a collective span in the trace around it."""
         trace = self.trace
         if trace is not None:
-            label = f"{name} {axis} {x.nbytes} B"
             trace.record("collective_start", label)
         try:
-            return self._ops[name](handle, handle.size, x.contiguous(), **kwargs)
+            return run_op(*args, **kwargs)
         finally:
             if trace is not None:
                 trace.record("collective_end", label)
@@ -260,7 +269,7 @@ class CollectiveRuntime:
                     f"it was never formed (groups abandoned below {self._abandoned_below}; faults heard: "
                     f"{len(self.abandoned)})")
                 reason = f"process group {group_id} for axis {axis!r} is unusable: {why}"
-                resolved[axis] = _AbandonedReason(reason) if abandoned else reason
+                resolved[axis] = AbandonedReason(reason) if abandoned else reason
             else:
                 resolved[axis] = group
         return resolved
@@ -300,11 +309,12 @@ class _Group:
     with this object."""
 
     __slots__ = ("group", "size", "members", "abandoned", "timeout_s", "retired_at", "_pending", "_event", "_sliced",
-                 "_native", "slot", "_holders", "__weakref__")
+                 "_native", "slot", "_holders", "on_host", "__weakref__")
 
     def __init__(self, group, size: int, members: frozenset, sliced: bool = True, timeout_s: float = 60.0,
                  native=None):
         self.group, self.size, self.members, self._sliced = group, size, members, sliced
+        self.on_host = isinstance(group, ShmGroup)   # its ops run in the library, on the calling thread
         self.abandoned = ""                 # why, once a member was lost
         self.timeout_s, self.retired_at = timeout_s, 0.0
         self._pending: list = []            # ops given up on (abandoned while waited for): they may still run
@@ -321,6 +331,8 @@ class _Group:
         self.abandoned = reason
         self.retired_at = time.monotonic()
         self._event.set()
+        if self.on_host:
+            self.group.abandon()
         if self._native is not None:
             self._native.abandon(self.slot, reason)
         for held_by in list(self._holders):    # a copy: the compute thread may add one meanwhile (`held_by`)
@@ -329,7 +341,7 @@ class _Group:
                 binding.let_go(self)
         self._holders.clear()
 
-    def held_by(self, binding: "_Binding") -> None:
+    def held_by(self, binding: "AxisBinding") -> None:
         """``binding`` keeps this group (a cached one): let go of it there once abandoned."""
         self._holders.append(weakref.ref(binding))
         if self.abandoned:    # abandoned between its resolution and now (the heartbeat thread): at once
@@ -383,58 +395,6 @@ def _mark_formed(store, group_id: int) -> None:
                     "group is abandoned", group_id, exc)
 
 
-class _Binding:
-    """Mesh axes bound to groups (or to why they have none) while a computation runs: for host stages on this
-    thread, and for collectives inside XLA executables in the extension (which XLA may call from its threads)."""
-
-    def __init__(self, bound_here: threading.local, native, axis_groups: dict):
-        # ``bound_here``: the runtime's per-thread slot the ops read (`CollectiveRuntime._handle`).
-        self._bound_here, self._axis_groups = bound_here, axis_groups
-        self._native = native
-        self._native_axes = _native_axes(self._native, axis_groups) if self._native is not None else None
-
-    def __enter__(self):
-        self._bound_here.binding = self._axis_groups
-        if self._native is not None:
-            self._native.bind(self._native_axes)
-
-    def __exit__(self, *exc):
-        self._bound_here.binding = None
-
-    def hold(self) -> None:
-        """This binding is cached (by a step run again and again): its groups let go of it when abandoned."""
-        for bound in set(self._axis_groups.values()):
-            if not isinstance(bound, str):    # already let go of (abandoned meanwhile, on the heartbeat thread)
-                bound.held_by(self)
-
-    def let_go(self, group: "_Group") -> None:
-        """``group`` was abandoned: its axes are bound to why from now on, and the binding keeps it no more (only
-        the runtime's retired list does, until it is quiet). Any thread: each entry is replaced whole, so a reader
-        sees the group (abandoned: its ops fail) or the reason."""
-        for axis, bound in list(self._axis_groups.items()):
-            if bound is not group:
-                continue
-            why = _AbandonedReason(f"the process group for axis {axis!r} is unusable: {group.abandoned}")
-            self._axis_groups[axis] = why
-            if self._native_axes is not None:
-                native_id = self._native.axis_id(axis)
-                self._native_axes[:] = [(native_id, -1, True, f"axis {axis!r}: {why}") if entry[0] == native_id
-                                        else entry for entry in self._native_axes]
-
-
-def _native_axes(native, axis_groups: dict) -> list:
-    """The extension's binding of ``axis_groups``: (axis id, slot, abandoned, why not) per axis."""
-    axis_id = native.axis_id
-    axes = []
-    for axis, bound in axis_groups.items():
-        if isinstance(bound, str):
-            axes.append((axis_id(axis), -1, isinstance(bound, _AbandonedReason), f"axis {axis!r}: {bound}"))
-        else:
-            axes.append((axis_id(axis), bound.slot, False, "" if bound.slot >= 0 else
-                         f"axis {axis!r}: its group is not registered with the extension"))
-    return axes
-
-
 @functools.cache
 def _reduce_options(op: str):
     """The gloo/NCCL options of a reduction, made once (each costs microseconds per collective)."""
@@ -475,6 +435,15 @@ class _PendingGather:
                 self.trace.record("collective_end", self.label)
         parts, self.parts = self.parts, None
         return torch.cat(parts, dim=self.dim)
+
+
+def _host_op(group: ShmGroup, name: str, x, op: str = "sum", dim: int = 0):
+    """``name`` on a host group (mean: the sum, divided here as for gloo)."""
+    reduce = "sum" if op == "mean" else op
+    if name == "all_gather":
+        return group.all_gather(x, dim)
+    out = group.all_reduce(x, reduce) if name == "all_reduce" else group.reduce_scatter(x, reduce, dim)
+    return _mean(out, group.size) if op == "mean" else out
 
 
 def _mean(total, size: int):

@@ -14,7 +14,7 @@ import time
 
 from .shm_ring import RING_BYTES, Ring, RingRefused
 
-__all__ = ["RingInviter", "make_ring_for"]
+__all__ = ["RingInviter", "make_ring_for", "fds_of", "peer_uid"]
 
 log = logging.getLogger(__name__)
 
@@ -73,7 +73,7 @@ class RingInviter:
             except OSError:
                 connection.close()
                 continue
-            uid = _peer_uid(connection)
+            uid = peer_uid(connection)
             connection.close()
             ring = self._ring_of(data, ancillary, uid)
             if ring is not None:
@@ -83,7 +83,7 @@ class RingInviter:
 
     def _ring_of(self, data: bytes, ancillary, uid: int):
         """(address, key, ring) from one connection's message, or None (refused, its descriptors closed)."""
-        fds = _fds_of(ancillary)
+        fds = fds_of(ancillary)
         peer = self._tokens.get(data[:_TOKEN_BYTES]) if len(data) >= _TOKEN_BYTES + 8 else None
         if peer is None or uid != os.getuid() or len(fds) != 3:
             for fd in fds:
@@ -116,7 +116,7 @@ class RingInviter:
         self.socket.close()
 
 
-def _fds_of(ancillary) -> list[int]:
+def fds_of(ancillary) -> list[int]:
     fds = array.array("i")
     for level, kind, data in ancillary:
         if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
@@ -124,7 +124,7 @@ def _fds_of(ancillary) -> list[int]:
     return list(fds)
 
 
-def _peer_uid(connection: socket.socket) -> int:
+def peer_uid(connection: socket.socket) -> int:
     """The uid of the process at the other end of a connected Unix socket (SO_PEERCRED), -1 if unknown."""
     try:
         _, uid, _ = struct.unpack("3i", connection.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
@@ -144,8 +144,8 @@ def make_ring_for(name: bytes, token: bytes, writer_epoch: int, reader_epoch: in
     ring = None
     try:
         sender.connect(name)
-        if _peer_uid(sender) != os.getuid():   # a name taken by a process of another user: it gets nothing
-            log.warning("a ring offer refused: the inviter's socket belongs to uid %d", _peer_uid(sender))
+        if peer_uid(sender) != os.getuid():   # a name taken by a process of another user: it gets nothing
+            log.warning("a ring offer refused: the inviter's socket belongs to uid %d", peer_uid(sender))
             return None
         ring = Ring.create(writer_epoch, reader_epoch, capacity)
         sender.sendmsg([token + struct.pack("<Q", reader_epoch)],

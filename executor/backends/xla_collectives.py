@@ -41,6 +41,7 @@ log = logging.getLogger(__name__)
 
 ENABLE_ENV = "PATHWAYS_COLLECTIVES_IN_XLA"   # "0": collectives cut the graph (the pure-Python path)
 _SOURCE = os.path.join(os.path.dirname(__file__), "native", "xla_collectives.cpp")
+_HEADER = os.path.join(os.path.dirname(os.path.dirname(__file__)), "native", "shm_collectives.h")   # host groups
 _NAME = "pathways_xla_collectives"
 _REDUCE_IDS = {"sum": 0, "mean": 1, "max": 2}
 
@@ -57,8 +58,11 @@ def extension_dir() -> str:
     import jaxlib
     import torch
 
-    with open(_SOURCE, "rb") as source:
-        digest = hashlib.sha256(source.read()).hexdigest()[:12]
+    digest = hashlib.sha256()
+    for path in (_SOURCE, _HEADER):
+        with open(path, "rb") as source:
+            digest.update(source.read())
+    digest = digest.hexdigest()[:12]
     # Everything the binary's ABI depends on: Python (a module built for 3.11 must not load in 3.12), torch, jaxlib.
     python = f"py{sys.version_info[0]}{sys.version_info[1]}-{platform.machine()}"
     version = f"{python}-torch{torch.__version__.replace('+', '_')}-jaxlib{jaxlib.__version__}-{digest}"
@@ -278,6 +282,11 @@ class NativeGroups:
         self.axis_id = axis_id
 
     def register(self, group) -> int:
+        from executor.shm_group import ShmGroup
+
+        if isinstance(group, ShmGroup):   # members of one host: the library runs it, on the executable's buffers
+            return self._module.register_host_group(group.handle, group.run_address, group.rank(), group.size,
+                                                    group.timeout_s)
         return self._module.register_group(group)
 
     def abandon(self, slot: int, reason: str) -> None:

@@ -138,9 +138,20 @@ def _one_island_reading(ctx, survivor: int, checkpoints) -> dict:
     executor = ctx.stats()["executors"][ctx.executor_ids[0]]
     return {"fds": sum(kinds.values()), "sockets": kinds["socket"], "eventfds": kinds["eventfds"],
             "pipes": kinds["pipe"], "threads": sum(threads.values()), "gloo_groups": threads["gloo_tcp_loop"],
+            "host_groups": _host_group_mappings(survivor),
             "peer_sockets": executor["hop_bytes"].get("peer_connections", 0),
             "store_keys": store.sizes()["keys"] + store.sizes()["waiting"], "store_groups": store.sizes()["groups"],
             "store_bytes": store.stored_bytes(), "by_name": dict(sorted(threads.items()))}
+
+
+def _host_group_mappings(pid: int) -> int:
+    """The shared mappings of host groups (executor/shm_group.py: a memfd each) that process ``pid`` holds."""
+    inodes = set()
+    with open(f"/proc/{pid}/maps") as maps:
+        for line in maps:
+            if "memfd:pathways-group" in line:
+                inodes.add(line.split()[4])
+    return len(inodes)
 
 
 def _quiet(read) -> dict:
@@ -156,8 +167,8 @@ def _quiet(read) -> dict:
     return last
 
 
-ONE_ISLAND_COLUMNS = ["fds", "sockets", "eventfds", "pipes", "threads", "gloo_groups", "peer_sockets", "store_keys",
-                      "store_groups", "store_bytes"]
+ONE_ISLAND_COLUMNS = ["fds", "sockets", "eventfds", "pipes", "threads", "gloo_groups", "host_groups", "peer_sockets",
+                      "store_keys", "store_groups", "store_bytes"]
 
 
 # (backend, plan): every plan on the same two executors (the plans of the held-futures test), data parallel on both
@@ -173,6 +184,7 @@ def test_three_replacements_of_one_executor_on_one_island_leave_the_survivor_not
     batches = [task.batch(i, 8) for i in range(STEPS_PER_ROUND * (FAULTS + 1))]
     checkpoints = tmp_path / "ckpt"
     mesh, make_plan = PLANS[plan]
+    in_dev_shm = set(os.listdir("/dev/shm"))
     with pw.Context(2, backend=backend, heartbeat_timeout_s=2.0) as ctx:
         torch.manual_seed(0)
         model = DecoderOnlyTransformer(CFG)
@@ -197,7 +209,7 @@ def test_three_replacements_of_one_executor_on_one_island_leave_the_survivor_not
                       ["  ".join(f"{row[c]:>12}" for c in ["after", *ONE_ISLAND_COLUMNS]) for row in rows])
     by_name = "\n".join(f"{row['after']:>12}  {row['by_name']}" for row in rows)
     print(f"\n{name}, {plan}, one island, survivor pid {survivor}: its fds (sockets, eventfds, pipes among them), threads, "
-          f"gloo groups (gloo_tcp_loop threads), ZeroMQ connections to peers; the rendezvous store's keys (with "
+          f"gloo groups (gloo_tcp_loop threads), host groups (mapped memfds), ZeroMQ connections to peers; the rendezvous store's keys (with "
           f"parked gets), open groups and bytes:\n{table}\nits threads by name:\n{by_name}")
     with open(f"/tmp/leak_table_one_island_{name.replace(':', '_')}_{plan}.json", "w") as f:
         json.dump({"survivor_pid": survivor, "rows": rows}, f, indent=1)
@@ -208,5 +220,7 @@ def test_three_replacements_of_one_executor_on_one_island_leave_the_survivor_not
         grown = {n: c for n, c in row["by_name"].items() if c > first["by_name"].get(n, 0)}
         assert not grown, (row["after"], grown, rows)
     assert all(row["store_bytes"] == 0 for row in rows), rows
-    if plan == "data-parallel":   # one group: the data axis's (the others' groups are as many as their axes need)
-        assert all(row["gloo_groups"] == 1 for row in rows), rows
+    assert set(os.listdir("/dev/shm")) <= in_dev_shm   # shared memory of groups and rings: memfds, never named
+    if plan == "data-parallel":   # one group: the data axis's (the others' groups are as many as their axes need),
+        # on the two executors of this host a shared mapping, not gloo
+        assert all(row["host_groups"] == 1 and row["gloo_groups"] == 0 for row in rows), rows

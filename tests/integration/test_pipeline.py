@@ -353,7 +353,11 @@ def test_timeline_draws_the_last_step_from_executor_timestamps(ctx, tmp_path):
     assert sorted(r.split(": ")[1] for r in rows) == sorted([rank0, rank0, rank1, rank1]), rows
     step = json.load(open(tmp_path / "step.json"))
     computed = [e for e in step["traceEvents"] if e.get("ph") == "X" and e["name"].startswith("pipeline_")]
-    assert len(computed) == 4 * 9, len(computed)     # that step only
+    # The window of that step: its 4 x 9 computations, and of the step before only what ran in that window on an
+    # executor still behind (executors run ahead of each other: 1 such event here with host collectives)
+    last_run = max(e["args"]["call_id"] for e in computed) - (trainer.runner.last_step_spans()[3] - 1)
+    assert len([e for e in computed if e["args"]["call_id"] >= last_run]) == 4 * 9
+    assert len(computed) < 2 * 4 * 9, len(computed)
 
 
 def test_evaluate_is_the_eager_eval_loss_and_changes_nothing(ctx):

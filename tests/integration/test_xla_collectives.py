@@ -1,4 +1,5 @@
-"""The collectives-inside-XLA extension (executor/backends/xla_collectives.py) on two real gloo ranks.
+"""The collectives-inside-XLA extension (executor/backends/xla_collectives.py) on two real ranks, over gloo and over
+one host's shared mapping (executor/shm_group.py).
 
 Each rank compiles jax functions whose collectives are the extension's custom calls, runs them on its own
 inputs, and sends the results back; the test compares them with torch's reduction of both ranks' inputs.
@@ -54,7 +55,7 @@ def _cases(dtype: str):
     return cases
 
 
-def _rank(rank: int, size: int, store_path: str, results) -> None:
+def _rank(rank: int, size: int, transport: str, store_path: str, results) -> None:
     import os
 
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -72,8 +73,16 @@ def _rank(rank: int, size: int, store_path: str, results) -> None:
     if module is None:
         results.put((rank, {"unavailable": xc.unavailable_reason()}))
         return
-    group = make_gloo_group(store_path, "xla-collectives", rank, size, 60.0)
-    slot = module.register_group(group)
+    if transport == "host":   # one host's shared mapping (executor/shm_group.py), as executors of one host form
+        import torch.distributed as dist
+
+        from executor.shm_group import form_host_group
+
+        group = form_host_group(dist.PrefixStore("xla-collectives", dist.FileStore(store_path, size)), rank, size,
+                                60.0, "xla-collectives", members=[f"executor-{r}@0" for r in range(size)])
+    else:
+        group = make_gloo_group(store_path, "xla-collectives", rank, size, 60.0)
+    slot = xc.NativeGroups(module).register(group)
     module.bind([(xc.axis_id("data"), slot, False, "")])
     out = {}
     for dtype in DTYPES:
@@ -101,12 +110,20 @@ def _rank(rank: int, size: int, store_path: str, results) -> None:
         error = _collective_error(exc)
         out["unbound"] = f"{type(error).__name__}: {error}"
     module.bind([(xc.axis_id("data"), slot, False, "")])
-    group.barrier().wait()
+    if transport == "host":
+        group.all_reduce(torch.zeros(1))   # a barrier
+    else:
+        group.barrier().wait()
     if rank == 0:
         # Rank 1 never joins this all-reduce; the group is abandoned 0.5 s in: the call must end within a slice.
         import threading
 
-        threading.Timer(0.5, module.abandon, (slot, "member executor-1@0 was lost (test)")).start()
+        def abandon():   # as executor.collectives._Group.abandon does
+            module.abandon(slot, "member executor-1@0 was lost (test)")
+            if transport == "host":
+                group.abandon()
+
+        threading.Timer(0.5, abandon).start()
         began = time.monotonic()
         try:
             call_all_reduce()
@@ -117,16 +134,23 @@ def _rank(rank: int, size: int, store_path: str, results) -> None:
         out["quiet after abandon"] = module.quiet(slot)
     else:
         time.sleep(3.0)
-    out.update(_late_abandon(rank, size, store_path, module))
+    if transport == "gloo":   # a gloo op outlives the executable it was given up in; a host group's never does
+        out.update(_late_abandon(rank, size, store_path, module))
     results.put((rank, out))
 
 
-def test_collectives_inside_xla_match_torch_on_two_ranks():
-    rows = run_ranks(_rank, 2, (2,), "pathways-test-xla-collectives-", timeout_s=180)
+def test_collectives_inside_xla_on_one_hosts_shared_mapping_match_torch():
+    rows = run_ranks(_rank, 2, (2, "host"), "pathways-test-xla-host-collectives-", timeout_s=180)
     outs = [row[1] for row in rows]
-    assert "unavailable" not in outs[0], (
-        f"the extension is not built here ({outs[0].get('unavailable')}): the README's install runs "
-        f"pathways-build-extensions")
+    assert "unavailable" not in outs[0], outs[0].get("unavailable")
+    _check_cases(outs)
+    message, waited = outs[0]["abandoned"]
+    assert message.startswith("CollectiveAbandoned: all_reduce: the group was abandoned"), message
+    assert 0.4 < waited < 1.0, waited    # the abandon at 0.5 s ends the library's wait within its slice
+    assert outs[0]["quiet after abandon"] is True   # nothing of a host group outlives its call
+
+
+def _check_cases(outs: list) -> None:
     inputs = {dtype: [_input(r, dtype) for r in range(2)] for dtype in DTYPES}
     for rank, out in enumerate(outs):
         for dtype in DTYPES:
@@ -138,6 +162,15 @@ def test_collectives_inside_xla_match_torch_on_two_ranks():
                 tolerance = dict(rtol=1e-2, atol=1e-2) if dtype == "bfloat16" else dict(rtol=1e-6, atol=1e-6)
                 torch.testing.assert_close(got, want, **tolerance, msg=f"rank {rank}, {dtype}, {name}")
         assert out["unbound"].startswith("RuntimeError: all_reduce: axis 'data': it was never formed"), out["unbound"]
+
+
+def test_collectives_inside_xla_match_torch_on_two_ranks():
+    rows = run_ranks(_rank, 2, (2, "gloo"), "pathways-test-xla-collectives-", timeout_s=180)
+    outs = [row[1] for row in rows]
+    assert "unavailable" not in outs[0], (
+        f"the extension is not built here ({outs[0].get('unavailable')}): the README's install runs "
+        f"pathways-build-extensions")
+    _check_cases(outs)
     message, waited = outs[0]["abandoned"]
     assert message.startswith("CollectiveAbandoned: collective abandoned: member executor-1@0 was lost"), \
         message

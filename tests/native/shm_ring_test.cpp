@@ -38,15 +38,7 @@ int pw_ring_broken(pw_ring_view* v);
 uint64_t pw_ring_max_chunk(uint64_t capacity);
 }
 
-#define EXPECT(cond, ...)                                                   \
-  do {                                                                      \
-    if (!(cond)) {                                                          \
-      std::fprintf(stderr, "%s:%d: expected %s: ", __FILE__, __LINE__, #cond); \
-      std::fprintf(stderr, __VA_ARGS__);                                    \
-      std::fprintf(stderr, "\n");                                           \
-      std::exit(1);                                                         \
-    }                                                                       \
-  } while (0)
+#include "expect.h"
 
 namespace {
 
@@ -345,7 +337,7 @@ void test_a_rewritten_header_breaks_the_ring_and_nothing_is_touched_out_of_bound
 
 }  // namespace
 
-int main() {
+void shm_ring_units() {
   test_arguments_and_headers();
   test_sizes_wrap_and_gather();
   test_sleep_and_wake_flags();
@@ -354,5 +346,4 @@ int main() {
   test_a_corrupt_chunk_is_refused_and_breaks_the_ring();
   test_a_rewritten_header_breaks_the_ring_and_nothing_is_touched_out_of_bounds();
   std::printf("shm_ring: all passed\n");
-  return 0;
 }

@@ -522,6 +522,7 @@ def test_a_group_queued_before_a_fault_and_formed_after_it_is_abandoned_as_it_fo
     runtime = CollectiveRuntime()
     monkeypatch.setattr(runtime, "_rendezvous", lambda *args: None)
     monkeypatch.setattr(collectives, "gloo_group_on", lambda *args: object())
+    monkeypatch.setattr(collectives, "form_host_group", lambda *args: None)
     runtime.abandon("transfer:7.0:a->b", "a link lost it", before_group=4)   # groups 1..3 were made before it
     runtime.form(3, rank=0, size=2, store_path="", timeout_s=1, members=("a@1", "b@1"))
     runtime.form(4, rank=0, size=2, store_path="", timeout_s=1, members=("a@1", "b@1"))

@@ -29,7 +29,7 @@ def test_the_native_units_pass_under_address_and_undefined_behaviour_sanitizers(
                           env={**os.environ, "ASAN_OPTIONS": "detect_leaks=1:abort_on_error=1",
                                "UBSAN_OPTIONS": "print_stacktrace=1:halt_on_error=1"})
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
-    assert "shm_ring: all passed" in done.stdout
+    assert "shm_ring: all passed" in done.stdout and "shm_collectives: all passed" in done.stdout, done.stdout[-2000:]
 
 
 def test_a_sanitizer_report_fails_the_program(tmp_path):

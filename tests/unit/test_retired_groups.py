@@ -11,6 +11,7 @@ import weakref
 import pytest
 
 from executor import collectives
+from executor.axis_binding import AxisBinding
 from executor.collectives import CollectiveRuntime, _Group
 
 pytestmark = pytest.mark.timeout(30)
@@ -125,7 +126,7 @@ def test_a_binding_cached_after_its_group_was_abandoned_keeps_it_no_more():
     group = _Group(pg, 2, frozenset({"a@1", "b@1"}), timeout_s=20)
     del pg
     runtime = _runtime_with({})
-    binding = collectives._Binding(runtime._local, runtime.native, {"data": group})
+    binding = AxisBinding(runtime._local, runtime.native, {"data": group})
     group.abandon("member b@1 was lost")
     binding.hold()
     del group

@@ -12,6 +12,8 @@
 // Every handler takes and returns an int32 "order" scalar besides its data, so that the collectives of one
 // executable run in graph order on every member (XLA schedules independent side-effecting calls freely).
 
+#include "../../native/shm_collectives.h"
+
 #include <ATen/ATen.h>
 #include <torch/csrc/utils/pybind.h>
 #include <torch/csrc/distributed/c10d/Backend.hpp>
@@ -38,7 +40,10 @@ namespace ffi = xla::ffi;
 namespace {
 
 struct Group {
-  c10::intrusive_ptr<c10d::Backend> backend;
+  c10::intrusive_ptr<c10d::Backend> backend;   // or, for members of one host, the library's group:
+  void* host = nullptr;                         // its handle (executor/native/shm_collectives.cpp)
+  pw_coll_run_fn host_run = nullptr;
+  double host_timeout_s = 60.0;
   int rank = 0;
   int size = 1;
   std::atomic<bool> abandoned{false};
@@ -181,12 +186,45 @@ ffi::Error guarded(const char* name, Body body) {
   }
 }
 
+int32_t host_dtype(ffi::DataType type) {   // the library's ids (pw_coll_op.dtype)
+  switch (type) {
+    case ffi::DataType::F32: return 0;
+    case ffi::DataType::F64: return 1;
+    case ffi::DataType::F16: return 2;
+    case ffi::DataType::BF16: return 3;
+    case ffi::DataType::S8: return 4;
+    case ffi::DataType::U8: return 5;
+    case ffi::DataType::S16: return 6;
+    case ffi::DataType::S32: return 7;
+    case ffi::DataType::S64: return 8;
+    default: return 9;   // PRED: `prepare` let through only what scalar_type knows
+  }
+}
+
+// One collective of a host group, run here on the executable's own buffers (it never outlives the call); the
+// mean's division after it.
+ffi::Error on_host(const char* name, const Group& group, int32_t kind, int64_t op, const ffi::AnyBuffer& x, void* out,
+                   uint64_t count) {
+  pw_coll_op request{kind, host_dtype(x.element_type()), op == kMax ? 1 : 0, 0, count, 0, x.untyped_data(), out,
+                     group.host_timeout_s};
+  char why[512];
+  int code = group.host_run(group.host, &request, why, sizeof why);
+  if (code == -ECANCELED) return aborted(std::string(name) + ": " + why);
+  if (code != 0) return failed(std::string(name) + ": " + why);
+  return ffi::Error::Success();
+}
+
 // all_reduce(x) -> y, the reduction over the axis's group (mean: the sum divided by the group's size).
 ffi::Error AllReduceImpl(ffi::AnyBuffer x, ffi::AnyBuffer order_in, ffi::Result<ffi::AnyBuffer> y,
                          ffi::Result<ffi::AnyBuffer> order_out, int64_t axis, int64_t op) {
   std::shared_ptr<Group> group;
   if (auto error = prepare("all_reduce", axis, x, order_in, order_out, &group); error.failure()) return error;
   return guarded("all_reduce", [&]() {
+    if (group->host != nullptr) {
+      auto error = on_host("all_reduce", *group, 1, op, x, y->untyped_data(), x.element_count());
+      if (!error.failure() && op == kMean) view(y->untyped_data(), x.element_type(), shape_of(x)).div_(group->size);
+      return error;
+    }
     std::vector<at::Tensor> tensors{owned(view(x.untyped_data(), x.element_type(), shape_of(x)))};
     c10d::AllreduceOptions options;
     options.reduceOp = reduce_op(op);
@@ -205,6 +243,7 @@ ffi::Error AllGatherImpl(ffi::AnyBuffer x, ffi::AnyBuffer order_in, ffi::Result<
   auto out_shape = shape_of(*y);
   if (auto error = check_members("all_gather", out_shape, *group); error.failure()) return error;
   return guarded("all_gather", [&]() {
+    if (group->host != nullptr) return on_host("all_gather", *group, 2, kSum, x, y->untyped_data(), x.element_count());
     std::vector<at::Tensor> inputs{owned(view(x.untyped_data(), x.element_type(), shape_of(x)))};
     at::Tensor gathered = at::empty(out_shape, inputs[0].options());
     std::vector<std::vector<at::Tensor>> outputs(1);
@@ -223,6 +262,11 @@ ffi::Error ReduceScatterImpl(ffi::AnyBuffer x, ffi::AnyBuffer order_in, ffi::Res
   auto in_shape = shape_of(x);
   if (auto error = check_members("reduce_scatter", in_shape, *group); error.failure()) return error;
   return guarded("reduce_scatter", [&]() {
+    if (group->host != nullptr) {
+      auto error = on_host("reduce_scatter", *group, 3, op, x, y->untyped_data(), y->element_count());
+      if (!error.failure() && op == kMean) view(y->untyped_data(), x.element_type(), shape_of(*y)).div_(group->size);
+      return error;
+    }
     at::Tensor chunks = owned(view(x.untyped_data(), x.element_type(), in_shape));
     at::Tensor out = at::empty(shape_of(*y), chunks.options());
     auto type = chunks.scalar_type();
@@ -271,6 +315,19 @@ int64_t register_group(const c10::intrusive_ptr<c10d::Backend>& backend) {
   group->backend = backend;
   group->rank = backend->getRank();
   group->size = backend->getSize();
+  std::lock_guard<std::mutex> lock(groups_mutex);
+  groups[next_slot] = group;
+  return next_slot++;
+}
+
+// A group of one host's members (executor/shm_group.py): its handle in the library and the library's run.
+int64_t register_host_group(int64_t handle, int64_t run, int rank, int size, double timeout_s) {
+  auto group = std::make_shared<Group>();
+  group->host = reinterpret_cast<void*>(handle);
+  group->host_run = reinterpret_cast<pw_coll_run_fn>(run);
+  group->host_timeout_s = timeout_s;
+  group->rank = rank;
+  group->size = size;
   std::lock_guard<std::mutex> lock(groups_mutex);
   groups[next_slot] = group;
   return next_slot++;
@@ -365,6 +422,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "pathways:: collectives as XLA FFI custom calls into the executor's c10d groups";
   install_native_stacks();
   m.def("register_group", &register_group, "keep a formed group; returns its slot");
+  m.def("register_host_group", &register_host_group,
+        "keep a host group (its library handle and pw_coll_run's address, rank, size, timeout); returns its slot");
   m.def("abandon", &abandon, "mark a group abandoned: collectives on it fail within one wait slice");
   m.def("quiet", &quiet, "no op given up on still runs in the group");
   m.def("release", &release, "let the group go");
