@@ -66,11 +66,11 @@ void put(int dtype, void* data, uint64_t i, int n) {
 }
 
 bool holds(int dtype, const void* data, uint64_t i, int n) {
-  std::vector<unsigned char> expected(8), got(8);
-  put(dtype, expected.data(), 0, n);
-  std::memcpy(got.data(), static_cast<const unsigned char*>(data) + i * kBytes[dtype], kBytes[dtype]);
+  unsigned char expected[8] = {}, got[8] = {};
+  put(dtype, expected, 0, n);
+  std::memcpy(got, static_cast<const unsigned char*>(data) + i * kBytes[dtype], kBytes[dtype]);
   if (n == 0 && dtype <= kBF16) got[kBytes[dtype] - 1] &= 0x7f;   // -0.0 (a product with a negative) is 0
-  return std::memcmp(got.data(), expected.data(), kBytes[dtype]) == 0;
+  return std::memcmp(got, expected, kBytes[dtype]) == 0;
 }
 
 // Member r's element i: small, signed where the dtype is, varied.
