@@ -120,7 +120,7 @@ class Segment:
 
     __slots__ = ("steps", "base_seq", "base_call_id", "input_keys", "output_keys", "output_slots", "num_slots",
                  "collective", "prev_collective_seq", "last_collective_seq", "after", "started", "plan",
-                 "inputs_ready")
+                 "inputs_ready", "parked")
 
     def __init__(self, *, steps, base_seq, base_call_id, input_keys, output_keys, output_slots, num_slots,
                  collective, prev_collective_seq, last_collective_seq, after: "Segment | None" = None,
@@ -131,6 +131,8 @@ class Segment:
         self.num_slots, self.collective = num_slots, collective
         self.prev_collective_seq, self.last_collective_seq = prev_collective_seq, last_collective_seq
         self.after, self.started = after, False
+        # The next segment of its run, kept out of the queue until this one starts (`RunQueue._queue_in_order`).
+        self.parked: "Segment | None" = None
         # How many leading inputs were seen ready (or being computed here): once so, an input stays so while the
         # segment is queued (it pins them), and the queue's next pass starts its look from there.
         self.inputs_ready = 0

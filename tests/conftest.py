@@ -15,6 +15,13 @@ if "PATHWAYS_CACHE_DIR" not in os.environ:
     atexit.register(shutil.rmtree, os.environ["PATHWAYS_CACHE_DIR"], True)
 
 
+def dev_shm_names() -> set[str]:
+    """What is named in /dev/shm, but multiprocessing's own semaphores (``sem.mp-*``: a test's queues, maybe on
+    another worker, while it runs): executors' shared memory is memfds, never named there."""
+    names = os.listdir("/dev/shm") if os.path.isdir("/dev/shm") else []
+    return {name for name in names if not name.startswith("sem.mp-")}
+
+
 def wait_until(predicate, timeout_s: float, interval_s: float = 0.05) -> bool:
     """Poll ``predicate`` until it is true or ``timeout_s`` passes; return its last value."""
     deadline = time.monotonic() + timeout_s

@@ -388,6 +388,7 @@ int pw_coll_run(void* group, const pw_coll_op* request, char* why, uint64_t why_
     if (why != nullptr && why_bytes > 0) std::snprintf(why, why_bytes, "%s", g.failure.c_str());
     return -ECANCELED;
   }
+  if (g.abandoned.load()) return fail(g, -ECANCELED, why, why_bytes, "the group was abandoned");
   const bool striped = r.kind == kReduceScatter || r.kind == kAllToAll;
   const bool reduces = r.kind == kAllReduce || r.kind == kReduceScatter;
   const uint64_t per_step = g.slot_bytes / kElementBytes[r.dtype] / (striped ? uint64_t(g.size) : 1);

@@ -23,7 +23,7 @@ import pytest
 import torch
 
 import pathways_torch as pw
-from tests.conftest import REPO_ROOT, wait_until
+from tests.conftest import REPO_ROOT, dev_shm_names, wait_until
 from tests.integration.test_held_futures_recovery import PLANS
 from tests.handles import controller_of
 
@@ -184,7 +184,7 @@ def test_three_replacements_of_one_executor_on_one_island_leave_the_survivor_not
     batches = [task.batch(i, 8) for i in range(STEPS_PER_ROUND * (FAULTS + 1))]
     checkpoints = tmp_path / "ckpt"
     mesh, make_plan = PLANS[plan]
-    in_dev_shm = set(os.listdir("/dev/shm"))
+    in_dev_shm = dev_shm_names()
     with pw.Context(2, backend=backend, heartbeat_timeout_s=2.0) as ctx:
         torch.manual_seed(0)
         model = DecoderOnlyTransformer(CFG)
@@ -220,7 +220,7 @@ def test_three_replacements_of_one_executor_on_one_island_leave_the_survivor_not
         grown = {n: c for n, c in row["by_name"].items() if c > first["by_name"].get(n, 0)}
         assert not grown, (row["after"], grown, rows)
     assert all(row["store_bytes"] == 0 for row in rows), rows
-    assert set(os.listdir("/dev/shm")) <= in_dev_shm   # shared memory of groups and rings: memfds, never named
+    assert dev_shm_names() <= in_dev_shm   # shared memory of groups and rings: memfds, never named
     if plan == "data-parallel":   # one group: the data axis's (the others' groups are as many as their axes need),
         # on the two executors of this host a shared mapping, not gloo
         assert all(row["host_groups"] == 1 and row["gloo_groups"] == 0 for row in rows), rows

@@ -13,6 +13,7 @@ import torch
 
 import pathways_torch as pw
 from bench.cpu_per_call import increment, hops_program
+from tests.conftest import dev_shm_names
 from tests.handles import cluster_of
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
@@ -43,17 +44,13 @@ def _run_every_size(ctx) -> list[torch.Tensor]:
     return results
 
 
-def _dev_shm() -> set[str]:
-    return set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
-
-
 def test_copies_inside_a_host_go_through_rings_with_the_values_of_copies_over_zeromq(monkeypatch):
-    before = _dev_shm()
+    before = dev_shm_names()
     with pw.Context(num_executors=2, backend="eager") as ctx:
         through_rings = _run_every_size(ctx)
         sent, received = _ring_counts(ctx)
     assert sent >= 2 * len(SIZES) and received == sent, (sent, received)
-    assert _dev_shm() == before                       # memfds and abstract sockets: nothing named is left
+    assert dev_shm_names() == before                       # memfds and abstract sockets: nothing named is left
     monkeypatch.setenv("PATHWAYS_SHM_RINGS", "0")     # the executors started now copy over ZeroMQ
     with pw.Context(num_executors=2, backend="eager") as ctx:
         over_zeromq = _run_every_size(ctx)

@@ -10,6 +10,7 @@ op abandoned inside an executable that ends after the executable failed (it must
 
 from __future__ import annotations
 
+import functools
 import time
 
 import pytest
@@ -55,17 +56,16 @@ def _cases(dtype: str):
     return cases
 
 
-def _rank(rank: int, size: int, transport: str, store_path: str, results) -> None:
+def _rank(rank: int, size: int, store_path: str, results) -> None:
+    """Each case compiled once, run on a host group (one host's shared mapping, `executor.shm_group`, as executors
+    of one host form) and on a gloo group: the executables name the axis, the binding picks the group."""
     import os
 
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     import jax
     import jax.numpy as jnp
-    import numpy as np
 
     from executor.backends import xla_collectives as xc
-    from executor.backends.xla_collectives import _collective_error
-    from executor.collectives import make_gloo_group
 
     jax.config.update("jax_enable_x64", True)
     jax.config.update("jax_cpu_enable_async_dispatch", False)
@@ -73,34 +73,47 @@ def _rank(rank: int, size: int, transport: str, store_path: str, results) -> Non
     if module is None:
         results.put((rank, {"unavailable": xc.unavailable_reason()}))
         return
-    if transport == "host":   # one host's shared mapping (executor/shm_group.py), as executors of one host form
-        import torch.distributed as dist
-
-        from executor.shm_group import form_host_group
-
-        group = form_host_group(dist.PrefixStore("xla-collectives", dist.FileStore(store_path, size)), rank, size,
-                                60.0, "xla-collectives", members=[f"executor-{r}@0" for r in range(size)])
-    else:
-        group = make_gloo_group(store_path, "xla-collectives", rank, size, 60.0)
-    slot = xc.NativeGroups(module).register(group)
-    module.bind([(xc.axis_id("data"), slot, False, "")])
-    out = {}
+    jitted = {}
     for dtype in DTYPES:
-        x = jnp.asarray(_input(rank, dtype).float().numpy()).astype(dtype)
         for name, (function, _) in _cases(dtype).items():
             def traced(a, function=function):
                 xc.reset_order()
                 return function(a)
 
-            value = jax.jit(traced)(x)
-            out[(dtype, name)] = np.asarray(value.astype(jnp.float64))
+            jitted[(dtype, name)] = jax.jit(traced)
 
-    def call_all_reduce():
-        def traced(a):
-            xc.reset_order()
-            return xc.all_reduce(a, "data", "sum")
-        return jax.jit(traced)(jnp.ones(3, jnp.float32))
+    def all_reduce_sum(a):
+        xc.reset_order()
+        return xc.all_reduce(a, "data", "sum")
 
+    call_all_reduce = functools.partial(jax.jit(all_reduce_sum), jnp.ones(3, jnp.float32))
+    out = {transport: _on_group(rank, size, store_path, module, transport, jitted, call_all_reduce)
+           for transport in ("host", "gloo")}
+    out["gloo"].update(_late_abandon(rank, size, store_path, module))   # a gloo op outlives its executable
+    results.put((rank, out))
+
+
+def _on_group(rank: int, size: int, store_path: str, module, transport: str, jitted: dict, call_all_reduce) -> dict:
+    import jax.numpy as jnp
+    import numpy as np
+    import torch.distributed as dist
+
+    from executor.backends import xla_collectives as xc
+    from executor.backends.xla_collectives import _collective_error
+    from executor.collectives import make_gloo_group
+    from executor.shm_group import form_host_group
+
+    if transport == "host":
+        group = form_host_group(dist.PrefixStore("xla-host", dist.FileStore(store_path, size)), rank, size, 60.0,
+                                "xla-host", members=[f"executor-{r}@0" for r in range(size)])
+    else:
+        group = make_gloo_group(store_path, "xla-collectives", rank, size, 60.0)
+    slot = xc.NativeGroups(module).register(group)
+    module.bind([(xc.axis_id("data"), slot, False, "")])
+    out = {}
+    for (dtype, name), function in jitted.items():
+        x = jnp.asarray(_input(rank, dtype).float().numpy()).astype(dtype)
+        out[(dtype, name)] = np.asarray(function(x).astype(jnp.float64))
     # An axis with no group bound: the executable fails, naming why.
     module.bind([(xc.axis_id("data"), -1, False, "axis 'data': it was never formed")])
     try:
@@ -132,17 +145,22 @@ def _rank(rank: int, size: int, transport: str, store_path: str, results) -> Non
             error = _collective_error(exc)
             out["abandoned"] = (f"{type(error).__name__}: {error}", time.monotonic() - began)
         out["quiet after abandon"] = module.quiet(slot)
-    else:
-        time.sleep(3.0)
-    if transport == "gloo":   # a gloo op outlives the executable it was given up in; a host group's never does
-        out.update(_late_abandon(rank, size, store_path, module))
-    results.put((rank, out))
+    elif transport == "gloo":
+        time.sleep(3.0)   # not joining rank 0's all-reduce until it was given up on (a host group's is broken)
+    return out
 
 
-def test_collectives_inside_xla_on_one_hosts_shared_mapping_match_torch():
-    rows = run_ranks(_rank, 2, (2, "host"), "pathways-test-xla-host-collectives-", timeout_s=180)
+def test_collectives_inside_xla_match_torch_on_two_ranks_on_gloo_and_on_one_hosts_shared_mapping():
+    rows = run_ranks(_rank, 2, (2,), "pathways-test-xla-collectives-", timeout_s=180)
     outs = [row[1] for row in rows]
-    assert "unavailable" not in outs[0], outs[0].get("unavailable")
+    assert "unavailable" not in outs[0], (
+        f"the extension is not built here ({outs[0].get('unavailable')}): the README's install runs "
+        f"pathways-build-extensions")
+    _check_host([out["host"] for out in outs])
+    _check_gloo([out["gloo"] for out in outs])
+
+
+def _check_host(outs: list) -> None:
     _check_cases(outs)
     message, waited = outs[0]["abandoned"]
     assert message.startswith("CollectiveAbandoned: all_reduce: the group was abandoned"), message
@@ -164,12 +182,7 @@ def _check_cases(outs: list) -> None:
         assert out["unbound"].startswith("RuntimeError: all_reduce: axis 'data': it was never formed"), out["unbound"]
 
 
-def test_collectives_inside_xla_match_torch_on_two_ranks():
-    rows = run_ranks(_rank, 2, (2, "gloo"), "pathways-test-xla-collectives-", timeout_s=180)
-    outs = [row[1] for row in rows]
-    assert "unavailable" not in outs[0], (
-        f"the extension is not built here ({outs[0].get('unavailable')}): the README's install runs "
-        f"pathways-build-extensions")
+def _check_gloo(outs: list) -> None:
     _check_cases(outs)
     message, waited = outs[0]["abandoned"]
     assert message.startswith("CollectiveAbandoned: collective abandoned: member executor-1@0 was lost"), \

@@ -189,6 +189,11 @@ void test_geometry_and_bad_requests_refused() {
   EXPECT(pw_coll_run(group, &bad, why, sizeof why) == -EINVAL, "an unknown dtype");
   bad = request(kAllReduce, kF32, kSum, 1, nullptr, &y);
   EXPECT(pw_coll_run(group, &bad, why, sizeof why) == -EINVAL, "no input");
+  pw_coll_abandon(group);
+  pw_coll_op good = request(kAllReduce, kF32, kSum, 1, &x, &y, 30);
+  auto start = std::chrono::steady_clock::now();
+  EXPECT(pw_coll_run(group, &good, why, sizeof why) == -ECANCELED && std::chrono::steady_clock::now() - start <
+         std::chrono::milliseconds(100), "an op on a group abandoned before it fails at once: %s", why);
   pw_coll_detach(group);
   munmap(m.base, m.bytes);
 }

@@ -42,6 +42,10 @@ def _starts(core) -> list[tuple[str, int]]:
     return [(event.name, event.seq) for event in reply.events if event.kind == "start"]
 
 
+def _first_seq(segment) -> int:
+    return segment.ids(segment.steps[0])[0]
+
+
 def _transfer(core, shard_ref, tensor) -> None:
     msg = pb.Transfer()
     msg.shard.CopyFrom(shard_ref)
@@ -72,6 +76,9 @@ def test_a_later_local_segment_of_a_run_does_not_pass_one_waiting_for_a_copy():
                         output_array_ids=[60, 61], first_intermediate_id=1000)
     core.on_control(pb.Envelope(run_program=run), [])
     assert _starts(core) == [("A", 10)]           # B waits for its copy; C, listed after B, waits for B
+    queue = core.run_queue
+    assert [_first_seq(segment) for segment in queue.queued] == [12]   # C is parked on B, out of every pass
+    assert _first_seq(queue.queued[0].parked) == 13 and queue.queue_high_water >= 2
     _transfer(core, ref(1003, tag=102), V * 3)     # %3 for node 2 (call 102) arrives late
     assert _starts(core) == [("A", 10), ("B", 12), ("C", 13)]
     torch.testing.assert_close(fetch_tensor(core, outbox, ref(60)), (V + 1) * V * 3)
@@ -100,6 +107,35 @@ def _collective_run(seq, call_id, prev, inputs, outputs):
                  inputs=inputs, outputs=outputs)
     run.axis_groups["data"] = 1
     return pb.Envelope(run=run)
+
+
+@pytest.mark.timeout(30)
+def test_a_cancelled_run_drops_its_parked_segments_too_and_reports_each():
+    e0, e1 = MeshAllocation(1, (("data", 1),), ("e0",)), MeshAllocation(2, (("data", 1),), ("e1",))
+    spec = ProgramSpec(name="abc", input_values=(0, 1), input_meshes=(e0, e1), output_values=(4, 5), nodes=(
+        CallSpec(name="A", function_id=1, mesh=e0, inputs=(0,), outputs=(2,)),
+        CallSpec(name="P", function_id=4, mesh=e1, inputs=(1,), outputs=(3,)),
+        CallSpec(name="B", function_id=2, mesh=e0, inputs=(2, 3), outputs=(4,)),
+        CallSpec(name="C", function_id=3, mesh=e0, inputs=(0,), outputs=(5,))))
+    plan = lower(spec, 7, {"e0": "inproc://e0", "e1": "inproc://e1"}).plans["e0"]
+    core, outbox = make_core()
+    load(core, 1, lambda x: x + 1, V, name="A")
+    load(core, 2, lambda a, b: a * b, V, V.clone(), name="B")
+    load(core, 3, lambda x: x * 10, V, name="C")
+    put(core, ref(50), V)
+    core.on_control(pb.Envelope(register_program=plan), [])
+    for base in (100, 200):   # two runs: each one's A starts, its B waits for its copy, its C for its B
+        core.on_control(pb.Envelope(run_program=pb.RunProgram(
+            program_id=7, base_seq=base // 10, base_call_id=base, input_array_ids=[50, 51],
+            output_array_ids=[60 + base, 61 + base], first_intermediate_id=1000 + base)), [])
+    queue = core.run_queue
+    assert [_first_seq(segment) for segment in queue.queued] == [12, 22]   # each run's C parked on its B
+    assert [_first_seq(segment.parked) for segment in queue.queued] == [13, 23]
+    core.on_control(pb.Envelope(cancel=pb.Cancel(call_ids=[100], lost_executor="e1@0", reason="lost")), [])
+    failed = sorted(d.call_id for d in outbox.dones() if not d.ok)
+    assert failed == [102, 103], failed                  # run 1's B and its parked C, each reported
+    assert [_first_seq(segment) for segment in queue.queued] == [22] and _first_seq(queue.queued[0].parked) == 23
+    assert _starts(core) == [("A", 10), ("A", 20)]
 
 
 @pytest.mark.timeout(30)
