@@ -29,11 +29,12 @@ from .collectives import CollectiveRuntime
 from .compile_cache import CompileCache, graph_key
 from .data_roles import executor_of_role
 from .data_plane import DataPlane
+from .fusion import fusion_text
 from .backends.mutated_inputs import mutated_inputs
 from .interpreter import StepInterpreter
 from .jobs import ComputeJob, LoadedFunction
 from .launch_tree import TREE_DATA_KINDS, TreeIntake
-from .messages import Outbox, remote_failure, shard_key
+from .messages import Outbox, program_run_refused, remote_failure, shard_key
 from .run_queue import RunQueue
 from .store import ObjectStore
 from .trace import TraceRecorder
@@ -180,8 +181,9 @@ class ExecutorCore:
             elif kind == "run_program":
                 log.exception("%s: handling a run of program %d failed", self.executor_id,
                               envelope.run_program.program_id)
-                self.run_queue.refuse_program_run(
-                    envelope.run_program, remote_failure(exc, self.executor_id, origin_call_id=0).traceback)
+                self.outbox.to_controller(program_run_refused(
+                    self.executor_id, envelope.run_program,
+                    remote_failure(exc, self.executor_id, origin_call_id=0).traceback))
             else:
                 raise    # the compute loop logs it; these kinds name no call
 
@@ -293,7 +295,7 @@ class ExecutorCore:
                          programs_held=len(self.run_queue.programs), functions_held=len(self.functions))
         for name, count in self.backend.counters().items():
             stats.backend_counters[name] = count
-        stats.fusion.extend(self.run_queue.fusion_text())
+        stats.fusion.extend(fusion_text(self.run_queue.programs))
         for hop, count in self.hop_bytes.items():
             stats.hop_bytes[hop] = count
         # Stats has no fields for these counts yet: they ride in hop_bytes under reserved names.

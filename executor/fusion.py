@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import logging
 
-__all__ = ["MAX_FUSED_OPS", "FUSE_ENV", "FusedSteps", "FusionPlan", "plan_fusion"]
+__all__ = ["MAX_FUSED_OPS", "FUSE_ENV", "FusedSteps", "FusionPlan", "plan_fusion", "fusion_text"]
 
 log = logging.getLogger(__name__)
 
@@ -153,3 +153,15 @@ def _reads_from(steps: list) -> list[set]:
     for index in range(len(steps) - 1, -1, -1):
         reads[index] = reads[index + 1] | set(steps[index].inputs)
     return reads
+
+
+def fusion_text(programs: dict) -> list[str]:
+    """Per segment of a held program that has run (its fusion is planned at the first run): which steps run as
+    one executable and why the others do not. ``programs``: `RunQueue.programs`."""
+    texts = []
+    for program_id, (msg, items, _) in programs.items():
+        for item in items:
+            fusion = getattr(item, "fusion", None)
+            if fusion is not None:
+                texts.append(f"program {msg.name} ({program_id}) {item.describe()}\n{fusion.describe()}")
+    return texts

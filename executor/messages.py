@@ -11,8 +11,9 @@ import traceback
 from typing import Protocol, Sequence
 
 from pathways_torch.wire import pb
+from pathways_torch.wire.framing import PROGRAM_RUN_REFUSED
 
-__all__ = ["Outbox", "shard_key", "remote_failure", "with_origin", "value_or_failure"]
+__all__ = ["Outbox", "shard_key", "remote_failure", "with_origin", "value_or_failure", "program_run_refused"]
 
 
 class Outbox(Protocol):
@@ -47,3 +48,10 @@ def with_origin(failure: pb.RemoteFailure, call_id: int) -> pb.RemoteFailure:
 def value_or_failure(entry):
     """An input's value, or the failure its producer stored instead."""
     return entry.failure if entry.failure is not None else entry.value
+
+
+def program_run_refused(executor_id: str, msg: pb.RunProgram, why: str) -> pb.Envelope:
+    """The Done telling the controller a program run cannot be taken here: it treats this executor as lost."""
+    failure = pb.RemoteFailure(type=PROGRAM_RUN_REFUSED, executor_id=executor_id, origin_call_id=msg.base_call_id,
+                               message=why)
+    return pb.Envelope(done=pb.Done(call_id=msg.base_call_id, seq=msg.base_seq, ok=False, failure=failure))

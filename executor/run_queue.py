@@ -25,13 +25,12 @@ import logging
 from typing import Callable
 
 from pathways_torch.wire import pb
-from pathways_torch.wire.framing import PROGRAM_RUN_REFUSED
 
 from .data_plane import DataPlane
 from .jobs import ComputeJob, FormJob, LoadedFunction, RunJob, SegmentJob
-from .messages import Outbox, remote_failure, shard_key, with_origin
+from .messages import Outbox, program_run_refused, remote_failure, shard_key, with_origin
 from .output_budget import program_budgets, refuse_over_budget
-from .segments import Segment, SegmentPlan, instantiate, plan_segments, run_step, single
+from .segments import Segment, SegmentPlan, instantiate, plan_segments, run_step, single, unpark_chains
 from .store import ObjectStore
 from .trace import TraceRecorder
 
@@ -167,17 +166,6 @@ class RunQueue:
         frees = [ref for ref in msg.local_intermediates if (ref.value, ref.shard) in stored]
         self.programs[msg.program_id] = (msg, items, frees)
 
-    def fusion_text(self) -> list[str]:
-        """Per segment of a held program that has run (its fusion is planned at the first run): which steps run as
-        one executable and why the others do not (`executor.fusion`)."""
-        texts = []
-        for program_id, (msg, items, _) in self.programs.items():
-            for item in items:
-                fusion = getattr(item, "fusion", None)
-                if fusion is not None:
-                    texts.append(f"program {msg.name} ({program_id}) {item.describe()}\n{fusion.describe()}")
-        return texts
-
     def on_run_program(self, msg: pb.RunProgram, payload) -> None:
         """Enqueue one run of a registered program: all its segments and sends at once."""
         registered = self.programs.get(msg.program_id)
@@ -186,8 +174,9 @@ class RunQueue:
             # call of the run can be answered here (its call ids are in the program). Say so; the
             # controller treats this executor as lost.
             self._drop(f"run of unknown program {msg.program_id}")
-            self.refuse_program_run(msg, f"executor {self.executor_id} was asked to run program {msg.program_id}, "
-                                         f"which it does not hold (never registered here)")
+            self.outbox.to_controller(program_run_refused(
+                self.executor_id, msg, f"executor {self.executor_id} was asked to run program {msg.program_id}, "
+                                       f"which it does not hold (never registered here)"))
             return
         plan, items, frees = registered
         array_id = _value_ids(plan, msg)
@@ -211,13 +200,6 @@ class RunQueue:
             self.store.free((array_id(ref.value), ref.shard, 0))
 
     # ------------------------------------------------------------ refusals and cancellation
-
-    def refuse_program_run(self, msg: pb.RunProgram, why: str) -> None:
-        """Tell the controller this program run cannot be taken here: it treats this executor as lost."""
-        failure = pb.RemoteFailure(type=PROGRAM_RUN_REFUSED, executor_id=self.executor_id,
-                                   origin_call_id=msg.base_call_id, message=why)
-        self.outbox.to_controller(pb.Envelope(done=pb.Done(call_id=msg.base_call_id, seq=msg.base_seq, ok=False,
-                                                           failure=failure)))
 
     def refuse_run(self, run: pb.Run, exc: BaseException) -> None:
         """A Run whose handling raised (a bug of ours): its outputs fail here, so what reads them fails too,
@@ -251,7 +233,8 @@ class RunQueue:
                                    executor_id=msg.lost_executor.split("@")[0])
         kept: collections.deque = collections.deque()
         dropped = []
-        for item in self._unparked():
+        items, self._parked = unpark_chains(self.queued), 0
+        for item in items:
             if isinstance(item, pb.FormGroup):
                 if item.group_id in groups:
                     self._skip(item.prev_collective_seq, item.seq)
@@ -270,18 +253,6 @@ class RunQueue:
         self._repark()
         self.trace.record("receive", "cancel", detail=f"{msg.lost_executor} lost: {len(dropped)} segments dropped")
         self.pump()
-
-    def _unparked(self) -> list:
-        """Every waiting item in queue order, each parked segment right behind the one it waited on (unparked)."""
-        items = []
-        for item in self.queued:
-            while item is not None:
-                items.append(item)
-                item, parked = getattr(item, "parked", None), item
-                if item is not None:
-                    parked.parked = None
-        self._parked = 0
-        return items
 
     def _repark(self) -> None:
         """Park again the queued segments whose run's previous segment has not started (after `cancel`)."""
@@ -353,18 +324,6 @@ class RunQueue:
         finally:
             self._pumping = pumping
 
-    def _inputs_ready(self, segment: Segment) -> bool:
-        """Whether every input of ``segment`` is stored or being computed here (the compute thread runs jobs in
-        order), looking only past those seen so before (`Segment.inputs_ready`)."""
-        keys, get, index = segment.input_keys, self.store.get, segment.inputs_ready
-        while index < len(keys):
-            entry = get(keys[index])
-            if entry is None or not (entry.ready or entry.computing):
-                break
-            index += 1
-        segment.inputs_ready = index
-        return index == len(keys)
-
     def _pump_once(self) -> bool:
         """One pass over the queue; True if a collective action started (and another may now be due).
 
@@ -395,7 +354,7 @@ class RunQueue:
                     held = self._program_order
                     continue
                 # Inputs first: a run dispatched ahead waits for them, and its functions need not be looked up.
-                ready = self._inputs_ready(item)
+                ready = item.inputs_here(self.store.get)
                 functions = [self.functions.get(step.function_id) for step in item.steps] if ready else ()
                 if ready and all(f is None or f.ready for f in functions):
                     if collective:

@@ -38,7 +38,8 @@ from __future__ import annotations
 
 from pathways_torch.wire import pb
 
-__all__ = ["Step", "SegmentPlan", "Segment", "plan_segments", "instantiate", "single", "run_step", "trace_ids"]
+__all__ = ["Step", "SegmentPlan", "Segment", "plan_segments", "instantiate", "single", "run_step", "trace_ids",
+           "unpark_chains"]
 
 _MAX_CACHED_STEPS = 4096
 
@@ -136,6 +137,18 @@ class Segment:
         # How many leading inputs were seen ready (or being computed here): once so, an input stays so while the
         # segment is queued (it pins them), and the queue's next pass starts its look from there.
         self.inputs_ready = 0
+
+    def inputs_here(self, get) -> bool:
+        """Whether every input is stored or being computed here (the compute thread runs jobs in order), looking
+        only past those seen so before (``inputs_ready``); ``get``: the store's lookup."""
+        keys, index = self.input_keys, self.inputs_ready
+        while index < len(keys):
+            entry = get(keys[index])
+            if entry is None or not (entry.ready or entry.computing):
+                break
+            index += 1
+        self.inputs_ready = index
+        return index == len(keys)
 
     def ids(self, step: Step) -> tuple[int, int]:
         """(sequence number, call id) of one of its steps."""
@@ -279,3 +292,16 @@ def instantiate(plan: SegmentPlan, run: pb.RunProgram, array_id, after: Segment 
                    prev_collective_seq=(run.base_seq + prev - 1 if prev > 0 else run.prev_collective_seq),
                    last_collective_seq=run.base_seq + plan.last_collective_node if collective else 0, after=after,
                    plan=plan)
+
+
+def unpark_chains(queued) -> list:
+    """Every item of ``queued`` in order, each parked segment (`Segment.parked`) right behind the one it waited on,
+    its link cut (`RunQueue.cancel` parks again what must wait)."""
+    items = []
+    for item in queued:
+        while item is not None:
+            items.append(item)
+            item, parked = getattr(item, "parked", None), item
+            if item is not None:
+                parked.parked = None
+    return items

@@ -52,13 +52,16 @@ def _held_out_accuracy(tmp_path, *flags) -> float:
 
 # The data-parallel run of the example reaches 100.0 % of answer tokens in 80 steps (the first test here; 100 % in 300,
 # README): the pipelined run must come within a point of it in as many steps (100.0 % measured on the 2-core machine,
-# loss 3.374 -> 0.31).
+# loss 3.374 -> 0.3145 on either backend).
 DATA_PARALLEL_ACCURACY = 100.0
 
 
 def test_example_pipeline_run_reaches_the_data_parallel_accuracy(tmp_path):
-    """As docs/pipelines.md runs it: 2 stages x 8 microbatches, 1F1B, dropout and clipping on; 80 steps."""
-    pipelined = _held_out_accuracy(tmp_path, "--plan", "pipeline", "--stages", "2", "--microbatches", "8")
+    """As docs/pipelines.md runs it: 2 stages x 8 microbatches, 1F1B, dropout and clipping on; 80 steps. On eager
+    executors (16 s against 41 on the default backend): what is checked is the schedule's training, and the
+    default backend's pipelines equal eager's (tests/models/test_pipeline_models.py, test_dropout_awaiting.py)."""
+    pipelined = _held_out_accuracy(tmp_path, "--plan", "pipeline", "--stages", "2", "--microbatches", "8",
+                                   "--backend", "eager")
     assert pipelined >= DATA_PARALLEL_ACCURACY - 1.0, pipelined
 
 
