@@ -96,7 +96,10 @@ def main() -> None:
             continue
         chunk = os.read(0, 1 << 16)
         if not chunk:   # the client closed us (or died): its executors stop on their own (--parent-pid)
-            return
+            # At once: this process holds nothing to tidy, and the interpreter's teardown with torch and jax loaded
+            # took about a second, which the client's exit waited for (`ForkServer.close`).
+            sys.stdout.flush()
+            os._exit(0)
         pending += chunk
         while b"\n" in pending:
             line, pending = pending.split(b"\n", 1)

@@ -6,7 +6,8 @@ every Python of the machine. The build goes beside the sources, under a folder n
 edited source is never served by an old build). There is no Python twin of what it does: where it cannot be built,
 ``pathways-build-extensions`` fails and the executor refuses to start (the README's install builds it).
 
-`sanitized_build` makes the same library and the native units' program with ``-fsanitize=address,undefined``
+`sanitized_build` makes the native units' program, the library's sources and the units', with
+``-fsanitize=address,undefined``
 (tests/unit/test_native.py).
 """
 
@@ -89,13 +90,11 @@ def library() -> ctypes.CDLL:
         return _library
 
 
-def sanitized_build(folder: str, test_sources: list[str]) -> tuple[str, str]:
-    """The library and a program of ``test_sources`` linked with the library's sources, both built in ``folder``
-    with AddressSanitizer and UndefinedBehaviorSanitizer (aborting on the first report): (library, program)."""
+def sanitized_build(folder: str, test_sources: list[str]) -> str:
+    """A program of ``test_sources`` linked with the library's sources, built in ``folder`` with AddressSanitizer
+    and UndefinedBehaviorSanitizer (aborting on the first report); its path."""
     flags = ("-std=c++17", "-O1", "-g", "-fno-omit-frame-pointer", "-fsanitize=address,undefined",
              "-fno-sanitize-recover=all", "-Wall", "-Wextra", "-Werror")
-    library_file = os.path.join(folder, "sanitized_" + _NAME)
-    _compile(library_file, (*flags, "-fPIC", "-shared"), _sources())
     program = os.path.join(folder, "native_units")
     _compile(program, flags, [*_sources(), *test_sources])
-    return library_file, program
+    return program

@@ -24,7 +24,7 @@ TESTS = os.path.join(os.path.dirname(os.path.dirname(__file__)), "native")
 
 
 def test_the_native_units_pass_under_address_and_undefined_behaviour_sanitizers(tmp_path):
-    _, program = native_lib.sanitized_build(str(tmp_path), sorted(glob.glob(os.path.join(TESTS, "*.cpp"))))
+    program = native_lib.sanitized_build(str(tmp_path), sorted(glob.glob(os.path.join(TESTS, "*.cpp"))))
     done = subprocess.run([program], capture_output=True, text=True, timeout=240,
                           env={**os.environ, "ASAN_OPTIONS": "detect_leaks=1:abort_on_error=1",
                                "UBSAN_OPTIONS": "print_stacktrace=1:halt_on_error=1"})
@@ -37,7 +37,7 @@ def test_a_sanitizer_report_fails_the_program(tmp_path):
     bad = tmp_path / "overflow_test.cpp"
     bad.write_text("#include <cstdlib>\nint main() { int* p = (int*)std::malloc(4 * sizeof(int)); volatile int i = 4; "
                    "p[i] = 1; std::free(p); return 0; }\n")
-    _, program = native_lib.sanitized_build(str(tmp_path), [str(bad)])
+    program = native_lib.sanitized_build(str(tmp_path), [str(bad)])
     done = subprocess.run([program], capture_output=True, text=True, timeout=60)
     # UBSan's object-size check or ASan's heap check, whichever sees it first
     assert done.returncode != 0 and ("heap-buffer-overflow" in done.stderr or "insufficient space" in done.stderr), \
