@@ -30,7 +30,8 @@ from .axis_binding import AbandonedReason, AxisBinding, CollectiveAbandoned
 from .process_groups import gloo_group_on, make_gloo_group, make_nccl_group, nccl_group_on
 from .shm_group import ShmGroup, form_host_group
 
-__all__ = ["CollectiveRuntime", "CollectiveAbandoned", "make_gloo_group", "make_nccl_group", "gloo_group_on", "nccl_group_on", "dry_runs"]
+__all__ = ["CollectiveRuntime", "CollectiveAbandoned", "make_gloo_group", "make_nccl_group", "gloo_group_on",
+           "nccl_group_on", "dry_runs"]
 
 log = logging.getLogger(__name__)
 
@@ -221,12 +222,12 @@ class CollectiveRuntime:
         member issues its collectives in the same graph order, so gloo pairs them as it pairs blocking ones."""
         if name != "all_gather":
             raise ValueError(f"only all_gather is issued ahead, not {name}")
-        handle = self._handle(name, axis)
-        if handle is None or handle.on_host:   # a host group's gather runs now, on this thread (memory copies)
-            from pathways_torch.wire.collective_ops import Ready
+        from pathways_torch.wire.collective_ops import Ready
 
-            if handle is None:
-                return Ready(_dry_run(name, x, size=size, dim=dim))
+        handle = self._handle(name, axis)
+        if handle is None:
+            return Ready(_dry_run(name, x, size=size, dim=dim))
+        if handle.on_host:   # a host group's gather runs now, on this thread (memory copies)
             return Ready(self._traced(f"all_gather {axis} {x.nbytes} B (ahead)", _host_op, handle.group, name,
                                       x.contiguous(), dim=dim))
         import torch

@@ -21,7 +21,6 @@ from __future__ import annotations
 import array
 import ctypes
 import errno
-import fcntl
 import hashlib
 import mmap
 import os
@@ -31,6 +30,7 @@ import time
 
 from . import native_lib
 from .ring_offers import fds_of, peer_uid
+from .shm_ring import sealed_memfd, sealed_size
 
 __all__ = ["ShmGroup", "HostGroupError", "form_host_group", "host_key", "ENABLE_ENV", "DTYPES"]
 
@@ -40,7 +40,6 @@ _HOST_KEY = "pathways-host/{}"
 _ANSWER_KEY = "pathways-shm"
 _GLOO = b"gloo"
 _NAME_PREFIX = b"\0pathways-group-"
-_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
 _KINDS = {"all_reduce": 1, "all_gather": 2, "reduce_scatter": 3, "broadcast": 4, "all_to_all": 5}
 _REDUCES = {"sum": 0, "max": 1, "min": 2, "product": 3}
 _WHY_BYTES = 512
@@ -268,11 +267,9 @@ def form_host_group(store, rank: int, size: int, timeout_s: float, prefix: str, 
 
 def _make_and_send(store, size: int, timeout_s: float, tag: int, members) -> ShmGroup:
     lib = _library()
-    memfd = os.memfd_create("pathways-group", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    memfd = sealed_memfd("pathways-group", lib.pw_coll_bytes(size, SLOT_BYTES))
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
     try:
-        os.ftruncate(memfd, lib.pw_coll_bytes(size, SLOT_BYTES))
-        fcntl.fcntl(memfd, fcntl.F_ADD_SEALS, _SEALS)
         group = ShmGroup(memfd, 0, size, tag, timeout_s=timeout_s, members=members, create=True)
         name = _NAME_PREFIX + secrets.token_hex(16).encode()
         listener.bind(name)
@@ -314,11 +311,13 @@ def _receive(name: bytes, rank: int, size: int, timeout_s: float, tag: int, memb
             os.close(fd)
         raise HostGroupError(f"member 0 sent {len(fds)} descriptors for the host group's mapping, expected 1")
     try:
-        seals, size_bytes = fcntl.fcntl(fds[0], fcntl.F_GET_SEALS), os.fstat(fds[0]).st_size
+        try:
+            size_bytes = sealed_size(fds[0])   # a mapping that could shrink under us: a SIGBUS
+        except ValueError as exc:
+            raise HostGroupError(f"the host group's mapping is refused: {exc}") from None
         needed = _library().pw_coll_bytes(size, SLOT_BYTES)
-        if seals & _SEALS != _SEALS or size_bytes < needed:   # a mapping that could shrink under us: a SIGBUS
-            raise HostGroupError(f"the host group's mapping is {size_bytes} bytes with seals {seals:#x}: expected "
-                                 f"{needed} bytes sealed at its size")
+        if size_bytes < needed:
+            raise HostGroupError(f"the host group's mapping is {size_bytes} bytes: expected {needed}")
         return ShmGroup(fds[0], rank, size, tag, timeout_s=timeout_s, members=members)
     finally:
         os.close(fds[0])

@@ -40,7 +40,8 @@ import numpy
 
 from . import native_lib
 
-__all__ = ["Ring", "RingWriter", "RingReader", "RING_BYTES", "MAX_MESSAGE_BYTES", "RingRefused"]
+__all__ = ["Ring", "RingWriter", "RingReader", "RING_BYTES", "MAX_MESSAGE_BYTES", "RingRefused", "sealed_memfd",
+           "sealed_size"]
 
 log = logging.getLogger(__name__)
 
@@ -92,8 +93,28 @@ def _ring_lib() -> ctypes.CDLL:
     return _lib
 
 
-# A ring's memfd is sealed at its size before it is passed: neither side can shrink it under the other (a SIGBUS).
+# Shared memory (a ring's, a host group's) is a memfd sealed at its size before it is passed: neither side can shrink
+# it under the other (a SIGBUS).
 _SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
+
+
+def sealed_memfd(name: str, size: int) -> int:
+    """A memfd of ``size`` bytes, sealed at that size (close-on-exec); nothing named in ``/dev/shm``."""
+    fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    try:
+        os.ftruncate(fd, size)
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, _SEALS)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def sealed_size(fd: int) -> int:
+    """The size of a memfd a peer sent; ValueError unless it is sealed at that size."""
+    if fcntl.fcntl(fd, fcntl.F_GET_SEALS) & _SEALS != _SEALS:
+        raise ValueError("its memory is not sealed at its size")
+    return os.fstat(fd).st_size
 
 
 class Ring:
@@ -118,10 +139,8 @@ class Ring:
         size = lib.pw_ring_bytes(capacity)
         if not size:
             raise ValueError(f"ring capacity: expected a power of two from 4 KiB to 16 GiB, got {capacity}")
-        fds = [os.memfd_create("pathways-ring", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)]
+        fds = [sealed_memfd("pathways-ring", size)]
         try:
-            os.ftruncate(fds[0], size)
-            fcntl.fcntl(fds[0], fcntl.F_ADD_SEALS, _SEALS)
             fds += [os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC) for _ in range(2)]
             ring = cls(*fds, size)
         except BaseException:
@@ -140,9 +159,7 @@ class Ring:
         memfd sealed at its size, a fresh ring of this version made for these incarnations."""
         memfd, data_fd, space_fd = fds
         try:
-            if fcntl.fcntl(memfd, fcntl.F_GET_SEALS) & _SEALS != _SEALS:
-                raise ValueError("its memory is not sealed at its size")
-            ring = cls(memfd, data_fd, space_fd, os.fstat(memfd).st_size)
+            ring = cls(memfd, data_fd, space_fd, sealed_size(memfd))
         except (OSError, ValueError) as exc:
             for fd in fds:
                 os.close(fd)

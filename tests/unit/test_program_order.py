@@ -53,12 +53,9 @@ def _transfer(core, shard_ref, tensor) -> None:
     core.on_data(b"peer", pb.Envelope(transfer=msg), [bytes(memoryview(frame))], role="e1")
 
 
-# ---------------------------------------------------------------- one executor, one run
-
-@pytest.mark.timeout(30)
-def test_a_later_local_segment_of_a_run_does_not_pass_one_waiting_for_a_copy():
-    # e0 lists A, B, C; B reads a copy pushed from e1 (made by P there), C reads only a value stored here.
-    # Before: C started as soon as it was queued, ahead of B ([A, C, B]).
+def _abc_on_e0():
+    """An executor e0 holding program 7, "abc": e0 lists A, B, C; B reads a copy pushed from e1 (made by P there), C
+    reads only a value stored here (array 50). (core, outbox)."""
     e0, e1 = MeshAllocation(1, (("data", 1),), ("e0",)), MeshAllocation(2, (("data", 1),), ("e1",))
     spec = ProgramSpec(name="abc", input_values=(0, 1), input_meshes=(e0, e1), output_values=(4, 5), nodes=(
         CallSpec(name="A", function_id=1, mesh=e0, inputs=(0,), outputs=(2,)),
@@ -72,6 +69,15 @@ def test_a_later_local_segment_of_a_run_does_not_pass_one_waiting_for_a_copy():
     load(core, 3, lambda x: x * 10, V, name="C")
     put(core, ref(50), V)
     core.on_control(pb.Envelope(register_program=plan), [])
+    return core, outbox
+
+
+# ---------------------------------------------------------------- one executor, one run
+
+@pytest.mark.timeout(30)
+def test_a_later_local_segment_of_a_run_does_not_pass_one_waiting_for_a_copy():
+    # Before: C started as soon as it was queued, ahead of B ([A, C, B]).
+    core, outbox = _abc_on_e0()
     run = pb.RunProgram(program_id=7, base_seq=10, base_call_id=100, input_array_ids=[50, 51],
                         output_array_ids=[60, 61], first_intermediate_id=1000)
     core.on_control(pb.Envelope(run_program=run), [])
@@ -111,19 +117,7 @@ def _collective_run(seq, call_id, prev, inputs, outputs):
 
 @pytest.mark.timeout(30)
 def test_a_cancelled_run_drops_its_parked_segments_too_and_reports_each():
-    e0, e1 = MeshAllocation(1, (("data", 1),), ("e0",)), MeshAllocation(2, (("data", 1),), ("e1",))
-    spec = ProgramSpec(name="abc", input_values=(0, 1), input_meshes=(e0, e1), output_values=(4, 5), nodes=(
-        CallSpec(name="A", function_id=1, mesh=e0, inputs=(0,), outputs=(2,)),
-        CallSpec(name="P", function_id=4, mesh=e1, inputs=(1,), outputs=(3,)),
-        CallSpec(name="B", function_id=2, mesh=e0, inputs=(2, 3), outputs=(4,)),
-        CallSpec(name="C", function_id=3, mesh=e0, inputs=(0,), outputs=(5,))))
-    plan = lower(spec, 7, {"e0": "inproc://e0", "e1": "inproc://e1"}).plans["e0"]
-    core, outbox = make_core()
-    load(core, 1, lambda x: x + 1, V, name="A")
-    load(core, 2, lambda a, b: a * b, V, V.clone(), name="B")
-    load(core, 3, lambda x: x * 10, V, name="C")
-    put(core, ref(50), V)
-    core.on_control(pb.Envelope(register_program=plan), [])
+    core, outbox = _abc_on_e0()
     for base in (100, 200):   # two runs: each one's A starts, its B waits for its copy, its C for its B
         core.on_control(pb.Envelope(run_program=pb.RunProgram(
             program_id=7, base_seq=base // 10, base_call_id=base, input_array_ids=[50, 51],
